@@ -1,0 +1,15 @@
+// The communication layer: launcher environment, communicators (MPI; NCCL when built with it),
+// device mesh and TCP rendezvous.
+#pragma once
+
+#include <fsdpx/dist/communicator.hpp>
+#include <fsdpx/dist/env.hpp>
+#include <fsdpx/dist/mesh.hpp>
+#include <fsdpx/dist/mpi.hpp>
+#include <fsdpx/dist/rendezvous.hpp>
+#include <fsdpx/dist/types.hpp>
+#include <fsdpx/dist/work.hpp>
+
+#if defined(FSDPX_WITH_NCCL)
+#include <fsdpx/dist/nccl.hpp>
+#endif

@@ -1,0 +1,67 @@
+// The Communicator concept: the collectives FSDP needs, asynchronous first, with blocking forms.
+//
+// A communicator is a cheap-to-copy handle (copies share one underlying group). Every collective
+// checks its arguments, and an operation that cannot complete within CommOptions::timeout fails with
+// fsdpx::TimeoutError naming the operation, communicator, rank and timeout.
+#pragma once
+
+#include <concepts>
+#include <optional>
+#include <string_view>
+
+#include <ATen/core/Tensor.h>
+
+#include <fsdpx/dist/types.hpp>
+#include <fsdpx/dist/work.hpp>
+
+namespace fsdpx::dist {
+
+/// Colour to pass to split() by ranks that take no part in the new group.
+inline constexpr int no_color = -1;
+
+template <class C>
+concept Communicator =
+    std::copy_constructible<C> &&
+    requires(C& c, const C& cc, at::Tensor t, const at::Tensor& ct, ReduceOp op, int i) {
+      { C::device_type } -> std::convertible_to<c10::DeviceType>;
+      { C::backend_name } -> std::convertible_to<std::string_view>;
+      { cc.rank() } -> std::same_as<int>;
+      { cc.size() } -> std::same_as<int>;
+      { cc.name() } -> std::convertible_to<std::string_view>;
+      // output (size x n elements) <- every rank's input (n elements), in rank order.
+      { c.all_gather_async(t, ct) } -> std::same_as<Work>;
+      // output (n elements) <- reduction over ranks of input chunk `rank` (input has size x n).
+      { c.reduce_scatter_async(t, ct, op) } -> std::same_as<Work>;
+      { c.all_reduce_async(t, op) } -> std::same_as<Work>;
+      { c.broadcast_async(t, i) } -> std::same_as<Work>;
+      { c.barrier_async() } -> std::same_as<Work>;
+      { c.all_gather(t, ct) } -> std::same_as<void>;
+      { c.reduce_scatter(t, ct, op) } -> std::same_as<void>;
+      { c.all_reduce(t, op) } -> std::same_as<void>;
+      { c.broadcast(t, i) } -> std::same_as<void>;
+      { c.barrier() } -> std::same_as<void>;
+      // Collective over this communicator; ranks passing no_color get std::nullopt.
+      { cc.split(i, i, std::string_view{}) } -> std::same_as<std::optional<C>>;
+    };
+
+/// Blocking collectives written once in terms of the asynchronous ones (CRTP).
+template <class Derived>
+class BlockingCollectives {
+ public:
+  void all_gather(at::Tensor output, const at::Tensor& input) {
+    self().all_gather_async(std::move(output), input).wait();
+  }
+  void reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op = ReduceOp::sum) {
+    self().reduce_scatter_async(std::move(output), input, op).wait();
+  }
+  void all_reduce(at::Tensor tensor, ReduceOp op = ReduceOp::sum) {
+    self().all_reduce_async(std::move(tensor), op).wait();
+  }
+  void broadcast(at::Tensor tensor, int root) { self().broadcast_async(std::move(tensor), root).wait(); }
+  void barrier() { self().barrier_async().wait(); }
+
+ private:
+  Derived& self() { return static_cast<Derived&>(*this); }
+};
+
+}  // namespace fsdpx::dist

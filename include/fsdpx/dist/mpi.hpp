@@ -1,0 +1,287 @@
+// MPI backend: collectives over CPU tensors between processes started by mpirun, mpiexec or srun.
+//
+//   auto world = fsdpx::dist::MpiCommunicator::world();      // initialises MPI on first use
+//   world.all_gather(full, shard);                           // blocking
+//   auto work = world.reduce_scatter_async(grad_shard, grad, ReduceOp::avg);
+//   ...                                                      // compute overlaps the reduction
+//   work.wait();
+#pragma once
+
+#include <mpi.h>
+
+#include <climits>
+#include <cstdio>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <ATen/core/Tensor.h>
+
+#include <fsdpx/dist/communicator.hpp>
+#include <fsdpx/dist/detail/checks.hpp>
+#include <fsdpx/dist/detail/health.hpp>
+#include <fsdpx/dist/detail/mpi_engine.hpp>
+#include <fsdpx/dist/detail/mpi_types.hpp>
+#include <fsdpx/dist/env.hpp>
+
+namespace fsdpx::dist {
+
+/// Owns MPI's lifetime in this process: MPI_Init_thread, the progress engine, datatypes and ops.
+/// Shared by every MpiCommunicator; MPI is finalized when the last one goes away.
+class MpiRuntime {
+ public:
+  static std::shared_ptr<MpiRuntime> acquire() {
+    static std::mutex mutex;
+    static std::weak_ptr<MpiRuntime> current;
+    std::lock_guard lock(mutex);
+    if (auto rt = current.lock()) return rt;
+    auto rt = std::shared_ptr<MpiRuntime>(new MpiRuntime());
+    current = rt;
+    return rt;
+  }
+
+  MpiRuntime(const MpiRuntime&) = delete;
+  MpiRuntime& operator=(const MpiRuntime&) = delete;
+
+  ~MpiRuntime() {
+    engine_->stop();
+    if (engine_->any_failure()) {
+      // Peers may still sit in collectives that will never match; MPI_Finalize would hang with them.
+      std::fprintf(stderr, "fsdpx: aborting the MPI job after a failed collective: %s\n",
+                   engine_->first_failure().c_str());
+      std::fflush(stderr);
+      MPI_Abort(MPI_COMM_WORLD, 3);
+    }
+    types_.destroy();
+    if (owns_mpi_) MPI_Finalize();
+  }
+
+  detail::MpiEngine& engine() { return *engine_; }
+  const detail::MpiTypes& types() const { return types_; }
+
+ private:
+  MpiRuntime() {
+    int initialized = 0;
+    int finalized = 0;
+    MPI_Initialized(&initialized);
+    MPI_Finalized(&finalized);
+    FSDPX_CHECK(finalized == 0, "MPI was already finalized in this process; keep one MpiCommunicator alive for "
+                "as long as the program communicates");
+    int provided = MPI_THREAD_SINGLE;
+    if (initialized == 0) {
+      const int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_SERIALIZED, &provided);
+      FSDPX_CHECK_AS(CommError, rc == MPI_SUCCESS, "MPI_Init_thread failed: ", detail::mpi_error_string(rc));
+      owns_mpi_ = true;
+    } else {
+      MPI_Query_thread(&provided);
+    }
+    FSDPX_CHECK(provided >= MPI_THREAD_SERIALIZED, "the MPI library provides thread level ", provided,
+                " but fsdpx needs MPI_THREAD_SERIALIZED (its progress thread makes the MPI calls); "
+                "if you call MPI_Init yourself, use MPI_Init_thread with MPI_THREAD_SERIALIZED or higher");
+    types_.create();
+    engine_ = std::make_unique<detail::MpiEngine>();
+  }
+
+  bool owns_mpi_ = false;
+  detail::MpiTypes types_;
+  std::unique_ptr<detail::MpiEngine> engine_;
+};
+
+class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
+ public:
+  static constexpr c10::DeviceType device_type = c10::DeviceType::CPU;
+  static constexpr std::string_view backend_name = "mpi";
+
+  /// All processes of the job (a private duplicate of MPI_COMM_WORLD). Initialises MPI when needed and
+  /// checks the launcher's variables against MPI's view of the job.
+  static MpiCommunicator world(CommOptions options = {}) {
+    auto runtime = MpiRuntime::acquire();
+    const LaunchEnv env = detect_launch_env();
+    const auto [world_rank, world_size] = runtime->engine().run([] {
+      int r = 0, n = 1;
+      MPI_Comm_rank(MPI_COMM_WORLD, &r);
+      MPI_Comm_size(MPI_COMM_WORLD, &n);
+      return std::pair{r, n};
+    });
+    // A bounded barrier first: MPI_Comm_dup blocks without a deadline if a rank never arrives.
+    runtime->engine()
+        .submit({detail::op_context("join", options.name, world_rank, world_size),
+                 [](MPI_Request* r) { return MPI_Ibarrier(MPI_COMM_WORLD, r); }, {}, options.timeout,
+                 std::make_shared<detail::CommHealth>()})
+        .wait();
+    auto comm = runtime->engine().run([] {
+      MPI_Comm dup = MPI_COMM_NULL;
+      const int rc = MPI_Comm_dup(MPI_COMM_WORLD, &dup);
+      FSDPX_CHECK_AS(CommError, rc == MPI_SUCCESS, "MPI_Comm_dup(MPI_COMM_WORLD) failed: ",
+                     detail::mpi_error_string(rc));
+      MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
+      return dup;
+    });
+    MpiCommunicator world(std::make_shared<State>(std::move(runtime), comm, std::move(options)));
+    FSDPX_CHECK(env.launcher == Launcher::single_process ||
+                    (env.rank == world.rank() && env.world_size == world.size()),
+                "the ", to_string(env.launcher), " environment says rank ", env.rank, " of ", env.world_size,
+                " but MPI says rank ", world.rank(), " of ", world.size(),
+                ": start every rank with mpirun, mpiexec or srun (the MPI backend cannot join a torchrun job; "
+                "use NCCL there)");
+    return world;
+  }
+
+  int rank() const { return state_->rank; }
+  int size() const { return state_->size; }
+  const std::string& name() const { return state_->options.name; }
+  const CommOptions& options() const { return state_->options; }
+  MPI_Comm native_handle() const { return state_->comm; }
+  /// True after a collective on this communicator failed or timed out.
+  bool is_broken() const { return state_->health->broken(); }
+
+  Work all_gather_async(at::Tensor output, const at::Tensor& input) {
+    const auto ctx = context("all_gather");
+    detail::check_tensor(ctx, "output", output, device_type);
+    detail::check_tensor(ctx, "input", input, device_type);
+    detail::check_same_dtype(ctx, output, input);
+    detail::check_scatter_sizes(ctx, output, "output", input, "input", size());
+    const MPI_Datatype type = detail::MpiTypes::datatype(ctx, input.scalar_type());
+    const int count = checked_count(ctx, input.numel());
+    // In place when the input already is this rank's slot of the output (FSDP's copy-in layout).
+    const auto slot = static_cast<const char*>(output.const_data_ptr()) + input.nbytes() * rank();
+    const bool in_place = input.const_data_ptr() == slot;
+    FSDPX_CHECK(in_place || !overlaps(output, input), ctx,
+                ": the input overlaps the output but is not this rank's slot of it");
+    return submit(ctx, [=, comm = native_handle()](MPI_Request* r) {
+      return MPI_Iallgather(in_place ? MPI_IN_PLACE : input.const_data_ptr(), count, type, output.data_ptr(),
+                            count, type, comm, r);
+    });
+  }
+
+  Work reduce_scatter_async(at::Tensor output, const at::Tensor& input, ReduceOp op = ReduceOp::sum) {
+    const auto ctx = context("reduce_scatter");
+    detail::check_tensor(ctx, "output", output, device_type);
+    detail::check_tensor(ctx, "input", input, device_type);
+    detail::check_same_dtype(ctx, output, input);
+    detail::check_scatter_sizes(ctx, input, "input", output, "output", size());
+    detail::check_reduce_dtype(ctx, op == ReduceOp::avg, input);
+    FSDPX_CHECK(!overlaps(output, input), ctx, ": the output overlaps the input");
+    const MPI_Datatype type = detail::MpiTypes::datatype(ctx, input.scalar_type());
+    const MPI_Op mpi_op = state_->runtime->types().reduction(ctx, op, input.scalar_type());
+    const int count = checked_count(ctx, output.numel());
+    return submit(
+        ctx,
+        [=, comm = native_handle()](MPI_Request* r) {
+          return MPI_Ireduce_scatter_block(input.const_data_ptr(), output.data_ptr(), count, type, mpi_op, comm, r);
+        },
+        average_after(op, output));
+  }
+
+  Work all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::sum) {
+    const auto ctx = context("all_reduce");
+    detail::check_tensor(ctx, "tensor", tensor, device_type);
+    detail::check_reduce_dtype(ctx, op == ReduceOp::avg, tensor);
+    const MPI_Datatype type = detail::MpiTypes::datatype(ctx, tensor.scalar_type());
+    const MPI_Op mpi_op = state_->runtime->types().reduction(ctx, op, tensor.scalar_type());
+    const int count = checked_count(ctx, tensor.numel());
+    return submit(
+        ctx,
+        [=, comm = native_handle()](MPI_Request* r) {
+          return MPI_Iallreduce(MPI_IN_PLACE, tensor.data_ptr(), count, type, mpi_op, comm, r);
+        },
+        average_after(op, tensor));
+  }
+
+  Work broadcast_async(at::Tensor tensor, int root) {
+    const auto ctx = context("broadcast");
+    detail::check_tensor(ctx, "tensor", tensor, device_type);
+    detail::check_root(ctx, root, size());
+    const MPI_Datatype type = detail::MpiTypes::datatype(ctx, tensor.scalar_type());
+    const int count = checked_count(ctx, tensor.numel());
+    return submit(ctx, [=, comm = native_handle()](MPI_Request* r) {
+      return MPI_Ibcast(tensor.data_ptr(), count, type, root, comm, r);
+    });
+  }
+
+  Work barrier_async() {
+    return submit(context("barrier"), [comm = native_handle()](MPI_Request* r) { return MPI_Ibarrier(comm, r); });
+  }
+
+  /// Splits like MPI_Comm_split: ranks with equal `color` form a group ordered by `key`. Ranks passing
+  /// no_color get std::nullopt. First a bounded barrier, so a missing peer times out instead of hanging.
+  std::optional<MpiCommunicator> split(int color, int key, std::string_view name = {}) const {
+    const auto ctx = context("split");
+    FSDPX_CHECK(color >= 0 || color == no_color, ctx, ": color ", color, " must be >= 0 or fsdpx::dist::no_color");
+    MpiCommunicator(*this).barrier();
+    MPI_Comm parent = native_handle();
+    MPI_Comm child = state_->runtime->engine().run([&] {
+      MPI_Comm c = MPI_COMM_NULL;
+      const int rc = MPI_Comm_split(parent, color == no_color ? MPI_UNDEFINED : color, key, &c);
+      FSDPX_CHECK_AS(CommError, rc == MPI_SUCCESS, ctx, " failed: ", detail::mpi_error_string(rc));
+      if (c != MPI_COMM_NULL) MPI_Comm_set_errhandler(c, MPI_ERRORS_RETURN);
+      return c;
+    });
+    if (child == MPI_COMM_NULL) return std::nullopt;
+    CommOptions options = state_->options;
+    options.name = name.empty() ? detail::str(this->name(), "/", color) : std::string(name);
+    return MpiCommunicator(std::make_shared<State>(state_->runtime, child, std::move(options)));
+  }
+
+ private:
+  struct State {
+    State(std::shared_ptr<MpiRuntime> rt, MPI_Comm c, CommOptions opts)
+        : runtime(std::move(rt)), comm(c), options(std::move(opts)) {
+      runtime->engine().run([&] {
+        MPI_Comm_rank(comm, &rank);
+        MPI_Comm_size(comm, &size);
+      });
+    }
+    State(const State&) = delete;
+    State& operator=(const State&) = delete;
+    ~State() {
+      // A broken communicator may still have requests inside MPI; freeing it could block.
+      if (comm == MPI_COMM_NULL || health->broken()) return;
+      try {
+        runtime->engine().run([c = comm]() mutable { MPI_Comm_free(&c); });
+      } catch (...) {
+      }
+    }
+    std::shared_ptr<MpiRuntime> runtime;
+    MPI_Comm comm;
+    CommOptions options;
+    int rank = 0;
+    int size = 1;
+    std::shared_ptr<detail::CommHealth> health = std::make_shared<detail::CommHealth>();
+  };
+
+  explicit MpiCommunicator(std::shared_ptr<State> state) : state_(std::move(state)) {}
+
+  std::string context(std::string_view op) const { return detail::op_context(op, name(), rank(), size()); }
+
+  static int checked_count(const std::string& ctx, int64_t numel) {
+    FSDPX_CHECK(numel <= INT_MAX, ctx, ": ", numel, " elements exceed MPI's int count limit (", INT_MAX,
+                "); split the tensor");
+    return static_cast<int>(numel);
+  }
+
+  static bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+    const auto* a0 = static_cast<const char*>(a.const_data_ptr());
+    const auto* b0 = static_cast<const char*>(b.const_data_ptr());
+    return a.nbytes() > 0 && b.nbytes() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+  }
+
+  std::function<void()> average_after(ReduceOp op, const at::Tensor& result) const {
+    if (op != ReduceOp::avg) return {};
+    return [result, n = size()]() mutable { result.div_(n); };
+  }
+
+  Work submit(std::string ctx, std::function<int(MPI_Request*)> start, std::function<void()> finish = {}) {
+    return state_->runtime->engine().submit(
+        {std::move(ctx), std::move(start), std::move(finish), state_->options.timeout, state_->health});
+  }
+
+  std::shared_ptr<State> state_;
+};
+
+static_assert(Communicator<MpiCommunicator>);
+
+}  // namespace fsdpx::dist

@@ -1,0 +1,503 @@
+// NCCL backend: collectives over CUDA tensors, one rank per GPU.
+//
+// Each communicator runs its collectives on its own high-priority CUDA stream. A collective first
+// waits (an event, not a host sync) for the caller's current stream, so inputs written there are
+// complete; Work::wait() makes the caller's current stream wait for the collective's end. Tensors are
+// held until then (no recordStream), so memory is reused deterministically, as in PyTorch's FSDP2.
+// A watchdog thread aborts the communicator when a collective outlives CommOptions::timeout or NCCL
+// reports an asynchronous error; every later call then throws with that cause.
+#pragma once
+
+#if !defined(FSDPX_WITH_NCCL)
+#error "fsdpx/dist/nccl.hpp needs FSDPX_WITH_NCCL: configure fsdpx with a CUDA LibTorch and NCCL (docs/building.md)"
+#endif
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <array>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <fsdpx/dist/communicator.hpp>
+#include <fsdpx/dist/detail/checks.hpp>
+#include <fsdpx/dist/detail/health.hpp>
+#include <fsdpx/dist/env.hpp>
+#include <fsdpx/dist/mpi.hpp>
+#include <fsdpx/dist/rendezvous.hpp>
+
+#if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
+#error "fsdpx needs NCCL 2.18 or newer (ncclCommSplit, nonblocking communicators)"
+#endif
+
+namespace fsdpx::dist {
+namespace detail {
+
+inline void check_cuda(cudaError_t e, const std::string& ctx) {
+  FSDPX_CHECK_AS(CommError, e == cudaSuccess, ctx, " failed: CUDA error ", cudaGetErrorName(e), ": ",
+                 cudaGetErrorString(e));
+}
+
+inline ncclDataType_t nccl_dtype(const std::string& ctx, at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kChar: return ncclInt8;
+    case at::kByte:
+    case at::kBool: return ncclUint8;
+    case at::kInt: return ncclInt32;
+    case at::kLong: return ncclInt64;
+    default: break;
+  }
+  FSDPX_CHECK(false, ctx, ": dtype ", dtype, " is not supported by the NCCL backend");
+  return ncclFloat32;
+}
+
+constexpr ncclRedOp_t nccl_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::sum: return ncclSum;
+    case ReduceOp::avg: return ncclAvg;
+    case ReduceOp::max: return ncclMax;
+    case ReduceOp::min: return ncclMin;
+  }
+  return ncclSum;
+}
+
+class CudaEvent {
+ public:
+  CudaEvent() { check_cuda(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming), "cudaEventCreate"); }
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  ~CudaEvent() { cudaEventDestroy(event_); }
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+/// One NCCL communicator, its stream and its watchdog.
+class NcclCommState {
+ public:
+  NcclCommState(ncclComm_t comm, c10::DeviceIndex device, CommOptions options)
+      : comm_(comm), device_(device), options_(std::move(options)) {
+    ncclCommCount(comm_, &size_);
+    ncclCommUserRank(comm_, &rank_);
+    c10::cuda::CUDAGuard guard(device_);
+    int least = 0;
+    int greatest = 0;
+    cudaDeviceGetStreamPriorityRange(&least, &greatest);
+    check_cuda(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, greatest), context("stream create"));
+    watchdog_ = std::thread([this] { watch_loop(); });
+  }
+  NcclCommState(const NcclCommState&) = delete;
+  NcclCommState& operator=(const NcclCommState&) = delete;
+  ~NcclCommState() {
+    {
+      std::lock_guard lock(mutex_);
+      stopping_ = true;
+    }
+    cv_.notify_all();
+    watchdog_.join();
+    c10::cuda::CUDAGuard guard(device_);
+    if (health_->broken()) {
+      abort_once();
+    } else {
+      ncclCommDestroy(comm_);
+    }
+    cudaStreamDestroy(stream_);
+  }
+
+  ncclComm_t comm() const { return comm_; }
+  cudaStream_t stream() const { return stream_; }
+  c10::DeviceIndex device() const { return device_; }
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const CommOptions& options() const { return options_; }
+  const std::shared_ptr<CommHealth>& health() const { return health_; }
+  std::string context(std::string_view op) const { return op_context(op, options_.name, rank_, size_); }
+
+  /// Nonblocking communicators may answer ncclInProgress; wait (bounded) until the call settled.
+  void settle(ncclResult_t result, const std::string& ctx) {
+    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    while (result == ncclInProgress) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        fail(detail::str("fsdpx: ", ctx, " did not complete within ", options_.timeout.count(), " ms"));
+        throw TimeoutError(health_->cause());
+      }
+      std::this_thread::yield();
+      ncclCommGetAsyncError(comm_, &result);
+    }
+    if (result != ncclSuccess) {
+      fail(detail::str("fsdpx: ", ctx, " failed: ", ncclGetErrorString(result), " (", ncclGetLastError(comm_), ")"));
+      throw CommError(health_->cause());
+    }
+  }
+
+  /// Hands a launched collective to the watchdog.
+  void watch(std::shared_ptr<CudaEvent> done, std::string ctx) {
+    {
+      std::lock_guard lock(mutex_);
+      pending_.push_back({std::move(done), std::chrono::steady_clock::now() + options_.timeout, std::move(ctx)});
+    }
+    cv_.notify_one();
+  }
+
+  /// Marks the communicator broken and aborts NCCL so kernels blocked on dead peers return.
+  void fail(const std::string& cause) {
+    health_->mark_broken(cause);
+    std::fprintf(stderr, "%s\n", cause.c_str());
+    abort_once();
+  }
+
+ private:
+  struct Pending {
+    std::shared_ptr<CudaEvent> done;
+    std::chrono::steady_clock::time_point deadline;
+    std::string context;
+  };
+
+  void abort_once() {
+    std::call_once(aborted_, [&] { ncclCommAbort(comm_); });
+  }
+
+  void watch_loop() {
+    c10::cuda::CUDAGuard guard(device_);
+    const auto period = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(100), options_.timeout / 4 + std::chrono::milliseconds(1));
+    std::unique_lock lock(mutex_);
+    while (!stopping_) {
+      cv_.wait_for(lock, period);
+      while (!pending_.empty() && cudaEventQuery(pending_.front().done->get()) == cudaSuccess) pending_.pop_front();
+      if (health_->broken()) continue;
+      ncclResult_t async = ncclSuccess;
+      ncclCommGetAsyncError(comm_, &async);
+      if (async != ncclSuccess && async != ncclInProgress) {
+        const std::string ctx = pending_.empty() ? context("communicator") : pending_.front().context;
+        lock.unlock();
+        fail(detail::str("fsdpx: ", ctx, " failed asynchronously: ", ncclGetErrorString(async), " (",
+                         ncclGetLastError(comm_), ")"));
+        lock.lock();
+      } else if (!pending_.empty() && std::chrono::steady_clock::now() > pending_.front().deadline) {
+        const std::string cause = detail::str(
+            "fsdpx: ", pending_.front().context, " did not complete within ", options_.timeout.count(),
+            " ms: a peer rank exited, crashed, or did not call the same collective; the communicator was aborted");
+        lock.unlock();
+        fail(cause);
+        lock.lock();
+      }
+    }
+  }
+
+  ncclComm_t comm_;
+  c10::DeviceIndex device_;
+  CommOptions options_;
+  int rank_ = 0;
+  int size_ = 1;
+  cudaStream_t stream_ = nullptr;
+  std::shared_ptr<CommHealth> health_ = std::make_shared<CommHealth>();
+  std::once_flag aborted_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  std::deque<Pending> pending_;
+  bool stopping_ = false;
+  std::thread watchdog_;
+};
+
+class NcclWorkState final : public WorkState {
+ public:
+  NcclWorkState(std::shared_ptr<NcclCommState> comm, std::shared_ptr<CudaEvent> done,
+                std::vector<at::Tensor> tensors, std::string ctx)
+      : comm_(std::move(comm)), done_(std::move(done)), tensors_(std::move(tensors)), context_(std::move(ctx)) {}
+  ~NcclWorkState() override {
+    // Never waited: the tensors may only go back to the allocator once NCCL is done with them.
+    if (!tensors_.empty()) cudaEventSynchronize(done_->get());
+  }
+
+  void wait() override {
+    comm_->health()->check(context_);
+    c10::cuda::CUDAGuard guard(comm_->device());
+    const auto caller = c10::cuda::getCurrentCUDAStream(comm_->device());
+    check_cuda(cudaStreamWaitEvent(caller.stream(), done_->get(), 0), context_ + " wait");
+    // The caller's stream now runs after the collective: its allocator pool may reuse these blocks.
+    std::lock_guard lock(mutex_);
+    tensors_.clear();
+  }
+  bool is_completed() override { return cudaEventQuery(done_->get()) == cudaSuccess; }
+
+ private:
+  std::shared_ptr<NcclCommState> comm_;
+  std::shared_ptr<CudaEvent> done_;
+  std::mutex mutex_;
+  std::vector<at::Tensor> tensors_;
+  std::string context_;
+};
+
+}  // namespace detail
+
+/// Several collectives launched as one NCCL group (one launch, one completion event).
+class NcclBatch {
+ public:
+  using Launch = std::function<ncclResult_t(ncclComm_t, cudaStream_t)>;
+
+ private:
+  friend class NcclCommunicator;
+  std::vector<Launch> launches;
+  std::vector<at::Tensor> tensors;
+  std::string names;
+};
+
+class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
+ public:
+  static constexpr c10::DeviceType device_type = c10::DeviceType::CUDA;
+  static constexpr std::string_view backend_name = "nccl";
+
+  /// Joins the communicator `id` names as `rank` of `size`, on `device`. Fails with TimeoutError when
+  /// not every rank joins within options.timeout.
+  static NcclCommunicator create(int rank, int size, c10::DeviceIndex device, const ncclUniqueId& id,
+                                 CommOptions options = {}) {
+    const auto ctx = detail::op_context("init", options.name, rank, size);
+    c10::cuda::CUDAGuard guard(device);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;  // so a missing peer times out instead of hanging in init
+    ncclComm_t comm = nullptr;
+    ncclResult_t rc = ncclCommInitRankConfig(&comm, size, id, rank, &config);
+    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+    while (rc == ncclInProgress && comm != nullptr) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ncclCommAbort(comm);
+        throw TimeoutError(detail::str("fsdpx: ", ctx, " did not complete within ", options.timeout.count(),
+                                       " ms: not every rank joined"));
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      ncclCommGetAsyncError(comm, &rc);
+    }
+    FSDPX_CHECK_AS(CommError, rc == ncclSuccess, ctx, " failed: ", ncclGetErrorString(rc), " (",
+                   ncclGetLastError(comm), ")");
+    return NcclCommunicator(std::make_shared<detail::NcclCommState>(comm, device, std::move(options)));
+  }
+
+  /// All ranks of a torchrun / mpirun / srun job, one GPU each (LOCAL_RANK picks it). NCCL's unique id
+  /// travels through a TCPStore when MASTER_ADDR/MASTER_PORT are set, otherwise through MPI.
+  static NcclCommunicator world(CommOptions options = {}) {
+    const LaunchEnv env = detect_launch_env();
+    const auto device = static_cast<c10::DeviceIndex>(env.local_rank);
+    ncclUniqueId id{};
+    if (env.world_size == 1) {
+      ncclGetUniqueId(&id);
+    } else if (!env.master_addr.empty() && env.master_port > 0) {
+      Rendezvous rendezvous(env, options.timeout);
+      id = unique_id(rendezvous, options.name);
+    } else {
+      auto mpi = MpiCommunicator::world(options);
+      id = unique_id(mpi);
+    }
+    return create(env.rank, env.world_size, device, id, std::move(options));
+  }
+
+  /// Rank 0 creates the id; the others receive it through the store.
+  static ncclUniqueId unique_id(Rendezvous& rendezvous, const std::string& key) {
+    ncclUniqueId id{};
+    std::vector<std::uint8_t> bytes(sizeof(id));
+    if (rendezvous.rank() == 0) {
+      ncclGetUniqueId(&id);
+      std::memcpy(bytes.data(), &id, sizeof(id));
+    }
+    bytes = rendezvous.broadcast("nccl_unique_id/" + key, std::move(bytes));
+    FSDPX_CHECK_AS(CommError, bytes.size() == sizeof(id), "the NCCL unique id from the store has ", bytes.size(),
+                   " bytes, expected ", sizeof(id));
+    std::memcpy(&id, bytes.data(), sizeof(id));
+    return id;
+  }
+
+  /// Rank 0 of `mpi` creates the id and broadcasts it over MPI.
+  static ncclUniqueId unique_id(MpiCommunicator& mpi) {
+    ncclUniqueId id{};
+    auto bytes = at::empty({static_cast<int64_t>(sizeof(id))}, at::TensorOptions().dtype(at::kByte));
+    if (mpi.rank() == 0) {
+      ncclGetUniqueId(&id);
+      std::memcpy(bytes.data_ptr(), &id, sizeof(id));
+    }
+    mpi.broadcast(bytes, 0);
+    std::memcpy(&id, bytes.const_data_ptr(), sizeof(id));
+    return id;
+  }
+
+  int rank() const { return state_->rank(); }
+  int size() const { return state_->size(); }
+  const std::string& name() const { return state_->options().name; }
+  c10::DeviceIndex device() const { return state_->device(); }
+  /// The stream this communicator's collectives run on.
+  cudaStream_t stream() const { return state_->stream(); }
+  ncclComm_t native_handle() const { return state_->comm(); }
+  bool is_broken() const { return state_->health()->broken(); }
+
+  // ---- batches: record collectives, then launch them as one NCCL group -------------------------
+  void add_all_gather(NcclBatch& batch, at::Tensor output, const at::Tensor& input) const {
+    const auto ctx = context("all_gather");
+    check_pair(ctx, output, input);
+    detail::check_scatter_sizes(ctx, output, "output", input, "input", size());
+    const auto type = detail::nccl_dtype(ctx, input.scalar_type());
+    const auto count = static_cast<size_t>(input.numel());
+    batch.launches.push_back([=](ncclComm_t c, cudaStream_t s) {
+      return ncclAllGather(input.const_data_ptr(), output.data_ptr(), count, type, c, s);
+    });
+    note(batch, "all_gather", {output, input});
+  }
+
+  void add_reduce_scatter(NcclBatch& batch, at::Tensor output, const at::Tensor& input, ReduceOp op) const {
+    const auto ctx = context("reduce_scatter");
+    check_pair(ctx, output, input);
+    detail::check_scatter_sizes(ctx, input, "input", output, "output", size());
+    detail::check_reduce_dtype(ctx, op == ReduceOp::avg, input);
+    const auto type = detail::nccl_dtype(ctx, input.scalar_type());
+    const auto count = static_cast<size_t>(output.numel());
+    batch.launches.push_back([=](ncclComm_t c, cudaStream_t s) {
+      return ncclReduceScatter(input.const_data_ptr(), output.data_ptr(), count, type, detail::nccl_op(op), c, s);
+    });
+    note(batch, "reduce_scatter", {output, input});
+  }
+
+  void add_all_reduce(NcclBatch& batch, at::Tensor tensor, ReduceOp op) const {
+    const auto ctx = context("all_reduce");
+    detail::check_tensor(ctx, "tensor", tensor, device_type);
+    check_device(ctx, tensor);
+    detail::check_reduce_dtype(ctx, op == ReduceOp::avg, tensor);
+    const auto type = detail::nccl_dtype(ctx, tensor.scalar_type());
+    const auto count = static_cast<size_t>(tensor.numel());
+    batch.launches.push_back([=](ncclComm_t c, cudaStream_t s) {
+      return ncclAllReduce(tensor.const_data_ptr(), tensor.data_ptr(), count, type, detail::nccl_op(op), c, s);
+    });
+    note(batch, "all_reduce", {tensor});
+  }
+
+  void add_broadcast(NcclBatch& batch, at::Tensor tensor, int root) const {
+    const auto ctx = context("broadcast");
+    detail::check_tensor(ctx, "tensor", tensor, device_type);
+    check_device(ctx, tensor);
+    detail::check_root(ctx, root, size());
+    const auto type = detail::nccl_dtype(ctx, tensor.scalar_type());
+    const auto count = static_cast<size_t>(tensor.numel());
+    batch.launches.push_back([=](ncclComm_t c, cudaStream_t s) {
+      return ncclBroadcast(tensor.const_data_ptr(), tensor.data_ptr(), count, type, root, c, s);
+    });
+    note(batch, "broadcast", {tensor});
+  }
+
+  /// Launches a batch after the caller's current stream's pending work; one Work for all of it.
+  Work launch(NcclBatch batch) {
+    const auto ctx = context(batch.names.empty() ? "empty batch" : batch.names);
+    state_->health()->check(ctx);
+    c10::cuda::CUDAGuard guard(device());
+    const auto caller = c10::cuda::getCurrentCUDAStream(device());
+    const detail::CudaEvent ready;  // destroying it after the wait is enqueued is allowed
+    detail::check_cuda(cudaEventRecord(ready.get(), caller.stream()), ctx + " (record ready)");
+    detail::check_cuda(cudaStreamWaitEvent(stream(), ready.get(), 0), ctx + " (wait ready)");
+    if (batch.launches.size() == 1) {
+      state_->settle(batch.launches.front()(native_handle(), stream()), ctx);
+    } else if (!batch.launches.empty()) {
+      state_->settle(ncclGroupStart(), ctx + " (group start)");
+      for (auto& l : batch.launches) state_->settle(l(native_handle(), stream()), ctx);
+      state_->settle(ncclGroupEnd(), ctx + " (group end)");
+    }
+    auto done = std::make_shared<detail::CudaEvent>();
+    detail::check_cuda(cudaEventRecord(done->get(), stream()), ctx + " (record done)");
+    state_->watch(done, ctx);
+    return Work(std::make_shared<detail::NcclWorkState>(state_, std::move(done), std::move(batch.tensors), ctx));
+  }
+
+  // ---- the Communicator concept ----------------------------------------------------------------
+  Work all_gather_async(at::Tensor output, const at::Tensor& input) {
+    NcclBatch b;
+    add_all_gather(b, std::move(output), input);
+    return launch(std::move(b));
+  }
+  Work reduce_scatter_async(at::Tensor output, const at::Tensor& input, ReduceOp op = ReduceOp::sum) {
+    NcclBatch b;
+    add_reduce_scatter(b, std::move(output), input, op);
+    return launch(std::move(b));
+  }
+  Work all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::sum) {
+    NcclBatch b;
+    add_all_reduce(b, std::move(tensor), op);
+    return launch(std::move(b));
+  }
+  Work broadcast_async(at::Tensor tensor, int root) {
+    NcclBatch b;
+    add_broadcast(b, std::move(tensor), root);
+    return launch(std::move(b));
+  }
+  /// NCCL has no barrier: an all-reduce of one byte, as c10d does.
+  Work barrier_async() {
+    c10::cuda::CUDAGuard guard(device());
+    auto token = at::zeros({1}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device()));
+    return all_reduce_async(std::move(token), ReduceOp::sum);
+  }
+
+  std::optional<NcclCommunicator> split(int color, int key, std::string_view name = {}) const {
+    const auto ctx = context("split");
+    FSDPX_CHECK(color >= 0 || color == no_color, ctx, ": color ", color, " must be >= 0 or fsdpx::dist::no_color");
+    state_->health()->check(ctx);
+    c10::cuda::CUDAGuard guard(device());
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t child = nullptr;
+    state_->settle(ncclCommSplit(native_handle(), color == no_color ? NCCL_SPLIT_NOCOLOR : color, key, &child,
+                                 &config),
+                   ctx);
+    if (child != nullptr) {
+      ncclResult_t rc = ncclInProgress;
+      ncclCommGetAsyncError(child, &rc);
+      const auto deadline = std::chrono::steady_clock::now() + state_->options().timeout;
+      while (rc == ncclInProgress && std::chrono::steady_clock::now() < deadline) ncclCommGetAsyncError(child, &rc);
+      FSDPX_CHECK_AS(CommError, rc == ncclSuccess, ctx, " failed: ", ncclGetErrorString(rc));
+    }
+    if (child == nullptr) return std::nullopt;
+    CommOptions options = state_->options();
+    options.name = name.empty() ? detail::str(this->name(), "/", color) : std::string(name);
+    return NcclCommunicator(std::make_shared<detail::NcclCommState>(child, device(), std::move(options)));
+  }
+
+ private:
+  explicit NcclCommunicator(std::shared_ptr<detail::NcclCommState> state) : state_(std::move(state)) {}
+
+  std::string context(std::string_view op) const { return state_->context(op); }
+
+  void check_device(const std::string& ctx, const at::Tensor& t) const {
+    FSDPX_CHECK(t.device().index() == device(), ctx, ": tensor is on ", t.device(), " but the communicator uses cuda:",
+                static_cast<int>(device()));
+  }
+  void check_pair(const std::string& ctx, const at::Tensor& output, const at::Tensor& input) const {
+    detail::check_tensor(ctx, "output", output, device_type);
+    detail::check_tensor(ctx, "input", input, device_type);
+    detail::check_same_dtype(ctx, output, input);
+    check_device(ctx, output);
+  }
+  static void note(NcclBatch& batch, std::string_view op, std::initializer_list<at::Tensor> tensors) {
+    batch.names += detail::str(batch.names.empty() ? "" : "+", op);
+    batch.tensors.insert(batch.tensors.end(), tensors.begin(), tensors.end());
+  }
+
+  std::shared_ptr<detail::NcclCommState> state_;
+};
+
+static_assert(Communicator<NcclCommunicator>);
+
+}  // namespace fsdpx::dist

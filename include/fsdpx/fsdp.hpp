@@ -1,0 +1,9 @@
+// fsdpx: Fully Sharded Data Parallel training for LibTorch. The one header a user includes.
+#pragma once
+
+#include <fsdpx/error.hpp>
+#include <fsdpx/version.hpp>
+
+#include <fsdpx/policies/mesh.hpp>
+
+#include <fsdpx/dist.hpp>

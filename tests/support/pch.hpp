@@ -1,0 +1,14 @@
+// Precompiled for every test target: the expensive third-party headers only.
+#pragma once
+#include <mpi.h>
+
+#include <ATen/ATen.h>
+#include <catch2/catch.hpp>
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <optional>
+#include <string>
+#include <thread>
+#include <vector>
