@@ -32,13 +32,27 @@ inline std::string mpi_error_string(int code) {
   return std::string(buf, static_cast<size_t>(len));
 }
 
-/// One nonblocking collective handed to the engine.
+/// One collective handed to the engine, as a sequence of stages. `step` is called once to start the
+/// first stage and again each time all requests of the current stage complete; it posts the next
+/// stage's requests (or none, when the collective is done) and returns an MPI error code.
 struct MpiTask {
-  std::string context;                       // op_context(): names op, communicator, rank
-  std::function<int(MPI_Request*)> start;    // issues the MPI_I* call; returns its error code
-  std::function<void()> finish;              // runs on completion (e.g. divide for avg); may be empty
+  using Step = std::function<int(std::vector<MPI_Request>&)>;
+  std::string context;      // op_context(): names op, communicator, rank
+  Step step;
+  std::function<void()> finish;  // runs on completion (e.g. divide for avg); may be empty
   std::chrono::milliseconds timeout;
   std::shared_ptr<CommHealth> health;
+
+  /// A stage list of one nonblocking call.
+  template <class Start>
+  static Step single(Start start) {
+    return [start = std::move(start), started = false](std::vector<MPI_Request>& requests) mutable {
+      if (started) return MPI_SUCCESS;
+      started = true;
+      requests.emplace_back(MPI_REQUEST_NULL);
+      return start(&requests.back());
+    };
+  }
 };
 
 class MpiEngine {
@@ -95,7 +109,7 @@ class MpiEngine {
   struct Active {
     MpiTask task;
     std::shared_ptr<HostWorkState> work;
-    MPI_Request request = MPI_REQUEST_NULL;
+    std::vector<MPI_Request> requests;
     Clock::time_point deadline;
   };
 
@@ -110,18 +124,36 @@ class MpiEngine {
   void start(MpiTask task, std::shared_ptr<HostWorkState> work) {
     try {
       task.health->check(task.context);
-      Active a{std::move(task), std::move(work), MPI_REQUEST_NULL, Clock::now()};
-      const int rc = a.task.start(&a.request);
-      if (rc != MPI_SUCCESS) {
-        fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed to start: ",
-                                                      mpi_error_string(rc)))));
-        return;
-      }
+      Active a{std::move(task), work, {}, Clock::now()};
       a.deadline = Clock::now() + a.task.timeout;
-      active_.push_back(std::move(a));
+      if (advance(a)) active_.push_back(std::move(a));
     } catch (...) {
       work->set_done(std::current_exception());
     }
+  }
+
+  /// Posts the next stage. Returns whether the task is still running (false: completed or failed).
+  bool advance(Active& a) {
+    a.requests.clear();
+    int rc = MPI_SUCCESS;
+    try {
+      rc = a.task.step(a.requests);
+    } catch (...) {
+      fail(a, std::current_exception());
+      return false;
+    }
+    if (rc != MPI_SUCCESS) {
+      fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed: ", mpi_error_string(rc)))));
+      return false;
+    }
+    if (!a.requests.empty()) return true;
+    try {
+      if (a.task.finish) a.task.finish();
+      a.work->set_done();
+    } catch (...) {
+      a.work->set_done(std::current_exception());
+    }
+    return false;
   }
 
   void fail(Active& a, std::exception_ptr error) {
@@ -140,40 +172,39 @@ class MpiEngine {
     a.work->set_done(std::move(error));
   }
 
-  /// Tests every active request once. Returns whether any of them finished.
+  /// Tests every active task once. Returns whether any of them moved on.
   bool poll() {
     bool progressed = false;
     const auto now = Clock::now();
     for (size_t i = 0; i < active_.size();) {
       Active& a = active_[i];
       int done = 0;
-      bool remove = true;
+      bool running = true;
       if (a.task.health->broken()) {
         // A sibling failed: its peers will never match this request either.
         fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " abandoned: the communicator "
                                                       "failed earlier: ", a.task.health->cause()))));
-      } else if (const int rc = MPI_Test(&a.request, &done, MPI_STATUS_IGNORE); rc != MPI_SUCCESS) {
+        running = false;
+      } else if (const int rc = MPI_Testall(static_cast<int>(a.requests.size()), a.requests.data(), &done,
+                                            MPI_STATUSES_IGNORE);
+                 rc != MPI_SUCCESS) {
         fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed: ", mpi_error_string(rc)))));
+        running = false;
       } else if (done != 0) {
-        try {
-          if (a.task.finish) a.task.finish();
-          a.work->set_done();
-        } catch (...) {
-          a.work->set_done(std::current_exception());
-        }
+        progressed = true;
+        running = advance(a);
       } else if (now >= a.deadline) {
         fail(a, std::make_exception_ptr(TimeoutError(str(
                     "fsdpx: ", a.task.context, " did not complete within ", a.task.timeout.count(),
                     " ms: a peer rank exited, crashed, or did not call the same collective (raise "
                     "CommOptions::timeout or FSDPX_TIMEOUT_MS if it is only slow)"))));
-      } else {
-        remove = false;
+        running = false;
       }
-      if (remove) {
+      if (running) {
+        ++i;
+      } else {
         progressed = true;
         active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
-      } else {
-        ++i;
       }
     }
     return progressed;

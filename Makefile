@@ -1,0 +1,33 @@
+# The two commands of the README. Both install what is missing first (tools/setup.sh).
+#   make demo   a short multi-rank run on CPU under mpirun (NP ranks)
+#   make test   build everything and run every test (CTest)
+BUILD_DIR ?= build
+NP ?= 2
+JOBS ?= $(shell nproc)
+MPIEXEC ?= mpiexec
+# Open MPI refuses root and more ranks than cores unless told.
+MPIEXEC_FLAGS ?= --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)
+
+.PHONY: all setup configure build demo test bench clean
+all: build
+
+setup:
+	@tools/setup.sh
+
+configure: setup
+	@tools/configure.sh $(BUILD_DIR)
+
+build: configure
+	@cmake --build $(BUILD_DIR) -j$(JOBS)
+
+demo: build
+	OMP_NUM_THREADS=1 $(MPIEXEC) -n $(NP) $(MPIEXEC_FLAGS) $(BUILD_DIR)/examples/collective_demo
+
+test: build
+	@cd $(BUILD_DIR) && ctest --output-on-failure -j$(JOBS)
+
+bench: build
+	OMP_NUM_THREADS=1 $(MPIEXEC) -n $(NP) $(MPIEXEC_FLAGS) $(BUILD_DIR)/benchmarks/bench_collectives
+
+clean:
+	rm -rf $(BUILD_DIR)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Installs what building and testing fsdpx needs, and nothing that is already there:
+#   Debian packages (compiler, CMake, Open MPI, Catch2, Boost): installed when root, else printed;
+#   LibTorch: PyTorch 2.13.0 in .venv, unless Torch_DIR or CMAKE_PREFIX_PATH already points at one;
+#   Conan (packaging) in .venv; NCCL headers (nvidia-nccl-cu13) in .venv when nvcc is present.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV=${VENV:-.venv}
+TORCH_VERSION=${TORCH_VERSION:-2.13.0}
+say() { printf 'fsdpx setup: %s\n' "$*"; }
+
+# ---- system packages ---------------------------------------------------------------------------
+packages=(g++ make cmake libopenmpi-dev openmpi-bin catch2 libboost-dev python3)
+if command -v dpkg-query >/dev/null; then
+  missing=()
+  for p in "${packages[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
+  if ((${#missing[@]})); then
+    if [[ $(id -u) == 0 ]]; then
+      say "installing ${missing[*]}"
+      export DEBIAN_FRONTEND=noninteractive
+      apt-get update -qq
+      apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+    else
+      say "missing Debian packages; run:"
+      echo "  sudo apt-get update && sudo apt-get install -y ${missing[*]}"
+      exit 1
+    fi
+  fi
+else
+  say "not a Debian system: make sure a C++20 compiler, CMake >= 3.22, MPI, Catch2 v2 and Boost are installed"
+fi
+
+# ---- LibTorch ----------------------------------------------------------------------------------
+has_user_torch() {
+  [[ -n ${Torch_DIR:-} && -f ${Torch_DIR}/TorchConfig.cmake ]] && return 0
+  local p
+  IFS=':;' read -ra prefixes <<<"${CMAKE_PREFIX_PATH:-}"
+  for p in "${prefixes[@]}"; do
+    [[ -n $p && ( -f $p/Torch/TorchConfig.cmake || -f $p/share/cmake/Torch/TorchConfig.cmake ) ]] && return 0
+  done
+  return 1
+}
+if [[ ! -x $VENV/bin/python ]]; then
+  say "creating $VENV"
+  python3 -m venv "$VENV" || { say "python3 -m venv failed; install python3-venv"; exit 1; }
+fi
+pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+has_module() { "$VENV/bin/python" -c "import $1" >/dev/null 2>&1; }
+if has_user_torch; then
+  say "using your LibTorch (Torch_DIR / CMAKE_PREFIX_PATH)"
+elif ! "$VENV/bin/python" -c "import torch,sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
+  say "installing PyTorch $TORCH_VERSION (CPU) into $VENV for LibTorch"
+  pip_install "torch==$TORCH_VERSION"
+fi
+has_module conans || { say "installing Conan into $VENV"; pip_install conan; }
+
+# ---- NCCL headers, so the NCCL backend is at least compiled on machines without a GPU ----------
+if command -v nvcc >/dev/null && ! has_module nvidia.nccl && [[ ! -f /usr/include/nccl.h ]]; then
+  say "installing nvidia-nccl-cu13 into $VENV (nccl.h for the NCCL backend's compile check)"
+  pip_install nvidia-nccl-cu13 || say "could not install nvidia-nccl-cu13: the NCCL compile check is skipped"
+fi
+say "ready"
