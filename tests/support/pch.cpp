@@ -1,0 +1,1 @@
+// Owns the tests' precompiled header (see tests/CMakeLists.txt); compiles to nothing.
