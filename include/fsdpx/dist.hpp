@@ -2,6 +2,7 @@
 // device mesh and TCP rendezvous.
 #pragma once
 
+#include <fsdpx/dist/any.hpp>
 #include <fsdpx/dist/communicator.hpp>
 #include <fsdpx/dist/env.hpp>
 #include <fsdpx/dist/mesh.hpp>

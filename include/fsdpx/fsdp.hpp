@@ -4,6 +4,9 @@
 #include <fsdpx/error.hpp>
 #include <fsdpx/version.hpp>
 
-#include <fsdpx/policies/mesh.hpp>
+#include <fsdpx/policies.hpp>
 
 #include <fsdpx/dist.hpp>
+
+#include <fsdpx/core/fsdp.hpp>
+#include <fsdpx/core/optim.hpp>

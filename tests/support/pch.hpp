@@ -3,6 +3,8 @@
 #include <mpi.h>
 
 #include <ATen/ATen.h>
+#include <torch/nn.h>
+#include <torch/optim.h>
 #include <catch2/catch.hpp>
 
 #include <chrono>

@@ -23,8 +23,8 @@ template <class C>
 concept Communicator =
     std::copy_constructible<C> &&
     requires(C& c, const C& cc, at::Tensor t, const at::Tensor& ct, ReduceOp op, int i) {
-      { C::device_type } -> std::convertible_to<c10::DeviceType>;
-      { C::backend_name } -> std::convertible_to<std::string_view>;
+      { cc.device_type() } -> std::convertible_to<c10::DeviceType>;
+      { cc.backend_name() } -> std::convertible_to<std::string_view>;
       { cc.rank() } -> std::same_as<int>;
       { cc.size() } -> std::same_as<int>;
       { cc.name() } -> std::convertible_to<std::string_view>;

@@ -98,8 +98,8 @@ class MpiRuntime {
 
 class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
  public:
-  static constexpr c10::DeviceType device_type = c10::DeviceType::CPU;
-  static constexpr std::string_view backend_name = "mpi";
+  static constexpr c10::DeviceType device_type() { return c10::DeviceType::CPU; }
+  static constexpr std::string_view backend_name() { return "mpi"; }
 
   /// All processes of the job (a private duplicate of MPI_COMM_WORLD). Initialises MPI when needed and
   /// checks the launcher's variables against MPI's view of the job.
@@ -149,8 +149,8 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
   /// MPI_Iallgather is up to 5x slower than its blocking form at FSDP's message sizes.
   Work all_gather_async(at::Tensor output, const at::Tensor& input) {
     const auto ctx = context("all_gather");
-    detail::check_tensor(ctx, "output", output, device_type);
-    detail::check_tensor(ctx, "input", input, device_type);
+    detail::check_tensor(ctx, "output", output, device_type());
+    detail::check_tensor(ctx, "input", input, device_type());
     detail::check_same_dtype(ctx, output, input);
     detail::check_scatter_sizes(ctx, output, "output", input, "input", size());
     const MPI_Datatype type = detail::MpiTypes::datatype(ctx, input.scalar_type());
@@ -182,8 +182,8 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
   /// slower, and reduces bfloat16/float16 through a scalar user op.
   Work reduce_scatter_async(at::Tensor output, const at::Tensor& input, ReduceOp op = ReduceOp::sum) {
     const auto ctx = context("reduce_scatter");
-    detail::check_tensor(ctx, "output", output, device_type);
-    detail::check_tensor(ctx, "input", input, device_type);
+    detail::check_tensor(ctx, "output", output, device_type());
+    detail::check_tensor(ctx, "input", input, device_type());
     detail::check_same_dtype(ctx, output, input);
     detail::check_scatter_sizes(ctx, input, "input", output, "output", size());
     detail::check_reduce_dtype(ctx, op == ReduceOp::avg, input);
@@ -226,7 +226,7 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
 
   Work all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::sum) {
     const auto ctx = context("all_reduce");
-    detail::check_tensor(ctx, "tensor", tensor, device_type);
+    detail::check_tensor(ctx, "tensor", tensor, device_type());
     detail::check_reduce_dtype(ctx, op == ReduceOp::avg, tensor);
     const MPI_Datatype type = detail::MpiTypes::datatype(ctx, tensor.scalar_type());
     const MPI_Op mpi_op = state_->runtime->types().reduction(ctx, op, tensor.scalar_type());
@@ -241,7 +241,7 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
 
   Work broadcast_async(at::Tensor tensor, int root) {
     const auto ctx = context("broadcast");
-    detail::check_tensor(ctx, "tensor", tensor, device_type);
+    detail::check_tensor(ctx, "tensor", tensor, device_type());
     detail::check_root(ctx, root, size());
     const MPI_Datatype type = detail::MpiTypes::datatype(ctx, tensor.scalar_type());
     const int count = checked_count(ctx, tensor.numel());

@@ -266,8 +266,8 @@ class NcclBatch {
 
 class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
  public:
-  static constexpr c10::DeviceType device_type = c10::DeviceType::CUDA;
-  static constexpr std::string_view backend_name = "nccl";
+  static constexpr c10::DeviceType device_type() { return c10::DeviceType::CUDA; }
+  static constexpr std::string_view backend_name() { return "nccl"; }
 
   /// Joins the communicator `id` names as `rank` of `size`, on `device`. Fails with TimeoutError when
   /// not every rank joins within options.timeout.
@@ -377,7 +377,7 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
 
   void add_all_reduce(NcclBatch& batch, at::Tensor tensor, ReduceOp op) const {
     const auto ctx = context("all_reduce");
-    detail::check_tensor(ctx, "tensor", tensor, device_type);
+    detail::check_tensor(ctx, "tensor", tensor, device_type());
     check_device(ctx, tensor);
     detail::check_reduce_dtype(ctx, op == ReduceOp::avg, tensor);
     const auto type = detail::nccl_dtype(ctx, tensor.scalar_type());
@@ -390,7 +390,7 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
 
   void add_broadcast(NcclBatch& batch, at::Tensor tensor, int root) const {
     const auto ctx = context("broadcast");
-    detail::check_tensor(ctx, "tensor", tensor, device_type);
+    detail::check_tensor(ctx, "tensor", tensor, device_type());
     check_device(ctx, tensor);
     detail::check_root(ctx, root, size());
     const auto type = detail::nccl_dtype(ctx, tensor.scalar_type());
@@ -485,8 +485,8 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
                 static_cast<int>(device()));
   }
   void check_pair(const std::string& ctx, const at::Tensor& output, const at::Tensor& input) const {
-    detail::check_tensor(ctx, "output", output, device_type);
-    detail::check_tensor(ctx, "input", input, device_type);
+    detail::check_tensor(ctx, "output", output, device_type());
+    detail::check_tensor(ctx, "input", input, device_type());
     detail::check_same_dtype(ctx, output, input);
     check_device(ctx, output);
   }

@@ -1,0 +1,229 @@
+// Unit: one sharding unit's parameters as a flat buffer sharded over the shard group.
+//
+//   sharded    only this rank's float32 master slice exists (shard()); the full buffer has no bytes
+//   gathering  the full buffer is allocated and an all-gather fills it (a prefetch in flight)
+//   unsharded  the module's parameters are valid views of the full buffer, in the compute dtype
+//
+// Gradients: once autograd has accumulated a step's parameter gradients, they are packed into one
+// flat buffer (reduce dtype), reduce-scattered (average) over the shard group, all-reduced across
+// replicas (HSDP / NoShard) and added to the float32 gradient of the shard.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include <fsdpx/core/detail/autograd.hpp>
+#include <fsdpx/core/flat_param.hpp>
+#include <fsdpx/dist/any.hpp>
+#include <fsdpx/error.hpp>
+
+namespace fsdpx::core {
+
+struct UnitOptions {
+  at::ScalarType param_dtype = at::kFloat;
+  at::ScalarType reduce_dtype = at::kFloat;
+  std::optional<at::ScalarType> output_dtype;
+  c10::Device device = c10::Device(c10::kCPU);  // where the module computes
+  bool offload_to_cpu = false;                  // shard, its gradient and optimizer state on the host
+  bool pin_memory = false;
+  bool reshard_after_forward = true;
+};
+
+/// The communicators a unit uses. Gathers and reductions run on separate duplicates of the shard
+/// group, so their interleaving never has to agree across ranks.
+struct UnitComms {
+  dist::AnyCommunicator gather;
+  dist::AnyCommunicator reduce;
+  dist::AnyCommunicator replicate;
+};
+
+class Unit {
+ public:
+  Unit(std::string name, int index, std::vector<ParamInfo> params, UnitComms comms, const UnitOptions& options)
+      : name_(std::move(name)), index_(index), comms_(std::move(comms)), options_(options) {
+    shard_rank_ = comms_.gather.rank();
+    layout_ = FlatParamLayout(std::move(params), comms_.gather.size());
+    check_trainable_consistency();
+    const at::Device shard_device = options_.offload_to_cpu ? at::Device(at::kCPU) : options_.device;
+    const auto shard_opts = at::TensorOptions().dtype(at::kFloat).device(shard_device);
+    shard_ = at::zeros({layout_.shard_numel()}, shard_opts);
+    if (options_.offload_to_cpu && options_.pin_memory && options_.device.is_cuda()) shard_ = shard_.pin_memory();
+    full_ = at::zeros({layout_.padded_numel()}, at::TensorOptions().dtype(options_.param_dtype).device(options_.device));
+
+    const FlatRange mine = layout_.shard_range(shard_rank_);
+    at::NoGradGuard no_grad;
+    for (const ParamInfo& p : layout_.params()) {
+      // Master values from the original (float32) parameter, never from its compute-dtype copy.
+      const at::Tensor flat = p.param.detach().reshape({-1});
+      const int64_t lo = std::max(p.offset, mine.begin), hi = std::min(p.offset + p.numel, mine.end);
+      if (lo < hi) shard_.narrow(0, lo - mine.begin, hi - lo).copy_(flat.narrow(0, lo - p.offset, hi - lo));
+      full_.narrow(0, p.offset, p.numel).copy_(flat);
+    }
+    for (const ParamInfo& p : layout_.params()) p.param.set_data(full_.narrow(0, p.offset, p.numel).view(p.shape));
+    detail::free_storage(full_);
+
+    const auto [decay, no_decay] = layout_.shard_groups(shard_rank_);
+    for (const auto& [range, decayed] : {std::pair{decay, true}, std::pair{no_decay, false}}) {
+      if (range.size() > 0) optim_params_.push_back({shard_.narrow(0, range.begin, range.size()), range, decayed});
+    }
+  }
+
+  Unit(const Unit&) = delete;
+  Unit& operator=(const Unit&) = delete;
+
+  const std::string& name() const { return name_; }
+  int index() const { return index_; }
+  const FlatParamLayout& layout() const { return layout_; }
+  const UnitOptions& options() const { return options_; }
+  bool trainable() const { return trainable_; }
+  bool is_unsharded() const { return state_ == State::unsharded; }
+  /// Bytes of the full (unsharded) buffer while allocated, else 0.
+  int64_t unsharded_bytes() const { return detail::storage_allocated(full_) ? full_.nbytes() : 0; }
+
+  /// This rank's float32 master slice of the flat layout.
+  const at::Tensor& shard() const { return shard_; }
+
+  /// What the optimizer steps: contiguous views of shard() with their weight-decay class.
+  struct OptimParam {
+    at::Tensor tensor;
+    FlatRange range;  // within shard()
+    bool decay;
+  };
+  const std::vector<OptimParam>& optim_params() const { return optim_params_; }
+
+  // ---- parameters ---------------------------------------------------------------------------------
+
+  /// Starts gathering the full parameters (a prefetch); no-op unless sharded.
+  void unshard_async() {
+    if (state_ != State::sharded) return;
+    detail::allocate_storage(full_);
+    at::NoGradGuard no_grad;
+    const FlatRange mine = layout_.shard_range(shard_rank_);
+    auto slot = full_.narrow(0, mine.begin, mine.size());
+    slot.copy_(shard_, /*non_blocking=*/options_.pin_memory);  // cast (and host-to-device when offloaded)
+    gather_ = comms_.gather.all_gather_async(full_, slot);   // in place: the slot is this rank's input
+    state_ = State::gathering;
+  }
+
+  /// Makes the module's parameters valid (waits for a prefetch in flight).
+  void unshard() {
+    unshard_async();
+    if (state_ == State::gathering) {
+      gather_.wait();
+      state_ = State::unsharded;
+    }
+  }
+
+  /// Frees the full parameters' bytes; views stay, their data is gone until the next unshard().
+  void reshard() {
+    if (state_ == State::sharded) return;
+    if (state_ == State::gathering) gather_.wait();
+    detail::free_storage(full_);
+    state_ = State::sharded;
+  }
+
+  // ---- gradients ----------------------------------------------------------------------------------
+
+  /// Packs this step's parameter gradients (missing ones count as zero) and starts their reduction.
+  void reduce_gradients_async() {
+    if (!trainable_ || reducing_) return;
+    at::NoGradGuard no_grad;
+    const auto opts = at::TensorOptions().dtype(options_.reduce_dtype).device(options_.device);
+    flat_grad_ = at::empty({layout_.padded_numel()}, opts);
+    for (const ParamInfo& p : layout_.params()) {
+      auto dst = flat_grad_.narrow(0, p.offset, p.numel);
+      at::Tensor& g = p.param.mutable_grad();
+      if (g.defined()) {
+        dst.copy_(g.reshape({-1}));
+        g.reset();  // the unsharded gradient is no longer needed
+      } else {
+        dst.zero_();
+      }
+    }
+    flat_grad_.narrow(0, layout_.numel(), layout_.padded_numel() - layout_.numel()).zero_();
+    reduced_ = at::empty({layout_.shard_numel()}, opts);
+    reduce_ = comms_.reduce.reduce_scatter_async(reduced_, flat_grad_, dist::ReduceOp::avg);
+    reducing_ = true;
+  }
+
+  /// Waits for the reduction, averages across replicas and adds the result to the gradients of the
+  /// optimizer tensors (each its own tensor: LibTorch's zero_grad() detaches gradients in place,
+  /// which views would refuse). A gradient that zero_grad() reset is set instead of added to.
+  void finish_gradient_reduction() {
+    if (!reducing_) return;
+    reducing_ = false;
+    reduce_.wait();
+    flat_grad_ = at::Tensor();
+    if (comms_.replicate.size() > 1) comms_.replicate.all_reduce(reduced_, dist::ReduceOp::avg);
+    at::NoGradGuard no_grad;
+    const at::Tensor g = reduced_.to(shard_.device(), at::kFloat);
+    reduced_ = at::Tensor();
+    for (auto& p : optim_params_) {
+      const at::Tensor part = g.narrow(0, p.range.begin, p.range.size());
+      at::Tensor& grad = p.tensor.mutable_grad();
+      if (grad.defined()) {
+        grad.add_(part);
+      } else {
+        grad = part.clone();
+      }
+    }
+  }
+
+  /// The float32 gradients of the optimizer tensors that have one.
+  std::vector<at::Tensor> shard_grads() const {
+    std::vector<at::Tensor> out;
+    for (const auto& p : optim_params_) {
+      if (p.tensor.grad().defined()) out.push_back(p.tensor.grad());
+    }
+    return out;
+  }
+
+  /// Drops the shard's gradients (after a skipped step).
+  void clear_shard_grads() {
+    for (auto& p : optim_params_) p.tensor.mutable_grad().reset();
+  }
+
+ private:
+  enum class State { sharded, gathering, unsharded };
+
+  void check_trainable_consistency() {
+    const auto& params = layout_.params();
+    if (params.empty()) {
+      trainable_ = false;
+      return;
+    }
+    trainable_ = params.front().param.requires_grad();
+    for (const ParamInfo& p : params) {
+      FSDPX_CHECK(p.param.requires_grad() == trainable_, "unit '", name_, "' mixes frozen and trainable parameters ('",
+                  params.front().name, "' ", trainable_ ? "trainable" : "frozen", ", '", p.name, "' ",
+                  trainable_ ? "frozen" : "trainable",
+                  "); freeze whole units, or make the frozen modules units of their own with the wrap policy");
+      FSDPX_CHECK(p.param.is_floating_point(), "unit '", name_, "': parameter '", p.name, "' has dtype ",
+                  p.param.scalar_type(), "; only floating-point parameters can be sharded");
+    }
+  }
+
+  std::string name_;
+  int index_;
+  UnitComms comms_;
+  UnitOptions options_;
+  int shard_rank_ = 0;
+  FlatParamLayout layout_;
+  bool trainable_ = true;
+  State state_ = State::sharded;
+  at::Tensor shard_;       // float32 master slice
+  at::Tensor full_;        // compute dtype, padded; the module's parameters are views of it
+  std::vector<OptimParam> optim_params_;
+  dist::Work gather_;
+  dist::Work reduce_;
+  bool reducing_ = false;
+  at::Tensor flat_grad_;
+  at::Tensor reduced_;
+};
+
+}  // namespace fsdpx::core

@@ -1,0 +1,97 @@
+// AnyCommunicator: any Communicator behind one type, so that code above the communication layer
+// (the FSDP core, checkpoints, weight sync) is written once for MPI and NCCL. One virtual call per
+// collective is noise next to the collective itself.
+#pragma once
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <utility>
+
+#include <ATen/core/Tensor.h>
+
+#include <fsdpx/dist/communicator.hpp>
+
+namespace fsdpx::dist {
+
+class AnyCommunicator : public BlockingCollectives<AnyCommunicator> {
+ public:
+  // Not-self first: checking Communicator<AnyCommunicator> here would recurse into this constructor.
+  template <class C>
+    requires(!std::same_as<std::remove_cvref_t<C>, AnyCommunicator> && Communicator<C>)
+  AnyCommunicator(C comm) : self_(std::make_shared<Model<C>>(std::move(comm))) {}  // NOLINT: implicit on purpose
+
+  c10::DeviceType device_type() const { return self_->device_type(); }
+  std::string_view backend_name() const { return self_->backend_name(); }
+  int rank() const { return self_->rank(); }
+  int size() const { return self_->size(); }
+  std::string_view name() const { return self_->name(); }
+
+  Work all_gather_async(at::Tensor output, const at::Tensor& input) {
+    return self_->all_gather_async(std::move(output), input);
+  }
+  Work reduce_scatter_async(at::Tensor output, const at::Tensor& input, ReduceOp op = ReduceOp::sum) {
+    return self_->reduce_scatter_async(std::move(output), input, op);
+  }
+  Work all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::sum) {
+    return self_->all_reduce_async(std::move(tensor), op);
+  }
+  Work broadcast_async(at::Tensor tensor, int root) { return self_->broadcast_async(std::move(tensor), root); }
+  Work barrier_async() { return self_->barrier_async(); }
+  std::optional<AnyCommunicator> split(int color, int key, std::string_view name = {}) const {
+    return self_->split(color, key, name);
+  }
+
+  /// The backend communicator, when it is a `C` (nullptr otherwise).
+  template <Communicator C>
+  C* get_if() {
+    auto* model = dynamic_cast<Model<C>*>(self_.get());
+    return model != nullptr ? &model->comm : nullptr;
+  }
+
+ private:
+  struct Interface {
+    virtual ~Interface() = default;
+    virtual c10::DeviceType device_type() const = 0;
+    virtual std::string_view backend_name() const = 0;
+    virtual int rank() const = 0;
+    virtual int size() const = 0;
+    virtual std::string_view name() const = 0;
+    virtual Work all_gather_async(at::Tensor, const at::Tensor&) = 0;
+    virtual Work reduce_scatter_async(at::Tensor, const at::Tensor&, ReduceOp) = 0;
+    virtual Work all_reduce_async(at::Tensor, ReduceOp) = 0;
+    virtual Work broadcast_async(at::Tensor, int) = 0;
+    virtual Work barrier_async() = 0;
+    virtual std::optional<AnyCommunicator> split(int, int, std::string_view) const = 0;
+  };
+
+  template <class C>
+  struct Model final : Interface {
+    explicit Model(C c) : comm(std::move(c)) {}
+    c10::DeviceType device_type() const override { return comm.device_type(); }
+    std::string_view backend_name() const override { return comm.backend_name(); }
+    int rank() const override { return comm.rank(); }
+    int size() const override { return comm.size(); }
+    std::string_view name() const override { return comm.name(); }
+    Work all_gather_async(at::Tensor o, const at::Tensor& i) override { return comm.all_gather_async(std::move(o), i); }
+    Work reduce_scatter_async(at::Tensor o, const at::Tensor& i, ReduceOp op) override {
+      return comm.reduce_scatter_async(std::move(o), i, op);
+    }
+    Work all_reduce_async(at::Tensor t, ReduceOp op) override { return comm.all_reduce_async(std::move(t), op); }
+    Work broadcast_async(at::Tensor t, int root) override { return comm.broadcast_async(std::move(t), root); }
+    Work barrier_async() override { return comm.barrier_async(); }
+    std::optional<AnyCommunicator> split(int color, int key, std::string_view name) const override {
+      auto child = comm.split(color, key, name);
+      if (!child) return std::nullopt;
+      return AnyCommunicator(std::move(*child));
+    }
+    C comm;
+  };
+
+  std::shared_ptr<Interface> self_;
+};
+
+static_assert(Communicator<AnyCommunicator>);
+
+}  // namespace fsdpx::dist
