@@ -1,5 +1,5 @@
-// Models for the core tests. Their sharded children are called through fsdpx::forward, so the same
-// model trains unsharded (the reference) and sharded.
+// Models for the core tests: the examples' GPT and a residual MLP. Sharded children are called
+// through fsdpx::forward, so the same model trains unsharded (the reference) and sharded.
 #pragma once
 
 #include <cmath>
@@ -9,64 +9,15 @@
 
 #include <fsdpx/core/fsdp.hpp>
 
+#include "../../examples/common/gpt.hpp"
+
 namespace fsdpx::test {
 
-struct GptConfig {
-  int64_t vocab = 61;
-  int64_t seq = 16;
-  int64_t dim = 32;
-  int64_t heads = 4;
-  int64_t layers = 3;
-  bool tied = false;
-};
-
-struct BlockImpl : torch::nn::Module {
-  BlockImpl(const GptConfig& c) : heads(c.heads) {
-    ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
-    qkv = register_module("qkv", torch::nn::Linear(c.dim, 3 * c.dim));
-    proj = register_module("proj", torch::nn::Linear(c.dim, c.dim));
-    ln2 = register_module("ln2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
-    fc = register_module("fc", torch::nn::Linear(c.dim, 4 * c.dim));
-    fc2 = register_module("fc2", torch::nn::Linear(4 * c.dim, c.dim));
-  }
-  at::Tensor forward(const at::Tensor& x) {
-    const auto B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads;
-    auto q_k_v = qkv(ln1(x)).view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});
-    auto att = at::matmul(q_k_v[0], q_k_v[1].transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
-    att = att.masked_fill(at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1), -1e9);
-    auto y = at::matmul(at::softmax(att, -1), q_k_v[2]).transpose(1, 2).reshape({B, T, C});
-    auto h = x + proj(y);
-    return h + fc2(torch::gelu(fc(ln2(h))));
-  }
-  int64_t heads;
-  torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
-  torch::nn::Linear qkv{nullptr}, proj{nullptr}, fc{nullptr}, fc2{nullptr};
-};
-TORCH_MODULE(Block);
-
-struct GptImpl : torch::nn::Module {
-  explicit GptImpl(const GptConfig& c) : config(c) {
-    tok = register_module("tok", torch::nn::Embedding(c.vocab, c.dim));
-    pos = register_module("pos", torch::nn::Embedding(c.seq, c.dim));
-    for (int64_t i = 0; i < c.layers; ++i) blocks.push_back(register_module("h" + std::to_string(i), Block(c)));
-    ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
-    if (!c.tied) head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)));
-  }
-  /// Mean cross-entropy of next-token prediction.
-  at::Tensor forward(const at::Tensor& idx, const at::Tensor& targets) {
-    auto x = tok(idx) + pos(at::arange(idx.size(1), at::TensorOptions().dtype(at::kLong).device(idx.device())));
-    for (auto& b : blocks) x = fsdpx::forward(b, x);
-    x = ln_f(x);
-    auto logits = config.tied ? at::linear(x, tok->weight) : head(x);
-    return torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}).to(at::kFloat), targets.reshape({-1}));
-  }
-  GptConfig config;
-  torch::nn::Embedding tok{nullptr}, pos{nullptr};
-  std::vector<Block> blocks;
-  torch::nn::LayerNorm ln_f{nullptr};
-  torch::nn::Linear head{nullptr};
-};
-TORCH_MODULE(Gpt);
+using examples::Block;
+using examples::BlockImpl;
+using examples::Gpt;
+using examples::GptConfig;
+using examples::GptImpl;
 
 /// Second architecture: a residual MLP classifier. Each block owns a LayerNorm it never uses, so
 /// those parameters get no gradient (a unit with parameters missing gradients).
@@ -77,7 +28,12 @@ struct ResBlockImpl : torch::nn::Module {
     b = register_module("b", torch::nn::Linear(2 * dim, dim));
     unused = register_module("unused", torch::nn::LayerNorm(torch::nn::LayerNormOptions({dim})));
   }
-  at::Tensor forward(const at::Tensor& x) { return x + b(torch::relu(a(norm(x)))); }
+  at::Tensor forward(const at::Tensor& x) {
+    if (probe) probe();
+    return x + b(torch::relu(a(norm(x))));
+  }
+  /// Called at the start of every block forward (memory tests look at the sharded state there).
+  static inline std::function<void()> probe;
   torch::nn::LayerNorm norm{nullptr}, unused{nullptr};
   torch::nn::Linear a{nullptr}, b{nullptr};
 };

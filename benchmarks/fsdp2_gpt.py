@@ -1,0 +1,98 @@
+"""PyTorch's side of the GPT benchmark: the model of examples/common/gpt.hpp, trained with FSDP2
+(fully_shard, gloo) or DDP (gloo) under torchrun. Prints one RESULT line like bench_gpt.
+
+    torchrun --standalone --nproc-per-node=2 benchmarks/fsdp2_gpt.py fsdp2|ddp [steps warmup batch seq dim layers vocab]
+"""
+import math
+import resource
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Block(nn.Module):
+    def __init__(self, dim, heads):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.fc, self.fc2 = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        hd = C // self.heads
+        q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -1e9)
+        y = (att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
+        h = x + self.proj(y)
+        return h + self.fc2(F.gelu(self.fc(self.ln2(h))))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, seq, dim, heads, layers):
+        super().__init__()
+        self.vocab = vocab
+        self.tok, self.pos = nn.Embedding(vocab, dim), nn.Embedding(seq, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, idx, targets):
+        x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+        for b in self.blocks:
+            x = b(x)
+        logits = self.head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, self.vocab).float(), targets.reshape(-1))
+
+
+def main():
+    mode = sys.argv[1]
+    steps, warmup, batch, seq, dim, layers, vocab = (int(a) for a in (sys.argv[2:] + [6, 2, 8, 256, 384, 6, 8192][len(sys.argv) - 2:]))
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = GPT(vocab, seq, dim, 6, layers)
+    params = sum(p.numel() for p in model.parameters())
+    if mode == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (world,))
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        run = model
+    else:
+        run = nn.parallel.DistributedDataParallel(model)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-4)
+    torch.manual_seed(1)
+    tokens = torch.randint(vocab, (batch, seq + 1))
+    per = batch // world
+    x = tokens[rank * per:(rank + 1) * per, :seq].contiguous()
+    y = tokens[rank * per:(rank + 1) * per, 1:].contiguous()
+    times = []
+    for s in range(warmup + steps):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        run(x, y).backward()
+        opt.step()
+        dist.barrier()
+        if s >= warmup:
+            times.append((time.perf_counter() - t0) * 1000)
+    times.sort()
+    stats = torch.tensor([times[len(times) // 2], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
+    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(f"RESULT contender=pytorch-{mode} world={world} params={params} batch={batch} seq={seq} "
+              f"step_ms={stats[0].item():.1f} peak_rss_mib={stats[1].item():.0f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
