@@ -214,3 +214,97 @@ TEST_CASE("a sharded unit called without fsdpx::forward fails with a clear error
   REQUIRE_THROWS_WITH(sharded(at::randn({2, 8})),
                       Contains("called a sharded child directly") && Contains("fsdpx::forward") && Contains("block"));
 }
+
+TEST_CASE("a non-finite gradient norm skips the step and leaves every parameter unchanged", "[core][clip]") {
+  Fsdp<ResMlp, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<ResBlockImpl>> sharded(ResMlp(),
+                                                                                                          world());
+  auto optimizer = make_adamw(sharded, adamw());
+  const Batch b = mlp_batch(0);
+  const int W = world().size(), r = world().rank();
+  const auto mine = rows(b.x.size(0), W, 0, 1, r);
+  // One rank's input holds an infinity: its gradients, and so the global norm, are not finite.
+  auto x = b.x.index_select(0, mine);
+  if (r == W - 1) x[0][0] = std::numeric_limits<float>::infinity();
+  std::vector<at::Tensor> before;
+  for (const auto& p : sharded.parameters()) before.push_back(p.clone());
+  sharded(x, b.y.index_select(0, mine)).backward();
+  const GradNorm norm = sharded.clip_grad_norm_(1.0);
+  REQUIRE_FALSE(norm.is_finite());
+  for (const auto& p : sharded.parameters()) REQUIRE_FALSE(p.grad().defined());
+  optimizer.step();
+  const auto after = sharded.parameters();
+  for (size_t i = 0; i < after.size(); ++i) REQUIRE(at::equal(after[i], before[i]));
+}
+
+namespace {
+// bfloat16: the reference does what BF16Mixed does, unsharded. Float32 master weights; a bfloat16
+// copy computes forward and backward on the whole batch; its gradients, cast to float32, drive AdamW
+// on the master.
+// Tolerance. Each rank's bfloat16 gradient is rounded (relative 2^-8) before the float32 average,
+// while the reference rounds the whole batch's gradient once. Adam turns relative gradient error into
+// relative step error, and nearly-zero gradients can flip its step's sign. So we bound the error of
+// the whole update: |theta - theta_ref| / |theta_ref - theta_0| <= 5%, about ten times 2^-8 for
+// 5 steps. The loss must agree to 1% (bfloat16 logits).
+void check_bf16_parity(const test::GptConfig& c, int steps) {
+  using Sharded = Fsdp<Gpt, FullShard, NoOffload, BF16Mixed, ShardedStateDict, WrapModules<BlockImpl>>;
+  const int W = world().size(), r = world().rank();
+  at::manual_seed(42);
+  auto master = Gpt(c);
+  at::manual_seed(42);
+  auto compute = Gpt(c);
+  compute->to(at::kBFloat16);
+  at::manual_seed(42);
+  Sharded sharded(Gpt(c), world());
+  auto optimizer = make_adamw(sharded, adamw());
+  auto ref_optimizer = reference_adamw(*master);
+  std::map<std::string, at::Tensor> initial;
+  for (const auto& p : master->named_parameters()) initial[p.key()] = p.value().detach().clone();
+
+  const auto batches = gpt_batches(c);
+  for (int step = 0; step < steps; ++step) {
+    const Batch b = batches(step);
+    {
+      at::NoGradGuard no_grad;
+      auto mp = master->parameters();
+      auto cp = compute->parameters();
+      for (size_t i = 0; i < mp.size(); ++i) cp[i].copy_(mp[i]);
+    }
+    compute->zero_grad();
+    ref_optimizer.zero_grad();
+    auto ref_loss = compute->forward(b.x, b.y);
+    ref_loss.backward();
+    {
+      auto mp = master->parameters();
+      auto cp = compute->parameters();
+      for (size_t i = 0; i < mp.size(); ++i) mp[i].mutable_grad() = cp[i].grad().to(at::kFloat);
+    }
+    ref_optimizer.step();
+
+    optimizer.zero_grad();
+    const auto mine = rows(b.x.size(0), W, 0, 1, r);
+    auto loss = sharded(b.x.index_select(0, mine), b.y.index_select(0, mine));
+    loss.backward();
+    optimizer.step();
+    auto global = loss.detach().to(at::kDouble).reshape({1});
+    world().all_reduce(global, dist::ReduceOp::avg);
+    REQUIRE(global.item().toDouble() == Approx(ref_loss.item().toDouble()).epsilon(1e-2));
+  }
+  auto scope = sharded.full_parameters();
+  auto ref = master->named_parameters();
+  double diff2 = 0, update2 = 0;
+  for (const auto& p : sharded->named_parameters()) {
+    REQUIRE(p.value().scalar_type() == at::kBFloat16);  // computes in bfloat16...
+    const auto& want = ref[p.key()];
+    diff2 += (p.value().detach().to(at::kFloat) - want.detach().to(at::kBFloat16).to(at::kFloat)).pow(2).sum().item().toDouble();
+    update2 += (want.detach() - initial[p.key()]).pow(2).sum().item().toDouble();
+  }
+  for (const auto& p : sharded.parameters()) REQUIRE(p.scalar_type() == at::kFloat);  // ...masters stay float32
+  const double relative = std::sqrt(diff2 / update2);
+  if (r == 0) std::printf("  bf16 parity: |theta - theta_ref| / |theta_ref - theta_0| = %.3g (tolerance 0.05)\n", relative);
+  REQUIRE(relative <= 0.05);
+}
+}  // namespace
+
+TEST_CASE("GPT, FullShard + BF16Mixed: parity with unsharded mixed-precision training", "[parity][gpt][bf16]") {
+  check_bf16_parity(GptConfig{}, 5);
+}

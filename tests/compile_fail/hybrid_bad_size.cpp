@@ -1,0 +1,4 @@
+// Must not compile: a negative fixed shard size.
+#include <fsdpx/fsdp.hpp>
+
+int main() { return fsdpx::HybridShard<-4>::shard_size; }
