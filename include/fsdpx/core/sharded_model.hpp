@@ -159,6 +159,7 @@ class ShardedModel {
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;
   ~ShardedModel() {
+    *alive_ = false;  // autograd may still hold hooks that point here
     for (const auto* m : modules_) detail::UnitRegistry::instance().remove(m);
   }
 
@@ -272,7 +273,9 @@ class ShardedModel {
   void install_gradient_hooks(Unit& u) {
     if (!u.trainable()) return;
     for (const ParamInfo& p : u.layout().params()) {
-      accumulators_.push_back(detail::add_post_accumulate_hook(p.param, [this, &u] { on_grad_accumulated(u); }));
+      accumulators_.push_back(detail::add_post_accumulate_hook(p.param, [alive = alive_, this, &u] {
+        if (*alive) on_grad_accumulated(u);
+      }));
     }
   }
 
@@ -316,7 +319,9 @@ class ShardedModel {
       for (size_t i = 0; i < forward_order_.size(); ++i) position_[forward_order_[i]] = i;
     }
     if (!is_root && u.options().reshard_after_forward) u.reshard();
-    auto hook = std::make_shared<detail::BackwardHook>([this, &u] { pre_backward(u); });
+    auto hook = std::make_shared<detail::BackwardHook>([alive = alive_, this, &u] {
+      if (*alive) pre_backward(u);
+    });
     const auto output_dtype = u.options().output_dtype;
     return detail::map_tensors(std::move(out), [&](at::Tensor t) {
       if (output_dtype && t.is_floating_point()) t = t.to(*output_dtype);
@@ -390,6 +395,7 @@ class ShardedModel {
   bool in_backward_ = false;
   size_t next_reduction_ = 0;
   bool sync_ = true;
+  std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
 };
 
 }  // namespace fsdpx::core
