@@ -1,5 +1,5 @@
 # The two commands of the README. Both install what is missing first (tools/setup.sh).
-#   make demo   a short multi-rank run on CPU under mpirun (NP ranks)
+#   make demo   a short multi-rank GPT training run on CPU under mpirun (NP ranks)
 #   make test   build everything and run every test (CTest)
 BUILD_DIR ?= build
 NP ?= 2
@@ -21,7 +21,7 @@ build: configure
 	@cmake --build $(BUILD_DIR) -j$(JOBS)
 
 demo: build
-	OMP_NUM_THREADS=1 $(MPIEXEC) -n $(NP) $(MPIEXEC_FLAGS) $(BUILD_DIR)/examples/collective_demo
+	OMP_NUM_THREADS=1 $(MPIEXEC) -n $(NP) $(MPIEXEC_FLAGS) $(BUILD_DIR)/examples/train_gpt --steps 40
 
 test: build
 	@cd $(BUILD_DIR) && ctest --output-on-failure -j$(JOBS)

@@ -8,5 +8,6 @@
 
 #include <fsdpx/dist.hpp>
 
+#include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/fsdp.hpp>
 #include <fsdpx/core/optim.hpp>

@@ -26,6 +26,8 @@ struct ParityRun {
   bool no_sync = false;        // accumulate unsharded gradients until the last micro-step
   std::optional<double> clip;  // global-norm clipping
   double tolerance = 0;        // max |sharded - reference| over every parameter element
+  // Runs after each step's optimizer update (e.g. an RL trainer's offload / reload).
+  std::function<void(core::ShardedModel&, torch::optim::Optimizer&)> after_step;
 };
 
 struct Batch {
@@ -98,6 +100,7 @@ void check_parity(Make make, const std::function<Batch(int)>& batch, const Parit
     }
     ref_optimizer.step();
     optimizer.step();
+    if (run.after_step) run.after_step(sharded.sharded(), optimizer);
     auto loss = at::full({1}, local_loss, at::kDouble);
     world().all_reduce(loss, dist::ReduceOp::avg);
     INFO("step " << step);
@@ -307,4 +310,18 @@ void check_bf16_parity(const test::GptConfig& c, int steps) {
 
 TEST_CASE("GPT, FullShard + BF16Mixed: parity with unsharded mixed-precision training", "[parity][gpt][bf16]") {
   check_bf16_parity(GptConfig{}, 5);
+}
+
+TEST_CASE("offload_model / reload_model and optimizer-state moves between steps keep training equal", "[parity][offload]") {
+  const GptConfig c;
+  ParityRun run{.clip = 1.0, .tolerance = f32_tolerance};
+  run.after_step = [](core::ShardedModel& m, torch::optim::Optimizer& opt) {
+    m.offload_model();
+    move_optimizer_state(opt, at::kCPU);
+    for (size_t i = 0; i < m.num_units(); ++i) REQUIRE(m.unit(i).shard_device().is_cpu());
+    m.reload_model();
+    move_optimizer_state(opt, at::kCPU);  // this machine's device is the CPU
+  };
+  check_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      [&] { return Gpt(c); }, gpt_batches(c), run);
 }

@@ -44,6 +44,8 @@ struct FsdpOptions {
   /// HybridShard<auto_shard_size>: bytes of model state (parameters, gradients, Adam moments: 16 bytes
   /// per parameter) one rank may hold; the smallest shard size that fits is used.
   std::optional<int64_t> auto_shard_budget_bytes;
+  /// deferred_init models: initializes modules fsdpx does not know (returns false to decline).
+  ModuleInit init_module;
 };
 
 /// HybridShard<auto_shard_size>'s choice (as LightRFT does): the smallest shard size that divides the
@@ -97,7 +99,8 @@ class Fsdp {
     FSDPX_CHECK(unit.device.type() == world.device_type(), "the model computes on ", unit.device, " but the communicator (", world.backend_name(), ") works on ",
                 c10::DeviceTypeName(world.device_type(), true), " tensors");
     state_ = std::make_unique<core::ShardedModel>(model_.ptr(), dist::DeviceMesh<dist::AnyCommunicator>::build(world, shard),
-                                                  unit, [](const UnitQuery& q) { return Wrap::is_unit(q); });
+                                                  unit, [](const UnitQuery& q) { return Wrap::is_unit(q); },
+                                                  options.init_module);
   }
 
   /// The root forward under the unit protocol.
@@ -134,6 +137,10 @@ class Fsdp {
   GradNorm clip_grad_norm_(double max_norm) { return state_->clip_grad_norm_(max_norm); }
   void set_requires_gradient_sync(bool on) { state_->set_requires_gradient_sync(on); }
   void unshard() { state_->unshard_all(); }
+  /// RL trainers: move the shards and their gradients to host memory while a rollout engine uses the
+  /// device, then back. Pair with move_optimizer_state(optimizer, ...) for the optimizer.
+  void offload_model() { state_->offload_model(); }
+  void reload_model() { state_->reload_model(); }
   void reshard() { state_->reshard_all(); }
 
   /// Full parameters in the module for the scope's lifetime (inspection, evaluation, export).
@@ -156,7 +163,7 @@ class Fsdp {
 
  private:
   c10::Device first_device() const {
-    for (const auto& p : model_->parameters()) return p.device();
+    for (const auto& p : model_->parameters()) return p.device();  // a deferred model: the CPU
     return c10::Device(c10::kCPU);
   }
 

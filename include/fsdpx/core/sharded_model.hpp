@@ -27,6 +27,7 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/detail/autograd.hpp>
 #include <fsdpx/core/unit.hpp>
 #include <fsdpx/dist/mesh.hpp>
@@ -101,7 +102,9 @@ class ShardedModel {
   using Mesh = dist::DeviceMesh<dist::AnyCommunicator>;
   using UnitSelector = std::function<bool(const UnitQuery&)>;
 
-  ShardedModel(std::shared_ptr<torch::nn::Module> root, Mesh mesh, UnitOptions options, const UnitSelector& is_unit)
+  /// `init_module` initializes modules of a deferred_init model that fsdpx does not know.
+  ShardedModel(std::shared_ptr<torch::nn::Module> root, Mesh mesh, UnitOptions options, const UnitSelector& is_unit,
+               const ModuleInit& init_module = {})
       : root_module_(std::move(root)), mesh_(std::move(mesh)), options_(options) {
     // Duplicates of the groups, so gathers and reductions have communicators of their own.
     auto gather = *mesh_.shard_group().split(0, mesh_.shard_group().rank(), "fsdpx/gather");
@@ -140,15 +143,33 @@ class ShardedModel {
       if (owner.emplace(key, "root").second) root_params.push_back({item.key(), item.value(), {}, item.value().dim() >= 2});
     }
 
+    // A deferred model is materialized one unit at a time, right before that unit takes its shard
+    // and releases the rest: no rank ever holds the whole model.
+    const bool deferred = detail::DeferredModels::instance().contains(root_module_.get());
+    std::unordered_set<const torch::nn::Module*> in_units;
+    for (auto& [name, m] : picked) {
+      for (const auto& sub : m->modules(/*include_self=*/true)) in_units.insert(sub.get());
+    }
+    const auto materialize = [&](torch::nn::Module& top, const std::string& prefix, bool root_only) {
+      if (!deferred) return;
+      for (const auto& item : top.named_modules(prefix, /*include_self=*/true)) {
+        if (root_only && in_units.count(item.value().get()) != 0) continue;
+        detail::materialize_module(*item.value(), item.key(), init_module);
+      }
+    };
+
     UnitOptions root_options = options_;
     root_options.reshard_after_forward = false;  // the root's parameters are needed again first in backward
+    materialize(*root_module_, "", /*root_only=*/true);
     units_.push_back(std::make_unique<Unit>("root", 0, std::move(root_params), comms, root_options));
     modules_.push_back(root_module_.get());
     for (size_t i = 0; i < picked.size(); ++i) {
+      materialize(*picked[i].second, picked[i].first, /*root_only=*/false);
       units_.push_back(std::make_unique<Unit>(unit_params[i].first, static_cast<int>(i + 1),
                                               std::move(unit_params[i].second), comms, options_));
       modules_.push_back(picked[i].second.get());
     }
+    if (deferred) detail::DeferredModels::instance().remove(root_module_.get());  // frees the scratch
     for (size_t i = 0; i < units_.size(); ++i) {
       detail::UnitRegistry::instance().add(modules_[i], this, units_[i].get());
       install_gradient_hooks(*units_[i]);
@@ -225,6 +246,17 @@ class ShardedModel {
   }
   void reshard_all() {
     for (auto& u : units_) u->reshard();
+  }
+
+  /// Sharded parameters and gradients to host memory (pinned on a GPU machine) and back. Between the
+  /// two the model cannot run; the device holds none of its memory.
+  void offload_model() {
+    reshard_all();
+    for (auto& u : units_) u->move_shard(at::Device(at::kCPU));
+  }
+  void reload_model() {
+    const at::Device home = options_.offload_to_cpu ? at::Device(at::kCPU) : options_.device;
+    for (auto& u : units_) u->move_shard(home);
   }
 
   ShardedBytes sharded_bytes() const {

@@ -53,8 +53,6 @@ class Unit {
     const auto shard_opts = at::TensorOptions().dtype(at::kFloat).device(shard_device);
     shard_ = at::zeros({layout_.shard_numel()}, shard_opts);
     if (options_.offload_to_cpu && options_.pin_memory && options_.device.is_cuda()) shard_ = shard_.pin_memory();
-    full_ = at::zeros({layout_.padded_numel()}, at::TensorOptions().dtype(options_.param_dtype).device(options_.device));
-
     const FlatRange mine = layout_.shard_range(shard_rank_);
     at::NoGradGuard no_grad;
     for (const ParamInfo& p : layout_.params()) {
@@ -62,8 +60,10 @@ class Unit {
       const at::Tensor flat = p.param.detach().reshape({-1});
       const int64_t lo = std::max(p.offset, mine.begin), hi = std::min(p.offset + p.numel, mine.end);
       if (lo < hi) shard_.narrow(0, lo - mine.begin, hi - lo).copy_(flat.narrow(0, lo - p.offset, hi - lo));
-      full_.narrow(0, p.offset, p.numel).copy_(flat);
     }
+    // The parameters become views of the full buffer, which starts sharded: its bytes are released
+    // right after the views exist (never written, so never resident); the first unshard() gathers.
+    full_ = at::empty({layout_.padded_numel()}, at::TensorOptions().dtype(options_.param_dtype).device(options_.device));
     for (const ParamInfo& p : layout_.params()) p.param.set_data(full_.narrow(0, p.offset, p.numel).view(p.shape));
     detail::free_storage(full_);
 
@@ -126,6 +126,21 @@ class Unit {
     detail::free_storage(full_);
     state_ = State::sharded;
   }
+
+  /// Moves the float32 shard and its gradients to `device` (RL trainers free the GPU for a rollout
+  /// engine between steps). Tensor identity is kept, so optimizer state stays attached.
+  void move_shard(at::Device device) {
+    FSDPX_CHECK(state_ == State::sharded, "unit '", name_, "': move the shard only while the unit is sharded");
+    const bool pin = options_.pin_memory && device.is_cpu() && options_.device.is_cuda();
+    at::Tensor moved = shard_.to(device);
+    if (pin) moved = moved.pin_memory();
+    shard_.set_data(moved);
+    for (auto& p : optim_params_) {
+      p.tensor.set_data(shard_.narrow(0, p.range.begin, p.range.size()));
+      if (at::Tensor& g = p.tensor.mutable_grad(); g.defined()) g = pin ? g.to(device).pin_memory() : g.to(device);
+    }
+  }
+  at::Device shard_device() const { return shard_.device(); }
 
   // ---- gradients ----------------------------------------------------------------------------------
 

@@ -4,10 +4,15 @@
 #pragma once
 
 #include <cstddef>
+#include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <utility>
+#include <vector>
 
+#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
@@ -75,5 +80,51 @@ inline c10::intrusive_ptr<torch::autograd::Node> add_post_accumulate_hook(const 
 inline void at_end_of_backward(std::function<void()> fn) {
   torch::autograd::Engine::get_default_engine().queue_callback(std::move(fn));
 }
+
+// ---- deferred construction: build a model without materializing its parameters --------------------
+// While a ScratchAllocationScope lives, every CPU allocation returns the same scratch buffer (grown to
+// the largest request; older buffers stay alive for the tensors that point into them). A model
+// constructed then costs the size of its largest tensor; its values are garbage until each unit is
+// materialized, initialized, sharded and released in turn. No other thread may allocate CPU tensors
+// meanwhile: the allocator is process-wide.
+
+class ScratchCpuAllocator final : public c10::Allocator {
+ public:
+  explicit ScratchCpuAllocator(c10::Allocator* real) : real_(real) {}
+  c10::DataPtr allocate(size_t n) override {
+    std::lock_guard lock(mutex_);
+    if (buffers_.empty() || n > capacity_) {
+      buffers_.push_back(real_->allocate(n));
+      capacity_ = n;
+    }
+    void* p = buffers_.back().get();
+    return {p, p, &no_delete, c10::Device(c10::kCPU)};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &no_delete; }
+  void copy_data(void* dest, const void* src, std::size_t count) const override { std::memcpy(dest, src, count); }
+
+ private:
+  static void no_delete(void*) {}
+  c10::Allocator* real_;
+  std::mutex mutex_;
+  std::vector<c10::DataPtr> buffers_;
+  size_t capacity_ = 0;
+};
+
+class ScratchAllocationScope {
+ public:
+  ScratchAllocationScope() : previous_(c10::GetCPUAllocator()), scratch_(std::make_shared<ScratchCpuAllocator>(previous_)) {
+    c10::SetCPUAllocator(scratch_.get(), /*priority=*/255);
+  }
+  ScratchAllocationScope(const ScratchAllocationScope&) = delete;
+  ScratchAllocationScope& operator=(const ScratchAllocationScope&) = delete;
+  ~ScratchAllocationScope() { c10::SetCPUAllocator(previous_, 255); }
+  /// The scratch buffers, which the deferred model's tensors point into until materialized.
+  std::shared_ptr<ScratchCpuAllocator> scratch() const { return scratch_; }
+
+ private:
+  c10::Allocator* previous_;
+  std::shared_ptr<ScratchCpuAllocator> scratch_;
+};
 
 }  // namespace fsdpx::core::detail
