@@ -325,3 +325,44 @@ TEST_CASE("offload_model / reload_model and optimizer-state moves between steps 
   check_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
       [&] { return Gpt(c); }, gpt_batches(c), run);
 }
+
+namespace {
+// Returns activations (no loss) and has a second entry point besides forward.
+struct ChainImpl : torch::nn::Module {
+  ChainImpl() {
+    stem = register_module("stem", torch::nn::Linear(20, 24));
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("r" + std::to_string(i), test::ResBlock(24)));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    auto h = stem(x);
+    for (auto& b : blocks) h = fsdpx::forward(b, h);
+    return h;
+  }
+  /// A method other than forward that uses the units (as generate() would).
+  at::Tensor score(const at::Tensor& x) { return forward(x).pow(2).mean(1); }
+  torch::nn::Linear stem{nullptr};
+  std::vector<test::ResBlock> blocks;
+};
+TORCH_MODULE(Chain);
+}  // namespace
+
+TEST_CASE("other methods run under the protocol; inputs and outputs follow the precision policy", "[core][bf16]") {
+  at::manual_seed(5);
+  Chain reference;
+  at::manual_seed(5);
+  using Policy = MixedPrecision<dtype::bf16, dtype::f32, dtype::f32>;  // compute bf16, outputs float32
+  Fsdp<Chain, FullShard, NoOffload, Policy, ShardedStateDict, WrapModules<ResBlockImpl>> sharded(Chain(), world());
+  at::manual_seed(6);
+  const auto x = at::randn({4, 20});  // float32 input: cast to bfloat16 at each unit
+  at::Tensor got;
+  {
+    at::NoGradGuard no_grad;
+    got = sharded.call(&ChainImpl::score, x);
+  }
+  REQUIRE(got.scalar_type() == at::kFloat);
+  const auto want = reference->score(x).detach();
+  // bfloat16 compute through 4 layers: ~1% relative.
+  REQUIRE(at::allclose(got, want, 3e-2, 1e-2));
+  // Units are resharded after the call; only the root (kept until backward, as in FSDP2) is full.
+  REQUIRE(sharded.sharded_bytes().unsharded == sharded.sharded().unit(0).unsharded_bytes());
+}

@@ -106,16 +106,30 @@ class Fsdp {
   /// The root forward under the unit protocol.
   template <class... Args>
   auto forward(Args&&... args) {
-    return state_->run(state_->root(), [&] { return model_->forward(std::forward<Args>(args)...); });
+    auto& root = state_->root();
+    return state_->run(root, [&] {
+      return model_->forward(core::ShardedModel::cast_input(root, std::forward<Args>(args))...);
+    });
   }
   template <class... Args>
   auto operator()(Args&&... args) {
     return forward(std::forward<Args>(args)...);
   }
 
-  /// Runs any member function of the model under the root's protocol (FSDP2's
-  /// register_fsdp_forward_method): fsdp.call([&](auto& m) { return m->generate(prompt, 32); }).
+  /// Runs a member function of the model under the root's protocol, with floating tensor arguments
+  /// cast to the compute dtype (FSDP2's register_fsdp_forward_method):
+  ///   fsdp.call(&GptImpl::generate, prompt, 32)
+  template <class Method, class... Args>
+    requires std::is_member_function_pointer_v<Method>
+  auto call(Method method, Args&&... args) {
+    auto& root = state_->root();
+    return state_->run(root, [&] {
+      return ((*model_).*method)(core::ShardedModel::cast_input(root, std::forward<Args>(args))...);
+    });
+  }
+  /// The same for any callable taking the model; its arguments are used as they are.
   template <class Fn>
+    requires(!std::is_member_function_pointer_v<std::decay_t<Fn>>)
   auto call(Fn&& fn) {
     return state_->run(state_->root(), [&] { return fn(model_); });
   }
@@ -189,7 +203,9 @@ template <class Holder, class... Args>
 auto forward(Holder& module, Args&&... args) {
   const auto [owner, unit] = core::detail::UnitRegistry::instance().find(module.ptr().get());
   if (owner == nullptr) return module->forward(std::forward<Args>(args)...);
-  return owner->run(*unit, [&] { return module->forward(std::forward<Args>(args)...); });
+  return owner->run(*unit, [&, u = unit] {
+    return module->forward(core::ShardedModel::cast_input(*u, std::forward<Args>(args))...);
+  });
 }
 
 /// Runs `fn(module)` (any member function) under `module`'s unit protocol when it is a sharded unit.

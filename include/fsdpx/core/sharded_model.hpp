@@ -206,6 +206,19 @@ class ShardedModel {
     }
   }
 
+  /// A unit's forward argument as the unit computes it: floating tensors cast to the compute dtype
+  /// (FSDP2's cast_forward_inputs), everything else unchanged.
+  template <class Arg>
+  static decltype(auto) cast_input(const Unit& u, Arg&& arg) {
+    if constexpr (std::is_same_v<std::decay_t<Arg>, at::Tensor>) {
+      const auto dtype = u.options().param_dtype;
+      return arg.defined() && arg.is_floating_point() && arg.scalar_type() != dtype ? arg.to(dtype)
+                                                                                    : at::Tensor(arg);
+    } else {
+      return std::forward<Arg>(arg);
+    }
+  }
+
   // ---- training helpers -----------------------------------------------------------------------------
 
   /// Off: skip gradient reduction and keep unsharded gradients until a step with it on (accumulation).
