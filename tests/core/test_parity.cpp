@@ -366,3 +366,17 @@ TEST_CASE("other methods run under the protocol; inputs and outputs follow the p
   // Units are resharded after the call; only the root (kept until backward, as in FSDP2) is full.
   REQUIRE(sharded.sharded_bytes().unsharded == sharded.sharded().unit(0).unsharded_bytes());
 }
+
+TEST_CASE("GPT, FullShard, accumulation without sync", "[parity][gpt]") {
+  const GptConfig c;
+  check_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      [&] { return Gpt(c); }, gpt_batches(c), {.micro_steps = 2, .no_sync = true, .clip = 1.0, .tolerance = f32_tolerance});
+}
+
+TEST_CASE("GPT, HybridShard + CpuOffload, reduce every micro-step", "[parity][gpt][hybrid][offload]") {
+  const GptConfig c;
+  FsdpOptions options;
+  options.shard_size = world().size() % 2 == 0 ? 2 : world().size();
+  check_parity<Fsdp<Gpt, HybridShard<>, CpuOffload<>, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      [&] { return Gpt(c); }, gpt_batches(c), {.micro_steps = 2, .clip = 1.0, .tolerance = f32_tolerance}, options);
+}
