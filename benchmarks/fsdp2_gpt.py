@@ -1,9 +1,15 @@
 """PyTorch's side of the GPT benchmark: the model of examples/common/gpt.hpp, trained with FSDP2
-(fully_shard, gloo) or DDP (gloo) under torchrun. Prints one RESULT line like bench_gpt.
+(fully_shard) or DDP under torchrun. Prints one RESULT line like bench_gpt.
 
-    torchrun --standalone --nproc-per-node=2 benchmarks/fsdp2_gpt.py fsdp2|ddp [steps warmup batch seq dim layers vocab]
+    torchrun --standalone --nproc-per-node=2 benchmarks/fsdp2_gpt.py fsdp2|ddp [steps warmup batch seq dim layers vocab heads]
+    torchrun --standalone --nproc-per-node=1 benchmarks/fsdp2_gpt.py fsdp2-cuda [same]
+
+CPU modes use gloo and float32; fsdp2-cuda uses NCCL and MixedPrecisionPolicy(bf16 params, fp32
+reduce), the counterpart of fsdpx's BF16Mixed, and reports tokens/s, peak GPU memory and MFU
+(peak: FSDPX_PEAK_TFLOPS, default 989 = H100 SXM dense bf16).
 """
 import math
+import os
 import resource
 import sys
 import time
@@ -27,7 +33,7 @@ class Block(nn.Module):
         hd = C // self.heads
         q, k, v = self.qkv(self.ln1(x)).view(B, T, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
         att = (q @ k.transpose(-2, -1)) / math.sqrt(hd)
-        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), -1e9)
+        att = att.masked_fill(torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1), -1e9)
         y = (att.softmax(-1) @ v).transpose(1, 2).reshape(B, T, C)
         h = x + self.proj(y)
         return h + self.fc2(F.gelu(self.fc(self.ln2(h))))
@@ -43,7 +49,7 @@ class GPT(nn.Module):
         self.head = nn.Linear(dim, vocab, bias=False)
 
     def forward(self, idx, targets):
-        x = self.tok(idx) + self.pos(torch.arange(idx.size(1)))
+        x = self.tok(idx) + self.pos(torch.arange(idx.size(1), device=idx.device))
         for b in self.blocks:
             x = b(x)
         logits = self.head(self.ln_f(x))
@@ -52,19 +58,26 @@ class GPT(nn.Module):
 
 def main():
     mode = sys.argv[1]
-    steps, warmup, batch, seq, dim, layers, vocab = (int(a) for a in (sys.argv[2:] + [6, 2, 8, 256, 384, 6, 8192][len(sys.argv) - 2:]))
-    dist.init_process_group("gloo")
+    defaults = [6, 2, 8, 256, 384, 6, 8192, 6]
+    given = [int(a) for a in sys.argv[2:]]
+    steps, warmup, batch, seq, dim, layers, vocab, heads = given + defaults[len(given):]
+    cuda = mode.endswith("-cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = GPT(vocab, seq, dim, 6, layers)
+    model = GPT(vocab, seq, dim, heads, layers).to(device)
     params = sum(p.numel() for p in model.parameters())
-    if mode == "fsdp2":
+    if mode.startswith("fsdp2"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-        mesh = init_device_mesh("cpu", (world,))
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        mesh = init_device_mesh(device.type, (world,))
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
         for b in model.blocks:
-            fully_shard(b, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+            fully_shard(b, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
         run = model
     else:
         run = nn.parallel.DistributedDataParallel(model)
@@ -74,14 +87,37 @@ def main():
     torch.manual_seed(1)
     tokens = torch.randint(vocab, (batch, seq + 1))
     per = batch // world
-    x = tokens[rank * per:(rank + 1) * per, :seq].contiguous()
-    y = tokens[rank * per:(rank + 1) * per, 1:].contiguous()
-    times = []
-    for s in range(warmup + steps):
-        t0 = time.perf_counter()
+    x = tokens[rank * per:(rank + 1) * per, :seq].contiguous().to(device)
+    y = tokens[rank * per:(rank + 1) * per, 1:].contiguous().to(device)
+
+    def step():
         opt.zero_grad()
         run(x, y).backward()
         opt.step()
+
+    if cuda:
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        tps = per * seq * steps / seconds
+        flops = 6.0 * params + 12.0 * layers * seq * dim
+        peak = float(os.environ.get("FSDPX_PEAK_TFLOPS", "989")) * 1e12
+        if rank == 0:
+            print(f"RESULT contender=pytorch-{mode} world={world} params={params} batch={batch} seq={seq} "
+                  f"step_ms={seconds * 1000 / steps:.1f} tokens_per_s_per_gpu={tps:.0f} "
+                  f"peak_gpu_gib={torch.cuda.max_memory_allocated() / 2**30:.2f} mfu={tps * flops / peak:.3f}", flush=True)
+        dist.destroy_process_group()
+        return
+
+    times = []
+    for s in range(warmup + steps):
+        t0 = time.perf_counter()
+        step()
         dist.barrier()
         if s >= warmup:
             times.append((time.perf_counter() - t0) * 1000)
