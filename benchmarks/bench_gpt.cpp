@@ -162,6 +162,7 @@ int main(int argc, char** argv) {
     });
     rss = peak_rss_mib();
   } else {
+#if defined(FSDPX_WITH_MPI)
     auto world = fsdpx::dist::MpiCommunicator::world();
     rank = world.rank();
     world_size = world.size();
@@ -182,6 +183,9 @@ int main(int argc, char** argv) {
     world.all_reduce(stats, fsdpx::dist::ReduceOp::max);
     times.assign(1, stats[0].item<double>());
     rss = stats[1].item<double>();
+#else
+    FSDPX_CHECK(false, "bench_gpt: the CPU fsdpx mode needs MPI, and this build has none");
+#endif
   }
   if (rank == 0) {
     std::printf("RESULT contender=%s world=%d params=%lld batch=%lld seq=%lld step_ms=%.1f peak_rss_mib=%.0f\n",

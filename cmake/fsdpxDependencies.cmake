@@ -1,13 +1,33 @@
 # fsdpx's dependencies, found the same way by the source tree and by the installed fsdpxConfig.cmake.
-# In: FSDPX_WITH_NCCL (installed config: what the package was built with; source tree: unset = detect).
+# In (installed config): FSDPX_WITH_MPI, FSDPX_WITH_NCCL, FSDPX_WITH_BOOST as the package was built.
+# In (source tree): unset = detect; set them ON/OFF to force.
 include(CMakeFindDependencyMacro)
 list(APPEND CMAKE_MODULE_PATH "${CMAKE_CURRENT_LIST_DIR}")
 
 find_dependency(Torch)
-# The C API only: skip the deprecated MPI C++ bindings (found through the CXX language).
+
+# MPI: CPU collectives (mpirun/srun). The C API only: skip the deprecated C++ bindings.
 set(MPI_CXX_SKIP_MPICXX ON CACHE BOOL "fsdpx uses the MPI C API only")
-find_dependency(MPI COMPONENTS CXX)
-find_dependency(Boost 1.74 CONFIG)
+if(NOT DEFINED FSDPX_WITH_MPI)
+  find_package(MPI QUIET COMPONENTS CXX)
+  set(FSDPX_WITH_MPI OFF)
+  if(MPI_CXX_FOUND)
+    set(FSDPX_WITH_MPI ON)
+  endif()
+elseif(FSDPX_WITH_MPI)
+  find_dependency(MPI COMPONENTS CXX)
+endif()
+
+# Boost (headers): Asio thread pools for the checkpoint coordinator.
+if(NOT DEFINED FSDPX_WITH_BOOST)
+  find_package(Boost 1.74 QUIET CONFIG)
+  set(FSDPX_WITH_BOOST OFF)
+  if(Boost_FOUND)
+    set(FSDPX_WITH_BOOST ON)
+  endif()
+elseif(FSDPX_WITH_BOOST)
+  find_dependency(Boost 1.74 CONFIG)
+endif()
 
 # NCCL needs a LibTorch built with CUDA (c10_cuda) and nccl.h + libnccl.
 if(NOT DEFINED FSDPX_WITH_NCCL)

@@ -1,4 +1,4 @@
-// The communication layer: launcher environment, communicators (MPI; NCCL when built with it),
+// The communication layer: launcher environment, communicators (MPI and NCCL, as built with),
 // device mesh and TCP rendezvous.
 #pragma once
 
@@ -6,7 +6,9 @@
 #include <fsdpx/dist/communicator.hpp>
 #include <fsdpx/dist/env.hpp>
 #include <fsdpx/dist/mesh.hpp>
+#if defined(FSDPX_WITH_MPI)
 #include <fsdpx/dist/mpi.hpp>
+#endif
 #include <fsdpx/dist/rendezvous.hpp>
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/dist/work.hpp>

@@ -5,6 +5,7 @@
 #define CATCH_CONFIG_RUNNER
 #include <catch2/catch.hpp>
 
+#include <cstdio>
 #include <cstdlib>
 #include <optional>
 #include <string>
@@ -20,7 +21,9 @@ using fsdpx::dist::ReduceOp;
 
 namespace {
 std::optional<NcclCommunicator> g_comm;
+#if defined(FSDPX_WITH_MPI)
 std::optional<fsdpx::dist::MpiCommunicator> g_mpi;
+#endif
 NcclCommunicator& comm() { return *g_comm; }
 at::TensorOptions cuda(at::ScalarType t) { return at::TensorOptions().dtype(t).device(at::kCUDA, 0); }
 }  // namespace
@@ -93,8 +96,13 @@ int main(int argc, char** argv) {
   const char* mode = std::getenv("FSDPX_TEST_BOOTSTRAP");
   const std::string bootstrap = mode != nullptr ? mode : "store";
   if (bootstrap == "mpi") {
+#if defined(FSDPX_WITH_MPI)
     g_mpi = fsdpx::dist::MpiCommunicator::world();
     g_comm = NcclCommunicator::create(0, 1, 0, NcclCommunicator::unique_id(*g_mpi));
+#else
+    std::fprintf(stderr, "test_nccl: built without MPI; use FSDPX_TEST_BOOTSTRAP=store\n");
+    return 1;
+#endif
   } else {
     const auto env = fsdpx::dist::detect_launch_env();
     fsdpx::dist::Rendezvous rendezvous(env);
@@ -103,6 +111,8 @@ int main(int argc, char** argv) {
   }
   const int rc = Catch::Session().run(argc, argv);
   g_comm.reset();
+#if defined(FSDPX_WITH_MPI)
   g_mpi.reset();
+#endif
   return rc;
 }

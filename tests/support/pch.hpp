@@ -1,6 +1,8 @@
 // Precompiled for every test target: the expensive third-party headers only.
 #pragma once
+#if defined(FSDPX_WITH_MPI)
 #include <mpi.h>
+#endif
 
 #include <ATen/ATen.h>
 #include <torch/nn.h>

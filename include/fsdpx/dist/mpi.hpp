@@ -7,6 +7,10 @@
 //   work.wait();
 #pragma once
 
+#if !defined(FSDPX_WITH_MPI)
+#error "fsdpx/dist/mpi.hpp needs FSDPX_WITH_MPI: configure fsdpx where MPI is installed (docs/building.md)"
+#endif
+
 #include <mpi.h>
 
 #include <array>

@@ -40,7 +40,9 @@
 #include <fsdpx/dist/detail/checks.hpp>
 #include <fsdpx/dist/detail/health.hpp>
 #include <fsdpx/dist/env.hpp>
+#if defined(FSDPX_WITH_MPI)
 #include <fsdpx/dist/mpi.hpp>
+#endif
 #include <fsdpx/dist/rendezvous.hpp>
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
@@ -306,8 +308,12 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
       Rendezvous rendezvous(env, options.timeout);
       id = unique_id(rendezvous, options.name);
     } else {
+#if defined(FSDPX_WITH_MPI)
       auto mpi = MpiCommunicator::world(options);
       id = unique_id(mpi);
+#else
+      env.require_rendezvous();  // fsdpx was built without MPI: only the TCP store can carry the id
+#endif
     }
     return create(env.rank, env.world_size, device, id, std::move(options));
   }
@@ -327,6 +333,7 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     return id;
   }
 
+#if defined(FSDPX_WITH_MPI)
   /// Rank 0 of `mpi` creates the id and broadcasts it over MPI.
   static ncclUniqueId unique_id(MpiCommunicator& mpi) {
     ncclUniqueId id{};
@@ -339,6 +346,7 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     std::memcpy(&id, bytes.const_data_ptr(), sizeof(id));
     return id;
   }
+#endif
 
   int rank() const { return state_->rank(); }
   int size() const { return state_->size(); }

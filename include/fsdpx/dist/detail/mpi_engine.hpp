@@ -6,6 +6,10 @@
 // time out and fail with the operation's name instead.
 #pragma once
 
+#if !defined(FSDPX_WITH_MPI)
+#error "fsdpx's MPI engine needs FSDPX_WITH_MPI"
+#endif
+
 #include <mpi.h>
 
 #include <chrono>
