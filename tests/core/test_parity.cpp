@@ -13,141 +13,17 @@
 #include <fsdpx/fsdp.hpp>
 
 #include "../support/mpi_world.hpp"
-#include "models.hpp"
+#include "parity.hpp"
 
 using namespace fsdpx;
+using namespace fsdpx::test;
 using fsdpx::test::world;
 
-namespace {
-
-struct ParityRun {
-  int steps = 5;
-  int micro_steps = 1;
-  bool no_sync = false;        // accumulate unsharded gradients until the last micro-step
-  std::optional<double> clip;  // global-norm clipping
-  double tolerance = 0;        // max |sharded - reference| over every parameter element
-  // Runs after each step's optimizer update (e.g. an RL trainer's offload / reload).
-  std::function<void(core::ShardedModel&, torch::optim::Optimizer&)> after_step;
-};
-
-struct Batch {
-  at::Tensor x, y;
-};
-
-// eps 1e-6, not 1e-8: some gradients are analytically zero (the key bias of attention: softmax is
-// shift-invariant) and come out as rounding noise (~1e-10) whose value depends on the order of float
-// operations. Adam turns that noise into steps of lr * noise / eps: 1e-4 with eps 1e-8 (measured),
-// 1e-6 with eps 1e-6, in the reference and the sharded run alike.
-torch::optim::AdamWOptions adamw() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-6); }
-
-// The reference optimizer groups parameters the way make_adamw does: matrices decay, the rest not.
-torch::optim::AdamW reference_adamw(torch::nn::Module& m) {
-  std::vector<at::Tensor> decay, no_decay;
-  for (auto& p : m.parameters()) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  auto nd = adamw();
-  nd.weight_decay(0.0);
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(adamw()));
-  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(nd));
-  return torch::optim::AdamW(std::move(groups), adamw());
+fsdpx::test::ParityContext& fsdpx::test::parity_context() {
+  static ParityContext ctx{world(), at::Device(at::kCPU)};
+  return ctx;
 }
 
-// Rows of micro-step m: from every rank's slice (reference) or from this rank's (sharded).
-at::Tensor rows(int64_t global, int W, int m, int M, std::optional<int> rank) {
-  const int64_t per = global / W, micro = per / M;
-  std::vector<int64_t> idx;
-  for (int q = 0; q < W; ++q) {
-    if (rank && q != *rank) continue;
-    for (int64_t i = 0; i < micro; ++i) idx.push_back(q * per + m * micro + i);
-  }
-  return at::tensor(idx, at::kLong);
-}
-
-template <class Sharded, class Make>
-void check_parity(Make make, const std::function<Batch(int)>& batch, const ParityRun& run, FsdpOptions options = {}) {
-  const int W = world().size(), r = world().rank();
-  at::manual_seed(42);
-  auto reference = make();
-  at::manual_seed(42);
-  Sharded sharded(make(), world(), options);
-  auto optimizer = make_adamw(sharded, adamw());
-  auto ref_optimizer = reference_adamw(*reference);
-
-  for (int step = 0; step < run.steps; ++step) {
-    const Batch b = batch(step);
-    const int64_t global = b.x.size(0);
-    REQUIRE(global % (W * run.micro_steps) == 0);
-    optimizer.zero_grad();
-    ref_optimizer.zero_grad();
-    double ref_loss = 0, local_loss = 0;
-    for (int m = 0; m < run.micro_steps; ++m) {
-      const auto all = rows(global, W, m, run.micro_steps, std::nullopt);
-      auto l = reference->forward(b.x.index_select(0, all), b.y.index_select(0, all)) / run.micro_steps;
-      l.backward();
-      ref_loss += l.item().toDouble();
-
-      const auto mine = rows(global, W, m, run.micro_steps, r);
-      sharded.set_requires_gradient_sync(!run.no_sync || m == run.micro_steps - 1);
-      auto ls = sharded(b.x.index_select(0, mine), b.y.index_select(0, mine)) / run.micro_steps;
-      ls.backward();
-      local_loss += ls.item().toDouble();
-    }
-    if (run.clip) {
-      const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), *run.clip);
-      const GradNorm norm = sharded.clip_grad_norm_(*run.clip);
-      REQUIRE(norm.is_finite());
-      REQUIRE(norm.value == Approx(ref_norm).epsilon(1e-4));
-    }
-    ref_optimizer.step();
-    optimizer.step();
-    if (run.after_step) run.after_step(sharded.sharded(), optimizer);
-    auto loss = at::full({1}, local_loss, at::kDouble);
-    world().all_reduce(loss, dist::ReduceOp::avg);
-    INFO("step " << step);
-    REQUIRE(loss.item().toDouble() == Approx(ref_loss).epsilon(1e-5));
-  }
-
-  // Every parameter, gathered, against the reference.
-  auto scope = sharded.full_parameters();
-  auto ref_params = reference->named_parameters();
-  double worst = 0;
-  for (const auto& p : sharded->named_parameters()) {
-    const auto diff = (p.value().detach().to(at::kFloat) - ref_params[p.key()].detach()).abs().max().item().toDouble();
-    INFO(p.key() << " differs by " << diff);
-    CHECK(diff <= run.tolerance);
-    worst = std::max(worst, diff);
-  }
-  if (r == 0) std::printf("  parity: max |sharded - reference| = %.3g (tolerance %.3g)\n", worst, run.tolerance);
-}
-
-std::function<Batch(int)> gpt_batches(const test::GptConfig& c) {
-  return [c](int step) {
-    at::manual_seed(1000 + step);
-    auto tokens = at::randint(c.vocab, {24, c.seq + 1}, at::kLong);
-    return Batch{tokens.narrow(1, 0, c.seq).contiguous(), tokens.narrow(1, 1, c.seq).contiguous()};
-  };
-}
-
-Batch mlp_batch(int step) {
-  at::manual_seed(2000 + step);
-  return {at::randn({24, 20}), at::randint(5, {24}, at::kLong)};
-}
-
-// float32 tolerance. The sharded run sums the same products in another order (per-rank means, then
-// a ring average; at world size 3 the average divides by 3, which is inexact). A gradient element
-// that is a sum of terms of both signs carries a relative rounding error that can reach ~1e-3 when
-// the terms nearly cancel, and Adam passes relative gradient error straight into its step of ~lr.
-// Bound: 5 steps x lr (1e-2) x 1e-3 = 5e-5. Measured: at most 1.6e-5 (world size 3), 7e-6 (4),
-// 4e-6 (2), 1e-6 (1).
-constexpr double f32_tolerance = 5e-5;
-
-using test::BlockImpl;
-using test::Gpt;
-using test::GptConfig;
-using test::ResBlockImpl;
-using test::ResMlp;
-
-}  // namespace
 
 TEST_CASE("GPT, FullShard: parity with unsharded training, clipping on", "[parity][gpt]") {
   const GptConfig c;
@@ -239,74 +115,6 @@ TEST_CASE("a non-finite gradient norm skips the step and leaves every parameter 
   for (size_t i = 0; i < after.size(); ++i) REQUIRE(at::equal(after[i], before[i]));
 }
 
-namespace {
-// bfloat16: the reference does what BF16Mixed does, unsharded. Float32 master weights; a bfloat16
-// copy computes forward and backward on the whole batch; its gradients, cast to float32, drive AdamW
-// on the master.
-// Tolerance. Each rank's bfloat16 gradient is rounded (relative 2^-8) before the float32 average,
-// while the reference rounds the whole batch's gradient once. Adam turns relative gradient error into
-// relative step error, and nearly-zero gradients can flip its step's sign. So we bound the error of
-// the whole update: |theta - theta_ref| / |theta_ref - theta_0| <= 5%, about ten times 2^-8 for
-// 5 steps. The loss must agree to 1% (bfloat16 logits).
-void check_bf16_parity(const test::GptConfig& c, int steps) {
-  using Sharded = Fsdp<Gpt, FullShard, NoOffload, BF16Mixed, ShardedStateDict, WrapModules<BlockImpl>>;
-  const int W = world().size(), r = world().rank();
-  at::manual_seed(42);
-  auto master = Gpt(c);
-  at::manual_seed(42);
-  auto compute = Gpt(c);
-  compute->to(at::kBFloat16);
-  at::manual_seed(42);
-  Sharded sharded(Gpt(c), world());
-  auto optimizer = make_adamw(sharded, adamw());
-  auto ref_optimizer = reference_adamw(*master);
-  std::map<std::string, at::Tensor> initial;
-  for (const auto& p : master->named_parameters()) initial[p.key()] = p.value().detach().clone();
-
-  const auto batches = gpt_batches(c);
-  for (int step = 0; step < steps; ++step) {
-    const Batch b = batches(step);
-    {
-      at::NoGradGuard no_grad;
-      auto mp = master->parameters();
-      auto cp = compute->parameters();
-      for (size_t i = 0; i < mp.size(); ++i) cp[i].copy_(mp[i]);
-    }
-    compute->zero_grad();
-    ref_optimizer.zero_grad();
-    auto ref_loss = compute->forward(b.x, b.y);
-    ref_loss.backward();
-    {
-      auto mp = master->parameters();
-      auto cp = compute->parameters();
-      for (size_t i = 0; i < mp.size(); ++i) mp[i].mutable_grad() = cp[i].grad().to(at::kFloat);
-    }
-    ref_optimizer.step();
-
-    optimizer.zero_grad();
-    const auto mine = rows(b.x.size(0), W, 0, 1, r);
-    auto loss = sharded(b.x.index_select(0, mine), b.y.index_select(0, mine));
-    loss.backward();
-    optimizer.step();
-    auto global = loss.detach().to(at::kDouble).reshape({1});
-    world().all_reduce(global, dist::ReduceOp::avg);
-    REQUIRE(global.item().toDouble() == Approx(ref_loss.item().toDouble()).epsilon(1e-2));
-  }
-  auto scope = sharded.full_parameters();
-  auto ref = master->named_parameters();
-  double diff2 = 0, update2 = 0;
-  for (const auto& p : sharded->named_parameters()) {
-    REQUIRE(p.value().scalar_type() == at::kBFloat16);  // computes in bfloat16...
-    const auto& want = ref[p.key()];
-    diff2 += (p.value().detach().to(at::kFloat) - want.detach().to(at::kBFloat16).to(at::kFloat)).pow(2).sum().item().toDouble();
-    update2 += (want.detach() - initial[p.key()]).pow(2).sum().item().toDouble();
-  }
-  for (const auto& p : sharded.parameters()) REQUIRE(p.scalar_type() == at::kFloat);  // ...masters stay float32
-  const double relative = std::sqrt(diff2 / update2);
-  if (r == 0) std::printf("  bf16 parity: |theta - theta_ref| / |theta_ref - theta_0| = %.3g (tolerance 0.05)\n", relative);
-  REQUIRE(relative <= 0.05);
-}
-}  // namespace
 
 TEST_CASE("GPT, FullShard + BF16Mixed: parity with unsharded mixed-precision training", "[parity][gpt][bf16]") {
   check_bf16_parity(GptConfig{}, 5);
