@@ -8,8 +8,6 @@
 //   bench_gpt libtorch-cuda                      [same]      plain LibTorch, bf16 autocast
 // CUDA modes print tokens/s, peak allocated GPU memory and MFU (peak: FSDPX_PEAK_TFLOPS, default
 // 989 = H100 SXM dense bf16).
-#include <sys/resource.h>
-
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -32,18 +30,15 @@
 #endif
 
 #include "../examples/common/gpt.hpp"
+#include "../examples/common/memory.hpp"
 
 using fsdpx::examples::BlockImpl;
 using fsdpx::examples::Gpt;
 using fsdpx::examples::GptConfig;
+using fsdpx::examples::peak_rss_mib;
 using Clock = std::chrono::steady_clock;
 
 namespace {
-double peak_rss_mib() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1024.0;  // Linux: KiB
-}
 int64_t arg(int argc, char** argv, int i, int64_t fallback) { return argc > i ? std::atoll(argv[i]) : fallback; }
 
 #if defined(FSDPX_WITH_NCCL)

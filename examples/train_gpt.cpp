@@ -6,8 +6,6 @@
 //
 // Policies are chosen at build time: edit the Sharded alias below (e.g. HybridShard<2>, CpuOffload<>,
 // BF16Mixed); a combination that makes no sense does not compile.
-#include <sys/resource.h>
-
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -22,10 +20,12 @@
 #include <fsdpx/fsdp.hpp>
 
 #include "common/gpt.hpp"
+#include "common/memory.hpp"
 
 using fsdpx::examples::BlockImpl;
 using fsdpx::examples::Gpt;
 using fsdpx::examples::GptConfig;
+using fsdpx::examples::peak_rss_mib;
 
 using Sharded = fsdpx::Fsdp<Gpt, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision, fsdpx::ShardedStateDict,
                             fsdpx::WrapModules<BlockImpl>>;
@@ -79,11 +79,6 @@ at::Tensor load_corpus(const std::string& requested) {
   return {};
 }
 
-double peak_rss_mib() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1024.0;
-}
 
 }  // namespace
 

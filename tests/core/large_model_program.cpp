@@ -3,8 +3,6 @@
 // size, then trains a step.
 //   mpiexec -n 4 fsdpx_large_model deferred   (exits 1 if any rank held the whole model)
 //   mpiexec -n 4 fsdpx_large_model eager      (for comparison: ordinary construction)
-#include <sys/resource.h>
-
 #include <cmath>
 #include <cstdio>
 #include <string>
@@ -15,19 +13,13 @@
 #include <fsdpx/fsdp.hpp>
 
 #include "../../examples/common/gpt.hpp"
+#include "../../examples/common/memory.hpp"
 
 using namespace fsdpx;
 using examples::BlockImpl;
 using examples::Gpt;
 using examples::GptConfig;
-
-namespace {
-double peak_rss_mib() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1024.0;
-}
-}  // namespace
+using examples::peak_rss_mib;
 
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "deferred";

@@ -143,6 +143,12 @@ inline std::function<Batch(int)> gpt_batches(const test::GptConfig& c) {
   };
 }
 
+/// check_parity for the GPT of `c` on its batches.
+template <class Sharded>
+void check_gpt_parity(const GptConfig& c, const ParityRun& run, const FsdpOptions& options = {}) {
+  check_parity<Sharded>([&] { return Gpt(c); }, gpt_batches(c), run, options);
+}
+
 inline Batch mlp_batch(int step) {
   at::manual_seed(2000 + step);
   return {at::randn({24, 20}), at::randint(5, {24}, at::kLong)};

@@ -27,38 +27,38 @@ fsdpx::test::ParityContext& fsdpx::test::parity_context() {
 
 TEST_CASE("GPT, FullShard: parity with unsharded training, clipping on", "[parity][gpt]") {
   const GptConfig c;
-  check_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
-      [&] { return Gpt(c); }, gpt_batches(c), {.clip = 0.5, .tolerance = f32_tolerance});
+  check_gpt_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      c, {.clip = 0.5, .tolerance = f32_tolerance});
 }
 
 TEST_CASE("GPT with tied head, FullShard + CpuOffload, reduce every micro-step", "[parity][gpt][offload]") {
   GptConfig c;
   c.tied = true;
-  check_parity<Fsdp<Gpt, FullShard, CpuOffload<>, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
-      [&] { return Gpt(c); }, gpt_batches(c), {.micro_steps = 2, .clip = 1.0, .tolerance = f32_tolerance});
+  check_gpt_parity<Fsdp<Gpt, FullShard, CpuOffload<>, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      c, {.micro_steps = 2, .clip = 1.0, .tolerance = f32_tolerance});
 }
 
 TEST_CASE("GPT, HybridShard (runtime shard size), accumulation without sync", "[parity][gpt][hybrid]") {
   const GptConfig c;
   FsdpOptions options;
   options.shard_size = world().size() % 2 == 0 ? 2 : 1;
-  check_parity<Fsdp<Gpt, HybridShard<>, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
-      [&] { return Gpt(c); }, gpt_batches(c), {.micro_steps = 2, .no_sync = true, .clip = 1.0, .tolerance = f32_tolerance},
+  check_gpt_parity<Fsdp<Gpt, HybridShard<>, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      c, {.micro_steps = 2, .no_sync = true, .clip = 1.0, .tolerance = f32_tolerance},
       options);
 }
 
 TEST_CASE("GPT, NoShard (plain data parallel), accumulation without sync", "[parity][gpt][noshard]") {
   const GptConfig c;
-  check_parity<Fsdp<Gpt, NoShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
-      [&] { return Gpt(c); }, gpt_batches(c), {.micro_steps = 2, .no_sync = true, .clip = 1.0, .tolerance = f32_tolerance});
+  check_gpt_parity<Fsdp<Gpt, NoShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      c, {.micro_steps = 2, .no_sync = true, .clip = 1.0, .tolerance = f32_tolerance});
 }
 
 TEST_CASE("GPT, FullShard, parameters kept between forward and backward", "[parity][gpt]") {
   const GptConfig c;
   FsdpOptions options;
   options.reshard_after_forward = false;
-  check_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
-      [&] { return Gpt(c); }, gpt_batches(c), {.clip = 1.0, .tolerance = f32_tolerance}, options);
+  check_gpt_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      c, {.clip = 1.0, .tolerance = f32_tolerance}, options);
 }
 
 TEST_CASE("residual MLP with never-used parameters, FullShard + CpuOffload", "[parity][mlp]") {
@@ -130,8 +130,8 @@ TEST_CASE("offload_model / reload_model and optimizer-state moves between steps 
     m.reload_model();
     move_optimizer_state(opt, at::kCPU);  // this machine's device is the CPU
   };
-  check_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
-      [&] { return Gpt(c); }, gpt_batches(c), run);
+  check_gpt_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      c, run);
 }
 
 namespace {
@@ -177,14 +177,14 @@ TEST_CASE("other methods run under the protocol; inputs and outputs follow the p
 
 TEST_CASE("GPT, FullShard, accumulation without sync", "[parity][gpt]") {
   const GptConfig c;
-  check_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
-      [&] { return Gpt(c); }, gpt_batches(c), {.micro_steps = 2, .no_sync = true, .clip = 1.0, .tolerance = f32_tolerance});
+  check_gpt_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      c, {.micro_steps = 2, .no_sync = true, .clip = 1.0, .tolerance = f32_tolerance});
 }
 
 TEST_CASE("GPT, HybridShard + CpuOffload, reduce every micro-step", "[parity][gpt][hybrid][offload]") {
   const GptConfig c;
   FsdpOptions options;
   options.shard_size = world().size() % 2 == 0 ? 2 : world().size();
-  check_parity<Fsdp<Gpt, HybridShard<>, CpuOffload<>, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
-      [&] { return Gpt(c); }, gpt_batches(c), {.micro_steps = 2, .clip = 1.0, .tolerance = f32_tolerance}, options);
+  check_gpt_parity<Fsdp<Gpt, HybridShard<>, CpuOffload<>, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      c, {.micro_steps = 2, .clip = 1.0, .tolerance = f32_tolerance}, options);
 }

@@ -21,14 +21,14 @@ fsdpx::test::ParityContext& fsdpx::test::parity_context() { return *g_context; }
 
 TEST_CASE("GPU: GPT, FullShard, float32", "[gpu][parity]") {
   const GptConfig c;
-  check_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
-      [&] { return Gpt(c); }, gpt_batches(c), {.micro_steps = 2, .clip = 1.0, .tolerance = f32_tolerance});
+  check_gpt_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      c, {.micro_steps = 2, .clip = 1.0, .tolerance = f32_tolerance});
 }
 
 TEST_CASE("GPU: GPT, FullShard + pinned CpuOffload, float32", "[gpu][parity][offload]") {
   const GptConfig c;
-  check_parity<Fsdp<Gpt, FullShard, CpuOffload<true>, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
-      [&] { return Gpt(c); }, gpt_batches(c), {.micro_steps = 2, .clip = 1.0, .tolerance = f32_tolerance});
+  check_gpt_parity<Fsdp<Gpt, FullShard, CpuOffload<true>, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      c, {.micro_steps = 2, .clip = 1.0, .tolerance = f32_tolerance});
 }
 
 TEST_CASE("GPU: pinned CpuOffload keeps shards and gradients in pinned host memory", "[gpu][offload]") {

@@ -282,13 +282,6 @@ class ShardedModel {
     return b;
   }
 
-  /// Largest full buffer any single unit needs (bounds the transient memory per unit in flight).
-  int64_t largest_unit_bytes() const {
-    int64_t m = 0;
-    for (const auto& u : units_) m = std::max<int64_t>(m, u->layout().padded_numel() * at::elementSize(options_.param_dtype));
-    return m;
-  }
-
  private:
   struct PassState {  // per unit, per backward pass
     bool pre_backward_done = false;
