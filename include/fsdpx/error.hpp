@@ -31,6 +31,19 @@ class CommError : public Error {
   using Error::Error;
 };
 
+/// Reading or writing a checkpoint or a shard failed: a missing, truncated or corrupt file, a full disk,
+/// an I/O error. The message names the file.
+class IoError : public Error {
+ public:
+  using Error::Error;
+};
+
+/// Weight sync between trainer and rollout failed: a lost peer, a version that never came, a bad frame.
+class SyncError : public Error {
+ public:
+  using Error::Error;
+};
+
 namespace detail {
 
 template <class... Args>
