@@ -11,3 +11,5 @@
 #include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/fsdp.hpp>
 #include <fsdpx/core/optim.hpp>
+
+#include <fsdpx/checkpoint.hpp>

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/optim/adam.h>
@@ -12,6 +14,30 @@
 #include <fsdpx/error.hpp>
 
 namespace fsdpx {
+
+namespace detail {
+
+/// The tensors of one parameter's optimizer state by name (the one place that knows LibTorch's
+/// state types: Adam, AdamW, SGD). Undefined tensors (e.g. no amsgrad) are left out.
+using StateTensors = std::vector<std::pair<std::string, at::Tensor*>>;
+inline StateTensors optimizer_state_tensors(torch::optim::OptimizerParamState& state) {
+  StateTensors out;
+  const auto add = [&](const char* name, at::Tensor& t) {
+    if (t.defined()) out.emplace_back(name, &t);
+  };
+  if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(&state)) {
+    add("exp_avg", s->exp_avg()), add("exp_avg_sq", s->exp_avg_sq()), add("max_exp_avg_sq", s->max_exp_avg_sq());
+  } else if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(&state)) {
+    add("exp_avg", a->exp_avg()), add("exp_avg_sq", a->exp_avg_sq()), add("max_exp_avg_sq", a->max_exp_avg_sq());
+  } else if (auto* g = dynamic_cast<torch::optim::SGDParamState*>(&state)) {
+    add("momentum_buffer", g->momentum_buffer());
+  } else {
+    FSDPX_CHECK(false, "this optimizer's state type is not known to fsdpx (Adam, AdamW and SGD are)");
+  }
+  return out;
+}
+
+}  // namespace detail
 
 /// AdamW with two groups: matrices with `options.weight_decay()`, everything else (biases, norms)
 /// without weight decay.
@@ -36,19 +62,7 @@ inline void move_optimizer_state(torch::optim::Optimizer& optimizer, at::Device 
     t.set_data(moved);
   };
   for (auto& [key, state] : optimizer.state()) {
-    if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(state.get())) {
-      move(s->exp_avg());
-      move(s->exp_avg_sq());
-      move(s->max_exp_avg_sq());
-    } else if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(state.get())) {
-      move(a->exp_avg());
-      move(a->exp_avg_sq());
-      move(a->max_exp_avg_sq());
-    } else if (auto* g = dynamic_cast<torch::optim::SGDParamState*>(state.get())) {
-      move(g->momentum_buffer());
-    } else {
-      FSDPX_CHECK(false, "move_optimizer_state: this optimizer's state type is not known (Adam, AdamW and SGD are)");
-    }
+    for (auto& [name, tensor] : detail::optimizer_state_tensors(*state)) move(*tensor);
   }
 }
 

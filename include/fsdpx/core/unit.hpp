@@ -81,6 +81,8 @@ class Unit {
   const FlatParamLayout& layout() const { return layout_; }
   const UnitOptions& options() const { return options_; }
   bool trainable() const { return trainable_; }
+  /// This rank's position in the shard group: it holds layout().shard_range(shard_rank()).
+  int shard_rank() const { return shard_rank_; }
   bool is_unsharded() const { return state_ == State::unsharded; }
   /// Bytes of the full (unsharded) buffer while allocated, else 0.
   int64_t unsharded_bytes() const { return detail::storage_allocated(full_) ? full_.nbytes() : 0; }

@@ -1,0 +1,475 @@
+// CheckpointCoordinator: background checkpoint saves that never cost a good checkpoint.
+//
+//   fsdpx::CheckpointCoordinator ckpt("/ckpt", model, {.max_to_keep = 3});
+//   for (step...) { train(); if (step % 100 == 0) ckpt.save(step, model, &optimizer, extra); }
+//   ckpt.wait();  // before exit: every save durable and committed (throws the first failure)
+//
+// save() copies the state to host memory (pinned on a GPU) on the calling thread and returns; a
+// Boost.Asio thread pool serializes and writes the files durably (temporary file, fsync, rename,
+// fsync of the directory). Each rank then drops a .done marker per file. Rank 0 watches the markers
+// and commits a step only when every rank's files of it are durable: it writes fsdp_config.json (the
+// commit record, with every file's size and CRC-32C), then advances latest_state_dict_iteration.txt
+// (weights complete) and latest_checkpointed_iteration.txt (everything complete), atomically and
+// never backwards, then rotates old checkpoints. A failed save never advances them: it is reported
+// to the monitors and thrown by the next call on the coordinator.
+//
+// The checkpoint root must be one file system that every rank sees (the commit reads other ranks' markers).
+#pragma once
+
+#if !defined(FSDPX_WITH_BOOST)
+#error "fsdpx/checkpoint/coordinator.hpp needs Boost.Asio: install Boost (Debian: libboost-dev) and build with FSDPX_WITH_BOOST (fsdpx's CMake package sets it when Boost is found)"
+#endif
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <unistd.h>
+
+#include <boost/asio/post.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/thread_pool.hpp>
+
+#include <torch/optim/optimizer.h>
+
+#include <fsdpx/checkpoint/detail/json.hpp>
+#include <fsdpx/checkpoint/extra_state.hpp>
+#include <fsdpx/checkpoint/format.hpp>
+#include <fsdpx/checkpoint/layout.hpp>
+#include <fsdpx/checkpoint/state_dict.hpp>
+
+namespace fsdpx {
+
+struct CheckpointOptions {
+  /// Keep at most this many committed checkpoints (0: all). The newest committed one is never deleted.
+  int max_to_keep = 0;
+  /// Keep at most this many bytes of committed checkpoints (0: no cap); the newest is kept even if larger.
+  int64_t max_bytes = 0;
+  /// Threads that serialize and write.
+  int threads = 2;
+  /// Rank 0 gives up on a step whose files have not all become durable within this time.
+  std::chrono::milliseconds commit_timeout = std::chrono::minutes(30);
+  std::chrono::milliseconds poll_interval = std::chrono::milliseconds(10);
+};
+
+/// What a monitor hears about one file of one save (rank-local).
+struct SaveEvent {
+  int64_t step = 0;
+  checkpoint::Component component = checkpoint::Component::model;
+  std::filesystem::path path;
+  int64_t bytes = 0;
+  double seconds = 0;
+  std::string error;  // empty when the save succeeded
+};
+
+/// Callbacks; each may be empty. They run on the coordinator's threads: keep them short.
+struct CheckpointMonitor {
+  std::function<void(int64_t step, checkpoint::Component)> before_save;
+  std::function<void(const SaveEvent&)> after_save;
+  /// Rank 0: the step's weights (weights_only) or whole checkpoint are committed.
+  std::function<void(int64_t step, bool weights_only)> on_commit;
+  /// A save or commit of `step` failed; the iteration files did not move.
+  std::function<void(int64_t step, const std::string& cause)> on_failure;
+};
+
+/// What one save writes: snapshots already in host memory plus the step's description.
+struct SaveRequest {
+  int64_t step = 0;
+  StateDict model;
+  std::optional<StateDict> optim;
+  std::optional<c10::IValue> extra;
+  checkpoint::detail::Json::Object config;  // mesh, dtypes, kind: goes into fsdp_config.json
+};
+
+/// Snapshots `model` (by its StateDict policy), the optimizer's state and the extra state into host
+/// memory. Collective for FullStateDict models.
+template <class Sharded>
+SaveRequest make_save_request(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer, const ExtraState* extra) {
+  using checkpoint::detail::Json;
+  SaveRequest req;
+  req.step = step;
+  req.model = state_dict(model);
+  if (optimizer != nullptr) req.optim = optimizer_state_dict(model.sharded(), *optimizer);
+  const auto& world = model.mesh().world();
+  if (extra != nullptr) {
+    ExtraState e = *extra;
+    e.step = step;
+    req.extra = checkpoint::extra_state_to_ivalue(e, world.size(), world.rank());
+  }
+  const auto& unit = model.sharded().unit(0).options();
+  req.config = {{"mesh", Json::Object{{"shard", model.mesh().shard_size()}, {"replicate", model.mesh().replicate_size()}}},
+                {"state_dict_kind", to_string(req.model.kind)},
+                {"param_dtype", std::string(c10::toString(unit.param_dtype))},
+                {"reduce_dtype", std::string(c10::toString(unit.reduce_dtype))},
+                {"master_dtype", "Float"},
+                {"backend", std::string(world.backend_name())}};
+  return req;
+}
+
+class CheckpointCoordinator {
+ public:
+  using Component = checkpoint::Component;
+
+  CheckpointCoordinator(std::filesystem::path root, int rank, int world_size, CheckpointOptions options = {})
+      : root_(std::move(root)), rank_(rank), world_size_(world_size), options_(options), pool_(std::max(1, options.threads)) {
+    FSDPX_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "CheckpointCoordinator: rank ", rank,
+                " is outside the world of ", world_size);
+    std::error_code ec;
+    std::filesystem::create_directories(root_, ec);
+    FSDPX_CHECK_AS(IoError, !ec, "cannot create the checkpoint root '", root_.string(), "': ", ec.message());
+    for (const char* f : {checkpoint::state_dict_iteration_file, checkpoint::checkpointed_iteration_file}) {
+      iteration_[f] = checkpoint::read_iteration_file(root_ / f).value_or(-1);
+    }
+  }
+  /// Rank and world size from the model's world communicator.
+  template <class Sharded>
+    requires requires(const Sharded& m) { m.mesh().world(); }
+  CheckpointCoordinator(std::filesystem::path root, const Sharded& model, CheckpointOptions options = {})
+      : CheckpointCoordinator(std::move(root), model.mesh().world().rank(), model.mesh().world().size(), options) {}
+
+  CheckpointCoordinator(const CheckpointCoordinator&) = delete;
+  CheckpointCoordinator& operator=(const CheckpointCoordinator&) = delete;
+  ~CheckpointCoordinator() {
+    try {
+      wait();
+    } catch (const std::exception& e) {
+      TORCH_WARN("fsdpx: a checkpoint save failed and was not waited for: ", e.what());
+    }
+    pool_.join();
+  }
+
+  void add_monitor(CheckpointMonitor monitor) {
+    std::lock_guard lock(mutex_);
+    monitors_.push_back(std::move(monitor));
+  }
+
+  /// Snapshots the model (and the optimizer and extra state when given) and saves them in the
+  /// background. Blocks only for the host copy, and for a previous save of the same component that
+  /// is still writing. Throws the cause of an earlier failed save.
+  template <class Sharded>
+  void save(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer = nullptr, const ExtraState* extra = nullptr) {
+    rethrow_failure();
+    wait_for_components(optimizer != nullptr, extra != nullptr);
+    submit(make_save_request(step, model, optimizer, extra));
+  }
+  template <class Sharded>
+  void save(int64_t step, Sharded& model, torch::optim::Optimizer& optimizer, const ExtraState& extra) {
+    save(step, model, &optimizer, &extra);
+  }
+
+  /// Saves an already made request (see make_save_request).
+  void submit(SaveRequest req) {
+    wait_for_components(req.optim.has_value(), req.extra.has_value());
+    FSDPX_CHECK(req.model.world_size == world_size_ && req.model.rank == rank_, "CheckpointCoordinator for rank ", rank_,
+                " of ", world_size_, " was given the state of rank ", req.model.rank, " of ", req.model.world_size);
+    {
+      std::lock_guard lock(mutex_);
+      FSDPX_CHECK(req.step > last_submitted_, "checkpoint steps must increase: step ", req.step, " after step ", last_submitted_);
+      last_submitted_ = req.step;
+    }
+    const std::filesystem::path dir = checkpoint::step_dir(root_, req.step);
+    std::error_code ec;
+    std::filesystem::create_directories(dir / ".done", ec);
+    FSDPX_CHECK_AS(IoError, !ec, "cannot create '", (dir / ".done").string(), "': ", ec.message());
+
+    auto shared = std::make_shared<SaveRequest>(std::move(req));
+    std::vector<Component> components{Component::model};
+    if (shared->optim) components.push_back(Component::optim);
+    if (shared->extra) components.push_back(Component::extra_state);
+    for (const Component c : components) {
+      auto& slot = in_flight_[static_cast<int>(c)];
+      slot = std::make_shared<InFlight>();
+      start_task();
+      boost::asio::post(pool_, [this, shared, dir, c, slot] { write_component(*shared, dir, c, *slot); });
+    }
+    if (rank_ == 0) {
+      start_task();
+      {
+        std::lock_guard lock(mutex_);
+        pending_commits_.insert(shared->step);
+      }
+      watch_commit(std::make_shared<Commit>(Commit{shared->step, dir, components, shared->config,
+                                                   std::chrono::steady_clock::now() + options_.commit_timeout}));
+    }
+  }
+
+  /// Waits until this rank's saves are durable (and, on rank 0, committed or failed); throws the
+  /// first failure since the last throw.
+  void wait() {
+    {
+      std::unique_lock lock(mutex_);
+      idle_.wait(lock, [&] { return outstanding_ == 0; });
+    }
+    rethrow_failure();
+  }
+
+  /// The newest step whose weights (weights_only) or whole checkpoint this coordinator committed or
+  /// found committed at start; -1 when none. Meaningful on rank 0.
+  int64_t latest_committed(bool weights_only = false) const {
+    std::lock_guard lock(mutex_);
+    return iteration_.at(weights_only ? checkpoint::state_dict_iteration_file : checkpoint::checkpointed_iteration_file);
+  }
+
+  const std::filesystem::path& root() const { return root_; }
+
+ private:
+  struct InFlight {
+    std::mutex m;
+    std::condition_variable cv;
+    bool done = false;
+  };
+  struct Commit {
+    int64_t step;
+    std::filesystem::path dir;
+    std::vector<Component> components;
+    checkpoint::detail::Json::Object config;
+    std::chrono::steady_clock::time_point deadline;
+    bool weights_committed = false;
+  };
+
+  void start_task() {
+    std::lock_guard lock(mutex_);
+    ++outstanding_;
+  }
+  void finish_task() {
+    std::lock_guard lock(mutex_);
+    if (--outstanding_ == 0) idle_.notify_all();
+  }
+
+  void wait_for_components(bool optim, bool extra) {
+    for (const Component c : checkpoint::all_components) {
+      if ((c == Component::optim && !optim) || (c == Component::extra_state && !extra)) continue;
+      if (auto slot = in_flight_[static_cast<int>(c)]) {  // one save per component in flight
+        std::unique_lock lock(slot->m);
+        slot->cv.wait(lock, [&] { return slot->done; });
+      }
+    }
+    rethrow_failure();
+  }
+
+  template <class Fn>
+  void notify(Fn&& fn) {
+    std::vector<CheckpointMonitor> monitors;
+    {
+      std::lock_guard lock(mutex_);
+      monitors = monitors_;
+    }
+    for (const auto& m : monitors) {
+      try {
+        fn(m);
+      } catch (const std::exception& e) {
+        TORCH_WARN("fsdpx: a checkpoint monitor threw: ", e.what());
+      }
+    }
+  }
+
+  void record_failure(int64_t step, const std::string& cause) {
+    {
+      std::lock_guard lock(mutex_);
+      if (failure_.empty()) failure_ = cause;
+    }
+    notify([&](const CheckpointMonitor& m) {
+      if (m.on_failure) m.on_failure(step, cause);
+    });
+  }
+
+  void rethrow_failure() {
+    std::string cause;
+    {
+      std::lock_guard lock(mutex_);
+      cause.swap(failure_);
+    }
+    if (!cause.empty()) throw IoError(cause);
+  }
+
+  void write_component(const SaveRequest& req, const std::filesystem::path& dir, Component c, InFlight& slot) {
+    notify([&](const CheckpointMonitor& m) {
+      if (m.before_save) m.before_save(req.step, c);
+    });
+    SaveEvent event{req.step, c, dir / checkpoint::shard_file_name(c, world_size_, rank_)};
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      const auto written = c == Component::model   ? checkpoint::save_state_dict(event.path, req.model)
+                           : c == Component::optim ? checkpoint::save_state_dict(event.path, *req.optim)
+                                                   : checkpoint::detail::save_ivalue(event.path, *req.extra);
+      event.bytes = written.bytes;
+      checkpoint::detail::write_text_durably(checkpoint::done_marker(dir, c, rank_),
+                                             ::fsdpx::detail::str(event.path.filename().string(), " ", written.bytes, " ",
+                                                                  written.crc32c, "\n"));
+    } catch (const std::exception& e) {
+      event.error = ::fsdpx::detail::str("fsdpx: checkpoint step ", req.step, ": rank ", rank_, " could not save its ",
+                                         to_string(c), ": ", e.what());
+      // Tell rank 0 at once, so it stops waiting for this step. On a full disk the text may not fit;
+      // an empty marker needs no data block.
+      const auto marker = checkpoint::failed_marker(dir, rank_);
+      try {
+        checkpoint::detail::write_text_durably(marker, event.error);
+      } catch (...) {
+        if (const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644); fd >= 0) ::close(fd);
+      }
+      record_failure(req.step, event.error);
+    }
+    event.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    notify([&](const CheckpointMonitor& m) {
+      if (m.after_save) m.after_save(event);
+    });
+    {
+      std::lock_guard lock(slot.m);
+      slot.done = true;
+    }
+    slot.cv.notify_all();
+    finish_task();
+  }
+
+  // ---- rank 0: commit ----------------------------------------------------------------------------
+
+  void watch_commit(std::shared_ptr<Commit> commit) {
+    auto timer = std::make_shared<boost::asio::steady_timer>(pool_, options_.poll_interval);
+    timer->async_wait([this, commit, timer](const boost::system::error_code&) {
+      bool again = false;
+      try {
+        again = !advance_commit(*commit);
+      } catch (const std::exception& e) {
+        record_failure(commit->step, e.what());
+      }
+      if (again) {
+        watch_commit(commit);
+      } else {
+        {
+          std::lock_guard lock(mutex_);
+          pending_commits_.erase(commit->step);
+        }
+        finish_task();
+      }
+    });
+  }
+
+  /// One look at the markers; true when the commit is finished (committed or failed).
+  bool advance_commit(Commit& c) {
+    for (int r = 0; r < world_size_; ++r) {
+      const auto failed = checkpoint::failed_marker(c.dir, r);
+      if (std::filesystem::exists(failed)) {
+        std::string cause = checkpoint::detail::read_text(failed);
+        if (cause.empty()) cause = ::fsdpx::detail::str("rank ", r, " could not save its files (nor describe why: is the disk full?)");
+        record_failure(c.step, ::fsdpx::detail::str("fsdpx: checkpoint step ", c.step, " was not committed: ", cause));
+        return true;
+      }
+    }
+    const auto files_of = [&](Component comp) -> std::optional<checkpoint::detail::Json::Object> {
+      checkpoint::detail::Json::Object files;
+      for (int r = 0; r < world_size_; ++r) {
+        const auto marker = checkpoint::done_marker(c.dir, comp, r);
+        if (!std::filesystem::exists(marker)) return std::nullopt;
+        char name[256] = {};
+        long long bytes = 0;
+        unsigned long crc = 0;
+        const std::string text = checkpoint::detail::read_text(marker);
+        FSDPX_CHECK_AS(IoError, std::sscanf(text.c_str(), "%255s %lld %lu", name, &bytes, &crc) == 3,
+                       "checkpoint marker '", marker.string(), "' is corrupt");
+        files[name] = checkpoint::detail::Json::Object{{"bytes", int64_t{bytes}}, {"crc32c", static_cast<int64_t>(crc)}};
+      }
+      return files;
+    };
+    std::vector<std::string> done;
+    checkpoint::detail::Json::Object files;
+    for (const Component comp : c.components) {
+      auto f = files_of(comp);
+      if (!f) break;
+      done.push_back(to_string(comp));
+      files.insert(f->begin(), f->end());
+    }
+    const bool complete = done.size() == c.components.size();
+    const bool weights = !done.empty();
+    if (std::chrono::steady_clock::now() > c.deadline && !complete) {
+      record_failure(c.step, ::fsdpx::detail::str("fsdpx: checkpoint step ", c.step, " was not committed: not every rank's ",
+                                                  "files became durable within ", options_.commit_timeout.count(),
+                                                  " ms (complete: ", done.size(), " of ", c.components.size(),
+                                                  " components); a rank may have died"));
+      return true;
+    }
+    if (weights && !c.weights_committed) {
+      write_config(c, done, files, false);
+      advance(checkpoint::state_dict_iteration_file, c.step);
+      c.weights_committed = true;
+      notify([&](const CheckpointMonitor& m) {
+        if (m.on_commit) m.on_commit(c.step, true);
+      });
+    }
+    if (!complete) return false;
+    const bool full = c.components.size() == std::size(checkpoint::all_components);
+    if (c.components.size() > 1) write_config(c, done, files, full);
+    if (full) {
+      advance(checkpoint::checkpointed_iteration_file, c.step);
+      notify([&](const CheckpointMonitor& m) {
+        if (m.on_commit) m.on_commit(c.step, false);
+      });
+    }
+    rotate();
+    return true;
+  }
+
+  void rotate() {
+    std::set<int64_t> in_flight;
+    {
+      std::lock_guard lock(mutex_);
+      in_flight = pending_commits_;
+    }
+    checkpoint::rotate_checkpoints(root_, {options_.max_to_keep, options_.max_bytes}, in_flight);
+  }
+
+  void write_config(const Commit& c, const std::vector<std::string>& done, const checkpoint::detail::Json::Object& files,
+                    bool complete) {
+    using checkpoint::detail::Json;
+    Json::Object config = c.config;
+    config["format"] = checkpoint::format_name;
+    config["format_version"] = checkpoint::format_version;
+    config["step"] = c.step;
+    config["world_size"] = world_size_;
+    config["complete"] = complete;
+    Json::Array comps;
+    for (const auto& d : done) comps.emplace_back(d);
+    config["components"] = std::move(comps);
+    config["files"] = files;
+    checkpoint::detail::write_text_durably(c.dir / checkpoint::config_file, Json(config).dump() + "\n");
+  }
+
+  /// Iteration files only move forward, each write atomic and durable.
+  void advance(const char* file, int64_t step) {
+    std::lock_guard lock(iteration_mutex_);
+    int64_t& current = iteration_[file];
+    if (step <= current) return;
+    checkpoint::detail::write_text_durably(root_ / file, std::to_string(step) + "\n");
+    std::lock_guard state(mutex_);
+    current = step;
+  }
+
+  std::filesystem::path root_;
+  int rank_;
+  int world_size_;
+  CheckpointOptions options_;
+  mutable std::mutex mutex_;
+  std::condition_variable idle_;
+  int outstanding_ = 0;
+  std::string failure_;
+  int64_t last_submitted_ = -1;
+  std::set<int64_t> pending_commits_;  // rank 0: steps whose commit is being watched
+  std::vector<CheckpointMonitor> monitors_;
+  std::shared_ptr<InFlight> in_flight_[3];
+  std::mutex iteration_mutex_;
+  std::map<std::string, int64_t> iteration_;
+  boost::asio::thread_pool pool_;  // last: joined (in the destructor) before the members above go
+};
+
+}  // namespace fsdpx

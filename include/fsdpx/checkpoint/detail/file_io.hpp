@@ -1,0 +1,231 @@
+// Durable file I/O for checkpoints: every file is written to a temporary name, fsynced, renamed
+// into place and its directory fsynced, so a crash leaves either the old file or the new one,
+// never a torn one. Errors name the file and the cause (a full disk says so).
+#pragma once
+
+#include <atomic>
+#include <cerrno>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fsdpx/error.hpp>
+
+namespace fsdpx::checkpoint::detail {
+
+namespace fs = std::filesystem;
+
+// ---- CRC-32C (Castagnoli): the checksum recorded for every file in fsdp_config.json ----------------
+
+class Crc32c {
+ public:
+  void update(const void* data, size_t n) {
+    const auto* p = static_cast<const unsigned char*>(data);
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+    if (has_sse42()) {
+      state_ = update_sse42(state_, p, n);
+      return;
+    }
+#endif
+    for (size_t i = 0; i < n; ++i) state_ = table()[(state_ ^ p[i]) & 0xffu] ^ (state_ >> 8);
+  }
+  uint32_t value() const { return ~state_; }
+
+  static uint32_t of(const void* data, size_t n) {
+    Crc32c c;
+    c.update(data, n);
+    return c.value();
+  }
+
+ private:
+  static const uint32_t* table() {
+    static const auto t = [] {
+      std::vector<uint32_t> v(256);
+      for (uint32_t i = 0; i < 256; ++i) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; ++k) c = (c & 1u) ? 0x82f63b78u ^ (c >> 1) : c >> 1;
+        v[i] = c;
+      }
+      return v;
+    }();
+    return t.data();
+  }
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  static bool has_sse42() {
+    static const bool yes = __builtin_cpu_supports("sse4.2");
+    return yes;
+  }
+  __attribute__((target("sse4.2"))) static uint32_t update_sse42(uint32_t crc, const unsigned char* p, size_t n) {
+    uint64_t c = crc;
+    for (; n >= 8; n -= 8, p += 8) {
+      uint64_t word;
+      std::memcpy(&word, p, 8);
+      c = __builtin_ia32_crc32di(c, word);
+    }
+    auto c32 = static_cast<uint32_t>(c);
+    for (; n > 0; --n, ++p) c32 = __builtin_ia32_crc32qi(c32, *p);
+    return c32;
+  }
+#endif
+  uint32_t state_ = 0xffffffffu;
+};
+
+// ---- fault injection (tests): writes fail with `error` once the process has written `after_bytes`
+// checkpoint bytes, as a full disk or a broken device would. Set from FSDPX_INJECT_WRITE_ERROR=
+// <ENOSPC|EIO|EDQUOT>:<bytes> at first use, or by inject_write_error().
+
+struct FaultInjection {
+  std::atomic<int> error{0};
+  std::atomic<int64_t> after_bytes{0};
+  std::atomic<int64_t> written{0};
+};
+
+inline FaultInjection& fault_injection() {
+  static FaultInjection* f = [] {
+    auto* fi = new FaultInjection;  // never destroyed: background writers may outlive static destruction
+    const char* spec = std::getenv("FSDPX_INJECT_WRITE_ERROR");
+    if (spec == nullptr || *spec == '\0') return fi;
+    const std::string s(spec);
+    const auto colon = s.find(':');
+    const std::string name = s.substr(0, colon);
+    const int err = name == "ENOSPC" ? ENOSPC : name == "EIO" ? EIO : name == "EDQUOT" ? EDQUOT : 0;
+    FSDPX_CHECK(err != 0, "FSDPX_INJECT_WRITE_ERROR='", s, "': the error must be ENOSPC, EIO or EDQUOT");
+    fi->after_bytes = colon == std::string::npos ? 0 : std::stoll(s.substr(colon + 1));
+    fi->error = err;
+    return fi;
+  }();
+  return *f;
+}
+
+/// Tests: from now on, checkpoint writes fail with `error` after `after_bytes` more bytes (0: off).
+inline void inject_write_error(int error, int64_t after_bytes = 0) {
+  auto& f = fault_injection();
+  f.after_bytes = f.written.load() + after_bytes;
+  f.error = error;
+}
+
+inline std::string errno_text(int err) {
+  std::string text = std::strerror(err);
+  if (err == ENOSPC) text += " (ENOSPC: the disk is full)";
+  if (err == EDQUOT) text += " (EDQUOT: the disk quota is exhausted)";
+  return text;
+}
+
+[[noreturn]] inline void throw_io(std::string_view what, const fs::path& path, int err) {
+  throw IoError(::fsdpx::detail::str("fsdpx: ", what, " '", path.string(), "' failed: ", errno_text(err)));
+}
+
+/// An open file descriptor that closes itself.
+class Fd {
+ public:
+  Fd(const fs::path& path, int flags, mode_t mode = 0644) : fd_(::open(path.c_str(), flags | O_CLOEXEC, mode)) {
+    if (fd_ < 0) throw_io("opening", path, errno);
+  }
+  Fd(const Fd&) = delete;
+  Fd& operator=(const Fd&) = delete;
+  ~Fd() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  int get() const { return fd_; }
+  void close(const fs::path& path) {
+    const int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) throw_io("closing", path, errno);
+  }
+
+ private:
+  int fd_;
+};
+
+inline void fsync_directory(const fs::path& dir) {
+  Fd fd(dir, O_RDONLY | O_DIRECTORY);
+  if (::fsync(fd.get()) != 0) throw_io("fsync of directory", dir, errno);
+}
+
+/// What a durable write produced.
+struct WrittenFile {
+  fs::path path;
+  int64_t bytes = 0;
+  uint32_t crc32c = 0;
+};
+
+/// Writes `path` durably: `produce(sink)` calls sink(data, n) with the content in order; the bytes
+/// go to "<path>.tmp", which is fsynced and renamed over `path`, then the directory is fsynced.
+/// On any error the temporary file is removed and `path` is left as it was.
+inline WrittenFile write_file_durably(const fs::path& path,
+                                     const std::function<void(const std::function<void(const void*, size_t)>&)>& produce) {
+  const fs::path tmp = path.string() + ".tmp";
+  WrittenFile out{path, 0, 0};
+  try {
+    Fd fd(tmp, O_WRONLY | O_CREAT | O_TRUNC);
+    Crc32c crc;
+    FaultInjection& fault = fault_injection();
+    produce([&](const void* data, size_t n) {
+      const auto* p = static_cast<const char*>(data);
+      crc.update(p, n);
+      while (n > 0) {
+        if (const int err = fault.error.load(); err != 0 && fault.written.load() + static_cast<int64_t>(n) > fault.after_bytes) {
+          throw_io("writing", tmp, err);
+        }
+        const ssize_t k = ::write(fd.get(), p, n);
+        if (k < 0) {
+          if (errno == EINTR) continue;
+          throw_io("writing", tmp, errno);
+        }
+        p += k;
+        n -= static_cast<size_t>(k);
+        out.bytes += k;
+        fault.written += k;
+      }
+    });
+    if (::fsync(fd.get()) != 0) throw_io("fsync of", tmp, errno);
+    fd.close(tmp);
+    out.crc32c = crc.value();
+    if (::rename(tmp.c_str(), path.c_str()) != 0) throw_io("renaming into place", path, errno);
+    fsync_directory(path.parent_path().empty() ? fs::path(".") : path.parent_path());
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove(tmp, ignored);
+    throw;
+  }
+  return out;
+}
+
+inline WrittenFile write_text_durably(const fs::path& path, std::string_view text) {
+  return write_file_durably(path, [&](const auto& sink) { sink(text.data(), text.size()); });
+}
+
+/// The whole file, or an IoError naming it.
+inline std::vector<char> read_file(const fs::path& path) {
+  Fd fd(path, O_RDONLY);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) throw_io("stat of", path, errno);
+  std::vector<char> data(static_cast<size_t>(st.st_size));
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t k = ::read(fd.get(), data.data() + done, data.size() - done);
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0) throw_io("reading", path, errno);
+    if (k == 0) break;
+    done += static_cast<size_t>(k);
+  }
+  FSDPX_CHECK_AS(IoError, done == data.size(), "reading '", path.string(), "': the file shrank while being read (",
+                 done, " of ", data.size(), " bytes)");
+  return data;
+}
+
+inline std::string read_text(const fs::path& path) {
+  const auto data = read_file(path);
+  return {data.begin(), data.end()};
+}
+
+}  // namespace fsdpx::checkpoint::detail

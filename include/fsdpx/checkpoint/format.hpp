@@ -1,0 +1,218 @@
+// The checkpoint format (docs/checkpoint.md is its specification):
+//
+//   <root>/global_step_<N>/actor/model_world_size_<W>_rank_<r>.pt        (+ optim_, extra_state_)
+//   <root>/global_step_<N>/actor/fsdp_config.json                        written last: the commit record
+//   <root>/global_step_<N>/actor/.done/<component>_rank_<r>.json          one per durable file
+//   <root>/latest_state_dict_iteration.txt, latest_checkpointed_iteration.txt
+//
+// Each .pt file is torch.save's zip format holding plain dicts, lists, numbers, strings and tensors,
+// so Python reads it with torch.load(path, weights_only=True).
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <ATen/core/ivalue.h>
+
+#include <fsdpx/checkpoint/detail/torch_io.hpp>
+#include <fsdpx/checkpoint/state_dict.hpp>
+#include <fsdpx/error.hpp>
+
+namespace fsdpx::checkpoint {
+
+namespace fs = std::filesystem;
+
+inline constexpr int format_version = 1;
+inline constexpr const char* format_name = "fsdpx";
+
+/// What one save writes per rank. Weights alone are enough for weight sync and export.
+enum class Component { model, optim, extra_state };
+inline constexpr Component all_components[] = {Component::model, Component::optim, Component::extra_state};
+
+inline const char* to_string(Component c) {
+  switch (c) {
+    case Component::model: return "model";
+    case Component::optim: return "optim";
+    case Component::extra_state: return "extra_state";
+  }
+  return "?";
+}
+
+inline std::string shard_file_name(Component c, int world_size, int rank) {
+  return ::fsdpx::detail::str(to_string(c), "_world_size_", world_size, "_rank_", rank, ".pt");
+}
+
+/// Parses "<component>_world_size_<W>_rank_<r>.pt"; nullopt for any other name.
+struct ShardFileName {
+  Component component;
+  int world_size;
+  int rank;
+};
+inline std::optional<ShardFileName> parse_shard_file_name(const std::string& name) {
+  for (const Component c : all_components) {
+    const std::string prefix = std::string(to_string(c)) + "_world_size_";
+    if (name.rfind(prefix, 0) != 0 || name.size() < 3 || name.substr(name.size() - 3) != ".pt") continue;
+    int w = -1, r = -1;
+    char tail = 0;
+    if (std::sscanf(name.c_str() + prefix.size(), "%d_rank_%d.p%c", &w, &r, &tail) == 3 && tail == 't' && w > 0 &&
+        r >= 0 && r < w && shard_file_name(c, w, r) == name) {
+      return ShardFileName{c, w, r};
+    }
+  }
+  return std::nullopt;
+}
+
+inline fs::path step_dir(const fs::path& root, int64_t step) {
+  return root / ::fsdpx::detail::str("global_step_", step) / "actor";
+}
+inline constexpr const char* state_dict_iteration_file = "latest_state_dict_iteration.txt";
+inline constexpr const char* checkpointed_iteration_file = "latest_checkpointed_iteration.txt";
+inline constexpr const char* config_file = "fsdp_config.json";
+inline fs::path done_marker(const fs::path& dir, Component c, int rank) {
+  return dir / ".done" / ::fsdpx::detail::str(to_string(c), "_rank_", rank, ".json");
+}
+inline fs::path failed_marker(const fs::path& dir, int rank) {
+  return dir / ".done" / ::fsdpx::detail::str("failed_rank_", rank, ".txt");
+}
+
+// ---- StateDict <-> the file's dict ------------------------------------------------------------------
+
+namespace detail {
+
+inline c10::impl::GenericDict new_dict() { return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()); }
+// Plain (untyped) lists: typed ones pickle through torch.jit helpers that torch.load(weights_only) refuses.
+inline c10::impl::GenericList int_list(const std::vector<int64_t>& v) {
+  c10::impl::GenericList l(c10::AnyType::get());
+  for (const int64_t x : v) l.push_back(x);
+  return l;
+}
+inline c10::impl::GenericList double_list(const std::vector<double>& v) {
+  c10::impl::GenericList l(c10::AnyType::get());
+  for (const double x : v) l.push_back(x);
+  return l;
+}
+
+/// A field of a loaded dict, or an IoError naming the file and the field.
+class Fields {
+ public:
+  Fields(const c10::IValue& v, const fs::path& path, std::string where) : path_(path), where_(std::move(where)) {
+    FSDPX_CHECK_AS(IoError, v.isGenericDict(), "'", path_.string(), "': ", where_, " is not a dict");
+    dict_ = v.toGenericDict();
+  }
+  const c10::IValue& get(const char* key) const {
+    const auto it = dict_.find(key);
+    FSDPX_CHECK_AS(IoError, it != dict_.end(), "'", path_.string(), "' is not an fsdpx checkpoint file: ", where_,
+                   " has no '", key, "'");
+    return it->value();
+  }
+  bool has(const char* key) const { return dict_.find(key) != dict_.end(); }
+  int64_t integer(const char* key) const { return checked(get(key).isInt(), key).toInt(); }
+  std::string text(const char* key) const { return checked(get(key).isString(), key).toStringRef(); }
+  const c10::impl::GenericDict& dict() const { return dict_; }
+
+ private:
+  const c10::IValue& checked(bool ok, const char* key) const {
+    FSDPX_CHECK_AS(IoError, ok, "'", path_.string(), "': ", where_, "'s '", key, "' has the wrong type");
+    return get(key);
+  }
+  fs::path path_;
+  std::string where_;
+  c10::impl::GenericDict dict_ = new_dict();
+};
+
+inline std::vector<double> to_doubles(const c10::IValue& v) {
+  std::vector<double> out;
+  for (const c10::IValue& x : v.toListRef()) out.push_back(x.isInt() ? static_cast<double>(x.toInt()) : x.toDouble());
+  return out;
+}
+
+}  // namespace detail
+
+inline c10::IValue to_ivalue(const StateDict& sd) {
+  auto d = detail::new_dict();
+  d.insert("format", std::string(format_name));
+  d.insert("format_version", int64_t{format_version});
+  d.insert("kind", std::string(to_string(sd.kind)));
+  d.insert("component", sd.component);
+  d.insert("world_size", int64_t{sd.world_size});
+  d.insert("rank", int64_t{sd.rank});
+  auto entries = detail::new_dict();
+  for (const TensorSlice& s : sd.entries) {
+    auto e = detail::new_dict();
+    e.insert("shape", detail::int_list(s.shape));
+    e.insert("begin", s.begin);
+    e.insert("end", s.end);
+    if (sd.component == "optim") e.insert("step", s.step);
+    for (const auto& [key, t] : s.tensors) e.insert(key, key == "data" && s.is_whole() ? t.view(s.shape) : t);
+    entries.insert(s.name, e);
+  }
+  d.insert("entries", entries);
+  c10::impl::GenericList groups(c10::AnyType::get());
+  for (const auto& g : sd.param_groups) {
+    auto gd = detail::new_dict();
+    for (const auto& [k, v] : g) gd.insert(k, detail::double_list(v));
+    groups.push_back(gd);
+  }
+  d.insert("param_groups", groups);
+  return d;
+}
+
+inline StateDict state_dict_from_ivalue(const c10::IValue& v, const fs::path& path) {
+  const detail::Fields f(v, path, "the file");
+  FSDPX_CHECK_AS(IoError, f.text("format") == format_name, "'", path.string(), "' is not an fsdpx checkpoint file");
+  const int64_t version = f.integer("format_version");
+  FSDPX_CHECK_AS(IoError, version <= format_version, "'", path.string(), "' has format version ", version,
+                 "; this fsdpx reads up to ", format_version, ": update fsdpx");
+  StateDict sd;
+  const std::string kind = f.text("kind");
+  FSDPX_CHECK_AS(IoError, kind == "full" || kind == "sharded" || kind == "local", "'", path.string(), "': unknown kind '", kind, "'");
+  sd.kind = kind == "full" ? StateDictKind::full : kind == "local" ? StateDictKind::local : StateDictKind::sharded;
+  sd.component = f.text("component");
+  sd.world_size = static_cast<int>(f.integer("world_size"));
+  sd.rank = static_cast<int>(f.integer("rank"));
+  const detail::Fields entries(f.get("entries"), path, "'entries'");
+  for (const auto& item : entries.dict()) {
+    const std::string name = item.key().toStringRef();
+    const detail::Fields e(item.value(), path, "entry '" + name + "'");
+    TensorSlice s;
+    s.name = name;
+    s.shape = e.get("shape").isList() ? [&] {
+      std::vector<int64_t> shape;
+      for (const c10::IValue& x : e.get("shape").toListRef()) shape.push_back(x.toInt());
+      return shape;
+    }() : std::vector<int64_t>{};
+    s.begin = e.integer("begin");
+    s.end = e.integer("end");
+    if (e.has("step")) s.step = e.integer("step");
+    for (const auto& field : e.dict()) {
+      if (field.value().isTensor()) s.tensors[field.key().toStringRef()] = field.value().toTensor().reshape({-1});
+    }
+    FSDPX_CHECK_AS(IoError, 0 <= s.begin && s.begin <= s.end && s.end <= s.global_numel(), "'", path.string(),
+                   "': entry '", name, "' has the range [", s.begin, ", ", s.end, ") outside its ", s.global_numel(),
+                   " elements");
+    sd.entries.push_back(std::move(s));
+  }
+  if (f.has("param_groups")) {
+    for (const c10::IValue& g : f.get("param_groups").toListRef()) {
+      std::map<std::string, std::vector<double>> group;
+      for (const auto& item : g.toGenericDict()) group[item.key().toStringRef()] = detail::to_doubles(item.value());
+      sd.param_groups.push_back(std::move(group));
+    }
+  }
+  return sd;
+}
+
+/// Writes a state dict durably (Python: torch.load(path, weights_only=True)).
+inline ::fsdpx::checkpoint::detail::WrittenFile save_state_dict(const fs::path& path, const StateDict& sd) {
+  return detail::save_ivalue(path, to_ivalue(sd));
+}
+
+/// Reads a state dict file; a missing, truncated, corrupt or foreign file is an IoError naming it.
+inline StateDict load_state_dict_file(const fs::path& path, std::optional<uint32_t> expected_crc32c = std::nullopt) {
+  return state_dict_from_ivalue(detail::load_ivalue(path, expected_crc32c), path);
+}
+
+}  // namespace fsdpx::checkpoint

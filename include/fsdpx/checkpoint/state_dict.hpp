@@ -1,0 +1,514 @@
+// State dicts of an Fsdp model and its optimizer, in one shape for all three kinds:
+//
+//   full     every parameter whole (on rank 0, or on every rank when asked), float32, on the CPU
+//   sharded  each rank's slice of every parameter: elements [begin, end) of the flattened parameter,
+//            with its global shape, so any world size or mesh can load it (resharding on load)
+//   local    each unit's raw flat shard (padding included): the fastest save, same topology only
+//
+// A loader takes the state dicts of every rank of the saving job one at a time (a checkpoint's files)
+// and copies what overlaps this rank's shards; it never builds the full model. Names, shapes,
+// dtypes and coverage are checked, and every mismatch is named.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/optim/adam.h>
+#include <torch/optim/adamw.h>
+#include <torch/optim/optimizer.h>
+#include <torch/optim/sgd.h>
+
+#include <fsdpx/core/optim.hpp>
+#include <fsdpx/core/sharded_model.hpp>
+#include <fsdpx/error.hpp>
+#include <fsdpx/policies/state_dict.hpp>
+
+namespace fsdpx {
+
+/// One tensor of a state dict: elements [begin, end) of the flattened tensor `name` of global `shape`.
+struct TensorSlice {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t begin = 0;
+  int64_t end = 0;
+  /// "data" for a model; the optimizer's state tensors ("exp_avg", "exp_avg_sq", ...) for an optimizer.
+  std::map<std::string, at::Tensor> tensors;
+  int64_t step = 0;  // optimizer entries: the optimizer's step count for this tensor
+
+  int64_t global_numel() const {
+    int64_t n = 1;
+    for (const int64_t d : shape) n *= d;
+    return n;
+  }
+  bool is_whole() const { return begin == 0 && end == global_numel(); }
+  /// The model entry's tensor, shaped as the whole parameter when the slice is whole.
+  at::Tensor data() const {
+    const at::Tensor& t = tensors.at("data");
+    return is_whole() ? t.view(shape) : t;
+  }
+};
+
+/// A state dict of one rank: its kind, the saving job's world size and rank, and the slices.
+struct StateDict {
+  StateDictKind kind = StateDictKind::sharded;
+  std::string component = "model";  // "model" or "optim"
+  int world_size = 1;
+  int rank = 0;
+  std::vector<TensorSlice> entries;
+  /// Optimizer: one entry per parameter group (its hyperparameters, e.g. "lr", "betas").
+  std::vector<std::map<std::string, std::vector<double>>> param_groups;
+};
+
+inline const char* to_string(StateDictKind kind) {
+  switch (kind) {
+    case StateDictKind::full: return "full";
+    case StateDictKind::sharded: return "sharded";
+    case StateDictKind::local: return "local";
+  }
+  return "?";
+}
+
+namespace detail {
+
+/// What a rank holds of parameter `p`: [lo, hi) of the flat layout, or an empty range.
+inline core::FlatRange held_range(const core::Unit& u, const core::ParamInfo& p) {
+  const core::FlatRange mine = u.layout().shard_range(u.shard_rank());
+  return {std::max(p.offset, mine.begin), std::min(p.offset + p.numel, mine.end)};
+}
+
+/// Only replica 0 of each shard group writes slices: the other replicas hold the same values.
+inline bool writes_slices(const core::ShardedModel& model) { return model.mesh().replicate_group().rank() == 0; }
+
+inline StateDict empty_state_dict(const core::ShardedModel& model, StateDictKind kind, const char* component) {
+  StateDict sd;
+  sd.kind = kind;
+  sd.component = component;
+  sd.world_size = model.mesh().world().size();
+  sd.rank = model.mesh().world().rank();
+  return sd;
+}
+
+/// A host snapshot of `t` (pinned when it lives on a GPU, so the copy is a fast DMA).
+inline at::Tensor host_copy(const at::Tensor& t) {
+  if (t.is_cpu()) return t.clone();
+  at::Tensor out = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  out.copy_(t);
+  return out;
+}
+
+/// Copies the overlaps of saved slices into this rank's destinations, and checks that every
+/// destination was filled exactly and that nothing saved was left over.
+class SliceLoader {
+ public:
+  struct Target {
+    std::vector<int64_t> shape;
+    int64_t begin = 0, end = 0;  // within the flattened tensor
+    at::Tensor dst;              // 1-D, end - begin elements
+    std::vector<std::pair<int64_t, int64_t>> filled;
+  };
+
+  explicit SliceLoader(std::string what) : what_(std::move(what)) {}
+
+  void add_target(const std::string& name, std::vector<int64_t> shape, int64_t begin, int64_t end, at::Tensor dst) {
+    targets_[name].push_back(Target{std::move(shape), begin, end, std::move(dst), {}});
+  }
+
+  /// Copies from one saved state dict; `key` selects the tensor of each slice.
+  void load(const StateDict& sd, const std::string& key) {
+    ranks_seen_.insert(sd.rank);
+    complete_ = complete_ || sd.kind == StateDictKind::full || static_cast<int>(ranks_seen_.size()) == sd.world_size;
+    for (const TensorSlice& s : sd.entries) {
+      seen_.insert(s.name);
+      const auto it = targets_.find(s.name);
+      if (it == targets_.end()) {
+        unexpected_.push_back(s.name);
+        continue;
+      }
+      const auto t = s.tensors.find(key);
+      if (t == s.tensors.end()) {
+        problems_.push_back(::fsdpx::detail::str("'", s.name, "' has no '", key, "' tensor"));
+        continue;
+      }
+      for (Target& target : it->second) {
+        if (s.shape != target.shape) {
+          mismatched_.insert(s.name);
+          problems_.push_back(::fsdpx::detail::str("'", s.name, "' has shape ", shape_text(s.shape),
+                                                   " in the checkpoint but ", shape_text(target.shape), " in the model"));
+          break;
+        }
+        if (t->second.scalar_type() != target.dst.scalar_type()) {
+          mismatched_.insert(s.name);
+          problems_.push_back(::fsdpx::detail::str("'", s.name, "' has dtype ", t->second.scalar_type(),
+                                                   " in the checkpoint but ", target.dst.scalar_type(), " in the model"));
+          break;
+        }
+        FSDPX_CHECK_AS(IoError, t->second.numel() == s.end - s.begin, "'", s.name, "' in rank ", sd.rank, "'s ",
+                       what_, " state dict holds ", t->second.numel(), " elements for the range [", s.begin, ", ",
+                       s.end, ")");
+        const int64_t lo = std::max(s.begin, target.begin), hi = std::min(s.end, target.end);
+        if (lo >= hi) continue;
+        at::NoGradGuard no_grad;
+        target.dst.narrow(0, lo - target.begin, hi - lo)
+            .copy_(t->second.reshape({-1}).narrow(0, lo - s.begin, hi - lo));
+        target.filled.emplace_back(lo, hi);
+      }
+    }
+  }
+
+  /// Throws, naming everything that does not match; `strict`: names the checkpoint has and the model lacks are errors too.
+  void finish(bool strict = true) {
+    std::vector<std::string> missing;
+    for (auto& [name, targets] : targets_) {
+      if (mismatched_.count(name) != 0) continue;  // named below, with the reason
+      if (complete_ && seen_.count(name) == 0) {  // no saved rank has any of it (even where this rank holds none)
+        missing.push_back(name);
+        continue;
+      }
+      for (Target& t : targets) {
+        std::sort(t.filled.begin(), t.filled.end());
+        int64_t covered_to = t.begin;
+        for (const auto& [lo, hi] : t.filled) {
+          if (lo > covered_to) break;
+          covered_to = std::max(covered_to, hi);
+        }
+        if (covered_to < t.end) {
+          missing.push_back(::fsdpx::detail::str(name, (t.filled.empty() ? "" : " (partly)"), " [", covered_to, ", ",
+                                                 t.end, ")"));
+        }
+      }
+    }
+    std::string msg;
+    if (!missing.empty()) msg += ::fsdpx::detail::str("\n  missing: ", join(missing));
+    if (strict && !unexpected_.empty()) msg += ::fsdpx::detail::str("\n  not in the model: ", join(unexpected_));
+    if (!problems_.empty()) msg += ::fsdpx::detail::str("\n  mismatched: ", join(problems_));
+    FSDPX_CHECK(msg.empty(), "loading the ", what_, " state dict: it does not match this model:", msg);
+  }
+
+  std::map<std::string, std::vector<Target>>& targets() { return targets_; }
+
+ private:
+  static std::string shape_text(const std::vector<int64_t>& shape) {
+    std::string s = "[";
+    for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+    return s + "]";
+  }
+  static std::string join(std::vector<std::string> v) {
+    std::sort(v.begin(), v.end());
+    v.erase(std::unique(v.begin(), v.end()), v.end());
+    std::string s;
+    const size_t shown = std::min<size_t>(v.size(), 12);
+    for (size_t i = 0; i < shown; ++i) s += (i ? ", " : "") + v[i];
+    if (v.size() > shown) s += ::fsdpx::detail::str(" and ", v.size() - shown, " more");
+    return s;
+  }
+
+  std::string what_;
+  std::map<std::string, std::vector<Target>> targets_;
+  std::vector<std::string> unexpected_;
+  std::vector<std::string> problems_;
+  std::set<std::string> mismatched_;
+  std::set<std::string> seen_;
+  std::set<int> ranks_seen_;
+  bool complete_ = false;  // every saved rank was read (or a full state dict)
+};
+
+/// LibTorch keeps the step count inside the state object but exposes it by type.
+inline int64_t optimizer_step(torch::optim::OptimizerParamState& state) {
+  if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(&state)) return s->step();
+  if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(&state)) return s->step();
+  return 0;
+}
+
+/// A new state object of `optimizer`'s type with `tensors` and `step`.
+inline std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(
+    torch::optim::Optimizer& optimizer, std::map<std::string, at::Tensor> tensors, int64_t step) {
+  const auto get = [&](const char* key) {
+    const auto it = tensors.find(key);
+    return it == tensors.end() ? at::Tensor() : it->second;
+  };
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(step);
+    s->exp_avg(get("exp_avg"));
+    s->exp_avg_sq(get("exp_avg_sq"));
+    if (const at::Tensor m = get("max_exp_avg_sq"); m.defined()) s->max_exp_avg_sq(m);
+    return s;
+  }
+  if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) {
+    auto s = std::make_unique<torch::optim::AdamParamState>();
+    s->step(step);
+    s->exp_avg(get("exp_avg"));
+    s->exp_avg_sq(get("exp_avg_sq"));
+    if (const at::Tensor m = get("max_exp_avg_sq"); m.defined()) s->max_exp_avg_sq(m);
+    return s;
+  }
+  if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
+    auto s = std::make_unique<torch::optim::SGDParamState>();
+    s->momentum_buffer(get("momentum_buffer"));
+    return s;
+  }
+  FSDPX_CHECK(false, "loading optimizer state: this optimizer type is not known to fsdpx (Adam, AdamW and SGD are)");
+  return nullptr;
+}
+
+/// The hyperparameters of a param group, as numbers (what checkpoints keep and restore).
+inline std::map<std::string, std::vector<double>> group_hyperparameters(torch::optim::OptimizerOptions& o) {
+  if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&o)) {
+    return {{"lr", {a->lr()}}, {"betas", {std::get<0>(a->betas()), std::get<1>(a->betas())}}, {"eps", {a->eps()}},
+            {"weight_decay", {a->weight_decay()}}, {"amsgrad", {a->amsgrad() ? 1.0 : 0.0}}};
+  }
+  if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) {
+    return {{"lr", {a->lr()}}, {"betas", {std::get<0>(a->betas()), std::get<1>(a->betas())}}, {"eps", {a->eps()}},
+            {"weight_decay", {a->weight_decay()}}, {"amsgrad", {a->amsgrad() ? 1.0 : 0.0}}};
+  }
+  if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&o)) {
+    return {{"lr", {s->lr()}}, {"momentum", {s->momentum()}}, {"dampening", {s->dampening()}},
+            {"weight_decay", {s->weight_decay()}}, {"nesterov", {s->nesterov() ? 1.0 : 0.0}}};
+  }
+  return {{"lr", {o.get_lr()}}};
+}
+
+inline void set_group_hyperparameters(torch::optim::OptimizerOptions& o, const std::map<std::string, std::vector<double>>& h) {
+  const auto one = [&](const char* k) { return h.at(k).at(0); };
+  o.set_lr(one("lr"));
+  if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&o)) {
+    a->betas({h.at("betas").at(0), h.at("betas").at(1)}).eps(one("eps")).weight_decay(one("weight_decay")).amsgrad(one("amsgrad") != 0);
+  } else if (auto* b = dynamic_cast<torch::optim::AdamOptions*>(&o)) {
+    b->betas({h.at("betas").at(0), h.at("betas").at(1)}).eps(one("eps")).weight_decay(one("weight_decay")).amsgrad(one("amsgrad") != 0);
+  } else if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&o)) {
+    s->momentum(one("momentum")).dampening(one("dampening")).weight_decay(one("weight_decay")).nesterov(one("nesterov") != 0);
+  }
+}
+
+}  // namespace detail
+
+// ---- model ------------------------------------------------------------------------------------------
+
+/// This rank's slices of every parameter (float32 master values), copied to host memory.
+inline StateDict sharded_state_dict(const core::ShardedModel& model) {
+  StateDict sd = detail::empty_state_dict(model, StateDictKind::sharded, "model");
+  if (!detail::writes_slices(model)) return sd;
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    const core::Unit& u = model.unit(i);
+    const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
+    for (const core::ParamInfo& p : u.layout().params()) {
+      const core::FlatRange r = detail::held_range(u, p);
+      if (r.begin >= r.end) continue;
+      sd.entries.push_back({p.name, p.shape, r.begin - p.offset, r.end - p.offset,
+                            {{"data", detail::host_copy(u.shard().narrow(0, r.begin - base, r.size()))}}});
+    }
+  }
+  return sd;
+}
+
+/// Each unit's raw flat shard; loads only into the same model at the same world size and mesh.
+inline StateDict local_state_dict(const core::ShardedModel& model) {
+  StateDict sd = detail::empty_state_dict(model, StateDictKind::local, "model");
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    const core::Unit& u = model.unit(i);
+    const core::FlatRange r = u.layout().shard_range(u.shard_rank());
+    sd.entries.push_back({u.name(), {u.layout().padded_numel()}, r.begin, r.end, {{"data", detail::host_copy(u.shard())}}});
+  }
+  return sd;
+}
+
+/// Every parameter whole, float32 on the CPU: on rank 0 only, or on every rank with `all_ranks`.
+/// Collective: every rank calls it. One unit is gathered at a time.
+inline StateDict full_state_dict(core::ShardedModel& model, bool all_ranks = false) {
+  StateDict sd = detail::empty_state_dict(model, StateDictKind::full, "model");
+  const bool keep = all_ranks || model.mesh().world().rank() == 0;
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    core::Unit& u = model.unit(i);
+    if (u.layout().params().empty()) continue;
+    // Gather the float32 masters (not the compute-dtype copies the unit unshards into).
+    const auto& layout = u.layout();
+    const at::Device device = u.options().device;  // offloaded shards go through the device for the collective
+    at::Tensor full = at::empty({layout.padded_numel()}, u.shard().options().device(device));
+    model.mesh().shard_group().all_gather(full, u.shard().to(device));
+    if (!keep) continue;
+    const at::Tensor host = full.to(at::kCPU);  // (a GPU model gathers on the device, then copies once)
+    for (const core::ParamInfo& p : layout.params()) {
+      sd.entries.push_back({p.name, p.shape, 0, p.numel, {{"data", host.narrow(0, p.offset, p.numel).clone()}}});
+    }
+  }
+  return sd;
+}
+
+/// Loads state dicts saved by any world size (full or sharded), or by this very topology (local).
+/// `for_each_saved(fn)` calls fn once per saved rank's state dict: a checkpoint streams its files.
+/// Every rank calls it; it is not collective.
+inline void load_model_state_dict(core::ShardedModel& model,
+                                  const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved,
+                                  bool strict = true) {
+  model.reshard_all();  // the next forward gathers the loaded shards
+  detail::SliceLoader loader("model");
+  std::optional<StateDictKind> kind;
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    core::Unit& u = model.unit(i);
+    const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
+    for (const core::ParamInfo& p : u.layout().params()) {
+      const core::FlatRange r = detail::held_range(u, p);
+      if (r.begin < r.end) {
+        loader.add_target(p.name, p.shape, r.begin - p.offset, r.end - p.offset, u.shard().narrow(0, r.begin - base, r.size()));
+      } else {
+        loader.add_target(p.name, p.shape, 0, 0, u.shard().narrow(0, 0, 0));  // known name, nothing to copy
+      }
+    }
+  }
+  detail::SliceLoader local("model (local)");
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    core::Unit& u = model.unit(i);
+    const core::FlatRange r = u.layout().shard_range(u.shard_rank());
+    local.add_target(u.name(), {u.layout().padded_numel()}, r.begin, r.end, u.shard());
+  }
+  for_each_saved([&](const StateDict& sd) {
+    FSDPX_CHECK(sd.component == "model", "loading a model state dict from a '", sd.component, "' state dict");
+    FSDPX_CHECK(!kind || *kind == sd.kind, "the saved state dicts mix kinds (", to_string(*kind), " and ",
+                to_string(sd.kind), ")");
+    kind = sd.kind;
+    if (sd.kind == StateDictKind::local) {
+      FSDPX_CHECK(sd.world_size == model.mesh().world().size(), "a local state dict loads only at the world size "
+                  "that saved it: it was saved by ", sd.world_size, " ranks, this job has ", model.mesh().world().size(),
+                  "; save a sharded or full state dict to change the world size");
+      if (sd.rank != model.mesh().world().rank()) return;  // a local state dict is this rank's only
+      local.load(sd, "data");
+    } else {
+      loader.load(sd, "data");
+    }
+  });
+  FSDPX_CHECK(kind.has_value(), "loading a model state dict: no saved state dict was given");
+  (*kind == StateDictKind::local ? local : loader).finish(strict);
+}
+
+inline void load_model_state_dict(core::ShardedModel& model, const StateDict& sd, bool strict = true) {
+  load_model_state_dict(model, [&](const auto& fn) { fn(sd); }, strict);
+}
+
+// ---- optimizer --------------------------------------------------------------------------------------
+
+/// This rank's slices of the optimizer's state for every parameter, in the sharded layout (so it
+/// reshards on load like the model), plus each param group's hyperparameters.
+inline StateDict optimizer_state_dict(const core::ShardedModel& model, torch::optim::Optimizer& optimizer) {
+  StateDict sd = detail::empty_state_dict(model, StateDictKind::sharded, "optim");
+  for (auto& group : optimizer.param_groups()) sd.param_groups.push_back(detail::group_hyperparameters(group.options()));
+  if (!detail::writes_slices(model)) return sd;
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    const core::Unit& u = model.unit(i);
+    const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
+    for (const auto& op : u.optim_params()) {
+      const auto it = optimizer.state().find(op.tensor.unsafeGetTensorImpl());
+      if (it == optimizer.state().end()) continue;  // not stepped yet
+      const auto state = detail::optimizer_state_tensors(*it->second);
+      const int64_t step = detail::optimizer_step(*it->second);
+      const int64_t op_begin = base + op.range.begin, op_end = base + op.range.end;
+      for (const core::ParamInfo& p : u.layout().params()) {
+        const int64_t lo = std::max(p.offset, op_begin), hi = std::min(p.offset + p.numel, op_end);
+        if (lo >= hi) continue;
+        TensorSlice s{p.name, p.shape, lo - p.offset, hi - p.offset, {}, step};
+        for (const auto& [key, t] : state) s.tensors[key] = detail::host_copy(t->narrow(0, lo - op_begin, hi - lo));
+        sd.entries.push_back(std::move(s));
+      }
+    }
+  }
+  return sd;
+}
+
+/// Restores optimizer state saved at any world size into this rank's shards (and the param groups'
+/// hyperparameters when the group count matches). Every rank calls it; it is not collective.
+inline void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::ShardedModel& model,
+                                      const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved) {
+  struct Pending {
+    const core::Unit::OptimParam* op;
+    std::map<std::string, at::Tensor> tensors;
+  };
+  std::vector<Pending> pending;
+  detail::SliceLoader loader("optimizer");
+  int64_t step = 0;
+  bool first = true;
+  std::vector<std::string> keys;
+  for_each_saved([&](const StateDict& sd) {
+    FSDPX_CHECK(sd.component == "optim", "loading optimizer state from a '", sd.component, "' state dict");
+    if (first) {
+      first = false;
+      if (sd.param_groups.size() == optimizer.param_groups().size()) {
+        for (size_t g = 0; g < sd.param_groups.size(); ++g) {
+          detail::set_group_hyperparameters(optimizer.param_groups()[g].options(), sd.param_groups[g]);
+        }
+      }
+    }
+    for (const TensorSlice& s : sd.entries) {
+      step = std::max(step, s.step);
+      if (!keys.empty() || s.tensors.empty()) continue;
+      for (const auto& [key, t] : s.tensors) keys.push_back(key);
+    }
+    if (pending.empty() && !keys.empty()) {  // the state tensors' names are known now: make the targets
+      for (size_t i = 0; i < model.num_units(); ++i) {
+        core::Unit& u = model.unit(i);
+        const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
+        for (const auto& op : u.optim_params()) {
+          Pending pend{&op, {}};
+          for (const auto& key : keys) pend.tensors[key] = at::zeros_like(op.tensor);
+          const int64_t op_begin = base + op.range.begin, op_end = base + op.range.end;
+          for (const core::ParamInfo& p : u.layout().params()) {
+            const int64_t lo = std::max(p.offset, op_begin), hi = std::min(p.offset + p.numel, op_end);
+            if (lo < hi) {
+              for (const auto& key : keys) {
+                loader.add_target(p.name + " [" + key + "]", p.shape, lo - p.offset, hi - p.offset,
+                                  pend.tensors[key].narrow(0, lo - op_begin, hi - lo));
+              }
+            }
+          }
+          pending.push_back(std::move(pend));
+        }
+      }
+    }
+    // One loader keyed by (name, state key): each saved slice contributes each of its tensors.
+    StateDict split;
+    split.component = "optim";
+    split.rank = sd.rank;
+    for (const TensorSlice& s : sd.entries) {
+      for (const auto& [key, t] : s.tensors) split.entries.push_back({s.name + " [" + key + "]", s.shape, s.begin, s.end, {{"v", t}}, s.step});
+    }
+    loader.load(split, "v");
+  });
+  if (keys.empty()) return;  // saved before the first step: nothing to restore
+  loader.finish(/*strict=*/false);  // parameters the model lacks were named by the model load already
+  for (auto& pend : pending) {
+    optimizer.state()[pend.op->tensor.unsafeGetTensorImpl()] = detail::make_optimizer_state(optimizer, std::move(pend.tensors), step);
+  }
+}
+
+}  // namespace fsdpx
+
+namespace fsdpx {
+
+/// The state dict of `model` in the kind its StateDict policy names (Fsdp<..., FullStateDict, ...>:
+/// full tensors on rank 0). Collective for the full kind.
+template <class Sharded>
+  requires requires { Sharded::StateDictPolicyType::kind; }
+StateDict state_dict(Sharded& model) {
+  switch (Sharded::StateDictPolicyType::kind) {
+    case StateDictKind::full: return full_state_dict(model.sharded());
+    case StateDictKind::local: return local_state_dict(model.sharded());
+    case StateDictKind::sharded: break;
+  }
+  return sharded_state_dict(model.sharded());
+}
+
+/// Loads a state dict of any kind into `model` (a full one on every rank; a sharded one of one
+/// saving rank at a time through the streaming overload of load_model_state_dict).
+template <class Sharded>
+  requires requires { Sharded::StateDictPolicyType::kind; }
+void load_state_dict(Sharded& model, const StateDict& sd, bool strict = true) {
+  load_model_state_dict(model.sharded(), sd, strict);
+}
+
+}  // namespace fsdpx

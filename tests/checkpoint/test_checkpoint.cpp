@@ -1,0 +1,289 @@
+// Checkpoints under mpiexec at world sizes 1-4: state dict round trips of every kind, resharding on
+// load (a job of 2 ranks reads what 3 or 4 wrote), the coordinator's commit protocol, rotation,
+// failed saves (an injected full disk) and the errors loading names.
+#include <catch2/catch.hpp>
+
+#include <cerrno>
+#include <filesystem>
+#include <set>
+
+#include "../support/mpi_world.hpp"
+#include "checkpoint_common.hpp"
+
+using namespace fsdpx;
+using namespace fsdpx::test;
+namespace fs = std::filesystem;
+
+namespace {
+
+dist::AnyCommunicator any_world() { return dist::AnyCommunicator(fsdpx::test::world()); }
+
+/// Rank 0 empties `dir`; everyone waits for it.
+fs::path fresh_dir(const std::string& name) {
+  const fs::path dir = scratch_dir(name + "_np" + std::to_string(fsdpx::test::world().size()));
+  fsdpx::test::world().barrier();  // nobody still reads the previous section's files
+  if (fsdpx::test::world().rank() == 0) {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  fsdpx::test::world().barrier();
+  return dir;
+}
+
+template <class Model>
+void load_files(Model& model, const fs::path& dir, const std::string& prefix, int world) {
+  load_model_state_dict(model.sharded(), [&](const auto& fn) {
+    for (int r = 0; r < world; ++r) fn(checkpoint::load_state_dict_file(dir / (prefix + std::to_string(r) + ".pt")));
+  });
+}
+
+}  // namespace
+
+TEST_CASE("sharded, local and full state dicts round trip bit for bit", "[checkpoint]") {
+  auto world = any_world();
+  const fs::path dir = fresh_dir("roundtrip");
+  torch::manual_seed(1);
+  CkptModel<> a(ResMlp(), world);
+  auto opt_a = make_adamw(a, adamw_options());
+  for (int i = 0; i < 2; ++i) train_step(a, opt_a, world);
+
+  torch::manual_seed(2);  // different initial values
+  CkptModel<> b(ResMlp(), world);
+  REQUIRE_FALSE(same_shards(a, b));
+
+  SECTION("sharded") {
+    checkpoint::save_state_dict(dir / ("s" + std::to_string(world.rank()) + ".pt"), sharded_state_dict(a.sharded()));
+    world.barrier();
+    load_files(b, dir, "s", world.size());
+    CHECK(same_shards(a, b));
+  }
+  SECTION("local") {
+    checkpoint::save_state_dict(dir / ("l" + std::to_string(world.rank()) + ".pt"), local_state_dict(a.sharded()));
+    world.barrier();
+    load_files(b, dir, "l", world.size());
+    CHECK(same_shards(a, b));
+  }
+  SECTION("full, on every rank") {
+    const StateDict full = full_state_dict(a.sharded(), /*all_ranks=*/true);
+    for (const auto& e : full.entries) CHECK(e.is_whole());
+    load_model_state_dict(b.sharded(), full);
+    CHECK(same_shards(a, b));
+    // It is what the module holds when unsharded.
+    auto scope = a.full_parameters();
+    for (const auto& item : a.module()->named_parameters()) {
+      const auto it = std::find_if(full.entries.begin(), full.entries.end(), [&](const auto& e) { return e.name == item.key(); });
+      REQUIRE(it != full.entries.end());
+      CHECK(at::equal(it->data(), item.value()));
+    }
+  }
+  SECTION("full, on rank 0 only") {
+    const StateDict full = full_state_dict(a.sharded());
+    CHECK(full.entries.empty() == (world.rank() != 0));
+  }
+  SECTION("optimizer state: the next steps are identical") {
+    auto opt_b = make_adamw(b, torch::optim::AdamWOptions(5.0));  // wrong lr: restored from the file
+    checkpoint::save_state_dict(dir / ("s" + std::to_string(world.rank()) + ".pt"), sharded_state_dict(a.sharded()));
+    checkpoint::save_state_dict(dir / ("o" + std::to_string(world.rank()) + ".pt"), optimizer_state_dict(a.sharded(), opt_a));
+    world.barrier();
+    load_files(b, dir, "s", world.size());
+    load_optimizer_state_dict(opt_b, b.sharded(), [&](const auto& fn) {
+      for (int r = 0; r < world.size(); ++r) fn(checkpoint::load_state_dict_file(dir / ("o" + std::to_string(r) + ".pt")));
+    });
+    CHECK(opt_b.param_groups()[0].options().get_lr() == Approx(1e-2));
+    torch::manual_seed(7);
+    const double la = train_step(a, opt_a, world);
+    torch::manual_seed(7);
+    const double lb = train_step(b, opt_b, world);
+    CHECK(la == lb);
+    CHECK(same_shards(a, b));
+  }
+}
+
+TEST_CASE("loading names what does not match", "[checkpoint][errors]") {
+  auto world = any_world();
+  torch::manual_seed(1);
+  CkptModel<> a(ResMlp(), world);
+  CkptModel<> wider(ResMlp(20, 28), world);
+  const StateDict full = full_state_dict(a.sharded(), true);
+  try {
+    load_model_state_dict(wider.sharded(), full);
+    FAIL("loading a narrower model's state dict succeeded");
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    CHECK_THAT(what, Catch::Contains("'r0.a.weight' has shape [48, 24] in the checkpoint but [56, 28] in the model"));
+    CHECK_THAT(what, !Catch::Contains("missing:"));  // a mismatch is not also reported missing
+  }
+  StateDict partial = full;
+  partial.entries.erase(std::remove_if(partial.entries.begin(), partial.entries.end(),
+                                       [](const auto& e) { return e.name == "head.bias"; }),
+                        partial.entries.end());
+  partial.entries.push_back({"extra.weight", {2}, 0, 2, {{"data", at::zeros({2})}}});
+  try {
+    load_model_state_dict(a.sharded(), partial);
+    FAIL("loading an incomplete state dict succeeded");
+  } catch (const ConfigError& e) {
+    const std::string what = e.what();
+    CHECK_THAT(what, Catch::Contains("missing: head.bias"));
+    CHECK_THAT(what, Catch::Contains("not in the model: extra.weight"));
+  }
+}
+
+TEST_CASE("a job of two ranks loads what 1-4 ranks saved, FullShard or HybridShard", "[checkpoint][reshard]") {
+  auto world = any_world();
+  const fs::path dir = fresh_dir("reshard");
+  torch::manual_seed(3);
+  const bool hybrid = world.size() == 4;  // 2 replicas x 2 shards
+  std::optional<StateDict> reference;
+  auto save = [&](auto& model) {
+    auto opt = make_adamw(model, adamw_options());
+    train_step(model, opt, world);
+    checkpoint::save_state_dict(dir / ("s" + std::to_string(world.rank()) + ".pt"), sharded_state_dict(model.sharded()));
+    reference = full_state_dict(model.sharded(), true);
+  };
+  if (hybrid) {
+    CkptModel<HybridShard<2>> model(ResMlp(), world);
+    save(model);
+  } else {
+    CkptModel<> model(ResMlp(), world);
+    save(model);
+  }
+  world.barrier();
+  // Ranks 0 and 1 form the new job.
+  auto pair = world.split(world.rank() < 2 ? 0 : dist::no_color, world.rank(), "pair");
+  if (pair) {
+    torch::manual_seed(4);
+    CkptModel<> loaded(ResMlp(), *pair);
+    load_files(loaded, dir, "s", world.size());
+    const StateDict got = full_state_dict(loaded.sharded(), true);
+    REQUIRE(got.entries.size() == reference->entries.size());
+    for (size_t i = 0; i < got.entries.size(); ++i) {
+      CHECK(got.entries[i].name == reference->entries[i].name);
+      CHECK(at::equal(got.entries[i].data(), reference->entries[i].data()));
+    }
+  }
+  world.barrier();
+}
+
+TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkpoint][coordinator]") {
+  auto world = any_world();
+  const fs::path root = fresh_dir("coordinator");
+  torch::manual_seed(5);
+  CkptModel<> model(ResMlp(), world);
+  auto opt = make_adamw(model, adamw_options());
+  ExtraState extra;
+  extra.client.insert("data_position", int64_t{0});
+
+  std::atomic<int> begun{0}, ended{0}, commits{0}, weight_commits{0}, failures{0};
+  CheckpointCoordinator ckpt(root, model, {.max_to_keep = 2});
+  ckpt.add_monitor({.before_save = [&](int64_t, checkpoint::Component) { ++begun; },
+                    .after_save = [&](const SaveEvent& e) { ++ended; },
+                    .on_commit = [&](int64_t, bool weights_only) { ++(weights_only ? weight_commits : commits); },
+                    .on_failure = [&](int64_t, const std::string&) { ++failures; }});
+  for (int64_t step = 1; step <= 3; ++step) {
+    train_step(model, opt, world);
+    extra.client.insert_or_assign("data_position", step * 12);
+    ckpt.save(step, model, opt, extra);
+  }
+  ckpt.wait();
+  world.barrier();
+  CHECK(begun == 9);
+  CHECK(ended == 9);
+  if (world.rank() == 0) {
+    CHECK(commits == 3);
+    CHECK(weight_commits == 3);
+    CHECK(ckpt.latest_committed() == 3);
+  }
+  CHECK(checkpoint::read_iteration_file(root / checkpoint::checkpointed_iteration_file) == 3);
+  CHECK(checkpoint::read_iteration_file(root / checkpoint::state_dict_iteration_file) == 3);
+  CHECK_FALSE(fs::exists(root / "global_step_1"));  // max_to_keep = 2
+  CHECK(fs::exists(root / "global_step_2"));
+  const auto record = checkpoint::read_commit_record(checkpoint::step_dir(root, 3));
+  REQUIRE(record.has_value());
+  CHECK((*record)["complete"].boolean());
+  CHECK((*record)["world_size"].integer() == world.size());
+  checkpoint::verify_step(checkpoint::step_dir(root, 3), *record, /*verify_checksums=*/true);
+
+  // Resume into a fresh model: same shards, client state and RNG.
+  const at::Tensor rng_after_save = at::randn({4});
+  torch::manual_seed(99);
+  CkptModel<> resumed(ResMlp(), world);
+  auto opt2 = make_adamw(resumed, adamw_options());
+  const auto info = load_checkpoint(root, resumed, opt2);
+  REQUIRE(info.has_value());
+  CHECK(info->step == 3);
+  CHECK(info->extra.client.at("data_position").toInt() == 36);
+  CHECK(same_shards(model, resumed));
+  CHECK(at::equal(at::randn({4}), rng_after_save));
+
+  // A full disk on the last rank at step 4: nothing commits, nothing older is lost, the cause is told.
+  const bool victim = world.rank() == world.size() - 1;
+  if (victim) checkpoint::detail::inject_write_error(ENOSPC, 1000);
+  train_step(model, opt, world);
+  ckpt.save(4, model, opt, extra);
+  std::string error;
+  try {
+    ckpt.wait();
+  } catch (const IoError& e) {
+    error = e.what();
+  }
+  if (victim) {
+    CHECK_THAT(error, Catch::Contains("No space left on device (ENOSPC: the disk is full)"));
+    CHECK_THAT(error, Catch::Contains("checkpoint step 4: rank " + std::to_string(world.rank())));
+    checkpoint::detail::inject_write_error(0);
+  } else if (world.rank() == 0) {
+    CHECK_THAT(error, Catch::Contains("checkpoint step 4 was not committed"));
+  } else {
+    CHECK(error.empty());
+  }
+  if (world.rank() == 0) CHECK(failures >= 1);
+  world.barrier();
+  CHECK(checkpoint::read_iteration_file(root / checkpoint::checkpointed_iteration_file) == 3);
+  CHECK(checkpoint::find_latest_checkpoint(root) == 3);
+  CHECK(fs::exists(root / "global_step_2"));
+  CHECK(fs::exists(root / "global_step_3"));
+
+  // The next save works again and rotation clears the failed step's debris.
+  train_step(model, opt, world);
+  ckpt.save(5, model, opt, extra);
+  ckpt.wait();
+  world.barrier();
+  CHECK(checkpoint::find_latest_checkpoint(root) == 5);
+  CHECK_FALSE(fs::exists(root / "global_step_4"));
+  CHECK_FALSE(fs::exists(root / "global_step_2"));
+  CHECK(fs::exists(root / "global_step_3"));
+}
+
+TEST_CASE("rotation keeps leased and newest steps, scans when the iteration file is gone", "[checkpoint][rotation]") {
+  auto world = any_world();
+  const fs::path root = fresh_dir("rotation");
+  torch::manual_seed(6);
+  CkptModel<> model(ResMlp(), world);
+  {
+    CheckpointCoordinator ckpt(root, model, {.max_to_keep = 1});
+    ckpt.save(1, model);  // weights only: latest_state_dict_iteration moves, latest_checkpointed does not
+    ckpt.wait();
+    world.barrier();
+    std::optional<checkpoint::CheckpointLease> lease;
+    if (world.rank() == 0) lease.emplace(root, 1);
+    world.barrier();
+    ckpt.save(2, model);
+    ckpt.wait();
+    world.barrier();
+    CHECK(fs::exists(root / "global_step_1"));  // leased
+    lease.reset();
+    world.barrier();
+    ckpt.save(3, model);
+    ckpt.wait();
+    world.barrier();
+  }
+  CHECK_FALSE(fs::exists(root / "global_step_1"));
+  CHECK_FALSE(fs::exists(root / "global_step_2"));
+  CHECK(checkpoint::find_latest_checkpoint(root, /*weights_only=*/true) == 3);
+  CHECK_FALSE(checkpoint::find_latest_checkpoint(root).has_value());
+  world.barrier();
+  if (world.rank() == 0) fs::remove(root / checkpoint::state_dict_iteration_file);
+  world.barrier();
+  CHECK(checkpoint::find_latest_checkpoint(root, true) == 3);  // found by scanning
+  CHECK_THROWS_WITH(checkpoint::CheckpointLease(root, 2), Catch::Contains("not (or no longer) committed"));
+  world.barrier();
+}
