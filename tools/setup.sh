@@ -55,6 +55,7 @@ elif ! "$VENV/bin/python" -c "import torch,sys; sys.exit(torch.__version__.split
   pip_install "torch==$TORCH_VERSION"
 fi
 has_module conans || { say "installing Conan into $VENV"; pip_install conan; }
+has_module safetensors || { say "installing safetensors into $VENV (checkpoint interop tests)"; pip_install safetensors; }
 
 # ---- NCCL headers, so the NCCL backend is at least compiled on machines without a GPU ----------
 if command -v nvcc >/dev/null && ! has_module nvidia.nccl && [[ ! -f /usr/include/nccl.h ]]; then

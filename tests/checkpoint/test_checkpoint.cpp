@@ -184,6 +184,13 @@ TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkp
     extra.client.insert_or_assign("data_position", step * 12);
     ckpt.save(step, model, opt, extra);
   }
+  // The copy runs in the background; the next step's backward waits for it before the optimizer
+  // changes the shards, so step 3's files hold step 3's values.
+  const StateDict at_step3 = local_state_dict(model.sharded());
+  const at::Tensor rng_after_save = at::randn({4});
+  CkptModel<> at3(ResMlp(), world);
+  load_model_state_dict(at3.sharded(), at_step3);
+  train_step(model, opt, world);
   ckpt.wait();
   world.barrier();
   CHECK(begun == 9);
@@ -203,8 +210,7 @@ TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkp
   CHECK((*record)["world_size"].integer() == world.size());
   checkpoint::verify_step(checkpoint::step_dir(root, 3), *record, /*verify_checksums=*/true);
 
-  // Resume into a fresh model: same shards, client state and RNG.
-  const at::Tensor rng_after_save = at::randn({4});
+  // Resume into a fresh model: step 3's shards, client state and RNG.
   torch::manual_seed(99);
   CkptModel<> resumed(ResMlp(), world);
   auto opt2 = make_adamw(resumed, adamw_options());
@@ -212,7 +218,8 @@ TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkp
   REQUIRE(info.has_value());
   CHECK(info->step == 3);
   CHECK(info->extra.client.at("data_position").toInt() == 36);
-  CHECK(same_shards(model, resumed));
+  CHECK(same_shards(at3, resumed));
+  CHECK_FALSE(same_shards(model, resumed));
   CHECK(at::equal(at::randn({4}), rng_after_save));
 
   // A full disk on the last rank at step 4: nothing commits, nothing older is lost, the cause is told.

@@ -28,6 +28,7 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -84,25 +85,46 @@ struct CheckpointMonitor {
   std::function<void(int64_t step, const std::string& cause)> on_failure;
 };
 
-/// What one save writes: snapshots already in host memory plus the step's description.
+/// What one save writes: host snapshots of the state plus the step's description.
 struct SaveRequest {
   int64_t step = 0;
+  std::vector<checkpoint::Component> components;
   StateDict model;
   std::optional<StateDict> optim;
   std::optional<c10::IValue> extra;
   checkpoint::detail::Json::Object config;  // mesh, dtypes, kind: goes into fsdp_config.json
+  /// When set, fills `model` and `optim` on the coordinator's threads, before the writes.
+  std::function<void(SaveRequest&)> snapshot;
 };
 
-/// Snapshots `model` (by its StateDict policy), the optimizer's state and the extra state into host
-/// memory. Collective for FullStateDict models.
+/// Describes a save of `model` (by its StateDict policy), the optimizer's state and the extra state.
+/// Sharded and local state dicts are copied to host memory in the background (the model's next
+/// backward waits for the copy, so it overlaps that step's forward and backward); a full state dict
+/// is gathered here (collective). The RNG states in extra_state are taken now.
 template <class Sharded>
 SaveRequest make_save_request(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer, const ExtraState* extra) {
   using checkpoint::detail::Json;
+  using checkpoint::Component;
   SaveRequest req;
   req.step = step;
-  req.model = state_dict(model);
-  if (optimizer != nullptr) req.optim = optimizer_state_dict(model.sharded(), *optimizer);
+  req.components.push_back(Component::model);
+  if (optimizer != nullptr) req.components.push_back(Component::optim);
+  if (extra != nullptr) req.components.push_back(Component::extra_state);
   const auto& world = model.mesh().world();
+  constexpr StateDictKind kind = Sharded::StateDictPolicyType::kind;
+  req.model.kind = kind;
+  req.model.world_size = world.size();
+  req.model.rank = world.rank();
+  if constexpr (kind == StateDictKind::full) {
+    req.model = full_state_dict(model.sharded());
+    if (optimizer != nullptr) req.optim = optimizer_state_dict(model.sharded(), *optimizer);
+  } else {
+    core::ShardedModel* sharded = &model.sharded();
+    req.snapshot = [sharded, optimizer](SaveRequest& r) {
+      r.model = kind == StateDictKind::local ? local_state_dict(*sharded) : sharded_state_dict(*sharded);
+      if (optimizer != nullptr) r.optim = optimizer_state_dict(*sharded, *optimizer);
+    };
+  }
   if (extra != nullptr) {
     ExtraState e = *extra;
     e.step = step;
@@ -110,7 +132,7 @@ SaveRequest make_save_request(int64_t step, Sharded& model, torch::optim::Optimi
   }
   const auto& unit = model.sharded().unit(0).options();
   req.config = {{"mesh", Json::Object{{"shard", model.mesh().shard_size()}, {"replicate", model.mesh().replicate_size()}}},
-                {"state_dict_kind", to_string(req.model.kind)},
+                {"state_dict_kind", to_string(kind)},
                 {"param_dtype", std::string(c10::toString(unit.param_dtype))},
                 {"reduce_dtype", std::string(c10::toString(unit.reduce_dtype))},
                 {"master_dtype", "Float"},
@@ -162,16 +184,24 @@ class CheckpointCoordinator {
   void save(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer = nullptr, const ExtraState* extra = nullptr) {
     rethrow_failure();
     wait_for_components(optimizer != nullptr, extra != nullptr);
-    submit(make_save_request(step, model, optimizer, extra));
+    SaveRequest req = make_save_request(step, model, optimizer, extra);
+    std::optional<std::promise<void>> copied;
+    if (req.snapshot) {  // the model's next backward waits until the copy is taken
+      copied.emplace();
+      model.sharded().add_snapshot_fence(copied->get_future().share());
+    }
+    submit(std::move(req), std::move(copied));
   }
   template <class Sharded>
   void save(int64_t step, Sharded& model, torch::optim::Optimizer& optimizer, const ExtraState& extra) {
     save(step, model, &optimizer, &extra);
   }
 
-  /// Saves an already made request (see make_save_request).
-  void submit(SaveRequest req) {
-    wait_for_components(req.optim.has_value(), req.extra.has_value());
+  /// Saves an already made request (see make_save_request); `copied` is fulfilled once its snapshot
+  /// function has run.
+  void submit(SaveRequest req, std::optional<std::promise<void>> copied = std::nullopt) {
+    const auto has = [&](Component c) { return std::find(req.components.begin(), req.components.end(), c) != req.components.end(); };
+    wait_for_components(has(Component::optim), has(Component::extra_state));
     FSDPX_CHECK(req.model.world_size == world_size_ && req.model.rank == rank_, "CheckpointCoordinator for rank ", rank_,
                 " of ", world_size_, " was given the state of rank ", req.model.rank, " of ", req.model.world_size);
     {
@@ -185,15 +215,29 @@ class CheckpointCoordinator {
     FSDPX_CHECK_AS(IoError, !ec, "cannot create '", (dir / ".done").string(), "': ", ec.message());
 
     auto shared = std::make_shared<SaveRequest>(std::move(req));
-    std::vector<Component> components{Component::model};
-    if (shared->optim) components.push_back(Component::optim);
-    if (shared->extra) components.push_back(Component::extra_state);
+    const std::vector<Component> components = shared->components;
+    std::vector<std::shared_ptr<InFlight>> slots;
     for (const Component c : components) {
       auto& slot = in_flight_[static_cast<int>(c)];
       slot = std::make_shared<InFlight>();
+      slots.push_back(slot);
       start_task();
-      boost::asio::post(pool_, [this, shared, dir, c, slot] { write_component(*shared, dir, c, *slot); });
     }
+    auto fence = std::make_shared<std::optional<std::promise<void>>>(std::move(copied));
+    boost::asio::post(pool_, [this, shared, dir, components, slots, fence] {
+      std::string snapshot_error;
+      try {
+        if (shared->snapshot) shared->snapshot(*shared);
+      } catch (const std::exception& e) {
+        snapshot_error = e.what();
+      }
+      if (*fence) (*fence)->set_value();  // the shards may change from here on
+      for (size_t i = 0; i < components.size(); ++i) {
+        boost::asio::post(pool_, [this, shared, dir, c = components[i], slot = slots[i], snapshot_error] {
+          write_component(*shared, dir, c, *slot, snapshot_error);
+        });
+      }
+    });
     if (rank_ == 0) {
       start_task();
       {
@@ -294,13 +338,15 @@ class CheckpointCoordinator {
     if (!cause.empty()) throw IoError(cause);
   }
 
-  void write_component(const SaveRequest& req, const std::filesystem::path& dir, Component c, InFlight& slot) {
+  void write_component(const SaveRequest& req, const std::filesystem::path& dir, Component c, InFlight& slot,
+                       const std::string& snapshot_error) {
     notify([&](const CheckpointMonitor& m) {
       if (m.before_save) m.before_save(req.step, c);
     });
     SaveEvent event{req.step, c, dir / checkpoint::shard_file_name(c, world_size_, rank_)};
     const auto start = std::chrono::steady_clock::now();
     try {
+      FSDPX_CHECK_AS(IoError, snapshot_error.empty(), "copying the state to host memory failed: ", snapshot_error);
       const auto written = c == Component::model   ? checkpoint::save_state_dict(event.path, req.model)
                            : c == Component::optim ? checkpoint::save_state_dict(event.path, *req.optim)
                                                    : checkpoint::detail::save_ivalue(event.path, *req.extra);

@@ -348,7 +348,8 @@ inline StateDict full_state_dict(core::ShardedModel& model, bool all_ranks = fal
 inline void load_model_state_dict(core::ShardedModel& model,
                                   const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved,
                                   bool strict = true) {
-  model.reshard_all();  // the next forward gathers the loaded shards
+  model.wait_for_snapshots();  // a background checkpoint copy may still read the shards
+  model.reshard_all();         // the next forward gathers the loaded shards
   detail::SliceLoader loader("model");
   std::optional<StateDictKind> kind;
   for (size_t i = 0; i < model.num_units(); ++i) {
@@ -434,6 +435,7 @@ inline void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::
   int64_t step = 0;
   bool first = true;
   std::vector<std::string> keys;
+  model.wait_for_snapshots();
   for_each_saved([&](const StateDict& sd) {
     FSDPX_CHECK(sd.component == "optim", "loading optimizer state from a '", sd.component, "' state dict");
     if (first) {

@@ -156,6 +156,9 @@ class Fsdp {
   void offload_model() { state_->offload_model(); }
   void reload_model() { state_->reload_model(); }
   void reshard() { state_->reshard_all(); }
+  /// Waits for background checkpoint copies of the shards; needed only before changing the shards
+  /// outside the usual backward-then-step order (the end of backward waits by itself).
+  void wait_for_snapshots() { state_->wait_for_snapshots(); }
 
   /// Full parameters in the module for the scope's lifetime (inspection, evaluation, export).
   class FullParameters {

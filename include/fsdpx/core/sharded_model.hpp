@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <functional>
+#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -180,6 +181,7 @@ class ShardedModel {
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;
   ~ShardedModel() {
+    wait_for_snapshots();     // a background checkpoint copy may still read the shards
     *alive_ = false;  // autograd may still hold hooks that point here
     for (const auto* m : modules_) detail::UnitRegistry::instance().remove(m);
   }
@@ -217,6 +219,25 @@ class ShardedModel {
     } else {
       return std::forward<Arg>(arg);
     }
+  }
+
+  // ---- snapshots: background copies of the shards (checkpoints) --------------------------------------
+
+  /// A background copy of the shards and optimizer state is in progress until `done` is ready. The
+  /// shards must not change until then: the end of the next backward (before any optimizer step)
+  /// waits for it, so the copy overlaps a forward and backward instead of blocking the loop.
+  void add_snapshot_fence(std::shared_future<void> done) {
+    std::lock_guard lock(fence_mutex_);
+    fences_.push_back(std::move(done));
+  }
+  /// Waits for every background copy of the shards (call before changing shards outside a step).
+  void wait_for_snapshots() {
+    std::vector<std::shared_future<void>> fences;
+    {
+      std::lock_guard lock(fence_mutex_);
+      fences.swap(fences_);
+    }
+    for (auto& f : fences) f.wait();
   }
 
   // ---- training helpers -----------------------------------------------------------------------------
@@ -411,6 +432,7 @@ class ShardedModel {
 
   void end_of_backward() {
     in_backward_ = false;
+    wait_for_snapshots();  // the optimizer step that follows changes the shards
     if (sync_) {
       for (auto& s : pass_) s.reduction_ready = true;  // unused parameters: their gradient is zero
       start_ready_reductions();
@@ -434,6 +456,8 @@ class ShardedModel {
   size_t next_reduction_ = 0;
   bool sync_ = true;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
+  std::mutex fence_mutex_;
+  std::vector<std::shared_future<void>> fences_;
 };
 
 }  // namespace fsdpx::core

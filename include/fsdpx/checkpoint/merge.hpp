@@ -1,0 +1,332 @@
+// Merging a checkpoint's model shards into the full state dict, without the model and without a
+// process group: the model_world_size_<W>_rank_<r>.pt files of one step directory are read one at
+// a time and their slices copied into whole tensors. What `fsdpx-merge` runs.
+//
+// Checked, each failure an IoError naming the file: the world size of fsdp_config.json against the
+// model_* file names present (a missing rank, a file of another world size), every file's size and
+// CRC-32C against fsdp_config.json, every file's own world_size and rank against its name, and the
+// coverage of every parameter (a gap names the parameter and the range).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/checkpoint/detail/json.hpp>
+#include <fsdpx/checkpoint/format.hpp>
+#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/error.hpp>
+
+namespace fsdpx::checkpoint {
+
+struct MergeOptions {
+  /// Check each model file's size and CRC-32C against fsdp_config.json (reads each file twice).
+  bool verify_checksums = true;
+  /// Cast floating-point tensors to this dtype (e.g. at::kBFloat16); integer tensors are kept.
+  std::optional<at::ScalarType> dtype;
+  /// Where warnings go (a checkpoint without fsdp_config.json); std::cerr when empty.
+  std::function<void(const std::string&)> warn;
+};
+
+/// What merge_checkpoint found, for a tool to report.
+struct MergeReport {
+  fs::path dir;                     // the directory holding the model files
+  int world_size = 0;
+  bool committed = false;           // fsdp_config.json was there, with the model among its components
+  bool complete = false;            // ... and every component (optimizer, extra state) committed too
+  bool checksums_verified = false;
+  std::optional<int64_t> step;      // from fsdp_config.json
+  std::string kind;                 // "sharded" or "full"
+  std::vector<fs::path> files;      // the model files read, by rank
+  std::vector<std::string> warnings;
+};
+
+namespace detail {
+
+/// The step directory's model files: `dir` itself, or dir/actor when `dir` is global_step_<N>.
+inline fs::path model_dir(const fs::path& dir) {
+  const auto has_checkpoint = [](const fs::path& d) {
+    std::error_code ec;
+    if (!fs::is_directory(d, ec)) return false;
+    if (fs::exists(d / config_file, ec)) return true;
+    for (const auto& e : fs::directory_iterator(d, ec)) {
+      if (parse_shard_file_name(e.path().filename().string())) return true;
+    }
+    return false;
+  };
+  if (!has_checkpoint(dir) && has_checkpoint(dir / "actor")) return dir / "actor";
+  return dir;
+}
+
+inline uint32_t file_crc32c(const fs::path& path) {
+  Fd fd(path, O_RDONLY);
+  Crc32c crc;
+  std::vector<char> buf(1 << 20);
+  while (true) {
+    const ssize_t k = ::read(fd.get(), buf.data(), buf.size());
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0) throw_io("reading", path, errno);
+    if (k == 0) break;
+    crc.update(buf.data(), static_cast<size_t>(k));
+  }
+  return crc.value();
+}
+
+/// The parsed fsdp_config.json; every error names it.
+struct CommitRecord {
+  int world_size = 0;
+  std::optional<int64_t> step;
+  std::string kind;
+  bool complete = true;
+  std::map<std::string, std::pair<int64_t, uint32_t>> files;  // name -> (bytes, crc32c)
+  bool has_files = false;
+};
+
+inline CommitRecord read_commit_record(const fs::path& path) {
+  CommitRecord r;
+  try {
+    const Json j = Json::parse(read_text(path), path.string());
+    FSDPX_CHECK_AS(IoError, j.is_object() && j.contains("format") && j["format"].is_string() &&
+                                j["format"].string() == format_name,
+                   "it is not an fsdpx commit record (no \"format\": \"fsdpx\")");
+    const int64_t version = j["format_version"].integer();
+    FSDPX_CHECK_AS(IoError, version <= format_version, "format version ", version, "; this fsdpx reads up to ",
+                   format_version, ": update fsdpx");
+    // "complete": false with "model" among the components: the weights are committed, the optimizer
+    // state not (yet); that is enough to merge.
+    r.complete = !j.contains("complete") || j["complete"].boolean();
+    r.world_size = static_cast<int>(j["world_size"].integer());
+    FSDPX_CHECK_AS(IoError, r.world_size > 0, "world_size is ", r.world_size);
+    if (j.contains("step")) r.step = j["step"].integer();
+    if (j.contains("state_dict_kind")) r.kind = j["state_dict_kind"].string();
+    if (j.contains("components")) {
+      bool model = false;
+      for (const Json& c : j["components"].array()) model = model || (c.is_string() && c.string() == "model");
+      FSDPX_CHECK_AS(IoError, model, "the model component is not committed (its \"components\" omit \"model\")");
+    }
+    if (j.contains("files")) {
+      r.has_files = true;
+      for (const auto& [name, f] : j["files"].object()) {
+        r.files[name] = {f["bytes"].integer(), static_cast<uint32_t>(f["crc32c"].integer())};
+      }
+    }
+  } catch (const IoError& e) {
+    std::string why = e.what();
+    if (why.rfind("fsdpx: ", 0) == 0) why = why.substr(7);
+    throw IoError(::fsdpx::detail::str("fsdpx: commit record '", path.string(), "': ", why));
+  }
+  return r;
+}
+
+inline std::string local_kind_message(const fs::path& what) {
+  return ::fsdpx::detail::str("fsdpx: '", what.string(), "' holds a \"local\" state dict (each unit's raw, padded "
+                              "flat shard): it cannot be merged without the model, which alone knows how parameters "
+                              "lie in the flat shards. Load it into the same model at the same world size and save "
+                              "a full or sharded state dict, or save with ShardedStateDict/FullStateDict");
+}
+
+}  // namespace detail
+
+/// The full state dict of the checkpoint in `step_dir` (…/global_step_<N>/actor, or …/global_step_<N>):
+/// every parameter whole, with its saved shape, in name order (the files do not record the model's order: a
+/// rank's file lists only its slices, and nothing says where one unit ends). Reads one model file at
+/// a time; holds only the result. Throws IoError naming the file (or the parameter) on any inconsistency.
+inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOptions& options = {},
+                                     MergeReport* report = nullptr) {
+  MergeReport local_report;
+  MergeReport& rep = report != nullptr ? *report : local_report;
+  rep = MergeReport{};
+  const fs::path dir = detail::model_dir(step_dir);
+  rep.dir = dir;
+  FSDPX_CHECK_AS(IoError, fs::is_directory(dir), "checkpoint directory '", dir.string(), "' does not exist");
+  const auto warn = [&](const std::string& w) {
+    rep.warnings.push_back(w);
+    if (options.warn) {
+      options.warn(w);
+    } else {
+      std::cerr << "fsdpx: warning: " << w << "\n";
+    }
+  };
+
+  // ---- the model files present, and the world size --------------------------------------------------
+  std::map<std::string, ShardFileName> present;  // model_* only
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    if (const auto parsed = parse_shard_file_name(name); parsed && parsed->component == Component::model) {
+      present[name] = *parsed;
+    }
+  }
+  FSDPX_CHECK_AS(IoError, !ec, "listing '", dir.string(), "' failed: ", ec.message());
+
+  const fs::path config_path = dir / config_file;
+  std::optional<detail::CommitRecord> record;
+  if (fs::exists(config_path)) {
+    record = detail::read_commit_record(config_path);
+    FSDPX_CHECK_AS(IoError, record->kind != "local", detail::local_kind_message(config_path).substr(7));
+    rep.world_size = record->world_size;
+    rep.committed = true;
+    rep.complete = record->complete;
+    rep.step = record->step;
+  } else {
+    std::set<int> sizes;
+    for (const auto& [name, p] : present) sizes.insert(p.world_size);
+    FSDPX_CHECK_AS(IoError, !sizes.empty(), "'", dir.string(), "' holds no model shard files (model_world_size_<W>_rank_<r>.pt) "
+                   "and no ", config_file, ": it is not a checkpoint step directory");
+    if (sizes.size() > 1) {
+      std::string files;
+      for (const auto& [name, p] : present) files += "\n  " + (dir / name).string();
+      FSDPX_CHECK_AS(IoError, false, "'", dir.string(), "' has no ", config_file, " (never committed) and its model "
+                     "files come from ", sizes.size(), " different world sizes; remove the stale ones:", files);
+    }
+    rep.world_size = *sizes.begin();
+    warn(::fsdpx::detail::str("'", dir.string(), "' has no ", config_file, ": this checkpoint was never committed "
+                              "(a save that crashed or is still running); the world size, ", rep.world_size,
+                              ", comes from the file names and the files' checksums cannot be verified"));
+  }
+  const int world = rep.world_size;
+  rep.checksums_verified = record.has_value() && record->has_files && options.verify_checksums;
+
+  // Names against the world size: every problem, each naming its file.
+  {
+    std::string problems;
+    for (const auto& [name, p] : present) {
+      if (p.world_size != world) {
+        problems += ::fsdpx::detail::str("\n  '", (dir / name).string(), "' is from world size ", p.world_size,
+                                         ", not ", world, " (a stale file of another save?)");
+      }
+    }
+    for (int r = 0; r < world; ++r) {
+      const std::string name = shard_file_name(Component::model, world, r);
+      if (present.count(name) == 0) {
+        problems += ::fsdpx::detail::str("\n  '", (dir / name).string(), "' (rank ", r, " of ", world, ") is missing");
+      }
+    }
+    FSDPX_CHECK_AS(IoError, problems.empty(), "the checkpoint in '", dir.string(), "' (world size ", world,
+                   record ? ", from " : ", from its file names", record ? config_path.string() : "",
+                   ") does not match its model files:", problems);
+  }
+
+  // ---- each rank's file in turn -----------------------------------------------------------------------
+  struct Param {
+    std::vector<int64_t> shape;
+    at::Tensor flat;
+    std::vector<std::pair<int64_t, int64_t>> filled;
+  };
+  std::map<std::string, Param> params;
+  std::optional<StateDictKind> kind;
+  for (int r = 0; r < world; ++r) {
+    const std::string name = shard_file_name(Component::model, world, r);
+    const fs::path path = dir / name;
+    if (rep.checksums_verified) {
+      const auto it = record->files.find(name);
+      FSDPX_CHECK_AS(IoError, it != record->files.end(), "'", path.string(), "' is not listed in ", config_path.string(),
+                     ": it was not written by the save that committed this checkpoint");
+      const auto size = static_cast<int64_t>(fs::file_size(path, ec));
+      FSDPX_CHECK_AS(IoError, !ec && size == it->second.first, "'", path.string(), "' has ", size, " bytes but ",
+                     config_file, " records ", it->second.first, ": the file is truncated or was replaced");
+      const uint32_t crc = detail::file_crc32c(path);
+      FSDPX_CHECK_AS(IoError, crc == it->second.second, "'", path.string(), "' is corrupt: its CRC-32C is ", crc,
+                     " but ", config_file, " records ", it->second.second);
+    }
+    const StateDict sd = load_state_dict_file(path);
+    rep.files.push_back(path);
+    FSDPX_CHECK_AS(IoError, sd.world_size == world && sd.rank == r, "'", path.string(), "' says it is rank ", sd.rank,
+                   " of ", sd.world_size, ", but its name says rank ", r, " of ", world, " (a renamed file?)");
+    FSDPX_CHECK_AS(IoError, sd.component == "model", "'", path.string(), "' holds a '", sd.component,
+                   "' state dict, not a model");
+    FSDPX_CHECK_AS(IoError, sd.kind != StateDictKind::local, detail::local_kind_message(path).substr(7));
+    FSDPX_CHECK_AS(IoError, !kind || *kind == sd.kind, "'", path.string(), "' holds a ", to_string(sd.kind),
+                   " state dict but the lower ranks' files hold ", to_string(*kind));
+    kind = sd.kind;
+    for (const TensorSlice& s : sd.entries) {
+      const auto t = s.tensors.find("data");
+      FSDPX_CHECK_AS(IoError, t != s.tensors.end(), "'", path.string(), "': entry '", s.name, "' has no 'data' tensor");
+      FSDPX_CHECK_AS(IoError, t->second.numel() == s.end - s.begin, "'", path.string(), "': entry '", s.name, "' holds ",
+                     t->second.numel(), " elements for the range [", s.begin, ", ", s.end, ")");
+      auto [it, inserted] = params.try_emplace(s.name);
+      Param& p = it->second;
+      if (inserted) {
+        p.shape = s.shape;
+        p.flat = at::empty({s.global_numel()}, t->second.options().device(at::kCPU));
+      } else {
+        FSDPX_CHECK_AS(IoError, p.shape == s.shape, "'", path.string(), "': parameter '", s.name, "' has shape ",
+                       c10::IntArrayRef(s.shape), " here but ", c10::IntArrayRef(p.shape), " in a lower rank's file");
+        FSDPX_CHECK_AS(IoError, p.flat.scalar_type() == t->second.scalar_type(), "'", path.string(), "': parameter '",
+                       s.name, "' has dtype ", t->second.scalar_type(), " here but ", p.flat.scalar_type(),
+                       " in a lower rank's file");
+      }
+      if (s.end > s.begin) {
+        p.flat.narrow(0, s.begin, s.end - s.begin).copy_(t->second.reshape({-1}));
+        p.filled.emplace_back(s.begin, s.end);
+      }
+    }
+  }
+  rep.kind = kind ? to_string(*kind) : "";
+  if (record && !record->kind.empty() && kind) {
+    FSDPX_CHECK_AS(IoError, record->kind == rep.kind, "'", config_path.string(), "' says the state dicts are ",
+                   record->kind, " but the model files hold ", rep.kind, " ones");
+  }
+
+  // ---- coverage -------------------------------------------------------------------------------------
+  std::vector<std::string> gaps;
+  for (auto& [name, p] : params) {
+    std::sort(p.filled.begin(), p.filled.end());
+    int64_t covered = 0;
+    const int64_t numel = p.flat.numel();
+    for (const auto& [lo, hi] : p.filled) {
+      if (lo > covered) gaps.push_back(::fsdpx::detail::str("'", name, "' elements [", covered, ", ", lo, ")"));
+      covered = std::max(covered, hi);
+    }
+    if (covered < numel) gaps.push_back(::fsdpx::detail::str("'", name, "' elements [", covered, ", ", numel, ")"));
+  }
+  if (!gaps.empty()) {
+    std::string list;
+    for (size_t i = 0; i < gaps.size() && i < 20; ++i) list += "\n  " + gaps[i];
+    if (gaps.size() > 20) list += ::fsdpx::detail::str("\n  and ", gaps.size() - 20, " more");
+    FSDPX_CHECK_AS(IoError, false, "the model files in '", dir.string(), "' (world size ", world,
+                   ") leave parts of parameters uncovered, in no rank's file:", list);
+  }
+
+  NamedTensors out;
+  for (auto& [name, p] : params) {  // a std::map: name order
+    at::Tensor t = p.flat.view(p.shape);
+    if (options.dtype && at::isFloatingType(t.scalar_type())) t = t.to(*options.dtype);
+    out.emplace_back(name, std::move(t));
+    p.flat = at::Tensor();
+  }
+  return out;
+}
+
+/// Copies `dir`/huggingface (config.json, tokenizer files) into `out_dir`, durably; returns the files
+/// written (none when there is no huggingface directory).
+inline std::vector<detail::WrittenFile> copy_huggingface_files(const fs::path& step_dir, const fs::path& out_dir) {
+  std::vector<detail::WrittenFile> written;
+  const fs::path dir = detail::model_dir(step_dir);
+  fs::path hf = dir / "huggingface";
+  if (!fs::is_directory(hf) && fs::is_directory(dir.parent_path() / "huggingface")) hf = dir.parent_path() / "huggingface";
+  if (!fs::is_directory(hf)) return written;
+  std::error_code ec;
+  for (const auto& e : fs::recursive_directory_iterator(hf, ec)) {
+    if (!e.is_regular_file()) continue;
+    const fs::path target = out_dir / fs::relative(e.path(), hf);
+    fs::create_directories(target.parent_path(), ec);
+    const std::vector<char> data = detail::read_file(e.path());
+    written.push_back(detail::write_file_durably(target, [&](const auto& sink) { sink(data.data(), data.size()); }));
+  }
+  FSDPX_CHECK_AS(IoError, !ec, "copying '", hf.string(), "' failed: ", ec.message());
+  return written;
+}
+
+}  // namespace fsdpx::checkpoint

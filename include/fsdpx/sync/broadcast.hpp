@@ -1,0 +1,431 @@
+// Weight sync by broadcast: the trainer's full parameters, gathered unit by unit from the sharded
+// model, go from trainer rank 0 to every rollout rank of a model-update group (MPI on CPUs, NCCL on
+// GPUs), packed into double-buffered weight buckets (fsdpx/sync/bucket.hpp).
+//
+//   auto groups = fsdpx::sync::split_trainer_rollout(world, /*trainers=*/2);   // collective over world
+//   if (groups.is_trainer()) {
+//     Sharded model(make_model(), *groups.trainer);
+//     fsdpx::sync::WeightBroadcaster sender(model, groups.model_update, {.dtype = at::kBFloat16});
+//     for (int64_t step = 0; ...; ++step) { train(model); sender.broadcast(step); }   // every trainer rank
+//   } else {
+//     fsdpx::sync::WeightReceiver receiver(*groups.model_update);
+//     for (...) { const int64_t version = receiver.receive_into(*rollout_model); ... }
+//   }
+//
+// What is sent: each unit's gathered parameters in its compute dtype (what the unsharded module holds,
+// Precision::param_dtype), cast to BroadcastOptions::dtype when one is set. Every trainer rank takes
+// part in the gathers (whatever the mesh and offload policy); only trainer rank 0 sends.
+//
+// On the wire, per version: a preamble {magic, version, bucket count, largest bucket} and the bucket
+// sizes (two small broadcasts), then the buckets, each self-describing. The receiver keeps two
+// receives in flight while it unpacks; the sender packs bucket k+1 while bucket k is on the wire.
+#pragma once
+
+#include <array>
+#include <chrono>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <fsdpx/core/sharded_model.hpp>
+#include <fsdpx/dist/any.hpp>
+#include <fsdpx/error.hpp>
+#include <fsdpx/sync/bucket.hpp>
+
+namespace fsdpx::sync {
+
+/// Anything that exposes its core::ShardedModel (fsdpx::Fsdp<...>).
+template <class F>
+concept HasShardedModel = requires(F& f) {
+  { f.sharded() } -> std::same_as<core::ShardedModel&>;
+};
+
+// ---- groups ---------------------------------------------------------------------------------------
+
+/// The world split for RL: trainers are world ranks [0, trainers), rollouts [trainers, world size).
+struct TrainerRolloutGroups {
+  int trainers = 0;
+  std::optional<dist::AnyCommunicator> trainer;       // on trainer ranks: build the Fsdp model over it
+  std::optional<dist::AnyCommunicator> rollout;       // on rollout ranks
+  std::optional<dist::AnyCommunicator> model_update;  // on trainer rank 0 (its rank 0) and every rollout
+  bool is_trainer() const { return trainer.has_value(); }
+};
+
+/// Collective over `world`: every rank calls it with the same `trainers`.
+inline TrainerRolloutGroups split_trainer_rollout(const dist::AnyCommunicator& world, int trainers) {
+  FSDPX_CHECK(trainers >= 1 && trainers < world.size(), "split_trainer_rollout: ", trainers,
+              " trainer ranks in a world of ", world.size(), "; need at least one trainer and one rollout rank");
+  const int r = world.rank();
+  const bool trainer = r < trainers;
+  TrainerRolloutGroups g;
+  g.trainers = trainers;
+  auto role = world.split(trainer ? 0 : 1, r, trainer ? "trainer" : "rollout");
+  (trainer ? g.trainer : g.rollout) = std::move(role);
+  // World rank 0 gets update rank 0: the broadcast's root.
+  g.model_update = world.split(r == 0 || !trainer ? 0 : dist::no_color, r, "model_update");
+  return g;
+}
+
+// ---- the trainer side: gathering ------------------------------------------------------------------
+
+/// Runs `fn(unit)` for every unit of `model` in order, each unsharded meanwhile, with the next unit's
+/// gather in flight. Collective over the trainer ranks. Units unsharded before the call stay so; the
+/// others are resharded after their turn, so at most two units are full at a time.
+template <class Fn>
+void for_each_unsharded_unit(core::ShardedModel& model, Fn&& fn) {
+  const size_t n = model.num_units();
+  std::vector<bool> keep(n);
+  for (size_t i = 0; i < n; ++i) keep[i] = model.unit(i).is_unsharded();
+  for (size_t i = 0; i < n; ++i) {
+    core::Unit& u = model.unit(i);
+    u.unshard();
+    if (i + 1 < n) model.unit(i + 1).unshard_async();
+    fn(u);
+    if (!keep[i]) u.reshard();
+  }
+}
+
+struct GatherOptions {
+  std::optional<at::ScalarType> dtype;  // default: each unit's compute dtype
+  at::Device device = at::kCPU;
+};
+
+/// The full parameters as fresh tensors (on `device`, cast to `dtype`), in unit order. Collective over
+/// the trainer ranks; only ranks with `collect` keep anything (the others return nothing).
+inline std::vector<NamedTensor> gather_full_state_dict(core::ShardedModel& model, bool collect,
+                                                       const GatherOptions& options = {}) {
+  std::vector<NamedTensor> out;
+  for_each_unsharded_unit(model, [&](core::Unit& u) {
+    if (!collect) return;
+    for (const auto& p : u.layout().params()) {
+      // copy=true: the parameter is a view of a buffer the next reshard frees.
+      out.push_back({p.name, p.param.detach().to(options.device, options.dtype.value_or(u.options().param_dtype),
+                                                 /*non_blocking=*/false, /*copy=*/true)});
+    }
+  });
+  return out;
+}
+template <HasShardedModel F>
+std::vector<NamedTensor> gather_full_state_dict(F& fsdp, bool collect, const GatherOptions& options = {}) {
+  return gather_full_state_dict(fsdp.sharded(), collect, options);
+}
+
+// ---- the trainer side: broadcasting ---------------------------------------------------------------
+
+struct BroadcastOptions {
+  /// Capacity of each of the two buckets (header included). Larger buckets mean fewer collectives;
+  /// a tensor larger than a bucket is split.
+  int64_t bucket_bytes = int64_t{32} << 20;
+  /// The rollout dtype; default: each unit's compute dtype.
+  std::optional<at::ScalarType> dtype;
+  /// Gather each unit into two buffers the broadcaster keeps (the size of the largest unit, in the
+  /// compute dtype) instead of through the unit's own unshard(), which allocates and frees the full
+  /// parameters every time: on the CPU that means page faults on every byte, which cost more than the
+  /// broadcast itself (docs/sync.md, "Measured"). Same values, bit for bit (the same cast of the
+  /// same shard, the same all-gather). false: no memory is kept between syncs. Must agree on all
+  /// trainer ranks.
+  bool keep_gather_buffers = true;
+};
+
+namespace detail {
+inline constexpr int64_t preamble_magic = 0x46585357'50524531;  // "FXSWPRE1"
+}  // namespace detail
+
+class WeightBroadcaster {
+ public:
+  /// `update_group`: the model-update group on trainer rank 0 (where this process must be rank 0, the
+  /// root), std::nullopt on the other trainer ranks.
+  WeightBroadcaster(core::ShardedModel& model, std::optional<dist::AnyCommunicator> update_group,
+                    BroadcastOptions options = {})
+      : model_(&model), group_(std::move(update_group)), options_(options) {
+    if (options_.keep_gather_buffers) {
+      // Collective over the shard group (every trainer rank constructs a broadcaster): a duplicate of
+      // it, so these gathers never interleave with the model's own.
+      auto& shard = model.mesh().shard_group();
+      gather_ = shard.split(0, shard.rank(), "fsdpx/sync_gather");
+    }
+    FSDPX_CHECK(options_.bucket_bytes >= 4096, "WeightBroadcaster: bucket_bytes must be at least 4096, got ",
+                options_.bucket_bytes);
+    if (group_) {
+      FSDPX_CHECK(group_->rank() == 0, "WeightBroadcaster: this trainer rank is rank ", group_->rank(),
+                  " of the model-update group '", group_->name(), "'; the sending trainer rank must be its rank 0");
+      const c10::Device device = model.unit(0).options().device;
+      FSDPX_CHECK(device.type() == group_->device_type(), "WeightBroadcaster: the model computes on ", device,
+                  " but the model-update group (", group_->backend_name(), ") works on ",
+                  c10::DeviceTypeName(group_->device_type(), true), " tensors");
+    }
+  }
+  template <HasShardedModel F>
+  WeightBroadcaster(F& fsdp, std::optional<dist::AnyCommunicator> update_group, BroadcastOptions options = {})
+      : WeightBroadcaster(fsdp.sharded(), std::move(update_group), options) {}
+
+  bool is_sender() const { return group_.has_value(); }
+  int64_t last_version() const { return last_version_; }
+
+  struct Stats {
+    int64_t bytes = 0;             // bucket bytes sent (headers included)
+    int64_t buckets = 0;
+    double seconds = 0;            // the whole broadcast(), gathers included
+    double send_wait_seconds = 0;  // waiting for a bucket's previous broadcast before refilling it
+  };
+  const Stats& last_stats() const { return stats_; }
+
+  /// Sends the current weights as `version` (e.g. the training step; strictly increasing). Collective:
+  /// every trainer rank (the gathers) and every rank of the model-update group (the broadcast).
+  void broadcast(int64_t version) {
+    FSDPX_CHECK_AS(SyncError, version > last_version_, "weight sync: version ", version,
+                   " is not newer than the last version sent, ", last_version_, "; versions must increase");
+    using Clock = std::chrono::steady_clock;
+    const auto t0 = Clock::now();
+    stats_ = {};
+    try {
+      if (!group_) {
+        walk_units([](core::Unit&, const at::Tensor&) {});
+      } else {
+        send(version);
+      }
+    } catch (const SyncError&) {
+      throw;
+    } catch (const Error& e) {
+      throw SyncError(::fsdpx::detail::str("fsdpx: weight sync of version ", version, " failed on the trainer side",
+                                           group_ ? " (sending rank)" : "", ": ", e.what()));
+    }
+    last_version_ = version;
+    stats_.seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  }
+
+ private:
+  void send(int64_t version) {
+    using Clock = std::chrono::steady_clock;
+    std::vector<TensorSpec> specs;
+    for (size_t i = 0; i < model_->num_units(); ++i) {
+      const core::Unit& u = model_->unit(i);
+      for (const auto& p : u.layout().params()) {
+        specs.push_back({p.name, p.shape, options_.dtype.value_or(u.options().param_dtype)});
+      }
+    }
+    const auto plan = plan_buckets(specs, options_.bucket_bytes, version);
+    const int64_t n = static_cast<int64_t>(plan.size());
+    int64_t largest = 0;
+    std::vector<int64_t> sizes;
+    for (const auto& b : plan) {
+      sizes.push_back(b.total_bytes);
+      largest = std::max(largest, b.total_bytes);
+      stats_.bytes += b.total_bytes;
+    }
+    stats_.buckets = n;
+    const c10::Device device = model_->unit(0).options().device;
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
+    group_->broadcast(at::tensor({detail::preamble_magic, version, n, largest}, at::kLong).to(longs), 0);
+    if (n > 0) group_->broadcast(at::tensor(sizes, at::kLong).to(longs), 0);
+    ensure_buffers(largest, device);
+
+    std::array<dist::Work, 2> sending;
+    int64_t k = 0;
+    size_t e = 0;
+    const auto begin_bucket = [&] {
+      if (k >= n) return;
+      const auto w0 = Clock::now();
+      sending[k % 2].wait();  // the buffer's previous bucket must be on its way before we overwrite it
+      stats_.send_wait_seconds += std::chrono::duration<double>(Clock::now() - w0).count();
+      write_header(buffers_[k % 2], plan[k]);
+    };
+    begin_bucket();
+    walk_units([&](core::Unit& u, const at::Tensor& full) {
+      for (const auto& p : u.layout().params()) {
+        const at::Tensor source = full.defined() ? full.narrow(0, p.offset, p.numel) : p.param;
+        // The plan lists p's chunks consecutively, possibly over several buckets.
+        while (k < n && e < plan[k].entries.size() && plan[k].entries[e].name == p.name) {
+          pack_entry(buffers_[k % 2], plan[k].entries[e], source);
+          if (++e == plan[k].entries.size()) {
+            sending[k % 2] = group_->broadcast_async(buffers_[k % 2].narrow(0, 0, plan[k].total_bytes), 0);
+            ++k;
+            e = 0;
+            begin_bucket();
+          }
+        }
+      }
+    });
+    FSDPX_CHECK_AS(SyncError, k == n, "weight sync: internal error: ", k, " of ", n, " buckets were filled");
+    for (auto& w : sending) w.wait();
+  }
+
+  /// Runs fn(unit, full flat parameters in the compute dtype, or undefined when the unit itself is
+  /// unsharded) for every unit in order, gathering the next unit meanwhile. Collective over the
+  /// trainer ranks.
+  template <class Fn>
+  void walk_units(Fn&& fn) {
+    if (!gather_) {
+      // The module's parameters are valid while their unit is unsharded.
+      for_each_unsharded_unit(*model_, [&](core::Unit& u) { fn(u, at::Tensor()); });
+      return;
+    }
+    const size_t n = model_->num_units();
+    int64_t largest = 0;
+    for (size_t i = 0; i < n; ++i) largest = std::max(largest, model_->unit(i).layout().padded_numel());
+    const core::UnitOptions& uo = model_->unit(0).options();
+    if (!gathered_[0].defined() || gathered_[0].numel() < largest || gathered_[0].scalar_type() != uo.param_dtype) {
+      for (auto& g : gathered_) {
+        g = at::empty({std::max<int64_t>(largest, 1)}, at::TensorOptions().dtype(uo.param_dtype).device(uo.device));
+      }
+    }
+    const int r = gather_->rank();
+    std::array<dist::Work, 2> gathering;
+    const auto start = [&](size_t i) {
+      const core::Unit& u = model_->unit(i);
+      const at::Tensor full = gathered_[i % 2].narrow(0, 0, u.layout().padded_numel());
+      const at::Tensor slot = full.narrow(0, r * u.layout().shard_numel(), u.layout().shard_numel());
+      slot.copy_(u.shard());  // the cast unshard() makes: float32 master -> compute dtype
+      gathering[i % 2] = gather_->all_gather_async(full, slot);
+    };
+    if (n > 0) start(0);
+    for (size_t i = 0; i < n; ++i) {
+      gathering[i % 2].wait();
+      if (i + 1 < n) start(i + 1);  // into the buffer unit i - 1 used, which is packed by now
+      fn(model_->unit(i), gathered_[i % 2].narrow(0, 0, model_->unit(i).layout().padded_numel()));
+    }
+  }
+
+  void ensure_buffers(int64_t bytes, c10::Device device) {
+    if (buffers_[0].defined() && buffers_[0].numel() >= bytes && buffers_[0].device() == device) return;
+    for (auto& b : buffers_) b = at::empty({std::max<int64_t>(bytes, 1)}, at::TensorOptions().dtype(at::kByte).device(device));
+  }
+
+  core::ShardedModel* model_;
+  std::optional<dist::AnyCommunicator> group_;
+  BroadcastOptions options_;
+  int64_t last_version_ = no_version;
+  std::optional<dist::AnyCommunicator> gather_;  // with keep_gather_buffers
+  std::array<at::Tensor, 2> gathered_;           // full units, compute dtype
+  std::array<at::Tensor, 2> buffers_;            // buckets (sender only)
+  Stats stats_;
+};
+
+// ---- the rollout side -----------------------------------------------------------------------------
+
+struct ReceiveOptions {
+  /// Where the buckets land (and receive() allocates): the update group's device (a CUDA device with NCCL).
+  at::Device device = at::kCPU;
+  /// The sender's rank in the model-update group.
+  int root = 0;
+};
+
+class WeightReceiver {
+ public:
+  // A template whose first check rules out WeightReceiver itself: checking a plain AnyCommunicator
+  // parameter would ask whether a WeightReceiver is a Communicator while copying one (a cycle).
+  template <class Comm>
+    requires(!std::same_as<std::remove_cvref_t<Comm>, WeightReceiver> && std::constructible_from<dist::AnyCommunicator, Comm>)
+  explicit WeightReceiver(Comm&& update_group, ReceiveOptions options = {})
+      : group_(std::forward<Comm>(update_group)), options_(options) {
+    FSDPX_CHECK(options_.device.type() == group_.device_type(), "WeightReceiver: buckets on ", options_.device,
+                " but the model-update group (", group_.backend_name(), ") works on ",
+                c10::DeviceTypeName(group_.device_type(), true), " tensors; set ReceiveOptions::device");
+    FSDPX_CHECK(options_.root >= 0 && options_.root < group_.size() && options_.root != group_.rank(),
+                "WeightReceiver: root ", options_.root, " must be another rank of the model-update group '",
+                group_.name(), "' (size ", group_.size(), ", this rank ", group_.rank(), ")");
+  }
+
+  /// Receives the next version into `module`'s parameters by name (names and shapes must match; what
+  /// does not is reported, after the whole version was received). Returns the version.
+  int64_t receive_into(torch::nn::Module& module) {
+    ModuleLoader loader(module);
+    const int64_t version = receive_with(loader);
+    loader.finish();
+    return version;
+  }
+
+  /// Receives the next version as tensors (on ReceiveOptions::device).
+  WeightSnapshot receive() {
+    TensorCollector collector(options_.device);
+    const int64_t version = receive_with(collector);
+    return {version, collector.finish()};
+  }
+
+  int64_t last_version() const { return last_version_; }
+
+ private:
+  template <class Sink>
+  int64_t receive_with(Sink& sink) {
+    try {
+      return receive_buckets(sink);
+    } catch (const SyncError&) {
+      throw;
+    } catch (const Error& e) {
+      throw SyncError(::fsdpx::detail::str("fsdpx: receiving weights from the trainer over '", group_.name(),
+                                           "' (rank ", group_.rank(), " of ", group_.size(), ", last version ",
+                                           last_version_, ") failed; the sending trainer rank may have exited or "
+                                           "crashed: ", e.what()));
+    }
+  }
+
+  template <class Sink>
+  int64_t receive_buckets(Sink& sink) {
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(options_.device);
+    auto pre = at::zeros({4}, longs);
+    group_.broadcast(pre, options_.root);
+    pre = pre.cpu();
+    const int64_t* p = pre.data_ptr<int64_t>();
+    FSDPX_CHECK_AS(SyncError, p[0] == detail::preamble_magic, "the model-update group '", group_.name(),
+                   "' delivered something that is not a weight-sync preamble: its ranks disagree about what is "
+                   "being sent (is every rollout rank calling receive while trainer rank 0 calls broadcast?)");
+    const int64_t version = p[1], n = p[2], largest = p[3];
+    FSDPX_CHECK_AS(SyncError, version > last_version_, "the trainer sent version ", version,
+                   " after version ", last_version_, "; versions must increase");
+    FSDPX_CHECK_AS(SyncError, n >= 0 && largest >= 0 && (n == 0 || largest >= bucket_prefix_bytes),
+                   "corrupt weight-sync preamble: ", n, " buckets of at most ", largest, " bytes");
+    std::vector<int64_t> sizes(static_cast<size_t>(n));
+    if (n > 0) {
+      auto s = at::empty({n}, longs);
+      group_.broadcast(s, options_.root);
+      s = s.cpu();
+      std::copy_n(s.data_ptr<int64_t>(), n, sizes.begin());
+    }
+    if (!buffers_[0].defined() || buffers_[0].numel() < largest) {
+      for (auto& b : buffers_) b = at::empty({std::max<int64_t>(largest, 1)}, at::TensorOptions().dtype(at::kByte).device(options_.device));
+    }
+    std::array<dist::Work, 2> receiving;
+    const auto post = [&](int64_t k) {
+      if (k < n) receiving[k % 2] = group_.broadcast_async(buffers_[k % 2].narrow(0, 0, sizes[k]), options_.root);
+    };
+    post(0);
+    post(1);
+    const std::string where = ::fsdpx::detail::str("broadcast over '", group_.name(), "'");
+    for (int64_t k = 0; k < n; ++k) {
+      receiving[k % 2].wait();
+      const at::Tensor bucket = buffers_[k % 2].narrow(0, 0, sizes[k]);
+      const BucketLayout layout = read_header(bucket, where);
+      FSDPX_CHECK_AS(SyncError, layout.version == version && layout.index == k && layout.count == n &&
+                                    layout.total_bytes == sizes[k],
+                     "weight bucket out of order: expected bucket ", k, " of ", n, " of version ", version, " (",
+                     sizes[k], " bytes), got bucket ", layout.index, " of ", layout.count, " of version ",
+                     layout.version, " (", layout.total_bytes, " bytes)");
+      for (const auto& e : layout.entries) sink.accept(e, entry_view(bucket, e));
+      post(k + 2);  // the buffer is consumed (copies on the current stream come before the receive on NCCL)
+    }
+    last_version_ = version;
+    return version;
+  }
+
+  static BucketLayout read_header(const at::Tensor& bucket, const std::string& where) {
+    if (bucket.is_cpu()) return decode_header(bucket.const_data_ptr<uint8_t>(), bucket.numel(), where);
+    // On a device: the prefix tells the header's size, then the header itself comes to the host.
+    const auto prefix = bucket.narrow(0, 0, bucket_prefix_bytes).cpu();
+    uint32_t header_bytes = 0;
+    std::memcpy(&header_bytes, prefix.const_data_ptr<uint8_t>() + 12, sizeof(header_bytes));
+    const int64_t h = std::clamp<int64_t>(header_bytes, bucket_prefix_bytes, bucket.numel());
+    const auto header = bucket.narrow(0, 0, h).cpu();
+    return decode_header(header.const_data_ptr<uint8_t>(), h, where);
+  }
+
+  dist::AnyCommunicator group_;
+  ReceiveOptions options_;
+  int64_t last_version_ = no_version;
+  std::array<at::Tensor, 2> buffers_;
+};
+
+}  // namespace fsdpx::sync

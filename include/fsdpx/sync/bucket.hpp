@@ -1,0 +1,528 @@
+// The weight bucket: the one wire format of weight sync, used by the broadcast to rollout ranks and by
+// the TCP synchronizer service alike.
+//
+// A bucket is one contiguous byte buffer: a self-describing header, then 64-byte-aligned payloads.
+//
+//   prefix (40 bytes, little-endian)
+//     u32 magic 'FXSB'   u16 format (1)   u16 flags (bit 0: last bucket of the version)
+//     u32 entry_count    u32 header_bytes (payloads start here; a multiple of 64)
+//     u64 total_bytes    i64 version      u32 index      u32 count (buckets in this version)
+//   entry_count entries
+//     u16 name length, name bytes, u8 dtype code, u8 ndim, i64 shape[ndim],
+//     i64 element_offset, i64 numel, u64 byte_offset
+//
+// An entry is a chunk of one tensor: elements [element_offset, element_offset + numel) of the tensor
+// flattened in row-major order, stored at byte_offset from the bucket's start. Tensors larger than a
+// bucket are split over consecutive buckets; everything a receiver needs is in the header.
+#pragma once
+
+#include <algorithm>
+#include <bit>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <fsdpx/error.hpp>
+
+namespace fsdpx::sync {
+
+static_assert(std::endian::native == std::endian::little,
+              "fsdpx/sync: the weight bucket format is little-endian and is written with memcpy; "
+              "big-endian hosts are not supported");
+
+/// "No version yet": what a reader that holds nothing passes to wait for the first version.
+inline constexpr int64_t no_version = -1;
+
+/// A tensor with its fully qualified parameter name ("blocks.3.mlp.fc.weight").
+struct NamedTensor {
+  std::string name;
+  at::Tensor tensor;
+};
+
+/// A complete set of weights under one version: what a receiver gets, what a synchronizer holds.
+struct WeightSnapshot {
+  int64_t version = no_version;
+  std::vector<NamedTensor> tensors;
+
+  /// The tensor named `name`; a SyncError naming it when absent.
+  const at::Tensor& at(std::string_view name) const {
+    for (const auto& t : tensors) {
+      if (t.name == name) return t.tensor;
+    }
+    throw SyncError(::fsdpx::detail::str("fsdpx: weight snapshot version ", version, " has no tensor '", name, "'"));
+  }
+  int64_t nbytes() const {
+    int64_t n = 0;
+    for (const auto& t : tensors) n += static_cast<int64_t>(t.tensor.nbytes());
+    return n;
+  }
+};
+
+/// What will be sent for one tensor: its name, shape and the dtype it travels in.
+struct TensorSpec {
+  std::string name;
+  std::vector<int64_t> shape;
+  at::ScalarType dtype = at::kFloat;
+};
+
+/// One chunk of one tensor inside a bucket.
+struct BucketEntry {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  int64_t element_offset = 0;  // first element of the chunk within the flattened tensor
+  int64_t numel = 0;           // elements in the chunk
+  int64_t byte_offset = 0;     // from the bucket's start, 64-byte aligned
+
+  int64_t nbytes() const { return numel * static_cast<int64_t>(c10::elementSize(dtype)); }
+  int64_t tensor_numel() const {
+    int64_t n = 1;
+    for (const int64_t s : shape) n *= s;
+    return n;
+  }
+};
+
+/// One bucket: where every entry lies, the header's size and the bucket's total size.
+struct BucketLayout {
+  int64_t version = no_version;
+  uint32_t index = 0;
+  uint32_t count = 0;
+  bool last = false;
+  std::vector<BucketEntry> entries;
+  int64_t header_bytes = 0;
+  int64_t total_bytes = 0;
+};
+
+namespace detail {
+
+inline constexpr uint32_t bucket_magic = 0x42535846;  // "FXSB"
+inline constexpr uint16_t bucket_format = 1;
+inline constexpr int64_t prefix_bytes = 40;
+inline constexpr int64_t alignment = 64;
+inline constexpr int max_ndim = 16;
+
+inline int64_t align_up(int64_t n) { return (n + alignment - 1) / alignment * alignment; }
+
+inline int64_t entry_header_bytes(const std::string& name, size_t ndim) {
+  return 2 + static_cast<int64_t>(name.size()) + 2 + 8 * static_cast<int64_t>(ndim) + 24;
+}
+
+// Codes of our own rather than at::ScalarType's numbering, which is not a stable interface.
+inline uint8_t dtype_code(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return 1;
+    case at::kDouble: return 2;
+    case at::kBFloat16: return 3;
+    case at::kHalf: return 4;
+    case at::kChar: return 5;
+    case at::kByte: return 6;
+    case at::kInt: return 7;
+    case at::kLong: return 8;
+    case at::kBool: return 9;
+    default: break;
+  }
+  FSDPX_CHECK(false, "weight sync cannot send tensors of dtype ", t,
+              " (float32, float64, bfloat16, float16, int8, uint8, int32, int64 and bool can travel)");
+  return 0;
+}
+
+inline std::optional<at::ScalarType> dtype_from_code(uint8_t code) {
+  static constexpr at::ScalarType types[] = {at::kFloat, at::kDouble, at::kBFloat16, at::kHalf, at::kChar,
+                                             at::kByte,  at::kInt,    at::kLong,     at::kBool};
+  if (code < 1 || code > 9) return std::nullopt;
+  return types[code - 1];
+}
+
+class Writer {
+ public:
+  explicit Writer(std::vector<uint8_t>& out) : out_(out) {}
+  template <class T>
+  void put(T v) {
+    const size_t at = out_.size();
+    out_.resize(at + sizeof(T));
+    std::memcpy(out_.data() + at, &v, sizeof(T));
+  }
+  void put_bytes(std::string_view s) { out_.insert(out_.end(), s.begin(), s.end()); }
+
+ private:
+  std::vector<uint8_t>& out_;
+};
+
+/// Bounds-checked reads of a header; every failure is a SyncError naming where the bytes came from.
+class Reader {
+ public:
+  Reader(const uint8_t* data, int64_t size, std::string_view where) : data_(data), size_(size), where_(where) {}
+  template <class T>
+  T get(const char* what) {
+    need(static_cast<int64_t>(sizeof(T)), what);
+    T v;
+    std::memcpy(&v, data_ + pos_, sizeof(T));
+    pos_ += static_cast<int64_t>(sizeof(T));
+    return v;
+  }
+  std::string get_string(int64_t n, const char* what) {
+    need(n, what);
+    std::string s(reinterpret_cast<const char*>(data_ + pos_), static_cast<size_t>(n));
+    pos_ += n;
+    return s;
+  }
+  int64_t position() const { return pos_; }
+  [[noreturn]] void fail(const std::string& why) const {
+    throw SyncError(::fsdpx::detail::str("fsdpx: corrupt weight bucket (", where_, "): ", why));
+  }
+
+ private:
+  void need(int64_t n, const char* what) const {
+    if (n < 0 || pos_ + n > size_) {
+      fail(::fsdpx::detail::str("the header ends inside ", what, " (", size_, " header bytes)"));
+    }
+  }
+  const uint8_t* data_;
+  int64_t size_;
+  int64_t pos_ = 0;
+  std::string_view where_;
+};
+
+}  // namespace detail
+
+/// Splits tensors, in order, into buckets of at most `capacity` bytes (header included). A tensor that
+/// does not fit the space left is split; the first bucket that cannot hold even one element of a
+/// tensor besides its header entry is an error naming the tensor.
+inline std::vector<BucketLayout> plan_buckets(const std::vector<TensorSpec>& specs, int64_t capacity,
+                                              int64_t version) {
+  FSDPX_CHECK(capacity >= 4096, "weight sync: a bucket must hold at least 4096 bytes, got ", capacity);
+  std::vector<BucketLayout> buckets;
+  BucketLayout cur;
+  int64_t header_raw = detail::prefix_bytes;
+  int64_t payload = 0;  // aligned payload bytes so far
+  const auto close = [&] {
+    int64_t offset = detail::align_up(header_raw);
+    cur.header_bytes = offset;
+    for (auto& e : cur.entries) {
+      e.byte_offset = offset;
+      offset += detail::align_up(e.nbytes());
+    }
+    cur.total_bytes = offset;
+    buckets.push_back(std::move(cur));
+    cur = BucketLayout{};
+    header_raw = detail::prefix_bytes;
+    payload = 0;
+  };
+  // A chunk smaller than this starts a new bucket instead (avoids slivers of large tensors).
+  const int64_t min_chunk_bytes = std::min<int64_t>(capacity / 16, 1 << 20);
+  for (const TensorSpec& s : specs) {
+    FSDPX_CHECK(s.shape.size() <= static_cast<size_t>(detail::max_ndim), "weight sync: tensor '", s.name, "' has ",
+                s.shape.size(), " dimensions; at most ", detail::max_ndim, " can travel");
+    FSDPX_CHECK(s.name.size() < 65536, "weight sync: a tensor name is longer than 65535 bytes");
+    detail::dtype_code(s.dtype);  // checks the dtype can travel
+    const int64_t esize = static_cast<int64_t>(c10::elementSize(s.dtype));
+    const int64_t entry = detail::entry_header_bytes(s.name, s.shape.size());
+    FSDPX_CHECK(detail::align_up(detail::prefix_bytes + entry) + detail::alignment <= capacity, "weight sync: tensor '",
+                s.name, "' cannot fit a bucket of ", capacity, " bytes even as one element; raise bucket_bytes");
+    int64_t total = 1;
+    for (const int64_t d : s.shape) total *= d;
+    int64_t done = 0;
+    while (true) {
+      const int64_t free_bytes = capacity - detail::align_up(header_raw + entry) - payload;
+      // Room for the rest, or for a chunk worth sending (one element in an empty bucket; none for an
+      // empty tensor, which still travels as an entry so the receiver learns its shape).
+      int64_t need = total == 0 ? 0 : std::max(esize, std::min((total - done) * esize, min_chunk_bytes));
+      if (cur.entries.empty()) need = std::min(need, esize);
+      if (free_bytes < need) {
+        FSDPX_CHECK(!cur.entries.empty(), "weight sync: internal error planning buckets for '", s.name, "'");
+        close();
+        continue;
+      }
+      const int64_t n = std::min(total - done, free_bytes / esize);
+      cur.entries.push_back({s.name, s.dtype, s.shape, done, n, 0});
+      header_raw += entry;
+      payload += detail::align_up(n * esize);
+      done += n;
+      if (done >= total) break;
+    }
+  }
+  if (!cur.entries.empty()) close();
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    buckets[i].version = version;
+    buckets[i].index = static_cast<uint32_t>(i);
+    buckets[i].count = static_cast<uint32_t>(buckets.size());
+    buckets[i].last = i + 1 == buckets.size();
+  }
+  return buckets;
+}
+
+/// The header bytes of `b` (b.header_bytes long, zero-padded).
+inline std::vector<uint8_t> encode_header(const BucketLayout& b) {
+  std::vector<uint8_t> out;
+  out.reserve(static_cast<size_t>(b.header_bytes));
+  detail::Writer w(out);
+  w.put<uint32_t>(detail::bucket_magic);
+  w.put<uint16_t>(detail::bucket_format);
+  w.put<uint16_t>(b.last ? 1 : 0);
+  w.put<uint32_t>(static_cast<uint32_t>(b.entries.size()));
+  w.put<uint32_t>(static_cast<uint32_t>(b.header_bytes));
+  w.put<uint64_t>(static_cast<uint64_t>(b.total_bytes));
+  w.put<int64_t>(b.version);
+  w.put<uint32_t>(b.index);
+  w.put<uint32_t>(b.count);
+  for (const BucketEntry& e : b.entries) {
+    w.put<uint16_t>(static_cast<uint16_t>(e.name.size()));
+    w.put_bytes(e.name);
+    w.put<uint8_t>(detail::dtype_code(e.dtype));
+    w.put<uint8_t>(static_cast<uint8_t>(e.shape.size()));
+    for (const int64_t d : e.shape) w.put<int64_t>(d);
+    w.put<int64_t>(e.element_offset);
+    w.put<int64_t>(e.numel);
+    w.put<uint64_t>(static_cast<uint64_t>(e.byte_offset));
+  }
+  FSDPX_CHECK(static_cast<int64_t>(out.size()) <= b.header_bytes, "weight sync: internal error: header of ", out.size(),
+              " bytes exceeds its planned ", b.header_bytes);
+  out.resize(static_cast<size_t>(b.header_bytes), 0);
+  return out;
+}
+
+/// The header's fixed prefix: enough to learn header_bytes and total_bytes.
+inline constexpr int64_t bucket_prefix_bytes = detail::prefix_bytes;
+
+/// Parses and validates a bucket header from `data` (at least the header's bytes). `where` names the
+/// source in errors ("broadcast from trainer", "synchronizer 127.0.0.1:5000").
+inline BucketLayout decode_header(const uint8_t* data, int64_t available, std::string_view where) {
+  detail::Reader r(data, available, where);
+  if (r.get<uint32_t>("the magic number") != detail::bucket_magic) r.fail("bad magic number (not a weight bucket)");
+  if (const auto f = r.get<uint16_t>("the format"); f != detail::bucket_format) {
+    r.fail(::fsdpx::detail::str("format ", f, ", this build reads format ", detail::bucket_format));
+  }
+  BucketLayout b;
+  b.last = (r.get<uint16_t>("the flags") & 1) != 0;
+  const auto n = r.get<uint32_t>("the entry count");
+  b.header_bytes = r.get<uint32_t>("the header size");
+  b.total_bytes = static_cast<int64_t>(r.get<uint64_t>("the total size"));
+  b.version = r.get<int64_t>("the version");
+  b.index = r.get<uint32_t>("the bucket index");
+  b.count = r.get<uint32_t>("the bucket count");
+  if (b.header_bytes > available || b.header_bytes < detail::prefix_bytes || b.total_bytes < b.header_bytes) {
+    r.fail(::fsdpx::detail::str("header size ", b.header_bytes, " / total size ", b.total_bytes, " inconsistent with ",
+                                available, " bytes available"));
+  }
+  if (b.index >= b.count) r.fail(::fsdpx::detail::str("bucket index ", b.index, " of ", b.count));
+  detail::Reader body(data, b.header_bytes, where);
+  body.get_string(detail::prefix_bytes, "the prefix");
+  b.entries.reserve(n);
+  for (uint32_t i = 0; i < n; ++i) {
+    BucketEntry e;
+    const auto len = body.get<uint16_t>("an entry's name length");
+    e.name = body.get_string(len, "an entry's name");
+    const auto code = body.get<uint8_t>("an entry's dtype");
+    const auto dtype = detail::dtype_from_code(code);
+    if (!dtype) body.fail(::fsdpx::detail::str("entry '", e.name, "' has unknown dtype code ", int(code)));
+    e.dtype = *dtype;
+    const auto ndim = body.get<uint8_t>("an entry's rank");
+    if (ndim > detail::max_ndim) body.fail(::fsdpx::detail::str("entry '", e.name, "' has ", int(ndim), " dimensions"));
+    for (int d = 0; d < ndim; ++d) {
+      e.shape.push_back(body.get<int64_t>("an entry's shape"));
+      if (e.shape.back() < 0) body.fail(::fsdpx::detail::str("entry '", e.name, "' has a negative dimension"));
+    }
+    e.element_offset = body.get<int64_t>("an entry's element offset");
+    e.numel = body.get<int64_t>("an entry's element count");
+    e.byte_offset = static_cast<int64_t>(body.get<uint64_t>("an entry's byte offset"));
+    const int64_t esize = static_cast<int64_t>(c10::elementSize(e.dtype));
+    if (e.numel < 0 || e.element_offset < 0 || e.element_offset + e.numel > e.tensor_numel() ||
+        e.byte_offset < b.header_bytes || e.byte_offset % esize != 0 || e.byte_offset + e.nbytes() > b.total_bytes) {
+      body.fail(::fsdpx::detail::str("entry '", e.name, "' (elements ", e.element_offset, "+", e.numel, " of ",
+                                     e.tensor_numel(), " at byte ", e.byte_offset, ") lies outside the bucket of ",
+                                     b.total_bytes, " bytes"));
+    }
+    b.entries.push_back(std::move(e));
+  }
+  return b;
+}
+
+/// The chunk of `bucket` (a 1-D uint8 tensor) that entry `e` occupies, as a 1-D tensor of its dtype.
+inline at::Tensor entry_view(const at::Tensor& bucket, const BucketEntry& e) {
+  return bucket.narrow(0, e.byte_offset, e.nbytes()).view(e.dtype);
+}
+
+/// Copies entry `e`'s chunk of `source` (the whole tensor, any dtype) into `bucket`, cast to e.dtype.
+inline void pack_entry(const at::Tensor& bucket, const BucketEntry& e, const at::Tensor& source) {
+  if (e.numel == 0) return;
+  entry_view(bucket, e).copy_(source.detach().reshape({-1}).narrow(0, e.element_offset, e.numel));
+}
+
+/// Writes `b`'s header into the start of `bucket`.
+inline void write_header(const at::Tensor& bucket, const BucketLayout& b) {
+  auto bytes = encode_header(b);
+  const auto host = at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte);
+  bucket.narrow(0, 0, b.header_bytes).copy_(host);
+}
+
+/// Packs whole tensors (already in memory) into freshly allocated buckets (the TCP service's path).
+inline std::vector<at::Tensor> pack_buckets(const std::vector<NamedTensor>& tensors, int64_t capacity, int64_t version,
+                                            std::vector<BucketLayout>* layouts = nullptr) {
+  std::vector<TensorSpec> specs;
+  specs.reserve(tensors.size());
+  for (const auto& t : tensors) specs.push_back({t.name, t.tensor.sizes().vec(), t.tensor.scalar_type()});
+  auto plan = plan_buckets(specs, capacity, version);
+  std::vector<at::Tensor> out;
+  size_t next = 0;
+  for (const BucketLayout& b : plan) {
+    auto bucket = at::empty({b.total_bytes}, at::TensorOptions().dtype(at::kByte));
+    write_header(bucket, b);
+    for (const auto& e : b.entries) {
+      while (tensors[next].name != e.name) ++next;  // entries follow the tensors' order
+      pack_entry(bucket, e, tensors[next].tensor.to(at::kCPU));
+    }
+    out.push_back(std::move(bucket));
+  }
+  if (layouts) *layouts = std::move(plan);
+  return out;
+}
+
+// ---- receiving: where the chunks go -----------------------------------------------------------------
+
+/// Assembles whole tensors from chunks, allocating each on first sight (on `device`).
+class TensorCollector {
+ public:
+  explicit TensorCollector(at::Device device = at::kCPU) : device_(device) {}
+
+  void accept(const BucketEntry& e, const at::Tensor& chunk) {
+    auto it = index_.find(e.name);
+    if (it == index_.end()) {
+      it = index_.emplace(e.name, tensors_.size()).first;
+      tensors_.push_back({e.name, at::empty(e.shape, at::TensorOptions().dtype(e.dtype).device(device_))});
+      received_.push_back(0);
+    }
+    at::Tensor& t = tensors_[it->second].tensor;
+    if (t.sizes().vec() != e.shape || t.scalar_type() != e.dtype) {
+      problems_.push_back(::fsdpx::detail::str("'", e.name, "' arrived with two different shapes or dtypes"));
+      return;
+    }
+    if (e.numel > 0) t.view({-1}).narrow(0, e.element_offset, e.numel).copy_(chunk);
+    received_[it->second] += e.numel;
+  }
+
+  /// Checks every tensor arrived whole and hands them out, in arrival order.
+  std::vector<NamedTensor> finish() {
+    for (size_t i = 0; i < tensors_.size(); ++i) {
+      if (received_[i] != tensors_[i].tensor.numel()) {
+        problems_.push_back(::fsdpx::detail::str("'", tensors_[i].name, "' arrived with ", received_[i], " of ",
+                                                 tensors_[i].tensor.numel(), " elements"));
+      }
+    }
+    FSDPX_CHECK_AS(SyncError, problems_.empty(), "received weights are incomplete: ", join(problems_));
+    return std::move(tensors_);
+  }
+
+  static std::string join(const std::vector<std::string>& items, size_t max = 8) {
+    std::string s;
+    for (size_t i = 0; i < items.size() && i < max; ++i) s += (i ? "; " : "") + items[i];
+    if (items.size() > max) s += ::fsdpx::detail::str("; and ", items.size() - max, " more");
+    return s;
+  }
+
+ private:
+  at::Device device_;
+  std::unordered_map<std::string, size_t> index_;
+  std::vector<NamedTensor> tensors_;
+  std::vector<int64_t> received_;
+  std::vector<std::string> problems_;
+};
+
+/// Copies chunks into a module's parameters by name. Names, shapes and completeness are checked; what
+/// does not match is collected and reported at finish(), after every chunk was consumed, so that a
+/// broadcast stays in step with its sender. The parameter's dtype may differ from the wire's (copy_
+/// casts), but then the copy is not bit-exact.
+class ModuleLoader {
+ public:
+  explicit ModuleLoader(torch::nn::Module& module) {
+    // A tied parameter appears under several names; any of them fills it.
+    std::unordered_map<const c10::TensorImpl*, size_t> seen;
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
+      const auto [it, fresh] = seen.emplace(item.value().unsafeGetTensorImpl(), targets_.size());
+      if (fresh) targets_.push_back({item.key(), item.value(), 0});
+      by_name_.emplace(item.key(), it->second);
+    }
+  }
+
+  void accept(const BucketEntry& e, const at::Tensor& chunk) {
+    const auto it = by_name_.find(e.name);
+    if (it == by_name_.end()) {
+      unknown_.push_back(e.name);
+      return;
+    }
+    Target& t = targets_[it->second];
+    if (t.reported) return;
+    if (t.param.sizes().vec() != e.shape) {
+      t.reported = true;
+      problems_.push_back(::fsdpx::detail::str("'", e.name, "' has shape ", t.param.sizes(), " in the module but ",
+                                               c10::IntArrayRef(e.shape), " was sent"));
+      return;
+    }
+    if (!t.param.is_contiguous()) {
+      t.reported = true;
+      problems_.push_back(::fsdpx::detail::str("'", e.name, "' is not contiguous in the module"));
+      return;
+    }
+    at::NoGradGuard no_grad;
+    if (e.numel > 0) t.param.detach().view({-1}).narrow(0, e.element_offset, e.numel).copy_(chunk);
+    t.received += e.numel;
+  }
+
+  void finish() {
+    std::vector<std::string> missing;
+    for (const Target& t : targets_) {
+      if (t.reported) continue;
+      if (t.received == 0 && t.param.numel() > 0) {
+        missing.push_back(t.name);
+      } else if (t.received != t.param.numel()) {
+        problems_.push_back(::fsdpx::detail::str("'", t.name, "' received ", t.received, " of ", t.param.numel(),
+                                                 " elements"));
+      }
+    }
+    std::sort(unknown_.begin(), unknown_.end());
+    unknown_.erase(std::unique(unknown_.begin(), unknown_.end()), unknown_.end());
+    if (!unknown_.empty()) {
+      problems_.push_back(::fsdpx::detail::str(unknown_.size(), " sent tensor(s) are not parameters of the module: ",
+                                               TensorCollector::join(unknown_)));
+    }
+    if (!missing.empty()) {
+      problems_.push_back(::fsdpx::detail::str(missing.size(), " module parameter(s) were not sent: ",
+                                               TensorCollector::join(missing)));
+    }
+    FSDPX_CHECK_AS(SyncError, problems_.empty(),
+                   "the received weights do not match the module (its other parameters may have been updated): ",
+                   TensorCollector::join(problems_));
+  }
+
+ private:
+  struct Target {
+    std::string name;
+    at::Tensor param;
+    int64_t received = 0;
+    bool reported = false;  // a mismatch was already recorded
+  };
+  std::vector<Target> targets_;
+  std::map<std::string, size_t> by_name_;
+  std::vector<std::string> unknown_;
+  std::vector<std::string> problems_;
+};
+
+/// Loads whole named tensors into `module`'s parameters by name, with ModuleLoader's checks.
+inline void load_into(torch::nn::Module& module, const std::vector<NamedTensor>& tensors) {
+  ModuleLoader loader(module);
+  for (const auto& t : tensors) {
+    BucketEntry e{t.name, t.tensor.scalar_type(), t.tensor.sizes().vec(), 0, t.tensor.numel(), 0};
+    loader.accept(e, t.tensor.reshape({-1}));
+  }
+  loader.finish();
+}
+
+}  // namespace fsdpx::sync

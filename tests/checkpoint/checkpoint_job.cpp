@@ -1,0 +1,135 @@
+// A training job that checkpoints and resumes, run by the resume and crash tests as separate
+// processes (tests/checkpoint/*.sh):
+//   checkpoint_job train --steps N [--root R] [--save-every K] [--keep K] [--resume] [--out F] [--hybrid]
+//   checkpoint_job verify --root R          loads the newest committed step (checksums on)
+//   checkpoint_job compare A B [--tol T]    two full state dict files, equal (or within T)
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+
+#include <fsdpx/checkpoint.hpp>
+#include <fsdpx/dist/mpi.hpp>
+
+#include "checkpoint_common.hpp"
+
+using namespace fsdpx;
+using namespace fsdpx::test;
+
+namespace {
+
+struct Args {
+  std::string mode;
+  std::string root, out, a, b;
+  int64_t steps = 0;
+  int64_t save_every = 0;
+  int keep = 0;
+  bool resume = false;
+  bool hybrid = false;
+  double tol = 0;
+};
+
+Args parse(int argc, char** argv) {
+  Args args;
+  args.mode = argc > 1 ? argv[1] : "";
+  for (int i = 2; i < argc; ++i) {
+    const std::string k = argv[i];
+    const auto next = [&] { return std::string(i + 1 < argc ? argv[++i] : ""); };
+    if (k == "--root") args.root = next();
+    else if (k == "--out") args.out = next();
+    else if (k == "--steps") args.steps = std::stoll(next());
+    else if (k == "--save-every") args.save_every = std::stoll(next());
+    else if (k == "--keep") args.keep = std::stoi(next());
+    else if (k == "--resume") args.resume = true;
+    else if (k == "--hybrid") args.hybrid = true;
+    else if (k == "--tol") args.tol = std::stod(next());
+    else if (args.a.empty()) args.a = k;
+    else args.b = k;
+  }
+  return args;
+}
+
+template <class Model>
+int train(Model& model, dist::AnyCommunicator world, const Args& args) {
+  auto opt = make_adamw(model, adamw_options());
+  torch::manual_seed(42);  // the data stream; a resume restores its state from extra_state
+  int64_t start = 0;
+  ExtraState extra;
+  if (args.resume) {
+    if (const auto info = load_checkpoint(args.root, model, opt)) {
+      start = info->step;
+      if (world.rank() == 0) std::printf("resumed from step %lld (saved by %d ranks)\n", static_cast<long long>(start), info->saved_world_size);
+    }
+  }
+  std::optional<CheckpointCoordinator> ckpt;
+  if (!args.root.empty() && args.save_every > 0) ckpt.emplace(args.root, model, CheckpointOptions{.max_to_keep = args.keep});
+  for (int64_t step = start + 1; step <= args.steps; ++step) {
+    const double loss = train_step(model, opt, world);
+    if (world.rank() == 0) std::printf("step %lld loss %.6f\n", static_cast<long long>(step), loss);
+    if (ckpt && step % args.save_every == 0) {
+      extra.client.insert_or_assign("samples_seen", step * 12);
+      ckpt->save(step, model, opt, extra);
+    }
+  }
+  if (ckpt) ckpt->wait();
+  if (!args.out.empty()) {
+    const StateDict full = full_state_dict(model.sharded());
+    if (world.rank() == 0) checkpoint::save_state_dict(args.out, full);
+  }
+  world.barrier();
+  return 0;
+}
+
+int compare(const Args& args) {
+  const StateDict a = checkpoint::load_state_dict_file(args.a), b = checkpoint::load_state_dict_file(args.b);
+  if (a.entries.size() != b.entries.size()) {
+    std::fprintf(stderr, "compare: %zu vs %zu tensors\n", a.entries.size(), b.entries.size());
+    return 1;
+  }
+  double worst = 0;
+  for (size_t i = 0; i < a.entries.size(); ++i) {
+    if (a.entries[i].name != b.entries[i].name) {
+      std::fprintf(stderr, "compare: '%s' vs '%s'\n", a.entries[i].name.c_str(), b.entries[i].name.c_str());
+      return 1;
+    }
+    worst = std::max(worst, (a.entries[i].data() - b.entries[i].data()).abs().max().template item<double>());
+  }
+  std::printf("compare: %zu tensors, largest difference %.3g (allowed %.3g)\n", a.entries.size(), worst, args.tol);
+  return worst <= args.tol ? 0 : 1;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Args args = parse(argc, argv);
+  if (args.mode == "compare") return compare(args);
+  auto mpi = dist::MpiCommunicator::world();
+  dist::AnyCommunicator world(mpi);
+  try {
+    torch::manual_seed(1234);
+    if (args.mode == "train") {
+      if (args.hybrid) {
+        CkptModel<HybridShard<2>> model(ResMlp(), world);
+        return train(model, world, args);
+      }
+      CkptModel<> model(ResMlp(), world);
+      return train(model, world, args);
+    }
+    if (args.mode == "verify") {
+      CkptModel<> model(ResMlp(), world);
+      auto opt = make_adamw(model, adamw_options());
+      const auto info = load_checkpoint(args.root, model, opt);
+      if (!info) {
+        std::printf("verify: no committed checkpoint in %s\n", args.root.c_str());
+        return 3;
+      }
+      if (world.rank() == 0) std::printf("verified step %lld\n", static_cast<long long>(info->step));
+      return 0;
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "checkpoint_job rank %d: %s\n", world.rank(), e.what());
+    return 2;
+  }
+  std::fprintf(stderr, "usage: checkpoint_job train|verify|compare ...\n");
+  return 64;
+}

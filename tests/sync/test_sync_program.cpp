@@ -1,0 +1,206 @@
+// Weight sync between a sharded trainer and rollout ranks, under mpiexec. World ranks [0, T) train a
+// GPT with fsdpx (T from FSDPX_SYNC_TRAINERS), the others are rollouts. After every training step:
+//   - the trainer broadcasts its weights (WeightBroadcaster -> WeightReceiver), and
+//   - trainer rank 0 publishes them to a TCP synchronizer it hosts; the first rollout fetches every
+//     version, the last one joins late and must get the newest.
+// Every rollout copy must equal the trainer's full parameters bit for bit, cast to the rollout dtype,
+// and versions must come in order.
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include <ATen/ATen.h>
+
+#include <fsdpx/fsdp.hpp>
+#include <fsdpx/sync.hpp>
+
+#include "../core/models.hpp"
+#include "../support/mpi_world.hpp"
+
+using namespace fsdpx;
+using namespace fsdpx::sync;
+
+namespace {
+
+at::Tensor bits(const at::Tensor& t) {
+  switch (t.element_size()) {
+    case 1: return t.contiguous().view(at::kByte);
+    case 2: return t.contiguous().view(at::kShort);
+    case 4: return t.contiguous().view(at::kInt);
+    default: return t.contiguous().view(at::kLong);
+  }
+}
+
+int trainers() {
+  const char* v = std::getenv("FSDPX_SYNC_TRAINERS");
+  return v ? std::atoi(v) : 2;
+}
+
+struct Setup {
+  dist::AnyCommunicator world;
+  TrainerRolloutGroups groups;
+  int rollout_index = -1;  // 0.. on rollout ranks
+  int rollouts = 0;
+};
+
+Setup& setup() {
+  static std::optional<Setup> s;
+  if (!s) {
+    dist::AnyCommunicator world(test::world());
+    auto groups = split_trainer_rollout(world, trainers());
+    const int T = trainers();
+    s.emplace(Setup{world, std::move(groups), world.rank() >= T ? world.rank() - T : -1, world.size() - T});
+  }
+  return *s;
+}
+
+test::GptConfig config() { return {.vocab = 61, .seq = 16, .dim = 32, .heads = 4, .layers = 3, .tied = false}; }
+
+/// One scenario: `steps` training steps of the trainer, each followed by both kinds of weight sync.
+template <class Sharded>
+void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_dtype, FsdpOptions options = {},
+              int64_t bucket_bytes = 8 << 10, bool keep_gather_buffers = true) {
+  auto& s = setup();
+  const int steps = 3;
+  const auto version_of = [](int step) { return int64_t{10} * (step + 1); };
+  const auto c = config();
+
+  if (s.groups.is_trainer()) {
+    auto& trainer = *s.groups.trainer;
+    at::manual_seed(1);  // every trainer rank builds the same model
+    test::Gpt model(c);
+    Sharded fsdp(model, trainer, options);
+    auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+    WeightBroadcaster sender(fsdp, s.groups.model_update,
+                             {.bucket_bytes = bucket_bytes, .dtype = send_dtype, .keep_gather_buffers = keep_gather_buffers});
+    CHECK(sender.is_sender() == (trainer.rank() == 0));
+    std::unique_ptr<SynchronizerServer> server;
+    auto port = at::zeros({1}, at::kInt);
+    if (trainer.rank() == 0) {
+      server = std::make_unique<SynchronizerServer>();
+      port.fill_(server->port());
+    }
+    s.world.broadcast(port, 0);
+
+    for (int step = 0; step < steps; ++step) {
+      at::manual_seed(100 + step);
+      auto tokens = at::randint(c.vocab, {4 * trainer.size(), c.seq + 1}, at::kLong).narrow(0, 4 * trainer.rank(), 4);
+      optimizer.zero_grad();
+      fsdp(tokens.narrow(1, 0, c.seq).contiguous(), tokens.narrow(1, 1, c.seq).contiguous()).backward();
+      optimizer.step();
+
+      sender.broadcast(version_of(step));
+      if (sender.is_sender()) CHECK(sender.last_stats().buckets > 3);  // small buckets: several, with split tensors
+      auto weights = gather_full_state_dict(fsdp, trainer.rank() == 0, {.dtype = rollout_dtype});
+      if (server) server->publish(version_of(step), weights);
+      {
+        // The reference: the trainer's own full parameters, cast the same way, sent to every rollout.
+        auto full = fsdp.full_parameters();
+        if (s.groups.model_update) {
+          for (const auto& p : model->named_parameters()) {
+            s.groups.model_update->broadcast(p.value().detach().to(rollout_dtype).contiguous(), 0);
+          }
+        }
+      }
+      s.world.barrier();  // version_of(step) is published
+    }
+    CHECK(sender.last_version() == version_of(steps - 1));
+    s.world.barrier();  // rollouts are done fetching before the server goes
+    return;
+  }
+
+  // ---- rollout ranks -------------------------------------------------------------------------------
+  auto port = at::zeros({1}, at::kInt);
+  s.world.broadcast(port, 0);
+  at::manual_seed(1000 + s.rollout_index);  // different weights from the trainer's on purpose
+  test::Gpt rollout(c);
+  rollout->to(rollout_dtype);
+  WeightReceiver receiver(*s.groups.model_update);
+  const bool late_joiner = s.rollout_index == s.rollouts - 1;  // with one rollout, also rollout 0
+  std::optional<SynchronizerClient> client;
+  test::Gpt fetched_model(c);
+  fetched_model->to(rollout_dtype);
+  int64_t fetched = no_version;
+
+  for (int step = 0; step < steps; ++step) {
+    // Rollout 0 loads into its module; another takes the tensors.
+    WeightSnapshot received;
+    if (s.rollout_index == 0) {
+      received.version = receiver.receive_into(*rollout);
+      for (const auto& p : rollout->named_parameters()) received.tensors.push_back({p.key(), p.value().detach()});
+    } else {
+      received = receiver.receive();
+    }
+    CHECK(received.version == version_of(step));
+    CHECK(receiver.last_version() == version_of(step));
+
+    std::map<std::string, at::Tensor> reference;
+    for (const auto& p : rollout->named_parameters()) {
+      auto ref = at::empty(p.value().sizes(), at::TensorOptions().dtype(rollout_dtype));
+      s.groups.model_update->broadcast(ref, 0);
+      reference[p.key()] = ref;
+    }
+    s.world.barrier();
+
+    // The TCP hand-off: rollout 0 fetches every version into a module; the last rollout joins at the
+    // last step only, with nothing, and must get the newest version.
+    const uint16_t server_port = static_cast<uint16_t>(port.item<int>());
+    if (s.rollout_index == 0) {
+      if (!client) client.emplace("127.0.0.1", server_port);
+      const int64_t v = client->fetch_newer_into(*fetched_model, fetched, std::chrono::seconds(30));
+      CHECK(v > fetched);
+      CHECK(v == version_of(step));
+      fetched = v;
+      for (const auto& p : fetched_model->named_parameters()) {
+        INFO("service, step " << step << ", " << p.key());
+        CHECK(at::equal(bits(p.value().detach()), bits(reference[p.key()])));
+      }
+    }
+    if (late_joiner && step == steps - 1) {
+      SynchronizerClient late("127.0.0.1", server_port);
+      const WeightSnapshot snap = late.fetch_newer(no_version, std::chrono::seconds(30));
+      CHECK(snap.version == version_of(step));
+      REQUIRE(snap.tensors.size() == reference.size());
+      for (const auto& t : snap.tensors) {
+        INFO("late joiner, " << t.name);
+        CHECK(at::equal(bits(t.tensor), bits(reference.at(t.name))));
+      }
+    }
+
+    REQUIRE(received.tensors.size() == reference.size());
+    for (const auto& t : received.tensors) {
+      INFO("step " << step << ", " << t.name);
+      REQUIRE(reference.count(t.name) == 1);
+      CHECK(t.tensor.scalar_type() == rollout_dtype);
+      CHECK(at::equal(bits(t.tensor), bits(reference[t.name])));
+    }
+  }
+  s.world.barrier();
+}
+
+}  // namespace
+
+TEST_CASE("weight sync: FullShard, float32 trainer, bfloat16 rollout", "[sync]") {
+  run_sync<Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>>>(
+      at::kBFloat16, at::kBFloat16);
+}
+
+TEST_CASE("weight sync: FullShard, float32 end to end, gathered through the units' own unshard()", "[sync]") {
+  run_sync<Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>>>(
+      std::nullopt, at::kFloat, {}, 4096, /*keep_gather_buffers=*/false);
+}
+
+TEST_CASE("weight sync: CpuOffload with BF16Mixed sends the bfloat16 compute parameters", "[sync]") {
+  run_sync<Fsdp<test::Gpt, FullShard, CpuOffload<>, BF16Mixed, ShardedStateDict, WrapModules<test::BlockImpl>>>(
+      std::nullopt, at::kBFloat16);
+}
+
+TEST_CASE("weight sync: HybridShard with CpuOffload, float16 rollout", "[sync]") {
+  // Shard groups of 1 (T = 2, 3) or 2 (T = 4): replicas gather nothing or half.
+  const int T = trainers();
+  run_sync<Fsdp<test::Gpt, HybridShard<>, CpuOffload<>, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>>>(
+      at::kHalf, at::kHalf, {.shard_size = T % 2 == 0 && T > 2 ? 2 : 1});
+}

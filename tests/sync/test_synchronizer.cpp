@@ -1,0 +1,407 @@
+// Single-process tests of weight sync: the bucket wire format, the in-process Synchronizer and, with
+// Boost, the TCP synchronizer service under load (many readers, repeated publishes, readers and
+// publishers that vanish mid-transfer).
+#include <catch2/catch.hpp>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn.h>
+
+#include <fsdpx/sync.hpp>
+
+using namespace fsdpx;
+using namespace fsdpx::sync;
+using namespace std::chrono_literals;
+
+namespace {
+
+/// Same-size integer view, so that equality is bit equality (NaN, -0.0 included).
+at::Tensor bits(const at::Tensor& t) {
+  switch (t.element_size()) {
+    case 1: return t.contiguous().view(at::kByte);
+    case 2: return t.contiguous().view(at::kShort);
+    case 4: return t.contiguous().view(at::kInt);
+    default: return t.contiguous().view(at::kLong);
+  }
+}
+bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && at::equal(bits(a), bits(b));
+}
+
+std::vector<NamedTensor> mixed_tensors() {
+  at::manual_seed(7);
+  return {{"big.weight", at::randn({300, 41})},  // 49,200 bytes: split over several 16 KiB buckets
+          {"empty", at::empty({0, 3})},
+          {"bf16", at::randn({17, 5}).to(at::kBFloat16)},
+          {"ints", at::randint(-1000, 1000, {33}, at::kLong)},
+          {"flags", at::randint(0, 2, {9}).to(at::kBool)},
+          {"scalar", at::full({}, -0.0)},
+          {"half.with.a.long.name.to.fill.the.header", at::randn({2, 3, 4}).to(at::kHalf)}};
+}
+
+/// The tensors of `version` in the load tests: every element tells its version and tensor.
+std::vector<NamedTensor> versioned(int64_t version, int64_t scale = 1) {
+  std::vector<NamedTensor> out;
+  for (int i = 0; i < 6; ++i) {
+    out.push_back({"layer" + std::to_string(i) + ".weight",
+                   at::full({64 * scale, 256}, static_cast<double>(version * 100 + i), at::kFloat)});
+  }
+  return out;
+}
+
+/// A snapshot is torn if any of its tensors disagrees with its version.
+void require_consistent(const WeightSnapshot& s, int64_t scale = 1) {
+  REQUIRE(s.tensors.size() == 6);
+  for (int i = 0; i < 6; ++i) {
+    const auto& t = s.tensors[i].tensor;
+    REQUIRE(t.sizes() == c10::IntArrayRef({64 * scale, 256}));
+    REQUIRE(t.min().item<float>() == static_cast<float>(s.version * 100 + i));
+    REQUIRE(t.max().item<float>() == static_cast<float>(s.version * 100 + i));
+  }
+}
+
+struct TinyImpl : torch::nn::Module {
+  TinyImpl() {
+    fc = register_module("fc", torch::nn::Linear(4, 3));
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({3})));
+  }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::LayerNorm norm{nullptr};
+};
+TORCH_MODULE(Tiny);
+
+}  // namespace
+
+// ---- the bucket format ------------------------------------------------------------------------------
+
+TEST_CASE("buckets round-trip every dtype, split large tensors, and carry empty ones", "[bucket]") {
+  const auto tensors = mixed_tensors();
+  std::vector<BucketLayout> layouts;
+  const auto buckets = pack_buckets(tensors, 16 << 10, /*version=*/7, &layouts);
+  REQUIRE(buckets.size() >= 4);
+  int big_chunks = 0;
+  TensorCollector collector;
+  for (size_t k = 0; k < buckets.size(); ++k) {
+    REQUIRE(buckets[k].numel() <= 16 << 10);
+    const auto b = decode_header(buckets[k].const_data_ptr<uint8_t>(), buckets[k].numel(), "test");
+    CHECK(b.version == 7);
+    CHECK(b.index == k);
+    CHECK(b.count == buckets.size());
+    CHECK(b.last == (k + 1 == buckets.size()));
+    CHECK(b.header_bytes % 64 == 0);
+    for (const auto& e : b.entries) {
+      CHECK(e.byte_offset % 64 == 0);
+      if (e.name == "big.weight") ++big_chunks;
+      collector.accept(e, entry_view(buckets[k], e));
+    }
+  }
+  CHECK(big_chunks >= 3);
+  const auto back = collector.finish();
+  REQUIRE(back.size() == tensors.size());
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    INFO(tensors[i].name);
+    CHECK(back[i].name == tensors[i].name);
+    CHECK(bit_equal(back[i].tensor, tensors[i].tensor));
+  }
+}
+
+TEST_CASE("a corrupt bucket header is a SyncError that says what is wrong", "[bucket]") {
+  const auto buckets = pack_buckets(mixed_tensors(), 16 << 10, 1);
+  auto bad = buckets[0].clone();
+  bad.data_ptr<uint8_t>()[0] ^= 0xff;
+  CHECK_THROWS_WITH(decode_header(bad.const_data_ptr<uint8_t>(), bad.numel(), "test"),
+                    Catch::Contains("corrupt weight bucket (test): bad magic number"));
+  CHECK_THROWS_AS(decode_header(buckets[0].const_data_ptr<uint8_t>(), 30, "test"), SyncError);
+  // An entry pointing past the bucket's end.
+  auto past = buckets[0].clone();
+  const auto layout = decode_header(past.const_data_ptr<uint8_t>(), past.numel(), "test");
+  BucketLayout moved = layout;
+  moved.entries[0].byte_offset = layout.total_bytes;
+  write_header(past, moved);
+  CHECK_THROWS_WITH(decode_header(past.const_data_ptr<uint8_t>(), past.numel(), "test"),
+                    Catch::Contains("lies outside the bucket"));
+}
+
+TEST_CASE("loading into a module names what does not match", "[bucket]") {
+  Tiny m;
+  auto good = std::vector<NamedTensor>{};
+  for (const auto& p : m->named_parameters()) good.push_back({p.key(), at::randn(p.value().sizes())});
+  load_into(*m, good);
+  CHECK(bit_equal(m->fc->weight.detach(), good[0].tensor));
+
+  auto wrong = good;
+  wrong[0].tensor = at::randn({3, 5});              // fc.weight: wrong shape
+  wrong.push_back({"extra.bias", at::randn({2})});  // not in the module
+  wrong.erase(wrong.begin() + 3);                   // norm.bias missing
+  CHECK_THROWS_WITH(load_into(*m, wrong), Catch::Contains("'fc.weight' has shape [3, 4] in the module but [3, 5] was sent") &&
+                                              Catch::Contains("not parameters of the module: extra.bias") &&
+                                              Catch::Contains("were not sent: norm.bias"));
+}
+
+TEST_CASE("a bucket too small for one element of a tensor is refused", "[bucket]") {
+  CHECK_THROWS_WITH(plan_buckets({{std::string(4100, 'x'), {2}, at::kFloat}}, 4096, 0),
+                    Catch::Contains("cannot fit a bucket of 4096 bytes"));
+  CHECK_THROWS_WITH(plan_buckets({{"c", {2}, at::kComplexFloat}}, 1 << 20, 0), Catch::Contains("cannot send tensors of dtype"));
+}
+
+// ---- the in-process synchronizer --------------------------------------------------------------------
+
+TEST_CASE("Synchronizer: versions only increase; waits end in the newest version or a clear error", "[synchronizer]") {
+  Synchronizer sync;
+  CHECK(sync.latest() == nullptr);
+  CHECK_THROWS_WITH(sync.wait_newer(no_version, 50ms), Catch::Contains("no weight version newer than -1 was published within 50 ms"));
+  sync.publish(1, versioned(1));
+  sync.publish(2, versioned(2));
+  CHECK_THROWS_WITH(sync.publish(2, versioned(2)), Catch::Contains("not newer than the latest published version, 2"));
+  CHECK_THROWS_AS(sync.publish(1, versioned(1)), SyncError);
+  // A late reader gets the newest version, not the first it missed.
+  const auto late = sync.wait_newer(no_version, 10ms);
+  CHECK(late->version == 2);
+  require_consistent(*late);
+
+  std::thread publisher([&] {
+    std::this_thread::sleep_for(50ms);
+    sync.publish(5, versioned(5));
+  });
+  const auto next = sync.wait_newer(2, 5s);
+  publisher.join();
+  CHECK(next->version == 5);
+  require_consistent(*next);
+  CHECK(late->version == 2);  // an earlier snapshot stays whole while readers hold it
+  require_consistent(*late);
+
+  std::thread closer([&] {
+    std::this_thread::sleep_for(50ms);
+    sync.close("the trainer finished");
+  });
+  CHECK_THROWS_WITH(sync.wait_newer(5, 10s), Catch::Contains("closed (the trainer finished)"));
+  closer.join();
+  CHECK(sync.wait_newer(4, 0ms)->version == 5);
+}
+
+TEST_CASE("Synchronizer: concurrent readers never see a torn version", "[synchronizer]") {
+  Synchronizer sync;
+  std::atomic<bool> done{false};
+  std::atomic<int> reads{0};
+  std::vector<std::thread> readers;
+  for (int r = 0; r < 4; ++r) {
+    readers.emplace_back([&] {
+      int64_t have = no_version;
+      while (!done) {
+        try {
+          const auto s = sync.wait_newer(have, 20ms);
+          if (s->version <= have) throw std::runtime_error("version went backwards");
+          const auto& t = s->tensors;
+          for (int i = 0; i < 6; ++i) {
+            if (t[i].tensor.max().item<float>() != static_cast<float>(s->version * 100 + i)) throw std::runtime_error("torn");
+          }
+          have = s->version;
+          ++reads;
+        } catch (const SyncError&) {
+        }
+      }
+    });
+  }
+  for (int v = 0; v < 40; ++v) {
+    sync.publish(v, versioned(v));
+    std::this_thread::sleep_for(1ms);
+  }
+  done = true;
+  for (auto& t : readers) t.join();
+  CHECK(reads > 4);
+}
+
+// ---- the TCP service --------------------------------------------------------------------------------
+#if defined(FSDPX_WITH_BOOST)
+
+TEST_CASE("xxHash64 matches the reference implementation", "[service]") {
+  CHECK(sync::detail::xxh64("", 0) == 0xEF46DB3751D8E999ULL);
+  CHECK(sync::detail::xxh64("abc", 3) == 0x44BC2CF5AD770999ULL);
+}
+
+TEST_CASE("service: publish over TCP, fetch newer versions, late readers get the newest, versions never go back",
+          "[service]") {
+  SynchronizerServer server;
+  SynchronizerClient trainer("127.0.0.1", server.port());
+  SynchronizerClient reader("127.0.0.1", server.port(), {.io_timeout = 5000ms});
+  CHECK_THROWS_WITH(reader.fetch_newer(no_version, 100ms), Catch::Contains("no weight version newer than -1 was published within 100 ms"));
+  SynchronizerClient reader2("127.0.0.1", server.port());
+  trainer.publish(3, mixed_tensors());
+  const auto s = reader2.fetch_newer(no_version, 1s);
+  CHECK(s.version == 3);
+  const auto expected = mixed_tensors();
+  REQUIRE(s.tensors.size() == expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) CHECK(bit_equal(s.tensors[i].tensor, expected[i].tensor));
+
+  trainer.publish(4, versioned(4));
+  server.publish(6, versioned(6));  // in-process publishing (a trainer that hosts the server)
+  CHECK_THROWS_WITH(trainer.publish(5, versioned(5)), Catch::Contains("refused version 5") &&
+                                                          Catch::Contains("not newer than the latest published version, 6"));
+  SynchronizerClient late("127.0.0.1", server.port());
+  const auto newest = late.fetch_newer(no_version, 1s);
+  CHECK(newest.version == 6);
+  require_consistent(newest);
+
+  // A module loads by name, and the fetch waits for a publish that comes later.
+  Tiny m;
+  std::vector<NamedTensor> weights;
+  for (const auto& p : m->named_parameters()) weights.push_back({p.key(), at::randn(p.value().sizes())});
+  std::thread later([&] {
+    std::this_thread::sleep_for(100ms);
+    trainer.publish(7, weights);
+  });
+  CHECK(reader.fetch_newer_into(*m, 6, 5s) == 7);
+  later.join();
+  CHECK(bit_equal(m->norm->weight.detach(), weights[2].tensor));
+}
+
+TEST_CASE("service under load: many readers, repeated publishes, a reader leaving mid-transfer; nothing torn",
+          "[service]") {
+  SynchronizerServer server({.bucket_bytes = 64 << 10});
+  constexpr int readers_n = 8, versions = 25;
+  std::atomic<bool> done{false};
+  std::atomic<int> fetched{0};
+  std::vector<std::string> failures(readers_n);
+  std::vector<std::thread> readers;
+  for (int r = 0; r < readers_n; ++r) {
+    readers.emplace_back([&, r] {
+      try {
+        SynchronizerClient c("127.0.0.1", server.port(), {.io_timeout = 10000ms});
+        int64_t have = no_version;
+        while (!done || have < versions - 1) {
+          WeightSnapshot s;
+          try {
+            s = c.fetch_newer(have, 200ms);
+          } catch (const SyncError& e) {
+            if (std::string(e.what()).find("was published within 200 ms") == std::string::npos) throw;
+            continue;
+          }
+          if (s.version <= have) throw std::runtime_error("version went backwards");
+          for (int i = 0; i < 6; ++i) {
+            const auto& t = s.tensors.at(i).tensor;
+            if (t.min().item<float>() != s.version * 100 + i || t.max().item<float>() != s.version * 100 + i) {
+              throw std::runtime_error("torn version " + std::to_string(s.version));
+            }
+          }
+          have = s.version;
+          ++fetched;
+        }
+      } catch (const std::exception& e) {
+        failures[r] = e.what();
+      }
+    });
+  }
+  // A reader that asks for a version and hangs up after a few kilobytes of it.
+  std::thread quitter([&] {
+    namespace asio = boost::asio;
+    while (server.latest_version() == no_version) std::this_thread::sleep_for(1ms);
+    for (int i = 0; i < 5; ++i) {
+      asio::io_context io;
+      asio::ip::tcp::socket sock(io);
+      sock.connect({asio::ip::make_address("127.0.0.1"), server.port()});
+      const auto fetch = sync::detail::make_frame(sync::detail::FrameKind::fetch, no_version, 1000);
+      asio::write(sock, asio::buffer(&fetch, sizeof(fetch)));
+      std::vector<char> some(4096);
+      asio::read(sock, asio::buffer(some));
+      sock.close();
+    }
+  });
+  SynchronizerClient trainer("127.0.0.1", server.port(), {.bucket_bytes = 64 << 10});
+  for (int v = 0; v < versions; ++v) {
+    trainer.publish(v, versioned(v, 4));  // 1.5 MiB each, 24 buckets
+  }
+  done = true;
+  quitter.join();
+  for (auto& t : readers) t.join();
+  for (int r = 0; r < readers_n; ++r) {
+    INFO("reader " << r);
+    CHECK(failures[r].empty());
+  }
+  CHECK(fetched >= readers_n);
+  // The server still serves after all that.
+  SynchronizerClient after("127.0.0.1", server.port());
+  CHECK(after.fetch_newer(no_version, 1s).version == versions - 1);
+}
+
+TEST_CASE("service: a trainer lost mid-publish fails waiting readers at once; the partial version is never served",
+          "[service]") {
+  SynchronizerServer server;
+  {
+    SynchronizerClient trainer("127.0.0.1", server.port());
+    trainer.publish(1, versioned(1));
+  }  // said goodbye: readers are not told anything
+  SynchronizerClient reader("127.0.0.1", server.port());
+  CHECK_THROWS_WITH(reader.fetch_newer(1, 100ms), Catch::Contains("within 100 ms"));
+
+  std::thread dying([&] {
+    namespace asio = boost::asio;
+    asio::io_context io;
+    asio::ip::tcp::socket sock(io);
+    sock.connect({asio::ip::make_address("127.0.0.1"), server.port()});
+    const auto buckets = pack_buckets(versioned(2), 16 << 10, 2);
+    const auto begin = sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 2, buckets.size());
+    asio::write(sock, asio::buffer(&begin, sizeof(begin)));
+    const auto f = sync::detail::make_frame(sync::detail::FrameKind::bucket, 2, 0, buckets[0].const_data_ptr(), buckets[0].nbytes());
+    asio::write(sock, asio::buffer(&f, sizeof(f)));
+    asio::write(sock, asio::buffer(buckets[0].const_data_ptr(), buckets[0].nbytes()));
+    std::this_thread::sleep_for(200ms);
+    sock.close();  // as if the process died
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(reader.fetch_newer(1, 20s), Catch::Contains("disconnected in the middle of version 2 (1 of") &&
+                                                    Catch::Contains("partial version was discarded"));
+  CHECK(std::chrono::steady_clock::now() - t0 < 5s);
+  dying.join();
+  SynchronizerClient other("127.0.0.1", server.port());
+  CHECK(other.fetch_newer(no_version, 100ms).version == 1);
+  // A new trainer clears the loss.
+  SynchronizerClient trainer2("127.0.0.1", server.port());
+  trainer2.publish(2, versioned(2));
+  CHECK(other.fetch_newer(1, 1s).version == 2);
+}
+
+TEST_CASE("service: a server that stops or is absent gives clients a SyncError, never a hang", "[service]") {
+  auto server = std::make_unique<SynchronizerServer>();
+  const auto port = server->port();
+  SynchronizerClient reader("127.0.0.1", port);
+  std::thread stopper([&] {
+    std::this_thread::sleep_for(100ms);
+    server->stop();
+  });
+  CHECK_THROWS_WITH(reader.fetch_newer(no_version, 20s), Catch::Contains("synchronizer at 127.0.0.1:" + std::to_string(port)) &&
+                                                             (Catch::Contains("closed the connection") ||
+                                                              Catch::Contains("connection was reset")));
+  stopper.join();
+  CHECK_THROWS_WITH(reader.fetch_newer(no_version, 1s), Catch::Contains("is closed after an earlier error"));
+  CHECK_THROWS_WITH(SynchronizerClient("127.0.0.1", port, {.connect_timeout = 300ms}),
+                    Catch::Contains("could not connect to the synchronizer at 127.0.0.1:" + std::to_string(port) + " within 300 ms"));
+}
+
+TEST_CASE("service: a corrupted frame is refused by its checksum", "[service]") {
+  SynchronizerServer server;
+  namespace asio = boost::asio;
+  asio::io_context io;
+  asio::ip::tcp::socket sock(io);
+  sock.connect({asio::ip::make_address("127.0.0.1"), server.port()});
+  const auto buckets = pack_buckets(versioned(0), 1 << 20, 0);
+  const auto begin = sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 0, buckets.size());
+  asio::write(sock, asio::buffer(&begin, sizeof(begin)));
+  auto f = sync::detail::make_frame(sync::detail::FrameKind::bucket, 0, 0, buckets[0].const_data_ptr(), buckets[0].nbytes());
+  f.checksum ^= 1;
+  asio::write(sock, asio::buffer(&f, sizeof(f)));
+  asio::write(sock, asio::buffer(buckets[0].const_data_ptr(), buckets[0].nbytes()));
+  sync::detail::FrameHeader reply;
+  asio::read(sock, asio::buffer(&reply, sizeof(reply)));
+  std::string text(reply.length, '\0');
+  asio::read(sock, asio::buffer(text));
+  CHECK(reply.kind == static_cast<uint16_t>(sync::detail::FrameKind::error));
+  CHECK_THAT(text, Catch::Contains("checksum does not match"));
+  CHECK(server.latest_version() == no_version);
+}
+
+#endif  // FSDPX_WITH_BOOST
