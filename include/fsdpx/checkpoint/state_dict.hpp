@@ -234,22 +234,15 @@ inline std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(
     const auto it = tensors.find(key);
     return it == tensors.end() ? at::Tensor() : it->second;
   };
-  if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) {
-    auto s = std::make_unique<torch::optim::AdamWParamState>();
-    s->step(step);
-    s->exp_avg(get("exp_avg"));
-    s->exp_avg_sq(get("exp_avg_sq"));
-    if (const at::Tensor m = get("max_exp_avg_sq"); m.defined()) s->max_exp_avg_sq(m);
-    return s;
-  }
-  if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) {
-    auto s = std::make_unique<torch::optim::AdamParamState>();
-    s->step(step);
-    s->exp_avg(get("exp_avg"));
-    s->exp_avg_sq(get("exp_avg_sq"));
-    if (const at::Tensor m = get("max_exp_avg_sq"); m.defined()) s->max_exp_avg_sq(m);
-    return s;
-  }
+  const auto adam_like = [&](auto state) {  // Adam and AdamW keep the same fields
+    state->step(step);
+    state->exp_avg(get("exp_avg"));
+    state->exp_avg_sq(get("exp_avg_sq"));
+    if (const at::Tensor m = get("max_exp_avg_sq"); m.defined()) state->max_exp_avg_sq(m);
+    return std::unique_ptr<torch::optim::OptimizerParamState>(std::move(state));
+  };
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) return adam_like(std::make_unique<torch::optim::AdamWParamState>());
+  if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) return adam_like(std::make_unique<torch::optim::AdamParamState>());
   if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
     auto s = std::make_unique<torch::optim::SGDParamState>();
     s->momentum_buffer(get("momentum_buffer"));
@@ -261,14 +254,12 @@ inline std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(
 
 /// The hyperparameters of a param group, as numbers (what checkpoints keep and restore).
 inline std::map<std::string, std::vector<double>> group_hyperparameters(torch::optim::OptimizerOptions& o) {
-  if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&o)) {
-    return {{"lr", {a->lr()}}, {"betas", {std::get<0>(a->betas()), std::get<1>(a->betas())}}, {"eps", {a->eps()}},
-            {"weight_decay", {a->weight_decay()}}, {"amsgrad", {a->amsgrad() ? 1.0 : 0.0}}};
-  }
-  if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) {
-    return {{"lr", {a->lr()}}, {"betas", {std::get<0>(a->betas()), std::get<1>(a->betas())}}, {"eps", {a->eps()}},
-            {"weight_decay", {a->weight_decay()}}, {"amsgrad", {a->amsgrad() ? 1.0 : 0.0}}};
-  }
+  const auto adam_like = [](auto& a) -> std::map<std::string, std::vector<double>> {
+    return {{"lr", {a.lr()}}, {"betas", {std::get<0>(a.betas()), std::get<1>(a.betas())}}, {"eps", {a.eps()}},
+            {"weight_decay", {a.weight_decay()}}, {"amsgrad", {a.amsgrad() ? 1.0 : 0.0}}};
+  };
+  if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&o)) return adam_like(*a);
+  if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) return adam_like(*a);
   if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&o)) {
     return {{"lr", {s->lr()}}, {"momentum", {s->momentum()}}, {"dampening", {s->dampening()}},
             {"weight_decay", {s->weight_decay()}}, {"nesterov", {s->nesterov() ? 1.0 : 0.0}}};
@@ -278,11 +269,14 @@ inline std::map<std::string, std::vector<double>> group_hyperparameters(torch::o
 
 inline void set_group_hyperparameters(torch::optim::OptimizerOptions& o, const std::map<std::string, std::vector<double>>& h) {
   const auto one = [&](const char* k) { return h.at(k).at(0); };
+  const auto adam_like = [&](auto& a) {
+    a.betas({h.at("betas").at(0), h.at("betas").at(1)}).eps(one("eps")).weight_decay(one("weight_decay")).amsgrad(one("amsgrad") != 0);
+  };
   o.set_lr(one("lr"));
   if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&o)) {
-    a->betas({h.at("betas").at(0), h.at("betas").at(1)}).eps(one("eps")).weight_decay(one("weight_decay")).amsgrad(one("amsgrad") != 0);
+    adam_like(*a);
   } else if (auto* b = dynamic_cast<torch::optim::AdamOptions*>(&o)) {
-    b->betas({h.at("betas").at(0), h.at("betas").at(1)}).eps(one("eps")).weight_decay(one("weight_decay")).amsgrad(one("amsgrad") != 0);
+    adam_like(*b);
   } else if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&o)) {
     s->momentum(one("momentum")).dampening(one("dampening")).weight_decay(one("weight_decay")).nesterov(one("nesterov") != 0);
   }

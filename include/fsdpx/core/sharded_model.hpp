@@ -11,6 +11,7 @@
 //           into the shards' gradients, and every unit is resharded.
 #pragma once
 
+#include <chrono>
 #include <cmath>
 #include <functional>
 #include <future>
@@ -237,8 +238,13 @@ class ShardedModel {
       std::lock_guard lock(fence_mutex_);
       fences.swap(fences_);
     }
+    if (fences.empty()) return;
+    const auto start = std::chrono::steady_clock::now();
     for (auto& f : fences) f.wait();
+    snapshot_wait_ += std::chrono::steady_clock::now() - start;
   }
+  /// Total time training waited for background checkpoint copies (what an async save blocked).
+  std::chrono::duration<double> snapshot_wait() const { return snapshot_wait_; }
 
   // ---- training helpers -----------------------------------------------------------------------------
 
@@ -458,6 +464,7 @@ class ShardedModel {
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::mutex fence_mutex_;
   std::vector<std::shared_future<void>> fences_;
+  std::chrono::duration<double> snapshot_wait_{0};
 };
 
 }  // namespace fsdpx::core

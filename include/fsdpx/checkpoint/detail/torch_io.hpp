@@ -22,7 +22,7 @@
 namespace fsdpx::checkpoint::detail {
 
 /// Writes `value` durably in torch.save's zip format (Python: torch.load(path, weights_only=True)).
-inline WrittenFile save_ivalue(const fs::path& path, const c10::IValue& value) {
+inline WrittenFile save_ivalue(const fs::path& path, const c10::IValue& value, bool compute_record_crc32 = false) {
   std::vector<char> pickle_bytes;
   // No type tags: Python's torch.load(weights_only=True) refuses their restore_type_tag global.
   torch::jit::Pickler pickler([&](const char* data, size_t n) { pickle_bytes.insert(pickle_bytes.end(), data, data + n); },
@@ -35,15 +35,20 @@ inline WrittenFile save_ivalue(const fs::path& path, const c10::IValue& value) {
     // failure is kept, the rest of the archive is swallowed, and the failure is thrown after.
     std::exception_ptr failure;
     {
-      caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) {
-        if (failure) return n;
-        try {
-          sink(data, n);
-        } catch (...) {
-          failure = std::current_exception();
-        }
-        return n;
-      });
+      // The zip's per-record CRC-32 is off (as torch.serialization.config.save.compute_crc32 = False
+      // does): it is a slow second pass over every byte, and the whole file's CRC-32C is recorded
+      // in fsdp_config.json instead. torch.load does not check the records' CRCs.
+      caffe2::serialize::PyTorchStreamWriter writer(
+          [&](const void* data, size_t n) {
+            if (failure) return n;
+            try {
+              sink(data, n);
+            } catch (...) {
+              failure = std::current_exception();
+            }
+            return n;
+          },
+          /*compute_crc32=*/compute_record_crc32);
       torch::jit::writeArchiveAndTensors("data", pickle_bytes.data(), pickle_bytes.size(), pickler.tensorData(), writer);
       writer.writeEndOfFile();
     }

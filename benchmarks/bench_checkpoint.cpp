@@ -1,0 +1,193 @@
+// How much an async checkpoint save costs the training loop, and how fast it writes.
+//
+//   OMP_NUM_THREADS=1 mpiexec -n 2 bench_checkpoint [--dim 768] [--layers 8] [--steps 6] [--dir DIR]
+//
+// In one run, on each rank, with the same state (float32 shards + AdamW moments of a GPT):
+//   disk     write()+fsync of the same number of bytes per rank: the disk's sequential speed
+//   sync     torch::save of the same tensors plus fsync: what a synchronous save blocks
+//   async    CheckpointCoordinator::save() inside a training loop: the time save() takes plus the
+//            time the next backward waits for the background copy (ShardedModel::snapshot_wait),
+//            and the background write throughput (bytes / time from the copy to the last durable file)
+// It prints the ratios the targets are about: blocked / sync (target <= 5%) and write throughput
+// / disk (target >= 80%).
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <torch/nn.h>
+#include <torch/optim.h>
+#include <torch/serialize.h>
+
+#include <fsdpx/fsdp.hpp>
+
+#include "../examples/common/gpt.hpp"
+
+using namespace fsdpx;
+using examples::BlockImpl;
+using examples::Gpt;
+using examples::GptConfig;
+using Clock = std::chrono::steady_clock;
+namespace fs = std::filesystem;
+
+namespace {
+
+double seconds_since(Clock::time_point t) { return std::chrono::duration<double>(Clock::now() - t).count(); }
+
+/// Sequential write of `bytes` with fsync: the disk's speed for this job's pattern.
+double disk_write_seconds(const fs::path& path, int64_t bytes) {
+  std::vector<char> buf(size_t{16} << 20, 'x');
+  const auto t = Clock::now();
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  for (int64_t done = 0; done < bytes;) {
+    const auto n = static_cast<size_t>(std::min<int64_t>(static_cast<int64_t>(buf.size()), bytes - done));
+    if (::write(fd, buf.data(), n) != static_cast<ssize_t>(n)) std::abort();
+    done += static_cast<int64_t>(n);
+  }
+  ::fsync(fd);
+  ::close(fd);
+  return seconds_since(t);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  GptConfig cfg{.vocab = 256, .seq = 128, .dim = 768, .heads = 12, .layers = 8, .tied = false};
+  int steps = 6;
+  std::string dir = "bench_checkpoint_dir";
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string k = argv[i];
+    if (k == "--dim") cfg.dim = std::stoll(argv[i + 1]);
+    else if (k == "--layers") cfg.layers = std::stoll(argv[i + 1]);
+    else if (k == "--steps") steps = std::stoi(argv[i + 1]);
+    else if (k == "--dir") dir = argv[i + 1];
+  }
+  auto mpi = dist::MpiCommunicator::world();
+  dist::AnyCommunicator world(mpi);
+  const fs::path root = fs::absolute(dir);
+  if (world.rank() == 0) {
+    fs::remove_all(root);
+    fs::create_directories(root);
+  }
+  world.barrier();
+
+  torch::manual_seed(0);
+  Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>> model(Gpt(cfg), world);
+  auto opt = make_adamw(model, torch::optim::AdamWOptions(1e-4));
+  const int64_t batch = 4;
+  auto step = [&] {
+    const at::Tensor x = at::randint(0, cfg.vocab, {batch, cfg.seq});
+    opt.zero_grad();
+    model(x, x).backward();
+    opt.step();
+  };
+  for (int i = 0; i < 2; ++i) step();  // optimizer state exists, warm caches
+
+  // The state one save writes, as plain tensors (what torch::save gets).
+  std::vector<at::Tensor> state;
+  for (const auto& p : model.parameters()) {
+    state.push_back(p);
+    for (auto& [name, t] : fsdpx::detail::optimizer_state_tensors(*opt.state().at(p.unsafeGetTensorImpl()))) state.push_back(*t);
+  }
+  int64_t bytes = 0;
+  for (const auto& t : state) bytes += t.nbytes();
+
+  // Disk and synchronous torch::save (+ fsync, so the bytes are on disk as the coordinator's are),
+  // alternated three times; the medians count (this VM's disk varies from run to run).
+  std::vector<double> disk_runs, sync_runs;
+  int64_t sync_bytes = 0;
+  const fs::path sync_file = root / ("sync_" + std::to_string(world.rank()) + ".pt");
+  Clock::time_point t0;
+  for (int rep = 0; rep < 3; ++rep) {
+    world.barrier();
+    const fs::path probe = root / ("disk_probe_" + std::to_string(world.rank()));
+    disk_runs.push_back(disk_write_seconds(probe, bytes));
+    fs::remove(probe);
+    world.barrier();
+    t0 = Clock::now();
+    torch::save(state, sync_file.string());
+    const int fd = ::open(sync_file.c_str(), O_RDONLY);
+    ::fsync(fd);
+    ::close(fd);
+    sync_runs.push_back(seconds_since(t0));
+    sync_bytes = static_cast<int64_t>(fs::file_size(sync_file));
+    fs::remove(sync_file);
+  }
+  const auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
+  const double disk_s = median(disk_runs), sync_s = median(sync_runs);
+
+  // Async: a save after each training step; time save() and the fence wait in the next backward.
+  std::atomic<int64_t> written{0};
+  std::vector<double> write_s;
+  std::mutex m;
+  Clock::time_point save_start;
+  int files_done = 0;
+  CheckpointCoordinator ckpt(root / "ckpt", model, {.max_to_keep = 2, .threads = 2});
+  ckpt.add_monitor({.after_save = [&](const SaveEvent& e) {
+    std::lock_guard lock(m);
+    written += e.bytes;
+    if (++files_done == 2) write_s.push_back(seconds_since(save_start));  // model + optim durable
+  }});
+  double save_call_s = 0, step_s = 0, plain_step_s = 0;
+  for (int i = 0; i < steps; ++i) {  // steps without saves: the baseline step time
+    world.barrier();
+    t0 = Clock::now();
+    step();
+    plain_step_s += seconds_since(t0);
+  }
+  const double wait_before = model.sharded().snapshot_wait().count();
+  for (int i = 0; i < steps; ++i) {
+    ckpt.wait();  // one save at a time, so each write is timed alone
+    world.barrier();
+    {
+      std::lock_guard lock(m);
+      files_done = 0;
+      save_start = Clock::now();
+    }
+    t0 = Clock::now();
+    ckpt.save(100 + i, model, &opt);
+    save_call_s += seconds_since(t0);
+    t0 = Clock::now();
+    step();
+    step_s += seconds_since(t0);
+  }
+  ckpt.wait();
+  const double fence_s = model.sharded().snapshot_wait().count() - wait_before;
+  const double blocked_s = (save_call_s + fence_s) / steps;
+  const double write_med_s = median(write_s);
+  const double save_bytes = static_cast<double>(written.load()) / steps;
+
+  // Worst rank decides (a step waits for the slowest).
+  auto v = at::tensor({disk_s, sync_s, blocked_s, write_med_s, save_call_s / steps, fence_s / steps,
+                       step_s / steps, plain_step_s / steps}, at::kDouble);
+  world.all_reduce(v, dist::ReduceOp::max);
+  const auto r = v.accessor<double, 1>();
+  if (world.rank() == 0) {
+    const double mib = static_cast<double>(bytes) / (1 << 20);
+    std::printf("bench_checkpoint: %d ranks, GPT dim %lld x %lld layers, %.1f MiB of shards + AdamW state per rank "
+                "(torch::save file %.1f MiB, fsdpx files %.1f MiB)\n",
+                world.size(), static_cast<long long>(cfg.dim), static_cast<long long>(cfg.layers), mib,
+                static_cast<double>(sync_bytes) / (1 << 20), save_bytes / (1 << 20));
+    std::printf("  disk: write+fsync of %.1f MiB per rank            %8.3f s  %7.0f MiB/s per rank\n", mib, r[0], mib / r[0]);
+    std::printf("  sync: torch::save + fsync                         %8.3f s  (the loop is blocked all along)\n", r[1]);
+    std::printf("  async: save() call %.4f s + wait in next backward %.4f s = blocked %.4f s per save\n", r[4], r[5], r[2]);
+    std::printf("  async: background write of model + optim files    %8.3f s  %7.0f MiB/s per rank\n", r[3],
+                save_bytes / (1 << 20) / r[3]);
+    std::printf("  step time: %.3f s without saves, %.3f s with a save each step\n", r[7], r[6]);
+    std::printf("RATIO blocked/sync = %.3f (target <= 0.05); write throughput/disk = %.2f (target >= 0.80)\n",
+                r[2] / r[1], (save_bytes / r[3]) / (static_cast<double>(bytes) / r[0]));
+  }
+  ckpt.wait();
+  world.barrier();
+  if (world.rank() == 0) fs::remove_all(root);
+  return 0;
+}
