@@ -20,8 +20,11 @@ configure: setup
 build: configure
 	@cmake --build $(BUILD_DIR) -j$(JOBS)
 
+# Checkpoints every 20 steps into $(BUILD_DIR)/demo_checkpoints (replaced at each demo); continue with
+#   $(MPIEXEC) -n $(NP) $(BUILD_DIR)/examples/train_gpt --steps 60 --save-every 20 --ckpt-dir $(BUILD_DIR)/demo_checkpoints --resume
 demo: build
-	OMP_NUM_THREADS=1 $(MPIEXEC) -n $(NP) $(MPIEXEC_FLAGS) $(BUILD_DIR)/examples/train_gpt --steps 40
+	OMP_NUM_THREADS=1 $(MPIEXEC) -n $(NP) $(MPIEXEC_FLAGS) $(BUILD_DIR)/examples/train_gpt --steps 40 \
+		--save-every 20 --ckpt-dir $(BUILD_DIR)/demo_checkpoints --overwrite
 
 test: build
 	@cd $(BUILD_DIR) && ctest --output-on-failure -j$(JOBS)

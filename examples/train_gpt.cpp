@@ -1,16 +1,40 @@
 // train_gpt: a byte-level GPT trained with fsdpx on text that needs no download (Debian's license
-// texts, or this repository's README), one line per step: loss, tokens/s, memory per rank.
+// texts, or this repository's README), one line per step: loss, tokens/s, memory per rank; periodic
+// background checkpoints; --resume. `make demo` runs it on 2 CPU ranks under mpirun.
 //
-//   mpiexec -n 2 train_gpt [--steps 40] [--batch 8] [--seq 128] [--dim 192] [--layers 4] [--corpus FILE]
-//   torchrun --nproc-per-node=N --no-python train_gpt ...     (GPU builds: NCCL, one GPU per rank)
+//   mpiexec -n 2 train_gpt [--steps 40] [--save-every 20] [--resume]            CPU ranks (MPI)
+//   torchrun --nproc-per-node=8 --no-python train_gpt ...                       GPUs (NCCL, one per rank)
+//   srun -n 16 --gpus-per-task=1 train_gpt ...                                   GPUs under SLURM (export MASTER_ADDR/PORT)
 //
-// Policies are chosen at build time: edit the Sharded alias below (e.g. HybridShard<2>, CpuOffload<>,
-// BF16Mixed); a combination that makes no sense does not compile.
+// Options:
+//   --steps N          train until global step N (default 40; with --resume, the steps already done count)
+//   --batch B          global batch, split across ranks (default 8); --seq T (128); --dim D (192);
+//   --layers L (4); --heads H (4); --lr LR (3e-3); --corpus FILE (default: a Debian license text or README.md)
+//   --ckpt-dir DIR     checkpoint root (default checkpoints/train_gpt, relative to the working directory)
+//   --save-every N     save model, optimizer and data position every N steps and at the last step, in the
+//                      background (fsdpx::CheckpointCoordinator); 0 (default): no checkpoints
+//   --keep K           keep only the newest K checkpoints (default 2; 0: all)
+//   --resume           continue from the newest committed checkpoint in --ckpt-dir (starts from step 0
+//                      when there is none)
+//   --overwrite        a run without --resume refuses a --ckpt-dir that already holds checkpoints; this
+//                      removes them first (their global_step_* directories and iteration files)
+//   --check            exit 1 unless the loss fell (used by the tests)
+//
+// Each checkpoint step directory also gets huggingface/config.json (written by rank 0): a GPT-2
+// configuration of this model, so that `merge` (examples/merge.cpp) or `fsdpx-merge` turns the
+// checkpoint into a Hugging Face model directory.
+//
+// Policies are chosen at build time, through CMake cache variables (examples/CMakeLists.txt):
+//   cmake -DFSDPX_EXAMPLE_MESH='HybridShard<2>' -DFSDPX_EXAMPLE_OFFLOAD='CpuOffload<>'
+//         -DFSDPX_EXAMPLE_PRECISION=BF16Mixed -DFSDPX_EXAMPLE_STATE_DICT=FullStateDict ...
+// (defaults: FullShard, NoOffload, FullPrecision, ShardedStateDict); a combination that makes no sense
+// does not compile, with one sentence saying why.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
-#include <iterator>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -19,27 +43,50 @@
 
 #include <fsdpx/fsdp.hpp>
 
+#include "common/corpus.hpp"
 #include "common/gpt.hpp"
-#include "common/memory.hpp"
+#include "common/launch.hpp"
+
+#ifndef FSDPX_EXAMPLE_MESH
+#define FSDPX_EXAMPLE_MESH FullShard
+#endif
+#ifndef FSDPX_EXAMPLE_OFFLOAD
+#define FSDPX_EXAMPLE_OFFLOAD NoOffload
+#endif
+#ifndef FSDPX_EXAMPLE_PRECISION
+#define FSDPX_EXAMPLE_PRECISION FullPrecision
+#endif
+#ifndef FSDPX_EXAMPLE_STATE_DICT
+#define FSDPX_EXAMPLE_STATE_DICT ShardedStateDict
+#endif
+#define FSDPX_EXAMPLE_STR2(...) #__VA_ARGS__
+#define FSDPX_EXAMPLE_STR(...) FSDPX_EXAMPLE_STR2(__VA_ARGS__)
 
 using fsdpx::examples::BlockImpl;
 using fsdpx::examples::Gpt;
 using fsdpx::examples::GptConfig;
-using fsdpx::examples::peak_rss_mib;
 
-using Sharded = fsdpx::Fsdp<Gpt, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision, fsdpx::ShardedStateDict,
-                            fsdpx::WrapModules<BlockImpl>>;
+using Sharded = fsdpx::Fsdp<Gpt, fsdpx::FSDPX_EXAMPLE_MESH, fsdpx::FSDPX_EXAMPLE_OFFLOAD, fsdpx::FSDPX_EXAMPLE_PRECISION,
+                            fsdpx::FSDPX_EXAMPLE_STATE_DICT, fsdpx::WrapModules<BlockImpl>>;
 
 namespace {
 
+namespace fs = std::filesystem;
+
 struct Args {
-  int steps = 40;
+  int64_t steps = 40;
   int64_t batch = 8;  // global, split across ranks
   int64_t seq = 128;
   int64_t dim = 192;
   int64_t layers = 4;
+  int64_t heads = 4;
   double lr = 3e-3;
   std::string corpus;
+  std::string ckpt_dir = "checkpoints/train_gpt";
+  int64_t save_every = 0;
+  int keep = 2;
+  bool resume = false;
+  bool overwrite = false;
   bool check = false;  // exit 1 unless the loss fell (used by the tests)
 };
 
@@ -51,70 +98,168 @@ Args parse(int argc, char** argv) {
       FSDPX_CHECK(i + 1 < argc, "train_gpt: ", k, " needs a value");
       return argv[++i];
     };
-    if (k == "--steps") a.steps = std::stoi(next());
+    if (k == "--steps") a.steps = std::stoll(next());
     else if (k == "--batch") a.batch = std::stoll(next());
     else if (k == "--seq") a.seq = std::stoll(next());
     else if (k == "--dim") a.dim = std::stoll(next());
     else if (k == "--layers") a.layers = std::stoll(next());
+    else if (k == "--heads") a.heads = std::stoll(next());
     else if (k == "--lr") a.lr = std::stod(next());
     else if (k == "--corpus") a.corpus = next();
+    else if (k == "--ckpt-dir") a.ckpt_dir = next();
+    else if (k == "--save-every") a.save_every = std::stoll(next());
+    else if (k == "--keep") a.keep = std::stoi(next());
+    else if (k == "--resume") a.resume = true;
+    else if (k == "--overwrite") a.overwrite = true;
     else if (k == "--check") a.check = true;
-    else FSDPX_CHECK(false, "train_gpt: unknown option ", k);
+    else FSDPX_CHECK(false, "train_gpt: unknown option ", k, " (the options are listed at the top of examples/train_gpt.cpp)");
   }
+  FSDPX_CHECK(a.steps >= 0 && a.save_every >= 0 && a.keep >= 0, "train_gpt: --steps, --save-every and --keep must be >= 0");
   return a;
 }
 
-at::Tensor load_corpus(const std::string& requested) {
-  std::vector<std::string> candidates = {"/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/Apache-2.0",
-                                         "README.md"};
-  if (!requested.empty()) candidates = {requested};
-  for (const auto& path : candidates) {
-    std::ifstream in(path, std::ios::binary);
-    if (!in) continue;
-    const std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (text.size() < 1024) continue;
-    return at::tensor(std::vector<uint8_t>(text.begin(), text.end()), at::kByte).to(at::kLong);
-  }
-  FSDPX_CHECK(false, "train_gpt: no corpus found (tried ", candidates.front(), "); pass --corpus FILE");
-  return {};
+/// A GPT-2 configuration of this model, for <step dir>/huggingface/config.json. examples/merge.cpp
+/// renames the tensors to GPT-2's (transformers' GPT2LMHeadModel) when it finds this file.
+std::string gpt2_config_json(const GptConfig& c) {
+  char buf[1024];
+  std::snprintf(buf, sizeof buf,
+                "{\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"model_type\": \"gpt2\",\n"
+                "  \"vocab_size\": %lld,\n  \"n_positions\": %lld,\n  \"n_embd\": %lld,\n  \"n_layer\": %lld,\n"
+                "  \"n_head\": %lld,\n  \"n_inner\": %lld,\n  \"activation_function\": \"gelu\",\n"
+                "  \"layer_norm_epsilon\": 1e-05,\n  \"resid_pdrop\": 0.0,\n  \"embd_pdrop\": 0.0,\n  \"attn_pdrop\": 0.0,\n"
+                "  \"tie_word_embeddings\": %s,\n  \"bos_token_id\": 0,\n  \"eos_token_id\": 0,\n  \"torch_dtype\": \"float32\",\n"
+                "  \"fsdpx_example\": \"train_gpt: byte-level (token = byte value); tensors named as in examples/common/gpt.hpp "
+                "until examples/merge.cpp renames them\"\n}\n",
+                static_cast<long long>(c.vocab), static_cast<long long>(c.seq), static_cast<long long>(c.dim),
+                static_cast<long long>(c.layers), static_cast<long long>(c.heads), static_cast<long long>(4 * c.dim),
+                c.tied ? "true" : "false");
+  return buf;
 }
 
+/// Removes an earlier run's checkpoints (only what a checkpoint root holds).
+void remove_checkpoints(const fs::path& root) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind("global_step_", 0) == 0 || name == fsdpx::checkpoint::checkpointed_iteration_file ||
+        name == fsdpx::checkpoint::state_dict_iteration_file) {
+      fs::remove_all(e.path(), ec);
+    }
+  }
+}
+
+int64_t client_int(const c10::impl::GenericDict& d, const char* key, int64_t fallback) {
+  const auto it = d.find(std::string(key));
+  return it == d.end() ? fallback : it->value().toInt();
+}
+double client_double(const c10::impl::GenericDict& d, const char* key, double fallback) {
+  const auto it = d.find(std::string(key));
+  return it == d.end() ? fallback : it->value().toDouble();
+}
 
 }  // namespace
 
 int main(int argc, char** argv) try {
   const Args args = parse(argc, argv);
-  auto world = fsdpx::dist::MpiCommunicator::world();
+  auto [world, device] = fsdpx::examples::init_world();
   const int W = world.size(), r = world.rank();
   FSDPX_CHECK(args.batch % W == 0, "train_gpt: --batch ", args.batch, " must be a multiple of the ", W, " ranks");
-  const at::Tensor corpus = load_corpus(args.corpus);
+  std::string corpus_path;
+  const at::Tensor corpus = fsdpx::examples::load_corpus(args.corpus, corpus_path);
+  FSDPX_CHECK(corpus.numel() > args.seq + 1, "train_gpt: the corpus is shorter than --seq");
 
   GptConfig config;
   config.vocab = 256;  // bytes
   config.seq = args.seq;
   config.dim = args.dim;
-  config.heads = 4;
+  config.heads = args.heads;
   config.layers = args.layers;
   at::manual_seed(0);  // the same initial model on every rank
-  Sharded model(Gpt(config), world);
+  Gpt gpt(config);
+  gpt->to(device);
+  Sharded model(gpt, world);
   auto optimizer = fsdpx::make_adamw(model, torch::optim::AdamWOptions(args.lr).weight_decay(0.1));
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   if (r == 0) {
-    std::printf("train_gpt: %d ranks, %.2fM parameters, %zu units, corpus %lld bytes, global batch %lld x %lld\n", W,
-                params / 1e6, model.sharded().num_units(), static_cast<long long>(corpus.numel()),
-                static_cast<long long>(args.batch), static_cast<long long>(args.seq));
+    std::printf("train_gpt: %d ranks (%s, %s), %.2fM parameters, %zu units, corpus %s (%lld bytes), global batch %lld x %lld\n"
+                "train_gpt: policies %s, %s, %s, %s\n",
+                W, std::string(world.backend_name()).c_str(), device.str().c_str(), params / 1e6,
+                model.sharded().num_units(), corpus_path.c_str(), static_cast<long long>(corpus.numel()),
+                static_cast<long long>(args.batch), static_cast<long long>(args.seq),
+                FSDPX_EXAMPLE_STR(FSDPX_EXAMPLE_MESH), FSDPX_EXAMPLE_STR(FSDPX_EXAMPLE_OFFLOAD),
+                FSDPX_EXAMPLE_STR(FSDPX_EXAMPLE_PRECISION), FSDPX_EXAMPLE_STR(FSDPX_EXAMPLE_STATE_DICT));
+    std::fflush(stdout);
   }
 
+  // ---- resume: model, optimizer, RNG and our client state (the data position) ----
+  const fs::path root = args.ckpt_dir;
+  int64_t start = 0, tokens_seen = 0;
+  std::optional<double> first;
+  if (args.resume) {
+    if (const auto info = fsdpx::load_checkpoint(root, model, &optimizer)) {
+      const auto& c = info->extra.client;
+      FSDPX_CHECK(client_int(c, "dim", args.dim) == args.dim && client_int(c, "layers", args.layers) == args.layers &&
+                      client_int(c, "seq", args.seq) == args.seq && client_int(c, "batch", args.batch) == args.batch,
+                  "train_gpt: the checkpoint in ", root.string(), " was saved with --dim ", client_int(c, "dim", 0),
+                  " --layers ", client_int(c, "layers", 0), " --seq ", client_int(c, "seq", 0), " --batch ",
+                  client_int(c, "batch", 0), "; resume with the same options");
+      start = info->step;
+      tokens_seen = client_int(c, "tokens_seen", start * args.batch * args.seq);
+      if (const double f = client_double(c, "first_loss", -1); f >= 0) first = f;
+      if (r == 0) {
+        std::printf("resumed from step %lld of %s (saved by %d ranks; %lld tokens seen)\n", static_cast<long long>(start),
+                    root.string().c_str(), info->saved_world_size, static_cast<long long>(tokens_seen));
+      }
+    } else if (r == 0) {
+      std::printf("train_gpt: no committed checkpoint in %s: starting from step 0\n", root.string().c_str());
+    }
+  }
+
+  // ---- background checkpoints ----
+#if defined(FSDPX_WITH_BOOST)
+  std::optional<fsdpx::CheckpointCoordinator> ckpt;
+  if (args.save_every > 0) {
+    if (!args.resume && r == 0 && fs::exists(root)) {
+      const auto latest = fsdpx::checkpoint::list_steps(root);
+      if (!latest.empty() && !args.overwrite) {
+        std::fprintf(stderr,
+                     "train_gpt: %s already holds checkpoints (up to global_step_%lld): pass --resume to continue "
+                     "from the newest, --overwrite to start over, or another --ckpt-dir\n",
+                     root.string().c_str(), static_cast<long long>(latest.back().step));
+        std::fflush(stderr);
+        std::_Exit(2);  // mpirun then stops the other ranks
+      }
+      remove_checkpoints(root);
+    }
+    world.barrier();  // the root is clean before any rank writes into it
+    ckpt.emplace(root, model, fsdpx::CheckpointOptions{.max_to_keep = args.keep});
+    if (r == 0) {
+      ckpt->add_monitor({.on_commit = [root](int64_t step, bool weights_only) {
+        if (!weights_only) {
+          std::printf("checkpoint: step %lld committed in %s\n", static_cast<long long>(step),
+                      fsdpx::checkpoint::step_dir(root, step).string().c_str());
+          std::fflush(stdout);
+        }
+      }});
+    }
+  }
+#else
+  FSDPX_CHECK(args.save_every == 0, "train_gpt: checkpoints need Boost.Asio (fsdpx::CheckpointCoordinator); this build has none");
+#endif
+
+  if (start >= args.steps && r == 0) {
+    std::printf("train_gpt: the checkpoint is at step %lld and --steps is %lld: nothing to train\n",
+                static_cast<long long>(start), static_cast<long long>(args.steps));
+  }
   const int64_t per_rank = args.batch / W;
-  double first = 0, last = 0;
-  for (int step = 1; step <= args.steps; ++step) {
-    // Every rank draws the same global batch of windows and takes its own rows.
+  double last = first.value_or(0);
+  for (int64_t step = start + 1; step <= args.steps; ++step) {
+    // Every rank draws the same global batch of windows (a function of the step alone, so a resumed
+    // run sees the same data) and takes its own rows.
     at::manual_seed(1000 + step);
-    const auto starts = at::randint(corpus.numel() - args.seq - 1, {args.batch}, at::kLong);
-    const auto offsets = at::arange(args.seq + 1, at::kLong);
-    const auto windows = corpus.index({(starts.unsqueeze(1) + offsets.unsqueeze(0))});
-    const auto mine = windows.narrow(0, r * per_rank, per_rank);
+    const auto windows = fsdpx::examples::random_windows(corpus, args.batch, args.seq);
+    const auto mine = windows.narrow(0, r * per_rank, per_rank).to(device);
 
     const auto t0 = std::chrono::steady_clock::now();
     optimizer.zero_grad();
@@ -124,19 +269,52 @@ int main(int argc, char** argv) try {
     optimizer.step();
     auto global = loss.detach().reshape({1}).to(at::kDouble);
     world.all_reduce(global, fsdpx::dist::ReduceOp::avg);
+    last = global.item<double>();  // waits for the device
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    last = global.item<double>();
-    if (step == 1) first = last;
+    tokens_seen += args.batch * args.seq;
+    if (!first) first = last;
     if (r == 0) {
       const auto held = model.sharded_bytes();
-      std::printf("step %3d  loss %.4f  grad-norm %.3f  %7.0f tokens/s  shards %.1f MiB/rank  peak RSS %.0f MiB\n", step,
-                  last, norm.value, args.batch * args.seq / seconds, (held.parameters + held.gradients) / 1048576.0,
-                  peak_rss_mib());
+      std::printf("step %3lld  loss %.4f  grad-norm %.3f  %7.0f tokens/s  shards %.1f MiB/rank  %s\n",
+                  static_cast<long long>(step), last, norm.value, args.batch * args.seq / seconds,
+                  (held.parameters + held.gradients) / 1048576.0, fsdpx::examples::memory_line(device).c_str());
       std::fflush(stdout);
     }
+#if defined(FSDPX_WITH_BOOST)
+    if (ckpt && (step % args.save_every == 0 || step == args.steps)) {
+      fsdpx::ExtraState extra;  // the RNG states are added by the coordinator
+      extra.client.insert_or_assign("tokens_seen", tokens_seen);
+      extra.client.insert_or_assign("first_loss", *first);
+      extra.client.insert_or_assign("loss", last);
+      extra.client.insert_or_assign("dim", args.dim);  // a resume with other model options is refused
+      extra.client.insert_or_assign("layers", args.layers);
+      extra.client.insert_or_assign("seq", args.seq);
+      extra.client.insert_or_assign("batch", args.batch);
+      if (r == 0) {  // the model's configuration, for merge: <step dir>/huggingface/config.json
+        const fs::path hf = fsdpx::checkpoint::step_dir(root, step) / "huggingface";
+        fs::create_directories(hf);
+        std::ofstream(hf / "config.json") << gpt2_config_json(config);
+      }
+      ckpt->save(step, model, optimizer, extra);  // copies the shards, then writes in the background
+      if (r == 0) {
+        std::printf("checkpoint: saving step %lld in the background\n", static_cast<long long>(step));
+        std::fflush(stdout);
+      }
+    }
+#endif
   }
-  if (r == 0) std::printf("loss %.4f -> %.4f over %d steps\n", first, last, args.steps);
-  return args.check && !(last < first) ? 1 : 0;
+#if defined(FSDPX_WITH_BOOST)
+  if (ckpt) {
+    ckpt->wait();  // every save durable, and committed by rank 0
+    world.barrier();
+    if (r == 0) {
+      std::printf("checkpoint: latest %s/%s = %lld\n", root.string().c_str(), fsdpx::checkpoint::checkpointed_iteration_file,
+                  static_cast<long long>(ckpt->latest_committed()));
+    }
+  }
+#endif
+  if (r == 0 && first) std::printf("loss %.4f -> %.4f at step %lld\n", *first, last, static_cast<long long>(args.steps));
+  return args.check && !(first && last < *first) ? 1 : 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "train_gpt: %s\n", e.what());
   return 1;

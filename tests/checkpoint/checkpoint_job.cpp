@@ -63,21 +63,32 @@ int train(Model& model, dist::AnyCommunicator world, const Args& args) {
   }
   std::optional<CheckpointCoordinator> ckpt;
   if (!args.root.empty() && args.save_every > 0) ckpt.emplace(args.root, model, CheckpointOptions{.max_to_keep = args.keep});
+  // A failed save is reported and training goes on (as a trainer would); the job's exit code says it.
+  bool save_failed = false;
+  const auto checkpoint_call = [&](auto&& call) {
+    try {
+      call();
+    } catch (const IoError& e) {
+      save_failed = true;
+      std::fprintf(stderr, "rank %d: checkpoint error: %s\n", world.rank(), e.what());
+    }
+  };
   for (int64_t step = start + 1; step <= args.steps; ++step) {
     const double loss = train_step(model, opt, world);
     if (world.rank() == 0) std::printf("step %lld loss %.6f\n", static_cast<long long>(step), loss);
     if (ckpt && step % args.save_every == 0) {
       extra.client.insert_or_assign("samples_seen", step * 12);
-      ckpt->save(step, model, opt, extra);
+      checkpoint_call([&] { ckpt->save(step, model, opt, extra); });
     }
   }
-  if (ckpt) ckpt->wait();
+  if (ckpt) checkpoint_call([&] { ckpt->wait(); });
   if (!args.out.empty()) {
     const StateDict full = full_state_dict(model.sharded());
     if (world.rank() == 0) checkpoint::save_state_dict(args.out, full);
   }
-  world.barrier();
-  return 0;
+  auto failed = at::full({1}, save_failed ? 1 : 0, at::kInt);
+  world.all_reduce(failed, dist::ReduceOp::max);
+  return failed.item<int>() != 0 ? 3 : 0;
 }
 
 int compare(const Args& args) {

@@ -239,6 +239,11 @@ class CheckpointCoordinator {
       }
     });
     if (rank_ == 0) {
+      // Room for the commit records and iteration files, taken before the shards fill the disk, so
+      // a disk that fills up during this save or the next cannot keep a finished step from committing.
+      // (A record lists every rank's files, ~100 bytes each; an iteration file needs a block.)
+      const int64_t record_bytes = (int64_t{8} << 10) + int64_t{256} * world_size_ * static_cast<int64_t>(components.size());
+      for (const char* name : {".reserve_weights", ".reserve_complete"}) checkpoint::detail::reserve_space(dir / name, record_bytes);
       start_task();
       {
         std::lock_guard lock(mutex_);
@@ -410,6 +415,7 @@ class CheckpointCoordinator {
         std::string cause = checkpoint::detail::read_text(failed);
         if (cause.empty()) cause = ::fsdpx::detail::str("rank ", r, " could not save its files (nor describe why: is the disk full?)");
         record_failure(c.step, ::fsdpx::detail::str("fsdpx: checkpoint step ", c.step, " was not committed: ", cause));
+        release_reserves(c.dir);
         return true;
       }
     }
@@ -443,9 +449,11 @@ class CheckpointCoordinator {
                                                   "files became durable within ", options_.commit_timeout.count(),
                                                   " ms (complete: ", done.size(), " of ", c.components.size(),
                                                   " components); a rank may have died"));
+      release_reserves(c.dir);
       return true;
     }
     if (weights && !c.weights_committed) {
+      checkpoint::detail::release_space(c.dir / ".reserve_weights");
       write_config(c, done, files, false);
       advance(checkpoint::state_dict_iteration_file, c.step);
       c.weights_committed = true;
@@ -455,6 +463,7 @@ class CheckpointCoordinator {
     }
     if (!complete) return false;
     const bool full = c.components.size() == std::size(checkpoint::all_components);
+    checkpoint::detail::release_space(c.dir / ".reserve_complete");
     if (c.components.size() > 1) write_config(c, done, files, full);
     if (full) {
       advance(checkpoint::checkpointed_iteration_file, c.step);
@@ -464,6 +473,10 @@ class CheckpointCoordinator {
     }
     rotate();
     return true;
+  }
+
+  static void release_reserves(const std::filesystem::path& dir) {
+    for (const char* name : {".reserve_weights", ".reserve_complete"}) checkpoint::detail::release_space(dir / name);
   }
 
   void rotate() {

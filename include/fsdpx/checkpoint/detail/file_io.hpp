@@ -151,6 +151,21 @@ inline void fsync_directory(const fs::path& dir) {
   if (::fsync(fd.get()) != 0) throw_io("fsync of directory", dir, errno);
 }
 
+/// Allocates `bytes` of disk to `path` (no data written), so they can be freed for a later write
+/// when the disk is full. An IoError when the disk has no room even for that.
+inline void reserve_space(const fs::path& path, int64_t bytes) {
+  Fd fd(path, O_WRONLY | O_CREAT | O_TRUNC);
+  if (const int err = ::posix_fallocate(fd.get(), 0, bytes); err != 0) {
+    std::error_code ignored;
+    fs::remove(path, ignored);
+    throw_io("reserving room for the commit record in", path, err);
+  }
+}
+inline void release_space(const fs::path& path) {
+  std::error_code ignored;
+  fs::remove(path, ignored);
+}
+
 /// What a durable write produced.
 struct WrittenFile {
   fs::path path;
