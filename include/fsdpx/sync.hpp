@@ -1,11 +1,13 @@
 // Weight sync for RL post-training: the trainer's weights to rollout workers, by broadcast (MPI on
-// CPUs, NCCL on GPUs) or through a versioned in-memory hand-off, in-process or as a TCP service.
+// CPUs, NCCL on GPUs), through a versioned in-memory hand-off, in-process or as a TCP service, or by
+// following the checkpoints a trainer commits (CheckpointWatcher).
 // See docs/sync.md.
 #pragma once
 
 #include <fsdpx/sync/bucket.hpp>
 #include <fsdpx/sync/broadcast.hpp>
 #include <fsdpx/sync/synchronizer.hpp>
+#include <fsdpx/sync/watcher.hpp>
 #if defined(FSDPX_WITH_BOOST)
 #include <fsdpx/sync/service.hpp>
 #endif

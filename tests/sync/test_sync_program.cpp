@@ -62,7 +62,7 @@ test::GptConfig config() { return {.vocab = 61, .seq = 16, .dim = 32, .heads = 4
 /// One scenario: `steps` training steps of the trainer, each followed by both kinds of weight sync.
 template <class Sharded>
 void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_dtype, FsdpOptions options = {},
-              int64_t bucket_bytes = 8 << 10, bool keep_gather_buffers = true) {
+              int64_t bucket_bytes = 8 << 10, bool keep_gather_buffers = true, int64_t direct_bytes = 64 << 10) {
   auto& s = setup();
   const int steps = 3;
   const auto version_of = [](int step) { return int64_t{10} * (step + 1); };
@@ -75,7 +75,8 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
     Sharded fsdp(model, trainer, options);
     auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
     WeightBroadcaster sender(fsdp, s.groups.model_update,
-                             {.bucket_bytes = bucket_bytes, .dtype = send_dtype, .keep_gather_buffers = keep_gather_buffers});
+                             {.bucket_bytes = bucket_bytes, .dtype = send_dtype, .keep_gather_buffers = keep_gather_buffers,
+                              .direct_bytes = direct_bytes});
     CHECK(sender.is_sender() == (trainer.rank() == 0));
     std::unique_ptr<SynchronizerServer> server;
     auto port = at::zeros({1}, at::kInt);
@@ -93,7 +94,12 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
       optimizer.step();
 
       sender.broadcast(version_of(step));
-      if (sender.is_sender()) CHECK(sender.last_stats().buckets > 3);  // small buckets: several, with split tensors
+      if (sender.is_sender()) {
+        CHECK(sender.last_stats().buckets > 3);  // small buckets: several, with split tensors
+        // Straight from the gather buffers exactly when no cast is needed and chunks may go alone.
+        const bool no_cast = fsdp.sharded().unit(0).options().param_dtype == rollout_dtype;
+        CHECK((sender.last_stats().bytes_in_place > 0) == (keep_gather_buffers && no_cast && direct_bytes <= 1024));
+      }
       auto weights = gather_full_state_dict(fsdp, trainer.rank() == 0, {.dtype = rollout_dtype});
       if (server) server->publish(version_of(step), weights);
       {
@@ -136,6 +142,7 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
     }
     CHECK(received.version == version_of(step));
     CHECK(receiver.last_version() == version_of(step));
+    CHECK((receiver.last_bytes_in_place() > 0) == (direct_bytes <= 1024));  // received into place, no unpacking
 
     std::map<std::string, at::Tensor> reference;
     for (const auto& p : rollout->named_parameters()) {
@@ -189,13 +196,22 @@ TEST_CASE("weight sync: FullShard, float32 trainer, bfloat16 rollout", "[sync]")
 }
 
 TEST_CASE("weight sync: FullShard, float32 end to end, gathered through the units' own unshard()", "[sync]") {
+  // Chunks of 1 KiB and more are received straight into the rollout's parameters.
   run_sync<Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>>>(
-      std::nullopt, at::kFloat, {}, 4096, /*keep_gather_buffers=*/false);
+      std::nullopt, at::kFloat, {}, 4096, /*keep_gather_buffers=*/false, /*direct_bytes=*/1024);
+}
+
+TEST_CASE("weight sync: FullShard, float32 end to end, sent from the gather buffers and received in place", "[sync]") {
+  // No cast: chunks of 512 bytes and more go from the gather buffer to the rollout's parameters (or
+  // to the tensors of receive()) without a copy on either side; smaller ones are packed.
+  run_sync<Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>>>(
+      std::nullopt, at::kFloat, {}, 8 << 10, /*keep_gather_buffers=*/true, /*direct_bytes=*/512);
 }
 
 TEST_CASE("weight sync: CpuOffload with BF16Mixed sends the bfloat16 compute parameters", "[sync]") {
+  // The compute dtype is the rollout dtype: large chunks are sent straight from the gather buffers.
   run_sync<Fsdp<test::Gpt, FullShard, CpuOffload<>, BF16Mixed, ShardedStateDict, WrapModules<test::BlockImpl>>>(
-      std::nullopt, at::kBFloat16);
+      std::nullopt, at::kBFloat16, {}, 8 << 10, /*keep_gather_buffers=*/true, /*direct_bytes=*/1024);
 }
 
 TEST_CASE("weight sync: HybridShard with CpuOffload, float16 rollout", "[sync]") {

@@ -16,9 +16,13 @@
 // Precision::param_dtype), cast to BroadcastOptions::dtype when one is set. Every trainer rank takes
 // part in the gathers (whatever the mesh and offload policy); only trainer rank 0 sends.
 //
-// On the wire, per version: a preamble {magic, version, bucket count, largest bucket} and the bucket
-// sizes (two small broadcasts), then the buckets, each self-describing. The receiver keeps two
-// receives in flight while it unpacks; the sender packs bucket k+1 while bucket k is on the wire.
+// On the wire, per version: a preamble {magic, version, bucket count, largest header, direct_bytes,
+// largest bucket} and the header sizes (two small broadcasts); then, per bucket, its self-describing
+// header (a small broadcast of its own) and its payload in segments: a chunk of at least direct_bytes
+// alone, runs of smaller chunks together (detail::segments_of, derived from the header on both sides).
+// A lone chunk is sent straight from the gather buffer when no cast is needed and received straight
+// into the destination parameter (or tensor) when the dtypes match; the rest goes through two staging
+// buckets on each side, so that packing and unpacking overlap the broadcasts.
 #pragma once
 
 #include <array>
@@ -129,10 +133,49 @@ struct BroadcastOptions {
   /// same shard, the same all-gather). false: no memory is kept between syncs. Must agree on all
   /// trainer ranks.
   bool keep_gather_buffers = true;
+  /// Chunks of at least this many bytes travel in a broadcast of their own: sent straight from the
+  /// gather buffer when no cast is needed (keep_gather_buffers, dtype equal to the compute dtype) and
+  /// received straight into the rollout's parameter (or tensor) when its dtype matches. Smaller ones
+  /// are packed together, in one broadcast per run. Only the sender sets it (it travels in the preamble).
+  int64_t direct_bytes = int64_t{64} << 10;
 };
 
 namespace detail {
-inline constexpr int64_t preamble_magic = 0x46585357'50524531;  // "FXSWPRE1"
+inline constexpr int64_t preamble_magic = 0x46585357'50524532;  // "FXSWPRE2"
+inline constexpr int64_t preamble_longs = 6;
+
+/// One broadcast of a bucket's payload: entries [first, last] of the bucket, bytes [begin, end) of it.
+struct Segment {
+  size_t first = 0, last = 0;
+  int64_t begin = 0, end = 0;
+  bool single() const { return first == last; }
+};
+
+/// How a bucket's payload travels, decided from its header alone (so both sides agree): an entry of
+/// at least `direct_min` bytes is a broadcast of its own (sent from where the data lies and received
+/// where it belongs); each run of consecutive smaller entries is one broadcast of the bytes they span
+/// in the bucket's layout. Empty entries carry no bytes and are in no segment.
+inline std::vector<Segment> segments_of(const BucketLayout& b, int64_t direct_min) {
+  std::vector<Segment> out;
+  bool run = false;  // the last segment is a run of small entries that may grow
+  for (size_t i = 0; i < b.entries.size(); ++i) {
+    const BucketEntry& e = b.entries[i];
+    if (e.nbytes() == 0) continue;
+    if (e.nbytes() >= direct_min) {
+      out.push_back({i, i, e.byte_offset, e.byte_offset + e.nbytes()});
+      run = false;
+    } else if (run && out.back().last + 1 == i) {
+      out.back().last = i;
+      out.back().end = e.byte_offset + e.nbytes();
+    } else {
+      out.push_back({i, i, e.byte_offset, e.byte_offset + e.nbytes()});
+      run = true;
+    }
+  }
+  return out;
+}
+
+inline at::Tensor as_bytes(const at::Tensor& t) { return t.view(at::kByte); }
 }  // namespace detail
 
 class WeightBroadcaster {
@@ -150,6 +193,7 @@ class WeightBroadcaster {
     }
     FSDPX_CHECK(options_.bucket_bytes >= 4096, "WeightBroadcaster: bucket_bytes must be at least 4096, got ",
                 options_.bucket_bytes);
+    FSDPX_CHECK(options_.direct_bytes >= 1, "WeightBroadcaster: direct_bytes must be positive, got ", options_.direct_bytes);
     if (group_) {
       FSDPX_CHECK(group_->rank() == 0, "WeightBroadcaster: this trainer rank is rank ", group_->rank(),
                   " of the model-update group '", group_->name(), "'; the sending trainer rank must be its rank 0");
@@ -170,7 +214,8 @@ class WeightBroadcaster {
     int64_t bytes = 0;             // bucket bytes sent (headers included)
     int64_t buckets = 0;
     double seconds = 0;            // the whole broadcast(), gathers included
-    double send_wait_seconds = 0;  // waiting for a bucket's previous broadcast before refilling it
+    double send_wait_seconds = 0;  // waiting for broadcasts before refilling a staging bucket or gather buffer
+    int64_t bytes_in_place = 0;    // payload sent straight from the gather buffers, without a copy
   };
   const Stats& last_stats() const { return stats_; }
 
@@ -184,7 +229,7 @@ class WeightBroadcaster {
     stats_ = {};
     try {
       if (!group_) {
-        walk_units([](core::Unit&, const at::Tensor&) {});
+        walk_units([](int) {}, [](size_t, int, core::Unit&, const at::Tensor&) {});
       } else {
         send(version);
       }
@@ -199,6 +244,11 @@ class WeightBroadcaster {
   }
 
  private:
+  // The wire, per version: the preamble {magic, version, bucket count, largest header, direct_min,
+  // largest bucket} and the header sizes (two small broadcasts); then for each bucket its header (a
+  // broadcast of its own) followed by its payload segments (detail::segments_of). A large entry whose
+  // data already lies in the gather buffer in the rollout dtype is broadcast from there (no copy);
+  // everything else is cast/packed into one of two staging buckets first.
   void send(int64_t version) {
     using Clock = std::chrono::steady_clock;
     std::vector<TensorSpec> specs;
@@ -210,58 +260,99 @@ class WeightBroadcaster {
     }
     const auto plan = plan_buckets(specs, options_.bucket_bytes, version);
     const int64_t n = static_cast<int64_t>(plan.size());
-    int64_t largest = 0;
-    std::vector<int64_t> sizes;
+    const c10::Device device = model_->unit(0).options().device;
+    int64_t largest = 0, largest_header = 0;
+    std::vector<int64_t> header_sizes;
+    std::vector<at::Tensor> headers;  // kept until the version is sent
+    std::vector<std::vector<detail::Segment>> segments;
     for (const auto& b : plan) {
-      sizes.push_back(b.total_bytes);
+      header_sizes.push_back(b.header_bytes);
       largest = std::max(largest, b.total_bytes);
+      largest_header = std::max(largest_header, b.header_bytes);
       stats_.bytes += b.total_bytes;
+      auto bytes = encode_header(b);
+      headers.push_back(at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte).to(device, false, true));
+      segments.push_back(detail::segments_of(b, options_.direct_bytes));
     }
     stats_.buckets = n;
-    const c10::Device device = model_->unit(0).options().device;
     const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
-    group_->broadcast(at::tensor({detail::preamble_magic, version, n, largest}, at::kLong).to(longs), 0);
-    if (n > 0) group_->broadcast(at::tensor(sizes, at::kLong).to(longs), 0);
+    group_->broadcast(at::tensor({detail::preamble_magic, version, n, largest_header, options_.direct_bytes, largest},
+                                 at::kLong).to(longs), 0);
+    if (n > 0) group_->broadcast(at::tensor(header_sizes, at::kLong).to(longs), 0);
     ensure_buffers(largest, device);
 
-    std::array<dist::Work, 2> sending;
-    int64_t k = 0;
-    size_t e = 0;
+    // Broadcasts in flight, each tagged with the memory it reads: staging bucket 0/1, gather buffer 0/1
+    // (tags 2/3), or nothing that is reused (4: headers).
+    std::vector<std::pair<int, dist::Work>> pending;
+    const auto release = [&](int tag) {
+      const auto w0 = Clock::now();
+      for (auto& [t, w] : pending) {
+        if (t == tag) w.wait();
+      }
+      std::erase_if(pending, [&](const auto& p) { return p.first == tag; });
+      stats_.send_wait_seconds += std::chrono::duration<double>(Clock::now() - w0).count();
+    };
+    int64_t k = 0;      // the bucket being filled
+    size_t e = 0;       // its next entry
+    size_t seg = 0;     // its next segment
     const auto begin_bucket = [&] {
       if (k >= n) return;
-      const auto w0 = Clock::now();
-      sending[k % 2].wait();  // the buffer's previous bucket must be on its way before we overwrite it
-      stats_.send_wait_seconds += std::chrono::duration<double>(Clock::now() - w0).count();
-      write_header(buffers_[k % 2], plan[k]);
+      release(static_cast<int>(k % 2));  // the staging bucket's previous broadcasts must be done
+      pending.emplace_back(4, group_->broadcast_async(headers[k], 0));
+    };
+    const auto send_segments = [&](int gather_slot, const at::Tensor& direct_source, int64_t source_offset) {
+      // Every segment whose last entry is done goes out, in order.
+      while (seg < segments[k].size() && segments[k][seg].last < e) {
+        const detail::Segment& sg = segments[k][seg];
+        const BucketEntry& entry = plan[k].entries[sg.first];
+        if (sg.single() && direct_source.defined()) {
+          const at::Tensor view = direct_source.narrow(0, source_offset + entry.element_offset, entry.numel);
+          pending.emplace_back(2 + gather_slot, group_->broadcast_async(detail::as_bytes(view), 0));
+          stats_.bytes_in_place += entry.nbytes();
+        } else {
+          pending.emplace_back(static_cast<int>(k % 2),
+                               group_->broadcast_async(buffers_[k % 2].narrow(0, sg.begin, sg.end - sg.begin), 0));
+        }
+        ++seg;
+      }
     };
     begin_bucket();
-    walk_units([&](core::Unit& u, const at::Tensor& full) {
-      for (const auto& p : u.layout().params()) {
-        const at::Tensor source = full.defined() ? full.narrow(0, p.offset, p.numel) : p.param;
-        // The plan lists p's chunks consecutively, possibly over several buckets.
-        while (k < n && e < plan[k].entries.size() && plan[k].entries[e].name == p.name) {
-          pack_entry(buffers_[k % 2], plan[k].entries[e], source);
-          if (++e == plan[k].entries.size()) {
-            sending[k % 2] = group_->broadcast_async(buffers_[k % 2].narrow(0, 0, plan[k].total_bytes), 0);
-            ++k;
-            e = 0;
-            begin_bucket();
+    walk_units(
+        [&](int slot) { release(2 + slot); },
+        [&](size_t, int slot, core::Unit& u, const at::Tensor& full) {
+          const bool same_dtype = full.defined() && full.scalar_type() == options_.dtype.value_or(u.options().param_dtype);
+          for (const auto& p : u.layout().params()) {
+            const at::Tensor source = full.defined() ? full.narrow(0, p.offset, p.numel) : p.param;
+            // The plan lists p's chunks consecutively, possibly over several buckets.
+            while (k < n && e < plan[k].entries.size() && plan[k].entries[e].name == p.name) {
+              const BucketEntry& entry = plan[k].entries[e];
+              const bool direct = same_dtype && entry.nbytes() >= options_.direct_bytes;
+              if (!direct) pack_entry(buffers_[k % 2], entry, source);
+              ++e;
+              send_segments(slot, direct ? full : at::Tensor(), p.offset);
+              if (e == plan[k].entries.size()) {
+                ++k;
+                e = 0;
+                seg = 0;
+                begin_bucket();
+              }
+            }
           }
-        }
-      }
-    });
+        });
     FSDPX_CHECK_AS(SyncError, k == n, "weight sync: internal error: ", k, " of ", n, " buckets were filled");
-    for (auto& w : sending) w.wait();
+    for (auto& [t, w] : pending) w.wait();
   }
 
-  /// Runs fn(unit, full flat parameters in the compute dtype, or undefined when the unit itself is
-  /// unsharded) for every unit in order, gathering the next unit meanwhile. Collective over the
-  /// trainer ranks.
-  template <class Fn>
-  void walk_units(Fn&& fn) {
+  /// Runs fn(index, gather slot, unit, full flat parameters in the compute dtype, or undefined when
+  /// the unit itself is unsharded) for every unit in order, gathering the next unit meanwhile into the
+  /// other of two gather buffers (slot 0 or 1); before_gather(slot) runs before a slot is overwritten,
+  /// so that whatever still reads it can finish. Collective over the trainer ranks.
+  template <class Before, class Fn>
+  void walk_units(Before&& before_gather, Fn&& fn) {
     if (!gather_) {
       // The module's parameters are valid while their unit is unsharded.
-      for_each_unsharded_unit(*model_, [&](core::Unit& u) { fn(u, at::Tensor()); });
+      size_t i = 0;
+      for_each_unsharded_unit(*model_, [&](core::Unit& u) { fn(i++, 0, u, at::Tensor()); });
       return;
     }
     const size_t n = model_->num_units();
@@ -276,6 +367,7 @@ class WeightBroadcaster {
     const int r = gather_->rank();
     std::array<dist::Work, 2> gathering;
     const auto start = [&](size_t i) {
+      before_gather(static_cast<int>(i % 2));
       const core::Unit& u = model_->unit(i);
       const at::Tensor full = gathered_[i % 2].narrow(0, 0, u.layout().padded_numel());
       const at::Tensor slot = full.narrow(0, r * u.layout().shard_numel(), u.layout().shard_numel());
@@ -285,8 +377,8 @@ class WeightBroadcaster {
     if (n > 0) start(0);
     for (size_t i = 0; i < n; ++i) {
       gathering[i % 2].wait();
-      if (i + 1 < n) start(i + 1);  // into the buffer unit i - 1 used, which is packed by now
-      fn(model_->unit(i), gathered_[i % 2].narrow(0, 0, model_->unit(i).layout().padded_numel()));
+      if (i + 1 < n) start(i + 1);  // into the buffer unit i - 1 used, once it is sent
+      fn(i, static_cast<int>(i % 2), model_->unit(i), gathered_[i % 2].narrow(0, 0, model_->unit(i).layout().padded_numel()));
     }
   }
 
@@ -347,6 +439,8 @@ class WeightReceiver {
   }
 
   int64_t last_version() const { return last_version_; }
+  /// Payload bytes of the last version received straight into their destination (no unpacking copy).
+  int64_t last_bytes_in_place() const { return bytes_in_place_; }
 
  private:
   template <class Sink>
@@ -366,47 +460,86 @@ class WeightReceiver {
   template <class Sink>
   int64_t receive_buckets(Sink& sink) {
     const auto longs = at::TensorOptions().dtype(at::kLong).device(options_.device);
-    auto pre = at::zeros({4}, longs);
+    auto pre = at::zeros({detail::preamble_longs}, longs);
     group_.broadcast(pre, options_.root);
     pre = pre.cpu();
     const int64_t* p = pre.data_ptr<int64_t>();
     FSDPX_CHECK_AS(SyncError, p[0] == detail::preamble_magic, "the model-update group '", group_.name(),
                    "' delivered something that is not a weight-sync preamble: its ranks disagree about what is "
-                   "being sent (is every rollout rank calling receive while trainer rank 0 calls broadcast?)");
-    const int64_t version = p[1], n = p[2], largest = p[3];
+                   "being sent (is every rollout rank calling receive while trainer rank 0 calls broadcast? "
+                   "are both sides built from the same fsdpx?)");
+    const int64_t version = p[1], n = p[2], largest_header = p[3], direct_min = p[4], largest = p[5];
+    bytes_in_place_ = 0;
     FSDPX_CHECK_AS(SyncError, version > last_version_, "the trainer sent version ", version,
                    " after version ", last_version_, "; versions must increase");
-    FSDPX_CHECK_AS(SyncError, n >= 0 && largest >= 0 && (n == 0 || largest >= bucket_prefix_bytes),
-                   "corrupt weight-sync preamble: ", n, " buckets of at most ", largest, " bytes");
-    std::vector<int64_t> sizes(static_cast<size_t>(n));
+    FSDPX_CHECK_AS(SyncError, n >= 0 && direct_min > 0 && largest >= largest_header &&
+                                  (n == 0 || largest_header >= bucket_prefix_bytes),
+                   "corrupt weight-sync preamble: ", n, " buckets of at most ", largest, " bytes, headers of at most ",
+                   largest_header, " bytes");
+    std::vector<int64_t> header_sizes(static_cast<size_t>(n));
     if (n > 0) {
       auto s = at::empty({n}, longs);
       group_.broadcast(s, options_.root);
       s = s.cpu();
-      std::copy_n(s.data_ptr<int64_t>(), n, sizes.begin());
+      std::copy_n(s.data_ptr<int64_t>(), n, header_sizes.begin());
     }
+    const auto bytes = at::TensorOptions().dtype(at::kByte).device(options_.device);
     if (!buffers_[0].defined() || buffers_[0].numel() < largest) {
-      for (auto& b : buffers_) b = at::empty({std::max<int64_t>(largest, 1)}, at::TensorOptions().dtype(at::kByte).device(options_.device));
+      for (auto& b : buffers_) b = at::empty({std::max<int64_t>(largest, 1)}, bytes);
     }
-    std::array<dist::Work, 2> receiving;
-    const auto post = [&](int64_t k) {
-      if (k < n) receiving[k % 2] = group_.broadcast_async(buffers_[k % 2].narrow(0, 0, sizes[k]), options_.root);
+    if (!headers_[0].defined() || headers_[0].numel() < largest_header) {
+      for (auto& h : headers_) h = at::empty({std::max<int64_t>(largest_header, 1)}, bytes);
+    }
+    // Per bucket in flight: its broadcasts, and what to do with each entry once they are done.
+    struct InFlight {
+      BucketLayout layout;
+      std::vector<dist::Work> works;
+      std::vector<size_t> staged, direct;  // entries to unpack from the staging bucket / received in place
     };
-    post(0);
-    post(1);
+    std::array<InFlight, 2> flight;
+    const auto finish = [&](int64_t k) {  // bucket k's data is in place: hand it to the sink
+      if (k < 0 || k >= n) return;
+      InFlight& f = flight[k % 2];
+      for (auto& w : f.works) w.wait();
+      for (const size_t i : f.direct) sink.accepted(f.layout.entries[i]);
+      for (const size_t i : f.staged) sink.accept(f.layout.entries[i], entry_view(buffers_[k % 2], f.layout.entries[i]));
+      f = InFlight{};
+    };
+    const auto post_header = [&](int64_t k) {
+      return k < n ? group_.broadcast_async(headers_[k % 2].narrow(0, 0, header_sizes[k]), options_.root) : dist::Work();
+    };
     const std::string where = ::fsdpx::detail::str("broadcast over '", group_.name(), "'");
+    dist::Work header = post_header(0);
     for (int64_t k = 0; k < n; ++k) {
-      receiving[k % 2].wait();
-      const at::Tensor bucket = buffers_[k % 2].narrow(0, 0, sizes[k]);
-      const BucketLayout layout = read_header(bucket, where);
+      header.wait();
+      BucketLayout layout = read_header(headers_[k % 2].narrow(0, 0, header_sizes[k]), where);
       FSDPX_CHECK_AS(SyncError, layout.version == version && layout.index == k && layout.count == n &&
-                                    layout.total_bytes == sizes[k],
-                     "weight bucket out of order: expected bucket ", k, " of ", n, " of version ", version, " (",
-                     sizes[k], " bytes), got bucket ", layout.index, " of ", layout.count, " of version ",
-                     layout.version, " (", layout.total_bytes, " bytes)");
-      for (const auto& e : layout.entries) sink.accept(e, entry_view(bucket, e));
-      post(k + 2);  // the buffer is consumed (copies on the current stream come before the receive on NCCL)
+                                    layout.header_bytes == header_sizes[k] && layout.total_bytes <= largest,
+                     "weight bucket out of order: expected bucket ", k, " of ", n, " of version ", version, " (header of ",
+                     header_sizes[k], " bytes), got bucket ", layout.index, " of ", layout.count, " of version ",
+                     layout.version, " (header of ", layout.header_bytes, " bytes, ", layout.total_bytes, " in all)");
+      finish(k - 2);  // its staging bucket is reused now
+      InFlight& f = flight[k % 2];
+      for (size_t i = 0; i < layout.entries.size(); ++i) {
+        if (layout.entries[i].nbytes() == 0) sink.accept(layout.entries[i], entry_view(buffers_[k % 2], layout.entries[i]));
+      }
+      for (const detail::Segment& sg : detail::segments_of(layout, direct_min)) {
+        at::Tensor into;
+        if (sg.single()) into = sink.destination(layout.entries[sg.first]);
+        if (into.defined() && into.device() == options_.device && into.is_contiguous()) {
+          f.works.push_back(group_.broadcast_async(detail::as_bytes(into), options_.root));
+          f.direct.push_back(sg.first);
+          bytes_in_place_ += layout.entries[sg.first].nbytes();
+        } else {
+          f.works.push_back(group_.broadcast_async(buffers_[k % 2].narrow(0, sg.begin, sg.end - sg.begin), options_.root));
+          for (size_t i = sg.first; i <= sg.last; ++i) f.staged.push_back(i);
+        }
+      }
+      f.layout = std::move(layout);
+      header = post_header(k + 1);
     }
+    finish(n - 2);
+    finish(n - 1);
     last_version_ = version;
     return version;
   }
@@ -425,7 +558,9 @@ class WeightReceiver {
   dist::AnyCommunicator group_;
   ReceiveOptions options_;
   int64_t last_version_ = no_version;
-  std::array<at::Tensor, 2> buffers_;
+  std::array<at::Tensor, 2> buffers_;  // staging buckets
+  std::array<at::Tensor, 2> headers_;
+  int64_t bytes_in_place_ = 0;
 };
 
 }  // namespace fsdpx::sync

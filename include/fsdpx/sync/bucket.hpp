@@ -409,6 +409,22 @@ class TensorCollector {
     received_[it->second] += e.numel;
   }
 
+  /// Where entry `e`'s chunk can be received in place (the tensor allocated on first sight), or an
+  /// undefined tensor when it cannot (then accept() is called with the chunk and says why).
+  at::Tensor destination(const BucketEntry& e) {
+    auto it = index_.find(e.name);
+    if (it == index_.end()) {
+      it = index_.emplace(e.name, tensors_.size()).first;
+      tensors_.push_back({e.name, at::empty(e.shape, at::TensorOptions().dtype(e.dtype).device(device_))});
+      received_.push_back(0);
+    }
+    const at::Tensor& t = tensors_[it->second].tensor;
+    if (t.sizes().vec() != e.shape || t.scalar_type() != e.dtype || e.numel == 0) return {};
+    return t.view({-1}).narrow(0, e.element_offset, e.numel);
+  }
+  /// Entry `e` was received into destination(e).
+  void accepted(const BucketEntry& e) { received_[index_.at(e.name)] += e.numel; }
+
   /// Checks every tensor arrived whole and hands them out, in arrival order.
   std::vector<NamedTensor> finish() {
     for (size_t i = 0; i < tensors_.size(); ++i) {
@@ -475,6 +491,21 @@ class ModuleLoader {
     if (e.numel > 0) t.param.detach().view({-1}).narrow(0, e.element_offset, e.numel).copy_(chunk);
     t.received += e.numel;
   }
+
+  /// Where entry `e`'s chunk can be received in place: the parameter's elements when the name, shape
+  /// and dtype match and the parameter is contiguous; else an undefined tensor (then accept() is
+  /// called with the chunk, and casts or reports).
+  at::Tensor destination(const BucketEntry& e) const {
+    const auto it = by_name_.find(e.name);
+    if (it == by_name_.end() || e.numel == 0) return {};
+    const Target& t = targets_[it->second];
+    if (t.reported || t.param.sizes().vec() != e.shape || !t.param.is_contiguous() || t.param.scalar_type() != e.dtype) {
+      return {};
+    }
+    return t.param.detach().view({-1}).narrow(0, e.element_offset, e.numel);
+  }
+  /// Entry `e` was received into destination(e).
+  void accepted(const BucketEntry& e) { targets_[by_name_.at(e.name)].received += e.numel; }
 
   void finish() {
     std::vector<std::string> missing;
