@@ -13,3 +13,4 @@
 #include <fsdpx/core/optim.hpp>
 
 #include <fsdpx/checkpoint.hpp>
+#include <fsdpx/sync.hpp>

@@ -164,6 +164,10 @@ class CheckpointLease {
  public:
   CheckpointLease(const fs::path& root, int64_t step) {
     static std::atomic<int> counter{0};
+    // Checked first (no debris for a step already gone) and again after the lease exists (rotation
+    // may have taken the step in between).
+    FSDPX_CHECK_AS(IoError, read_commit_record(step_dir(root, step)).has_value(), "cannot lease step ", step,
+                   ": it is not (or no longer) committed");
     const fs::path dir = root / ::fsdpx::detail::str("global_step_", step) / ".leases";
     std::error_code ec;
     fs::create_directories(dir, ec);
@@ -173,7 +177,7 @@ class CheckpointLease {
     // The step may have been rotated away between the reader's choice and the lease.
     if (!read_commit_record(step_dir(root, step))) {
       fs::remove(path_, ec);
-      throw IoError(::fsdpx::detail::str("fsdpx: cannot lease step ", step, ": it is not (or no longer) committed"));
+      FSDPX_CHECK_AS(IoError, false, "cannot lease step ", step, ": it is not (or no longer) committed");
     }
   }
   CheckpointLease(const CheckpointLease&) = delete;
