@@ -232,8 +232,15 @@ int main(int argc, char** argv) try {
       }
       remove_checkpoints(root);
     }
+    // The model's configuration, which the coordinator copies into every step's huggingface/, so
+    // a merged checkpoint opens with transformers (examples/merge.cpp).
+    const fs::path hf_source = root / ".huggingface";
+    if (r == 0) {
+      fs::create_directories(hf_source);
+      std::ofstream(hf_source / "config.json") << gpt2_config_json(config);
+    }
     world.barrier();  // the root is clean before any rank writes into it
-    ckpt.emplace(root, model, fsdpx::CheckpointOptions{.max_to_keep = args.keep});
+    ckpt.emplace(root, model, fsdpx::CheckpointOptions{.max_to_keep = args.keep, .huggingface_dir = hf_source});
     if (r == 0) {
       ckpt->add_monitor({.on_commit = [root](int64_t step, bool weights_only) {
         if (!weights_only) {
@@ -290,11 +297,6 @@ int main(int argc, char** argv) try {
       extra.client.insert_or_assign("layers", args.layers);
       extra.client.insert_or_assign("seq", args.seq);
       extra.client.insert_or_assign("batch", args.batch);
-      if (r == 0) {  // the model's configuration, for merge: <step dir>/huggingface/config.json
-        const fs::path hf = fsdpx::checkpoint::step_dir(root, step) / "huggingface";
-        fs::create_directories(hf);
-        std::ofstream(hf / "config.json") << gpt2_config_json(config);
-      }
       ckpt->save(step, model, optimizer, extra);  // copies the shards, then writes in the background
       if (r == 0) {
         std::printf("checkpoint: saving step %lld in the background\n", static_cast<long long>(step));

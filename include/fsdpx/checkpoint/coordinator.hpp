@@ -63,6 +63,9 @@ struct CheckpointOptions {
   /// Rank 0 gives up on a step whose files have not all become durable within this time.
   std::chrono::milliseconds commit_timeout = std::chrono::minutes(30);
   std::chrono::milliseconds poll_interval = std::chrono::milliseconds(10);
+  /// Files (model config.json, tokenizer files) that rank 0 copies into every step's huggingface/
+  /// directory, so a merged checkpoint is a Hugging Face model directory. Empty: none.
+  std::filesystem::path huggingface_dir;
 };
 
 /// What a monitor hears about one file of one save (rank-local).
@@ -238,6 +241,7 @@ class CheckpointCoordinator {
         });
       }
     });
+    if (rank_ == 0 && !options_.huggingface_dir.empty()) copy_huggingface_files(dir / "huggingface");
     if (rank_ == 0) {
       // Room for the commit records and iteration files, taken before the shards fill the disk, so
       // a disk that fills up during this save or the next cannot keep a finished step from committing.
@@ -473,6 +477,21 @@ class CheckpointCoordinator {
     }
     rotate();
     return true;
+  }
+
+  void copy_huggingface_files(const std::filesystem::path& to) const {
+    std::error_code ec;
+    std::filesystem::create_directories(to, ec);
+    FSDPX_CHECK_AS(IoError, !ec, "cannot create '", to.string(), "': ", ec.message());
+    const auto& from = options_.huggingface_dir;
+    FSDPX_CHECK_AS(IoError, std::filesystem::is_directory(from, ec), "CheckpointOptions::huggingface_dir '", from.string(),
+                   "' is not a directory");
+    for (const auto& entry : std::filesystem::directory_iterator(from, ec)) {
+      if (!entry.is_regular_file()) continue;
+      const std::vector<char> data = checkpoint::detail::read_file(entry.path());
+      checkpoint::detail::write_file_durably(to / entry.path().filename(),
+                                             [&](const auto& sink) { sink(data.data(), data.size()); });
+    }
   }
 
   static void release_reserves(const std::filesystem::path& dir) {
