@@ -11,6 +11,8 @@
 #include <utility>
 #include <vector>
 
+#include <unistd.h>
+
 #include <ATen/ATen.h>
 
 #include <fsdpx/checkpoint/detail/file_io.hpp>
@@ -23,6 +25,23 @@ namespace merge_fixture {
 namespace fs = std::filesystem;
 namespace ckpt = fsdpx::checkpoint;
 using ckpt::NamedTensors;
+
+/// A fresh directory under the system's temporary directory, removed at the end of the test.
+struct TempDir {
+  fs::path path;
+  explicit TempDir(const std::string& prefix = "fsdpx_test_merge_") {
+    static int n = 0;
+    path = fs::temp_directory_path() / (prefix + std::to_string(::getpid()) + "_" + std::to_string(n++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  TempDir(const TempDir&) = delete;
+  TempDir& operator=(const TempDir&) = delete;
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+};
 
 struct Param {
   std::string name;

@@ -17,20 +17,7 @@ namespace fs = std::filesystem;
 namespace ckpt = fsdpx::checkpoint;
 using merge_fixture::NamedTensors;
 
-/// A fresh directory under the system's temporary directory, removed at the end of the test.
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int n = 0;
-    path = fs::temp_directory_path() / ("fsdpx_test_merge_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using merge_fixture::TempDir;
 
 /// `got` holds `want`'s tensors exactly, in name order (the files' order: the pickler sorts dict keys).
 void require_same(const NamedTensors& got, NamedTensors want) {

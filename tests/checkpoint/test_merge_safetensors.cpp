@@ -17,19 +17,7 @@ namespace ckpt = fsdpx::checkpoint;
 using ckpt::detail::Json;
 using merge_fixture::NamedTensors;
 
-struct TempDir {
-  fs::path path;
-  TempDir() {
-    static int n = 0;
-    path = fs::temp_directory_path() / ("fsdpx_test_safetensors_" + std::to_string(::getpid()) + "_" + std::to_string(n++));
-    fs::remove_all(path);
-    fs::create_directories(path);
-  }
-  ~TempDir() {
-    std::error_code ec;
-    fs::remove_all(path, ec);
-  }
-};
+using merge_fixture::TempDir;
 
 void require_same(const NamedTensors& got, const NamedTensors& want) {
   REQUIRE(got.size() == want.size());
@@ -74,7 +62,7 @@ NamedTensors all_dtypes() {
 }  // namespace
 
 TEST_CASE("safetensors: one file, Hugging Face's byte layout", "[checkpoint][safetensors]") {
-  TempDir tmp;
+  TempDir tmp("fsdpx_test_safetensors_");
   const NamedTensors tensors = all_dtypes();
   const auto saved = ckpt::save_safetensors(tmp.path, tensors, {.metadata = {{"fsdpx_step", "12"}}});
   REQUIRE(saved.files.size() == 1);
@@ -113,7 +101,7 @@ TEST_CASE("safetensors: one file, Hugging Face's byte layout", "[checkpoint][saf
 }
 
 TEST_CASE("safetensors: sharded with an index, and a bfloat16 cast", "[checkpoint][safetensors]") {
-  TempDir tmp;
+  TempDir tmp("fsdpx_test_safetensors_");
   // 6 tensors of 400 bytes (float32) and a large one of 2000 bytes, at most 1000 bytes a file
   NamedTensors tensors;
   for (int i = 0; i < 6; ++i) tensors.emplace_back("layers." + std::to_string(i) + ".w", at::full({10, 10}, float(i)));
@@ -147,7 +135,7 @@ TEST_CASE("safetensors: sharded with an index, and a bfloat16 cast", "[checkpoin
 }
 
 TEST_CASE("safetensors: a merged checkpoint round-trips", "[checkpoint][safetensors][merge]") {
-  TempDir tmp;
+  TempDir tmp("fsdpx_test_safetensors_");
   const NamedTensors full = merge_fixture::originals();
   const fs::path dir = merge_fixture::write_checkpoint(tmp.path / "ckpt", 12, merge_fixture::shard(full, 3));
   const NamedTensors merged = ckpt::merge_checkpoint(dir);
@@ -163,7 +151,7 @@ TEST_CASE("safetensors: a merged checkpoint round-trips", "[checkpoint][safetens
 }
 
 TEST_CASE("safetensors: truncated and malformed files are named", "[checkpoint][safetensors][errors]") {
-  TempDir tmp;
+  TempDir tmp("fsdpx_test_safetensors_");
   ckpt::save_safetensors(tmp.path, all_dtypes());
   const fs::path file = tmp.path / "model.safetensors";
   const std::string good = ckpt::detail::read_text(file);

@@ -18,6 +18,7 @@
 #include <fsdpx/sync.hpp>
 
 #include "../core/models.hpp"
+#include "../support/bit_equal.hpp"
 #include "../support/mpi_world.hpp"
 
 using namespace fsdpx;
@@ -25,14 +26,7 @@ using namespace fsdpx::sync;
 
 namespace {
 
-at::Tensor bits(const at::Tensor& t) {
-  switch (t.element_size()) {
-    case 1: return t.contiguous().view(at::kByte);
-    case 2: return t.contiguous().view(at::kShort);
-    case 4: return t.contiguous().view(at::kInt);
-    default: return t.contiguous().view(at::kLong);
-  }
-}
+using fsdpx::test::bits;
 
 int trainers() {
   const char* v = std::getenv("FSDPX_SYNC_TRAINERS");

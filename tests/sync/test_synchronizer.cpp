@@ -14,24 +14,15 @@
 
 #include <fsdpx/sync.hpp>
 
+#include "../support/bit_equal.hpp"
+
 using namespace fsdpx;
 using namespace fsdpx::sync;
 using namespace std::chrono_literals;
 
 namespace {
 
-/// Same-size integer view, so that equality is bit equality (NaN, -0.0 included).
-at::Tensor bits(const at::Tensor& t) {
-  switch (t.element_size()) {
-    case 1: return t.contiguous().view(at::kByte);
-    case 2: return t.contiguous().view(at::kShort);
-    case 4: return t.contiguous().view(at::kInt);
-    default: return t.contiguous().view(at::kLong);
-  }
-}
-bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
-  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && at::equal(bits(a), bits(b));
-}
+using fsdpx::test::bit_equal;
 
 std::vector<NamedTensor> mixed_tensors() {
   at::manual_seed(7);

@@ -25,6 +25,7 @@
 
 #include "../checkpoint/checkpoint_common.hpp"
 #include "../support/mpi_world.hpp"
+#include "../support/bit_equal.hpp"
 
 using namespace fsdpx;
 using namespace fsdpx::sync;
@@ -34,17 +35,7 @@ namespace ckpt = fsdpx::checkpoint;
 
 namespace {
 
-at::Tensor bits(const at::Tensor& t) {
-  switch (t.element_size()) {
-    case 1: return t.contiguous().view(at::kByte);
-    case 2: return t.contiguous().view(at::kShort);
-    case 4: return t.contiguous().view(at::kInt);
-    default: return t.contiguous().view(at::kLong);
-  }
-}
-bool bit_equal(const at::Tensor& a, const at::Tensor& b) {
-  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && at::equal(bits(a), bits(b));
-}
+using fsdpx::test::bit_equal;
 
 struct Job {
   dist::AnyCommunicator world;
