@@ -217,6 +217,15 @@ class CheckpointCoordinator {
     std::filesystem::create_directories(dir / ".done", ec);
     FSDPX_CHECK_AS(IoError, !ec, "cannot create '", (dir / ".done").string(), "': ", ec.message());
 
+    if (rank_ == 0) {
+      if (!options_.huggingface_dir.empty()) copy_huggingface_files(dir / "huggingface");
+      // Room for the commit records and iteration files, taken before any shard is written, so a
+      // disk that fills up during this save or the next cannot keep a finished step from committing.
+      // (A record lists every rank's files, ~100 bytes each; an iteration file needs a block.)
+      const int64_t record_bytes = (int64_t{8} << 10) + int64_t{256} * world_size_ * static_cast<int64_t>(req.components.size());
+      for (const char* name : {".reserve_weights", ".reserve_complete"}) checkpoint::detail::reserve_space(dir / name, record_bytes);
+    }
+
     auto shared = std::make_shared<SaveRequest>(std::move(req));
     const std::vector<Component> components = shared->components;
     std::vector<std::shared_ptr<InFlight>> slots;
@@ -241,13 +250,7 @@ class CheckpointCoordinator {
         });
       }
     });
-    if (rank_ == 0 && !options_.huggingface_dir.empty()) copy_huggingface_files(dir / "huggingface");
     if (rank_ == 0) {
-      // Room for the commit records and iteration files, taken before the shards fill the disk, so
-      // a disk that fills up during this save or the next cannot keep a finished step from committing.
-      // (A record lists every rank's files, ~100 bytes each; an iteration file needs a block.)
-      const int64_t record_bytes = (int64_t{8} << 10) + int64_t{256} * world_size_ * static_cast<int64_t>(components.size());
-      for (const char* name : {".reserve_weights", ".reserve_complete"}) checkpoint::detail::reserve_space(dir / name, record_bytes);
       start_task();
       {
         std::lock_guard lock(mutex_);
