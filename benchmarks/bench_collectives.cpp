@@ -17,27 +17,15 @@
 #include <ATen/ATen.h>
 #include <fsdpx/fsdp.hpp>
 
+#include "timing.hpp"
+
 using fsdpx::dist::MpiCommunicator;
 using fsdpx::dist::ReduceOp;
 using Clock = std::chrono::steady_clock;
 
 namespace {
 
-// Median seconds per call over `iters` timed calls, taking the slowest rank for each.
-double time_collective(MpiCommunicator& world, int iters, const std::function<void()>& fn) {
-  fn();  // warm-up: first-touch pages, connection set-up
-  std::vector<double> samples;
-  for (int i = 0; i < iters; ++i) {
-    world.barrier();
-    const auto t0 = Clock::now();
-    fn();
-    auto dt = at::full({1}, std::chrono::duration<double>(Clock::now() - t0).count(), at::kDouble);
-    world.all_reduce(dt, ReduceOp::max);
-    samples.push_back(dt.item<double>());
-  }
-  std::nth_element(samples.begin(), samples.begin() + samples.size() / 2, samples.end());
-  return samples[samples.size() / 2];
-}
+using fsdpx::bench::time_collective;
 
 double time_memcpy(size_t bytes, int iters) {
   std::vector<char> src(bytes, 1), dst(bytes, 0);

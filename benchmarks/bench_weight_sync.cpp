@@ -20,6 +20,8 @@
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/sync.hpp>
 
+#include "timing.hpp"
+
 #include "../examples/common/gpt.hpp"
 
 using namespace fsdpx;
@@ -57,21 +59,7 @@ Args parse(int argc, char** argv) {
   return a;
 }
 
-/// Median over `iters` of the slowest rank's seconds for `fn` (after one warm-up call).
-double time_world(dist::AnyCommunicator& world, int iters, const std::function<void()>& fn) {
-  fn();
-  std::vector<double> samples;
-  for (int i = 0; i < iters; ++i) {
-    world.barrier();
-    const auto t0 = Clock::now();
-    fn();
-    auto dt = at::full({1}, std::chrono::duration<double>(Clock::now() - t0).count(), at::kDouble);
-    world.all_reduce(dt, dist::ReduceOp::max);
-    samples.push_back(dt.item<double>());
-  }
-  std::nth_element(samples.begin(), samples.begin() + samples.size() / 2, samples.end());
-  return samples[samples.size() / 2];
-}
+using fsdpx::bench::time_collective;
 
 }  // namespace
 
@@ -108,7 +96,7 @@ int main(int argc, char** argv) {
   // Gathers alone (trainers), so the sync's own cost is visible; and a raw all-gather of the same
   // bytes into preallocated memory over the trainer group (what the gathers cost without unit buffers
   // allocated and freed, i.e. without page faults).
-  const double gathers = time_world(world, args.iters, [&] {
+  const double gathers = time_collective(world, args.iters, [&] {
     if (fsdp) sync::for_each_unsharded_unit(fsdp->sharded(), [](core::Unit&) {});
   });
   at::Tensor gather_out, gather_in;
@@ -117,7 +105,7 @@ int main(int argc, char** argv) {
     gather_in = at::ones({per});
     gather_out = at::empty({per * args.trainers}).fill_(0);
   }
-  const double raw_gather = time_world(world, args.iters, [&] {
+  const double raw_gather = time_collective(world, args.iters, [&] {
     if (groups.trainer) groups.trainer->all_gather(gather_out, gather_in);
   });
   if (root) std::printf("trainer side: unit gathers %.3f s; raw all_gather of the same float32 bytes %.3f s\n\n", gathers, raw_gather);
@@ -136,7 +124,7 @@ int main(int argc, char** argv) {
     } else {
       receiver.emplace(*groups.model_update);
     }
-    const double sync_s = time_world(world, args.iters, [&] {
+    const double sync_s = time_collective(world, args.iters, [&] {
       ++version;
       if (sender) sender->broadcast(version);
       if (receiver) receiver->receive_into(*model);
@@ -153,7 +141,7 @@ int main(int argc, char** argv) {
     // The same bytes as one tensor per bucket size class: one broadcast per <= 1 GiB.
     at::Tensor raw;
     if (groups.model_update) raw = at::empty({wire}, at::kByte).fill_(1);
-    const double raw_s = time_world(world, args.iters, [&] {
+    const double raw_s = time_collective(world, args.iters, [&] {
       if (groups.model_update) groups.model_update->broadcast(raw, 0);
     });
     if (root) {

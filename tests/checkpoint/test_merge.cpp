@@ -10,6 +10,7 @@
 #include <fsdpx/checkpoint/merge.hpp>
 
 #include "merge_fixture.hpp"
+#include "require_same.hpp"
 
 namespace {
 
@@ -20,16 +21,9 @@ using merge_fixture::NamedTensors;
 using merge_fixture::TempDir;
 
 /// `got` holds `want`'s tensors exactly, in name order (the files' order: the pickler sorts dict keys).
-void require_same(const NamedTensors& got, NamedTensors want) {
+void require_same_sorted(const NamedTensors& got, NamedTensors want) {
   std::sort(want.begin(), want.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-  REQUIRE(got.size() == want.size());
-  for (size_t i = 0; i < want.size(); ++i) {
-    INFO(want[i].first);
-    CHECK(got[i].first == want[i].first);
-    CHECK(got[i].second.sizes() == want[i].second.sizes());
-    CHECK(got[i].second.scalar_type() == want[i].second.scalar_type());
-    CHECK(at::equal(got[i].second, want[i].second));
-  }
+  merge_fixture::require_same(got, want);
 }
 
 /// The IoError merge_checkpoint throws, as text (the test fails when there is none).
@@ -69,7 +63,7 @@ TEST_CASE("merge: world sizes 1-4, equal to the original tensors", "[checkpoint]
       TempDir tmp;
       const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(full, world));
       ckpt::MergeReport report;
-      require_same(ckpt::merge_checkpoint(dir, {}, &report), full);
+      require_same_sorted(ckpt::merge_checkpoint(dir, {}, &report), full);
       CHECK(report.world_size == world);
       CHECK(report.committed);
       CHECK(report.checksums_verified);
@@ -78,7 +72,7 @@ TEST_CASE("merge: world sizes 1-4, equal to the original tensors", "[checkpoint]
       CHECK(report.files.size() == static_cast<size_t>(world));
       CHECK(report.warnings.empty());
       // global_step_<N> works as well as global_step_<N>/actor
-      require_same(ckpt::merge_checkpoint(dir.parent_path()), full);
+      require_same_sorted(ckpt::merge_checkpoint(dir.parent_path()), full);
     }
   }
 }
@@ -90,7 +84,7 @@ TEST_CASE("merge: hybrid sharding, replicas with empty files", "[checkpoint][mer
   REQUIRE(sds[2].entries.empty());
   REQUIRE(sds[3].entries.empty());
   const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 3, sds);
-  require_same(ckpt::merge_checkpoint(dir), full);
+  require_same_sorted(ckpt::merge_checkpoint(dir), full);
 }
 
 TEST_CASE("merge: a full state dict, and a cast to bfloat16", "[checkpoint][merge]") {
@@ -99,11 +93,11 @@ TEST_CASE("merge: a full state dict, and a cast to bfloat16", "[checkpoint][merg
   // rank 0 holds everything whole; rank 1 nothing
   auto sds = merge_fixture::shard(full, 1, 2, fsdpx::StateDictKind::full);
   const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 1, sds);
-  require_same(ckpt::merge_checkpoint(dir), full);
+  require_same_sorted(ckpt::merge_checkpoint(dir), full);
 
   NamedTensors bf16;
   for (const auto& [name, t] : full) bf16.emplace_back(name, t.to(at::kBFloat16));
-  require_same(ckpt::merge_checkpoint(dir, {.dtype = at::kBFloat16}), bf16);
+  require_same_sorted(ckpt::merge_checkpoint(dir, {.dtype = at::kBFloat16}), bf16);
 }
 
 TEST_CASE("merge: without fsdp_config.json, with a warning that it is not committed", "[checkpoint][merge]") {
@@ -112,7 +106,7 @@ TEST_CASE("merge: without fsdp_config.json, with a warning that it is not commit
   const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 7, merge_fixture::shard(full, 3), /*commit=*/false);
   std::vector<std::string> warnings;
   ckpt::MergeReport report;
-  require_same(ckpt::merge_checkpoint(dir, {.warn = [&](const std::string& w) { warnings.push_back(w); }}, &report), full);
+  require_same_sorted(ckpt::merge_checkpoint(dir, {.warn = [&](const std::string& w) { warnings.push_back(w); }}, &report), full);
   REQUIRE(warnings.size() == 1);
   CHECK_THAT(warnings[0], Catch::Contains("never committed") && Catch::Contains("cannot be verified") &&
                               Catch::Contains("world size, 3,"));
@@ -246,7 +240,7 @@ TEST_CASE("merge: the commit record of the weights alone (\"complete\": false) i
   replace("\"complete\": true", "\"complete\": false");
   ckpt::detail::write_text_durably(config, text);
   ckpt::MergeReport report;
-  require_same(ckpt::merge_checkpoint(dir, {}, &report), full);
+  require_same_sorted(ckpt::merge_checkpoint(dir, {}, &report), full);
   CHECK(report.committed);
   CHECK_FALSE(report.complete);
   // but a record without the model is not

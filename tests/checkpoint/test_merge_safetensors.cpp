@@ -9,6 +9,7 @@
 #include <fsdpx/checkpoint/safetensors.hpp>
 
 #include "merge_fixture.hpp"
+#include "require_same.hpp"
 
 namespace {
 
@@ -19,16 +20,7 @@ using merge_fixture::NamedTensors;
 
 using merge_fixture::TempDir;
 
-void require_same(const NamedTensors& got, const NamedTensors& want) {
-  REQUIRE(got.size() == want.size());
-  for (size_t i = 0; i < want.size(); ++i) {
-    INFO(want[i].first);
-    CHECK(got[i].first == want[i].first);
-    CHECK(got[i].second.sizes() == want[i].second.sizes());
-    CHECK(got[i].second.scalar_type() == want[i].second.scalar_type());
-    CHECK(at::equal(got[i].second, want[i].second));
-  }
-}
+using merge_fixture::require_same;
 
 std::string load_error(const fs::path& path) {
   try {

@@ -215,4 +215,35 @@ inline StateDict load_state_dict_file(const fs::path& path, std::optional<uint32
   return state_dict_from_ivalue(detail::load_ivalue(path, expected_crc32c), path);
 }
 
+/// What a commit record (fsdp_config.json) says of one file.
+struct CommittedFile {
+  int64_t bytes = 0;
+  std::optional<uint32_t> crc32c;  // nullopt: not checked
+};
+
+/// Reads the shard file `dir / name` of a step: its size and CRC-32C against `committed` when given
+/// (the CRC on the very bytes that are parsed, so a file replaced meanwhile cannot slip between a
+/// check and a second read), and its own world size and rank against its name. Every failure is an
+/// IoError naming the file.
+inline StateDict load_shard_file(const fs::path& dir, const std::string& name,
+                                 const std::optional<CommittedFile>& committed = std::nullopt) {
+  const fs::path path = dir / name;
+  const auto parsed = parse_shard_file_name(name);
+  FSDPX_CHECK_AS(IoError, parsed.has_value(), "'", path.string(), "' is not named like a shard file ",
+                 "(<component>_world_size_<W>_rank_<r>.pt)");
+  if (committed) {
+    std::error_code ec;
+    FSDPX_CHECK_AS(IoError, fs::exists(path, ec), "checkpoint file '", path.string(), "' is missing (listed in ",
+                   config_file, ")");
+    const auto size = static_cast<int64_t>(fs::file_size(path, ec));
+    FSDPX_CHECK_AS(IoError, !ec && size == committed->bytes, "'", path.string(), "' has ", size, " bytes but ",
+                   config_file, " records ", committed->bytes, ": the file is truncated or was replaced");
+  }
+  StateDict sd = load_state_dict_file(path, committed ? committed->crc32c : std::nullopt);
+  FSDPX_CHECK_AS(IoError, sd.world_size == parsed->world_size && sd.rank == parsed->rank, "'", path.string(),
+                 "' says it is rank ", sd.rank, " of ", sd.world_size, ", but its name says rank ", parsed->rank, " of ",
+                 parsed->world_size, " (a renamed file?)");
+  return sd;
+}
+
 }  // namespace fsdpx::checkpoint

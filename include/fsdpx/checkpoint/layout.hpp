@@ -60,27 +60,29 @@ inline bool is_committed(const detail::Json& record, bool weights_only) {
   return false;
 }
 
-/// Checks that every file the commit record lists (of `components`, or all) is there with its
-/// recorded size and, when `verify_checksums`, its CRC-32C; IoError naming the first bad file.
+namespace detail {
+/// The record's entry for file `name` of the step in `dir`; IoError when the record does not list it.
+inline CommittedFile committed_file(const fs::path& dir, const Json& record, const std::string& name, bool verify_checksums) {
+  const auto& files = record["files"];
+  FSDPX_CHECK_AS(IoError, files.contains(name), "'", (dir / name).string(), "' is not listed in ",
+                 (dir / config_file).string(), ": it was not written by the save that committed this checkpoint");
+  const auto& info = files[name];
+  return {info["bytes"].integer(),
+          verify_checksums ? std::optional<uint32_t>(static_cast<uint32_t>(info["crc32c"].integer())) : std::nullopt};
+}
+}  // namespace detail
+
+/// Reads every state dict file the commit record lists (model and optim, or those of `components`),
+/// each checked against its recorded size and, when `verify_checksums`, its CRC-32C; IoError naming
+/// the first bad file.
 inline void verify_step(const fs::path& dir, const detail::Json& record, bool verify_checksums,
-                        const std::vector<std::string>& components = {}) {
+                        const std::vector<std::string>& components = {"model", "optim"}) {
   for (const auto& [name, info] : record["files"].object()) {
-    if (!components.empty() &&
-        std::none_of(components.begin(), components.end(), [&](const std::string& c) { return name.rfind(c + "_world_size_", 0) == 0; })) {
+    if (std::none_of(components.begin(), components.end(),
+                     [&](const std::string& c) { return name.rfind(c + "_world_size_", 0) == 0; })) {
       continue;
     }
-    const fs::path file = dir / name;
-    std::error_code ec;
-    FSDPX_CHECK_AS(IoError, fs::exists(file, ec), "checkpoint file '", file.string(), "' is missing (listed in ", config_file, ")");
-    const auto size = static_cast<int64_t>(fs::file_size(file, ec));
-    FSDPX_CHECK_AS(IoError, size == info["bytes"].integer(), "checkpoint file '", file.string(), "' has ", size,
-                   " bytes, but ", info["bytes"].integer(), " were committed: it is truncated or was replaced");
-    if (verify_checksums) {
-      const auto data = detail::read_file(file);
-      const uint32_t crc = detail::Crc32c::of(data.data(), data.size());
-      FSDPX_CHECK_AS(IoError, crc == static_cast<uint32_t>(info["crc32c"].integer()), "checkpoint file '", file.string(),
-                     "' is corrupt: its CRC-32C is ", crc, ", ", info["crc32c"].integer(), " was committed");
-    }
+    load_shard_file(dir, name, detail::committed_file(dir, record, name, verify_checksums));
   }
 }
 

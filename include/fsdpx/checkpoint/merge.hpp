@@ -215,22 +215,15 @@ inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOption
   for (int r = 0; r < world; ++r) {
     const std::string name = shard_file_name(Component::model, world, r);
     const fs::path path = dir / name;
-    std::optional<uint32_t> expected_crc;
+    std::optional<CommittedFile> committed;
     if (rep.checksums_verified) {
       const auto it = record->files.find(name);
       FSDPX_CHECK_AS(IoError, it != record->files.end(), "'", path.string(), "' is not listed in ", config_path.string(),
                      ": it was not written by the save that committed this checkpoint");
-      const auto size = static_cast<int64_t>(fs::file_size(path, ec));
-      FSDPX_CHECK_AS(IoError, !ec && size == it->second.first, "'", path.string(), "' has ", size, " bytes but ",
-                     config_file, " records ", it->second.first, ": the file is truncated or was replaced");
-      expected_crc = it->second.second;
+      committed = CommittedFile{it->second.first, it->second.second};
     }
-    // One read: the CRC is checked on the very bytes that are parsed (a file replaced meanwhile
-    // cannot slip between a check and a second read).
-    const StateDict sd = load_state_dict_file(path, expected_crc);
+    const StateDict sd = load_shard_file(dir, name, committed);
     rep.files.push_back(path);
-    FSDPX_CHECK_AS(IoError, sd.world_size == world && sd.rank == r, "'", path.string(), "' says it is rank ", sd.rank,
-                   " of ", sd.world_size, ", but its name says rank ", r, " of ", world, " (a renamed file?)");
     FSDPX_CHECK_AS(IoError, sd.component == "model", "'", path.string(), "' holds a '", sd.component,
                    "' state dict, not a model");
     FSDPX_CHECK_AS(IoError, sd.kind != StateDictKind::local, detail::local_kind_message(path).substr(7));

@@ -34,7 +34,7 @@ struct ResumeInfo {
 
 namespace checkpoint::detail {
 
-/// Streams the files of one component of a committed step to `fn`, checking each against the record.
+/// Streams the files of one component of a committed step to `fn`, each checked against the record.
 /// At the saving topology a rank reads only the file that holds its shards.
 inline void for_each_saved_file(const fs::path& dir, const Json& record, Component c, std::optional<int> only_rank,
                                 bool verify, const std::function<void(const StateDict&)>& fn) {
@@ -42,20 +42,7 @@ inline void for_each_saved_file(const fs::path& dir, const Json& record, Compone
   for (int r = 0; r < world; ++r) {
     if (only_rank && r != *only_rank) continue;
     const std::string name = shard_file_name(c, world, r);
-    const auto& files = record["files"];
-    FSDPX_CHECK_AS(IoError, files.contains(name), "checkpoint step in '", dir.string(), "' has no committed ", name);
-    const fs::path path = dir / name;
-    const auto& info = files[name];
-    std::error_code ec;
-    FSDPX_CHECK_AS(IoError, fs::exists(path, ec), "checkpoint file '", path.string(), "' is missing (listed in ", config_file, ")");
-    const auto size = static_cast<int64_t>(fs::file_size(path, ec));
-    FSDPX_CHECK_AS(IoError, size == info["bytes"].integer(), "checkpoint file '", path.string(), "' has ", size,
-                   " bytes, but ", info["bytes"].integer(), " were committed: it is truncated or was replaced");
-    const StateDict sd = load_state_dict_file(
-        path, verify ? std::optional<uint32_t>(static_cast<uint32_t>(info["crc32c"].integer())) : std::nullopt);
-    FSDPX_CHECK_AS(IoError, sd.world_size == world && sd.rank == r, "checkpoint file '", path.string(), "' holds rank ",
-                   sd.rank, " of ", sd.world_size, ", not what its name says");
-    fn(sd);
+    fn(load_shard_file(dir, name, committed_file(dir, record, name, verify)));
   }
 }
 
@@ -101,16 +88,12 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
   const std::string extra_name = checkpoint::shard_file_name(Component::extra_state, info.saved_world_size,
                                                  mesh.world().rank() % info.saved_world_size);
   if ((*record)["files"].contains(extra_name)) {
-    const auto& meta = (*record)["files"][extra_name];
-    info.extra = checkpoint::extra_state_from_ivalue(
-        checkpoint::detail::load_ivalue(dir / extra_name, options.verify_checksums
-                                                  ? std::optional<uint32_t>(static_cast<uint32_t>(meta["crc32c"].integer()))
-                                                  : std::nullopt),
-        dir / extra_name, options.restore_rng);
+    const auto committed = checkpoint::detail::committed_file(dir, *record, extra_name, options.verify_checksums);
+    info.extra = checkpoint::extra_state_from_ivalue(checkpoint::detail::load_ivalue(dir / extra_name, committed.crc32c),
+                                                     dir / extra_name, options.restore_rng);
   }
   return info;
 }
-
 template <class Sharded>
 std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model, torch::optim::Optimizer& optimizer,
                                           const LoadOptions& options = {}) {
