@@ -6,7 +6,10 @@
 //                                  [--dtype f32|bf16] [--buckets 4,16,64] [--iters 5]
 //
 // World ranks [0, trainers) hold the GPT sharded with fsdpx (FullShard, blocks as units); the others
-// are rollouts with a plain copy. Times are medians over --iters, each the slowest rank's.
+// are rollouts with a plain copy. The sync and the raw broadcast alternate, iteration by iteration, so
+// both see the same machine; each time is the slowest rank's, and "sync/raw" is the median of the
+// per-iteration ratios (its range beside it). Set THP_MEM_ALLOC_ENABLE=1 (PyTorch's CPU allocator
+// then backs tensors of 2 MiB and more with huge pages) to measure with 2 MiB pages on both sides.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -90,7 +93,10 @@ int main(int argc, char** argv) {
                 world.size(), args.trainers, world.size() - args.trainers, static_cast<long long>(c.dim),
                 static_cast<long long>(c.layers), static_cast<long long>(c.vocab), numel / 1e6, model_bytes / 1048576.0,
                 args.dtype.c_str());
-    std::printf("median of %d, slowest rank; bandwidth = model bytes / time (GB/s, 1e9)\n\n", args.iters);
+    const char* thp = std::getenv("THP_MEM_ALLOC_ENABLE");
+    std::printf("%d iterations of sync and raw broadcast alternating, slowest rank; bandwidth = model bytes / time "
+                "(GB/s, 1e9); pages: %s\n\n",
+                args.iters, thp != nullptr && std::string(thp) == "1" ? "2 MiB (THP_MEM_ALLOC_ENABLE=1)" : "4 KiB (default)");
   }
 
   // Gathers alone (trainers), so the sync's own cost is visible; and a raw all-gather of the same
@@ -111,10 +117,11 @@ int main(int argc, char** argv) {
   if (root) std::printf("trainer side: unit gathers %.3f s; raw all_gather of the same float32 bytes %.3f s\n\n", gathers, raw_gather);
 
   if (root) {
-    std::printf("| bucket (MiB) | buckets | sync (s) | sync GB/s | raw bcast (s) | raw GB/s | sync/raw | sender waits (s) |\n");
-    std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    std::printf("| bucket (MiB) | buckets | sync (s) | sync GB/s | raw bcast (s) | raw GB/s | sync/raw | range | sender waits (s) |\n");
+    std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   }
   int64_t version = 0;
+  at::Tensor raw_buffer = at::empty({0}, at::kByte);
   for (const int64_t mib : args.buckets_mib) {
     sync::BroadcastOptions options{.bucket_bytes = mib << 20, .dtype = dtype};
     std::optional<sync::WeightBroadcaster> sender;
@@ -124,30 +131,42 @@ int main(int argc, char** argv) {
     } else {
       receiver.emplace(*groups.model_update);
     }
-    const double sync_s = time_collective(world, args.iters, [&] {
+    // The raw broadcast moves the same number of bytes as the sync put on the wire (headers
+    // included), as one tensor over the same group; the two alternate, iteration by iteration.
+    const auto sync_once = [&] {
       ++version;
       if (sender) sender->broadcast(version);
       if (receiver) receiver->receive_into(*model);
-    });
-    auto stats = at::zeros({3}, at::kDouble);
+    };
+    sync_once();  // learns the wire size
+    int64_t wire = 0;
+    if (sender && sender->is_sender()) wire = sender->last_stats().bytes;
+    auto wire_t = at::full({1}, wire, at::kLong);
+    world.all_reduce(wire_t, dist::ReduceOp::max);
+    wire = wire_t.item<int64_t>();
+    // One buffer for every row (a fresh one per row moved the raw figure by up to 40% on the VM).
+    if (groups.model_update && raw_buffer.numel() < wire) raw_buffer = at::empty({wire + (wire >> 4)}, at::kByte).fill_(1);
+    at::Tensor raw = groups.model_update ? raw_buffer.narrow(0, 0, wire) : at::Tensor();
+    const auto [sync_t, raw_t] = fsdpx::bench::time_side_by_side(
+        world, args.iters, sync_once,
+        [&] {
+          if (groups.model_update) groups.model_update->broadcast(raw, 0);
+        });
+    std::vector<double> ratios;
+    for (size_t i = 0; i < sync_t.size(); ++i) ratios.push_back((model_bytes / sync_t[i]) / (wire / raw_t[i]));
+    auto stats = at::zeros({2}, at::kDouble);
     if (sender && sender->is_sender()) {
-      stats[0] = static_cast<double>(sender->last_stats().bytes);
-      stats[1] = static_cast<double>(sender->last_stats().buckets);
-      stats[2] = sender->last_stats().send_wait_seconds;
+      stats[0] = static_cast<double>(sender->last_stats().buckets);
+      stats[1] = sender->last_stats().send_wait_seconds;
     }
     world.all_reduce(stats, dist::ReduceOp::max);
-    const int64_t wire = static_cast<int64_t>(stats[0].item<double>());
-
-    // The same bytes as one tensor per bucket size class: one broadcast per <= 1 GiB.
-    at::Tensor raw;
-    if (groups.model_update) raw = at::empty({wire}, at::kByte).fill_(1);
-    const double raw_s = time_collective(world, args.iters, [&] {
-      if (groups.model_update) groups.model_update->broadcast(raw, 0);
-    });
+    using fsdpx::bench::median;
+    const double sync_s = median(sync_t), raw_s = median(raw_t);
     if (root) {
-      std::printf("| %lld | %lld | %.3f | %.2f | %.3f | %.2f | %.0f%% | %.3f |\n", static_cast<long long>(mib),
-                  static_cast<long long>(stats[1].item<double>()), sync_s, model_bytes / sync_s / 1e9, raw_s,
-                  wire / raw_s / 1e9, 100.0 * (model_bytes / sync_s) / (wire / raw_s), stats[2].item<double>());
+      std::printf("| %lld | %lld | %.3f | %.2f | %.3f | %.2f | %.0f%% | %.0f-%.0f%% | %.3f |\n", static_cast<long long>(mib),
+                  static_cast<long long>(stats[0].item<double>()), sync_s, model_bytes / sync_s / 1e9, raw_s,
+                  wire / raw_s / 1e9, 100.0 * median(ratios), 100.0 * *std::min_element(ratios.begin(), ratios.end()),
+                  100.0 * *std::max_element(ratios.begin(), ratios.end()), stats[1].item<double>());
       std::fflush(stdout);
     }
   }

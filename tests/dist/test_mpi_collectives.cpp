@@ -117,6 +117,33 @@ TEST_CASE("broadcast copies the root's tensor to every rank", "[mpi][broadcast]"
   }
 }
 
+TEST_CASE("gather fills only the root's output, in rank order; in place leaves the root's slot alone",
+          "[mpi][gather]") {
+  const int W = world().size(), r = world().rank(), n = 5;
+  for (auto dtype : all_dtypes) {
+    for (int root : {0, W - 1}) {
+      INFO("dtype " << dtype << " root " << root);
+      const auto mine = (at::arange(n) + 10 * r).to(dtype);
+      const auto want = (at::arange(n).repeat({W}) + 10 * at::arange(W).repeat_interleave(n)).to(dtype);
+      // Separate input: every slot written.
+      auto out = r == root ? at::zeros({W * n}, opts(dtype)) : at::Tensor();
+      world().gather(out, mine, root);
+      if (r == root) require_equal(out, want);
+      // In place: the root's slot keeps what it held.
+      out = at::zeros({W * n}, opts(dtype));
+      const auto slot = out.narrow(0, r * n, n);
+      world().gather(out, r == root ? slot : mine, root);
+      if (r == root) {
+        auto expect = want.clone();
+        expect.narrow(0, r * n, n).zero_();
+        require_equal(out, expect);
+      } else {
+        require_equal(out, at::zeros({W * n}, opts(dtype)));  // a non-root's output is never written
+      }
+    }
+  }
+}
+
 TEST_CASE("bool tensors travel through all_gather and broadcast", "[mpi]") {
   const int W = world().size(), r = world().rank();
   auto input = at::full({2}, r % 2 == 1, at::kBool);
@@ -192,6 +219,12 @@ TEST_CASE("bad arguments fail before any communication, naming the cause", "[mpi
   REQUIRE_THROWS_WITH(world().all_reduce(at::empty({4, 4}).t()), Contains("must be contiguous"));
   REQUIRE_THROWS_WITH(world().all_reduce(at::ones({2}, at::kInt), ReduceOp::avg), Contains("floating dtype"));
   REQUIRE_THROWS_WITH(world().broadcast(at::ones({2}), W), Contains("root " + std::to_string(W)));
+  REQUIRE_THROWS_WITH(world().gather(at::empty({3}), at::empty({3}), -1), Contains("gather on communicator 'world'") &&
+                                                                             Contains("root -1"));
+  if (world().rank() == 0) {
+    // Only the root checks the output (the others have none); nothing is sent when it is wrong.
+    REQUIRE_THROWS_WITH(world().gather(at::empty({W * 3 + 1}), at::empty({3}), 0), Contains("world size x input"));
+  }
   REQUIRE_THROWS_WITH(world().all_reduce(at::ones({2}, at::kComplexFloat)), Contains("not supported by the MPI backend"));
   REQUIRE_THROWS_WITH(world().all_reduce(at::Tensor()), Contains("undefined"));
   if (W > 1) {

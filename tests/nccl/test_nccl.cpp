@@ -34,6 +34,9 @@ TEST_CASE("collectives on one rank, every dtype", "[nccl]") {
     auto x = at::arange(64, cuda(dtype));
     auto out = at::empty({64}, cuda(dtype));
     comm().all_gather(out, x);
+    auto gathered = at::empty({64}, cuda(dtype));
+    comm().gather(gathered, x, 0);
+    REQUIRE(at::equal(gathered.cpu(), x.cpu()));
     comm().reduce_scatter(out, x, ReduceOp::sum);
     auto t = x.clone();
     comm().all_reduce(t, ReduceOp::max);

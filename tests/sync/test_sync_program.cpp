@@ -90,9 +90,8 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
       sender.broadcast(version_of(step));
       if (sender.is_sender()) {
         CHECK(sender.last_stats().buckets > 3);  // small buckets: several, with split tensors
-        // Straight from the gather buffers exactly when no cast is needed and chunks may go alone.
-        const bool no_cast = fsdp.sharded().unit(0).options().param_dtype == rollout_dtype;
-        CHECK((sender.last_stats().bytes_in_place > 0) == (keep_gather_buffers && no_cast && direct_bytes <= 1024));
+        // Straight from the gather buffers (each rank casts its own shard) whenever chunks may go alone.
+        CHECK((sender.last_stats().bytes_in_place > 0) == (keep_gather_buffers && direct_bytes <= 1024));
       }
       auto weights = gather_full_state_dict(fsdp, trainer.rank() == 0, {.dtype = rollout_dtype});
       if (server) server->publish(version_of(step), weights);
@@ -206,6 +205,13 @@ TEST_CASE("weight sync: CpuOffload with BF16Mixed sends the bfloat16 compute par
   // The compute dtype is the rollout dtype: large chunks are sent straight from the gather buffers.
   run_sync<Fsdp<test::Gpt, FullShard, CpuOffload<>, BF16Mixed, ShardedStateDict, WrapModules<test::BlockImpl>>>(
       std::nullopt, at::kBFloat16, {}, 8 << 10, /*keep_gather_buffers=*/true, /*direct_bytes=*/1024);
+}
+
+TEST_CASE("weight sync: BF16Mixed trainer, float32 rollout: bfloat16 values, widened", "[sync]") {
+  // The compute dtype is the narrowest: each shard is rounded to bfloat16 before it is widened, so
+  // the rollout holds exactly the trainer's compute parameters.
+  run_sync<Fsdp<test::Gpt, FullShard, NoOffload, BF16Mixed, ShardedStateDict, WrapModules<test::BlockImpl>>>(
+      at::kFloat, at::kFloat, {}, 8 << 10, /*keep_gather_buffers=*/true, /*direct_bytes=*/512);
 }
 
 TEST_CASE("weight sync: HybridShard with CpuOffload, float16 rollout", "[sync]") {

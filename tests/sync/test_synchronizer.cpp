@@ -134,6 +134,27 @@ TEST_CASE("loading into a module names what does not match", "[bucket]") {
                                               Catch::Contains("were not sent: norm.bias"));
 }
 
+TEST_CASE("chunk breaks: no chunk spans one, whatever the bucket size; bad breaks are refused", "[bucket]") {
+  // 1000 float elements broken at 300 and 301 (a one-element piece) and 999.
+  const std::vector<int64_t> breaks = {300, 301, 999};
+  for (const int64_t capacity : {int64_t{4096}, int64_t{1} << 20}) {
+    INFO("capacity " << capacity);
+    const auto plan = plan_buckets({{"a", {4}, at::kFloat}, {"w", {10, 100}, at::kFloat, breaks}}, capacity, 3);
+    int64_t covered = 0;
+    for (const auto& b : plan) {
+      for (const auto& e : b.entries) {
+        if (e.name != "w") continue;
+        CHECK(e.element_offset == covered);  // in order, no gap
+        covered += e.numel;
+        for (const int64_t x : breaks) CHECK_FALSE((e.element_offset < x && x < e.element_offset + e.numel));
+      }
+    }
+    CHECK(covered == 1000);
+  }
+  CHECK_THROWS_WITH(plan_buckets({{"w", {10}, at::kFloat, {5, 2}}}, 1 << 20, 0), Catch::Contains("breaks of 'w' must ascend"));
+  CHECK_THROWS_WITH(plan_buckets({{"w", {10}, at::kFloat, {11}}}, 1 << 20, 0), Catch::Contains("within its 10 elements"));
+}
+
 TEST_CASE("a bucket too small for one element of a tensor is refused", "[bucket]") {
   CHECK_THROWS_WITH(plan_buckets({{std::string(4100, 'x'), {2}, at::kFloat}}, 4096, 0),
                     Catch::Contains("cannot fit a bucket of 4096 bytes"));

@@ -31,6 +31,9 @@ class AnyCommunicator : public BlockingCollectives<AnyCommunicator> {
   Work all_gather_async(at::Tensor output, const at::Tensor& input) {
     return self_->all_gather_async(std::move(output), input);
   }
+  Work gather_async(at::Tensor output, const at::Tensor& input, int root) {
+    return self_->gather_async(std::move(output), input, root);
+  }
   Work reduce_scatter_async(at::Tensor output, const at::Tensor& input, ReduceOp op = ReduceOp::sum) {
     return self_->reduce_scatter_async(std::move(output), input, op);
   }
@@ -59,6 +62,7 @@ class AnyCommunicator : public BlockingCollectives<AnyCommunicator> {
     virtual int size() const = 0;
     virtual std::string_view name() const = 0;
     virtual Work all_gather_async(at::Tensor, const at::Tensor&) = 0;
+    virtual Work gather_async(at::Tensor, const at::Tensor&, int) = 0;
     virtual Work reduce_scatter_async(at::Tensor, const at::Tensor&, ReduceOp) = 0;
     virtual Work all_reduce_async(at::Tensor, ReduceOp) = 0;
     virtual Work broadcast_async(at::Tensor, int) = 0;
@@ -75,6 +79,9 @@ class AnyCommunicator : public BlockingCollectives<AnyCommunicator> {
     int size() const override { return comm.size(); }
     std::string_view name() const override { return comm.name(); }
     Work all_gather_async(at::Tensor o, const at::Tensor& i) override { return comm.all_gather_async(std::move(o), i); }
+    Work gather_async(at::Tensor o, const at::Tensor& i, int root) override {
+      return comm.gather_async(std::move(o), i, root);
+    }
     Work reduce_scatter_async(at::Tensor o, const at::Tensor& i, ReduceOp op) override {
       return comm.reduce_scatter_async(std::move(o), i, op);
     }

@@ -30,12 +30,17 @@ concept Communicator =
       { cc.name() } -> std::convertible_to<std::string_view>;
       // output (size x n elements) <- every rank's input (n elements), in rank order.
       { c.all_gather_async(t, ct) } -> std::same_as<Work>;
+      // On rank `root` only: output (size x n elements) <- every rank's input (n elements), in rank
+      // order; other ranks' output is ignored (may be undefined). A root input that is its own slot
+      // of the output is in place: that slot is neither read nor written.
+      { c.gather_async(t, ct, i) } -> std::same_as<Work>;
       // output (n elements) <- reduction over ranks of input chunk `rank` (input has size x n).
       { c.reduce_scatter_async(t, ct, op) } -> std::same_as<Work>;
       { c.all_reduce_async(t, op) } -> std::same_as<Work>;
       { c.broadcast_async(t, i) } -> std::same_as<Work>;
       { c.barrier_async() } -> std::same_as<Work>;
       { c.all_gather(t, ct) } -> std::same_as<void>;
+      { c.gather(t, ct, i) } -> std::same_as<void>;
       { c.reduce_scatter(t, ct, op) } -> std::same_as<void>;
       { c.all_reduce(t, op) } -> std::same_as<void>;
       { c.broadcast(t, i) } -> std::same_as<void>;
@@ -50,6 +55,9 @@ class BlockingCollectives {
  public:
   void all_gather(at::Tensor output, const at::Tensor& input) {
     self().all_gather_async(std::move(output), input).wait();
+  }
+  void gather(at::Tensor output, const at::Tensor& input, int root) {
+    self().gather_async(std::move(output), input, root).wait();
   }
   void reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op = ReduceOp::sum) {
     self().reduce_scatter_async(std::move(output), input, op).wait();

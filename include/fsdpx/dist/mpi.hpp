@@ -13,6 +13,7 @@
 
 #include <mpi.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <climits>
@@ -181,6 +182,64 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
     return submit_steps(ctx, std::move(step), {});
   }
 
+  /// Point to point, in pieces of at most gather_piece_bytes, one piece per stage: with shared memory
+  /// the receiving process makes the copy inside an MPI call, so a root that received a whole large
+  /// input in one message would hold its progress thread for that long, and every other collective
+  /// waiting to be started or finished on it (e.g. a weight broadcast) would wait too.
+  Work gather_async(at::Tensor output, const at::Tensor& input, int root) {
+    const auto ctx = context("gather");
+    detail::check_root(ctx, root, size());
+    detail::check_tensor(ctx, "input", input, device_type());
+    const MPI_Datatype type = detail::MpiTypes::datatype(ctx, input.scalar_type());
+    checked_count(ctx, input.numel());
+    const int W = size(), r = rank();
+    const int64_t n = input.numel();
+    const int64_t piece = std::max<int64_t>(1, gather_piece_bytes / static_cast<int64_t>(input.element_size()));
+    const int64_t pieces = (n + piece - 1) / piece;
+    const auto part = [piece, n](const at::Tensor& flat, int64_t j) { return flat.narrow(0, j * piece, std::min(piece, n - j * piece)); };
+    if (r != root) {
+      // Every piece at once: the root takes them in order (same source and tag).
+      auto step = [=, comm = native_handle(), tag = next_tag(), flat = input.view({-1}), started = false](std::vector<MPI_Request>& requests) mutable {
+        if (started) return MPI_SUCCESS;
+        started = true;
+        for (int64_t j = 0; j < pieces; ++j) {
+          const at::Tensor p = part(flat, j);
+          requests.emplace_back(MPI_REQUEST_NULL);
+          if (const int rc = MPI_Isend(p.const_data_ptr(), static_cast<int>(p.numel()), type, root, tag, comm, &requests.back());
+              rc != MPI_SUCCESS) {
+            return rc;
+          }
+        }
+        return MPI_SUCCESS;
+      };
+      return submit_steps(ctx, std::move(step), {});
+    }
+    detail::check_tensor(ctx, "output", output, device_type());
+    detail::check_same_dtype(ctx, output, input);
+    detail::check_scatter_sizes(ctx, output, "output", input, "input", size());
+    const auto slot = [flat = output.view({-1}), n](int c) { return flat.narrow(0, c * n, n); };
+    const bool in_place = input.const_data_ptr() == slot(r).const_data_ptr();
+    FSDPX_CHECK(in_place || !overlaps(output, input), ctx,
+                ": the input overlaps the output but is not the root's slot of it");
+    // The tag is taken after every check, so a rejected call leaves the ranks' sequences in step.
+    auto step = [=, comm = native_handle(), tag = next_tag(), j = int64_t{0}](std::vector<MPI_Request>& requests) mutable {
+      if (j == 0 && !in_place) slot(r).copy_(input.view({-1}));
+      if (j == pieces) return MPI_SUCCESS;
+      for (int c = 0; c < W; ++c) {
+        if (c == r) continue;
+        const at::Tensor p = part(slot(c), j);
+        requests.emplace_back(MPI_REQUEST_NULL);
+        if (const int rc = MPI_Irecv(p.data_ptr(), static_cast<int>(p.numel()), type, c, tag, comm, &requests.back());
+            rc != MPI_SUCCESS) {
+          return rc;
+        }
+      }
+      ++j;
+      return MPI_SUCCESS;
+    };
+    return submit_steps(ctx, std::move(step), {});
+  }
+
   /// A ring (W - 1 stages of send/receive with the neighbours) whose reductions run as vectorised
   /// ATen kernels: Open MPI 4's reduce_scatter_block reduces to one root and scatters, several times
   /// slower, and reduces bfloat16/float16 through a scalar user op.
@@ -309,6 +368,9 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
   explicit MpiCommunicator(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
   std::string context(std::string_view op) const { return detail::op_context(op, name(), rank(), size()); }
+
+  /// See gather_async.
+  static constexpr int64_t gather_piece_bytes = int64_t{4} << 20;
 
   static int checked_count(const std::string& ctx, int64_t numel) {
     FSDPX_CHECK(numel <= INT_MAX, ctx, ": ", numel, " elements exceed MPI's int count limit (", INT_MAX,

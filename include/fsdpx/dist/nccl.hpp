@@ -370,6 +370,40 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     note(batch, "all_gather", {output, input});
   }
 
+  /// Grouped send/receive (NCCL has no gather); the root's own slot is a device copy unless in place.
+  void add_gather(NcclBatch& batch, at::Tensor output, const at::Tensor& input, int root) const {
+    const auto ctx = context("gather");
+    detail::check_root(ctx, root, size());
+    detail::check_tensor(ctx, "input", input, device_type());
+    check_device(ctx, input);
+    const auto type = detail::nccl_dtype(ctx, input.scalar_type());
+    const auto count = static_cast<size_t>(input.numel());
+    if (rank() != root) {
+      batch.launches.push_back([=](ncclComm_t c, cudaStream_t s) { return ncclSend(input.const_data_ptr(), count, type, root, c, s); });
+      note(batch, "gather", {input});
+      return;
+    }
+    check_pair(ctx, output, input);
+    detail::check_scatter_sizes(ctx, output, "output", input, "input", size());
+    const auto slot = [flat = output.view({-1}), n = input.numel()](int c) { return flat.narrow(0, c * n, n); };
+    const at::Tensor own = slot(rank());
+    if (own.const_data_ptr() != input.const_data_ptr() && count > 0) {
+      batch.launches.push_back([=](ncclComm_t, cudaStream_t s) {
+        return cudaMemcpyAsync(own.data_ptr(), input.const_data_ptr(), input.nbytes(), cudaMemcpyDeviceToDevice, s) ==
+                       cudaSuccess
+                   ? ncclSuccess
+                   : ncclUnhandledCudaError;
+      });
+    }
+    for (int c = 0; c < size(); ++c) {
+      if (c == rank()) continue;
+      batch.launches.push_back([=, to = slot(c)](ncclComm_t comm, cudaStream_t s) {
+        return ncclRecv(to.data_ptr(), count, type, c, comm, s);
+      });
+    }
+    note(batch, "gather", {output, input});
+  }
+
   void add_reduce_scatter(NcclBatch& batch, at::Tensor output, const at::Tensor& input, ReduceOp op) const {
     const auto ctx = context("reduce_scatter");
     check_pair(ctx, output, input);
@@ -435,6 +469,11 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
   Work all_gather_async(at::Tensor output, const at::Tensor& input) {
     NcclBatch b;
     add_all_gather(b, std::move(output), input);
+    return launch(std::move(b));
+  }
+  Work gather_async(at::Tensor output, const at::Tensor& input, int root) {
+    NcclBatch b;
+    add_gather(b, std::move(output), input, root);
     return launch(std::move(b));
   }
   Work reduce_scatter_async(at::Tensor output, const at::Tensor& input, ReduceOp op = ReduceOp::sum) {

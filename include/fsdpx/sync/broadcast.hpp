@@ -13,16 +13,19 @@
 //   }
 //
 // What is sent: each unit's gathered parameters in its compute dtype (what the unsharded module holds,
-// Precision::param_dtype), cast to BroadcastOptions::dtype when one is set. Every trainer rank takes
-// part in the gathers (whatever the mesh and offload policy); only trainer rank 0 sends.
+// Precision::param_dtype), cast to BroadcastOptions::dtype when one is set. Whatever the mesh and
+// offload policy, the other ranks of the sending rank's shard group send it their shards unit by unit,
+// each cast by its owner (a gather to that rank, not an all-gather; other replicas sit out); only
+// trainer rank 0 broadcasts.
 //
 // On the wire, per version: a preamble {magic, version, bucket count, largest header, direct_bytes,
 // largest bucket} and the header sizes (two small broadcasts); then, per bucket, its self-describing
 // header (a small broadcast of its own) and its payload in segments: a chunk of at least direct_bytes
 // alone, runs of smaller chunks together (detail::segments_of, derived from the header on both sides).
-// A lone chunk is sent straight from the gather buffer when no cast is needed and received straight
-// into the destination parameter (or tensor) when the dtypes match; the rest goes through two staging
-// buckets on each side, so that packing and unpacking overlap the broadcasts.
+// A lone chunk is sent straight from where it lies (the gather buffer, or the sending rank's own shard)
+// when no cast is needed, and received straight into the destination parameter (or tensor) when the
+// dtypes match; the rest goes through two staging buckets on each side, so that packing and unpacking
+// overlap the broadcasts.
 #pragma once
 
 #include <array>
@@ -126,16 +129,17 @@ struct BroadcastOptions {
   int64_t bucket_bytes = int64_t{32} << 20;
   /// The rollout dtype; default: each unit's compute dtype.
   std::optional<at::ScalarType> dtype;
-  /// Gather each unit into two buffers the broadcaster keeps (the size of the largest unit, in the
-  /// compute dtype) instead of through the unit's own unshard(), which allocates and frees the full
-  /// parameters every time: on the CPU that means page faults on every byte, which cost more than the
-  /// broadcast itself (docs/sync.md, "Measured"). Same values, bit for bit (the same cast of the
-  /// same shard, the same all-gather). false: no memory is kept between syncs. Must agree on all
-  /// trainer ranks.
+  /// Gather each unit to the sending rank only, already cast to the rollout dtype by each rank, into
+  /// two buffers the broadcaster keeps there (the size of the largest unit), instead of through the
+  /// unit's own unshard() on every rank, which allocates and frees the full parameters every time (on
+  /// the CPU: page faults on every byte, which cost more than the broadcast itself; docs/sync.md,
+  /// "Measured"). The sending rank's own shard is read in place when it already is in the rollout
+  /// dtype. Same values, bit for bit (the same casts of the same shards). false: no memory is kept
+  /// between syncs. Must agree on all trainer ranks.
   bool keep_gather_buffers = true;
   /// Chunks of at least this many bytes travel in a broadcast of their own: sent straight from the
-  /// gather buffer when no cast is needed (keep_gather_buffers, dtype equal to the compute dtype) and
-  /// received straight into the rollout's parameter (or tensor) when its dtype matches. Smaller ones
+  /// gather buffer or the sending rank's shard (keep_gather_buffers) and received straight into the
+  /// rollout's parameter (or tensor) when its dtype matches. Smaller ones
   /// are packed together, in one broadcast per run. Only the sender sets it (it travels in the preamble).
   int64_t direct_bytes = int64_t{64} << 10;
 };
@@ -190,6 +194,11 @@ class WeightBroadcaster {
       // it, so these gathers never interleave with the model's own.
       auto& shard = model.mesh().shard_group();
       gather_ = shard.split(0, shard.rank(), "fsdpx/sync_gather");
+      // The gathers go to the sending rank only; shard groups without it (other replicas) sit out.
+      auto root = at::full({1}, group_ ? gather_->rank() : -1,
+                           at::TensorOptions().dtype(at::kLong).device(model.unit(0).options().device));
+      gather_->all_reduce(root, dist::ReduceOp::max);
+      gather_root_ = static_cast<int>(root.item<int64_t>());
     }
     FSDPX_CHECK(options_.bucket_bytes >= 4096, "WeightBroadcaster: bucket_bytes must be at least 4096, got ",
                 options_.bucket_bytes);
@@ -229,7 +238,7 @@ class WeightBroadcaster {
     stats_ = {};
     try {
       if (!group_) {
-        walk_units([](int) {}, [](size_t, int, core::Unit&, const at::Tensor&) {});
+        walk_units([](int) {}, [](int, core::Unit&, const UnitData&) {});
       } else {
         send(version);
       }
@@ -254,8 +263,14 @@ class WeightBroadcaster {
     std::vector<TensorSpec> specs;
     for (size_t i = 0; i < model_->num_units(); ++i) {
       const core::Unit& u = model_->unit(i);
+      const auto [own_begin, own_end] = own_range(u);
       for (const auto& p : u.layout().params()) {
-        specs.push_back({p.name, p.shape, options_.dtype.value_or(u.options().param_dtype)});
+        TensorSpec s{p.name, p.shape, wire_dtype(u)};
+        // A chunk never spans the edge of this rank's own shard, which is read from elsewhere.
+        for (const int64_t edge : {own_begin, own_end}) {
+          if (edge > p.offset && edge < p.offset + p.numel) s.breaks.push_back(edge - p.offset);
+        }
+        specs.push_back(std::move(s));
       }
     }
     const auto plan = plan_buckets(specs, options_.bucket_bytes, version);
@@ -281,8 +296,8 @@ class WeightBroadcaster {
     if (n > 0) group_->broadcast(at::tensor(header_sizes, at::kLong).to(longs), 0);
     ensure_buffers(largest, device);
 
-    // Broadcasts in flight, each tagged with the memory it reads: staging bucket 0/1, gather buffer 0/1
-    // (tags 2/3), or nothing that is reused (4: headers).
+    // Broadcasts in flight, each tagged with the memory it reads: staging bucket 0/1, memory that stays
+    // (lasting_tag: headers, the rank's own shard), or gather slot s (gather_tag + s).
     std::vector<std::pair<int, dist::Work>> pending;
     const auto release = [&](int tag) {
       const auto w0 = Clock::now();
@@ -298,17 +313,16 @@ class WeightBroadcaster {
     const auto begin_bucket = [&] {
       if (k >= n) return;
       release(static_cast<int>(k % 2));  // the staging bucket's previous broadcasts must be done
-      pending.emplace_back(4, group_->broadcast_async(headers[k], 0));
+      pending.emplace_back(lasting_tag, group_->broadcast_async(headers[k], 0));
     };
-    const auto send_segments = [&](int gather_slot, const at::Tensor& direct_source, int64_t source_offset) {
+    // `direct`: the entry just done, when it goes out from where it lies (tag: what it reads).
+    const auto send_segments = [&](const at::Tensor& direct, int direct_tag) {
       // Every segment whose last entry is done goes out, in order.
       while (seg < segments[k].size() && segments[k][seg].last < e) {
         const detail::Segment& sg = segments[k][seg];
-        const BucketEntry& entry = plan[k].entries[sg.first];
-        if (sg.single() && direct_source.defined()) {
-          const at::Tensor view = direct_source.narrow(0, source_offset + entry.element_offset, entry.numel);
-          pending.emplace_back(2 + gather_slot, group_->broadcast_async(detail::as_bytes(view), 0));
-          stats_.bytes_in_place += entry.nbytes();
+        if (sg.single() && sg.first + 1 == e && direct.defined()) {
+          pending.emplace_back(direct_tag, group_->broadcast_async(detail::as_bytes(direct), 0));
+          stats_.bytes_in_place += direct.nbytes();
         } else {
           pending.emplace_back(static_cast<int>(k % 2),
                                group_->broadcast_async(buffers_[k % 2].narrow(0, sg.begin, sg.end - sg.begin), 0));
@@ -318,18 +332,20 @@ class WeightBroadcaster {
     };
     begin_bucket();
     walk_units(
-        [&](int slot) { release(2 + slot); },
-        [&](size_t, int slot, core::Unit& u, const at::Tensor& full) {
-          const bool same_dtype = full.defined() && full.scalar_type() == options_.dtype.value_or(u.options().param_dtype);
+        [&](int slot) { release(gather_tag + slot); },
+        [&](int slot, core::Unit& u, const UnitData& data) {
           for (const auto& p : u.layout().params()) {
-            const at::Tensor source = full.defined() ? full.narrow(0, p.offset, p.numel) : p.param;
             // The plan lists p's chunks consecutively, possibly over several buckets.
             while (k < n && e < plan[k].entries.size() && plan[k].entries[e].name == p.name) {
               const BucketEntry& entry = plan[k].entries[e];
-              const bool direct = same_dtype && entry.nbytes() >= options_.direct_bytes;
-              if (!direct) pack_entry(buffers_[k % 2], entry, source);
+              const auto [chunk, in_gather_buffer] = data.lasting
+                  ? data.range(p.offset + entry.element_offset, entry.numel)
+                  : std::pair{p.param.detach().reshape({-1}).narrow(0, entry.element_offset, entry.numel), false};
+              // Gathered data is in the wire dtype already; the parameters are cast while packed.
+              const bool direct = data.lasting && entry.nbytes() >= options_.direct_bytes;
+              if (!direct && entry.numel > 0) entry_view(buffers_[k % 2], entry).copy_(chunk);
               ++e;
-              send_segments(slot, direct ? full : at::Tensor(), p.offset);
+              send_segments(direct ? chunk : at::Tensor(), in_gather_buffer ? gather_tag + slot : lasting_tag);
               if (e == plan[k].entries.size()) {
                 ++k;
                 e = 0;
@@ -343,42 +359,112 @@ class WeightBroadcaster {
     for (auto& [t, w] : pending) w.wait();
   }
 
-  /// Runs fn(index, gather slot, unit, full flat parameters in the compute dtype, or undefined when
-  /// the unit itself is unsharded) for every unit in order, gathering the next unit meanwhile into the
-  /// other of two gather buffers (slot 0 or 1); before_gather(slot) runs before a slot is overwritten,
-  /// so that whatever still reads it can finish. Collective over the trainer ranks.
+  /// Where a unit's full flat parameters (in the wire dtype) lie on the sending rank during its turn.
+  struct UnitData {
+    at::Tensor gathered;             // the unit's padded flat buffer, being gathered
+    const dist::Work* gather = nullptr;  // that gather, waited for before `gathered` is read
+    at::Tensor own;                  // this rank's shard read in place: elements [own_begin, own_end)
+    int64_t own_begin = 0, own_end = 0;
+    bool lasting = false;            // valid until before_gather(slot); false: read the parameters instead
+    /// Elements [begin, begin + numel) (on one side of the own range's edges) and whether they lie in
+    /// the gather buffer. Only these wait for the gather: the own shard goes out while it runs.
+    std::pair<at::Tensor, bool> range(int64_t begin, int64_t numel) const {
+      if (own.defined() && begin >= own_begin && begin + numel <= own_end) {
+        return {own.narrow(0, begin - own_begin, numel), false};
+      }
+      if (gather != nullptr) gather->wait();
+      return {gathered.narrow(0, begin, numel), true};
+    }
+  };
+
+  /// The elements of `u` this rank's shard covers when it is read in place (already in the wire
+  /// dtype, on the device): the plan breaks chunks at its edges. {0, 0} otherwise.
+  std::pair<int64_t, int64_t> own_range(const core::Unit& u) const {
+    if (!gather_ || !shard_in_place(u)) return {0, 0};
+    const int64_t n = u.layout().shard_numel();
+    return {gather_->rank() * n, (gather_->rank() + 1) * n};
+  }
+  at::ScalarType wire_dtype(const core::Unit& u) const { return options_.dtype.value_or(u.options().param_dtype); }
+  /// The shard already is what the rollout receives: no cast on the way (through the compute dtype
+  /// either: a narrower compute dtype rounds), on the device.
+  bool shard_in_place(const core::Unit& u) const {
+    const at::ScalarType s = u.shard().scalar_type();
+    return s == wire_dtype(u) && s == u.options().param_dtype && u.shard().device() == u.options().device;
+  }
+  /// `into` <- this rank's shard as the rollout receives it: cast to the compute dtype, as unshard()
+  /// does, then to the wire dtype. Each rank casts its own shard, so the gather moves wire bytes and
+  /// the sending rank casts only its own part.
+  void cast_shard(const core::Unit& u, const at::Tensor& into) const {
+    const at::Tensor& shard = u.shard();
+    const at::ScalarType compute = u.options().param_dtype;
+    // One cast gives the same bits as two unless the compute dtype differs from both ends.
+    const bool two_step = compute != shard.scalar_type() && compute != into.scalar_type();
+    into.copy_(two_step ? shard.to(into.device(), compute) : shard);
+  }
+
+  /// Runs fn(gather slot, unit, data) for every unit in order where the full parameters are: on the
+  /// sending rank (keep_gather_buffers), or on every trainer rank (through the units' own unshard()).
+  /// Gathers run one unit ahead, into the other of two slots; before_gather(slot) runs before a slot
+  /// is overwritten, so that whatever still reads it can finish. Collective over the trainer ranks.
   template <class Before, class Fn>
   void walk_units(Before&& before_gather, Fn&& fn) {
     if (!gather_) {
-      // The module's parameters are valid while their unit is unsharded.
-      size_t i = 0;
-      for_each_unsharded_unit(*model_, [&](core::Unit& u) { fn(i++, 0, u, at::Tensor()); });
+      // The module's parameters are valid while their unit is unsharded (not after fn returns).
+      for_each_unsharded_unit(*model_, [&](core::Unit& u) { fn(0, u, UnitData{}); });
       return;
     }
+    if (gather_root_ < 0) return;  // the sending rank is in another shard group
     const size_t n = model_->num_units();
-    int64_t largest = 0;
-    for (size_t i = 0; i < n; ++i) largest = std::max(largest, model_->unit(i).layout().padded_numel());
-    const core::UnitOptions& uo = model_->unit(0).options();
-    if (!gathered_[0].defined() || gathered_[0].numel() < largest || gathered_[0].scalar_type() != uo.param_dtype) {
-      for (auto& g : gathered_) {
-        g = at::empty({std::max<int64_t>(largest, 1)}, at::TensorOptions().dtype(uo.param_dtype).device(uo.device));
-      }
+    const int W = gather_->size(), r = gather_->rank();
+    const bool root = r == gather_root_;
+    // The root keeps two full units (its own shard inside them only when it needs a cast); the others
+    // two cast shards, when a cast is needed.
+    int64_t need = 0;
+    for (size_t i = 0; i < n; ++i) {
+      const core::Unit& u = model_->unit(i);
+      if (root && W > 1) need = std::max(need, u.layout().padded_numel());
+      if (!shard_in_place(u)) need = std::max(need, root ? u.layout().padded_numel() : u.layout().shard_numel());
     }
-    const int r = gather_->rank();
+    const core::UnitOptions& uo = model_->unit(0).options();
+    const at::ScalarType wire = wire_dtype(model_->unit(0));
+    if (need > 0 && (!gathered_[0].defined() || gathered_[0].numel() < need || gathered_[0].scalar_type() != wire)) {
+      for (auto& g : gathered_) g = at::empty({need}, at::TensorOptions().dtype(wire).device(uo.device));
+    }
     std::array<dist::Work, 2> gathering;
     const auto start = [&](size_t i) {
-      before_gather(static_cast<int>(i % 2));
+      const int slot = static_cast<int>(i % 2);
+      before_gather(slot);
       const core::Unit& u = model_->unit(i);
-      const at::Tensor full = gathered_[i % 2].narrow(0, 0, u.layout().padded_numel());
-      const at::Tensor slot = full.narrow(0, r * u.layout().shard_numel(), u.layout().shard_numel());
-      slot.copy_(u.shard());  // the cast unshard() makes: float32 master -> compute dtype
-      gathering[i % 2] = gather_->all_gather_async(full, slot);
+      const int64_t S = u.layout().shard_numel();
+      const bool in_place = shard_in_place(u);
+      if (root) {
+        at::Tensor full = need > 0 ? gathered_[slot].narrow(0, 0, u.layout().padded_numel()) : at::Tensor();
+        if (!in_place) cast_shard(u, full.narrow(0, r * S, S));
+        if (W > 1) gathering[slot] = gather_->gather_async(full, full.narrow(0, r * S, S), r);
+      } else {
+        at::Tensor input = u.shard();
+        if (!in_place) {
+          input = gathered_[slot].narrow(0, 0, S);
+          cast_shard(u, input);
+        }
+        gathering[slot] = gather_->gather_async(at::Tensor(), input, gather_root_);
+      }
     };
     if (n > 0) start(0);
     for (size_t i = 0; i < n; ++i) {
-      gathering[i % 2].wait();
-      if (i + 1 < n) start(i + 1);  // into the buffer unit i - 1 used, once it is sent
-      fn(i, static_cast<int>(i % 2), model_->unit(i), gathered_[i % 2].narrow(0, 0, model_->unit(i).layout().padded_numel()));
+      const int slot = static_cast<int>(i % 2);
+      if (root) {
+        core::Unit& u = model_->unit(i);
+        UnitData data{.lasting = true};
+        if (need > 0) data.gathered = gathered_[slot].narrow(0, 0, u.layout().padded_numel());
+        data.gather = &gathering[slot];
+        std::tie(data.own_begin, data.own_end) = own_range(u);
+        if (data.own_end > data.own_begin) data.own = u.shard();
+        fn(slot, u, data);
+      }
+      gathering[slot].wait();
+      // The next gather starts once unit i is posted: it overlaps unit i's broadcasts.
+      if (i + 1 < n) start(i + 1);  // into the slot unit i - 1 used, once it is sent
     }
   }
 
@@ -387,12 +473,15 @@ class WeightBroadcaster {
     for (auto& b : buffers_) b = at::empty({std::max<int64_t>(bytes, 1)}, at::TensorOptions().dtype(at::kByte).device(device));
   }
 
+  static constexpr int lasting_tag = 2, gather_tag = 3;
+
   core::ShardedModel* model_;
   std::optional<dist::AnyCommunicator> group_;
   BroadcastOptions options_;
   int64_t last_version_ = no_version;
   std::optional<dist::AnyCommunicator> gather_;  // with keep_gather_buffers
-  std::array<at::Tensor, 2> gathered_;           // full units, compute dtype
+  int gather_root_ = -1;                         // the sending rank in gather_; -1: not in this group
+  std::array<at::Tensor, 2> gathered_;           // root: full units; others: cast shards (wire dtype)
   std::array<at::Tensor, 2> buffers_;            // buckets (sender only)
   Stats stats_;
 };

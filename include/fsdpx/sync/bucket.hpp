@@ -72,6 +72,9 @@ struct TensorSpec {
   std::string name;
   std::vector<int64_t> shape;
   at::ScalarType dtype = at::kFloat;
+  /// Element offsets (ascending, within the flattened tensor) where a chunk must end: the sender's
+  /// data changes place there (e.g. one rank's shard ends). The receiver needs no knowledge of them.
+  std::vector<int64_t> breaks = {};
 };
 
 /// One chunk of one tensor inside a bucket.
@@ -230,19 +233,25 @@ inline std::vector<BucketLayout> plan_buckets(const std::vector<TensorSpec>& spe
                 s.name, "' cannot fit a bucket of ", capacity, " bytes even as one element; raise bucket_bytes");
     int64_t total = 1;
     for (const int64_t d : s.shape) total *= d;
+    FSDPX_CHECK(std::is_sorted(s.breaks.begin(), s.breaks.end()) &&
+                    (s.breaks.empty() || (s.breaks.front() >= 0 && s.breaks.back() <= total)),
+                "weight sync: the chunk breaks of '", s.name, "' must ascend within its ", total, " elements");
     int64_t done = 0;
+    auto next_break = s.breaks.begin();
     while (true) {
+      while (next_break != s.breaks.end() && *next_break <= done) ++next_break;
+      const int64_t limit = next_break == s.breaks.end() ? total : *next_break;  // this chunk ends by here
       const int64_t free_bytes = capacity - detail::align_up(header_raw + entry) - payload;
       // Room for the rest, or for a chunk worth sending (one element in an empty bucket; none for an
       // empty tensor, which still travels as an entry so the receiver learns its shape).
-      int64_t need = total == 0 ? 0 : std::max(esize, std::min((total - done) * esize, min_chunk_bytes));
+      int64_t need = total == 0 ? 0 : std::max(esize, std::min((limit - done) * esize, min_chunk_bytes));
       if (cur.entries.empty()) need = std::min(need, esize);
       if (free_bytes < need) {
         FSDPX_CHECK(!cur.entries.empty(), "weight sync: internal error planning buckets for '", s.name, "'");
         close();
         continue;
       }
-      const int64_t n = std::min(total - done, free_bytes / esize);
+      const int64_t n = std::min(limit - done, free_bytes / esize);
       cur.entries.push_back({s.name, s.dtype, s.shape, done, n, 0});
       header_raw += entry;
       payload += detail::align_up(n * esize);
