@@ -206,8 +206,8 @@ TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkp
   CHECK(fs::exists(root / "global_step_2"));
   const auto record = checkpoint::read_commit_record(checkpoint::step_dir(root, 3));
   REQUIRE(record.has_value());
-  CHECK((*record)["complete"].boolean());
-  CHECK((*record)["world_size"].integer() == world.size());
+  CHECK(record->complete);
+  CHECK(record->world_size == world.size());
   checkpoint::verify_step(checkpoint::step_dir(root, 3), *record, /*verify_checksums=*/true);
 
   // Resume into a fresh model: step 3's shards, client state and RNG.

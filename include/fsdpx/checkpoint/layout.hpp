@@ -13,6 +13,7 @@
 #include <csignal>
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <set>
 #include <string>
@@ -43,46 +44,88 @@ inline std::optional<int64_t> read_iteration_file(const fs::path& path) {
   return step;
 }
 
-/// The commit record of a step, nullopt when the step is not committed.
-inline std::optional<detail::Json> read_commit_record(const fs::path& dir) {
+/// A step's commit record (fsdp_config.json, written by rank 0 once every rank's files were durable),
+/// read and checked in one place for resume, merge, rotation and the watcher.
+struct CommitRecord {
+  fs::path path;                         // the fsdp_config.json it was read from
+  std::optional<int64_t> step;
+  int world_size = 0;
+  std::optional<int64_t> mesh_shard;     // the saving mesh's shard size, when recorded
+  std::string kind;                      // "full", "sharded" or "local"; empty when not recorded
+  bool complete = false;                 // model, optimizer and extra state are all committed
+  std::vector<std::string> components;   // those committed ("model" first: the weights alone)
+  std::map<std::string, CommittedFile> files;  // every file of the step: size and CRC-32C
+
+  /// Committed with the weights (weights_only) or with everything.
+  bool commits(bool weights_only) const {
+    return weights_only ? std::find(components.begin(), components.end(), "model") != components.end() : complete;
+  }
+  /// The entry for file `name` of the step in `dir` (its CRC only when `verify_checksums`); IoError
+  /// when the record does not list it.
+  CommittedFile file(const fs::path& dir, const std::string& name, bool verify_checksums) const {
+    const auto it = files.find(name);
+    FSDPX_CHECK_AS(IoError, it != files.end(), "'", (dir / name).string(), "' is not listed in ", path.string(),
+                   ": it was not written by the save that committed this checkpoint");
+    return {it->second.bytes, verify_checksums ? it->second.crc32c : std::nullopt};
+  }
+};
+
+/// Parses and checks `config` (a step's fsdp_config.json); every error is an IoError naming it.
+inline CommitRecord parse_commit_record(const fs::path& config) {
+  CommitRecord r;
+  r.path = config;
+  try {
+    const detail::Json j = detail::Json::parse(detail::read_text(config), config.string());
+    FSDPX_CHECK_AS(IoError, j.is_object() && j.contains("format") && j["format"].is_string() &&
+                                j["format"].string() == format_name,
+                   "it is not an fsdpx commit record (no \"format\": \"fsdpx\")");
+    const int64_t version = j["format_version"].integer();
+    FSDPX_CHECK_AS(IoError, version <= format_version, "format version ", version, "; this fsdpx reads up to ",
+                   format_version, ": update fsdpx");
+    r.world_size = static_cast<int>(j["world_size"].integer());
+    FSDPX_CHECK_AS(IoError, r.world_size > 0, "world_size is ", r.world_size);
+    if (j.contains("step")) r.step = j["step"].integer();
+    if (j.contains("mesh") && j["mesh"].contains("shard")) r.mesh_shard = j["mesh"]["shard"].integer();
+    if (j.contains("state_dict_kind")) r.kind = j["state_dict_kind"].string();
+    r.complete = j.contains("complete") && j["complete"].boolean();
+    if (j.contains("components")) {
+      for (const detail::Json& c : j["components"].array()) r.components.push_back(c.string());
+    }
+    if (j.contains("files")) {
+      for (const auto& [name, f] : j["files"].object()) {
+        r.files[name] = {f["bytes"].integer(), static_cast<uint32_t>(f["crc32c"].integer())};
+      }
+    }
+  } catch (const IoError& e) {
+    std::string why = e.what();
+    if (why.rfind("fsdpx: ", 0) == 0) why = why.substr(7);
+    throw IoError(::fsdpx::detail::str("fsdpx: commit record '", config.string(), "': ", why));
+  }
+  return r;
+}
+
+/// The commit record of the step in `dir`, nullopt when the step is not committed.
+inline std::optional<CommitRecord> read_commit_record(const fs::path& dir) {
   std::error_code ec;
   const fs::path config = dir / config_file;
   if (!fs::exists(config, ec)) return std::nullopt;
-  return detail::Json::parse(detail::read_text(config), config.string());
+  return parse_commit_record(config);
 }
 
 /// Committed with weights (weights_only) or with everything.
-inline bool is_committed(const detail::Json& record, bool weights_only) {
-  if (!weights_only) return record.contains("complete") && record["complete"].boolean();
-  for (const auto& c : record["components"].array()) {
-    if (c.string() == "model") return true;
-  }
-  return false;
-}
-
-namespace detail {
-/// The record's entry for file `name` of the step in `dir`; IoError when the record does not list it.
-inline CommittedFile committed_file(const fs::path& dir, const Json& record, const std::string& name, bool verify_checksums) {
-  const auto& files = record["files"];
-  FSDPX_CHECK_AS(IoError, files.contains(name), "'", (dir / name).string(), "' is not listed in ",
-                 (dir / config_file).string(), ": it was not written by the save that committed this checkpoint");
-  const auto& info = files[name];
-  return {info["bytes"].integer(),
-          verify_checksums ? std::optional<uint32_t>(static_cast<uint32_t>(info["crc32c"].integer())) : std::nullopt};
-}
-}  // namespace detail
+inline bool is_committed(const CommitRecord& record, bool weights_only) { return record.commits(weights_only); }
 
 /// Reads every state dict file the commit record lists (model and optim, or those of `components`),
 /// each checked against its recorded size and, when `verify_checksums`, its CRC-32C; IoError naming
 /// the first bad file.
-inline void verify_step(const fs::path& dir, const detail::Json& record, bool verify_checksums,
+inline void verify_step(const fs::path& dir, const CommitRecord& record, bool verify_checksums,
                         const std::vector<std::string>& components = {"model", "optim"}) {
-  for (const auto& [name, info] : record["files"].object()) {
+  for (const auto& [name, info] : record.files) {
     if (std::none_of(components.begin(), components.end(),
                      [&](const std::string& c) { return name.rfind(c + "_world_size_", 0) == 0; })) {
       continue;
     }
-    load_shard_file(dir, name, detail::committed_file(dir, record, name, verify_checksums));
+    load_shard_file(dir, name, record.file(dir, name, verify_checksums));
   }
 }
 
@@ -232,7 +275,7 @@ inline void rotate_checkpoints(const fs::path& root, const RotationPolicy& polic
   }
   std::vector<StepDir> committed, debris;
   for (const StepDir& s : list_steps(root)) {
-    std::optional<detail::Json> record;
+    std::optional<CommitRecord> record;
     try {
       record = read_commit_record(s.path / "actor");
     } catch (const IoError&) {

@@ -23,8 +23,8 @@
 #include <ATen/ATen.h>
 
 #include <fsdpx/checkpoint/detail/file_io.hpp>
-#include <fsdpx/checkpoint/detail/json.hpp>
 #include <fsdpx/checkpoint/format.hpp>
+#include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/checkpoint/safetensors.hpp>
 #include <fsdpx/error.hpp>
 
@@ -69,52 +69,6 @@ inline fs::path model_dir(const fs::path& dir) {
   return dir;
 }
 
-/// The parsed fsdp_config.json; every error names it.
-struct CommitRecord {
-  int world_size = 0;
-  std::optional<int64_t> step;
-  std::string kind;
-  bool complete = true;
-  std::map<std::string, std::pair<int64_t, uint32_t>> files;  // name -> (bytes, crc32c)
-  bool has_files = false;
-};
-
-inline CommitRecord read_commit_record(const fs::path& path) {
-  CommitRecord r;
-  try {
-    const Json j = Json::parse(read_text(path), path.string());
-    FSDPX_CHECK_AS(IoError, j.is_object() && j.contains("format") && j["format"].is_string() &&
-                                j["format"].string() == format_name,
-                   "it is not an fsdpx commit record (no \"format\": \"fsdpx\")");
-    const int64_t version = j["format_version"].integer();
-    FSDPX_CHECK_AS(IoError, version <= format_version, "format version ", version, "; this fsdpx reads up to ",
-                   format_version, ": update fsdpx");
-    // "complete": false with "model" among the components: the weights are committed, the optimizer
-    // state not (yet); that is enough to merge.
-    r.complete = !j.contains("complete") || j["complete"].boolean();
-    r.world_size = static_cast<int>(j["world_size"].integer());
-    FSDPX_CHECK_AS(IoError, r.world_size > 0, "world_size is ", r.world_size);
-    if (j.contains("step")) r.step = j["step"].integer();
-    if (j.contains("state_dict_kind")) r.kind = j["state_dict_kind"].string();
-    if (j.contains("components")) {
-      bool model = false;
-      for (const Json& c : j["components"].array()) model = model || (c.is_string() && c.string() == "model");
-      FSDPX_CHECK_AS(IoError, model, "the model component is not committed (its \"components\" omit \"model\")");
-    }
-    if (j.contains("files")) {
-      r.has_files = true;
-      for (const auto& [name, f] : j["files"].object()) {
-        r.files[name] = {f["bytes"].integer(), static_cast<uint32_t>(f["crc32c"].integer())};
-      }
-    }
-  } catch (const IoError& e) {
-    std::string why = e.what();
-    if (why.rfind("fsdpx: ", 0) == 0) why = why.substr(7);
-    throw IoError(::fsdpx::detail::str("fsdpx: commit record '", path.string(), "': ", why));
-  }
-  return r;
-}
-
 inline std::string local_kind_message(const fs::path& what) {
   return ::fsdpx::detail::str("fsdpx: '", what.string(), "' holds a \"local\" state dict (each unit's raw, padded "
                               "flat shard): it cannot be merged without the model, which alone knows how parameters "
@@ -157,9 +111,12 @@ inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOption
   FSDPX_CHECK_AS(IoError, !ec, "listing '", dir.string(), "' failed: ", ec.message());
 
   const fs::path config_path = dir / config_file;
-  std::optional<detail::CommitRecord> record;
+  std::optional<CommitRecord> record;
   if (fs::exists(config_path)) {
-    record = detail::read_commit_record(config_path);
+    record = parse_commit_record(config_path);
+    // "complete": false is enough when the weights are committed (the optimizer state may not be yet).
+    FSDPX_CHECK_AS(IoError, record->commits(/*weights_only=*/true), "commit record '", config_path.string(),
+                   "': the model component is not committed (its \"components\" omit \"model\")");
     FSDPX_CHECK_AS(IoError, record->kind != "local", detail::local_kind_message(config_path).substr(7));
     rep.world_size = record->world_size;
     rep.committed = true;
@@ -182,7 +139,7 @@ inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOption
                               ", comes from the file names and the files' checksums cannot be verified"));
   }
   const int world = rep.world_size;
-  rep.checksums_verified = record.has_value() && record->has_files && options.verify_checksums;
+  rep.checksums_verified = record.has_value() && !record->files.empty() && options.verify_checksums;
 
   // Names against the world size: every problem, each naming its file.
   {
@@ -215,14 +172,8 @@ inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOption
   for (int r = 0; r < world; ++r) {
     const std::string name = shard_file_name(Component::model, world, r);
     const fs::path path = dir / name;
-    std::optional<CommittedFile> committed;
-    if (rep.checksums_verified) {
-      const auto it = record->files.find(name);
-      FSDPX_CHECK_AS(IoError, it != record->files.end(), "'", path.string(), "' is not listed in ", config_path.string(),
-                     ": it was not written by the save that committed this checkpoint");
-      committed = CommittedFile{it->second.first, it->second.second};
-    }
-    const StateDict sd = load_shard_file(dir, name, committed);
+    const StateDict sd = load_shard_file(
+        dir, name, rep.checksums_verified ? std::optional<CommittedFile>(record->file(dir, name, true)) : std::nullopt);
     rep.files.push_back(path);
     FSDPX_CHECK_AS(IoError, sd.component == "model", "'", path.string(), "' holds a '", sd.component,
                    "' state dict, not a model");

@@ -36,13 +36,12 @@ namespace checkpoint::detail {
 
 /// Streams the files of one component of a committed step to `fn`, each checked against the record.
 /// At the saving topology a rank reads only the file that holds its shards.
-inline void for_each_saved_file(const fs::path& dir, const Json& record, Component c, std::optional<int> only_rank,
+inline void for_each_saved_file(const fs::path& dir, const CommitRecord& record, Component c, std::optional<int> only_rank,
                                 bool verify, const std::function<void(const StateDict&)>& fn) {
-  const int world = static_cast<int>(record["world_size"].integer());
-  for (int r = 0; r < world; ++r) {
+  for (int r = 0; r < record.world_size; ++r) {
     if (only_rank && r != *only_rank) continue;
-    const std::string name = shard_file_name(c, world, r);
-    fn(load_shard_file(dir, name, committed_file(dir, record, name, verify)));
+    const std::string name = shard_file_name(c, record.world_size, r);
+    fn(load_shard_file(dir, name, record.file(dir, name, verify)));
   }
 }
 
@@ -65,16 +64,15 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
                  "' is not committed", weights_only ? "" : " with optimizer and extra state");
   ResumeInfo info;
   info.step = *step;
-  info.saved_world_size = static_cast<int>((*record)["world_size"].integer());
+  info.saved_world_size = record->world_size;
 
   // At the saving topology, the file of this rank's shard holds everything it needs.
   auto& sharded = model.sharded();
   const auto& mesh = sharded.mesh();
-  const bool same_topology = info.saved_world_size == mesh.world().size() && (*record).contains("mesh") &&
-                             (*record)["mesh"]["shard"].integer() == mesh.shard_size();
+  const bool same_topology = info.saved_world_size == mesh.world().size() && record->mesh_shard == mesh.shard_size();
   const std::optional<int> own_file = same_topology ? std::optional<int>(mesh.shard_group().rank()) : std::nullopt;
-  const bool local = (*record)["state_dict_kind"].string() == "local";
-  const bool full = (*record)["state_dict_kind"].string() == "full";
+  const bool local = record->kind == "local";
+  const bool full = record->kind == "full";
   load_model_state_dict(sharded, [&](const auto& fn) {
     // A full checkpoint is rank 0's file; a local one is each rank's own.
     const std::optional<int> only = full ? std::optional<int>(0) : local ? std::optional<int>(mesh.world().rank()) : own_file;
@@ -87,8 +85,8 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
   }
   const std::string extra_name = checkpoint::shard_file_name(Component::extra_state, info.saved_world_size,
                                                  mesh.world().rank() % info.saved_world_size);
-  if ((*record)["files"].contains(extra_name)) {
-    const auto committed = checkpoint::detail::committed_file(dir, *record, extra_name, options.verify_checksums);
+  if (record->files.count(extra_name) != 0) {
+    const auto committed = record->file(dir, extra_name, options.verify_checksums);
     info.extra = checkpoint::extra_state_from_ivalue(checkpoint::detail::load_ivalue(dir / extra_name, committed.crc32c),
                                                      dir / extra_name, options.restore_rng);
   }
