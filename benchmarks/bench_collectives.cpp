@@ -36,8 +36,7 @@ double time_memcpy(size_t bytes, int iters) {
     std::memcpy(dst.data(), src.data(), bytes);
     samples.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
-  std::nth_element(samples.begin(), samples.begin() + samples.size() / 2, samples.end());
-  return samples[samples.size() / 2];
+  return fsdpx::bench::median(std::move(samples));
 }
 
 }  // namespace

@@ -11,10 +11,8 @@
 // per-iteration ratios (its range beside it). Set THP_MEM_ALLOC_ENABLE=1 (PyTorch's CPU allocator
 // then backs tensors of 2 MiB and more with huge pages) to measure with 2 MiB pages on both sides.
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <functional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -28,7 +26,6 @@
 #include "../examples/common/gpt.hpp"
 
 using namespace fsdpx;
-using Clock = std::chrono::steady_clock;
 
 namespace {
 

@@ -258,6 +258,15 @@ TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkp
   CHECK_FALSE(fs::exists(root / "global_step_4"));
   CHECK_FALSE(fs::exists(root / "global_step_2"));
   CHECK(fs::exists(root / "global_step_3"));
+
+  // A truncated extra-state file is named as such, even when checksums are not verified.
+  const fs::path extra_file = checkpoint::step_dir(root, 5) /
+                              checkpoint::shard_file_name(checkpoint::Component::extra_state, world.size(), world.rank());
+  fs::resize_file(extra_file, fs::file_size(extra_file) - 1);
+  CkptModel<> again(ResMlp(), world);
+  auto opt3 = make_adamw(again, adamw_options());
+  CHECK_THROWS_WITH(load_checkpoint(root, again, opt3, {.verify_checksums = false}),
+                    Catch::Contains(extra_file.string()) && Catch::Contains("truncated"));
 }
 
 TEST_CASE("rotation keeps leased and newest steps, scans when the iteration file is gone", "[checkpoint][rotation]") {

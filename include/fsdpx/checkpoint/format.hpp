@@ -221,16 +221,10 @@ struct CommittedFile {
   std::optional<uint32_t> crc32c;  // nullopt: not checked
 };
 
-/// Reads the shard file `dir / name` of a step: its size and CRC-32C against `committed` when given
-/// (the CRC on the very bytes that are parsed, so a file replaced meanwhile cannot slip between a
-/// check and a second read), and its own world size and rank against its name. Every failure is an
-/// IoError naming the file.
-inline StateDict load_shard_file(const fs::path& dir, const std::string& name,
-                                 const std::optional<CommittedFile>& committed = std::nullopt) {
-  const fs::path path = dir / name;
-  const auto parsed = parse_shard_file_name(name);
-  FSDPX_CHECK_AS(IoError, parsed.has_value(), "'", path.string(), "' is not named like a shard file ",
-                 "(<component>_world_size_<W>_rank_<r>.pt)");
+/// Reads a file of a committed step, checked against `committed` when given: present, its recorded
+/// size, and its CRC-32C on the very bytes that are parsed (so a file replaced meanwhile cannot slip
+/// between a check and a second read). Every failure is an IoError naming the file.
+inline c10::IValue load_committed_ivalue(const fs::path& path, const std::optional<CommittedFile>& committed) {
   if (committed) {
     std::error_code ec;
     FSDPX_CHECK_AS(IoError, fs::exists(path, ec), "checkpoint file '", path.string(), "' is missing (listed in ",
@@ -239,7 +233,18 @@ inline StateDict load_shard_file(const fs::path& dir, const std::string& name,
     FSDPX_CHECK_AS(IoError, !ec && size == committed->bytes, "'", path.string(), "' has ", size, " bytes but ",
                    config_file, " records ", committed->bytes, ": the file is truncated or was replaced");
   }
-  StateDict sd = load_state_dict_file(path, committed ? committed->crc32c : std::nullopt);
+  return detail::load_ivalue(path, committed ? committed->crc32c : std::nullopt);
+}
+
+/// Reads the shard file `dir / name` of a step (load_committed_ivalue), and checks its own world size
+/// and rank against its name.
+inline StateDict load_shard_file(const fs::path& dir, const std::string& name,
+                                 const std::optional<CommittedFile>& committed = std::nullopt) {
+  const fs::path path = dir / name;
+  const auto parsed = parse_shard_file_name(name);
+  FSDPX_CHECK_AS(IoError, parsed.has_value(), "'", path.string(), "' is not named like a shard file ",
+                 "(<component>_world_size_<W>_rank_<r>.pt)");
+  StateDict sd = state_dict_from_ivalue(load_committed_ivalue(path, committed), path);
   FSDPX_CHECK_AS(IoError, sd.world_size == parsed->world_size && sd.rank == parsed->rank, "'", path.string(),
                  "' says it is rank ", sd.rank, " of ", sd.world_size, ", but its name says rank ", parsed->rank, " of ",
                  parsed->world_size, " (a renamed file?)");

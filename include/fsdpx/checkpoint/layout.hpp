@@ -56,10 +56,6 @@ struct CommitRecord {
   std::vector<std::string> components;   // those committed ("model" first: the weights alone)
   std::map<std::string, CommittedFile> files;  // every file of the step: size and CRC-32C
 
-  /// Committed with the weights (weights_only) or with everything.
-  bool commits(bool weights_only) const {
-    return weights_only ? std::find(components.begin(), components.end(), "model") != components.end() : complete;
-  }
   /// The entry for file `name` of the step in `dir` (its CRC only when `verify_checksums`); IoError
   /// when the record does not list it.
   CommittedFile file(const fs::path& dir, const std::string& name, bool verify_checksums) const {
@@ -113,7 +109,10 @@ inline std::optional<CommitRecord> read_commit_record(const fs::path& dir) {
 }
 
 /// Committed with weights (weights_only) or with everything.
-inline bool is_committed(const CommitRecord& record, bool weights_only) { return record.commits(weights_only); }
+inline bool is_committed(const CommitRecord& record, bool weights_only) {
+  const auto& c = record.components;
+  return weights_only ? std::find(c.begin(), c.end(), "model") != c.end() : record.complete;
+}
 
 /// Reads every state dict file the commit record lists (model and optim, or those of `components`),
 /// each checked against its recorded size and, when `verify_checksums`, its CRC-32C; IoError naming

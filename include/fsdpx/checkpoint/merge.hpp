@@ -115,7 +115,7 @@ inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOption
   if (fs::exists(config_path)) {
     record = parse_commit_record(config_path);
     // "complete": false is enough when the weights are committed (the optimizer state may not be yet).
-    FSDPX_CHECK_AS(IoError, record->commits(/*weights_only=*/true), "commit record '", config_path.string(),
+    FSDPX_CHECK_AS(IoError, is_committed(*record, /*weights_only=*/true), "commit record '", config_path.string(),
                    "': the model component is not committed (its \"components\" omit \"model\")");
     FSDPX_CHECK_AS(IoError, record->kind != "local", detail::local_kind_message(config_path).substr(7));
     rep.world_size = record->world_size;

@@ -86,9 +86,9 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
   const std::string extra_name = checkpoint::shard_file_name(Component::extra_state, info.saved_world_size,
                                                  mesh.world().rank() % info.saved_world_size);
   if (record->files.count(extra_name) != 0) {
-    const auto committed = record->file(dir, extra_name, options.verify_checksums);
-    info.extra = checkpoint::extra_state_from_ivalue(checkpoint::detail::load_ivalue(dir / extra_name, committed.crc32c),
-                                                     dir / extra_name, options.restore_rng);
+    info.extra = checkpoint::extra_state_from_ivalue(
+        checkpoint::load_committed_ivalue(dir / extra_name, record->file(dir, extra_name, options.verify_checksums)),
+        dir / extra_name, options.restore_rng);
   }
   return info;
 }
