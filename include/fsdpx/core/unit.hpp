@@ -19,6 +19,7 @@
 
 #include <fsdpx/core/detail/autograd.hpp>
 #include <fsdpx/core/flat_param.hpp>
+#include <fsdpx/core/host_memory.hpp>
 #include <fsdpx/dist/any.hpp>
 #include <fsdpx/error.hpp>
 
@@ -51,7 +52,7 @@ class Unit {
     check_trainable_consistency();
     const at::Device shard_device = options_.offload_to_cpu ? at::Device(at::kCPU) : options_.device;
     const auto shard_opts = at::TensorOptions().dtype(at::kFloat).device(shard_device);
-    shard_ = at::zeros({layout_.shard_numel()}, shard_opts);
+    shard_ = empty_buffer(layout_.shard_numel(), shard_opts).zero_();  // host shards on huge pages
     if (options_.offload_to_cpu && options_.pin_memory && options_.device.is_cuda()) shard_ = shard_.pin_memory();
     const FlatRange mine = layout_.shard_range(shard_rank_);
     at::NoGradGuard no_grad;
@@ -162,7 +163,7 @@ class Unit {
         dst.zero_();
       }
     }
-    flat_grad_.narrow(0, layout_.numel(), layout_.padded_numel() - layout_.numel()).zero_();
+    for (const FlatRange& gap : layout_.padding()) flat_grad_.narrow(0, gap.begin, gap.size()).zero_();
     reduced_ = at::empty({layout_.shard_numel()}, opts);
     reduce_ = comms_.reduce.reduce_scatter_async(reduced_, flat_grad_, dist::ReduceOp::avg);
     reducing_ = true;

@@ -31,6 +31,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <fsdpx/core/host_memory.hpp>
 #include <fsdpx/error.hpp>
 
 namespace fsdpx::sync {
@@ -251,7 +252,18 @@ inline std::vector<BucketLayout> plan_buckets(const std::vector<TensorSpec>& spe
         close();
         continue;
       }
-      const int64_t n = std::min(limit - done, free_bytes / esize);
+      int64_t n = std::min(limit - done, free_bytes / esize);
+      if (n < limit - done) {
+        // A split lands on an aligned element, so that a chunk sent or received in place starts as
+        // aligned as its tensor (a copy between misaligned addresses is far slower). An empty bucket
+        // holds at least `alignment` bytes (checked above), so only a started one can be too full.
+        n -= (done + n) % std::max<int64_t>(1, detail::alignment / esize);
+        if (n <= 0) {
+          FSDPX_CHECK(!cur.entries.empty(), "weight sync: internal error splitting '", s.name, "'");
+          close();
+          continue;
+        }
+      }
       cur.entries.push_back({s.name, s.dtype, s.shape, done, n, 0});
       header_raw += entry;
       payload += detail::align_up(n * esize);
@@ -404,11 +416,7 @@ class TensorCollector {
 
   void accept(const BucketEntry& e, const at::Tensor& chunk) {
     auto it = index_.find(e.name);
-    if (it == index_.end()) {
-      it = index_.emplace(e.name, tensors_.size()).first;
-      tensors_.push_back({e.name, at::empty(e.shape, at::TensorOptions().dtype(e.dtype).device(device_))});
-      received_.push_back(0);
-    }
+    if (it == index_.end()) it = add(e);
     at::Tensor& t = tensors_[it->second].tensor;
     if (t.sizes().vec() != e.shape || t.scalar_type() != e.dtype) {
       problems_.push_back(::fsdpx::detail::str("'", e.name, "' arrived with two different shapes or dtypes"));
@@ -422,11 +430,7 @@ class TensorCollector {
   /// undefined tensor when it cannot (then accept() is called with the chunk and says why).
   at::Tensor destination(const BucketEntry& e) {
     auto it = index_.find(e.name);
-    if (it == index_.end()) {
-      it = index_.emplace(e.name, tensors_.size()).first;
-      tensors_.push_back({e.name, at::empty(e.shape, at::TensorOptions().dtype(e.dtype).device(device_))});
-      received_.push_back(0);
-    }
+    if (it == index_.end()) it = add(e);
     const at::Tensor& t = tensors_[it->second].tensor;
     if (t.sizes().vec() != e.shape || t.scalar_type() != e.dtype || e.numel == 0) return {};
     return t.view({-1}).narrow(0, e.element_offset, e.numel);
@@ -454,6 +458,15 @@ class TensorCollector {
   }
 
  private:
+  /// The tensor for `e`'s name, allocated on first sight (host ones through core::empty_buffer).
+  std::unordered_map<std::string, size_t>::iterator add(const BucketEntry& e) {
+    int64_t numel = 1;
+    for (const int64_t d : e.shape) numel *= d;
+    tensors_.push_back({e.name, core::empty_buffer(numel, at::TensorOptions().dtype(e.dtype).device(device_)).view(e.shape)});
+    received_.push_back(0);
+    return index_.emplace(e.name, tensors_.size() - 1).first;
+  }
+
   at::Device device_;
   std::unordered_map<std::string, size_t> index_;
   std::vector<NamedTensor> tensors_;

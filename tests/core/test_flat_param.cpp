@@ -1,0 +1,74 @@
+// The flat parameter layout and the host buffers it lives in, without communication.
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fsdpx/core/flat_param.hpp>
+#include <fsdpx/core/host_memory.hpp>
+
+using namespace fsdpx::core;
+
+namespace {
+std::vector<ParamInfo> params_of(const std::vector<std::vector<int64_t>>& shapes) {
+  std::vector<ParamInfo> out;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    // Matrices decay (what ShardedModel decides by default).
+    out.push_back({.name = "p" + std::to_string(i), .param = at::zeros(shapes[i]), .decay = shapes[i].size() >= 2});
+  }
+  return out;
+}
+}  // namespace
+
+TEST_CASE("flat layout: every parameter and shard starts aligned; the padding is listed", "[layout]") {
+  constexpr int64_t A = FlatParamLayout::alignment_elements;
+  // Odd sizes: a 7x13 matrix, a 5-element bias, a 50257-element vector, a 3x3 matrix (decayed first).
+  for (const int shards : {1, 2, 3, 8}) {
+    INFO(shards << " shards");
+    const FlatParamLayout layout(params_of({{7, 13}, {5}, {50257}, {3, 3}}), shards);
+    int64_t numel = 0, covered = 0;
+    for (const ParamInfo& p : layout.params()) {
+      CHECK(p.offset % A == 0);
+      numel += p.numel;
+    }
+    CHECK(layout.numel() == numel);
+    CHECK(layout.shard_numel() % A == 0);
+    CHECK(layout.padded_numel() == layout.shard_numel() * shards);
+    CHECK(layout.padded_numel() >= numel);
+    // Parameters and padding tile the flat buffer exactly, without overlap.
+    std::vector<std::pair<int64_t, int64_t>> pieces;
+    for (const ParamInfo& p : layout.params()) pieces.push_back({p.offset, p.offset + p.numel});
+    for (const FlatRange& gap : layout.padding()) pieces.push_back({gap.begin, gap.end});
+    std::sort(pieces.begin(), pieces.end());
+    for (const auto& [begin, end] : pieces) {
+      CHECK(begin == covered);
+      covered = end;
+    }
+    CHECK(covered == layout.padded_numel());
+    // The two matrices come first and the decayed range ends where the second one does.
+    CHECK(layout.params()[0].shape == std::vector<int64_t>{7, 13});
+    CHECK(layout.params()[1].shape == std::vector<int64_t>{3, 3});
+    CHECK(layout.decay_numel() == layout.params()[1].offset + 9);
+    // At most A - 1 padding elements per parameter, plus the rounding of each shard.
+    CHECK(layout.padded_numel() - numel < A * (4 + shards));
+  }
+}
+
+TEST_CASE("host buffers: large ones 2 MiB-aligned, small ones ordinary; both usable", "[layout]") {
+  const at::Tensor big = empty_host((int64_t{3} << 20) + 5, at::kFloat);  // 12 MiB and a bit
+  CHECK(big.numel() == (int64_t{3} << 20) + 5);
+  CHECK(big.scalar_type() == at::kFloat);
+  CHECK(big.is_cpu());
+  CHECK(reinterpret_cast<uintptr_t>(big.data_ptr()) % huge_page_bytes == 0);
+  big.fill_(2.5f);
+  CHECK(big.sum().item<double>() == 2.5 * static_cast<double>(big.numel()));
+  const at::Tensor small = empty_host(100, at::kBFloat16);
+  CHECK(small.numel() == 100);
+  CHECK(small.scalar_type() == at::kBFloat16);
+  CHECK(empty_host(0, at::kFloat).numel() == 0);
+  CHECK(empty_buffer(1 << 20, at::TensorOptions().dtype(at::kFloat)).numel() == 1 << 20);
+  CHECK_THROWS_WITH(empty_host(-1, at::kFloat), Catch::Contains("numel must be >= 0"));
+}
