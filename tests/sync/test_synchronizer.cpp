@@ -134,7 +134,7 @@ TEST_CASE("loading into a module names what does not match", "[bucket]") {
                                               Catch::Contains("were not sent: norm.bias"));
 }
 
-TEST_CASE("chunk breaks: no chunk spans one, whatever the bucket size; bad breaks are refused", "[bucket]") {
+TEST_CASE("chunk breaks: no chunk spans one, whatever the bucket size, and bad breaks are refused", "[bucket]") {
   // 1000 float elements broken at 300 and 301 (a one-element piece) and 999.
   const std::vector<int64_t> breaks = {300, 301, 999};
   for (const int64_t capacity : {int64_t{4096}, int64_t{1} << 20}) {
@@ -186,7 +186,7 @@ TEST_CASE("a bucket too small for one element of a tensor is refused", "[bucket]
 
 // ---- the in-process synchronizer --------------------------------------------------------------------
 
-TEST_CASE("Synchronizer: versions only increase; waits end in the newest version or a clear error", "[synchronizer]") {
+TEST_CASE("Synchronizer: versions only increase, and waits end in the newest version or a clear error", "[synchronizer]") {
   Synchronizer sync;
   CHECK(sync.latest() == nullptr);
   CHECK_THROWS_WITH(sync.wait_newer(no_version, 50ms), Catch::Contains("no weight version newer than -1 was published within 50 ms"));
@@ -295,7 +295,7 @@ TEST_CASE("service: publish over TCP, fetch newer versions, late readers get the
   CHECK(bit_equal(m->norm->weight.detach(), weights[2].tensor));
 }
 
-TEST_CASE("service under load: many readers, repeated publishes, a reader leaving mid-transfer; nothing torn",
+TEST_CASE("service under load: many readers, repeated publishes, a reader leaving mid-transfer, nothing torn",
           "[service]") {
   SynchronizerServer server({.bucket_bytes = 64 << 10});
   constexpr int readers_n = 8, versions = 25;
@@ -363,7 +363,7 @@ TEST_CASE("service under load: many readers, repeated publishes, a reader leavin
   CHECK(after.fetch_newer(no_version, 1s).version == versions - 1);
 }
 
-TEST_CASE("service: a trainer lost mid-publish fails waiting readers at once; the partial version is never served",
+TEST_CASE("service: a trainer lost mid-publish fails waiting readers at once, and the partial version is never served",
           "[service]") {
   SynchronizerServer server;
   {
