@@ -232,8 +232,7 @@ inline std::vector<BucketLayout> plan_buckets(const std::vector<TensorSpec>& spe
     const int64_t entry = detail::entry_header_bytes(s.name, s.shape.size());
     FSDPX_CHECK(detail::align_up(detail::prefix_bytes + entry) + detail::alignment <= capacity, "weight sync: tensor '",
                 s.name, "' cannot fit a bucket of ", capacity, " bytes even as one element; raise bucket_bytes");
-    int64_t total = 1;
-    for (const int64_t d : s.shape) total *= d;
+    const int64_t total = c10::multiply_integers(s.shape);
     FSDPX_CHECK(std::is_sorted(s.breaks.begin(), s.breaks.end()) &&
                     (s.breaks.empty() || (s.breaks.front() >= 0 && s.breaks.back() <= total)),
                 "weight sync: the chunk breaks of '", s.name, "' must ascend within its ", total, " elements");
@@ -460,8 +459,7 @@ class TensorCollector {
  private:
   /// The tensor for `e`'s name, allocated on first sight (host ones through core::empty_buffer).
   std::unordered_map<std::string, size_t>::iterator add(const BucketEntry& e) {
-    int64_t numel = 1;
-    for (const int64_t d : e.shape) numel *= d;
+    const int64_t numel = c10::multiply_integers(e.shape);
     tensors_.push_back({e.name, core::empty_buffer(numel, at::TensorOptions().dtype(e.dtype).device(device_)).view(e.shape)});
     received_.push_back(0);
     return index_.emplace(e.name, tensors_.size() - 1).first;
