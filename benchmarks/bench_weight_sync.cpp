@@ -4,14 +4,17 @@
 //
 //   mpiexec -n 3 bench_weight_sync [--trainers 2] [--dim 1024] [--layers 4] [--vocab 8192]
 //                                  [--dtype f32|bf16] [--buckets 4,16,64] [--iters 5]
+//                                  [--rollout-pages huge|default]
 //
 // World ranks [0, trainers) hold the GPT sharded with fsdpx (FullShard, blocks as units); the others
 // are rollouts with a plain copy. The sync and the raw broadcast alternate, iteration by iteration, so
 // both see the same machine; each time is the slowest rank's, and "sync/raw" is the median of the
 // per-iteration ratios (its range beside it). fsdpx's host buffers (CPU shards, gather and bucket
 // buffers) are advised to use 2 MiB pages (core::empty_host), and so is the raw broadcast's buffer,
-// like for like; FSDPX_HUGE_PAGES=0 turns that off. THP_MEM_ALLOC_ENABLE=1 (PyTorch's CPU allocator)
-// extends 2 MiB pages to every tensor, the rollout's module included.
+// like for like; FSDPX_HUGE_PAGES=0 turns that off. The rollout module's parameters, where the sync's
+// copies land (the raw broadcast's land in its buffer), are moved there too with
+// sync::place_on_huge_pages, as docs/sync.md advises; --rollout-pages default leaves them where
+// PyTorch's allocator put them (4 KiB pages unless THP_MEM_ALLOC_ENABLE=1).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -37,6 +40,7 @@ struct Args {
   std::string dtype = "f32";
   std::vector<int64_t> buckets_mib = {4, 16, 64};
   int iters = 5;
+  bool rollout_huge_pages = true;
 };
 
 Args parse(int argc, char** argv) {
@@ -49,6 +53,13 @@ Args parse(int argc, char** argv) {
     else if (k == "--vocab") a.vocab = std::stoll(v);
     else if (k == "--dtype") a.dtype = v;
     else if (k == "--iters") a.iters = std::stoi(v);
+    else if (k == "--rollout-pages") {
+      if (v != "huge" && v != "default") {
+        std::fprintf(stderr, "--rollout-pages takes huge or default, not %s\n", v.c_str());
+        std::exit(2);
+      }
+      a.rollout_huge_pages = v == "huge";
+    }
     else if (k == "--buckets") {
       a.buckets_mib.clear();
       std::stringstream ss(v);
@@ -84,6 +95,7 @@ int main(int argc, char** argv) {
     fsdp = std::make_unique<Sharded>(model, *groups.trainer);
   } else {
     model->to(dtype);
+    if (args.rollout_huge_pages) sync::place_on_huge_pages(*model);
   }
   const bool root = world.rank() == 0;
   if (root) {
@@ -94,10 +106,11 @@ int main(int argc, char** argv) {
                 args.dtype.c_str());
     const char* thp = std::getenv("THP_MEM_ALLOC_ENABLE");
     std::printf("%d iterations of sync and raw broadcast alternating, slowest rank; bandwidth = model bytes / time "
-                "(GB/s, 1e9)\npages: fsdpx's host buffers and the raw buffer %s; other tensors (the rollout's "
-                "module) %s\n\n",
+                "(GB/s, 1e9)\npages: fsdpx's host buffers and the raw buffer %s; the rollout module's parameters %s\n\n",
                 args.iters, core::host_huge_pages() ? "advised 2 MiB" : "4 KiB (FSDPX_HUGE_PAGES=0)",
-                thp != nullptr && std::string(thp) == "1" ? "2 MiB (THP_MEM_ALLOC_ENABLE=1)" : "4 KiB (default)");
+                args.rollout_huge_pages && core::host_huge_pages() ? "advised 2 MiB (sync::place_on_huge_pages)"
+                : thp != nullptr && std::string(thp) == "1"       ? "2 MiB (THP_MEM_ALLOC_ENABLE=1)"
+                                                                  : "4 KiB (PyTorch's allocator, --rollout-pages default)");
   }
 
   // Gathers alone (trainers), so the sync's own cost is visible; and a raw all-gather of the same

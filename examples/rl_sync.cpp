@@ -167,6 +167,7 @@ int main(int argc, char** argv) try {
     Gpt rollout(config);  // its own initial values: everything it uses must come from the trainers
     rollout->to(device, rollout_dtype);
     rollout->eval();
+    fsdpx::sync::place_on_huge_pages(*rollout);  // on CPU ranks: the broadcast's copies land here
     torch::NoGradGuard no_grad;
     fsdpx::sync::WeightReceiver receiver(*groups.model_update, {.device = device});
     const int me = groups.rollout->rank();

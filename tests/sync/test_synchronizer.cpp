@@ -134,6 +134,46 @@ TEST_CASE("loading into a module names what does not match", "[bucket]") {
                                               Catch::Contains("were not sent: norm.bias"));
 }
 
+TEST_CASE("a receiving module's large parameters move to 2 MiB pages, keeping the Parameter objects and values", "[bucket]") {
+  torch::nn::Sequential m(torch::nn::Linear(1024, 1024), torch::nn::Linear(1024, 8));  // 4 MiB, 32 KiB weights
+  auto* first = m[0]->as<torch::nn::Linear>();
+  m->register_parameter("tied", first->weight);            // the same Parameter under a second name
+  m->register_parameter("extra", at::randn({3, 1 << 20}));  // 12 MiB, not used by forward
+  std::vector<at::Tensor> params, before;
+  for (const auto& p : m->parameters()) params.push_back(p), before.push_back(p.detach().clone());
+  const auto* big_impl = first->weight.unsafeGetTensorImpl();
+
+  const int64_t moved = place_on_huge_pages(*m);
+  const auto aligned = [](const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % (2 << 20) == 0; };
+  if (!fsdpx::core::host_huge_pages() || !aligned(fsdpx::core::empty_host(1 << 20, at::kFloat))) {
+    CHECK(moved == 0);  // FSDPX_HUGE_PAGES=0 or no huge pages: nothing to gain, nothing moved
+    return;
+  }
+  // The tied 4 MiB weight moves once, and so does "extra"; the biases and the 32 KiB weight stay.
+  CHECK(moved == (int64_t{4} << 20) + (int64_t{12} << 20));
+  const auto now = m->parameters();
+  REQUIRE(now.size() == params.size());
+  for (size_t i = 0; i < now.size(); ++i) {
+    CHECK(now[i].unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl());  // same Parameter objects
+    CHECK(now[i].requires_grad());
+    CHECK(bit_equal(now[i].detach(), before[i]));
+    CHECK(aligned(now[i]) == (now[i].numel() * 4 >= (2 << 20)));
+  }
+  CHECK(first->weight.unsafeGetTensorImpl() == big_impl);
+  CHECK(m->named_parameters()["tied"].const_data_ptr() == first->weight.const_data_ptr());
+  CHECK(place_on_huge_pages(*m) == 0);  // already there
+
+  // Still a working module: weights load into it, and gradients flow to the moved storage.
+  std::vector<NamedTensor> weights;
+  for (const auto& p : m->named_parameters()) {
+    if (p.key() != "0.weight") weights.push_back({p.key(), at::randn(p.value().sizes())});  // "tied" fills it
+  }
+  load_into(*m, weights);
+  CHECK(bit_equal(first->weight.detach(), weights[0].tensor));
+  m->forward(torch::randn({2, 1024})).sum().backward();
+  CHECK(first->weight.grad().defined());
+}
+
 TEST_CASE("chunk breaks: no chunk spans one, whatever the bucket size, and bad breaks are refused", "[bucket]") {
   // 1000 float elements broken at 300 and 301 (a one-element piece) and 999.
   const std::vector<int64_t> breaks = {300, 301, 999};
