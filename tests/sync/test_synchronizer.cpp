@@ -139,6 +139,8 @@ TEST_CASE("a receiving module's large parameters move to 2 MiB pages, keeping th
   auto* first = m[0]->as<torch::nn::Linear>();
   m->register_parameter("tied", first->weight);            // the same Parameter under a second name
   m->register_parameter("extra", at::randn({3, 1 << 20}));  // 12 MiB, not used by forward
+  const at::Tensor flat = at::randn({2 << 20});
+  m->register_parameter("in_flat", flat.narrow(0, 1 << 20, 1 << 20));  // 4 MiB of a flat buffer: stays in it
   std::vector<at::Tensor> params, before;
   for (const auto& p : m->parameters()) params.push_back(p), before.push_back(p.detach().clone());
   const auto* big_impl = first->weight.unsafeGetTensorImpl();
@@ -149,16 +151,19 @@ TEST_CASE("a receiving module's large parameters move to 2 MiB pages, keeping th
     CHECK(moved == 0);  // FSDPX_HUGE_PAGES=0 or no huge pages: nothing to gain, nothing moved
     return;
   }
-  // The tied 4 MiB weight moves once, and so does "extra"; the biases and the 32 KiB weight stay.
+  // The tied 4 MiB weight moves once, and so does "extra"; the biases, the 32 KiB weight and the view
+  // into `flat` stay.
   CHECK(moved == (int64_t{4} << 20) + (int64_t{12} << 20));
-  const auto now = m->parameters();
+  const auto now = m->named_parameters();
   REQUIRE(now.size() == params.size());
   for (size_t i = 0; i < now.size(); ++i) {
-    CHECK(now[i].unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl());  // same Parameter objects
-    CHECK(now[i].requires_grad());
-    CHECK(bit_equal(now[i].detach(), before[i]));
-    CHECK(aligned(now[i]) == (now[i].numel() * 4 >= (2 << 20)));
+    INFO(now[i].key());
+    CHECK(now[i].value().unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl());  // same Parameter objects
+    CHECK(now[i].value().requires_grad());
+    CHECK(bit_equal(now[i].value().detach(), before[i]));
+    CHECK(aligned(now[i].value()) == (now[i].value().numel() * 4 >= (2 << 20) && now[i].key() != "in_flat"));
   }
+  CHECK(m->named_parameters()["in_flat"].const_data_ptr() == flat.narrow(0, 1 << 20, 1).const_data_ptr());
   CHECK(first->weight.unsafeGetTensorImpl() == big_impl);
   CHECK(m->named_parameters()["tied"].const_data_ptr() == first->weight.const_data_ptr());
   CHECK(place_on_huge_pages(*m) == 0);  // already there

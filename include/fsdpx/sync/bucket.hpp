@@ -579,10 +579,12 @@ inline void load_into(torch::nn::Module& module, const std::vector<NamedTensor>&
 /// Moves `module`'s CPU parameters of core::huge_page_bytes or more into core::empty_host() memory
 /// (2 MiB-aligned, advised to use huge pages), keeping each Parameter object, its values, shape and
 /// requires_grad. For a receiving module (receive_into, load_into, fetch_newer_into): every copy of
-/// a sync lands in its parameters, and on 4 KiB pages that copy ran 10-20% slower on the VM
+/// a sync lands in its parameters, and on 4 KiB pages the broadcast ran about 10% slower on the VM
 /// (docs/sync.md, "Measured"). Call it once, before anything keeps pointers into the parameters: their
-/// storage changes. Tied parameters move once; pinned, non-CPU and already 2 MiB-aligned ones stay.
-/// Returns the bytes moved (0 with FSDPX_HUGE_PAGES=0, or where the kernel offers no huge pages).
+/// storage changes. Tied parameters move once. Pinned, non-CPU and already 2 MiB-aligned ones stay,
+/// and so do views into a larger storage (a flat buffer some other code owns, e.g. a module fsdpx
+/// shards: moving them would cut them off from it). Returns the bytes moved (0 with
+/// FSDPX_HUGE_PAGES=0, or off Linux, where empty_host() is PyTorch's allocator).
 inline int64_t place_on_huge_pages(torch::nn::Module& module) {
   if (!core::host_huge_pages()) return 0;
   const auto aligned = [](const at::Tensor& t) {
@@ -592,9 +594,13 @@ inline int64_t place_on_huge_pages(torch::nn::Module& module) {
   int64_t moved = 0;
   for (auto& param : module.parameters(/*recurse=*/true)) {
     const int64_t bytes = param.numel() * static_cast<int64_t>(param.element_size());
-    if (!param.device().is_cpu() || param.is_pinned() || bytes < core::huge_page_bytes || aligned(param)) continue;
+    const bool whole_storage = param.storage_offset() == 0 && param.storage().nbytes() == static_cast<size_t>(bytes);
+    if (!param.device().is_cpu() || param.is_pinned() || bytes < core::huge_page_bytes || aligned(param) ||
+        !whole_storage) {
+      continue;
+    }
     at::Tensor home = core::empty_host(param.numel(), param.scalar_type());
-    if (!aligned(home)) return moved;  // no huge pages here: moving gains nothing
+    if (!aligned(home)) return moved;  // PyTorch's allocator (not Linux): moving gains nothing
     home = home.view(param.sizes());
     home.copy_(param.detach());
     param.set_data(home);  // the same Parameter (optimisers, tied names) now on the new storage
