@@ -107,7 +107,7 @@ int main(int argc, char** argv) {
     const char* thp = std::getenv("THP_MEM_ALLOC_ENABLE");
     std::printf("%d iterations of sync and raw broadcast alternating, slowest rank; bandwidth = model bytes / time "
                 "(GB/s, 1e9)\npages: fsdpx's host buffers and the raw buffer %s; the rollout module's parameters %s\n\n",
-                args.iters, core::host_huge_pages() ? "advised 2 MiB" : "4 KiB (FSDPX_HUGE_PAGES=0)",
+                args.iters, core::host_huge_pages() ? "advised 2 MiB" : "4 KiB (FSDPX_HUGE_PAGES=0, or not Linux)",
                 args.rollout_huge_pages && core::host_huge_pages() ? "advised 2 MiB (sync::place_on_huge_pages)"
                 : thp != nullptr && std::string(thp) == "1"       ? "2 MiB (THP_MEM_ALLOC_ENABLE=1)"
                                                                   : "4 KiB (PyTorch's allocator, --rollout-pages default)");

@@ -62,7 +62,7 @@ TEST_CASE("host buffers: large ones 2 MiB-aligned, small ones ordinary, both usa
   CHECK(big.numel() == (int64_t{3} << 20) + 5);
   CHECK(big.scalar_type() == at::kFloat);
   CHECK(big.is_cpu());
-  if (host_huge_pages()) CHECK(reinterpret_cast<uintptr_t>(big.data_ptr()) % huge_page_bytes == 0);
+  if (host_huge_pages()) CHECK(on_huge_page_boundary(big));
   big.fill_(2.5f);
   CHECK(big.sum().item<double>() == 2.5 * static_cast<double>(big.numel()));
   const at::Tensor small = empty_host(100, at::kBFloat16);

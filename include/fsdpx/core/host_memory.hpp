@@ -24,13 +24,23 @@ namespace fsdpx::core {
 
 inline constexpr int64_t huge_page_bytes = int64_t{2} << 20;
 
-/// Whether host buffers are advised to use huge pages (FSDPX_HUGE_PAGES=0 turns it off; read once).
+/// Whether empty_host() gives large buffers 2 MiB-aligned and advised to use huge pages: on Linux,
+/// unless FSDPX_HUGE_PAGES=0 (read once). Elsewhere they come from PyTorch's allocator.
 inline bool host_huge_pages() {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
   static const bool enabled = [] {
     const char* v = std::getenv("FSDPX_HUGE_PAGES");
     return v == nullptr || std::string_view(v) != "0";
   }();
   return enabled;
+#else
+  return false;
+#endif
+}
+
+/// Whether `t`'s data starts on a 2 MiB boundary, as empty_host()'s large buffers do.
+inline bool on_huge_page_boundary(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % static_cast<uintptr_t>(huge_page_bytes) == 0;
 }
 
 /// An uninitialised 1-d CPU tensor of `numel` elements; from huge_page_bytes on, 2 MiB-aligned and

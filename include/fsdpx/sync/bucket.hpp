@@ -587,21 +587,16 @@ inline void load_into(torch::nn::Module& module, const std::vector<NamedTensor>&
 /// FSDPX_HUGE_PAGES=0, or off Linux, where empty_host() is PyTorch's allocator).
 inline int64_t place_on_huge_pages(torch::nn::Module& module) {
   if (!core::host_huge_pages()) return 0;
-  const auto aligned = [](const at::Tensor& t) {
-    return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % static_cast<uintptr_t>(core::huge_page_bytes) == 0;
-  };
   at::NoGradGuard no_grad;
   int64_t moved = 0;
   for (auto& param : module.parameters(/*recurse=*/true)) {
     const int64_t bytes = param.numel() * static_cast<int64_t>(param.element_size());
     const bool whole_storage = param.storage_offset() == 0 && param.storage().nbytes() == static_cast<size_t>(bytes);
-    if (!param.device().is_cpu() || param.is_pinned() || bytes < core::huge_page_bytes || aligned(param) ||
-        !whole_storage) {
+    if (!param.device().is_cpu() || param.is_pinned() || bytes < core::huge_page_bytes ||
+        core::on_huge_page_boundary(param) || !whole_storage) {
       continue;
     }
-    at::Tensor home = core::empty_host(param.numel(), param.scalar_type());
-    if (!aligned(home)) return moved;  // PyTorch's allocator (not Linux): moving gains nothing
-    home = home.view(param.sizes());
+    const at::Tensor home = core::empty_host(param.numel(), param.scalar_type()).view(param.sizes());
     home.copy_(param.detach());
     param.set_data(home);  // the same Parameter (optimisers, tied names) now on the new storage
     moved += bytes;
