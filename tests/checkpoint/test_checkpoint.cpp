@@ -4,8 +4,10 @@
 #include <catch2/catch.hpp>
 
 #include <cerrno>
+#include <chrono>
 #include <filesystem>
 #include <set>
+#include <thread>
 
 #include "../support/mpi_world.hpp"
 #include "checkpoint_common.hpp"
@@ -28,6 +30,16 @@ fs::path fresh_dir(const std::string& name) {
   }
   fsdpx::test::world().barrier();
   return dir;
+}
+
+/// What the coordinator's wait() throws; empty when every save succeeded.
+std::string wait_error(CheckpointCoordinator& coordinator) {
+  try {
+    coordinator.wait();
+  } catch (const IoError& e) {
+    return e.what();
+  }
+  return {};
 }
 
 template <class Model>
@@ -227,12 +239,7 @@ TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkp
   if (victim) checkpoint::detail::inject_write_error(ENOSPC, 1000);
   train_step(model, opt, world);
   ckpt.save(4, model, opt, extra);
-  std::string error;
-  try {
-    ckpt.wait();
-  } catch (const IoError& e) {
-    error = e.what();
-  }
+  const std::string error = wait_error(ckpt);
   if (victim) {
     CHECK_THAT(error, Catch::Contains("No space left on device (ENOSPC: the disk is full)"));
     CHECK_THAT(error, Catch::Contains("checkpoint step 4: rank " + std::to_string(world.rank())));
@@ -267,6 +274,118 @@ TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkp
   auto opt3 = make_adamw(again, adamw_options());
   CHECK_THROWS_WITH(load_checkpoint(root, again, opt3, {.verify_checksums = false}),
                     Catch::Contains(extra_file.string()) && Catch::Contains("truncated"));
+}
+
+TEST_CASE("a run that resumes after a crash commits the steps it saves again from its own files only", "[checkpoint][coordinator]") {
+  auto world = any_world();
+  const fs::path root = fresh_dir("resave");
+  const bool last_rank = world.rank() == world.size() - 1;
+  // The interrupted run: steps 1-5 committed, but the crash came before latest_checkpointed_iteration
+  // moved past 3; step 6 failed on the last rank. Its markers stay behind.
+  {
+    torch::manual_seed(7);
+    CkptModel<> model(ResMlp(), world);
+    auto opt = make_adamw(model, adamw_options());
+    ExtraState extra;
+    CheckpointCoordinator run(root, model);
+    for (int64_t step = 1; step <= 5; ++step) {
+      train_step(model, opt, world);
+      run.save(step, model, opt, extra);
+    }
+    run.wait();
+    if (last_rank) checkpoint::detail::inject_write_error(ENOSPC);
+    train_step(model, opt, world);
+    run.save(6, model, opt, extra);
+    CHECK(wait_error(run).empty() == (world.rank() != 0 && !last_rank));
+    checkpoint::detail::inject_write_error(0);
+  }
+  world.barrier();
+  if (world.rank() == 0) checkpoint::detail::write_text_durably(root / checkpoint::checkpointed_iteration_file, "3\n");
+  world.barrier();
+
+  // The resumed run trains on other data, so its files differ from the interrupted run's. Its
+  // writers are slow: rank 0 polls the markers many times before this run's appear.
+  torch::manual_seed(8);
+  CkptModel<> model(ResMlp(), world);
+  auto opt = make_adamw(model, adamw_options());
+  REQUIRE(load_checkpoint(root, model, opt, {.restore_rng = false})->step == 3);
+  ExtraState extra;
+  CheckpointCoordinator run(root, model, {.max_to_keep = 2});
+  run.add_monitor({.before_save = [](int64_t, checkpoint::Component) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); }});
+  const auto committed_as_saved = [&](int64_t step) {
+    const auto record = checkpoint::read_commit_record(checkpoint::step_dir(root, step));
+    REQUIRE(record.has_value());
+    CHECK(record->complete);
+    checkpoint::verify_step(checkpoint::step_dir(root, step), *record, /*verify_checksums=*/true);
+    CkptModel<> loaded(ResMlp(), world);
+    auto loaded_opt = make_adamw(loaded, adamw_options());
+    CHECK(load_checkpoint(root, loaded, loaded_opt, {.step = step})->step == step);
+    CHECK(same_shards(loaded, model));
+  };
+  const auto iteration = [&](const char* file) { return checkpoint::read_iteration_file(root / file); };
+
+  train_step(model, opt, world);
+  run.save(4, model, opt, extra);
+  run.wait();
+  world.barrier();
+  CHECK(iteration(checkpoint::checkpointed_iteration_file) == 4);
+  CHECK(iteration(checkpoint::state_dict_iteration_file) == 5);  // the interrupted run's step 5 is still committed
+  committed_as_saved(4);
+  world.barrier();
+
+  // Step 5 is written again: its old commit is withdrawn first, and the weights' iteration file,
+  // which named it, falls back to step 4 meanwhile.
+  train_step(model, opt, world);
+  run.save(5, model, opt, extra);
+  if (world.rank() == 0) {
+    CHECK(iteration(checkpoint::state_dict_iteration_file) == 4);
+    CHECK_FALSE(checkpoint::read_commit_record(checkpoint::step_dir(root, 5)).has_value());
+  }
+  run.wait();
+  world.barrier();
+  CHECK(iteration(checkpoint::checkpointed_iteration_file) == 5);
+  CHECK(iteration(checkpoint::state_dict_iteration_file) == 5);
+  committed_as_saved(5);
+  world.barrier();
+
+  // The interrupted run's failure marker of step 6 is not this run's failure.
+  train_step(model, opt, world);
+  run.save(6, model, opt, extra);
+  CHECK_NOTHROW(run.wait());
+  world.barrier();
+  CHECK(iteration(checkpoint::checkpointed_iteration_file) == 6);
+  committed_as_saved(6);
+  CHECK_FALSE(fs::exists(root / "global_step_4"));  // max_to_keep = 2
+  world.barrier();
+}
+
+TEST_CASE("rotation never deletes a step an iteration file names, nor counts or deletes the steps after the newest one",
+          "[checkpoint][rotation]") {
+  auto world = any_world();
+  const fs::path root = fresh_dir("rotation_named");
+  torch::manual_seed(9);
+  CkptModel<> model(ResMlp(), world);
+  auto opt = make_adamw(model, adamw_options());
+  ExtraState extra;
+  {
+    CheckpointCoordinator run(root, model);
+    for (int64_t step = 1; step <= 5; ++step) run.save(step, model, opt, extra);
+    run.wait();
+  }
+  world.barrier();
+  if (world.rank() == 0) {
+    // As after a crash: the iteration files lag behind the commit records of steps 4 and 5.
+    checkpoint::detail::write_text_durably(root / checkpoint::checkpointed_iteration_file, "2\n");
+    checkpoint::detail::write_text_durably(root / checkpoint::state_dict_iteration_file, "3\n");
+    checkpoint::rotate_checkpoints(root, {.max_to_keep = 1});
+    CHECK_FALSE(fs::exists(root / "global_step_1"));
+    for (int step = 2; step <= 5; ++step) CHECK(fs::exists(root / ("global_step_" + std::to_string(step))));
+    // A garbled iteration file: what is in use is unknown, so nothing is deleted.
+    checkpoint::detail::write_text_durably(root / checkpoint::checkpointed_iteration_file, "two\n");
+    checkpoint::rotate_checkpoints(root, {.max_to_keep = 1});
+    CHECK(fs::exists(root / "global_step_2"));
+  }
+  world.barrier();
 }
 
 TEST_CASE("rotation keeps leased and newest steps, scans when the iteration file is gone", "[checkpoint][rotation]") {

@@ -6,12 +6,17 @@
 //
 // save() copies the state to host memory (pinned on a GPU) on the calling thread and returns; a
 // Boost.Asio thread pool serializes and writes the files durably (temporary file, fsync, rename,
-// fsync of the directory). Each rank then drops a .done marker per file. Rank 0 watches the markers
-// and commits a step only when every rank's files of it are durable: it writes fsdp_config.json (the
-// commit record, with every file's size and CRC-32C), then advances latest_state_dict_iteration.txt
-// (weights complete) and latest_checkpointed_iteration.txt (everything complete), atomically and
-// never backwards, then rotates old checkpoints. A failed save never advances them: it is reported
-// to the monitors and thrown by the next call on the coordinator.
+// fsync of the directory). Each rank then drops a .done marker per file, named with this run's id.
+// Rank 0 watches the markers and commits a step only when every rank's files of it are durable: it
+// writes fsdp_config.json (the commit record, with every file's size and CRC-32C), then advances
+// latest_state_dict_iteration.txt (weights complete) and latest_checkpointed_iteration.txt
+// (everything complete), atomically and never backwards, then rotates old checkpoints. A failed save
+// never advances them: it is reported to the monitors and thrown by the next call on the coordinator.
+//
+// After a crash the job resumes from an older step and saves the steps after it again, into
+// directories the interrupted run left. Markers of that run carry its id, so they are never taken for
+// this run's; its commit record of a step is withdrawn before the step is written again (an
+// iteration file naming that step falls back to the newest step committed before it).
 //
 // The checkpoint root must be one file system that every rank sees (the commit reads other ranks' markers).
 #pragma once
@@ -33,6 +38,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -50,6 +56,7 @@
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/checkpoint/state_dict.hpp>
+#include <fsdpx/dist/communicator.hpp>
 
 namespace fsdpx {
 
@@ -147,22 +154,15 @@ class CheckpointCoordinator {
  public:
   using Component = checkpoint::Component;
 
-  CheckpointCoordinator(std::filesystem::path root, int rank, int world_size, CheckpointOptions options = {})
-      : root_(std::move(root)), rank_(rank), world_size_(world_size), options_(options), pool_(std::max(1, options.threads)) {
-    FSDPX_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "CheckpointCoordinator: rank ", rank,
-                " is outside the world of ", world_size);
-    std::error_code ec;
-    std::filesystem::create_directories(root_, ec);
-    FSDPX_CHECK_AS(IoError, !ec, "cannot create the checkpoint root '", root_.string(), "': ", ec.message());
-    for (const char* f : {checkpoint::state_dict_iteration_file, checkpoint::checkpointed_iteration_file}) {
-      iteration_[f] = checkpoint::read_iteration_file(root_ / f).value_or(-1);
-    }
-  }
-  /// Rank and world size from the model's world communicator.
+  /// Collective over the model's world communicator: its ranks agree on an id for this run's saves.
   template <class Sharded>
     requires requires(const Sharded& m) { m.mesh().world(); }
   CheckpointCoordinator(std::filesystem::path root, const Sharded& model, CheckpointOptions options = {})
-      : CheckpointCoordinator(std::move(root), model.mesh().world().rank(), model.mesh().world().size(), options) {}
+      : CheckpointCoordinator(std::move(root), model.mesh().world(), options) {}
+  /// For requests made by hand (submit): `world` is the communicator of the ranks that save. Collective.
+  template <dist::Communicator Comm>
+  CheckpointCoordinator(std::filesystem::path root, Comm world, CheckpointOptions options = {})
+      : CheckpointCoordinator(std::move(root), world.rank(), world.size(), agree_on_run_id(world), options) {}
 
   CheckpointCoordinator(const CheckpointCoordinator&) = delete;
   CheckpointCoordinator& operator=(const CheckpointCoordinator&) = delete;
@@ -218,6 +218,7 @@ class CheckpointCoordinator {
     FSDPX_CHECK_AS(IoError, !ec, "cannot create '", (dir / ".done").string(), "': ", ec.message());
 
     if (rank_ == 0) {
+      withdraw_earlier_commit(req.step, dir);
       if (!options_.huggingface_dir.empty()) copy_huggingface_files(dir / "huggingface");
       // Room for the commit records and iteration files, taken before any shard is written, so a
       // disk that fills up during this save or the next cannot keep a finished step from committing.
@@ -281,6 +282,32 @@ class CheckpointCoordinator {
   const std::filesystem::path& root() const { return root_; }
 
  private:
+  CheckpointCoordinator(std::filesystem::path root, int rank, int world_size, std::string run, CheckpointOptions options)
+      : root_(std::move(root)), rank_(rank), world_size_(world_size), run_(std::move(run)), options_(options),
+        pool_(std::max(1, options.threads)) {
+    FSDPX_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "CheckpointCoordinator: rank ", rank,
+                " is outside the world of ", world_size);
+    std::error_code ec;
+    std::filesystem::create_directories(root_, ec);
+    FSDPX_CHECK_AS(IoError, !ec, "cannot create the checkpoint root '", root_.string(), "': ", ec.message());
+    for (const char* f : {checkpoint::state_dict_iteration_file, checkpoint::checkpointed_iteration_file}) {
+      iteration_[f] = checkpoint::read_iteration_file(root_ / f).value_or(-1);
+    }
+  }
+
+  /// Rank 0 draws a random id and broadcasts it: every rank names its markers with it.
+  template <dist::Communicator Comm>
+  static std::string agree_on_run_id(Comm world) {
+    at::Tensor id = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(world.device_type()));
+    if (world.rank() == 0) {
+      std::random_device entropy;
+      const auto now = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
+      id.fill_(static_cast<int64_t>(((uint64_t{entropy()} << 32) | entropy()) ^ now));
+    }
+    world.broadcast(id, 0);
+    return ::fsdpx::detail::str(std::hex, static_cast<uint64_t>(id.item<int64_t>()));
+  }
+
   struct InFlight {
     std::mutex m;
     std::condition_variable cv;
@@ -363,7 +390,7 @@ class CheckpointCoordinator {
                            : c == Component::optim ? checkpoint::save_state_dict(event.path, *req.optim)
                                                    : checkpoint::detail::save_ivalue(event.path, *req.extra);
       event.bytes = written.bytes;
-      checkpoint::detail::write_text_durably(checkpoint::done_marker(dir, c, rank_),
+      checkpoint::detail::write_text_durably(checkpoint::done_marker(dir, c, rank_, run_),
                                              ::fsdpx::detail::str(event.path.filename().string(), " ", written.bytes, " ",
                                                                   written.crc32c, "\n"));
     } catch (const std::exception& e) {
@@ -371,7 +398,7 @@ class CheckpointCoordinator {
                                          to_string(c), ": ", e.what());
       // Tell rank 0 at once, so it stops waiting for this step. On a full disk the text may not fit;
       // an empty marker needs no data block.
-      const auto marker = checkpoint::failed_marker(dir, rank_);
+      const auto marker = checkpoint::failed_marker(dir, rank_, run_);
       try {
         checkpoint::detail::write_text_durably(marker, event.error);
       } catch (...) {
@@ -417,7 +444,7 @@ class CheckpointCoordinator {
   /// One look at the markers; true when the commit is finished (committed or failed).
   bool advance_commit(Commit& c) {
     for (int r = 0; r < world_size_; ++r) {
-      const auto failed = checkpoint::failed_marker(c.dir, r);
+      const auto failed = checkpoint::failed_marker(c.dir, r, run_);
       if (std::filesystem::exists(failed)) {
         std::string cause = checkpoint::detail::read_text(failed);
         if (cause.empty()) cause = ::fsdpx::detail::str("rank ", r, " could not save its files (nor describe why: is the disk full?)");
@@ -429,7 +456,7 @@ class CheckpointCoordinator {
     const auto files_of = [&](Component comp) -> std::optional<checkpoint::detail::Json::Object> {
       checkpoint::detail::Json::Object files;
       for (int r = 0; r < world_size_; ++r) {
-        const auto marker = checkpoint::done_marker(c.dir, comp, r);
+        const auto marker = checkpoint::done_marker(c.dir, comp, r, run_);
         if (!std::filesystem::exists(marker)) return std::nullopt;
         char name[256] = {};
         long long bytes = 0;
@@ -507,6 +534,7 @@ class CheckpointCoordinator {
       std::lock_guard lock(mutex_);
       in_flight = pending_commits_;
     }
+    std::lock_guard lock(iteration_mutex_);  // the steps the iteration files name hold still meanwhile
     checkpoint::rotate_checkpoints(root_, {options_.max_to_keep, options_.max_bytes}, in_flight);
   }
 
@@ -536,9 +564,32 @@ class CheckpointCoordinator {
     current = step;
   }
 
+  /// Rank 0, before `step` is written: an interrupted run's commit record of it is withdrawn, so the
+  /// step is never taken for committed while its files are replaced. An iteration file that names it
+  /// first falls back to the newest step committed before it (or goes, when there is none): readers
+  /// see it move back, never name a step that is not committed.
+  void withdraw_earlier_commit(int64_t step, const std::filesystem::path& dir) {
+    if (!std::filesystem::exists(dir / checkpoint::config_file)) return;
+    std::lock_guard lock(iteration_mutex_);
+    for (auto& [file, current] : iteration_) {
+      if (current != step) continue;
+      const auto fallback =
+          checkpoint::find_committed_before(root_, step, /*weights_only=*/file == checkpoint::state_dict_iteration_file);
+      if (fallback) {
+        checkpoint::detail::write_text_durably(root_ / file, std::to_string(*fallback) + "\n");
+      } else {
+        checkpoint::detail::remove_durably(root_ / file);
+      }
+      std::lock_guard state(mutex_);
+      current = fallback.value_or(-1);
+    }
+    checkpoint::detail::remove_durably(dir / checkpoint::config_file);
+  }
+
   std::filesystem::path root_;
   int rank_;
   int world_size_;
+  std::string run_;  // the id in this run's marker names, the same on every rank
   CheckpointOptions options_;
   mutable std::mutex mutex_;
   std::condition_variable idle_;

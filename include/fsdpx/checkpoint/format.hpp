@@ -2,7 +2,7 @@
 //
 //   <root>/global_step_<N>/actor/model_world_size_<W>_rank_<r>.pt        (+ optim_, extra_state_)
 //   <root>/global_step_<N>/actor/fsdp_config.json                        written last: the commit record
-//   <root>/global_step_<N>/actor/.done/<component>_rank_<r>.json          one per durable file
+//   <root>/global_step_<N>/actor/.done/<component>_rank_<r>.<run>.json    one per durable file
 //   <root>/latest_state_dict_iteration.txt, latest_checkpointed_iteration.txt
 //
 // Each .pt file is torch.save's zip format holding plain dicts, lists, numbers, strings and tensors,
@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/core/ivalue.h>
@@ -71,11 +72,14 @@ inline fs::path step_dir(const fs::path& root, int64_t step) {
 inline constexpr const char* state_dict_iteration_file = "latest_state_dict_iteration.txt";
 inline constexpr const char* checkpointed_iteration_file = "latest_checkpointed_iteration.txt";
 inline constexpr const char* config_file = "fsdp_config.json";
-inline fs::path done_marker(const fs::path& dir, Component c, int rank) {
-  return dir / ".done" / ::fsdpx::detail::str(to_string(c), "_rank_", rank, ".json");
+/// Rank `rank`'s marker that its file of component `c` is durable. `run` names the coordinator run
+/// that wrote it (one id shared by the run's ranks), so that a marker an interrupted run left behind
+/// is never taken for this run's when a step is saved again.
+inline fs::path done_marker(const fs::path& dir, Component c, int rank, std::string_view run) {
+  return dir / ".done" / ::fsdpx::detail::str(to_string(c), "_rank_", rank, ".", run, ".json");
 }
-inline fs::path failed_marker(const fs::path& dir, int rank) {
-  return dir / ".done" / ::fsdpx::detail::str("failed_rank_", rank, ".txt");
+inline fs::path failed_marker(const fs::path& dir, int rank, std::string_view run) {
+  return dir / ".done" / ::fsdpx::detail::str("failed_rank_", rank, ".", run, ".txt");
 }
 
 // ---- StateDict <-> the file's dict ------------------------------------------------------------------

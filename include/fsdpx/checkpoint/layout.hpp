@@ -3,8 +3,9 @@
 // A step is committed once rank 0 has written its fsdp_config.json (after every rank's files were
 // durable): "components" lists what is complete; "complete": true means model, optimizer and extra
 // state. Rotation deletes only committed steps older than the newest committed one (and debris of
-// failed saves older than it), never one a reader has leased, and renames a step away before
-// removing it so that a crash mid-delete never leaves a half-deleted step that looks committed.
+// failed saves older than it), never one an iteration file names or a reader has leased, and renames
+// a step away before removing it so that a crash mid-delete never leaves a half-deleted step that
+// looks committed.
 #pragma once
 
 #include <algorithm>
@@ -13,6 +14,7 @@
 #include <csignal>
 #include <cstdint>
 #include <filesystem>
+#include <limits>
 #include <map>
 #include <optional>
 #include <set>
@@ -150,6 +152,20 @@ inline std::vector<StepDir> list_steps(const fs::path& root) {
   return out;
 }
 
+/// The newest step before `before` that is committed (with weights, or with everything), found by
+/// scanning; nullopt when there is none.
+inline std::optional<int64_t> find_committed_before(const fs::path& root, int64_t before, bool weights_only) {
+  std::optional<int64_t> newest;
+  for (const StepDir& s : list_steps(root)) {
+    if (s.step >= before) break;
+    try {
+      if (const auto record = read_commit_record(s.path / "actor"); record && is_committed(*record, weights_only)) newest = s.step;
+    } catch (const IoError&) {  // a garbled record is not a commit
+    }
+  }
+  return newest;
+}
+
 /// The newest committed step: from the iteration file, or, when it is missing, by scanning for
 /// committed steps. nullopt when there is none.
 inline std::optional<int64_t> find_latest_checkpoint(const fs::path& root, bool weights_only = false) {
@@ -161,14 +177,7 @@ inline std::optional<int64_t> find_latest_checkpoint(const fs::path& root, bool 
                    "): the checkpoint root was modified by hand");
     return step;
   }
-  std::optional<int64_t> newest;
-  for (const StepDir& s : list_steps(root)) {
-    try {
-      if (const auto record = read_commit_record(s.path / "actor"); record && is_committed(*record, weights_only)) newest = s.step;
-    } catch (const IoError&) {  // a garbled record is not a commit
-    }
-  }
-  return newest;
+  return find_committed_before(root, std::numeric_limits<int64_t>::max(), weights_only);
 }
 
 // ---- leases: readers pin a step against rotation ----------------------------------------------------
@@ -265,12 +274,24 @@ inline void delete_step(const fs::path& root, const StepDir& s) {
 }
 
 /// Deletes committed steps beyond the policy's count and bytes, oldest first, and debris of failed
-/// saves older than the newest committed step. Never: the newest committed step, a leased step, a
-/// step newer than the newest committed one (it may still be in flight), or one in `in_flight`.
+/// saves older than the newest committed step. The newest committed step is the newest one an
+/// iteration file names (without iteration files: the newest found by scanning). Never deleted: a
+/// step an iteration file names, a leased step, one in `in_flight`, or any step newer than the newest
+/// committed one: it is still being saved, or an interrupted run left it and this run saves it
+/// again. Those newer steps do not count against the policy either.
 inline void rotate_checkpoints(const fs::path& root, const RotationPolicy& policy, const std::set<int64_t>& in_flight = {}) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(root, ec)) {
     if (e.path().filename().string().rfind(".deleting_global_step_", 0) == 0) fs::remove_all(e.path(), ec);
+  }
+  std::set<int64_t> named;
+  try {
+    for (const char* file : {state_dict_iteration_file, checkpointed_iteration_file}) {
+      if (const auto step = read_iteration_file(root / file)) named.insert(*step);
+    }
+  } catch (const IoError& e) {  // which steps are in use is unknown: delete nothing
+    TORCH_WARN("fsdpx: checkpoint rotation skipped: ", e.what());
+    return;
   }
   std::vector<StepDir> committed, debris;
   for (const StepDir& s : list_steps(root)) {
@@ -282,18 +303,19 @@ inline void rotate_checkpoints(const fs::path& root, const RotationPolicy& polic
     (record && is_committed(*record, /*weights_only=*/true) ? committed : debris).push_back(s);
   }
   if (committed.empty()) return;
-  const int64_t newest = committed.back().step;
+  const int64_t newest = named.empty() ? committed.back().step : *named.rbegin();
+  const auto in_use = [&](const StepDir& s) { return named.count(s.step) != 0 || in_flight.count(s.step) != 0 || is_leased(s.path); };
   for (const StepDir& s : debris) {
-    if (s.step < newest && in_flight.count(s.step) == 0 && !is_leased(s.path)) delete_step(root, s);
+    if (s.step < newest && !in_use(s)) delete_step(root, s);
   }
   int kept = 0;
   int64_t bytes = 0;
   for (auto it = committed.rbegin(); it != committed.rend(); ++it) {
+    if (it->step > newest) continue;
     const int64_t size = directory_bytes(it->path);
-    const bool is_newest = it->step == newest;
     const bool over = (policy.max_to_keep > 0 && kept >= policy.max_to_keep) ||
                       (policy.max_bytes > 0 && bytes + size > policy.max_bytes);
-    if (is_newest || !over || is_leased(it->path) || in_flight.count(it->step) != 0) {
+    if (it->step == newest || !over || in_use(*it)) {
       ++kept;
       bytes += size;
       continue;

@@ -151,6 +151,17 @@ inline void fsync_directory(const fs::path& dir) {
   if (::fsync(fd.get()) != 0) throw_io("fsync of directory", dir, errno);
 }
 
+/// Removes `path` (nothing to do when it is absent) and fsyncs its directory, so the removal
+/// survives a crash.
+inline void remove_durably(const fs::path& path) {
+  std::error_code ec;
+  if (!fs::remove(path, ec)) {
+    if (ec) throw_io("removing", path, ec.value());
+    return;
+  }
+  fsync_directory(path.parent_path());
+}
+
 /// Allocates `bytes` of disk to `path` (no data written), so they can be freed for a later write
 /// when the disk is full. An IoError when the disk has no room even for that.
 inline void reserve_space(const fs::path& path, int64_t bytes) {
