@@ -1,12 +1,21 @@
 // A training job that checkpoints and resumes, run by the resume and crash tests as separate
 // processes (tests/checkpoint/*.sh):
 //   checkpoint_job train --steps N [--root R] [--save-every K] [--keep K] [--resume] [--out F] [--hybrid]
+//                        [--fatal-save-errors] [--slow-save RANK:MS] [--throw-at STEP:RANK]
+//       --fatal-save-errors  a failed save ends the job (by default it is reported and training goes on)
+//       --slow-save          that rank prints "rank R pid P writing step S" and sleeps before each file
+//       --throw-at           that rank throws after that step (a failure between steps)
 //   checkpoint_job verify --root R          loads the newest committed step (checksums on)
 //   checkpoint_job compare A B [--tol T]    two full state dict files, equal (or within T)
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <thread>
+#include <tuple>
+#include <utility>
+
+#include <unistd.h>
 
 #include <fsdpx/checkpoint.hpp>
 #include <fsdpx/dist/mpi.hpp>
@@ -26,8 +35,19 @@ struct Args {
   int keep = 0;
   bool resume = false;
   bool hybrid = false;
+  bool fatal_save_errors = false;
+  int slow_rank = -1, slow_ms = 0;
+  int64_t throw_step = -1;
+  int throw_rank = -1;
   double tol = 0;
 };
+
+/// "A:B" as two integers.
+std::pair<int64_t, int64_t> pair_arg(const std::string& k, const std::string& v) {
+  const auto colon = v.find(':');
+  if (colon == std::string::npos) throw std::invalid_argument(k + " takes A:B, got '" + v + "'");
+  return {std::stoll(v.substr(0, colon)), std::stoll(v.substr(colon + 1))};
+}
 
 Args parse(int argc, char** argv) {
   Args args;
@@ -42,6 +62,9 @@ Args parse(int argc, char** argv) {
     else if (k == "--keep") args.keep = std::stoi(next());
     else if (k == "--resume") args.resume = true;
     else if (k == "--hybrid") args.hybrid = true;
+    else if (k == "--fatal-save-errors") args.fatal_save_errors = true;
+    else if (k == "--slow-save") std::tie(args.slow_rank, args.slow_ms) = pair_arg(k, next());
+    else if (k == "--throw-at") std::tie(args.throw_step, args.throw_rank) = pair_arg(k, next());
     else if (k == "--tol") args.tol = std::stod(next());
     else if (args.a.empty()) args.a = k;
     else args.b = k;
@@ -63,9 +86,19 @@ int train(Model& model, dist::AnyCommunicator world, const Args& args) {
   }
   std::optional<CheckpointCoordinator> ckpt;
   if (!args.root.empty() && args.save_every > 0) ckpt.emplace(args.root, model, CheckpointOptions{.max_to_keep = args.keep});
+  if (ckpt && world.rank() == args.slow_rank) {
+    CheckpointMonitor slow;
+    slow.before_save = [&args, r = world.rank()](int64_t step, checkpoint::Component) {
+      std::printf("rank %d pid %d writing step %lld\n", r, static_cast<int>(::getpid()), static_cast<long long>(step));
+      std::fflush(stdout);
+      std::this_thread::sleep_for(std::chrono::milliseconds(args.slow_ms));
+    };
+    ckpt->add_monitor(std::move(slow));
+  }
   // A failed save is reported and training goes on (as a trainer would); the job's exit code says it.
   bool save_failed = false;
   const auto checkpoint_call = [&](auto&& call) {
+    if (args.fatal_save_errors) return call();
     try {
       call();
     } catch (const IoError& e) {
@@ -76,6 +109,9 @@ int train(Model& model, dist::AnyCommunicator world, const Args& args) {
   for (int64_t step = start + 1; step <= args.steps; ++step) {
     const double loss = train_step(model, opt, world);
     if (world.rank() == 0) std::printf("step %lld loss %.6f\n", static_cast<long long>(step), loss);
+    if (step == args.throw_step && world.rank() == args.throw_rank) {
+      throw std::runtime_error("the injected failure after step " + std::to_string(step));
+    }
     if (ckpt && step % args.save_every == 0) {
       extra.client.insert_or_assign("samples_seen", step * 12);
       checkpoint_call([&] { ckpt->save(step, model, opt, extra); });

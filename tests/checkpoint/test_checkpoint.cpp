@@ -5,9 +5,15 @@
 
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <future>
 #include <set>
 #include <thread>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include "../support/mpi_world.hpp"
 #include "checkpoint_common.hpp"
@@ -420,5 +426,168 @@ TEST_CASE("rotation keeps leased and newest steps, scans when the iteration file
   world.barrier();
   CHECK(checkpoint::find_latest_checkpoint(root, true) == 3);  // found by scanning
   CHECK_THROWS_WITH(checkpoint::CheckpointLease(root, 2), Catch::Contains("not (or no longer) committed"));
+  world.barrier();
+}
+
+namespace {
+/// What `fn` writes to stderr (file descriptor 2), which it still shows.
+template <class Fn>
+std::string capture_stderr(const fs::path& file, Fn&& fn) {
+  std::fflush(stderr);
+  const int saved = ::dup(2);
+  const int fd = ::open(file.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ::dup2(fd, 2);
+  ::close(fd);
+  try {
+    fn();
+  } catch (...) {
+    std::fflush(stderr);
+    ::dup2(saved, 2);
+    ::close(saved);
+    throw;
+  }
+  std::fflush(stderr);
+  ::dup2(saved, 2);
+  ::close(saved);
+  const std::string text = checkpoint::detail::read_text(file);
+  std::fputs(text.c_str(), stderr);
+  return text;
+}
+}  // namespace
+
+namespace {
+/// Holds the last rank's saves until `release` exists (at most a minute), and gives the other ranks
+/// a way to wait until their own file of a step is durable: the test orders events by files and
+/// barriers, never by sleeps, so a loaded machine cannot reorder them.
+struct LateLastRank {
+  fs::path release;
+  std::promise<void> own_written;
+  std::future<void> own_written_future = own_written.get_future();
+
+  void attach(CheckpointCoordinator& ckpt, int rank, int size) {
+    CheckpointMonitor monitor;
+    if (rank == size - 1) {
+      monitor.before_save = [file = release](int64_t, checkpoint::Component) {
+        const auto give_up = std::chrono::steady_clock::now() + std::chrono::minutes(1);
+        while (!fs::exists(file) && std::chrono::steady_clock::now() < give_up) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        }
+      };
+    } else {
+      monitor.after_save = [this](const SaveEvent&) { own_written.set_value(); };
+    }
+    ckpt.add_monitor(monitor);
+  }
+  /// Every rank but the last: returns once this rank's own file is durable.
+  void wait_own(int rank, int size) {
+    if (rank != size - 1) own_written_future.get();
+  }
+  void let_go() const { checkpoint::detail::write_text_durably(release, "go\n"); }
+};
+}  // namespace
+
+TEST_CASE("a coordinator says what it waits for, and teardown after an error abandons commits at once",
+          "[checkpoint][failfast]") {
+  auto world = any_world();
+  if (world.size() < 2) return;  // needs a rank that is late
+  const fs::path root = fresh_dir("teardown");
+  torch::manual_seed(7);
+  CkptModel<> model(ResMlp(), world);
+
+  // A wait longer than report_interval says which rank's file it waits for: every other rank's file
+  // is durable (barrier) and the last rank's is held until rank 0 has waited several intervals.
+  {
+    LateLastRank late{root / "release_1"};
+    CheckpointCoordinator ckpt(root, model, {.report_interval = std::chrono::milliseconds(100)});
+    late.attach(ckpt, world.rank(), world.size());
+    ckpt.save(1, model);
+    late.wait_own(world.rank(), world.size());
+    world.barrier();
+    if (world.rank() == 0) {
+      std::thread releaser([&] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(600));
+        late.let_go();
+      });
+      std::string said;
+      try {
+        said = capture_stderr(root / "rank0_stderr.txt", [&] { ckpt.wait(); });
+      } catch (...) {
+        releaser.join();
+        throw;
+      }
+      releaser.join();
+      CHECK_THAT(said, Catch::Contains("fsdpx: checkpoint (rank 0): still waiting after"));
+      CHECK_THAT(said, Catch::Contains(::fsdpx::detail::str("step 1 to commit: waiting for rank ", world.size() - 1,
+                                                            "'s model file")));
+    } else {
+      ckpt.wait();
+    }
+    world.barrier();
+  }
+  CHECK(checkpoint::find_latest_checkpoint(root, /*weights_only=*/true) == 1);
+
+  // Rank 0 fails while the last rank's file of step 2 is held: its coordinator, destroyed while the
+  // exception propagates, abandons the commit at once instead of waiting up to commit_timeout (the
+  // last rank is let go only after rank 0 has caught the exception).
+  world.barrier();
+  LateLastRank late{root / "release_2"};
+  std::chrono::steady_clock::time_point thrown, caught;
+  const auto fail_on_rank0 = [&] {
+    try {
+      CheckpointCoordinator ckpt(root, model, {.commit_timeout = std::chrono::minutes(30)});
+      late.attach(ckpt, world.rank(), world.size());
+      ckpt.save(2, model);
+      late.wait_own(world.rank(), world.size());
+      world.barrier();
+      if (world.rank() == 0) {
+        thrown = std::chrono::steady_clock::now();
+        throw std::runtime_error("the trainer failed");
+      }
+    } catch (const std::runtime_error&) {
+      caught = std::chrono::steady_clock::now();
+    }
+  };
+  if (world.rank() == 0) {
+    const std::string said = capture_stderr(root / "rank0_teardown.txt", fail_on_rank0);
+    late.let_go();
+    // Generous: a wait for the held rank would last the minute its hold lasts.
+    CHECK(caught - thrown < std::chrono::seconds(20));
+    CHECK_THAT(said, Catch::Contains(::fsdpx::detail::str(
+                         "fsdpx: checkpoint step 2 was abandoned, not committed: this process is ending after an "
+                         "error while it waited for rank ", world.size() - 1, "'s model file")));
+  } else {
+    fail_on_rank0();
+  }
+  world.barrier();
+  // The last rank's files landed after the teardown; nothing committed them, and step 1 still stands.
+  CHECK(fs::exists(checkpoint::step_dir(root, 2) / checkpoint::shard_file_name(checkpoint::Component::model, world.size(),
+                                                                            world.size() - 1)));
+  CHECK_FALSE(fs::exists(checkpoint::step_dir(root, 2) / checkpoint::config_file));
+  CHECK(checkpoint::find_latest_checkpoint(root, /*weights_only=*/true) == 1);
+  world.barrier();
+}
+
+TEST_CASE("a lease a crashed reader left unreadable or empty pins its step only briefly", "[checkpoint][rotation]") {
+  auto world = any_world();
+  const fs::path root = fresh_dir("stale_lease");
+  if (world.rank() == 0) {
+    const fs::path step = root / "global_step_1";
+    const fs::path leases = step / ".leases";
+    fs::create_directories(leases);
+    CHECK_FALSE(checkpoint::is_leased(step));
+    // Empty, as a crash between create and write leaves it (and as a temporary file looks mid-write).
+    for (const char* name : {"vm-123-0", "vm-123-1.tmp"}) {
+      const fs::path lease = leases / name;
+      { std::ofstream touch(lease); }
+      CHECK(checkpoint::is_leased(step));  // young: it may be being written
+      fs::last_write_time(lease, fs::file_time_type::clock::now() - checkpoint::detail::lease_write_grace - std::chrono::seconds(1));
+      CHECK_FALSE(checkpoint::is_leased(step));  // old: debris
+    }
+    // A readable lease of a live process of this host pins the step however old it is.
+    const fs::path live = leases / "live";
+    checkpoint::detail::write_text_durably(live, ::fsdpx::detail::str(checkpoint::detail::host_name(), " ", ::getpid(), "\n"));
+    fs::last_write_time(live, fs::file_time_type::clock::now() - std::chrono::hours(24));
+    CHECK(checkpoint::is_leased(step));
+  }
   world.barrier();
 }

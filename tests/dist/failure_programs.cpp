@@ -1,11 +1,22 @@
 // Programs that must fail, and fail clearly, under mpiexec. CTest checks their output.
-//   early_exit        the last rank leaves; the others' all_gather times out naming op, rank and timeout
+//   early_exit        the last rank leaves; the others' all_gather fails at once (not at its 10-minute
+//                     timeout) naming the op and the rank that left
+//   exception_unwinds the last rank throws between collectives and its handler prints the cause; the
+//                     others' next collective fails naming that rank, after its message
 //   indivisible_mesh  shard size 2 on a world of 3
 //   env_mismatch      torchrun variables that contradict mpirun's
-//   broken_after_timeout  after a timeout, the communicator refuses further work with the cause
+//   stopped           the last rank stops itself (SIGSTOP) after a barrier; rank 0, which watches it, fails
+//                     its all_gather once the heartbeat misses it (15 s by default) and tells the others
+//   root_leaves       the last rank broadcasts and leaves; rank 1 joins that broadcast 2.5 s later, and
+//                     every rank gets its data (a rank that took part in a collective before it left
+//                     never fails it)
+//   broken_after_timeout  a rank that stays but never joins: after the timeout, the communicator refuses
+//                     further work with the cause
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <string>
+#include <thread>
 
 #include <ATen/ATen.h>
 
@@ -15,6 +26,7 @@
 #include "../support/expect.hpp"
 
 using namespace fsdpx;
+using fsdpx::detail::str;
 using fsdpx::test::expect_error;
 
 int main(int argc, char** argv) {
@@ -24,7 +36,28 @@ int main(int argc, char** argv) {
                                      {"contradicts OMPI_COMM_WORLD_"});
   }
   dist::CommOptions options;
-  options.timeout = std::chrono::milliseconds(3000);
+  // A departure must end the collective long before this; a timeout only where the mode needs one.
+  options.timeout = std::chrono::milliseconds(mode == "broken_after_timeout" ? 3000 : 600000);
+  options.report_interval = std::chrono::milliseconds(1000);
+  if (mode == "exception_unwinds") {
+    int r = -1;
+    try {
+      // The documented pattern: the communicator lives inside the try block, so it is destroyed while
+      // the exception propagates, before the handler prints.
+      auto world = dist::MpiCommunicator::world(options);
+      r = world.rank();
+      const int W = world.size();
+      world.barrier();
+      if (r == W - 1) throw std::runtime_error("the injected failure of the last rank");
+      auto out = at::empty({W * 4});
+      return expect_error<CommError>([&] { world.all_gather(out, at::ones({4})); },
+                                     {"all_gather on communicator 'world'",
+                                      str("world rank ", W - 1, " left the job after an error")});
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "CAUSE-PRINTED: rank %d: %s\n", r, e.what());
+      return 1;
+    }
+  }
   auto world = dist::MpiCommunicator::world(options);
   const int W = world.size(), r = world.rank();
 
@@ -32,16 +65,61 @@ int main(int argc, char** argv) {
     return expect_error<ConfigError>([&] { dist::DeviceMesh<dist::MpiCommunicator>::build(world, 2); },
                                      {"cannot be split into shard groups of 2 ranks"});
   }
-  if (mode == "early_exit" || mode == "broken_after_timeout") {
+  auto out = at::empty({W * 4});
+  if (mode == "early_exit") {
     world.barrier();
     if (r == W - 1) {
       std::printf("rank %d leaving early\n", r);
       return 0;  // finalizes MPI without taking part in the all_gather below
     }
-    auto out = at::empty({W * 4});
+    return expect_error<CommError>([&] { world.all_gather(out, at::ones({4})); },
+                                   {"all_gather on communicator 'world'",
+                                    str("world rank ", W - 1, " left the job (its program ended)")});
+  }
+  if (mode == "stopped") {
+    world.barrier();
+    if (r == W - 1) {
+      std::printf("rank %d stopping itself\n", r);
+      std::fflush(stdout);
+      std::raise(SIGSTOP);  // the job's end kills it
+      return 0;
+    }
+    const auto start = std::chrono::steady_clock::now();
+    // Rank 0 watches the last rank (its ring predecessor); the others learn it from rank 0.
+    const int rc = r == 0 ? expect_error<CommError>([&] { world.all_gather(out, at::ones({4})); },
+                                                    {"all_gather on communicator 'world'",
+                                                     str("world rank ", W - 1, " has not answered for")})
+                          : expect_error<CommError>([&] { world.all_gather(out, at::ones({4})); },
+                                                    {"all_gather on communicator 'world'",
+                                                     str("world rank ", W - 1, " stopped answering: world rank 0 heard no heartbeat")});
+    const auto waited = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - start);
+    std::printf("rank %d: the all_gather failed after %lld s\n", r, static_cast<long long>(waited.count()));
+    return rc;
+  }
+  if (mode == "root_leaves") {
+    world.barrier();
+    auto t = at::full({8}, r == W - 1 ? 42.0 : 0.0);
+    if (r == W - 1) {
+      world.broadcast(t, W - 1);
+      return 0;
+    }
+    // Rank 1 joins long after the root's notice arrived; with 4 ranks, libnbc's binomial tree has it
+    // forward the data to rank 2, which joined at once and so waits all that time for a rank that left.
+    if (r == 1) std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    world.broadcast(t, W - 1);
+    if (!at::equal(t, at::full({8}, 42.0))) return 6;
+    std::printf("rank %d: LATE-BROADCAST-OK\n", r);
+    return 0;
+  }
+  if (mode == "broken_after_timeout") {
+    world.barrier();
+    if (r == W - 1) {
+      std::this_thread::sleep_for(std::chrono::seconds(6));  // alive, but never joins the all_gather
+      return 0;
+    }
     const int rc = expect_error<TimeoutError>([&] { world.all_gather(out, at::ones({4})); },
                                               {"all_gather on communicator 'world'", "did not complete within 3000 ms"});
-    if (rc != 0 || mode == "early_exit") return rc;
+    if (rc != 0) return rc;
     return expect_error<CommError>([&] { world.all_reduce(at::ones({1})); },
                                    {"all_reduce on communicator 'world'", "unusable after an earlier failure",
                                     "all_gather"});

@@ -2,6 +2,8 @@
 // mpiexec gives (CTest runs 1, 2, 3 and 4).
 #include <catch2/catch.hpp>
 
+#include <chrono>
+
 #include <ATen/ATen.h>
 
 #include <fsdpx/dist/mpi.hpp>
@@ -232,4 +234,18 @@ TEST_CASE("bad arguments fail before any communication, naming the cause", "[mpi
     REQUIRE_THROWS_WITH(world().all_gather(out, out.narrow(0, 1, 2)), Contains("overlaps the output"));
   }
   world().barrier();  // still usable
+}
+
+TEST_CASE("a timeout too large for the clock means no deadline, not an instant failure", "[mpi][timeout]") {
+  fsdpx::dist::CommOptions options;
+  options.timeout = std::chrono::milliseconds(10'000'000'000'000LL);  // FSDPX_TIMEOUT_MS=10000000000000
+  options.name = "patient";
+  auto patient = fsdpx::dist::MpiCommunicator::world(options);
+  auto t = at::full({4}, static_cast<double>(patient.rank() + 1));
+  patient.all_reduce(t);
+  const int W = patient.size();
+  require_equal(t, at::full({4}, static_cast<double>(W * (W + 1) / 2)));
+  auto out = at::empty({W * 2});
+  patient.all_gather(out, at::full({2}, static_cast<double>(patient.rank())));
+  CHECK(out[2 * (W - 1)].item<double>() == W - 1);
 }

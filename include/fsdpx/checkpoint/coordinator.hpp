@@ -18,6 +18,12 @@
 // this run's; its commit record of a step is withdrawn before the step is written again (an
 // iteration file naming that step falls back to the newest step committed before it).
 //
+// Teardown after an error (the coordinator destroyed while an exception propagates, or after its
+// world communicator failed) waits only for this rank's own writes: rank 0 takes one last look at
+// each step it was committing, commits those whose files are all durable, and abandons the others,
+// saying which, instead of waiting out commit_timeout for ranks that will never finish. Nothing
+// committed is touched. Every wait reports what it waits for every CheckpointOptions::report_interval.
+//
 // The checkpoint root must be one file system that every rank sees (the commit reads other ranks' markers).
 #pragma once
 
@@ -30,6 +36,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <filesystem>
 #include <functional>
@@ -70,6 +77,8 @@ struct CheckpointOptions {
   /// Rank 0 gives up on a step whose files have not all become durable within this time.
   std::chrono::milliseconds commit_timeout = std::chrono::minutes(30);
   std::chrono::milliseconds poll_interval = std::chrono::milliseconds(10);
+  /// A wait that lasts longer than this says on stderr what it waits for (and again each interval). 0: never.
+  std::chrono::milliseconds report_interval = std::chrono::minutes(1);
   /// Files (model config.json, tokenizer files) that rank 0 copies into every step's huggingface/
   /// directory, so a merged checkpoint is a Hugging Face model directory. Empty: none.
   std::filesystem::path huggingface_dir;
@@ -162,15 +171,23 @@ class CheckpointCoordinator {
   /// For requests made by hand (submit): `world` is the communicator of the ranks that save. Collective.
   template <dist::Communicator Comm>
   CheckpointCoordinator(std::filesystem::path root, Comm world, CheckpointOptions options = {})
-      : CheckpointCoordinator(std::move(root), world.rank(), world.size(), agree_on_run_id(world), options) {}
+      : CheckpointCoordinator(std::move(root), world.rank(), world.size(), agree_on_run_id(world), options) {
+    if constexpr (requires { { world.is_broken() } -> std::convertible_to<bool>; }) {
+      world_failed_ = [world] { return world.is_broken(); };
+    }
+  }
 
   CheckpointCoordinator(const CheckpointCoordinator&) = delete;
   CheckpointCoordinator& operator=(const CheckpointCoordinator&) = delete;
+  /// Waits for the saves in flight (see the top of this file for teardown after an error).
   ~CheckpointCoordinator() {
-    try {
-      wait();
-    } catch (const std::exception& e) {
-      TORCH_WARN("fsdpx: a checkpoint save failed and was not waited for: ", e.what());
+    if (std::uncaught_exceptions() > 0) abandoning_.store(true);
+    wait_idle();
+    {
+      std::lock_guard lock(mutex_);
+      if (!failure_.empty() && !failure_said_) {
+        std::fprintf(stderr, "%s (rank %d, at the coordinator's end)\n", failure_.c_str(), rank_);
+      }
     }
     pool_.join();
   }
@@ -233,7 +250,12 @@ class CheckpointCoordinator {
     for (const Component c : components) {
       auto& slot = in_flight_[static_cast<int>(c)];
       slot = std::make_shared<InFlight>();
+      slot->step = shared->step;
       slots.push_back(slot);
+      {
+        std::lock_guard lock(mutex_);
+        ++own_writes_[shared->step];
+      }
       start_task();
     }
     auto fence = std::make_shared<std::optional<std::promise<void>>>(std::move(copied));
@@ -258,17 +280,14 @@ class CheckpointCoordinator {
         pending_commits_.insert(shared->step);
       }
       watch_commit(std::make_shared<Commit>(Commit{shared->step, dir, components, shared->config,
-                                                   std::chrono::steady_clock::now() + options_.commit_timeout}));
+                                                   dist::deadline_after(options_.commit_timeout)}));
     }
   }
 
   /// Waits until this rank's saves are durable (and, on rank 0, committed or failed); throws the
   /// first failure since the last throw.
   void wait() {
-    {
-      std::unique_lock lock(mutex_);
-      idle_.wait(lock, [&] { return outstanding_ == 0; });
-    }
+    wait_idle();
     rethrow_failure();
   }
 
@@ -282,6 +301,18 @@ class CheckpointCoordinator {
   const std::filesystem::path& root() const { return root_; }
 
  private:
+  /// Waits until nothing is outstanding, saying what it waits for every report_interval.
+  void wait_idle() {
+    const auto start = std::chrono::steady_clock::now();
+    std::unique_lock lock(mutex_);
+    while (!idle_.wait_until(lock, dist::next_report_after(options_.report_interval), [&] { return outstanding_ == 0; })) {
+      const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
+      std::fprintf(stderr, "fsdpx: checkpoint (rank %d): still waiting after %.1f s for %s\n", rank_, waited.count(),
+                   describe_outstanding().c_str());
+      std::fflush(stderr);
+    }
+  }
+
   CheckpointCoordinator(std::filesystem::path root, int rank, int world_size, std::string run, CheckpointOptions options)
       : root_(std::move(root)), rank_(rank), world_size_(world_size), run_(std::move(run)), options_(options),
         pool_(std::max(1, options.threads)) {
@@ -309,6 +340,7 @@ class CheckpointCoordinator {
   }
 
   struct InFlight {
+    int64_t step = 0;
     std::mutex m;
     std::condition_variable cv;
     bool done = false;
@@ -320,7 +352,40 @@ class CheckpointCoordinator {
     checkpoint::detail::Json::Object config;
     std::chrono::steady_clock::time_point deadline;
     bool weights_committed = false;
+    std::string waiting_for;  // the first file not yet durable, for reports
   };
+
+  /// Rank 0, tearing down after an error: the step cannot be committed any more (its ranks' files are
+  /// not all durable, and they may never be).
+  void abandon(Commit& c) {
+    release_reserves(c.dir);
+    const std::string cause = ::fsdpx::detail::str(
+        "fsdpx: checkpoint step ", c.step, " was abandoned, not committed: this process is ending after an error "
+        "while it waited for ", c.waiting_for.empty() ? std::string("the ranks' files") : c.waiting_for,
+        " (", c.weights_committed ? "its weights were committed; " : "", "the committed steps are untouched)");
+    std::fprintf(stderr, "%s\n", cause.c_str());
+    std::fflush(stderr);
+    record_failure(c.step, cause, /*said=*/true);
+  }
+
+  bool own_writes_done(int64_t step) const {
+    std::lock_guard lock(mutex_);
+    return own_writes_.count(step) == 0;
+  }
+
+  /// What wait() waits for, for its reports.
+  std::string describe_outstanding() {
+    std::string out;
+    const auto add = [&](const std::string& part) { out += (out.empty() ? "" : "; ") + part; };
+    for (const Component c : checkpoint::all_components) {
+      if (auto slot = in_flight_[static_cast<int>(c)]) {
+        std::lock_guard lock(slot->m);
+        if (!slot->done) add(::fsdpx::detail::str("this rank's ", to_string(c), " file of step ", slot->step, " to be written"));
+      }
+    }
+    for (const auto& [step, what] : commit_waits_) add(::fsdpx::detail::str("step ", step, " to commit: waiting for ", what));
+    return out.empty() ? std::string("background checkpoint tasks") : out;
+  }
 
   void start_task() {
     std::lock_guard lock(mutex_);
@@ -358,10 +423,14 @@ class CheckpointCoordinator {
     }
   }
 
-  void record_failure(int64_t step, const std::string& cause) {
+  /// `said`: the cause was printed already (the destructor does not print it again).
+  void record_failure(int64_t step, const std::string& cause, bool said = false) {
     {
       std::lock_guard lock(mutex_);
-      if (failure_.empty()) failure_ = cause;
+      if (failure_.empty()) {
+        failure_ = cause;
+        failure_said_ = said;
+      }
     }
     notify([&](const CheckpointMonitor& m) {
       if (m.on_failure) m.on_failure(step, cause);
@@ -415,6 +484,10 @@ class CheckpointCoordinator {
       slot.done = true;
     }
     slot.cv.notify_all();
+    {
+      std::lock_guard lock(mutex_);
+      if (--own_writes_[req.step] == 0) own_writes_.erase(req.step);
+    }
     finish_task();
   }
 
@@ -426,6 +499,12 @@ class CheckpointCoordinator {
       bool again = false;
       try {
         again = !advance_commit(*commit);
+        // After an error, once this rank's own files of the step are done (the last look above has
+        // seen them), a commit that still waits for other ranks is given up.
+        if (again && (abandoning_.load() || (world_failed_ && world_failed_())) && own_writes_done(commit->step)) {
+          abandon(*commit);
+          again = false;
+        }
       } catch (const std::exception& e) {
         record_failure(commit->step, e.what());
       }
@@ -435,6 +514,7 @@ class CheckpointCoordinator {
         {
           std::lock_guard lock(mutex_);
           pending_commits_.erase(commit->step);
+          commit_waits_.erase(commit->step);
         }
         finish_task();
       }
@@ -443,6 +523,7 @@ class CheckpointCoordinator {
 
   /// One look at the markers; true when the commit is finished (committed or failed).
   bool advance_commit(Commit& c) {
+    c.waiting_for.clear();
     for (int r = 0; r < world_size_; ++r) {
       const auto failed = checkpoint::failed_marker(c.dir, r, run_);
       if (std::filesystem::exists(failed)) {
@@ -457,7 +538,10 @@ class CheckpointCoordinator {
       checkpoint::detail::Json::Object files;
       for (int r = 0; r < world_size_; ++r) {
         const auto marker = checkpoint::done_marker(c.dir, comp, r, run_);
-        if (!std::filesystem::exists(marker)) return std::nullopt;
+        if (!std::filesystem::exists(marker)) {
+          c.waiting_for = ::fsdpx::detail::str("rank ", r, "'s ", to_string(comp), " file");
+          return std::nullopt;
+        }
         char name[256] = {};
         long long bytes = 0;
         unsigned long crc = 0;
@@ -495,7 +579,11 @@ class CheckpointCoordinator {
         if (m.on_commit) m.on_commit(c.step, true);
       });
     }
-    if (!complete) return false;
+    if (!complete) {
+      std::lock_guard lock(mutex_);
+      commit_waits_[c.step] = c.waiting_for;
+      return false;
+    }
     const bool full = c.components.size() == std::size(checkpoint::all_components);
     checkpoint::detail::release_space(c.dir / ".reserve_complete");
     if (c.components.size() > 1) write_config(c, done, files, full);
@@ -595,8 +683,13 @@ class CheckpointCoordinator {
   std::condition_variable idle_;
   int outstanding_ = 0;
   std::string failure_;
+  bool failure_said_ = false;
+  std::map<int64_t, int> own_writes_;  // this rank's files of each step still being written
   int64_t last_submitted_ = -1;
   std::set<int64_t> pending_commits_;  // rank 0: steps whose commit is being watched
+  std::map<int64_t, std::string> commit_waits_;  // rank 0: what each of them still waits for
+  std::atomic<bool> abandoning_{false};           // tearing down after an error
+  std::function<bool()> world_failed_;            // the world communicator failed (empty: cannot tell)
   std::vector<CheckpointMonitor> monitors_;
   std::shared_ptr<InFlight> in_flight_[3];
   std::mutex iteration_mutex_;

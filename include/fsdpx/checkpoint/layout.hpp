@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cerrno>
+#include <chrono>
 #include <csignal>
 #include <cstdint>
 #include <filesystem>
@@ -188,12 +189,28 @@ inline std::string host_name() {
   ::gethostname(buf, sizeof buf - 1);
   return buf;
 }
-/// A lease file "<host> <pid>" is live unless it names a process of this host that is gone.
+/// How long a lease file may stay unreadable or empty (a reader writing it) before it counts as the
+/// debris of a reader that crashed mid-write.
+inline constexpr std::chrono::seconds lease_write_grace{60};
+
+/// A lease file "<host> <pid>" is live unless it names a process of this host that is gone. One that
+/// cannot be read or parsed (being written: the temporary file, or a crash left it empty) is live for
+/// lease_write_grace after it was last modified, so a crashed reader cannot pin a step forever.
 inline bool lease_is_live(const fs::path& lease) {
+  const auto young = [&] {
+    std::error_code ec;
+    const auto modified = fs::last_write_time(lease, ec);
+    return !ec && fs::file_time_type::clock::now() - modified < lease_write_grace;
+  };
   char host[256] = {};
   long pid = 0;
-  const std::string text = read_text(lease);
-  if (std::sscanf(text.c_str(), "%255s %ld", host, &pid) != 2) return true;
+  std::string text;
+  try {
+    text = read_text(lease);
+  } catch (const IoError&) {
+    return young();  // gone (false) or being replaced
+  }
+  if (std::sscanf(text.c_str(), "%255s %ld", host, &pid) != 2) return young();
   if (host_name() != host) return true;
   return ::kill(static_cast<pid_t>(pid), 0) == 0 || errno == EPERM;
 }
@@ -202,11 +219,7 @@ inline bool lease_is_live(const fs::path& lease) {
 inline bool is_leased(const fs::path& step_root) {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(step_root / ".leases", ec)) {
-    try {
-      if (detail::lease_is_live(entry.path())) return true;
-    } catch (const IoError&) {
-      return true;  // being written: count it
-    }
+    if (detail::lease_is_live(entry.path())) return true;
   }
   return false;
 }

@@ -27,6 +27,9 @@ class AnyCommunicator : public BlockingCollectives<AnyCommunicator> {
   int rank() const { return self_->rank(); }
   int size() const { return self_->size(); }
   std::string_view name() const { return self_->name(); }
+  /// True after a collective on this communicator failed or timed out, or (MPI) once one of its ranks
+  /// left after an error or stopped answering; false for a backend that cannot tell.
+  bool is_broken() const { return self_->is_broken(); }
 
   Work all_gather_async(at::Tensor output, const at::Tensor& input) {
     return self_->all_gather_async(std::move(output), input);
@@ -61,6 +64,7 @@ class AnyCommunicator : public BlockingCollectives<AnyCommunicator> {
     virtual int rank() const = 0;
     virtual int size() const = 0;
     virtual std::string_view name() const = 0;
+    virtual bool is_broken() const = 0;
     virtual Work all_gather_async(at::Tensor, const at::Tensor&) = 0;
     virtual Work gather_async(at::Tensor, const at::Tensor&, int) = 0;
     virtual Work reduce_scatter_async(at::Tensor, const at::Tensor&, ReduceOp) = 0;
@@ -78,6 +82,13 @@ class AnyCommunicator : public BlockingCollectives<AnyCommunicator> {
     int rank() const override { return comm.rank(); }
     int size() const override { return comm.size(); }
     std::string_view name() const override { return comm.name(); }
+    bool is_broken() const override {
+      if constexpr (requires { { comm.is_broken() } -> std::convertible_to<bool>; }) {
+        return comm.is_broken();
+      } else {
+        return false;
+      }
+    }
     Work all_gather_async(at::Tensor o, const at::Tensor& i) override { return comm.all_gather_async(std::move(o), i); }
     Work gather_async(at::Tensor o, const at::Tensor& i, int root) override {
       return comm.gather_async(std::move(o), i, root);

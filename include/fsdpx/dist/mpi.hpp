@@ -18,12 +18,17 @@
 #include <atomic>
 #include <climits>
 #include <cstdio>
+#include <cstdlib>
+#include <exception>
 #include <memory>
 #include <mutex>
+#include <numeric>
 #include <optional>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/add.h>
@@ -57,20 +62,67 @@ class MpiRuntime {
   MpiRuntime(const MpiRuntime&) = delete;
   MpiRuntime& operator=(const MpiRuntime&) = delete;
 
+  /// Tells the other ranks that this one leaves (so collectives waiting for it fail at once instead
+  /// of at their timeout), then ends MPI:
+  /// - after a failed collective, MPI_Abort ends the job: peers may sit in collectives that will never
+  ///   match, so MPI_Finalize would hang with them. When the failure was a peer leaving, this rank
+  ///   first gives that peer a moment to print its own error and end the job;
+  /// - while an exception propagates (the program is failing, and the handler that prints the cause
+  ///   has not run yet), both are left to the process's exit, after the handler;
+  /// - otherwise MPI_Finalize.
   ~MpiRuntime() {
-    engine_->stop();
-    if (engine_->any_failure()) {
-      // Peers may still sit in collectives that will never match; MPI_Finalize would hang with them.
-      std::fprintf(stderr, "fsdpx: aborting the MPI job after a failed collective: %s\n",
-                   engine_->first_failure().c_str());
-      std::fflush(stderr);
-      MPI_Abort(MPI_COMM_WORLD, 3);
-    }
+    const bool unwinding = std::uncaught_exceptions() > 0;
+    engine_->stop(/*failing=*/unwinding || engine_->any_failure());
     types_.destroy();
-    if (owns_mpi_) MPI_Finalize();
+    EndOfMpi end{engine_->any_failure(), engine_->first_failure_was_departure(), engine_->first_failure(), owns_mpi_};
+    if (!unwinding) {
+      end.run();
+      return;
+    }
+    static EndOfMpi at_exit;
+    at_exit = std::move(end);
+    std::atexit([] { at_exit.run(); });
   }
 
+  /// Engine thread, collective over MPI_COMM_WORLD on first use: the channel departure notices use.
+  void open_control_channel(std::chrono::milliseconds heartbeat_timeout) {
+    if (engine_->control().is_open()) return;
+    MPI_Comm control = MPI_COMM_NULL;
+    const int rc = MPI_Comm_dup(MPI_COMM_WORLD, &control);
+    FSDPX_CHECK_AS(CommError, rc == MPI_SUCCESS, "MPI_Comm_dup(MPI_COMM_WORLD) failed: ", detail::mpi_error_string(rc));
+    MPI_Comm_set_errhandler(control, MPI_ERRORS_RETURN);
+    engine_->open_control(control, heartbeat_timeout);
+  }
+
+  /// How a process's MPI ends: MPI_Abort after a failed collective, else MPI_Finalize when fsdpx
+  /// initialized MPI.
+  struct EndOfMpi {
+    bool failed = false;
+    bool failed_by_departure = false;
+    std::string cause;
+    bool finalize = false;
+
+    void run() const {
+      if (failed) {
+        // The peer that left reports the cause itself and ends the job; give it a moment to.
+        if (failed_by_departure) std::this_thread::sleep_for(departed_peer_grace);
+        std::fprintf(stderr, "fsdpx: aborting the MPI job after a failed collective: %s\n", cause.c_str());
+        std::fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, 3);
+      }
+      int finalized = 0;
+      MPI_Finalized(&finalized);
+      if (finalize && finalized == 0) MPI_Finalize();
+    }
+  };
+
+  /// How long a rank whose collective failed because a peer left waits before ending the job, so the
+  /// peer's own error (the cause) is printed first.
+  static constexpr std::chrono::milliseconds departed_peer_grace{2000};
+
   detail::MpiEngine& engine() { return *engine_; }
+  /// The id of the next communicator world() makes (every rank calls world() equally often).
+  std::uint64_t next_world_id() { return detail::derive_comm_id(0x776f726c64ULL, world_count_++, 0); }
   const detail::MpiTypes& types() const { return types_; }
 
  private:
@@ -97,6 +149,7 @@ class MpiRuntime {
   }
 
   bool owns_mpi_ = false;
+  std::atomic<std::uint64_t> world_count_{0};
   detail::MpiTypes types_;
   std::unique_ptr<detail::MpiEngine> engine_;
 };
@@ -109,6 +162,7 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
   /// All processes of the job (a private duplicate of MPI_COMM_WORLD). Initialises MPI when needed and
   /// checks the launcher's variables against MPI's view of the job.
   static MpiCommunicator world(CommOptions options = {}) {
+    const auto heartbeat_timeout = default_heartbeat_timeout();  // a bad value fails before any collective
     auto runtime = MpiRuntime::acquire();
     const LaunchEnv env = detect_launch_env();
     const auto [world_rank, world_size] = runtime->engine().run([] {
@@ -122,9 +176,10 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
         .submit({detail::op_context("join", options.name, world_rank, world_size),
                  detail::MpiTask::single([](MPI_Request* r) { return MPI_Ibarrier(MPI_COMM_WORLD, r); }), {},
                  options.timeout,
-                 std::make_shared<detail::CommHealth>()})
+                 std::make_shared<detail::CommHealth>(), all_ranks(world_size), detail::CollectiveId{}, options.report_interval})
         .wait();
-    auto comm = runtime->engine().run([] {
+    auto comm = runtime->engine().run([&runtime, heartbeat_timeout] {
+      runtime->open_control_channel(heartbeat_timeout);
       MPI_Comm dup = MPI_COMM_NULL;
       const int rc = MPI_Comm_dup(MPI_COMM_WORLD, &dup);
       FSDPX_CHECK_AS(CommError, rc == MPI_SUCCESS, "MPI_Comm_dup(MPI_COMM_WORLD) failed: ",
@@ -132,7 +187,8 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
       MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
       return dup;
     });
-    MpiCommunicator world(std::make_shared<State>(std::move(runtime), comm, std::move(options)));
+    const std::uint64_t id = runtime->next_world_id();
+    MpiCommunicator world(std::make_shared<State>(std::move(runtime), comm, std::move(options), id));
     FSDPX_CHECK(env.launcher == Launcher::single_process ||
                     (env.rank == world.rank() && env.world_size == world.size()),
                 "the ", to_string(env.launcher), " environment says rank ", env.rank, " of ", env.world_size,
@@ -148,7 +204,11 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
   const CommOptions& options() const { return state_->options; }
   MPI_Comm native_handle() const { return state_->comm; }
   /// True after a collective on this communicator failed or timed out.
-  bool is_broken() const { return state_->health->broken(); }
+  /// True after a collective on this communicator failed or timed out, or once one of its ranks left
+  /// the job after an error or stopped answering (its collectives can no longer complete).
+  bool is_broken() const {
+    return state_->health->broken() || state_->runtime->engine().control().lost_any(*state_->members);
+  }
 
   /// A ring of W - 1 send/receive stages straight into the output's slots: Open MPI 4's nonblocking
   /// MPI_Iallgather is up to 5x slower than its blocking form at FSDP's message sizes.
@@ -323,6 +383,7 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
     const auto ctx = context("split");
     FSDPX_CHECK(color >= 0 || color == no_color, ctx, ": color ", color, " must be >= 0 or fsdpx::dist::no_color");
     MpiCommunicator(*this).barrier();
+    const std::uint64_t split_index = state_->splits++;  // on every rank of the parent, in the same order
     MPI_Comm parent = native_handle();
     MPI_Comm child = state_->runtime->engine().run([&] {
       MPI_Comm c = MPI_COMM_NULL;
@@ -334,16 +395,19 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
     if (child == MPI_COMM_NULL) return std::nullopt;
     CommOptions options = state_->options;
     options.name = name.empty() ? detail::str(this->name(), "/", color) : std::string(name);
-    return MpiCommunicator(std::make_shared<State>(state_->runtime, child, std::move(options)));
+    return MpiCommunicator(std::make_shared<State>(state_->runtime, child, std::move(options),
+                                                   detail::derive_comm_id(state_->id, split_index, static_cast<std::uint64_t>(color))));
   }
 
  private:
   struct State {
-    State(std::shared_ptr<MpiRuntime> rt, MPI_Comm c, CommOptions opts)
-        : runtime(std::move(rt)), comm(c), options(std::move(opts)) {
+    State(std::shared_ptr<MpiRuntime> rt, MPI_Comm c, CommOptions opts, std::uint64_t comm_id)
+        : runtime(std::move(rt)), comm(c), options(std::move(opts)), id(comm_id),
+          started(runtime->engine().control().counter(comm_id)) {
       runtime->engine().run([&] {
         MPI_Comm_rank(comm, &rank);
         MPI_Comm_size(comm, &size);
+        members = world_ranks_of(comm, size);
       });
     }
     State(const State&) = delete;
@@ -362,8 +426,33 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
     int rank = 0;
     int size = 1;
     std::shared_ptr<detail::CommHealth> health = std::make_shared<detail::CommHealth>();
+    std::shared_ptr<const std::vector<int>> members;  // world ranks, sorted: whose departure fails our collectives
+    std::uint64_t id;                                   // the same on every member (see derive_comm_id)
+    std::shared_ptr<std::atomic<std::uint64_t>> started;  // collectives submitted: each one's sequence number
+    std::atomic<std::uint64_t> splits{0};
     std::atomic<std::uint64_t> sequence{0};
   };
+
+  static std::shared_ptr<const std::vector<int>> all_ranks(int n) {
+    std::vector<int> ranks(static_cast<size_t>(n));
+    std::iota(ranks.begin(), ranks.end(), 0);
+    return std::make_shared<const std::vector<int>>(std::move(ranks));
+  }
+
+  /// Engine thread.
+  static std::shared_ptr<const std::vector<int>> world_ranks_of(MPI_Comm comm, int n) {
+    MPI_Group group = MPI_GROUP_NULL, world = MPI_GROUP_NULL;
+    MPI_Comm_group(comm, &group);
+    MPI_Comm_group(MPI_COMM_WORLD, &world);
+    std::vector<int> local(static_cast<size_t>(n)), ranks(static_cast<size_t>(n), MPI_UNDEFINED);
+    std::iota(local.begin(), local.end(), 0);
+    MPI_Group_translate_ranks(group, n, local.data(), world, ranks.data());
+    MPI_Group_free(&group);
+    MPI_Group_free(&world);
+    std::erase(ranks, MPI_UNDEFINED);  // not in MPI_COMM_WORLD (dynamic processes): not watched
+    std::sort(ranks.begin(), ranks.end());
+    return std::make_shared<const std::vector<int>>(std::move(ranks));
+  }
 
   explicit MpiCommunicator(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
@@ -394,7 +483,8 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
   }
   Work submit_steps(std::string ctx, detail::MpiTask::Step step, std::function<void()> finish) {
     return state_->runtime->engine().submit(
-        {std::move(ctx), std::move(step), std::move(finish), state_->options.timeout, state_->health});
+        {std::move(ctx), std::move(step), std::move(finish), state_->options.timeout, state_->health, state_->members,
+         detail::CollectiveId{state_->id, ++*state_->started}, state_->options.report_interval});
   }
 
   /// out = a (op) b, elementwise; `out` may alias `a`.

@@ -22,6 +22,7 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <mutex>
@@ -120,7 +121,10 @@ class NcclCommState {
     cv_.notify_all();
     watchdog_.join();
     c10::cuda::CUDAGuard guard(device_);
-    if (health_->broken()) {
+    // While an exception propagates, peers may wait in collectives this rank will never join:
+    // ncclCommDestroy would wait for them, so the communicator is aborted and the process can end
+    // (the launcher then ends the job).
+    if (health_->broken() || std::uncaught_exceptions() > 0) {
       abort_once();
     } else {
       ncclCommDestroy(comm_);
@@ -139,7 +143,7 @@ class NcclCommState {
 
   /// Nonblocking communicators may answer ncclInProgress; wait (bounded) until the call settled.
   void settle(ncclResult_t result, const std::string& ctx) {
-    const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+    const auto deadline = deadline_after(options_.timeout);
     while (result == ncclInProgress) {
       if (std::chrono::steady_clock::now() > deadline) {
         fail(detail::str("fsdpx: ", ctx, " did not complete within ", options_.timeout.count(), " ms"));
@@ -158,7 +162,7 @@ class NcclCommState {
   void watch(std::shared_ptr<CudaEvent> done, std::string ctx) {
     {
       std::lock_guard lock(mutex_);
-      pending_.push_back({std::move(done), std::chrono::steady_clock::now() + options_.timeout, std::move(ctx)});
+      pending_.push_back({std::move(done), deadline_after(options_.timeout), std::move(ctx)});
     }
     cv_.notify_one();
   }
@@ -281,7 +285,7 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     config.blocking = 0;  // so a missing peer times out instead of hanging in init
     ncclComm_t comm = nullptr;
     ncclResult_t rc = ncclCommInitRankConfig(&comm, size, id, rank, &config);
-    const auto deadline = std::chrono::steady_clock::now() + options.timeout;
+    const auto deadline = deadline_after(options.timeout);
     while (rc == ncclInProgress && comm != nullptr) {
       if (std::chrono::steady_clock::now() > deadline) {
         ncclCommAbort(comm);
@@ -512,7 +516,7 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     if (child != nullptr) {
       ncclResult_t rc = ncclInProgress;
       ncclCommGetAsyncError(child, &rc);
-      const auto deadline = std::chrono::steady_clock::now() + state_->options().timeout;
+      const auto deadline = deadline_after(state_->options().timeout);
       while (rc == ncclInProgress && std::chrono::steady_clock::now() < deadline) ncclCommGetAsyncError(child, &rc);
       FSDPX_CHECK_AS(CommError, rc == ncclSuccess, ctx, " failed: ", ncclGetErrorString(rc));
     }

@@ -40,6 +40,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
 #include <fsdpx/sync/synchronizer.hpp>
@@ -346,7 +347,7 @@ inline void Session::handle() {
     }
     case FrameKind::fetch:
       have_ = in_.version;
-      deadline_ = std::chrono::steady_clock::now() + std::chrono::milliseconds(in_.aux);
+      deadline_ = dist::deadline_after(std::chrono::milliseconds(in_.aux));
       return check_fetch();
     case FrameKind::goodbye: said_goodbye_ = true; return read_header();
     default:
@@ -547,7 +548,7 @@ class SynchronizerClient {
     const auto address = detail::asio::ip::make_address(host, ec);
     FSDPX_CHECK_AS(SyncError, !ec, "synchronizer client: '", host, "' is not an IP address: ", ec.message());
     const detail::tcp::endpoint endpoint(address, port);
-    const auto deadline = std::chrono::steady_clock::now() + options_.connect_timeout;
+    const auto deadline = dist::deadline_after(options_.connect_timeout);
     std::string last = "no attempt";
     while (true) {
       std::optional<boost::system::error_code> result;

@@ -25,6 +25,7 @@
 #include <utility>
 #include <vector>
 
+#include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
 
@@ -64,7 +65,7 @@ class VersionedSlot {
   /// on timeout or when the slot is closed.
   std::pair<int64_t, std::shared_ptr<const T>> wait_newer(int64_t have, std::chrono::milliseconds timeout) const {
     std::unique_lock lock(mutex_);
-    const bool ready = cv_.wait_for(lock, timeout, [&] { return version_ > have || closed_; });
+    const bool ready = cv_.wait_until(lock, dist::deadline_after(timeout), [&] { return version_ > have || closed_; });
     if (version_ > have) return {version_, value_};
     FSDPX_CHECK_AS(SyncError, !closed_, "waiting for a weight version newer than ", have,
                    ": the synchronizer was closed (", close_reason_, ")");

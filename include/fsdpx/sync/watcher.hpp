@@ -47,6 +47,7 @@
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/checkpoint/merge.hpp>
+#include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
 
@@ -136,7 +137,7 @@ class CheckpointWatcher {
   /// returned. After `timeout` a SyncError naming the root, the last step seen and the last failure.
   WeightVersion wait_newer(int64_t version, std::chrono::milliseconds timeout) {
     using Clock = std::chrono::steady_clock;
-    const auto deadline = Clock::now() + timeout;
+    const auto deadline = dist::deadline_after(timeout);
     while (true) {
       if (auto v = try_load(version)) return std::move(*v);
       const auto now = Clock::now();

@@ -4,6 +4,9 @@
 // "async" all-gather would not move while the training thread computes. Why nonblocking requests
 // with deadlines: a blocking MPI collective whose peer died hangs forever; a request we poll can
 // time out and fail with the operation's name instead.
+//
+// The control channel (mpi_control.hpp) ends collectives that wait for a rank that left, failed or
+// stopped answering, long before their timeout.
 #pragma once
 
 #if !defined(FSDPX_WITH_MPI)
@@ -13,17 +16,21 @@
 #include <mpi.h>
 
 #include <chrono>
+#include <cstdio>
 #include <deque>
 #include <exception>
 #include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include <fsdpx/dist/detail/health.hpp>
+#include <fsdpx/dist/detail/mpi_control.hpp>
+#include <fsdpx/dist/types.hpp>
 #include <fsdpx/dist/work.hpp>
 #include <fsdpx/error.hpp>
 
@@ -46,6 +53,10 @@ struct MpiTask {
   std::function<void()> finish;  // runs on completion (e.g. divide for avg); may be empty
   std::chrono::milliseconds timeout;
   std::shared_ptr<CommHealth> health;
+  /// World ranks of the task's communicator, sorted; null: unknown (departures are not applied).
+  std::shared_ptr<const std::vector<int>> members;
+  CollectiveId id;
+  std::chrono::milliseconds report_interval{std::chrono::minutes(1)};
 
   /// A stage list of one nonblocking call.
   template <class Start>
@@ -87,16 +98,26 @@ class MpiEngine {
     return result.get();
   }
 
-  /// Lets queued work finish (or time out), then joins the thread.
-  void stop() {
+  /// Joins the thread after telling the other ranks that this one leaves. `failing`: this rank ends
+  /// with an error, so its collectives still running are abandoned (peers are told at once, and will
+  /// fail theirs); otherwise queued work finishes (or times out) first.
+  void stop(bool failing = false) {
     {
       std::lock_guard lock(mutex_);
       if (stopping_) return;
       stopping_ = true;
+      leaving_failing_ = failing;
     }
     cv_.notify_all();
     if (thread_.joinable()) thread_.join();
   }
+
+  /// Engine thread: starts the control channel on `control` (a private duplicate of MPI_COMM_WORLD).
+  void open_control(MPI_Comm control, std::chrono::milliseconds heartbeat_timeout) {
+    control_.open(control, heartbeat_timeout);
+  }
+  /// Any thread: the control channel's counters and what it knows of lost ranks.
+  MpiControl& control() { return control_; }
 
   /// True once any collective timed out or failed: MPI cannot be finalized cleanly after that.
   bool any_failure() const {
@@ -107,6 +128,11 @@ class MpiEngine {
     std::lock_guard lock(mutex_);
     return first_failure_;
   }
+  /// True when the first failure was another rank leaving: that rank reports the cause itself.
+  bool first_failure_was_departure() const {
+    std::lock_guard lock(mutex_);
+    return first_failure_departure_;
+  }
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -114,8 +140,31 @@ class MpiEngine {
     MpiTask task;
     std::shared_ptr<HostWorkState> work;
     std::vector<MPI_Request> requests;
+    Clock::time_point started;
     Clock::time_point deadline;
+    Clock::time_point next_report;
   };
+
+  /// Engine thread, on a failing stop: the collectives still running fail, and their buffers are
+  /// kept (MPI may still write into them until the process ends).
+  void abandon_active() {
+    for (Active& a : active_) {
+      fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context,
+                                                    " abandoned: this rank is ending after an error"))));
+      orphan(std::move(a));
+    }
+    active_.clear();
+  }
+
+  /// A failed task whose requests may still be inside MPI keeps its buffers alive for the rest of the
+  /// process (MPI may still write into them); one with no request left is simply dropped.
+  static void orphan(Active&& a) {
+    if (a.requests.empty()) return;
+    static std::mutex m;
+    static auto* kept = new std::vector<Active>();  // never freed, on purpose
+    std::lock_guard lock(m);
+    kept->push_back(std::move(a));
+  }
 
   void post(std::function<void()> job) {
     {
@@ -128,9 +177,14 @@ class MpiEngine {
   void start(MpiTask task, std::shared_ptr<HostWorkState> work) {
     try {
       task.health->check(task.context);
-      Active a{std::move(task), work, {}, Clock::now()};
-      a.deadline = Clock::now() + a.task.timeout;
-      if (advance(a)) active_.push_back(std::move(a));
+      const auto now = Clock::now();
+      const auto deadline = deadline_after(task.timeout, now), report = next_report_after(task.report_interval, now);
+      Active a{std::move(task), work, {}, now, deadline, report};
+      if (advance(a)) {
+        active_.push_back(std::move(a));
+      } else {
+        orphan(std::move(a));  // a failure with requests posted
+      }
     } catch (...) {
       work->set_done(std::current_exception());
     }
@@ -160,7 +214,7 @@ class MpiEngine {
     return false;
   }
 
-  void fail(Active& a, std::exception_ptr error) {
+  void fail(Active& a, std::exception_ptr error, bool departure = false) {
     std::string what;
     try {
       std::rethrow_exception(error);
@@ -170,7 +224,10 @@ class MpiEngine {
     a.task.health->mark_broken(what);
     {
       std::lock_guard lock(mutex_);
-      if (!any_failure_) first_failure_ = what;
+      if (!any_failure_) {
+        first_failure_ = what;
+        first_failure_departure_ = departure;
+      }
       any_failure_ = true;
     }
     a.work->set_done(std::move(error));
@@ -197,6 +254,18 @@ class MpiEngine {
       } else if (done != 0) {
         progressed = true;
         running = advance(a);
+      } else if (const auto why = a.task.members ? control_.verdict(*a.task.members, a.task.id, now) : std::nullopt) {
+        fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed: ", why->text))),
+             /*departure=*/why->that_rank_reports);
+        running = false;
+      } else if (now >= a.next_report && now < a.deadline) {
+        const std::chrono::duration<double> waited = now - a.started;
+        std::fprintf(stderr,
+                     "fsdpx: %s still waiting after %.1f s (its timeout: %lld ms) for ranks that have not joined it; "
+                     "every rank must call the same collectives in the same order\n",
+                     a.task.context.c_str(), waited.count(), static_cast<long long>(a.task.timeout.count()));
+        std::fflush(stderr);
+        a.next_report = next_report_after(a.task.report_interval, now);
       } else if (now >= a.deadline) {
         fail(a, std::make_exception_ptr(TimeoutError(str(
                     "fsdpx: ", a.task.context, " did not complete within ", a.task.timeout.count(),
@@ -208,6 +277,7 @@ class MpiEngine {
         ++i;
       } else {
         progressed = true;
+        orphan(std::move(a));  // requests are left only after a failure
         active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
       }
     }
@@ -222,12 +292,32 @@ class MpiEngine {
       std::deque<std::function<void()>> jobs;
       {
         std::unique_lock lock(mutex_);
-        if (active_.empty()) cv_.wait(lock, [&] { return stopping_ || !incoming_.empty(); });
-        if (stopping_ && incoming_.empty() && active_.empty()) return;
+        const auto wake = [&] { return stopping_ || !incoming_.empty(); };
+        if (active_.empty()) {
+          // Listening for departures needs a look now and then even when idle.
+          if (control_.is_open()) {
+            cv_.wait_for(lock, control_poll_interval, wake);
+          } else {
+            cv_.wait(lock, wake);
+          }
+        }
+        if (stopping_ && incoming_.empty() && (active_.empty() || leaving_failing_)) {
+          const bool failing = leaving_failing_;
+          lock.unlock();
+          if (failing) abandon_active();
+          control_.leave(failing || any_failure());
+          return;
+        }
         jobs.swap(incoming_);
       }
       for (auto& job : jobs) job();
-      if (!jobs.empty() || poll()) {
+      // Notices and heartbeats work in seconds: the spin that serves collectives need not test them.
+      bool heard = false;
+      if (const auto now = Clock::now(); now >= next_control_poll_) {
+        heard = control_.poll(now);
+        next_control_poll_ = now + control_poll_spacing;
+      }
+      if (!jobs.empty() || poll() || heard) {
         last_progress = Clock::now();
       } else if (Clock::now() - last_progress > std::chrono::microseconds(200)) {
         std::this_thread::sleep_for(std::chrono::microseconds(20));
@@ -237,13 +327,20 @@ class MpiEngine {
     }
   }
 
+  static constexpr std::chrono::milliseconds control_poll_interval{50};  // idle wake-ups
+  static constexpr std::chrono::milliseconds control_poll_spacing{10};   // at most this often otherwise
+
   mutable std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<std::function<void()>> incoming_;
   bool stopping_ = false;
+  bool leaving_failing_ = false;
   bool any_failure_ = false;
   std::string first_failure_;
+  bool first_failure_departure_ = false;
   std::vector<Active> active_;  // engine thread only
+  MpiControl control_;
+  Clock::time_point next_control_poll_{};  // engine thread only
   std::thread thread_;          // last: starts after every member above exists
 };
 
