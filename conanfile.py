@@ -32,12 +32,13 @@ class FsdpxConan(ConanFile):
         self.version = re.search(r"project\(fsdpx\s+VERSION\s+([0-9.]+)", cmakelists).group(1)
 
     def requirements(self):
-        # The package is built with the MPI backend and Boost, so these are always needed. The NCCL
+        # The package is built with the MPI backend, Boost and OpenSSL, so these are always needed. The NCCL
         # backend is off in the Conan package (see generate()); install with CMake for GPU ranks.
         # transitive_headers: a consumer compiles fsdpx's headers, which include theirs.
         self.requires("libtorch/[>=2.0 <3]", transitive_headers=True)
         self.requires("openmpi/[>=4.1 <6]", transitive_headers=True)
         self.requires("boost/[>=1.74 <2]", transitive_headers=True)
+        self.requires("openssl/[>=1.1 <4]", transitive_headers=True)  # the sync service's HMAC handshake
 
     def validate(self):
         if self.settings.get_safe("compiler.cppstd"):
@@ -58,6 +59,7 @@ class FsdpxConan(ConanFile):
         # (its package_id is cleared below).
         tc.cache_variables["FSDPX_WITH_MPI"] = True
         tc.cache_variables["FSDPX_WITH_BOOST"] = True
+        tc.cache_variables["FSDPX_WITH_OPENSSL"] = True
         tc.cache_variables["FSDPX_WITH_NCCL"] = False
         tc.generate()
 
@@ -88,4 +90,4 @@ class FsdpxConan(ConanFile):
         self.cpp_info.includedirs = ["include"]
         self.cpp_info.bindirs = []
         self.cpp_info.libdirs = []
-        self.cpp_info.defines = ["FSDPX_WITH_MPI=1", "FSDPX_WITH_BOOST=1"]  # for non-CMake generators
+        self.cpp_info.defines = ["FSDPX_WITH_MPI=1", "FSDPX_WITH_BOOST=1", "FSDPX_WITH_OPENSSL=1"]  # for non-CMake generators

@@ -1,5 +1,5 @@
 # fsdpx's dependencies, found the same way by the source tree and by the installed fsdpxConfig.cmake.
-# In (installed config): FSDPX_WITH_MPI, FSDPX_WITH_NCCL, FSDPX_WITH_BOOST as the package was built.
+# In (installed config): FSDPX_WITH_MPI, FSDPX_WITH_NCCL, FSDPX_WITH_BOOST, FSDPX_WITH_OPENSSL as the package was built.
 # In (source tree): unset = detect; set them ON/OFF to force.
 include(CMakeFindDependencyMacro)
 list(APPEND CMAKE_MODULE_PATH "${CMAKE_CURRENT_LIST_DIR}")
@@ -27,6 +27,17 @@ if(NOT DEFINED FSDPX_WITH_BOOST)
   endif()
 elseif(FSDPX_WITH_BOOST)
   find_dependency(Boost 1.74 CONFIG)
+endif()
+
+# OpenSSL (libcrypto): the synchronizer service's HMAC handshake (fsdpx/sync/server.hpp, client.hpp).
+if(NOT DEFINED FSDPX_WITH_OPENSSL)
+  find_package(OpenSSL QUIET COMPONENTS Crypto)
+  set(FSDPX_WITH_OPENSSL OFF)
+  if(OPENSSL_FOUND)
+    set(FSDPX_WITH_OPENSSL ON)
+  endif()
+elseif(FSDPX_WITH_OPENSSL)
+  find_dependency(OpenSSL COMPONENTS Crypto)
 endif()
 
 # NCCL needs a LibTorch built with CUDA (c10_cuda) and nccl.h + libnccl.

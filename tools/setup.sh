@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what building and testing fsdpx needs, and nothing that is already there:
-#   Debian packages (compiler, CMake, Open MPI, Catch2, Boost): installed when root, else printed;
+#   Debian packages (compiler, CMake, Open MPI, Catch2, Boost, OpenSSL): installed when root, else printed;
 #   LibTorch: PyTorch 2.13.0 in .venv, unless Torch_DIR or CMAKE_PREFIX_PATH already points at one;
 #   Conan (packaging) in .venv; NCCL headers (nvidia-nccl-cu13) in .venv when nvcc is present.
 set -euo pipefail
@@ -10,7 +10,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 say() { printf 'fsdpx setup: %s\n' "$*"; }
 
 # ---- system packages ---------------------------------------------------------------------------
-packages=(g++ make cmake libopenmpi-dev openmpi-bin catch2 libboost-dev python3)
+packages=(g++ make cmake libopenmpi-dev openmpi-bin catch2 libboost-dev libssl-dev python3)
 if command -v dpkg-query >/dev/null; then
   missing=()
   for p in "${packages[@]}"; do
@@ -29,7 +29,7 @@ if command -v dpkg-query >/dev/null; then
     fi
   fi
 else
-  say "not a Debian system: make sure a C++20 compiler, CMake >= 3.22, MPI, Catch2 v2 and Boost are installed"
+  say "not a Debian system: make sure a C++20 compiler, CMake >= 3.22, MPI, Catch2 v2, Boost and OpenSSL are installed"
 fi
 
 # ---- LibTorch ----------------------------------------------------------------------------------
@@ -56,6 +56,8 @@ elif ! "$VENV/bin/python" -c "import torch,sys; sys.exit(torch.__version__.split
 fi
 has_module conans || { say "installing Conan into $VENV"; pip_install conan; }
 has_module safetensors || { say "installing safetensors into $VENV (checkpoint interop tests)"; pip_install safetensors; }
+has_module google_crc32c || { say "installing google-crc32c into $VENV (fast CRC-32C for the Python receiver; optional)"; pip_install google-crc32c || say "could not install google-crc32c: the Python receiver checks frames with its torch CRC-32C"; }
+has_module setuptools || { say "installing setuptools into $VENV (pip-installs python/fsdpx_sync in its test)"; pip_install setuptools; }
 
 # ---- NCCL headers, so the NCCL backend is at least compiled on machines without a GPU ----------
 if command -v nvcc >/dev/null && ! has_module nvidia.nccl && [[ ! -f /usr/include/nccl.h ]]; then

@@ -8,6 +8,6 @@
 #include <fsdpx/sync/broadcast.hpp>
 #include <fsdpx/sync/synchronizer.hpp>
 #include <fsdpx/sync/watcher.hpp>
-#if defined(FSDPX_WITH_BOOST)
+#if defined(FSDPX_WITH_BOOST) && defined(FSDPX_WITH_OPENSSL)  // the TCP service: Asio and libcrypto
 #include <fsdpx/sync/service.hpp>
 #endif

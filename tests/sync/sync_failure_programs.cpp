@@ -25,6 +25,7 @@
 
 #include "../core/models.hpp"
 #include "../support/expect.hpp"
+#include "raw_handshake.hpp"
 
 using namespace fsdpx;
 using namespace fsdpx::sync;
@@ -85,6 +86,7 @@ int trainer_exits() {
     asio::io_context io;
     asio::ip::tcp::socket sock(io);
     sock.connect({asio::ip::make_address("127.0.0.1"), port});
+    test::handshake_without_secret(sock, sync::Role::publish);
     const auto begin = sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 2, buckets.size());
     asio::write(sock, asio::buffer(&begin, sizeof(begin)));
     for (int k = 0; k < 3; ++k) {

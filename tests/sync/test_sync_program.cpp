@@ -53,6 +53,18 @@ Setup& setup() {
 
 test::GptConfig config() { return {.vocab = 61, .seq = 16, .dim = 32, .heads = 4, .layers = 3, .tied = false}; }
 
+/// A buffer the trainer changes every step: buffers travel with every version, in their own dtype.
+constexpr const char* counter_buffer = "sync_counter";
+void add_counter(test::Gpt& model, double value) { model->register_buffer(counter_buffer, at::full({3}, value)); }
+
+/// Parameters, then buffers: the order both sides list their reference tensors in.
+std::vector<std::pair<std::string, at::Tensor>> params_and_buffers(test::Gpt& model) {
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  for (const auto& p : model->named_parameters()) out.emplace_back(p.key(), p.value().detach());
+  for (const auto& b : model->named_buffers()) out.emplace_back(b.key(), b.value().detach());
+  return out;
+}
+
 /// One scenario: `steps` training steps of the trainer, each followed by both kinds of weight sync.
 template <class Sharded>
 void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_dtype, FsdpOptions options = {},
@@ -66,6 +78,7 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
     auto& trainer = *s.groups.trainer;
     at::manual_seed(1);  // every trainer rank builds the same model
     test::Gpt model(c);
+    add_counter(model, 0.0);
     Sharded fsdp(model, trainer, options);
     auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
     WeightBroadcaster sender(fsdp, s.groups.model_update,
@@ -86,6 +99,7 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
       optimizer.zero_grad();
       fsdp(tokens.narrow(1, 0, c.seq).contiguous(), tokens.narrow(1, 1, c.seq).contiguous()).backward();
       optimizer.step();
+      model->named_buffers()[counter_buffer].fill_(step + 0.3);
 
       sender.broadcast(version_of(step));
       if (sender.is_sender()) {
@@ -99,8 +113,8 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
         // The reference: the trainer's own full parameters, cast the same way, sent to every rollout.
         auto full = fsdp.full_parameters();
         if (s.groups.model_update) {
-          for (const auto& p : model->named_parameters()) {
-            s.groups.model_update->broadcast(p.value().detach().to(rollout_dtype).contiguous(), 0);
+          for (const auto& [name, t] : params_and_buffers(model)) {
+            s.groups.model_update->broadcast(t.to(rollout_dtype).contiguous(), 0);
           }
         }
       }
@@ -116,11 +130,13 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
   s.world.broadcast(port, 0);
   at::manual_seed(1000 + s.rollout_index);  // different weights from the trainer's on purpose
   test::Gpt rollout(c);
+  add_counter(rollout, -1.0);
   rollout->to(rollout_dtype);
   WeightReceiver receiver(*s.groups.model_update);
   const bool late_joiner = s.rollout_index == s.rollouts - 1;  // with one rollout, also rollout 0
   std::optional<SynchronizerClient> client;
   test::Gpt fetched_model(c);
+  add_counter(fetched_model, -1.0);
   fetched_model->to(rollout_dtype);
   int64_t fetched = no_version;
 
@@ -129,7 +145,7 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
     WeightSnapshot received;
     if (s.rollout_index == 0) {
       received.version = receiver.receive_into(*rollout);
-      for (const auto& p : rollout->named_parameters()) received.tensors.push_back({p.key(), p.value().detach()});
+      for (const auto& [name, t] : params_and_buffers(rollout)) received.tensors.push_back({name, t});
     } else {
       received = receiver.receive();
     }
@@ -138,10 +154,10 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
     CHECK((receiver.last_bytes_in_place() > 0) == (direct_bytes <= 1024));  // received into place, no unpacking
 
     std::map<std::string, at::Tensor> reference;
-    for (const auto& p : rollout->named_parameters()) {
-      auto ref = at::empty(p.value().sizes(), at::TensorOptions().dtype(rollout_dtype));
+    for (const auto& [name, t] : params_and_buffers(rollout)) {
+      auto ref = at::empty(t.sizes(), at::TensorOptions().dtype(rollout_dtype));
       s.groups.model_update->broadcast(ref, 0);
-      reference[p.key()] = ref;
+      reference[name] = ref;
     }
     s.world.barrier();
 
@@ -154,9 +170,9 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
       CHECK(v > fetched);
       CHECK(v == version_of(step));
       fetched = v;
-      for (const auto& p : fetched_model->named_parameters()) {
-        INFO("service, step " << step << ", " << p.key());
-        CHECK(at::equal(bits(p.value().detach()), bits(reference[p.key()])));
+      for (const auto& [name, t] : params_and_buffers(fetched_model)) {
+        INFO("service, step " << step << ", " << name);
+        CHECK(at::equal(bits(t), bits(reference[name])));
       }
     }
     if (late_joiner && step == steps - 1) {
@@ -166,7 +182,7 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
       REQUIRE(snap.tensors.size() == reference.size());
       for (const auto& t : snap.tensors) {
         INFO("late joiner, " << t.name);
-        CHECK(at::equal(bits(t.tensor), bits(reference.at(t.name))));
+        CHECK(at::equal(bits(t.tensor.to(rollout_dtype)), bits(reference.at(t.name))));
       }
     }
 
@@ -174,8 +190,11 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
     for (const auto& t : received.tensors) {
       INFO("step " << step << ", " << t.name);
       REQUIRE(reference.count(t.name) == 1);
-      CHECK(t.tensor.scalar_type() == rollout_dtype);
-      CHECK(at::equal(bits(t.tensor), bits(reference[t.name])));
+      // Parameters arrive in the rollout dtype, buffers in their own (float32), exactly; loaded into a
+      // module (rollout 0), everything takes the module's dtype.
+      const bool own_dtype = t.name == counter_buffer && s.rollout_index != 0;
+      CHECK(t.tensor.scalar_type() == (own_dtype ? at::kFloat : rollout_dtype));
+      CHECK(at::equal(bits(t.tensor.to(rollout_dtype)), bits(reference[t.name])));
     }
   }
   s.world.barrier();

@@ -12,9 +12,13 @@
 #include <ATen/ATen.h>
 #include <torch/nn.h>
 
+#include <fsdpx/detail/crc32c.hpp>
 #include <fsdpx/sync.hpp>
 
 #include "../support/bit_equal.hpp"
+#if defined(FSDPX_WITH_BOOST) && defined(FSDPX_WITH_OPENSSL)
+#include "raw_handshake.hpp"
+#endif
 
 using namespace fsdpx;
 using namespace fsdpx::sync;
@@ -130,7 +134,7 @@ TEST_CASE("loading into a module names what does not match", "[bucket]") {
   wrong.push_back({"extra.bias", at::randn({2})});  // not in the module
   wrong.erase(wrong.begin() + 3);                   // norm.bias missing
   CHECK_THROWS_WITH(load_into(*m, wrong), Catch::Contains("'fc.weight' has shape [3, 4] in the module but [3, 5] was sent") &&
-                                              Catch::Contains("not parameters of the module: extra.bias") &&
+                                              Catch::Contains("not parameters or buffers of the module: extra.bias") &&
                                               Catch::Contains("were not sent: norm.bias"));
 }
 
@@ -296,13 +300,20 @@ TEST_CASE("Synchronizer: concurrent readers never see a torn version", "[synchro
   CHECK(reads > 4);
 }
 
-// ---- the TCP service --------------------------------------------------------------------------------
-#if defined(FSDPX_WITH_BOOST)
-
-TEST_CASE("xxHash64 matches the reference implementation", "[service]") {
-  CHECK(sync::detail::xxh64("", 0) == 0xEF46DB3751D8E999ULL);
-  CHECK(sync::detail::xxh64("abc", 3) == 0x44BC2CF5AD770999ULL);
+TEST_CASE("CRC-32C matches the reference values, in one piece and in parts", "[service]") {
+  using fsdpx::detail::Crc32c;
+  CHECK(Crc32c::of("", 0) == 0u);
+  CHECK(Crc32c::of("123456789", 9) == 0xE3069283u);  // the check value of CRC-32C (RFC 3720)
+  const std::string zeros(32, '\0');
+  CHECK(Crc32c::of(zeros.data(), zeros.size()) == 0x8A9136AAu);  // RFC 3720, B.4: 32 bytes of zeros
+  Crc32c parts;
+  parts.update("12345", 5);
+  parts.update("6789", 4);
+  CHECK(parts.value() == 0xE3069283u);
 }
+
+// ---- the TCP service --------------------------------------------------------------------------------
+#if defined(FSDPX_WITH_BOOST) && defined(FSDPX_WITH_OPENSSL)
 
 TEST_CASE("service: publish over TCP, fetch newer versions, late readers get the newest, versions never go back",
           "[service]") {
@@ -384,6 +395,7 @@ TEST_CASE("service under load: many readers, repeated publishes, a reader leavin
       asio::io_context io;
       asio::ip::tcp::socket sock(io);
       sock.connect({asio::ip::make_address("127.0.0.1"), server.port()});
+      test::handshake_without_secret(sock);
       const auto fetch = sync::detail::make_frame(sync::detail::FrameKind::fetch, no_version, 1000);
       asio::write(sock, asio::buffer(&fetch, sizeof(fetch)));
       std::vector<char> some(4096);
@@ -423,6 +435,7 @@ TEST_CASE("service: a trainer lost mid-publish fails waiting readers at once, an
     asio::io_context io;
     asio::ip::tcp::socket sock(io);
     sock.connect({asio::ip::make_address("127.0.0.1"), server.port()});
+    test::handshake_without_secret(sock, sync::Role::publish);
     const auto buckets = pack_buckets(versioned(2), 16 << 10, 2);
     const auto begin = sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 2, buckets.size());
     asio::write(sock, asio::buffer(&begin, sizeof(begin)));
@@ -468,6 +481,7 @@ TEST_CASE("service: a corrupted frame is refused by its checksum", "[service]") 
   asio::io_context io;
   asio::ip::tcp::socket sock(io);
   sock.connect({asio::ip::make_address("127.0.0.1"), server.port()});
+  test::handshake_without_secret(sock, sync::Role::publish);
   const auto buckets = pack_buckets(versioned(0), 1 << 20, 0);
   const auto begin = sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 0, buckets.size());
   asio::write(sock, asio::buffer(&begin, sizeof(begin)));

@@ -189,6 +189,9 @@ class ShardedModel {
 
   const Mesh& mesh() const { return mesh_; }
   Mesh& mesh() { return mesh_; }
+  /// The module being trained (its parameters are views into the units' buffers; its buffers are
+  /// replicated on every rank, as the module holds them).
+  torch::nn::Module& root_module() const { return *root_module_; }
   size_t num_units() const { return units_.size(); }
   Unit& unit(size_t i) { return *units_.at(i); }
   const Unit& unit(size_t i) const { return *units_.at(i); }

@@ -33,6 +33,7 @@
 #include <optional>
 #include <string>
 #include <utility>
+#include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -102,8 +103,20 @@ struct GatherOptions {
   at::Device device = at::kCPU;
 };
 
-/// The full parameters as fresh tensors (on `device`, cast to `dtype`), in unit order. Collective over
-/// the trainer ranks; only ranks with `collect` keep anything (the others return nothing).
+/// The module's buffers (running statistics, rotary tables, counters: replicated, so any rank's are
+/// everyone's), by name. They travel with every version in their own dtype, exactly; a receiver casts
+/// them to its module's dtype on loading.
+inline std::vector<NamedTensor> module_buffers(const core::ShardedModel& model) {
+  std::vector<NamedTensor> out;
+  for (const auto& b : model.root_module().named_buffers(/*recurse=*/true)) {
+    if (b.value().defined()) out.push_back({b.key(), b.value().detach()});
+  }
+  return out;
+}
+
+/// The full parameters (on `device`, cast to `dtype`), in unit order, then the buffers (on `device`,
+/// in their own dtype), all as fresh tensors. Collective over the trainer ranks; only ranks with
+/// `collect` keep anything (the others return nothing).
 inline std::vector<NamedTensor> gather_full_state_dict(core::ShardedModel& model, bool collect,
                                                        const GatherOptions& options = {}) {
   std::vector<NamedTensor> out;
@@ -115,6 +128,11 @@ inline std::vector<NamedTensor> gather_full_state_dict(core::ShardedModel& model
                                                  /*non_blocking=*/false, /*copy=*/true)});
     }
   });
+  if (collect) {
+    for (auto& b : module_buffers(model)) {
+      out.push_back({std::move(b.name), b.tensor.to(options.device, /*non_blocking=*/false, /*copy=*/true)});
+    }
+  }
   return out;
 }
 template <HasShardedModel F>
@@ -274,6 +292,8 @@ class WeightBroadcaster {
         specs.push_back(std::move(s));
       }
     }
+    const std::vector<NamedTensor> buffers = module_buffers(*model_);
+    for (const auto& b : buffers) specs.push_back({b.name, b.tensor.sizes().vec(), b.tensor.scalar_type()});
     const auto plan = plan_buckets(specs, options_.bucket_bytes, version);
     const int64_t n = static_cast<int64_t>(plan.size());
     const c10::Device device = model_->unit(0).options().device;
@@ -331,31 +351,44 @@ class WeightBroadcaster {
         ++seg;
       }
     };
+    // Packs (or sends in place) every chunk of the tensor `name`: the plan lists them consecutively,
+    // possibly over several buckets. chunk_of(entry) -> {chunk, whether it goes out from where it lies,
+    // the tag of the memory it reads}.
+    const auto send_tensor = [&](const std::string& name, auto&& chunk_of) {
+      while (k < n && e < plan[k].entries.size() && plan[k].entries[e].name == name) {
+        const BucketEntry& entry = plan[k].entries[e];
+        const auto [chunk, direct, tag] = chunk_of(entry);
+        if (!direct && entry.numel > 0) entry_view(buffers_[k % 2], entry).copy_(chunk);
+        ++e;
+        send_segments(direct ? chunk : at::Tensor(), tag);
+        if (e == plan[k].entries.size()) {
+          ++k;
+          e = 0;
+          seg = 0;
+          begin_bucket();
+        }
+      }
+    };
     begin_bucket();
     walk_units(
         [&](int slot) { release(gather_tag + slot); },
         [&](int slot, core::Unit& u, const UnitData& data) {
           for (const auto& p : u.layout().params()) {
-            // The plan lists p's chunks consecutively, possibly over several buckets.
-            while (k < n && e < plan[k].entries.size() && plan[k].entries[e].name == p.name) {
-              const BucketEntry& entry = plan[k].entries[e];
+            send_tensor(p.name, [&](const BucketEntry& entry) {
               const auto [chunk, in_gather_buffer] = data.lasting
                   ? data.range(p.offset + entry.element_offset, entry.numel)
                   : std::pair{p.param.detach().reshape({-1}).narrow(0, entry.element_offset, entry.numel), false};
               // Gathered data is in the wire dtype already; the parameters are cast while packed.
               const bool direct = data.lasting && entry.nbytes() >= options_.direct_bytes;
-              if (!direct && entry.numel > 0) entry_view(buffers_[k % 2], entry).copy_(chunk);
-              ++e;
-              send_segments(direct ? chunk : at::Tensor(), in_gather_buffer ? gather_tag + slot : lasting_tag);
-              if (e == plan[k].entries.size()) {
-                ++k;
-                e = 0;
-                seg = 0;
-                begin_bucket();
-              }
-            }
+              return std::tuple{chunk, direct, in_gather_buffer ? gather_tag + slot : lasting_tag};
+            });
           }
         });
+    for (const auto& b : buffers) {
+      send_tensor(b.name, [&](const BucketEntry& entry) {
+        return std::tuple{b.tensor.reshape({-1}).narrow(0, entry.element_offset, entry.numel), false, lasting_tag};
+      });
+    }
     FSDPX_CHECK_AS(SyncError, k == n, "weight sync: internal error: ", k, " of ", n, " buckets were filled");
     for (auto& [t, w] : pending) w.wait();
   }

@@ -20,6 +20,7 @@
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <optional>
 #include <string>
@@ -336,6 +337,12 @@ inline BucketLayout decode_header(const uint8_t* data, int64_t available, std::s
   if (b.index >= b.count) r.fail(::fsdpx::detail::str("bucket index ", b.index, " of ", b.count));
   detail::Reader body(data, b.header_bytes, where);
   body.get_string(detail::prefix_bytes, "the prefix");
+  // An entry takes at least its fixed fields: a count the header cannot hold is refused before anything
+  // is reserved for it.
+  constexpr int64_t min_entry_bytes = 2 + 1 + 1 + 3 * 8;
+  if (n > (b.header_bytes - detail::prefix_bytes) / min_entry_bytes) {
+    r.fail(::fsdpx::detail::str(n, " entries cannot fit in a header of ", b.header_bytes, " bytes"));
+  }
   b.entries.reserve(n);
   for (uint32_t i = 0; i < n; ++i) {
     BucketEntry e;
@@ -353,10 +360,24 @@ inline BucketLayout decode_header(const uint8_t* data, int64_t available, std::s
     }
     e.element_offset = body.get<int64_t>("an entry's element offset");
     e.numel = body.get<int64_t>("an entry's element count");
-    e.byte_offset = static_cast<int64_t>(body.get<uint64_t>("an entry's byte offset"));
+    const uint64_t byte_offset = body.get<uint64_t>("an entry's byte offset");
     const int64_t esize = static_cast<int64_t>(c10::elementSize(e.dtype));
-    if (e.numel < 0 || e.element_offset < 0 || e.element_offset + e.numel > e.tensor_numel() ||
-        e.byte_offset < b.header_bytes || e.byte_offset % esize != 0 || e.byte_offset + e.nbytes() > b.total_bytes) {
+    // Every product and sum is checked for overflow first: the values come from the network.
+    int64_t tensor_numel = 1;
+    for (const int64_t d : e.shape) {
+      if (__builtin_mul_overflow(tensor_numel, d, &tensor_numel)) tensor_numel = -1;
+      if (tensor_numel < 0) break;
+    }
+    int64_t tensor_bytes = 0, chunk_bytes = 0, chunk_end = 0, end_byte = 0;
+    if (tensor_numel < 0 || __builtin_mul_overflow(tensor_numel, esize, &tensor_bytes) || e.numel < 0 ||
+        e.element_offset < 0 || __builtin_add_overflow(e.element_offset, e.numel, &chunk_end) ||
+        __builtin_mul_overflow(e.numel, esize, &chunk_bytes) || byte_offset > static_cast<uint64_t>(b.total_bytes)) {
+      body.fail(::fsdpx::detail::str("entry '", e.name, "' has sizes that overflow (shape of ", e.shape.size(),
+                                     " dimensions, elements ", e.element_offset, "+", e.numel, ", byte ", byte_offset, ")"));
+    }
+    e.byte_offset = static_cast<int64_t>(byte_offset);
+    if (chunk_end > tensor_numel || e.byte_offset < b.header_bytes || e.byte_offset % esize != 0 ||
+        __builtin_add_overflow(e.byte_offset, chunk_bytes, &end_byte) || end_byte > b.total_bytes) {
       body.fail(::fsdpx::detail::str("entry '", e.name, "' (elements ", e.element_offset, "+", e.numel, " of ",
                                      e.tensor_numel(), " at byte ", e.byte_offset, ") lies outside the bucket of ",
                                      b.total_bytes, " bytes"));
@@ -411,7 +432,10 @@ inline std::vector<at::Tensor> pack_buckets(const std::vector<NamedTensor>& tens
 /// Assembles whole tensors from chunks, allocating each on first sight (on `device`).
 class TensorCollector {
  public:
-  explicit TensorCollector(at::Device device = at::kCPU) : device_(device) {}
+  /// `max_bytes`: the most the tensors of one version may take together; a sender announcing more is
+  /// refused before the allocation.
+  explicit TensorCollector(at::Device device = at::kCPU, int64_t max_bytes = std::numeric_limits<int64_t>::max())
+      : device_(device), max_bytes_(max_bytes) {}
 
   void accept(const BucketEntry& e, const at::Tensor& chunk) {
     auto it = index_.find(e.name);
@@ -459,33 +483,42 @@ class TensorCollector {
  private:
   /// The tensor for `e`'s name, allocated on first sight (host ones through core::empty_buffer).
   std::unordered_map<std::string, size_t>::iterator add(const BucketEntry& e) {
-    const int64_t numel = c10::multiply_integers(e.shape);
+    const int64_t numel = e.tensor_numel();
+    const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(e.dtype));  // checked by decode_header
+    FSDPX_CHECK_AS(SyncError, bytes <= max_bytes_ - allocated_, "received weights: tensor '", e.name, "' of ", bytes,
+                   " bytes would take the version beyond its limit of ", max_bytes_, " bytes");
+    allocated_ += bytes;
     tensors_.push_back({e.name, core::empty_buffer(numel, at::TensorOptions().dtype(e.dtype).device(device_)).view(e.shape)});
     received_.push_back(0);
     return index_.emplace(e.name, tensors_.size() - 1).first;
   }
 
   at::Device device_;
+  int64_t max_bytes_;
+  int64_t allocated_ = 0;
   std::unordered_map<std::string, size_t> index_;
   std::vector<NamedTensor> tensors_;
   std::vector<int64_t> received_;
   std::vector<std::string> problems_;
 };
 
-/// Copies chunks into a module's parameters by name. Names, shapes and completeness are checked; what
-/// does not match is collected and reported at finish(), after every chunk was consumed, so that a
-/// broadcast stays in step with its sender. The parameter's dtype may differ from the wire's (copy_
-/// casts), but then the copy is not bit-exact.
+/// Copies chunks into a module's parameters and buffers by name. Names, shapes and completeness are
+/// checked; what does not match is collected and reported at finish(), after every chunk was consumed,
+/// so that a broadcast stays in step with its sender. The target's dtype may differ from the wire's
+/// (copy_ casts), but then the copy is not bit-exact.
 class ModuleLoader {
  public:
   explicit ModuleLoader(torch::nn::Module& module) {
     // A tied parameter appears under several names; any of them fills it.
     std::unordered_map<const c10::TensorImpl*, size_t> seen;
-    for (const auto& item : module.named_parameters(/*recurse=*/true)) {
-      const auto [it, fresh] = seen.emplace(item.value().unsafeGetTensorImpl(), targets_.size());
-      if (fresh) targets_.push_back({item.key(), item.value(), 0});
-      by_name_.emplace(item.key(), it->second);
-    }
+    const auto add = [&](const std::string& name, const at::Tensor& t) {
+      if (!t.defined()) return;
+      const auto [it, fresh] = seen.emplace(t.unsafeGetTensorImpl(), targets_.size());
+      if (fresh) targets_.push_back({name, t, 0});
+      by_name_.emplace(name, it->second);
+    };
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) add(item.key(), item.value());
+    for (const auto& item : module.named_buffers(/*recurse=*/true)) add(item.key(), item.value());
   }
 
   void accept(const BucketEntry& e, const at::Tensor& chunk) {
@@ -541,11 +574,11 @@ class ModuleLoader {
     std::sort(unknown_.begin(), unknown_.end());
     unknown_.erase(std::unique(unknown_.begin(), unknown_.end()), unknown_.end());
     if (!unknown_.empty()) {
-      problems_.push_back(::fsdpx::detail::str(unknown_.size(), " sent tensor(s) are not parameters of the module: ",
+      problems_.push_back(::fsdpx::detail::str(unknown_.size(), " sent tensor(s) are not parameters or buffers of the module: ",
                                                TensorCollector::join(unknown_)));
     }
     if (!missing.empty()) {
-      problems_.push_back(::fsdpx::detail::str(missing.size(), " module parameter(s) were not sent: ",
+      problems_.push_back(::fsdpx::detail::str(missing.size(), " module parameter(s) or buffer(s) were not sent: ",
                                                TensorCollector::join(missing)));
     }
     FSDPX_CHECK_AS(SyncError, problems_.empty(),
@@ -566,7 +599,7 @@ class ModuleLoader {
   std::vector<std::string> problems_;
 };
 
-/// Loads whole named tensors into `module`'s parameters by name, with ModuleLoader's checks.
+/// Loads whole named tensors into `module`'s parameters and buffers by name, with ModuleLoader's checks.
 inline void load_into(torch::nn::Module& module, const std::vector<NamedTensor>& tensors) {
   ModuleLoader loader(module);
   for (const auto& t : tensors) {

@@ -1,0 +1,165 @@
+"""CRC-32C (Castagnoli), the checksum of every synchronizer frame and every checkpoint file.
+
+The same function as fsdpx's C++ ``fsdpx::detail::Crc32c``. With ``google-crc32c`` (or ``crc32c``)
+installed, their C implementation is used; otherwise a vectorized one in torch: the data is cut into
+many equal chunks whose CRCs advance together, one byte position per step, and the chunk CRCs are
+then combined pairwise (a CRC is linear over GF(2): appending ``m`` bytes shifts the earlier CRC by a
+fixed 32x32 bit matrix).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, List, Optional
+
+import torch
+
+_POLY = 0x82F63B78  # reflected Castagnoli polynomial
+
+
+def _make_table() -> List[int]:
+    table = []
+    for i in range(256):
+        c = i
+        for _ in range(8):
+            c = (_POLY ^ (c >> 1)) if (c & 1) else (c >> 1)
+        table.append(c)
+    return table
+
+
+_TABLE = _make_table()
+
+
+def _native() -> Optional[Callable[[bytes], int]]:
+    try:
+        import google_crc32c  # type: ignore
+
+        return lambda data: google_crc32c.value(bytes(data))
+    except ImportError:
+        pass
+    try:
+        import crc32c as _c  # type: ignore
+
+        return lambda data: _c.crc32c(data)
+    except ImportError:
+        return None
+
+
+_NATIVE = _native()
+
+# ---- GF(2) linear maps on the 32-bit CRC register, as the images of its 32 bits -----------------
+
+
+def _apply(columns: List[int], x: int) -> int:
+    y, j = 0, 0
+    while x:
+        if x & 1:
+            y ^= columns[j]
+        x >>= 1
+        j += 1
+    return y
+
+
+def _compose(a: List[int], b: List[int]) -> List[int]:
+    """a after b."""
+    return [_apply(a, col) for col in b]
+
+
+_ONE_ZERO_BYTE = [_TABLE[(1 << j) & 0xFF] ^ ((1 << j) >> 8) for j in range(32)]
+
+
+@functools.lru_cache(maxsize=256)
+def _zeros_map(nbytes: int) -> tuple:
+    """The map that feeding ``nbytes`` zero bytes applies to the register."""
+    result = [1 << j for j in range(32)]
+    power = list(_ONE_ZERO_BYTE)
+    n = nbytes
+    while n:
+        if n & 1:
+            result = _compose(power, result)
+        power = _compose(power, power)
+        n >>= 1
+    return tuple(result)
+
+
+@functools.lru_cache(maxsize=64)
+def _byte_tables(nbytes: int) -> torch.Tensor:
+    """[4, 256] int64: the zeros map of ``nbytes`` applied to each byte of the register."""
+    cols = _zeros_map(nbytes)
+    out = []
+    for k in range(4):
+        row = [0] * 256
+        for b in range(1, 256):
+            low = b & -b
+            row[b] = row[b ^ low] ^ cols[8 * k + low.bit_length() - 1]
+        out.append(row)
+    return torch.tensor(out, dtype=torch.int64)
+
+
+def _shift(crcs: torch.Tensor, nbytes: int) -> torch.Tensor:
+    t = _byte_tables(nbytes)
+    return t[0][crcs & 0xFF] ^ t[1][(crcs >> 8) & 0xFF] ^ t[2][(crcs >> 16) & 0xFF] ^ t[3][crcs >> 24]
+
+
+_TABLE_T = torch.tensor(_TABLE, dtype=torch.int64)
+
+
+def _raw_chunks(rows: torch.Tensor) -> torch.Tensor:
+    """Register after each row (uint8 [n, L], feeding columns left to right), from 0."""
+    n, length = rows.shape
+    cols = rows.t().contiguous()  # one byte position of every chunk per row: contiguous steps
+    state = torch.zeros(n, dtype=torch.int64)
+    for i in range(length):
+        state = _TABLE_T[(state ^ cols[i]) & 0xFF] ^ (state >> 8)
+    return state
+
+
+def _raw(data: torch.Tensor) -> int:
+    """The register after ``data`` (1-D uint8), from 0."""
+    n = data.numel()
+    if n == 0:
+        return 0
+    chunk = 64
+    while n // chunk > 65536 and chunk < (1 << 16):
+        chunk *= 2
+    count = n // chunk
+    state = 0
+    if count:
+        crcs = _raw_chunks(data[: count * chunk].view(count, chunk))
+        span = chunk
+        while crcs.numel() > 1:
+            if crcs.numel() % 2:  # a zero chunk in front changes nothing (the register stays 0)
+                crcs = torch.cat([torch.zeros(1, dtype=torch.int64), crcs])
+            pairs = crcs.view(-1, 2)
+            crcs = _shift(pairs[:, 0].contiguous(), span) ^ pairs[:, 1]
+            span *= 2
+        state = int(crcs[0])
+    rest = data[count * chunk :]
+    if rest.numel():
+        tail = int(_raw_chunks(rest.view(1, -1))[0])
+        state = _apply(list(_zeros_map(rest.numel())), state) ^ tail
+    return state
+
+
+def crc32c(data, value: int = 0) -> int:
+    """CRC-32C of ``data`` (bytes, bytearray, memoryview or a uint8 tensor), continuing ``value``."""
+    if not isinstance(data, torch.Tensor) and _NATIVE is not None and value == 0:
+        return _NATIVE(data)
+    return crc32c_torch(data, value)
+
+
+def crc32c_torch(data, value: int = 0) -> int:
+    """The same, always computed with torch (the fallback; tested against the native one)."""
+    if not isinstance(data, torch.Tensor):
+        view = memoryview(data).cast("B")
+        data = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else torch.empty(0, dtype=torch.uint8)
+    tensor = data.reshape(-1)
+    if tensor.dtype != torch.uint8:
+        tensor = tensor.view(torch.uint8)
+    init = (value ^ 0xFFFFFFFF) & 0xFFFFFFFF
+    return _apply(list(_zeros_map(tensor.numel())), init) ^ _raw(tensor.contiguous()) ^ 0xFFFFFFFF
+
+
+def implementation() -> str:
+    """Which CRC-32C runs: "native" (a C extension) or "torch" (vectorized, slower)."""
+    return "native" if _NATIVE is not None else "torch"

@@ -1,0 +1,144 @@
+"""The Python receiver against a C++ trainer (label "sync"): fsdpx_sync is pip-installed into a
+temporary directory, then receives every version a 2-rank fsdpx trainer publishes, with its secret,
+bit-exact against what the trainer wrote, buffers included, and loads each into a torch module by
+name with the strict check. A wrong secret is refused.
+
+    python_receiver_test.py --package <python/> --program <python_peer_program> --mpiexec <mpiexec> [flags...]
+"""
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+VERSIONS = 4
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--package", required=True)
+    ap.add_argument("--program", required=True)
+    ap.add_argument("--mpiexec", required=True)
+    ap.add_argument("--work", required=True)
+    ap.add_argument("mpiexec_flags", nargs="*")
+    args = ap.parse_args()
+
+    shutil.rmtree(args.work, ignore_errors=True)
+    os.makedirs(args.work)
+    # Installable with pip, offline, depending on torch only.
+    # From a copy: pip's build leaves its build/ and egg-info beside the sources.
+    source = os.path.join(args.work, "package")
+    shutil.copytree(args.package, source)
+    site = os.path.join(args.work, "site")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
+                    "--disable-pip-version-check", "--target", site, source], check=True)
+    sys.path.insert(0, site)
+    import torch
+    from safetensors.torch import load_file
+
+    import fsdpx_sync
+    from fsdpx_sync import SyncClient, SyncError
+
+    assert fsdpx_sync.__file__.startswith(site), fsdpx_sync.__file__
+    from fsdpx_sync.checksum import crc32c_torch
+    assert fsdpx_sync.crc32c(b"123456789") == 0xE3069283 == crc32c_torch(b"123456789")
+    # The torch fallback and the native CRC-32C (when installed) equal the bytewise definition.
+    from fsdpx_sync.checksum import _TABLE
+    for n in (0, 1, 63, 64, 65, 4095, 70001):
+        data = bytearray(os.urandom(n))
+        c = 0xFFFFFFFF
+        for b in data:
+            c = _TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
+        assert crc32c_torch(data) == fsdpx_sync.crc32c(data) == c ^ 0xFFFFFFFF, n
+        assert crc32c_torch(data[n // 2:], crc32c_torch(data[: n // 2])) == crc32c_torch(data), n
+
+    secret = "python-receiver-test-secret"
+    env = dict(os.environ, FSDPX_SYNC_SECRET=secret)
+    trainer = subprocess.Popen([args.mpiexec, *args.mpiexec_flags, "-n", "2", args.program, args.work, str(VERSIONS)],
+                               env=env)
+    try:
+        port_file = os.path.join(args.work, "port")
+        deadline = time.monotonic() + 120
+        while not os.path.exists(port_file):
+            if trainer.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("the trainer did not start its synchronizer")
+            time.sleep(0.05)
+        port = int(open(port_file).read())
+
+        try:
+            SyncClient("127.0.0.1", port, secret="wrong").fetch_newer(-1, timeout=5)
+            raise AssertionError("a wrong secret was accepted")
+        except SyncError as e:
+            assert "refused to let this client fetch" in str(e) and "authentication failed" in str(e), e
+
+        client = SyncClient("127.0.0.1", port, secret=secret)
+        module = None
+        have = -1
+        for v in range(1, VERSIONS + 1):
+            weights = client.fetch_newer(have, timeout=120)
+            assert weights.version == v, f"version {weights.version} arrived where {v} was expected"
+            expected = load_file(os.path.join(args.work, f"expected_{v}.safetensors"))
+            got = weights.named()
+            assert list(got) == list(expected), (list(got), list(expected))
+            for name, t in expected.items():
+                r = got[name]
+                assert r.dtype == t.dtype and r.shape == t.shape, (name, r.dtype, t.dtype, r.shape, t.shape)
+                assert torch.equal(r.view(torch.uint8), t.view(torch.uint8)), f"version {v}: {name} differs"
+            assert got["step_count"].dtype == torch.float32 and torch.all(got["step_count"] == v)
+            assert any(n.endswith("weight") and t.dtype == torch.bfloat16 for n, t in got.items())
+
+            if module is None:
+                module = build_module(torch, expected, buffers={"step_count"})
+                # Strict: a name the module lacks is named in the error, and nothing is copied.
+                extra = torch.nn.Module()
+                extra.register_parameter("not_sent", torch.nn.Parameter(torch.zeros(1)))
+                module.add_module("extra", extra)
+                try:
+                    weights.load_into(module)
+                    raise AssertionError("a missing name was not reported")
+                except SyncError as e:
+                    assert "missing: extra.not_sent" in str(e), e
+                del module.extra
+            weights.load_into(module)  # vLLM's load_weights takes the same pairs: iter(weights)
+            for name, t in module.state_dict().items():
+                assert torch.equal(t, expected[name].to(t.dtype)), f"version {v}: {name} was not loaded"
+            have = v
+            open(os.path.join(args.work, f"ack_{v}"), "w").close()
+        client.close()
+        rc = trainer.wait(timeout=120)
+        assert rc == 0, f"the trainer exited with {rc}"
+    except BaseException:
+        open(os.path.join(args.work, "abort"), "w").close()
+        try:
+            trainer.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            trainer.kill()
+        raise
+    from fsdpx_sync import checksum
+    print(f"python receiver: {VERSIONS} versions received bit-exact, buffers included (CRC-32C: "
+          f"{checksum.implementation()})")
+    return 0
+
+
+def build_module(torch, tensors, buffers):
+    """A module tree with a parameter (or buffer) at every dotted name, as a model would have."""
+    root = torch.nn.Module()
+    for name, t in tensors.items():
+        *path, leaf = name.split(".")
+        m = root
+        for part in path:
+            if not hasattr(m, part):
+                m.add_module(part, torch.nn.Module())
+            m = getattr(m, part)
+        if leaf in buffers:
+            m.register_buffer(leaf, torch.full_like(t, -1.0))
+        else:
+            m.register_parameter(leaf, torch.nn.Parameter(torch.full_like(t, -1.0)))
+    return root
+
+
+if __name__ == "__main__":
+    sys.exit(main())
