@@ -138,11 +138,15 @@ class Collector:
         t = self.tensors.get(e.name)
         if t is None:
             nbytes = e.tensor_numel * torch.empty(0, dtype=e.dtype).element_size()
-            if self.allocated + nbytes > self.max_bytes:
+            cost = nbytes + 256 + len(e.name)  # bookkeeping too: many empty tensors are not free
+            if self.allocated + cost > self.max_bytes:
                 raise SyncError(f"fsdpx: received tensor '{e.name}' of {nbytes} bytes exceeds max_version_bytes "
                                 f"({self.max_bytes})")
-            self.allocated += nbytes
-            t = self.tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
+            self.allocated += cost
+            try:
+                t = self.tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
+            except RuntimeError as err:
+                raise SyncError(f"fsdpx: received tensor '{e.name}' has an impossible shape {e.shape}: {err}") from err
             self.received[e.name] = 0
         if tuple(t.shape) != e.shape or t.dtype != e.dtype:
             raise SyncError(f"fsdpx: '{e.name}' arrived with two different shapes or dtypes")

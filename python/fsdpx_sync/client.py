@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import os
 import secrets as _secrets
+import select
 import socket
 import struct
 import time
@@ -69,8 +70,9 @@ class WeightVersion:
         """Copies every tensor into the module's parameter or buffer of the same name (cast to its
         dtype, on its device). Strict: a missing, unexpected or wrong-shaped name is an error listing
         all of them, raised before anything is copied. Returns (missing, unexpected)."""
-        targets = dict(module.named_parameters())
-        targets.update(dict(module.named_buffers()))
+        # Every name of a tied parameter may be sent (the C++ loader accepts any of them).
+        targets = dict(module.named_parameters(remove_duplicate=False))
+        targets.update(dict(module.named_buffers(remove_duplicate=False)))
         received = self.named()
         missing = [n for n in targets if n not in received]
         unexpected = [n for n in received if n not in targets]
@@ -97,7 +99,7 @@ class SyncClient:
     nothing else. Not thread-safe: one client per thread."""
 
     def __init__(self, host: str, port: int, *, secret: Optional[str] = None, connect_timeout: float = 10.0,
-                 io_timeout: float = 60.0, max_bucket_bytes: int = 1 << 30, max_version_bytes: int = 1 << 40):
+                 io_timeout: float = 60.0, max_bucket_bytes: int = 1 << 30, max_version_bytes: int = 64 << 30):
         self.where = f"{host}:{port}"
         self.address = (host, port)
         if secret is None:
@@ -226,22 +228,45 @@ class SyncClient:
     def fetch_newer(self, have: int = -1, timeout: float = 60.0) -> WeightVersion:
         """The newest version once it is newer than ``have`` (-1: any), waiting up to ``timeout``
         seconds. All of one version, every frame's CRC-32C checked, or a SyncError."""
+        if have < -1:
+            raise SyncError(f"fsdpx: fetching a version newer than {have}: versions are >= 0 (-1: any)")
         what = f"fetching a version newer than {have}"
-        fresh = self._sock is None
-        if fresh:
+        if self._sock is None or self._closed_by_server():
             self._connect()
-        try:
-            return self._fetch_once(have, timeout, what)
-        except SyncError as e:
-            # The server closes connections idle beyond its idle_timeout: one fresh try.
-            if fresh or "closed the connection" not in str(e):
-                raise
-        self._connect()
         return self._fetch_once(have, timeout, what)
 
+    def _closed_by_server(self) -> bool:
+        """Between requests nothing may wait on the connection: a hang-up (the server's idle_timeout)
+        or anything unasked for, seen without blocking, means a fresh connection."""
+        assert self._sock is not None
+        ready, _, _ = select.select([self._sock], [], [], 0)
+        if not ready:
+            return False
+        try:
+            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        return True
+
     def _fetch_once(self, have: int, timeout: float, what: str) -> WeightVersion:
-        self._write_frame(FETCH, have, max(0, int(timeout * 1000)), b"", what)
-        begin, text = self._read_frame(timeout + self.io_timeout, what)
+        try:
+            return self._fetch_stream(have, timeout, what)
+        except BaseException:
+            self.close()  # mid-stream, the connection is out of step: the next fetch opens a fresh one
+            raise
+
+    def _fetch_stream(self, have: int, timeout: float, what: str) -> WeightVersion:
+        timeout = min(max(timeout, 0.0), 365 * 24 * 3600.0)
+        deadline = time.monotonic() + timeout
+        while True:
+            # The server may answer `timeout` early (it caps a wait at its idle_timeout): ask again.
+            left = max(0.0, deadline - time.monotonic())
+            self._write_frame(FETCH, have, int(left * 1000), b"", what)
+            begin, text = self._read_frame(left + self.io_timeout, what)
+            if begin[1] != TIMEOUT or time.monotonic() >= deadline:
+                break
         kind, version, count = begin[1], begin[3], begin[6]
         if kind == TIMEOUT:
             raise SyncError(f"fsdpx: no weight version newer than {have} was published within {timeout} s (the "

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <random>
 #include <string>
 #include <thread>
@@ -248,6 +249,22 @@ TEST_CASE("security: wrong secret, no secret and a replayed handshake are refuse
 TEST_CASE("security: versions cannot be hijacked, and a publish that never completes holds nobody back", "[security]") {
   fxs::SynchronizerServer server({.secret = "s", .max_version_jump = 1000, .io_timeout = 1500ms});
   const auto port = server.port();
+  {
+    // Even the first version is bounded: nothing can be published before the trainer's first.
+    fxs::SynchronizerClient rogue("127.0.0.1", port, {.secret = "s"});
+    CHECK_THROWS_WITH(rogue.publish(int64_t{1} << 62, weights_of(1)), Catch::Contains("max_version_jump (1000)"));
+  }
+  {
+    // A fetch for versions newer than -2 (or INT64_MIN) before anything is published is refused.
+    RawConnection c(port);
+    bool welcomed = false;
+    REQUIRE(c.handshake(fxs::Role::fetch, "s", &welcomed));
+    REQUIRE(welcomed);
+    c.send_frame(sd::make_frame(sd::FrameKind::fetch, std::numeric_limits<int64_t>::min(), 1000));
+    auto reply = c.recv_frame();
+    REQUIRE(reply);
+    CHECK_THAT(reply->second, Catch::Contains("a fetch for versions newer than"));
+  }
   fxs::SynchronizerClient trainer("127.0.0.1", port, {.secret = "s"});
   trainer.publish(10, weights_of(10));
   {
@@ -439,6 +456,27 @@ TEST_CASE("security: idle and half-open connections are closed, and the connecti
   server.publish(2, weights_of(2));
   CHECK(reader.fetch_newer(1, 1s).version == 2);
   CHECK(server.stats().timed_out >= 9);
+}
+
+TEST_CASE("security: the server's deadlines never pass for a lost trainer, and clients outlive them", "[security]") {
+  fxs::SynchronizerServer server({.handshake_timeout = 300ms, .idle_timeout = 600ms});
+  const auto port = server.port();
+  // Constructed long before its first use: the server closed the connection at its handshake deadline.
+  fxs::SynchronizerClient trainer("127.0.0.1", port);
+  std::this_thread::sleep_for(700ms);
+  trainer.publish(1, weights_of(1));
+  // The trainer then stays quiet beyond idle_timeout: the server closes its connection, which is no
+  // sign that it is gone. A waiting reader keeps waiting, and gets the next version.
+  fxs::SynchronizerClient reader("127.0.0.1", port);
+  CHECK(reader.fetch_newer(fxs::no_version, 1s).version == 1);
+  std::thread later([&] {
+    std::this_thread::sleep_for(1200ms);
+    trainer.publish(2, weights_of(2));
+  });
+  const auto s = reader.fetch_newer(1, 5s);
+  later.join();
+  CHECK(s.version == 2);
+  CHECK(bit_equal(s, weights_of(2)));
 }
 
 TEST_CASE("security: out of file descriptors, the server pauses accepting instead of spinning", "[security]") {

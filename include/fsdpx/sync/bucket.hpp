@@ -485,9 +485,11 @@ class TensorCollector {
   std::unordered_map<std::string, size_t>::iterator add(const BucketEntry& e) {
     const int64_t numel = e.tensor_numel();
     const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(e.dtype));  // checked by decode_header
-    FSDPX_CHECK_AS(SyncError, bytes <= max_bytes_ - allocated_, "received weights: tensor '", e.name, "' of ", bytes,
+    // Each tensor also costs its bookkeeping, so that a sender cannot make many empty ones for free.
+    const int64_t cost = bytes + 256 + static_cast<int64_t>(e.name.size());
+    FSDPX_CHECK_AS(SyncError, cost <= max_bytes_ - allocated_, "received weights: tensor '", e.name, "' of ", bytes,
                    " bytes would take the version beyond its limit of ", max_bytes_, " bytes");
-    allocated_ += bytes;
+    allocated_ += cost;
     tensors_.push_back({e.name, core::empty_buffer(numel, at::TensorOptions().dtype(e.dtype).device(device_)).view(e.shape)});
     received_.push_back(0);
     return index_.emplace(e.name, tensors_.size() - 1).first;

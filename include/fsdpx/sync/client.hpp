@@ -16,6 +16,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <array>
 #include <cerrno>
 #include <chrono>
@@ -49,7 +50,7 @@ struct ClientOptions {
   std::string secret;
   /// Limits on what the server may send: one bucket, one version.
   int64_t max_bucket_bytes = int64_t{1} << 30;
-  int64_t max_version_bytes = int64_t{1} << 40;
+  int64_t max_version_bytes = int64_t{64} << 30;
 };
 
 namespace detail {
@@ -91,6 +92,7 @@ class SynchronizerClient {
   /// Bucket by bucket, so the trainer holds one bucket beyond the tensors.
   void publish(int64_t version, const std::vector<NamedTensor>& tensors) {
     FSDPX_CHECK_AS(SyncError, version >= 0, "cannot publish version ", version, ": versions are >= 0");
+    FSDPX_CHECK_AS(SyncError, !tensors.empty(), "cannot publish version ", version, ": it has no tensors");
     const std::string what = ::fsdpx::detail::str("publishing version ", version);
     reconnect_if_closed();
     authenticate(Role::publish, what);
@@ -155,7 +157,8 @@ class SynchronizerClient {
   /// waiting on an authenticated connection, so a hang-up (or anything unasked for) seen without
   /// blocking means a fresh connection.
   void reconnect_if_closed() {
-    if (!role_ || !socket_.is_open()) return;
+    if (!socket_.is_open()) return connect(options_.connect_timeout);  // after an earlier error
+    if (!role_) return;  // the server's hello is waiting: authenticate() reads it
     pollfd p{socket_.native_handle(), POLLIN, 0};
     if (::poll(&p, 1, 0) <= 0) return;
     char c;
@@ -170,6 +173,7 @@ class SynchronizerClient {
     socket_.close(ignored);
     role_.reset();
     hello_.reset();
+    peer_closed_ = false;
     const auto deadline = dist::deadline_after(timeout);
     std::string last = "no attempt";
     while (true) {
@@ -197,9 +201,21 @@ class SynchronizerClient {
   }
 
   /// The handshake for `role` (once per connection; a connection that fetches reconnects to publish).
+  /// A connection opened long before its first use was closed by the server's handshake_timeout: a
+  /// fresh one is tried once.
   void authenticate(Role role, const std::string& what) {
     if (role_ == role || role_ == Role::publish) return;
     if (role_) connect(options_.connect_timeout);
+    try {
+      handshake(role, what);
+    } catch (const SyncError&) {
+      if (!peer_closed_) throw;
+      connect(options_.connect_timeout);
+      handshake(role, what);
+    }
+  }
+
+  void handshake(Role role, const std::string& what) {
     if (!hello_) {
       const auto [hello, payload] = read_frame(options_.io_timeout, what + " (the server's hello)", /*small=*/true);
       if (hello.kind != static_cast<uint16_t>(detail::FrameKind::hello) || hello.aux != detail::protocol_version ||
@@ -244,16 +260,31 @@ class SynchronizerClient {
   }
 
   WeightSnapshot fetch_once(int64_t have, std::chrono::milliseconds wait, const std::string& what) {
-    write_frame(detail::make_frame(detail::FrameKind::fetch, have, static_cast<uint64_t>(wait.count())), nullptr, what);
-    const auto [begin, text] = read_frame(wait + options_.io_timeout, what);
+    wait = std::clamp(wait, std::chrono::milliseconds(0), std::chrono::milliseconds(std::chrono::hours(24 * 365)));
+    const auto deadline = dist::deadline_after(wait);
+    detail::FrameHeader begin;
+    while (true) {
+      // The server may answer `timeout` before `wait` (it caps a wait at its idle_timeout): ask again
+      // for what is left.
+      const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
+                                 std::chrono::milliseconds(0));
+      write_frame(detail::make_frame(detail::FrameKind::fetch, have, static_cast<uint64_t>(left.count())), nullptr, what);
+      const auto [reply, text] = read_frame(left + options_.io_timeout, what);
+      if (reply.kind == static_cast<uint16_t>(detail::FrameKind::timeout) && std::chrono::steady_clock::now() < deadline) {
+        continue;
+      }
+      begin = reply;
+      if (reply.kind == static_cast<uint16_t>(detail::FrameKind::error)) {
+        throw SyncError(::fsdpx::detail::str("fsdpx: the synchronizer at ", where_, " answered: ", text));
+      }
+      break;
+    }
     switch (detail::FrameKind(begin.kind)) {
       case detail::FrameKind::snapshot_begin: break;
       case detail::FrameKind::timeout:
         throw SyncError(::fsdpx::detail::str("fsdpx: no weight version newer than ", have, " was published within ",
                                              wait.count(), " ms (the synchronizer at ", where_, " has version ",
                                              begin.version, "); the trainer may be slow, stopped or dead"));
-      case detail::FrameKind::error:
-        throw SyncError(::fsdpx::detail::str("fsdpx: the synchronizer at ", where_, " answered: ", text));
       default:
         fail(::fsdpx::detail::str("an unexpected ", detail::to_string(detail::FrameKind(begin.kind)), " frame"), what);
     }
@@ -298,7 +329,11 @@ class SynchronizerClient {
                                            timeout.count(), " ms (the server or the trainer behind it is stalled or "
                                            "unreachable)"));
     }
-    if (*result) fail(detail::describe(*result), what);
+    if (*result) {
+      peer_closed_ = *result == detail::asio::error::eof || *result == detail::asio::error::connection_reset ||
+                     *result == detail::asio::error::broken_pipe;
+      fail(detail::describe(*result), what);
+    }
   }
 
   void write_frame(const detail::FrameHeader& h, const void* payload, const std::string& what) {
@@ -345,6 +380,7 @@ class SynchronizerClient {
   std::optional<detail::Nonce> hello_;
   std::optional<Role> role_;
   bool published_ = false;
+  bool peer_closed_ = false;  // the last failure was the server closing the connection
 };
 
 }  // namespace fsdpx::sync

@@ -63,6 +63,7 @@ struct ServerOptions {
   int64_t max_version_bytes = int64_t{64} << 30;   // one version (one publish is staged at a time)
   int64_t max_version_jump = int64_t{1} << 30;     // a version at most this far above the latest
   int max_connections = 512;
+  int max_handshakes = 64;  // of those, at most this many before their handshake ends
   std::chrono::milliseconds handshake_timeout{10000};  // from accept to a proven secret
   std::chrono::milliseconds idle_timeout{std::chrono::minutes(30)};  // between requests
   std::chrono::milliseconds io_timeout{60000};  // within a frame, between a publish's frames, per bucket sent
@@ -72,6 +73,7 @@ struct ServerOptions {
 struct ServerStats {
   int64_t accepted = 0;
   int64_t live = 0;
+  int64_t handshaking = 0;         // live, not yet authenticated
   int64_t refused_over_limit = 0;  // closed at once: max_connections reached
   int64_t failed_auth = 0;         // wrong or missing secret, or a malformed handshake
   int64_t protocol_errors = 0;     // frames refused after the handshake
@@ -142,6 +144,8 @@ class Session : public std::enable_shared_from_this<Session> {
   std::chrono::steady_clock::time_point deadline_;
   asio::steady_timer fetch_timer_;
   bool waiting_ = false;
+  bool listed_ = false;  // in core_->waiters
+  bool closing_ = false;  // refused: its last frame is being sent, nothing more is read
 };
 
 struct ServerCore {
@@ -168,21 +172,42 @@ struct ServerCore {
       if (auto s = w.lock()) s->wake();
     }
   }
+  /// Each waiting session is listed once; entries of closed ones are dropped as the list grows.
+  void add_waiter(std::weak_ptr<Session> s) {
+    if (waiters.size() > 2 * static_cast<size_t>(stats.live) + 16) {
+      std::erase_if(waiters, [](const auto& w) { return w.expired(); });
+    }
+    waiters.push_back(std::move(s));
+  }
   void accept() {
     acceptor.async_accept([this](const boost::system::error_code& ec, tcp::socket socket) {
       if (ec == asio::error::operation_aborted || !acceptor.is_open()) return;
+      try {
+        on_accept(ec, std::move(socket));
+      } catch (...) {
+        ++stats.handler_errors;
+        pause_accepting();  // whatever failed, accepting goes on
+      }
+    });
+  }
+  void pause_accepting() {
+    accept_pause.expires_after(std::chrono::milliseconds(100));
+    accept_pause.async_wait([this](const boost::system::error_code& e) {
+      if (!e) accept();
+    });
+  }
+  void on_accept(const boost::system::error_code& ec, tcp::socket socket) {
+    {
       if (ec) {
         // Out of descriptors (EMFILE/ENFILE) or memory: the pending connection stays in the backlog.
         // Accepting again at once would spin; pause, so live connections are served meanwhile.
         ++stats.accept_errors;
-        accept_pause.expires_after(std::chrono::milliseconds(100));
-        accept_pause.async_wait([this](const boost::system::error_code& e) {
-          if (!e) accept();
-        });
-        return;
+        return pause_accepting();
       }
       ++stats.accepted;
-      if (stats.live >= options.max_connections) {
+      // Connections still proving a secret have a cap of their own: peers without a secret cannot take
+      // the slots of authenticated ones.
+      if (stats.live >= options.max_connections || stats.handshaking >= options.max_handshakes) {
         ++stats.refused_over_limit;
         boost::system::error_code ignored;
         socket.close(ignored);
@@ -197,7 +222,7 @@ struct ServerCore {
         }
       }
       accept();
-    });
+    }
   }
 };
 
@@ -207,10 +232,12 @@ inline Session::Session(ServerCore* core, tcp::socket socket)
   const auto ep = socket_.remote_endpoint(ec);
   peer_ = ec ? std::string("?") : ep.address().to_string() + ":" + std::to_string(ep.port());
   ++core_->stats.live;
+  ++core_->stats.handshaking;
 }
 
 inline Session::~Session() {
   --core_->stats.live;
+  if (!role_) --core_->stats.handshaking;
   if (core_->publishing == this) core_->publishing = nullptr;
 }
 
@@ -251,12 +278,15 @@ inline void Session::arm(std::chrono::milliseconds after) {
   watchdog_.async_wait([self = shared_from_this(), generation](const boost::system::error_code& ec) {
     if (ec || generation != self->watch_generation_ || self->closed_) return;
     ++self->core_->stats.timed_out;
+    // The server ending an idle connection is no sign that the trainer is gone (it reconnects for its
+    // next publish); a publish that stalls midway is.
+    if (!self->pending_) self->said_goodbye_ = true;
     self->on_closed(asio::error::timed_out);
   });
 }
 
 inline void Session::read_header() {
-  if (closed_) return;
+  if (closed_ || closing_) return;
   if (role_) arm(pending_ ? core_->options.io_timeout : core_->options.idle_timeout);
   asio::async_read(socket_, asio::buffer(&in_, sizeof(in_)), [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
     self->guarded([&] { self->on_header(ec); });
@@ -273,6 +303,7 @@ inline uint64_t Session::allowed_payload(FrameKind kind) const {
 }
 
 inline void Session::on_header(const boost::system::error_code& ec) {
+  if (closing_) return;
   if (ec) return on_closed(ec);
   const auto kind = FrameKind(in_.kind);
   if (const std::string problem = frame_problem(in_, allowed_payload(kind)); !problem.empty()) {
@@ -297,6 +328,7 @@ inline void Session::on_header(const boost::system::error_code& ec) {
 }
 
 inline void Session::on_payload(const boost::system::error_code& ec) {
+  if (closing_) return;
   if (ec) return on_closed(ec);
   const void* data = payload_.defined() ? payload_.const_data_ptr() : static_cast<const void*>(small_.data());
   if (frame_checksum(data, in_.length) != in_.checksum) {
@@ -338,10 +370,17 @@ inline void Session::handle() {
       return read_header();
     }
     case FrameKind::publish_end: return end_publish();
-    case FrameKind::fetch:
+    case FrameKind::fetch: {
+      if (in_.version < no_version) {
+        return refuse(::fsdpx::detail::str("a fetch for versions newer than ", in_.version, " (versions are >= 0)"),
+                      &ServerStats::protocol_errors);
+      }
       have_ = in_.version;
-      deadline_ = dist::deadline_after(std::chrono::milliseconds(std::min<uint64_t>(in_.aux, uint64_t{1} << 40)));
+      // A wait is capped by idle_timeout: a reader that crashed while waiting frees its slot then.
+      const auto cap = static_cast<uint64_t>(std::max<int64_t>(0, core_->options.idle_timeout.count()));
+      deadline_ = dist::deadline_after(std::chrono::milliseconds(std::min(in_.aux, cap)));
       return check_fetch();
+    }
     case FrameKind::goodbye: said_goodbye_ = true; return read_header();
     default:
       return refuse(::fsdpx::detail::str("an unexpected ", to_string(kind), " frame"), &ServerStats::protocol_errors);
@@ -372,6 +411,7 @@ inline void Session::on_auth() {
     proof = handshake_mac(secret.value, server_label, role, client_nonce, server_nonce_);
   }
   role_ = role;
+  --core_->stats.handshaking;
   ++watch_generation_;  // the handshake's deadline no longer applies
   send(make_frame(FrameKind::welcome, no_version, static_cast<uint64_t>(role), proof.data(), proof.size()),
        std::string(reinterpret_cast<const char*>(proof.data()), proof.size()));
@@ -393,9 +433,9 @@ inline void Session::begin_publish() {
   } else if (p.version <= latest) {
     p.rejected = ::fsdpx::detail::str("version ", p.version, " is not newer than the latest published version, ", latest,
                                       " (versions never go backwards)");
-  } else if (latest != no_version && p.version - latest > o.max_version_jump) {
+  } else if (p.version - std::max<int64_t>(latest, 0) > o.max_version_jump) {
     p.rejected = ::fsdpx::detail::str("version ", p.version, " is more than max_version_jump (", o.max_version_jump,
-                                      ") above the latest, ", latest);
+                                      ") above the latest, ", latest, latest == no_version ? " (none yet: 0 counts)" : "");
   }
   // Every bucket holds at least a header; a count no version could fill is refused at once.
   if (p.count == 0 || p.count > static_cast<uint64_t>(o.max_version_bytes / bucket_prefix_bytes)) {
@@ -419,7 +459,8 @@ inline void Session::end_publish() {
   }
   if (p.rejected.empty()) {
     try {
-      core_->slot.publish(p.version, encode_snapshot(p.version, std::move(p.buckets), std::move(p.headers)));
+      // Frame headers are made anew: a reader gets the server's, never fields a publisher chose.
+      core_->slot.publish(p.version, encode_snapshot(p.version, std::move(p.buckets)));
       last_published_ = p.version;
       core_->wake_waiters();
     } catch (const SyncError& e) {
@@ -433,7 +474,7 @@ inline void Session::end_publish() {
 inline void Session::check_fetch() {
   if (closed_) return;
   auto [version, snapshot] = core_->slot.latest();
-  if (version > have_) {
+  if (version > have_ && snapshot != nullptr) {
     const FrameHeader begin = snapshot->begin;
     ++watch_generation_;
     auto owned = std::make_shared<FrameHeader>(begin);
@@ -453,7 +494,10 @@ inline void Session::check_fetch() {
   if (std::chrono::steady_clock::now() >= deadline_) return send(make_frame(FrameKind::timeout, version));
   waiting_ = true;
   ++watch_generation_;  // the fetch's own deadline governs now
-  core_->waiters.push_back(weak_from_this());
+  if (!listed_) {
+    listed_ = true;
+    core_->add_waiter(weak_from_this());
+  }
   fetch_timer_.expires_at(deadline_);
   fetch_timer_.async_wait([self = shared_from_this()](const boost::system::error_code&) {
     self->waiting_ = false;
@@ -462,6 +506,7 @@ inline void Session::check_fetch() {
 }
 
 inline void Session::wake() {
+  listed_ = false;
   if (waiting_) fetch_timer_.cancel();
 }
 
@@ -480,7 +525,8 @@ inline void Session::send_bucket(std::shared_ptr<const EncodedSnapshot> s, size_
 }
 
 inline void Session::send(FrameHeader frame, std::string text, bool then_close) {
-  if (closed_) return;
+  if (closed_ || closing_) return;
+  if (text.size() > max_error_bytes) text.resize(max_error_bytes);  // texts can quote what peers sent
   auto owned = std::make_shared<std::pair<FrameHeader, std::string>>(frame, std::move(text));
   if (!owned->second.empty()) {
     owned->first.length = owned->second.size();
@@ -496,7 +542,7 @@ inline void Session::send(FrameHeader frame, std::string text, bool then_close) 
 
 /// Tells the peer why, then closes; counted under `counter`. Never throws.
 inline void Session::refuse(const std::string& why, int64_t ServerStats::*counter) {
-  if (closed_) return;
+  if (closed_ || closing_) return;
   try {
     ++(core_->stats.*counter);
     if (is_publisher_ && !said_goodbye_ && role_ == Role::publish) {
@@ -506,8 +552,11 @@ inline void Session::refuse(const std::string& why, int64_t ServerStats::*counte
     pending_.reset();
     if (core_->publishing == this) core_->publishing = nullptr;
     std::string text = "the synchronizer server refused the connection from " + peer_ + ": " + why;
-    if (text.size() > max_error_bytes) text.resize(max_error_bytes);
     send(make_frame(FrameKind::error, no_version), std::move(text), /*then_close=*/true);
+    closing_ = true;  // a read still in flight (a superseded publisher's) is ignored when it ends
+    fetch_timer_.cancel();
+    boost::system::error_code ignored;
+    socket_.shutdown(tcp::socket::shutdown_receive, ignored);
   } catch (...) {
     on_closed(asio::error::connection_aborted);
   }
@@ -552,7 +601,7 @@ class SynchronizerServer {
     core.options = std::move(options);
     const ServerOptions& o = core.options;
     FSDPX_CHECK_AS(SyncError, o.max_bucket_bytes >= bucket_prefix_bytes && o.max_version_bytes >= o.max_bucket_bytes &&
-                                  o.max_version_jump >= 1 && o.max_connections >= 1,
+                                  o.max_version_jump >= 1 && o.max_connections >= 1 && o.max_handshakes >= 1,
                    "synchronizer server: inconsistent limits (max_bucket_bytes ", o.max_bucket_bytes,
                    ", max_version_bytes ", o.max_version_bytes, ", max_version_jump ", o.max_version_jump,
                    ", max_connections ", o.max_connections, ")");
@@ -615,6 +664,7 @@ class SynchronizerServer {
   void publish(int64_t version, const std::vector<NamedTensor>& tensors) {
     FSDPX_CHECK_AS(SyncError, core_ != nullptr, "cannot publish version ", version, ": the server was stopped");
     FSDPX_CHECK_AS(SyncError, version >= 0, "cannot publish version ", version, ": versions are >= 0");
+    FSDPX_CHECK_AS(SyncError, !tensors.empty(), "cannot publish version ", version, ": it has no tensors");
     auto snapshot = detail::encode_snapshot(version, pack_buckets(tensors, core_->options.bucket_bytes, version));
     core_->slot.publish(version, std::move(snapshot));
     detail::asio::post(core_->io, [core = core_.get()] {
