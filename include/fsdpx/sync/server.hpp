@@ -472,7 +472,7 @@ inline void Session::end_publish() {
 }
 
 inline void Session::check_fetch() {
-  if (closed_) return;
+  if (closed_ || closing_) return;
   auto [version, snapshot] = core_->slot.latest();
   if (version > have_ && snapshot != nullptr) {
     const FrameHeader begin = snapshot->begin;
@@ -513,7 +513,7 @@ inline void Session::wake() {
 /// One bucket at a time, each within io_timeout: a reader that stops reading is closed, and holds
 /// the (immutable, shared) snapshot no longer than that.
 inline void Session::send_bucket(std::shared_ptr<const EncodedSnapshot> s, size_t index) {
-  if (closed_) return;
+  if (closed_ || closing_) return;
   if (index == s->buckets.size()) return read_header();
   arm(core_->options.io_timeout);
   std::array<asio::const_buffer, 2> buffers{asio::buffer(&s->headers[index], sizeof(FrameHeader)),
