@@ -19,12 +19,13 @@ required_conan_version = ">=2.0"
 class FsdpxConan(ConanFile):
     name = "fsdpx"
     description = "Fully Sharded Data Parallel training for LibTorch (header-only C++20)"
+    license = "Apache-2.0"
     topics = ("pytorch", "libtorch", "fsdp", "distributed", "mpi", "header-only")
     package_type = "header-library"
     # Settings only drive the CMake run that installs the headers and the CMake package; package_id()
     # clears them: one package serves every compiler, architecture and build type.
     settings = "os", "arch", "compiler", "build_type"
-    exports_sources = "CMakeLists.txt", "cmake/*", "include/*"
+    exports_sources = "CMakeLists.txt", "LICENSE", "cmake/*", "include/*"
     no_copy_source = True
 
     def set_version(self):

@@ -57,6 +57,7 @@ fi
 has_module conans || { say "installing Conan into $VENV"; pip_install conan; }
 has_module safetensors || { say "installing safetensors into $VENV (checkpoint interop tests)"; pip_install safetensors; }
 has_module google_crc32c || { say "installing google-crc32c into $VENV (fast CRC-32C for the Python receiver; optional)"; pip_install google-crc32c || say "could not install google-crc32c: the Python receiver checks frames with its torch CRC-32C"; }
+has_module transformers || { say "installing transformers into $VENV (the LR schedules are tested against its own)"; pip_install transformers; }
 has_module setuptools || { say "installing setuptools into $VENV (pip-installs python/fsdpx_sync in its test)"; pip_install setuptools; }
 
 # ---- NCCL headers, so the NCCL backend is at least compiled on machines without a GPU ----------

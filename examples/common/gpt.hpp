@@ -57,11 +57,14 @@ struct GptImpl : torch::nn::Module {
   }
   /// Mean cross-entropy of next-token prediction.
   at::Tensor forward(const at::Tensor& idx, const at::Tensor& targets) {
+    return torch::nn::functional::cross_entropy(logits(idx).reshape({-1, config.vocab}).to(at::kFloat), targets.reshape({-1}));
+  }
+  /// Next-token logits [batch, seq, vocab] (a sharded model: call through Fsdp::call).
+  at::Tensor logits(const at::Tensor& idx) {
     auto x = tok(idx) + pos(at::arange(idx.size(1), at::TensorOptions().dtype(at::kLong).device(idx.device())));
     for (auto& b : blocks) x = fsdpx::forward(b, x);
     x = ln_f(x);
-    auto logits = config.tied ? at::linear(x, tok->weight) : head(x);
-    return torch::nn::functional::cross_entropy(logits.reshape({-1, config.vocab}).to(at::kFloat), targets.reshape({-1}));
+    return config.tied ? at::linear(x, tok->weight) : head(x);
   }
   GptConfig config;
   torch::nn::Embedding tok{nullptr}, pos{nullptr};

@@ -14,7 +14,6 @@
 #include "memory.hpp"
 
 #if defined(FSDPX_WITH_NCCL)
-#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
@@ -47,19 +46,15 @@ inline World init_world() {
 #endif
 }
 
-/// "peak RSS 812 MiB" on CPU ranks, "peak GPU 3.1 GiB" on GPU ranks.
+/// "peak RSS 812 MiB" on CPU ranks, "peak GPU 3.1 GiB" on GPU ranks (fsdpx::memory_report).
 inline std::string memory_line(const c10::Device& device) {
+  const fsdpx::MemoryReport r = fsdpx::memory_report(device);
   char buf[64];
-#if defined(FSDPX_WITH_NCCL)
-  if (device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
-    const auto peak = stats.allocated_bytes[static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE)].peak;
-    std::snprintf(buf, sizeof buf, "peak GPU %.2f GiB", static_cast<double>(peak) / 1073741824.0);
-    return buf;
+  if (r.device_total_bytes) {
+    std::snprintf(buf, sizeof buf, "peak GPU %.2f GiB", static_cast<double>(r.peak_allocated_bytes) / 1073741824.0);
+  } else {
+    std::snprintf(buf, sizeof buf, "peak RSS %.0f MiB", static_cast<double>(r.host_peak_rss_bytes) / 1048576.0);
   }
-#endif
-  (void)device;
-  std::snprintf(buf, sizeof buf, "peak RSS %.0f MiB", peak_rss_mib());
   return buf;
 }
 

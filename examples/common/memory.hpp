@@ -1,15 +1,11 @@
 // Peak resident memory of this process, for the examples', benchmarks' and tests' per-step lines.
 #pragma once
 
-#include <sys/resource.h>
+#include <fsdpx/core/memory.hpp>
 
 namespace fsdpx::examples {
 
-/// Peak resident set size so far, in MiB (getrusage; Linux reports KiB).
-inline double peak_rss_mib() {
-  rusage u{};
-  getrusage(RUSAGE_SELF, &u);
-  return static_cast<double>(u.ru_maxrss) / 1024.0;
-}
+/// Peak resident set size so far, in MiB.
+inline double peak_rss_mib() { return static_cast<double>(fsdpx::memory_report().host_peak_rss_bytes) / 1048576.0; }
 
 }  // namespace fsdpx::examples

@@ -10,7 +10,10 @@
 
 #include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/fsdp.hpp>
+#include <fsdpx/core/lr_schedule.hpp>
+#include <fsdpx/core/memory.hpp>
 #include <fsdpx/core/optim.hpp>
+#include <fsdpx/core/train_step.hpp>
 
 #include <fsdpx/checkpoint.hpp>
 #include <fsdpx/sync.hpp>

@@ -491,10 +491,12 @@ TEST_CASE("security: out of file descriptors, the server pauses accepting instea
   rlimit none = saved;
   none.rlim_cur = static_cast<rlim_t>(open_now);
   REQUIRE(::setrlimit(RLIMIT_NOFILE, &none) == 0);
-  // The connections come from a child process, which has descriptors of its own (system calls only
-  // after the fork: this process has threads).
+  // The connections come from a child process (system calls only after the fork: this process has
+  // threads). The child inherits the lowered limit and every descriptor, so it raises its own limit
+  // back first; without that its sockets fail and the server never sees a connection to refuse.
   const pid_t child = ::fork();
   if (child == 0) {
+    if (::setrlimit(RLIMIT_NOFILE, &saved) != 0) ::_exit(3);
     for (int i = 0; i < 30; ++i) {
       const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
       sockaddr_in addr{};
@@ -507,7 +509,11 @@ TEST_CASE("security: out of file descriptors, the server pauses accepting instea
     ::_exit(0);
   }
   REQUIRE(child > 0);
-  std::this_thread::sleep_for(300ms);
+  // Measure only once the server has met the full table, however slowly a loaded machine forks.
+  const auto met_emfile_by = std::chrono::steady_clock::now() + 10s;
+  while (server.stats().accept_errors == 0 && std::chrono::steady_clock::now() < met_emfile_by)
+    std::this_thread::sleep_for(20ms);
+  std::this_thread::sleep_for(100ms);
   rusage before{}, after{};
   ::getrusage(RUSAGE_SELF, &before);
   std::this_thread::sleep_for(1000ms);

@@ -63,6 +63,7 @@
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/checkpoint/state_dict.hpp>
+#include <fsdpx/core/lr_schedule.hpp>
 #include <fsdpx/dist/communicator.hpp>
 
 namespace fsdpx {
@@ -154,7 +155,7 @@ SaveRequest make_save_request(int64_t step, Sharded& model, torch::optim::Optimi
                 {"state_dict_kind", to_string(kind)},
                 {"param_dtype", std::string(c10::toString(unit.param_dtype))},
                 {"reduce_dtype", std::string(c10::toString(unit.reduce_dtype))},
-                {"master_dtype", "Float"},
+                {"master_dtype", std::string(c10::toString(unit.shard_dtype))},
                 {"backend", std::string(world.backend_name())}};
   return req;
 }
@@ -214,6 +215,13 @@ class CheckpointCoordinator {
   }
   template <class Sharded>
   void save(int64_t step, Sharded& model, torch::optim::Optimizer& optimizer, const ExtraState& extra) {
+    save(step, model, &optimizer, &extra);
+  }
+  /// The same with the LR scheduler's state, stored in extra_state (load_checkpoint restores it).
+  template <class Sharded>
+  void save(int64_t step, Sharded& model, torch::optim::Optimizer& optimizer, const LrScheduler& scheduler,
+            ExtraState extra = {}) {
+    extra.scheduler = scheduler.state_dict();
     save(step, model, &optimizer, &extra);
   }
 

@@ -13,12 +13,12 @@
 
 namespace fsdpx {
 
-/// The user's part of extra_state: plain values (numbers, strings, lists, dicts, tensors).
-/// LibTorch's LR schedulers keep no saveable state; keep their step here (the optimizer's learning
-/// rates themselves are restored from the optim files).
+/// The user's part of extra_state: plain values (numbers, strings, lists, dicts, tensors), and the
+/// LR scheduler's state (LrScheduler::state_dict(); None when no scheduler was saved).
 struct ExtraState {
   c10::impl::GenericDict client = checkpoint::detail::new_dict();
   int64_t step = 0;
+  c10::IValue scheduler;
 };
 
 namespace checkpoint {
@@ -37,6 +37,7 @@ inline c10::IValue extra_state_to_ivalue(const ExtraState& extra, int world_size
   if (at::hasCUDA()) rng.insert("cuda", at::globalContext().defaultGenerator(at::Device(at::kCUDA)).get_state());
   d.insert("rng", rng);
   d.insert("client", extra.client);
+  if (!extra.scheduler.isNone()) d.insert("scheduler", extra.scheduler);
   return d;
 }
 
@@ -48,6 +49,7 @@ inline ExtraState extra_state_from_ivalue(const c10::IValue& v, const fs::path& 
   ExtraState out;
   out.step = f.integer("step");
   out.client = f.get("client").toGenericDict();
+  if (f.has("scheduler")) out.scheduler = f.get("scheduler");
   if (restore_rng) {
     const detail::Fields rng(f.get("rng"), path, "'rng'");
     at::Generator cpu = at::detail::getDefaultCPUGenerator();

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <string>
 #include <vector>
 
 #include <torch/optim/optimizer.h>
@@ -13,6 +14,7 @@
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/checkpoint/state_dict.hpp>
+#include <fsdpx/core/lr_schedule.hpp>
 
 namespace fsdpx {
 
@@ -24,12 +26,23 @@ struct LoadOptions {
   bool restore_rng = true;
   /// Parameters in the checkpoint that the model lacks are errors.
   bool strict = true;
+  /// Resume flags (LightRFT's load_ckpt): the parts restored besides the model. The optimizer's and
+  /// scheduler's states load only when asked here and their target is passed; the client state is
+  /// required only by a load with an optimizer (a weights-only load returns it when present).
+  bool load_optimizer = true;
+  bool load_scheduler = true;
+  bool load_client_state = true;
+  /// A part asked for that the checkpoint lacks: a warning naming it and ResumeInfo::missing (true),
+  /// or an error naming it (false).
+  bool allow_missing = false;
 };
 
 struct ResumeInfo {
   int64_t step = 0;
   int saved_world_size = 0;
-  ExtraState extra;  // the client state saved with the step (empty when none was saved)
+  ExtraState extra;  // the client and scheduler state saved with the step (empty when not loaded)
+  /// The parts asked for that the checkpoint lacked (allow_missing): "optimizer", "scheduler", "client state".
+  std::vector<std::string> missing;
 };
 
 namespace checkpoint::detail {
@@ -47,28 +60,64 @@ inline void for_each_saved_file(const fs::path& dir, const CommitRecord& record,
 
 }  // namespace checkpoint::detail
 
-/// Loads the newest committed checkpoint under `root` (or options.step) into `model` and, when given,
-/// `optimizer`; restores the RNG states and returns the step and client state. nullopt when the root
-/// has no committed checkpoint. Not collective: each rank reads what it needs.
+/// Loads the newest committed checkpoint under `root` (or options.step) into `model` and, when given
+/// and asked for by the options, `optimizer` and `scheduler`; restores the RNG states and returns the
+/// step and client state. nullopt when the root has no committed checkpoint. Not collective: each
+/// rank reads what it needs. When an optimizer is asked for, the newest step saved with optimizer and
+/// extra state is chosen; with allow_missing and no such step, the newest with weights.
 template <class Sharded>
-std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model,
-                                          torch::optim::Optimizer* optimizer = nullptr, const LoadOptions& options = {}) {
+std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model, torch::optim::Optimizer* optimizer,
+                                          LrScheduler* scheduler, const LoadOptions& options = {}) {
   using checkpoint::Component;
   using checkpoint::fs::path;
-  const bool weights_only = optimizer == nullptr;
-  const std::optional<int64_t> step = options.step ? options.step : checkpoint::find_latest_checkpoint(root, weights_only);
+  const bool want_optimizer = optimizer != nullptr && options.load_optimizer;
+  const bool want_scheduler = scheduler != nullptr && options.load_scheduler;
+  std::optional<int64_t> step = options.step;
+  if (!step) step = checkpoint::find_latest_checkpoint(root, /*weights_only=*/!want_optimizer);
+  if (!step && want_optimizer && options.allow_missing) step = checkpoint::find_latest_checkpoint(root, /*weights_only=*/true);
   if (!step) return std::nullopt;
   const path dir = checkpoint::step_dir(root, *step);
   const auto record = checkpoint::read_commit_record(dir);
-  FSDPX_CHECK_AS(IoError, record && checkpoint::is_committed(*record, weights_only), "checkpoint step ", *step, " in '", root.string(),
-                 "' is not committed", weights_only ? "" : " with optimizer and extra state");
+  FSDPX_CHECK_AS(IoError, record && checkpoint::is_committed(*record, /*weights_only=*/true), "checkpoint step ", *step,
+                 " in '", root.string(), "' is not committed");
   ResumeInfo info;
   info.step = *step;
   info.saved_world_size = record->world_size;
+  const auto lacks = [&](const std::string& part, const std::string& why) {
+    FSDPX_CHECK_AS(IoError, options.allow_missing, "checkpoint step ", *step, " in '", root.string(), "' has no ", part, " (",
+                   why, "); pass LoadOptions{.load_", part == "client state" ? "client_state" : part,
+                   " = false} to resume without it, or .allow_missing = true to be warned instead");
+    TORCH_WARN("fsdpx: checkpoint step ", *step, " in '", root.string(), "' has no ", part, " (", why, "); resuming without it");
+    info.missing.push_back(part);
+  };
+  const auto saved = [&](Component c) {
+    const auto& cs = record->components;
+    return std::find(cs.begin(), cs.end(), std::string(checkpoint::to_string(c))) != cs.end();
+  };
 
-  // At the saving topology, the file of this rank's shard holds everything it needs.
+  // Every part asked for is found and checked before anything is loaded: a missing or malformed part
+  // leaves the model, optimizer and scheduler as they were.
   auto& sharded = model.sharded();
   const auto& mesh = sharded.mesh();
+  const std::string extra_name = checkpoint::shard_file_name(Component::extra_state, info.saved_world_size,
+                                                 mesh.world().rank() % info.saved_world_size);
+  c10::IValue extra_saved;
+  ExtraState extra;
+  if (saved(Component::extra_state) && record->files.count(extra_name) != 0) {
+    extra_saved = checkpoint::load_committed_ivalue(dir / extra_name, record->file(dir, extra_name, options.verify_checksums));
+    extra = checkpoint::extra_state_from_ivalue(extra_saved, dir / extra_name, /*restore_rng=*/false);
+  } else if (options.load_client_state && want_optimizer) {  // a weights-only load never required it
+    lacks("client state", "it was saved without extra state");
+  }
+  const bool load_optimizer = want_optimizer && saved(Component::optim);
+  if (want_optimizer && !load_optimizer) lacks("optimizer", "it was saved without one");
+  const bool load_scheduler = want_scheduler && !extra.scheduler.isNone();
+  if (want_scheduler && !load_scheduler) {
+    lacks("scheduler", extra_saved.isNone() ? "it was saved without extra state" : "it was saved without an LR scheduler");
+  }
+  if (load_scheduler) scheduler->check_state_dict(extra.scheduler);
+
+  // At the saving topology, the file of this rank's shard holds everything it needs.
   const bool same_topology = info.saved_world_size == mesh.world().size() && record->mesh_shard == mesh.shard_size();
   const std::optional<int> own_file = same_topology ? std::optional<int>(mesh.shard_group().rank()) : std::nullopt;
   const bool local = record->kind == "local";
@@ -78,24 +127,38 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
     const std::optional<int> only = full ? std::optional<int>(0) : local ? std::optional<int>(mesh.world().rank()) : own_file;
     checkpoint::detail::for_each_saved_file(dir, *record, Component::model, only, options.verify_checksums, fn);
   }, options.strict);
-  if (optimizer != nullptr) {
+  if (load_optimizer) {
     load_optimizer_state_dict(*optimizer, sharded, [&](const auto& fn) {
       checkpoint::detail::for_each_saved_file(dir, *record, Component::optim, own_file, options.verify_checksums, fn);
     });
   }
-  const std::string extra_name = checkpoint::shard_file_name(Component::extra_state, info.saved_world_size,
-                                                 mesh.world().rank() % info.saved_world_size);
-  if (record->files.count(extra_name) != 0) {
-    info.extra = checkpoint::extra_state_from_ivalue(
-        checkpoint::load_committed_ivalue(dir / extra_name, record->file(dir, extra_name, options.verify_checksums)),
-        dir / extra_name, options.restore_rng);
+  if (load_scheduler) {
+    scheduler->load_state_dict(extra.scheduler);
+    info.extra.scheduler = extra.scheduler;
+  } else if (scheduler != nullptr && load_optimizer) {
+    scheduler->apply();  // the optimizer state brought its saved LRs; the scheduler's state decides them
+  }
+  if (!extra_saved.isNone()) {
+    if (options.restore_rng) checkpoint::extra_state_from_ivalue(extra_saved, dir / extra_name, /*restore_rng=*/true);
+    info.extra.step = extra.step;
+    if (options.load_client_state) info.extra.client = extra.client;
   }
   return info;
 }
 template <class Sharded>
+std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model,
+                                          torch::optim::Optimizer* optimizer = nullptr, const LoadOptions& options = {}) {
+  return load_checkpoint(root, model, optimizer, nullptr, options);
+}
+template <class Sharded>
 std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model, torch::optim::Optimizer& optimizer,
                                           const LoadOptions& options = {}) {
-  return load_checkpoint(root, model, &optimizer, options);
+  return load_checkpoint(root, model, &optimizer, nullptr, options);
+}
+template <class Sharded>
+std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model, torch::optim::Optimizer& optimizer,
+                                          LrScheduler& scheduler, const LoadOptions& options = {}) {
+  return load_checkpoint(root, model, &optimizer, &scheduler, options);
 }
 
 }  // namespace fsdpx

@@ -115,7 +115,9 @@ class SliceLoader {
     std::vector<std::pair<int64_t, int64_t>> filled;
   };
 
-  explicit SliceLoader(std::string what) : what_(std::move(what)) {}
+  /// `cast_floating`: a floating-point tensor saved in another floating-point dtype is cast (an
+  /// inference-only model in bfloat16 loading a float32 checkpoint); otherwise a dtype mismatch is an error.
+  explicit SliceLoader(std::string what, bool cast_floating = false) : what_(std::move(what)), cast_floating_(cast_floating) {}
 
   void add_target(const std::string& name, std::vector<int64_t> shape, int64_t begin, int64_t end, at::Tensor dst) {
     targets_[name].push_back(Target{std::move(shape), begin, end, std::move(dst), {}});
@@ -144,7 +146,8 @@ class SliceLoader {
                                                    " in the checkpoint but ", shape_text(target.shape), " in the model"));
           break;
         }
-        if (t->second.scalar_type() != target.dst.scalar_type()) {
+        const bool castable = cast_floating_ && t->second.is_floating_point() && target.dst.is_floating_point();
+        if (t->second.scalar_type() != target.dst.scalar_type() && !castable) {
           mismatched_.insert(s.name);
           problems_.push_back(::fsdpx::detail::str("'", s.name, "' has dtype ", t->second.scalar_type(),
                                                    " in the checkpoint but ", target.dst.scalar_type(), " in the model"));
@@ -211,6 +214,7 @@ class SliceLoader {
   }
 
   std::string what_;
+  bool cast_floating_ = false;
   std::map<std::string, std::vector<Target>> targets_;
   std::vector<std::string> unexpected_;
   std::vector<std::string> problems_;
@@ -322,7 +326,7 @@ inline StateDict full_state_dict(core::ShardedModel& model, bool all_ranks = fal
   for (size_t i = 0; i < model.num_units(); ++i) {
     core::Unit& u = model.unit(i);
     if (u.layout().params().empty()) continue;
-    // Gather the float32 masters (not the compute-dtype copies the unit unshards into).
+    // Gather the shards (float32 masters, not the compute-dtype copies the unit unshards into).
     const auto& layout = u.layout();
     const at::Device device = u.options().device;  // offloaded shards go through the device for the collective
     at::Tensor full = at::empty({layout.padded_numel()}, u.shard().options().device(device));
@@ -344,7 +348,7 @@ inline void load_model_state_dict(core::ShardedModel& model,
                                   bool strict = true) {
   model.wait_for_snapshots();  // a background checkpoint copy may still read the shards
   model.reshard_all();         // the next forward gathers the loaded shards
-  detail::SliceLoader loader("model");
+  detail::SliceLoader loader("model", model.options().inference_only);
   std::optional<StateDictKind> kind;
   for (size_t i = 0; i < model.num_units(); ++i) {
     core::Unit& u = model.unit(i);
@@ -358,7 +362,7 @@ inline void load_model_state_dict(core::ShardedModel& model,
       }
     }
   }
-  detail::SliceLoader local("model (local)");
+  detail::SliceLoader local("model (local)", model.options().inference_only);
   for (size_t i = 0; i < model.num_units(); ++i) {
     core::Unit& u = model.unit(i);
     const core::FlatRange r = u.layout().shard_range(u.shard_rank());

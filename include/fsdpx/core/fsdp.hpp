@@ -44,6 +44,10 @@ struct FsdpOptions {
   /// HybridShard<auto_shard_size>: bytes of model state (parameters, gradients, Adam moments: 16 bytes
   /// per parameter) one rank may hold; the smallest shard size that fits is used.
   std::optional<int64_t> auto_shard_budget_bytes;
+  /// A frozen model for inference only (an RL reference or reward model): every parameter is frozen,
+  /// shards stay in the precision policy's param_dtype (bfloat16 under BF16Mixed: 2 bytes per
+  /// parameter), and no gradients or float32 masters exist. Forward and call(...) run as usual.
+  bool inference_only = false;
   /// deferred_init models: initializes modules fsdpx does not know (returns false to decline).
   ModuleInit init_module;
 };
@@ -96,6 +100,11 @@ class Fsdp {
     unit.offload_to_cpu = Offload::offload_to_cpu;
     unit.pin_memory = Offload::pin_memory;
     unit.reshard_after_forward = options.reshard_after_forward;
+    unit.inference_only = options.inference_only;
+    unit.shard_dtype = options.inference_only ? Precision::param_dtype : at::kFloat;
+    if (options.inference_only) {
+      for (auto& p : model_->parameters()) p.set_requires_grad(false);
+    }
     FSDPX_CHECK(unit.device.type() == world.device_type(), "the model computes on ", unit.device, " but the communicator (", world.backend_name(), ") works on ",
                 c10::DeviceTypeName(world.device_type(), true), " tensors");
     state_ = std::make_unique<core::ShardedModel>(model_.ptr(), dist::DeviceMesh<dist::AnyCommunicator>::build(world, shard),
@@ -139,6 +148,8 @@ class Fsdp {
 
   /// The tensors the optimizer steps: views of every unit's float32 shard.
   std::vector<at::Tensor> parameters(std::optional<bool> decay = std::nullopt) const {
+    FSDPX_CHECK(!inference_only(), "an inference-only Fsdp model has no parameters to optimize "
+                "(FsdpOptions::inference_only is set)");
     std::vector<at::Tensor> out;
     for (size_t i = 0; i < state_->num_units(); ++i) {
       for (const auto& p : state_->unit(i).optim_params()) {
@@ -147,6 +158,8 @@ class Fsdp {
     }
     return out;
   }
+
+  bool inference_only() const { return state_->unit(0).options().inference_only; }
 
   GradNorm clip_grad_norm_(double max_norm) { return state_->clip_grad_norm_(max_norm); }
   void set_requires_gradient_sync(bool on) { state_->set_requires_gradient_sync(on); }

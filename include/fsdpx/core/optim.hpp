@@ -11,6 +11,7 @@
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
 
+#include <fsdpx/core/memory.hpp>
 #include <fsdpx/error.hpp>
 
 namespace fsdpx {
@@ -53,7 +54,9 @@ torch::optim::AdamW make_adamw(const Sharded& model, const torch::optim::AdamWOp
 
 /// Moves an optimizer's state (Adam/AdamW moments, SGD momentum) to `device`, keeping tensor identity
 /// (RL trainers: offload between steps, reload before the next). Pinned when moved to the host of a
-/// GPU machine, so the reload copies asynchronously.
+/// GPU machine, so the reload copies asynchronously; moving to the host releases the device's cached
+/// blocks, so another process can use them. Call it after Fsdp::offload_model() (or
+/// wait_for_snapshots()): a background checkpoint copy may still read the state.
 inline void move_optimizer_state(torch::optim::Optimizer& optimizer, at::Device device, bool pin_memory = true) {
   const auto move = [&](at::Tensor& t) {
     if (!t.defined()) return;
@@ -64,6 +67,7 @@ inline void move_optimizer_state(torch::optim::Optimizer& optimizer, at::Device 
   for (auto& [key, state] : optimizer.state()) {
     for (auto& [name, tensor] : detail::optimizer_state_tensors(*state)) move(*tensor);
   }
+  if (device.is_cpu()) release_cached_device_memory();  // the device's freed blocks go back to its driver
 }
 
 }  // namespace fsdpx

@@ -31,6 +31,7 @@
 
 #include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/detail/autograd.hpp>
+#include <fsdpx/core/memory.hpp>
 #include <fsdpx/core/unit.hpp>
 #include <fsdpx/dist/mesh.hpp>
 #include <fsdpx/policies/wrap.hpp>
@@ -94,7 +95,7 @@ struct GradNorm {
 
 /// What one rank holds, in bytes (for memory accounting and tests).
 struct ShardedBytes {
-  int64_t parameters = 0;   // float32 master shards
+  int64_t parameters = 0;   // shards (float32 masters; the compute dtype when inference-only)
   int64_t gradients = 0;    // float32 shard gradients
   int64_t unsharded = 0;    // full parameter buffers allocated right now
 };
@@ -193,6 +194,7 @@ class ShardedModel {
   /// replicated on every rank, as the module holds them).
   torch::nn::Module& root_module() const { return *root_module_; }
   size_t num_units() const { return units_.size(); }
+  const UnitOptions& options() const { return options_; }
   Unit& unit(size_t i) { return *units_.at(i); }
   const Unit& unit(size_t i) const { return *units_.at(i); }
   Unit& root() { return *units_.front(); }
@@ -293,11 +295,16 @@ class ShardedModel {
 
   /// Sharded parameters and gradients to host memory (pinned on a GPU machine) and back. Between the
   /// two the model cannot run; the device holds none of its memory.
+  /// Offloading returns the freed blocks to the device's driver (the caching allocator would keep
+  /// them), so a rollout engine in another process can use that memory.
   void offload_model() {
+    wait_for_snapshots();  // a background checkpoint copy may still read the shards
     reshard_all();
     for (auto& u : units_) u->move_shard(at::Device(at::kCPU));
+    release_cached_device_memory();
   }
   void reload_model() {
+    wait_for_snapshots();
     const at::Device home = options_.offload_to_cpu ? at::Device(at::kCPU) : options_.device;
     for (auto& u : units_) u->move_shard(home);
   }
@@ -386,7 +393,8 @@ class ShardedModel {
       order_frozen_ = true;
       for (size_t i = 0; i < forward_order_.size(); ++i) position_[forward_order_[i]] = i;
     }
-    if (!is_root && u.options().reshard_after_forward) u.reshard();
+    // An inference-only root has no backward to free it after: it is freed here like the others.
+    if ((!is_root || u.options().inference_only) && u.options().reshard_after_forward) u.reshard();
     auto hook = std::make_shared<detail::BackwardHook>([alive = alive_, this, &u] {
       if (*alive) pre_backward(u);
     });

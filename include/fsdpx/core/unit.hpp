@@ -1,6 +1,7 @@
 // Unit: one sharding unit's parameters as a flat buffer sharded over the shard group.
 //
-//   sharded    only this rank's float32 master slice exists (shard()); the full buffer has no bytes
+//   sharded    only this rank's slice exists (shard(): float32 masters, or the compute dtype when
+//              inference-only); the full buffer has no bytes
 //   gathering  the full buffer is allocated and an all-gather fills it (a prefetch in flight)
 //   unsharded  the module's parameters are valid views of the full buffer, in the compute dtype
 //
@@ -33,6 +34,10 @@ struct UnitOptions {
   bool offload_to_cpu = false;                  // shard, its gradient and optimizer state on the host
   bool pin_memory = false;
   bool reshard_after_forward = true;
+  /// The dtype of this rank's shard: float32 masters for training; an inference-only model keeps its
+  /// shards in the compute dtype and never has gradients (FsdpOptions::inference_only).
+  at::ScalarType shard_dtype = at::kFloat;
+  bool inference_only = false;
 };
 
 /// The communicators a unit uses. Gathers and reductions run on separate duplicates of the shard
@@ -50,14 +55,17 @@ class Unit {
     shard_rank_ = comms_.gather.rank();
     layout_ = FlatParamLayout(std::move(params), comms_.gather.size());
     check_trainable_consistency();
+    FSDPX_CHECK(!options_.inference_only || !trainable_, "unit '", name_,
+                "': an inference-only model has trainable parameters; Fsdp freezes them, so something set "
+                "requires_grad after it did");
     const at::Device shard_device = options_.offload_to_cpu ? at::Device(at::kCPU) : options_.device;
-    const auto shard_opts = at::TensorOptions().dtype(at::kFloat).device(shard_device);
+    const auto shard_opts = at::TensorOptions().dtype(options_.shard_dtype).device(shard_device);
     shard_ = empty_buffer(layout_.shard_numel(), shard_opts).zero_();  // host shards on huge pages
     if (options_.offload_to_cpu && options_.pin_memory && options_.device.is_cuda()) shard_ = shard_.pin_memory();
     const FlatRange mine = layout_.shard_range(shard_rank_);
     at::NoGradGuard no_grad;
     for (const ParamInfo& p : layout_.params()) {
-      // Master values from the original (float32) parameter, never from its compute-dtype copy.
+      // Shard values from the original parameter, never from a compute-dtype copy of it.
       const at::Tensor flat = p.param.detach().reshape({-1});
       const int64_t lo = std::max(p.offset, mine.begin), hi = std::min(p.offset + p.numel, mine.end);
       if (lo < hi) shard_.narrow(0, lo - mine.begin, hi - lo).copy_(flat.narrow(0, lo - p.offset, hi - lo));
@@ -88,7 +96,7 @@ class Unit {
   /// Bytes of the full (unsharded) buffer while allocated, else 0.
   int64_t unsharded_bytes() const { return detail::storage_allocated(full_) ? full_.nbytes() : 0; }
 
-  /// This rank's float32 master slice of the flat layout.
+  /// This rank's slice of the flat layout (float32 masters; options().shard_dtype).
   const at::Tensor& shard() const { return shard_; }
 
   /// What the optimizer steps: contiguous views of shard() with their weight-decay class.
@@ -130,11 +138,12 @@ class Unit {
     state_ = State::sharded;
   }
 
-  /// Moves the float32 shard and its gradients to `device` (RL trainers free the GPU for a rollout
+  /// Moves the shard and its gradients to `device` (RL trainers free the GPU for a rollout
   /// engine between steps). Tensor identity is kept, so optimizer state stays attached.
   void move_shard(at::Device device) {
     FSDPX_CHECK(state_ == State::sharded, "unit '", name_, "': move the shard only while the unit is sharded");
-    const bool pin = options_.pin_memory && device.is_cpu() && options_.device.is_cuda();
+    // Pinned whenever a GPU's shard goes to the host, so the reload copies asynchronously.
+    const bool pin = device.is_cpu() && (shard_.is_cuda() || (options_.pin_memory && options_.device.is_cuda()));
     at::Tensor moved = shard_.to(device);
     if (pin) moved = moved.pin_memory();
     shard_.set_data(moved);
@@ -234,7 +243,7 @@ class Unit {
   FlatParamLayout layout_;
   bool trainable_ = true;
   State state_ = State::sharded;
-  at::Tensor shard_;       // float32 master slice
+  at::Tensor shard_;       // this rank's slice, options_.shard_dtype
   at::Tensor full_;        // compute dtype, padded; the module's parameters are views of it
   std::vector<OptimParam> optim_params_;
   dist::Work gather_;

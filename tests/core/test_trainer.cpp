@@ -1,0 +1,389 @@
+// The trainer's step (label "trainer"): TrainStep against an unsharded reference with accumulation,
+// clipping and a schedule; a non-finite gradient skipping exactly one step everywhere; a run resumed
+// mid-schedule at another world size; the resume flags; a frozen bfloat16 model. CTest runs it under
+// mpiexec at world sizes 2 and 3 (3 also resumes at 2).
+#include <catch2/catch.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <limits>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <torch/nn.h>
+#include <torch/optim.h>
+
+#include <fsdpx/fsdp.hpp>
+
+#include "../support/mpi_world.hpp"
+#include "parity.hpp"
+
+using namespace fsdpx;
+using namespace fsdpx::test;
+using fsdpx::test::world;
+namespace fs = std::filesystem;
+
+fsdpx::test::ParityContext& fsdpx::test::parity_context() {
+  static ParityContext ctx{world(), at::Device(at::kCPU)};
+  return ctx;
+}
+
+namespace {
+
+using GptFsdp = Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>;
+using FrozenGpt = Fsdp<Gpt, FullShard, NoOffload, BF16Mixed, ShardedStateDict, WrapModules<BlockImpl>>;
+
+constexpr int kMicro = 4;
+const LrSchedule kSchedule = LrSchedule::cosine(/*warmup=*/2, /*total=*/8, /*min_lr_ratio=*/0.1);
+
+/// Full parameters by name (collective: every rank of the model's world).
+template <class Sharded>
+std::map<std::string, at::Tensor> gathered(Sharded& model) {
+  auto scope = model.full_parameters();
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : model->named_parameters()) out[p.key()] = p.value().detach().to(at::kFloat).clone();
+  return out;
+}
+
+double max_difference(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b) {
+  double worst = 0;
+  for (const auto& [name, t] : a) worst = std::max(worst, (t - b.at(name)).abs().max().item<double>());
+  return worst;
+}
+
+/// `steps` optimizer steps of the sharded GPT through TrainStep, from step `first`, each over kMicro
+/// micro-batches of this rank's rows of the global batch.
+template <class Sharded>
+std::vector<StepReport> train(Sharded& model, TrainStep<Sharded>& train_step, const dist::AnyCommunicator& comm, int first,
+                              int steps, int nan_at_step = -1) {
+  const GptConfig c;
+  std::vector<StepReport> reports;
+  for (int step = first; step < first + steps; ++step) {
+    const Batch b = gpt_batches(c)(step);
+    for (int m = 0; m < kMicro; ++m) {
+      const auto mine = rows(b.x.size(0), comm.size(), m, kMicro, comm.rank());
+      auto loss = model(b.x.index_select(0, mine), b.y.index_select(0, mine)) / kMicro;
+      // The last rank's last micro-batch of that step goes non-finite.
+      if (step == nan_at_step && m == kMicro - 1 && comm.rank() == comm.size() - 1) loss = loss * std::numeric_limits<double>::quiet_NaN();
+      loss.backward();
+      const StepReport r = train_step.optimizer_step();
+      CHECK(r.accumulating() == (m < kMicro - 1));
+      CHECK(r.micro_step == m + 1);
+      if (m == kMicro - 1) reports.push_back(r);
+    }
+  }
+  return reports;
+}
+
+}  // namespace
+
+TEST_CASE("TrainStep: 4 micro-steps, clipping and a cosine schedule equal the unsharded reference", "[trainer]") {
+  const GptConfig c;
+  const int W = world().size();
+  for (const bool defer : {true, false}) {
+    INFO("defer_gradient_sync " << defer);
+    at::manual_seed(42);
+    auto reference = Gpt(c);
+    at::manual_seed(42);
+    GptFsdp model(Gpt(c), world());
+    auto optimizer = make_adamw(model, adamw());
+    auto ref_optimizer = reference_adamw(*reference);
+    LrScheduler scheduler(optimizer, kSchedule);
+    LrScheduler ref_scheduler(ref_optimizer, kSchedule);
+    TrainStep<GptFsdp> train_step(model, optimizer, &scheduler,
+                                  {.accumulation_steps = kMicro, .max_grad_norm = 0.5, .defer_gradient_sync = defer});
+    const int steps = 5;
+    const auto reports = train(model, train_step, world(), 0, steps);
+    for (int step = 0; step < steps; ++step) {
+      const Batch b = gpt_batches(c)(step);
+      for (int m = 0; m < kMicro; ++m) {
+        const auto all = rows(b.x.size(0), W, m, kMicro, std::nullopt);
+        (reference->forward(b.x.index_select(0, all), b.y.index_select(0, all)) / kMicro).backward();
+      }
+      const double ref_norm = torch::nn::utils::clip_grad_norm_(reference->parameters(), 0.5);
+      const double ref_lr = ref_scheduler.lr();
+      ref_optimizer.step();
+      ref_scheduler.step();
+      ref_optimizer.zero_grad();
+      INFO("step " << step);
+      CHECK(reports[step].stepped);
+      REQUIRE(reports[step].grad_norm.has_value());
+      CHECK(*reports[step].grad_norm == Approx(ref_norm).epsilon(1e-4));
+      CHECK(reports[step].lr == ref_lr);
+      CHECK(reports[step].optimizer_steps == step + 1);
+    }
+    CHECK(scheduler.last_step() == steps);
+    CHECK(scheduler.lr() == ref_scheduler.lr());
+    std::map<std::string, at::Tensor> ref_params;
+    for (const auto& p : reference->named_parameters()) ref_params[p.key()] = p.value().detach();
+    const double diff = max_difference(gathered(model), ref_params);
+    if (world().rank() == 0) std::printf("  TrainStep (defer %d) against the reference: max |diff| = %.3g\n", defer, diff);
+    CHECK(diff <= f32_tolerance);
+  }
+}
+
+TEST_CASE("TrainStep: a non-finite gradient on one rank skips exactly that step on every rank", "[trainer]") {
+  const GptConfig c;
+  at::manual_seed(42);
+  GptFsdp model(Gpt(c), world());
+  auto optimizer = make_adamw(model, adamw());
+  LrScheduler scheduler(optimizer, kSchedule);
+  TrainStep<GptFsdp> train_step(model, optimizer, &scheduler, {.accumulation_steps = kMicro, .max_grad_norm = 1.0});
+  train(model, train_step, world(), 0, 2);
+  const auto before = gathered(model);
+  const double lr_before = scheduler.lr();
+  const auto skipped = train(model, train_step, world(), 2, 1, /*nan_at_step=*/2);
+  REQUIRE(skipped.size() == 1);
+  CHECK(skipped[0].skipped);
+  CHECK_FALSE(skipped[0].stepped);
+  CHECK_FALSE(std::isfinite(*skipped[0].grad_norm));
+  CHECK(skipped[0].skipped_steps == 1);
+  CHECK(skipped[0].optimizer_steps == 2);
+  CHECK(max_difference(gathered(model), before) == 0);
+  CHECK(scheduler.last_step() == 2);  // the schedule counts updates taken
+  CHECK(scheduler.lr() == lr_before);
+  CHECK(model.sharded_bytes().gradients == 0);  // nothing left over for the next step
+  // Every rank decided the same.
+  auto decided = at::full({1}, skipped[0].skipped ? 1 : 0, at::kInt);
+  world().all_reduce(decided, dist::ReduceOp::sum);
+  CHECK(decided.item<int>() == world().size());
+  // The next step trains again.
+  const auto next = train(model, train_step, world(), 3, 1);
+  CHECK(next[0].stepped);
+  CHECK(std::isfinite(*next[0].grad_norm));
+  CHECK(scheduler.last_step() == 3);
+  CHECK(max_difference(gathered(model), before) > 0);
+}
+
+#if defined(FSDPX_WITH_BOOST)
+namespace {
+fs::path trainer_dir(const std::string& name) {
+  const char* base = std::getenv("FSDPX_TEST_TMP");
+  const fs::path dir = fs::path(base != nullptr ? base : "fsdpx_test_tmp") / ("trainer_w" + std::to_string(world().size())) / name;
+  if (world().rank() == 0) {
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  world().barrier();
+  return dir;
+}
+}  // namespace
+
+TEST_CASE("a run interrupted mid-schedule and resumed at another world size equals an uninterrupted one", "[trainer][resume]") {
+  const GptConfig c;
+  const fs::path root = trainer_dir("resume");
+  const TrainStepOptions options{.accumulation_steps = kMicro, .max_grad_norm = 1.0};
+  // Uninterrupted: 6 steps on every rank.
+  at::manual_seed(42);
+  GptFsdp straight(Gpt(c), world());
+  auto straight_opt = make_adamw(straight, adamw());
+  LrScheduler straight_sched(straight_opt, kSchedule);
+  TrainStep<GptFsdp> straight_step(straight, straight_opt, &straight_sched, options);
+  train(straight, straight_step, world(), 0, 6);
+  const auto expected = gathered(straight);
+  // Interrupted after step 3, saved in the background with its schedule.
+  {
+    at::manual_seed(42);
+    GptFsdp first(Gpt(c), world());
+    auto opt = make_adamw(first, adamw());
+    LrScheduler sched(opt, kSchedule);
+    TrainStep<GptFsdp> step(first, opt, &sched, options);
+    train(first, step, world(), 0, 3);
+    CheckpointCoordinator ckpt(root, first);
+    ExtraState extra;
+    extra.client.insert("next_step", int64_t{3});
+    ckpt.save(3, first, opt, sched, extra);
+    ckpt.wait();
+  }
+  world().barrier();
+  // Resumed by one rank fewer (or the same one rank).
+  const int resumed_size = std::max(1, world().size() - 1);
+  auto group = world().split(world().rank() < resumed_size ? 0 : dist::no_color, world().rank(), "resumed");
+  if (group) {
+    at::manual_seed(7);  // other initial values: everything must come from the checkpoint
+    GptFsdp resumed(Gpt(c), *group);
+    auto opt = make_adamw(resumed, adamw());
+    LrScheduler sched(opt, kSchedule);
+    CHECK(sched.last_step() == 0);
+    const auto info = load_checkpoint(root, resumed, opt, sched);
+    REQUIRE(info.has_value());
+    CHECK(info->step == 3);
+    CHECK(info->saved_world_size == world().size());
+    CHECK(info->missing.empty());
+    CHECK(info->extra.client.at("next_step").toInt() == 3);
+    CHECK(sched.last_step() == 3);
+    TrainStep<GptFsdp> step(resumed, opt, &sched, options);
+    train(resumed, step, *group, 3, 3);
+    CHECK(sched.last_step() == straight_sched.last_step());
+    CHECK(sched.lr() == straight_sched.lr());
+    const double diff = max_difference(gathered(resumed), expected);
+    if (group->rank() == 0) std::printf("  resumed at %d ranks against uninterrupted at %d: max |diff| = %.3g\n", resumed_size, world().size(), diff);
+    CHECK(diff <= f32_tolerance);
+  }
+  world().barrier();
+}
+
+TEST_CASE("resume flags: optimizer, scheduler and client state each load or not, and a missing one is named", "[trainer][resume]") {
+  const GptConfig c;
+  const fs::path root = trainer_dir("flags");
+  at::manual_seed(42);
+  GptFsdp model(Gpt(c), world());
+  auto opt = make_adamw(model, adamw());
+  LrScheduler sched(opt, kSchedule);
+  TrainStep<GptFsdp> step(model, opt, &sched, {.accumulation_steps = kMicro});
+  train(model, step, world(), 0, 2);
+  {
+    CheckpointCoordinator ckpt(root, model);
+    ExtraState extra;
+    extra.client.insert("tag", std::string("with scheduler"));
+    ckpt.save(2, model, opt, sched, extra);  // everything
+    train(model, step, world(), 2, 1);
+    ExtraState no_scheduler;
+    no_scheduler.client.insert("tag", std::string("without scheduler"));
+    ckpt.save(3, model, opt, no_scheduler);  // no scheduler state
+    ckpt.wait();
+  }
+  world().barrier();
+  const auto fresh = [&](auto&& fn) {
+    at::manual_seed(9);
+    GptFsdp m(Gpt(c), world());
+    auto o = make_adamw(m, adamw());
+    LrScheduler s(o, kSchedule);
+    fn(m, o, s);
+  };
+  const auto has_moments = [](torch::optim::Optimizer& o) { return !o.state().empty(); };
+  // Everything at step 2.
+  fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
+    const auto info = load_checkpoint(root, m, o, s, {.step = 2});
+    REQUIRE(info);
+    CHECK(s.last_step() == 2);
+    CHECK(has_moments(o));
+    CHECK(info->extra.client.at("tag").toStringRef() == "with scheduler");
+  });
+  // Each flag off leaves its part alone.
+  fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
+    const auto info = load_checkpoint(root, m, o, s,
+                                      {.step = 2, .load_optimizer = false, .load_scheduler = false, .load_client_state = false});
+    REQUIRE(info);
+    CHECK(s.last_step() == 0);
+    CHECK_FALSE(has_moments(o));
+    CHECK_FALSE(info->extra.client.contains("tag"));
+    CHECK(info->missing.empty());
+  });
+  // Step 3 has no scheduler state: an error naming it, or with permission a warning and ResumeInfo::missing.
+  fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
+    CHECK_THROWS_WITH(load_checkpoint(root, m, o, s), Catch::Contains("step 3") && Catch::Contains("has no scheduler") &&
+                                                           Catch::Contains("load_scheduler = false"));
+  });
+  fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
+    const auto info = load_checkpoint(root, m, o, s, {.allow_missing = true});
+    REQUIRE(info);
+    CHECK(info->step == 3);
+    CHECK(info->missing == std::vector<std::string>{"scheduler"});
+    CHECK(s.last_step() == 0);
+    // The optimizer state brought the LRs of step 3; the scheduler, not loaded, still decides them.
+    CHECK(s.last_lr() == std::vector<double>{s.base_lrs()[0] * kSchedule.factor(0), s.base_lrs()[1] * kSchedule.factor(0)});
+    CHECK(has_moments(o));
+    CHECK(info->extra.client.at("tag").toStringRef() == "without scheduler");
+  });
+  // A malformed scheduler state is refused before anything loads.
+  fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
+    auto bad = s.state_dict().toGenericDict();
+    bad.insert_or_assign("base_lrs", c10::List<double>({1.0}));
+    CHECK_THROWS_WITH(s.check_state_dict(bad), Catch::Contains("1 parameter groups but the optimizer has 2"));
+  });
+  fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
+    const auto info = load_checkpoint(root, m, o, s, {.load_scheduler = false});
+    REQUIRE(info);
+    CHECK(info->step == 3);
+    CHECK(s.last_step() == 0);
+  });
+  world().barrier();
+}
+#endif
+
+TEST_CASE("a frozen bf16 model: 2 bytes per parameter over W ranks, the unsharded bf16 model's logits", "[trainer][frozen]") {
+  const GptConfig c;
+  const int W = world().size();
+  at::manual_seed(7);
+  auto reference = Gpt(c);
+  reference->to(at::kBFloat16);
+  at::manual_seed(7);
+  FrozenGpt frozen(Gpt(c), world(), {.inference_only = true});
+  CHECK(frozen.inference_only());
+
+  int64_t numel = 0;
+  for (const auto& p : reference->parameters()) numel += p.numel();
+  int64_t shard_elements = 0, padding = 0, padding_bound = 0;
+  for (size_t i = 0; i < frozen.sharded().num_units(); ++i) {
+    const auto& layout = frozen.sharded().unit(i).layout();
+    shard_elements += layout.shard_numel();
+    padding += layout.padded_numel() - layout.numel();
+    const auto align = core::FlatParamLayout::alignment_elements;
+    padding_bound += align * (static_cast<int64_t>(layout.params().size()) + W);
+    CHECK(frozen.sharded().unit(i).shard().scalar_type() == at::kBFloat16);
+  }
+  const ShardedBytes bytes = frozen.sharded_bytes();
+  CHECK(bytes.parameters == 2 * shard_elements);
+  CHECK(bytes.parameters * W == 2 * (numel + padding));
+  CHECK(padding <= padding_bound);
+  CHECK(bytes.gradients == 0);
+  if (world().rank() == 0) {
+    std::printf("  frozen bf16: %lld bytes per rank for %lld parameters at %d ranks (2 x params / W = %lld)\n",
+                static_cast<long long>(bytes.parameters), static_cast<long long>(numel), W,
+                static_cast<long long>(2 * numel / W));
+  }
+  CHECK_THROWS_WITH(frozen.parameters(), Catch::Contains("inference-only"));
+
+  at::manual_seed(11);
+  const at::Tensor idx = at::randint(c.vocab, {3, c.seq}, at::kLong);
+  at::Tensor expected;
+  {
+    at::NoGradGuard no_grad;
+    expected = reference->logits(idx).to(at::kFloat);
+  }
+  const at::Tensor logits = frozen.call(&GptImpl::logits, idx);
+  CHECK_FALSE(logits.requires_grad());
+  CHECK(at::equal(logits.to(at::kFloat), expected));
+  CHECK(frozen.sharded_bytes().gradients == 0);
+
+  // Loading a float32 (actor) state dict casts into the bfloat16 shards.
+  at::manual_seed(7);
+  GptFsdp actor(Gpt(c), world());
+  const StateDict actor_state = sharded_state_dict(actor.sharded());
+  at::manual_seed(99);
+  FrozenGpt loaded(Gpt(c), world(), {.inference_only = true});
+  load_model_state_dict(loaded.sharded(), actor_state);
+  CHECK(at::equal(loaded.call(&GptImpl::logits, idx).to(at::kFloat), expected));
+}
+
+TEST_CASE("memory_report and offload: host RSS measured, no device on a CPU rank, offload round trip", "[trainer][memory]") {
+  const GptConfig c;
+  at::manual_seed(3);
+  GptFsdp model(Gpt(c), world());
+  const MemoryReport r = memory_report();
+  CHECK(r.host_rss_bytes > 0);
+  CHECK_FALSE(r.device_total_bytes.has_value());
+  CHECK(r.allocated_bytes == 0);
+  const auto before = gathered(model);
+  model.offload_model();  // also returns cached device blocks, a no-op here
+  model.reload_model();
+  CHECK(max_difference(gathered(model), before) == 0);
+}
+
+TEST_CASE("LrSchedule refuses shapes that mean nothing, naming the field", "[trainer]") {
+  auto opt = torch::optim::SGD(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())}, torch::optim::SGDOptions(0.1));
+  CHECK_THROWS_WITH(LrScheduler(opt, LrSchedule::linear(10, 0)), Catch::Contains("total_steps > 0"));
+  CHECK_THROWS_WITH(LrScheduler(opt, LrSchedule::cosine(20, 10)), Catch::Contains("warmup_steps (20) exceeds total_steps (10)"));
+  CHECK_THROWS_WITH(LrScheduler(opt, LrSchedule::cosine(1, 10, 1.5)), Catch::Contains("min_lr_ratio"));
+  LrScheduler s(opt, LrSchedule::linear(2, 10));
+  CHECK(s.lr() == 0.0);  // warmup starts at 0, as transformers' does
+  s.step();
+  CHECK(s.lr() == Approx(0.05));
+  auto two = torch::optim::SGD(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())}, torch::optim::SGDOptions(0.1));
+  two.add_param_group(torch::optim::OptimizerParamGroup({at::zeros({1}, at::requires_grad())}));
+  LrScheduler other(two, LrSchedule::linear(2, 10));
+  CHECK_THROWS_WITH(other.load_state_dict(s.state_dict()), Catch::Contains("1 parameter groups but the optimizer has 2"));
+}
