@@ -198,6 +198,5 @@ int main(int argc, char** argv) try {
   if (world.rank() == 0) std::printf("rl_sync: %s\n", passed ? "every rollout copy equalled the trainer's weights at every version" : "FAILED");
   return passed ? 0 : 1;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "rl_sync: %s\n", e.what());
-  return 1;
+  return fsdpx::examples::report_failure("rl_sync", e);
 }

@@ -249,6 +249,5 @@ int main(int argc, char** argv) try {
   if (world.rank() == 0) std::printf("rl_trainer: %s\n", passed ? "done" : "FAILED");
   return passed ? 0 : 1;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "rl_trainer: %s\n", e.what());
-  return 1;
+  return fsdpx::examples::report_failure("rl_trainer", e);
 }

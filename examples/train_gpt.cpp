@@ -318,6 +318,5 @@ int main(int argc, char** argv) try {
   if (r == 0 && first) std::printf("loss %.4f -> %.4f at step %lld\n", *first, last, static_cast<long long>(args.steps));
   return args.check && !(first && last < *first) ? 1 : 0;
 } catch (const std::exception& e) {
-  std::fprintf(stderr, "train_gpt: %s\n", e.what());
-  return 1;
+  return fsdpx::examples::report_failure("train_gpt", e);
 }

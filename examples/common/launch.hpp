@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdio>
+#include <exception>
 #include <string>
 
 #include <torch/cuda.h>
@@ -56,6 +57,16 @@ inline std::string memory_line(const c10::Device& device) {
     std::snprintf(buf, sizeof buf, "peak RSS %.0f MiB", static_cast<double>(r.host_peak_rss_bytes) / 1048576.0);
   }
   return buf;
+}
+
+/// The examples' last words: "program: cause". The examples' own checks (FSDPX_CHECK(..., "train_gpt: ...", ...))
+/// already name the program after fsdpx's prefix; that name is not printed twice.
+inline int report_failure(const std::string& program, const std::exception& e) {
+  std::string message = e.what();
+  const std::string own = "fsdpx: " + program + ": ";
+  if (message.rfind(own, 0) == 0) message = message.substr(own.size());
+  std::fprintf(stderr, "%s: %s\n", program.c_str(), message.c_str());
+  return 1;
 }
 
 }  // namespace fsdpx::examples
