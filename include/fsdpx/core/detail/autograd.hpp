@@ -1,6 +1,7 @@
 // The only place fsdpx touches LibTorch internals (torch/csrc/autograd, c10::StorageImpl). Everything
-// here was checked against LibTorch (see the design brief): LibTorch modules have no hooks, so the
-// unit protocol runs from a call-site function plus these autograd triggers.
+// here was checked against LibTorch's sources and is exercised by the parity tests (tests/core): LibTorch
+// modules have no hooks, so the unit protocol runs from a call-site function plus these autograd
+// triggers. docs/core.md ("The unit boundary") explains the design.
 #pragma once
 
 #include <cstddef>
