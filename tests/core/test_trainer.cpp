@@ -382,6 +382,15 @@ TEST_CASE("LrSchedule refuses shapes that mean nothing, naming the field", "[tra
   CHECK(s.lr() == 0.0);  // warmup starts at 0, as transformers' does
   s.step();
   CHECK(s.lr() == Approx(0.05));
+  // A run extended on resume: the saved step and base LR, the new shape (and a warning naming total_steps).
+  s.step();
+  s.step();
+  auto opt2 = torch::optim::SGD(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())}, torch::optim::SGDOptions(0.5));
+  LrScheduler longer(opt2, LrSchedule::linear(2, 20));
+  longer.load_state_dict(s.state_dict());
+  CHECK(longer.last_step() == 3);
+  CHECK(longer.base_lrs() == std::vector<double>{0.1});
+  CHECK(longer.lr() == Approx(0.1 * 17.0 / 18.0));
   auto two = torch::optim::SGD(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())}, torch::optim::SGDOptions(0.1));
   two.add_param_group(torch::optim::OptimizerParamGroup({at::zeros({1}, at::requires_grad())}));
   LrScheduler other(two, LrSchedule::linear(2, 10));

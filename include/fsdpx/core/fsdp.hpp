@@ -159,7 +159,7 @@ class Fsdp {
     return out;
   }
 
-  bool inference_only() const { return state_->unit(0).options().inference_only; }
+  bool inference_only() const { return state_->options().inference_only; }
 
   GradNorm clip_grad_norm_(double max_norm) { return state_->clip_grad_norm_(max_norm); }
   void set_requires_gradient_sync(bool on) { state_->set_requires_gradient_sync(on); }

@@ -17,6 +17,7 @@
 #include <numbers>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Dict.h>
@@ -122,11 +123,7 @@ class LrScheduler {
     c10::impl::GenericDict d(c10::StringType::get(), c10::AnyType::get());
     d.insert("last_step", last_step_);
     d.insert("base_lrs", c10::List<double>(base_lrs_));
-    d.insert("kind", std::string(to_string(schedule_.kind)));
-    d.insert("warmup_steps", schedule_.warmup_steps);
-    d.insert("total_steps", schedule_.total_steps);
-    d.insert("min_lr_ratio", schedule_.min_lr_ratio);
-    d.insert("num_cycles", schedule_.num_cycles);
+    for (const auto& [key, value] : shape_fields()) d.insert(key, value);
     return d;
   }
 
@@ -140,14 +137,9 @@ class LrScheduler {
     const Saved saved = parse(state);
     const auto d = state.toGenericDict();
     std::string changed;
-    const auto compare = [&](const char* key, const c10::IValue& now) {
+    for (const auto& [key, now] : shape_fields()) {
       if (d.contains(key) && d.at(key) != now) changed += detail::str(changed.empty() ? "" : ", ", key, " ", d.at(key), " -> ", now);
-    };
-    compare("kind", std::string(to_string(schedule_.kind)));
-    compare("warmup_steps", schedule_.warmup_steps);
-    compare("total_steps", schedule_.total_steps);
-    compare("min_lr_ratio", schedule_.min_lr_ratio);
-    compare("num_cycles", schedule_.num_cycles);
+    }
     if (!changed.empty()) {
       TORCH_WARN("fsdpx: the LR schedule differs from the one saved (", changed,
                  "); the step and base LRs are restored and the new schedule is followed from there");
@@ -168,6 +160,15 @@ class LrScheduler {
   }
 
  private:
+  /// The schedule's shape as saved, one place for state_dict() and load_state_dict()'s comparison.
+  std::vector<std::pair<const char*, c10::IValue>> shape_fields() const {
+    return {{"kind", std::string(to_string(schedule_.kind))},
+            {"warmup_steps", schedule_.warmup_steps},
+            {"total_steps", schedule_.total_steps},
+            {"min_lr_ratio", schedule_.min_lr_ratio},
+            {"num_cycles", schedule_.num_cycles}};
+  }
+
   struct Saved {
     int64_t last_step;
     std::vector<double> base_lrs;
