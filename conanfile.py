@@ -37,6 +37,7 @@ class FsdpxConan(ConanFile):
         # backend is off in the Conan package (see generate()); install with CMake for GPU ranks.
         # transitive_headers: a consumer compiles fsdpx's headers, which include theirs.
         self.requires("libtorch/[>=2.0 <3]", transitive_headers=True)
+        self.requires("nlohmann_json/[>=3.10 <4]", transitive_headers=True)  # commit records, safetensors, configs
         self.requires("openmpi/[>=4.1 <6]", transitive_headers=True)
         self.requires("boost/[>=1.74 <2]", transitive_headers=True)
         self.requires("openssl/[>=1.1 <4]", transitive_headers=True)  # the sync service's HMAC handshake

@@ -5,6 +5,8 @@ include(CMakeFindDependencyMacro)
 list(APPEND CMAKE_MODULE_PATH "${CMAKE_CURRENT_LIST_DIR}")
 
 find_dependency(Torch)
+# JSON (commit records, safetensors headers, Hugging Face configs): header-only nlohmann/json.
+find_dependency(nlohmann_json 3.10)
 
 # MPI: CPU collectives (mpirun/srun). The C API only: skip the deprecated C++ bindings.
 set(MPI_CXX_SKIP_MPICXX ON CACHE BOOL "fsdpx uses the MPI C API only")

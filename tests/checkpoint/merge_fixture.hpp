@@ -16,7 +16,7 @@
 #include <ATen/ATen.h>
 
 #include <fsdpx/checkpoint/detail/file_io.hpp>
-#include <fsdpx/checkpoint/detail/json.hpp>
+#include <fsdpx/detail/json.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/safetensors.hpp>
 
@@ -114,35 +114,29 @@ inline fs::path write_checkpoint(const fs::path& root, int64_t step, const std::
   const fs::path dir = ckpt::step_dir(root, step);
   fs::create_directories(dir / "huggingface");
   const int world = static_cast<int>(sds.size());
-  ckpt::detail::Json::Object files;
+  fsdpx::detail::Json files = fsdpx::detail::Json::object();
   for (const fsdpx::StateDict& sd : sds) {
     const auto w = ckpt::save_state_dict(dir / ckpt::shard_file_name(ckpt::Component::model, world, sd.rank), sd);
-    files[w.path.filename().string()] =
-        ckpt::detail::Json(ckpt::detail::Json::Object{{"bytes", ckpt::detail::Json(w.bytes)},
-                                                      {"crc32c", ckpt::detail::Json(int64_t{w.crc32c})}});
+    files[w.path.filename().string()] = {{"bytes", w.bytes}, {"crc32c", w.crc32c}};
     fsdpx::StateDict optim;
     optim.component = "optim";
     optim.world_size = world;
     optim.rank = sd.rank;
     const auto o = ckpt::save_state_dict(dir / ckpt::shard_file_name(ckpt::Component::optim, world, sd.rank), optim);
-    files[o.path.filename().string()] =
-        ckpt::detail::Json(ckpt::detail::Json::Object{{"bytes", ckpt::detail::Json(o.bytes)},
-                                                      {"crc32c", ckpt::detail::Json(int64_t{o.crc32c})}});
+    files[o.path.filename().string()] = {{"bytes", o.bytes}, {"crc32c", o.crc32c}};
   }
   ckpt::detail::write_text_durably(dir / "huggingface" / "config.json", "{\"model_type\": \"fsdpx-test\"}\n");
   if (commit) {
-    using ckpt::detail::Json;
-    const Json config(Json::Object{
-        {"format", Json("fsdpx")},
-        {"format_version", Json(1)},
-        {"step", Json(step)},
-        {"world_size", Json(world)},
-        {"mesh", Json(Json::Object{{"shard", Json(world)}, {"replicate", Json(1)}})},
-        {"state_dict_kind", Json(fsdpx::to_string(sds.at(0).kind))},
-        {"param_dtype", Json("float32")},
-        {"complete", Json(true)},
-        {"components", Json(Json::Array{Json("model"), Json("optim")})},
-        {"files", Json(std::move(files))}});
+    const fsdpx::detail::Json config = {{"format", "fsdpx"},
+                                        {"format_version", 1},
+                                        {"step", step},
+                                        {"world_size", world},
+                                        {"mesh", {{"shard", world}, {"replicate", 1}}},
+                                        {"state_dict_kind", fsdpx::to_string(sds.at(0).kind)},
+                                        {"param_dtype", "Float"},
+                                        {"complete", true},
+                                        {"components", {"model", "optim"}},
+                                        {"files", std::move(files)}};
     ckpt::detail::write_text_durably(dir / ckpt::config_file, config.dump(2) + "\n");
     ckpt::detail::write_text_durably(root / ckpt::checkpointed_iteration_file, std::to_string(step) + "\n");
   }

@@ -15,7 +15,7 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace ckpt = fsdpx::checkpoint;
-using ckpt::detail::Json;
+using fsdpx::detail::Json;
 using merge_fixture::NamedTensors;
 
 using merge_fixture::TempDir;
@@ -69,17 +69,17 @@ TEST_CASE("safetensors: one file, Hugging Face's byte layout", "[checkpoint][saf
   CHECK(n % 8 == 0);
   const std::string header = bytes.substr(8, n);
   CHECK(header.front() == '{');
-  const Json h = Json::parse(header, "header");
-  CHECK(h["__metadata__"]["format"].string() == "pt");
-  CHECK(h["__metadata__"]["fsdpx_step"].string() == "12");
-  CHECK(h["bf16"]["dtype"].string() == "BF16");
-  CHECK(h["f32"]["dtype"].string() == "F32");
-  CHECK(h["f32"]["shape"].array().size() == 2);
-  CHECK(h["scalar"]["shape"].array().empty());
-  CHECK(h["bool"]["dtype"].string() == "BOOL");
-  CHECK(h["f32"]["data_offsets"].array()[0].integer() == 0);
-  CHECK(h["f32"]["data_offsets"].array()[1].integer() == 48);
-  CHECK(h["bf16"]["data_offsets"].array()[0].integer() == 48);  // in the given order, contiguous
+  const Json h = fsdpx::detail::parse_json(header, "header");
+  CHECK(h["__metadata__"]["format"] == "pt");
+  CHECK(h["__metadata__"]["fsdpx_step"] == "12");
+  CHECK(h["bf16"]["dtype"] == "BF16");
+  CHECK(h["f32"]["dtype"] == "F32");
+  CHECK(h["f32"]["shape"].size() == 2);
+  CHECK(h["scalar"]["shape"].empty());
+  CHECK(h["bool"]["dtype"] == "BOOL");
+  CHECK(h["f32"]["data_offsets"][0] == 0);
+  CHECK(h["f32"]["data_offsets"][1] == 48);
+  CHECK(h["bf16"]["data_offsets"][0] == 48);  // in the given order, contiguous
   // the data: f32 first, little-endian
   float first[12];
   std::memcpy(first, bytes.data() + 8 + n, sizeof first);
@@ -107,11 +107,11 @@ TEST_CASE("safetensors: sharded with an index, and a bfloat16 cast", "[checkpoin
   for (int i = 0; i < 5; ++i) {
     CHECK(saved.files[i].path.filename() == "model-0000" + std::to_string(i + 1) + "-of-00005.safetensors");
   }
-  const Json index = Json::parse(ckpt::detail::read_text(tmp.path / "model.safetensors.index.json"), "index");
-  CHECK(index["metadata"]["total_size"].integer() == saved.total_size);
-  CHECK(index["weight_map"]["layers.3.w"].string() == "model-00002-of-00005.safetensors");
-  CHECK(index["weight_map"]["big"].string() == "model-00004-of-00005.safetensors");
-  CHECK(index["weight_map"].object().size() == tensors.size());
+  const Json index = fsdpx::detail::parse_json(ckpt::detail::read_text(tmp.path / "model.safetensors.index.json"), "index");
+  CHECK(index["metadata"]["total_size"] == saved.total_size);
+  CHECK(index["weight_map"]["layers.3.w"] == "model-00002-of-00005.safetensors");
+  CHECK(index["weight_map"]["big"] == "model-00004-of-00005.safetensors");
+  CHECK(index["weight_map"].size() == tensors.size());
   CHECK_FALSE(fs::exists(tmp.path / "model.safetensors"));
   require_same(ckpt::load_safetensors(tmp.path), tensors);
 

@@ -55,8 +55,8 @@ int main(int argc, char** argv) {
       if (world.rank() == 0) {
         checkpoint::NamedTensors expected;
         for (const auto& t : weights) expected.emplace_back(t.name, t.tensor.contiguous());
-        checkpoint::detail::write_safetensors_file(work / ("expected_" + std::to_string(v) + ".safetensors"), expected,
-                                                   {{"buffers", "step_count"}});
+        checkpoint::save_safetensors(work, expected,
+                                     {.metadata = {{"buffers", "step_count"}}, .name = "expected_" + std::to_string(v)});
         server->publish(v, weights);
         const fs::path ack = work / ("ack_" + std::to_string(v));
         const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);

@@ -16,7 +16,7 @@
 #include <torch/nn.h>
 
 #include <fsdpx/checkpoint/detail/file_io.hpp>
-#include <fsdpx/checkpoint/detail/json.hpp>
+#include <fsdpx/detail/json.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/sync.hpp>
@@ -99,16 +99,12 @@ struct Root {
   }
   void commit(int64_t step, const std::vector<ckpt::detail::WrittenFile>& files,
               std::vector<std::string> components = {"model"}) const {
-    using ckpt::detail::Json;
-    Json::Object f;
-    for (const auto& w : files) {
-      f[w.path.filename().string()] = Json::Object{{"bytes", w.bytes}, {"crc32c", static_cast<int64_t>(w.crc32c)}};
-    }
-    Json::Array comps;
-    for (const auto& c : components) comps.emplace_back(c);
-    const Json record(Json::Object{{"format", "fsdpx"}, {"format_version", 1}, {"step", step}, {"world_size", world},
-                                   {"state_dict_kind", "sharded"}, {"complete", false}, {"components", comps},
-                                   {"files", f}});
+    using fsdpx::detail::Json;
+    Json f = Json::object();
+    for (const auto& w : files) f[w.path.filename().string()] = {{"bytes", w.bytes}, {"crc32c", w.crc32c}};
+    const Json record = {{"format", "fsdpx"}, {"format_version", 1}, {"step", step}, {"world_size", world},
+                         {"state_dict_kind", "sharded"}, {"complete", false}, {"components", components},
+                         {"files", f}};
     ckpt::detail::write_text_durably(dir(step) / ckpt::config_file, record.dump() + "\n");
   }
   void advance(int64_t step) const {

@@ -58,10 +58,11 @@
 
 #include <torch/optim/optimizer.h>
 
-#include <fsdpx/checkpoint/detail/json.hpp>
+#include <fsdpx/detail/json.hpp>
 #include <fsdpx/checkpoint/extra_state.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
+#include <fsdpx/checkpoint/model_folder.hpp>
 #include <fsdpx/checkpoint/state_dict.hpp>
 #include <fsdpx/core/lr_schedule.hpp>
 #include <fsdpx/dist/communicator.hpp>
@@ -80,8 +81,9 @@ struct CheckpointOptions {
   std::chrono::milliseconds poll_interval = std::chrono::milliseconds(10);
   /// A wait that lasts longer than this says on stderr what it waits for (and again each interval). 0: never.
   std::chrono::milliseconds report_interval = std::chrono::minutes(1);
-  /// Files (model config.json, tokenizer files) that rank 0 copies into every step's huggingface/
-  /// directory, so a merged checkpoint is a Hugging Face model directory. Empty: none.
+  /// A model folder whose files other than weights (config.json, tokenizer and generation files:
+  /// checkpoint::copy_model_files) rank 0 copies into every step's huggingface/ directory, so a merged
+  /// checkpoint is a Hugging Face model directory. A pretrained model's own folder will do. Empty: none.
   std::filesystem::path huggingface_dir;
 };
 
@@ -112,7 +114,7 @@ struct SaveRequest {
   StateDict model;
   std::optional<StateDict> optim;
   std::optional<c10::IValue> extra;
-  checkpoint::detail::Json::Object config;  // mesh, dtypes, kind: goes into fsdp_config.json
+  ::fsdpx::detail::Json config = ::fsdpx::detail::Json::object();  // mesh, dtypes, kind: goes into fsdp_config.json
   /// When set, fills `model` and `optim` on the coordinator's threads, before the writes.
   std::function<void(SaveRequest&)> snapshot;
 };
@@ -123,7 +125,6 @@ struct SaveRequest {
 /// is gathered here (collective). The RNG states in extra_state are taken now.
 template <class Sharded>
 SaveRequest make_save_request(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer, const ExtraState* extra) {
-  using checkpoint::detail::Json;
   using checkpoint::Component;
   SaveRequest req;
   req.step = step;
@@ -151,7 +152,7 @@ SaveRequest make_save_request(int64_t step, Sharded& model, torch::optim::Optimi
     req.extra = checkpoint::extra_state_to_ivalue(e, world.size(), world.rank());
   }
   const auto& unit = model.sharded().unit(0).options();
-  req.config = {{"mesh", Json::Object{{"shard", model.mesh().shard_size()}, {"replicate", model.mesh().replicate_size()}}},
+  req.config = {{"mesh", {{"shard", model.mesh().shard_size()}, {"replicate", model.mesh().replicate_size()}}},
                 {"state_dict_kind", to_string(kind)},
                 {"param_dtype", std::string(c10::toString(unit.param_dtype))},
                 {"reduce_dtype", std::string(c10::toString(unit.reduce_dtype))},
@@ -244,7 +245,7 @@ class CheckpointCoordinator {
 
     if (rank_ == 0) {
       withdraw_earlier_commit(req.step, dir);
-      if (!options_.huggingface_dir.empty()) copy_huggingface_files(dir / "huggingface");
+      if (!options_.huggingface_dir.empty()) checkpoint::copy_model_files(options_.huggingface_dir, dir / "huggingface");
       // Room for the commit records and iteration files, taken before any shard is written, so a
       // disk that fills up during this save or the next cannot keep a finished step from committing.
       // (A record lists every rank's files, ~100 bytes each; an iteration file needs a block.)
@@ -357,7 +358,7 @@ class CheckpointCoordinator {
     int64_t step;
     std::filesystem::path dir;
     std::vector<Component> components;
-    checkpoint::detail::Json::Object config;
+    ::fsdpx::detail::Json config;
     std::chrono::steady_clock::time_point deadline;
     bool weights_committed = false;
     std::string waiting_for;  // the first file not yet durable, for reports
@@ -542,8 +543,8 @@ class CheckpointCoordinator {
         return true;
       }
     }
-    const auto files_of = [&](Component comp) -> std::optional<checkpoint::detail::Json::Object> {
-      checkpoint::detail::Json::Object files;
+    const auto files_of = [&](Component comp) -> std::optional<::fsdpx::detail::Json> {
+      ::fsdpx::detail::Json files = ::fsdpx::detail::Json::object();
       for (int r = 0; r < world_size_; ++r) {
         const auto marker = checkpoint::done_marker(c.dir, comp, r, run_);
         if (!std::filesystem::exists(marker)) {
@@ -556,17 +557,17 @@ class CheckpointCoordinator {
         const std::string text = checkpoint::detail::read_text(marker);
         FSDPX_CHECK_AS(IoError, std::sscanf(text.c_str(), "%255s %lld %lu", name, &bytes, &crc) == 3,
                        "checkpoint marker '", marker.string(), "' is corrupt");
-        files[name] = checkpoint::detail::Json::Object{{"bytes", int64_t{bytes}}, {"crc32c", static_cast<int64_t>(crc)}};
+        files[name] = {{"bytes", int64_t{bytes}}, {"crc32c", static_cast<uint32_t>(crc)}};
       }
       return files;
     };
     std::vector<std::string> done;
-    checkpoint::detail::Json::Object files;
+    ::fsdpx::detail::Json files = ::fsdpx::detail::Json::object();
     for (const Component comp : c.components) {
       auto f = files_of(comp);
       if (!f) break;
       done.push_back(to_string(comp));
-      files.insert(f->begin(), f->end());
+      files.update(*f);
     }
     const bool complete = done.size() == c.components.size();
     const bool weights = !done.empty();
@@ -605,21 +606,6 @@ class CheckpointCoordinator {
     return true;
   }
 
-  void copy_huggingface_files(const std::filesystem::path& to) const {
-    std::error_code ec;
-    std::filesystem::create_directories(to, ec);
-    FSDPX_CHECK_AS(IoError, !ec, "cannot create '", to.string(), "': ", ec.message());
-    const auto& from = options_.huggingface_dir;
-    FSDPX_CHECK_AS(IoError, std::filesystem::is_directory(from, ec), "CheckpointOptions::huggingface_dir '", from.string(),
-                   "' is not a directory");
-    for (const auto& entry : std::filesystem::directory_iterator(from, ec)) {
-      if (!entry.is_regular_file()) continue;
-      const std::vector<char> data = checkpoint::detail::read_file(entry.path());
-      checkpoint::detail::write_file_durably(to / entry.path().filename(),
-                                             [&](const auto& sink) { sink(data.data(), data.size()); });
-    }
-  }
-
   static void release_reserves(const std::filesystem::path& dir) {
     for (const char* name : {".reserve_weights", ".reserve_complete"}) checkpoint::detail::release_space(dir / name);
   }
@@ -634,20 +620,17 @@ class CheckpointCoordinator {
     checkpoint::rotate_checkpoints(root_, {options_.max_to_keep, options_.max_bytes}, in_flight);
   }
 
-  void write_config(const Commit& c, const std::vector<std::string>& done, const checkpoint::detail::Json::Object& files,
+  void write_config(const Commit& c, const std::vector<std::string>& done, const ::fsdpx::detail::Json& files,
                     bool complete) {
-    using checkpoint::detail::Json;
-    Json::Object config = c.config;
+    ::fsdpx::detail::Json config = c.config;
     config["format"] = checkpoint::format_name;
     config["format_version"] = checkpoint::format_version;
     config["step"] = c.step;
     config["world_size"] = world_size_;
     config["complete"] = complete;
-    Json::Array comps;
-    for (const auto& d : done) comps.emplace_back(d);
-    config["components"] = std::move(comps);
+    config["components"] = done;
     config["files"] = files;
-    checkpoint::detail::write_text_durably(c.dir / checkpoint::config_file, Json(config).dump() + "\n");
+    checkpoint::detail::write_text_durably(c.dir / checkpoint::config_file, config.dump(2) + "\n");
   }
 
   /// Iteration files only move forward, each write atomic and durable.

@@ -28,6 +28,9 @@ namespace fs = std::filesystem;
 
 inline constexpr int format_version = 1;
 inline constexpr const char* format_name = "fsdpx";
+/// The largest world size a checkpoint may record: readers allocate per rank, so a crafted record
+/// must not make them allocate without bound.
+inline constexpr int max_world_size = 1 << 17;
 
 /// What one save writes per rank. Weights alone are enough for weight sync and export.
 enum class Component { model, optim, extra_state };

@@ -26,8 +26,8 @@
 #include <unistd.h>
 
 #include <fsdpx/checkpoint/detail/file_io.hpp>
-#include <fsdpx/checkpoint/detail/json.hpp>
 #include <fsdpx/checkpoint/format.hpp>
+#include <fsdpx/detail/json.hpp>
 
 namespace fsdpx::checkpoint {
 
@@ -71,34 +71,37 @@ struct CommitRecord {
 
 /// Parses and checks `config` (a step's fsdp_config.json); every error is an IoError naming it.
 inline CommitRecord parse_commit_record(const fs::path& config) {
+  using ::fsdpx::detail::json_find;
+  using ::fsdpx::detail::json_get;
   CommitRecord r;
   r.path = config;
-  try {
-    const detail::Json j = detail::Json::parse(detail::read_text(config), config.string());
-    FSDPX_CHECK_AS(IoError, j.is_object() && j.contains("format") && j["format"].is_string() &&
-                                j["format"].string() == format_name,
-                   "it is not an fsdpx commit record (no \"format\": \"fsdpx\")");
-    const int64_t version = j["format_version"].integer();
-    FSDPX_CHECK_AS(IoError, version <= format_version, "format version ", version, "; this fsdpx reads up to ",
-                   format_version, ": update fsdpx");
-    r.world_size = static_cast<int>(j["world_size"].integer());
-    FSDPX_CHECK_AS(IoError, r.world_size > 0, "world_size is ", r.world_size);
-    if (j.contains("step")) r.step = j["step"].integer();
-    if (j.contains("mesh") && j["mesh"].contains("shard")) r.mesh_shard = j["mesh"]["shard"].integer();
-    if (j.contains("state_dict_kind")) r.kind = j["state_dict_kind"].string();
-    r.complete = j.contains("complete") && j["complete"].boolean();
-    if (j.contains("components")) {
-      for (const detail::Json& c : j["components"].array()) r.components.push_back(c.string());
+  const std::string doc = config.string();
+  const auto j = ::fsdpx::detail::parse_json(detail::read_text(config), doc);
+  FSDPX_CHECK_AS(IoError, j.is_object() && json_find<std::string>(j, "format", doc) == std::string(format_name),
+                 "commit record '", doc, "': it is not an fsdpx commit record (no \"format\": \"", format_name, "\")");
+  const int64_t version = json_get<int64_t>(j, "format_version", doc);
+  FSDPX_CHECK_AS(IoError, version <= format_version, "commit record '", doc, "': format version ", version,
+                 "; this fsdpx reads up to ", format_version, ": update fsdpx");
+  // Bounded: every reader allocates per rank (merge, resume, verify).
+  r.world_size = json_get<int>(j, "world_size", doc);
+  FSDPX_CHECK_AS(IoError, r.world_size > 0 && r.world_size <= max_world_size, "commit record '", doc, "': world_size is ",
+                 r.world_size, "; it must be in [1, ", max_world_size, "]");
+  r.step = json_find<int64_t>(j, "step", doc);
+  if (const auto mesh = j.find("mesh"); mesh != j.end() && mesh->is_object()) {
+    r.mesh_shard = json_find<int64_t>(*mesh, "shard", doc + "\": \"mesh");
+  }
+  r.kind = json_find<std::string>(j, "state_dict_kind", doc).value_or("");
+  r.complete = json_find<bool>(j, "complete", doc).value_or(false);
+  if (const auto comps = j.find("components"); comps != j.end()) {
+    FSDPX_CHECK_AS(IoError, comps->is_array(), "commit record '", doc, "': \"components\" is not an array");
+    for (const auto& c : *comps) r.components.push_back(::fsdpx::detail::json_as<std::string>(c, "'" + doc + "': a component"));
+  }
+  if (const auto files = j.find("files"); files != j.end()) {
+    FSDPX_CHECK_AS(IoError, files->is_object(), "commit record '", doc, "': \"files\" is not an object");
+    for (const auto& [name, f] : files->items()) {
+      const std::string what = doc + "\": \"files\": \"" + name;
+      r.files[name] = {json_get<int64_t>(f, "bytes", what), json_get<uint32_t>(f, "crc32c", what)};
     }
-    if (j.contains("files")) {
-      for (const auto& [name, f] : j["files"].object()) {
-        r.files[name] = {f["bytes"].integer(), static_cast<uint32_t>(f["crc32c"].integer())};
-      }
-    }
-  } catch (const IoError& e) {
-    std::string why = e.what();
-    if (why.rfind("fsdpx: ", 0) == 0) why = why.substr(7);
-    throw IoError(::fsdpx::detail::str("fsdpx: commit record '", config.string(), "': ", why));
   }
   return r;
 }

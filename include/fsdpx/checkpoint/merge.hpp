@@ -25,6 +25,7 @@
 #include <fsdpx/checkpoint/detail/file_io.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
+#include <fsdpx/checkpoint/model_folder.hpp>
 #include <fsdpx/checkpoint/safetensors.hpp>
 #include <fsdpx/error.hpp>
 
@@ -141,21 +142,24 @@ inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOption
   const int world = rep.world_size;
   rep.checksums_verified = record.has_value() && !record->files.empty() && options.verify_checksums;
 
-  // Names against the world size: every problem, each naming its file.
+  // Names against the world size: every problem (the first 20 shown), each naming its file.
   {
     std::string problems;
+    int count = 0;
+    const auto problem = [&](const auto&... parts) {
+      if (++count <= 20) problems += ::fsdpx::detail::str("\n  ", parts...);
+    };
     for (const auto& [name, p] : present) {
       if (p.world_size != world) {
-        problems += ::fsdpx::detail::str("\n  '", (dir / name).string(), "' is from world size ", p.world_size,
-                                         ", not ", world, " (a stale file of another save?)");
+        problem("'", (dir / name).string(), "' is from world size ", p.world_size, ", not ", world,
+                " (a stale file of another save?)");
       }
     }
     for (int r = 0; r < world; ++r) {
       const std::string name = shard_file_name(Component::model, world, r);
-      if (present.count(name) == 0) {
-        problems += ::fsdpx::detail::str("\n  '", (dir / name).string(), "' (rank ", r, " of ", world, ") is missing");
-      }
+      if (present.count(name) == 0) problem("'", (dir / name).string(), "' (rank ", r, " of ", world, ") is missing");
     }
+    if (count > 20) problems += ::fsdpx::detail::str("\n  and ", count - 20, " more");
     FSDPX_CHECK_AS(IoError, problems.empty(), "the checkpoint in '", dir.string(), "' (world size ", world,
                    record ? ", from " : ", from its file names", record ? config_path.string() : "",
                    ") does not match its model files:", problems);
@@ -240,24 +244,24 @@ inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOption
   return out;
 }
 
-/// Copies `dir`/huggingface (config.json, tokenizer files) into `out_dir`, durably; returns the files
-/// written (none when there is no huggingface directory).
-inline std::vector<detail::WrittenFile> copy_huggingface_files(const fs::path& step_dir, const fs::path& out_dir) {
-  std::vector<detail::WrittenFile> written;
+/// The step's huggingface/ folder (config.json, tokenizer files), or an empty path when it has none.
+inline fs::path huggingface_dir(const fs::path& step_dir) {
   const fs::path dir = detail::model_dir(step_dir);
-  fs::path hf = dir / "huggingface";
-  if (!fs::is_directory(hf) && fs::is_directory(dir.parent_path() / "huggingface")) hf = dir.parent_path() / "huggingface";
-  if (!fs::is_directory(hf)) return written;
   std::error_code ec;
-  for (const auto& e : fs::recursive_directory_iterator(hf, ec)) {
-    if (!e.is_regular_file()) continue;
-    const fs::path target = out_dir / fs::relative(e.path(), hf);
-    fs::create_directories(target.parent_path(), ec);
-    const std::vector<char> data = detail::read_file(e.path());
-    written.push_back(detail::write_file_durably(target, [&](const auto& sink) { sink(data.data(), data.size()); }));
+  for (const fs::path& hf : {dir / "huggingface", dir.parent_path() / "huggingface"}) {
+    if (fs::is_directory(hf, ec) && !fs::is_symlink(hf, ec)) return hf;
   }
-  FSDPX_CHECK_AS(IoError, !ec, "copying '", hf.string(), "' failed: ", ec.message());
-  return written;
+  return {};
+}
+
+/// Copies the step's huggingface/ files other than weights into `out_dir`, durably; returns the files
+/// written (none when there is no huggingface/ folder). A checkpoint is not trusted: links are not
+/// followed, and nothing is written outside `out_dir`.
+inline std::vector<detail::WrittenFile> copy_huggingface_files(const fs::path& step_dir, const fs::path& out_dir,
+                                                               std::function<bool(const std::string&)> skip = {}) {
+  const fs::path hf = huggingface_dir(step_dir);
+  if (hf.empty()) return {};
+  return copy_model_files(hf, out_dir, {.follow_symlinks = false, .skip = std::move(skip)});
 }
 
 }  // namespace fsdpx::checkpoint

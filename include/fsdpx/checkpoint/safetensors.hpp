@@ -9,6 +9,11 @@
 // is {"metadata": {"total_size": <bytes of all tensors>}, "weight_map": {name: file}}, as
 // transformers' save_pretrained writes it; Python's safetensors.torch.load_file and
 // transformers' from_pretrained read both.
+//
+// Reading is by positioned reads of exactly the bytes asked for (SafetensorsDir::read), so a rank
+// loads its shard of a tensor without reading the rest. Files and folders are not trusted: every
+// size is bounded before it is used, index entries must name files inside the folder, only regular
+// files are opened, and every bad input is an IoError naming the file.
 #pragma once
 
 #include <algorithm>
@@ -17,6 +22,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -26,7 +32,7 @@
 #include <ATen/ATen.h>
 
 #include <fsdpx/checkpoint/detail/file_io.hpp>
-#include <fsdpx/checkpoint/detail/json.hpp>
+#include <fsdpx/detail/json.hpp>
 #include <fsdpx/error.hpp>
 
 namespace fsdpx::checkpoint {
@@ -46,11 +52,18 @@ struct SafetensorsOptions {
   std::string name = "model";
 };
 
-/// What save_safetensors wrote.
+/// What a safetensors save wrote.
 struct SavedSafetensors {
   std::vector<detail::WrittenFile> files;         // the .safetensors files, in order
   std::optional<detail::WrittenFile> index;       // the index, when there is more than one file
   int64_t total_size = 0;                         // bytes of tensor data (the index's total_size)
+};
+
+/// One tensor to be written: its name, dtype and shape (the bytes come later).
+struct TensorSpec {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
 };
 
 namespace detail {
@@ -70,8 +83,8 @@ inline const char* safetensors_dtype_code(at::ScalarType t, const std::string& n
   for (const auto& d : safetensors_dtypes) {
     if (d.type == t) return d.code;
   }
-  FSDPX_CHECK(false, "safetensors: tensor '", name, "' has dtype ", t, ", which safetensors cannot store");
-  return nullptr;
+  throw ConfigError(::fsdpx::detail::str("fsdpx: safetensors: tensor '", name, "' has dtype ", t,
+                                         ", which safetensors cannot store"));
 }
 
 inline std::optional<at::ScalarType> safetensors_dtype(const std::string& code) {
@@ -88,36 +101,54 @@ inline void check_little_endian() {
 
 inline int64_t tensor_bytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
 
-/// One .safetensors file holding `tensors` (CPU, contiguous), written durably.
-inline WrittenFile write_safetensors_file(const fs::path& path, const NamedTensors& tensors,
-                                          const std::map<std::string, std::string>& metadata) {
-  Json::Object header;
-  Json::Object meta;
-  for (const auto& [k, v] : metadata) meta[k] = Json(v);
-  meta["format"] = Json("pt");
-  header["__metadata__"] = Json(std::move(meta));
+inline int64_t spec_bytes(const TensorSpec& s) {
+  return c10::multiply_integers(s.shape) * static_cast<int64_t>(c10::elementSize(s.dtype));
+}
+
+/// A header longer than this is refused before it is read (the safetensors library's own limit).
+inline constexpr uint64_t max_header_bytes = 100'000'000;
+
+/// The header text of a file holding `specs` in this order, padded to a multiple of 8 bytes.
+inline std::string safetensors_header(const std::vector<TensorSpec>& specs, const std::map<std::string, std::string>& metadata) {
+  ::fsdpx::detail::Json header = ::fsdpx::detail::Json::object();
+  auto& meta = header["__metadata__"] = ::fsdpx::detail::Json::object();
+  for (const auto& [k, v] : metadata) meta[k] = v;
+  meta["format"] = "pt";
   int64_t offset = 0;
-  for (const auto& [name, t] : tensors) {
-    FSDPX_CHECK(name != "__metadata__", "safetensors: a tensor cannot be named '__metadata__'");
-    FSDPX_CHECK(header.count(name) == 0, "safetensors: the tensor name '", name, "' appears twice");
-    Json::Array shape;
-    for (const int64_t d : t.sizes()) shape.emplace_back(d);
-    const int64_t n = tensor_bytes(t);
-    header[name] = Json(Json::Object{{"dtype", Json(safetensors_dtype_code(t.scalar_type(), name))},
-                                     {"shape", Json(std::move(shape))},
-                                     {"data_offsets", Json(Json::Array{Json(offset), Json(offset + n)})}});
+  for (const TensorSpec& s : specs) {
+    FSDPX_CHECK(s.name != "__metadata__", "safetensors: a tensor cannot be named '__metadata__'");
+    FSDPX_CHECK(!header.contains(s.name), "safetensors: the tensor name '", s.name, "' appears twice");
+    const int64_t n = spec_bytes(s);
+    header[s.name] = {{"dtype", safetensors_dtype_code(s.dtype, s.name)}, {"shape", s.shape}, {"data_offsets", {offset, offset + n}}};
     offset += n;
   }
-  std::string text = Json(std::move(header)).dump(0);
+  std::string text = header.dump();
   text.append((8 - text.size() % 8) % 8, ' ');
-  uint64_t length = text.size();  // little-endian: checked by the caller
-  return write_file_durably(path, [&](const auto& sink) {
-    sink(&length, sizeof length);
-    sink(text.data(), text.size());
-    for (const auto& [name, t] : tensors) {
-      if (t.numel() > 0) sink(t.data_ptr(), static_cast<size_t>(tensor_bytes(t)));
-    }
-  });
+  return text;
+}
+
+inline bool is_shard_file_name(const std::string& file, const std::string& stem) {
+  // <stem>-00001-of-00003.safetensors
+  const std::string prefix = stem + "-", suffix = ".safetensors";
+  if (file.size() != prefix.size() + 5 + 4 + 5 + suffix.size() || file.rfind(prefix, 0) != 0 ||
+      file.substr(file.size() - suffix.size()) != suffix) {
+    return false;
+  }
+  const std::string mid = file.substr(prefix.size(), 14);
+  return mid.substr(5, 4) == "-of-" &&
+         std::all_of(mid.begin(), mid.begin() + 5, [](char c) { return c >= '0' && c <= '9'; }) &&
+         std::all_of(mid.begin() + 9, mid.end(), [](char c) { return c >= '0' && c <= '9'; });
+}
+
+/// Opens `path` for reading only if it is a regular file (a FIFO or a device would block or never end).
+inline Fd open_regular_file(const fs::path& path, const char* what) {
+  std::error_code ec;
+  FSDPX_CHECK_AS(IoError, fs::exists(path, ec), what, " '", path.string(), "' does not exist");
+  Fd fd(path, O_RDONLY | O_NONBLOCK);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) throw_io("stat of", path, errno);
+  FSDPX_CHECK_AS(IoError, S_ISREG(st.st_mode), what, " '", path.string(), "' is not a regular file");
+  return fd;
 }
 
 /// Reads exactly n bytes at `offset`, or an IoError naming the file as truncated.
@@ -134,223 +165,428 @@ inline void read_exact(int fd, const fs::path& path, int64_t offset, void* out, 
   }
 }
 
-inline bool is_shard_file_name(const std::string& file, const std::string& stem) {
-  // <stem>-00001-of-00003.safetensors
-  const std::string prefix = stem + "-", suffix = ".safetensors";
-  if (file.size() != prefix.size() + 5 + 4 + 5 + suffix.size() || file.rfind(prefix, 0) != 0 ||
-      file.substr(file.size() - suffix.size()) != suffix) {
-    return false;
-  }
-  const std::string mid = file.substr(prefix.size(), 14);
-  return mid.substr(5, 4) == "-of-" &&
-         std::all_of(mid.begin(), mid.begin() + 5, [](char c) { return c >= '0' && c <= '9'; }) &&
-         std::all_of(mid.begin() + 9, mid.end(), [](char c) { return c >= '0' && c <= '9'; });
-}
-
 }  // namespace detail
 
-/// Writes `tensors` (any device, layout and dtype safetensors knows) under `dir` in Hugging Face's
-/// layout: one file when they fit in options.max_shard_bytes, else numbered files and an index
-/// (written last). Files a previous save left there under the same stem and not written now
-/// (an older model.safetensors, more numbered shards, a stale index) are removed afterwards.
-inline SavedSafetensors save_safetensors(const fs::path& dir, const NamedTensors& tensors,
-                                         const SafetensorsOptions& options = {}) {
-  detail::check_little_endian();
-  FSDPX_CHECK(options.max_shard_bytes > 0, "save_safetensors: max_shard_bytes must be positive, not ",
-              options.max_shard_bytes);
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  FSDPX_CHECK_AS(IoError, !ec && fs::is_directory(dir), "creating the directory '", dir.string(), "' failed: ",
-                 ec ? ec.message() : "it is not a directory");
+// ---- writing -------------------------------------------------------------------------------------------
 
-  // Split as Hugging Face does: in order, a new file when the next tensor would overflow this one.
-  std::vector<NamedTensors> shards(1);
-  std::vector<int64_t> shard_bytes(1, 0);
-  SavedSafetensors saved;
-  for (const auto& [name, tensor] : tensors) {
-    FSDPX_CHECK(tensor.defined(), "save_safetensors: tensor '", name, "' is undefined");
-    at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
-    const int64_t n = detail::tensor_bytes(t);
-    if (!shards.back().empty() && shard_bytes.back() + n > options.max_shard_bytes) {
-      shards.emplace_back();
-      shard_bytes.push_back(0);
+/// Writes tensors in Hugging Face's layout one by one, in the order of the specs given up front, so a
+/// caller that produces them one at a time (a sharded model gathered unit by unit) never holds them
+/// all. Files are split as save_pretrained splits them: in order, a new file when the next tensor
+/// would overflow this one. Each file is written durably (DurableFile); the index comes last; files
+/// an earlier save left under the same stem and not written now are removed at the end.
+class SafetensorsWriter {
+ public:
+  SafetensorsWriter(fs::path dir, std::vector<TensorSpec> specs, SafetensorsOptions options = {})
+      : dir_(std::move(dir)), options_(std::move(options)) {
+    detail::check_little_endian();
+    FSDPX_CHECK(options_.max_shard_bytes > 0, "safetensors: max_shard_bytes must be positive, not ", options_.max_shard_bytes);
+    std::error_code ec;
+    fs::create_directories(dir_, ec);
+    FSDPX_CHECK_AS(IoError, !ec && fs::is_directory(dir_), "creating the directory '", dir_.string(), "' failed: ",
+                   ec ? ec.message() : "it is not a directory");
+    files_.emplace_back();
+    int64_t bytes = 0;
+    for (auto& s : specs) {
+      const int64_t n = detail::spec_bytes(s);
+      if (!files_.back().empty() && bytes + n > options_.max_shard_bytes) {
+        files_.emplace_back();
+        bytes = 0;
+      }
+      bytes += n;
+      total_ += n;
+      files_.back().push_back(std::move(s));
     }
-    shards.back().emplace_back(name, std::move(t));
-    shard_bytes.back() += n;
-    saved.total_size += n;
   }
-  const size_t count = shards.size();
-  const auto file_name = [&](size_t i) {
-    if (count == 1) return options.name + ".safetensors";
+
+  /// Writes the next tensor; its name, dtype and shape must be those of the next spec.
+  void write(const std::string& name, const at::Tensor& tensor) {
+    FSDPX_CHECK(file_ < files_.size(), "safetensors: '", name, "' is one tensor more than the writer was planned for");
+    const TensorSpec& s = files_[file_][next_];
+    FSDPX_CHECK(name == s.name && tensor.scalar_type() == s.dtype && tensor.sizes() == c10::IntArrayRef(s.shape),
+                "safetensors: the writer expected '", s.name, "' (", s.dtype, ", ", c10::IntArrayRef(s.shape), ") next, not '",
+                name, "' (", tensor.scalar_type(), ", ", tensor.sizes(), ")");
+    if (next_ == 0) open_file();
+    const at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
+    if (t.numel() > 0) current_->append(t.data_ptr(), static_cast<size_t>(detail::tensor_bytes(t)));
+    if (++next_ == files_[file_].size()) {
+      saved_.files.push_back(current_->commit());
+      current_.reset();
+      next_ = 0;
+      ++file_;
+    }
+  }
+
+  /// After the last tensor: writes the index (more than one file) and removes stale files.
+  SavedSafetensors finish() {
+    FSDPX_CHECK(file_ == files_.size() || (files_.size() == 1 && files_[0].empty()), "safetensors: finish() with ",
+                files_.size() - file_, " file(s) not yet written");
+    if (files_.size() == 1 && files_[0].empty()) {  // no tensors at all: one empty file
+      open_file();
+      saved_.files.push_back(current_->commit());
+      current_.reset();
+    }
+    saved_.total_size = total_;
+    std::set<std::string> written;
+    for (const auto& f : saved_.files) written.insert(f.path.filename().string());
+    const std::string index_name = options_.name + ".safetensors.index.json";
+    if (files_.size() > 1) {
+      ::fsdpx::detail::Json weight_map = ::fsdpx::detail::Json::object();
+      for (size_t i = 0; i < files_.size(); ++i) {
+        for (const TensorSpec& s : files_[i]) weight_map[s.name] = file_name(i);
+      }
+      const ::fsdpx::detail::Json index = {{"metadata", {{"total_size", total_}}}, {"weight_map", std::move(weight_map)}};
+      saved_.index = detail::write_text_durably(dir_ / index_name, index.dump(2) + "\n");
+      written.insert(index_name);
+    }
+    // Stale files of an earlier save: a reader must not mix them with these.
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(dir_, ec)) {
+      const std::string file = entry.path().filename().string();
+      const bool ours = file == options_.name + ".safetensors" || file == index_name ||
+                        detail::is_shard_file_name(file, options_.name);
+      if (ours && written.count(file) == 0) fs::remove(entry.path(), ec);
+    }
+    return saved_;
+  }
+
+  int64_t total_size() const { return total_; }
+  size_t file_count() const { return files_.size(); }
+
+ private:
+  std::string file_name(size_t i) const {
+    if (files_.size() == 1) return options_.name + ".safetensors";
     char buf[64];
-    std::snprintf(buf, sizeof buf, "-%05zu-of-%05zu.safetensors", i + 1, count);
-    return options.name + buf;
-  };
-  const std::string index_name = options.name + ".safetensors.index.json";
-  detail::Json::Object weight_map;
-  std::set<std::string> written;
-  for (size_t i = 0; i < count; ++i) {
-    const std::string file = file_name(i);
-    saved.files.push_back(detail::write_safetensors_file(dir / file, shards[i], options.metadata));
-    written.insert(file);
-    for (const auto& [name, t] : shards[i]) weight_map[name] = detail::Json(file);
+    std::snprintf(buf, sizeof buf, "-%05zu-of-%05zu.safetensors", i + 1, files_.size());
+    return options_.name + buf;
   }
-  if (count > 1) {
-    const detail::Json index(detail::Json::Object{
-        {"metadata", detail::Json(detail::Json::Object{{"total_size", detail::Json(saved.total_size)}})},
-        {"weight_map", detail::Json(std::move(weight_map))}});
-    saved.index = detail::write_text_durably(dir / index_name, index.dump(2) + "\n");
-    written.insert(index_name);
+
+  void open_file() {
+    const std::string header = detail::safetensors_header(files_[file_], options_.metadata);
+    current_ = std::make_unique<detail::DurableFile>(dir_ / file_name(file_));
+    const uint64_t length = header.size();  // little-endian: checked in the constructor
+    current_->append(&length, sizeof length);
+    current_->append(header.data(), header.size());
   }
-  // Stale files of an earlier save: a reader must not mix them with these.
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    const std::string file = entry.path().filename().string();
-    const bool ours = file == options.name + ".safetensors" || file == index_name ||
-                      detail::is_shard_file_name(file, options.name);
-    if (ours && written.count(file) == 0) fs::remove(entry.path(), ec);
+
+  fs::path dir_;
+  SafetensorsOptions options_;
+  std::vector<std::vector<TensorSpec>> files_;
+  int64_t total_ = 0;
+  size_t file_ = 0, next_ = 0;
+  std::unique_ptr<detail::DurableFile> current_;
+  SavedSafetensors saved_;
+};
+
+/// Writes `tensors` (any device, layout and dtype safetensors knows) under `dir` in Hugging Face's
+/// layout (SafetensorsWriter): one file when they fit in options.max_shard_bytes, else numbered
+/// files and an index.
+inline SavedSafetensors save_safetensors(const fs::path& dir, const NamedTensors& tensors, const SafetensorsOptions& options = {}) {
+  std::vector<TensorSpec> specs;
+  for (const auto& [name, t] : tensors) {
+    FSDPX_CHECK(t.defined(), "save_safetensors: tensor '", name, "' is undefined");
+    specs.push_back({name, t.scalar_type(), t.sizes().vec()});
   }
-  return saved;
+  SafetensorsWriter writer(dir, std::move(specs), options);
+  for (const auto& [name, t] : tensors) writer.write(name, t);
+  return writer.finish();
 }
 
-/// The header of one .safetensors file (the JSON object), checked: an IoError names the file.
-inline detail::Json read_safetensors_header(const fs::path& path, int64_t* data_start = nullptr,
-                                            int64_t* file_size = nullptr) {
-  detail::check_little_endian();
-  FSDPX_CHECK_AS(IoError, fs::exists(path), "safetensors file '", path.string(), "' does not exist");
-  detail::Fd fd(path, O_RDONLY);
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) detail::throw_io("stat of", path, errno);
-  const int64_t size = st.st_size;
-  FSDPX_CHECK_AS(IoError, size >= 8, "safetensors file '", path.string(), "' is truncated: ", size,
-                 " bytes, less than its 8-byte header length");
-  uint64_t length = 0;
-  detail::read_exact(fd.get(), path, 0, &length, 8, size);
-  FSDPX_CHECK_AS(IoError, length <= 100'000'000 && static_cast<int64_t>(length) <= size - 8, "safetensors file '",
-                 path.string(), "' is truncated or not a safetensors file: its header length is ", length,
-                 " bytes but the file has ", size, " bytes");
-  std::string text(length, '\0');
-  detail::read_exact(fd.get(), path, 8, text.data(), static_cast<int64_t>(length), size);
-  detail::Json header;
-  try {
-    header = detail::Json::parse(text, path.string());
-  } catch (const IoError& e) {
-    throw IoError(::fsdpx::detail::str("fsdpx: safetensors file '", path.string(), "' has a bad header: ", e.what()));
+// ---- reading -------------------------------------------------------------------------------------------
+
+/// One tensor of a safetensors file, as its header describes it.
+struct SafetensorsEntry {
+  std::string name;
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> shape;
+  int64_t numel = 0;
+  int64_t begin = 0;  // byte offsets in the file (the header's data_offsets plus the data's start)
+  int64_t end = 0;
+};
+
+/// One .safetensors file, opened and its header checked against the file's size: every tensor's
+/// dtype, shape and byte range, no overlaps and no holes. Reads are positioned (pread).
+class SafetensorsFile {
+ public:
+  explicit SafetensorsFile(const fs::path& path) : path_(path), fd_(detail::open_regular_file(path, "safetensors file")) {
+    detail::check_little_endian();
+    struct stat st {};
+    if (::fstat(fd_.get(), &st) != 0) detail::throw_io("stat of", path_, errno);
+    size_ = st.st_size;
+    FSDPX_CHECK_AS(IoError, size_ >= 8, "safetensors file '", path_.string(), "' is truncated: ", size_,
+                   " bytes, less than its 8-byte header length");
+    uint64_t length = 0;
+    detail::read_exact(fd_.get(), path_, 0, &length, 8, size_);
+    FSDPX_CHECK_AS(IoError, length <= detail::max_header_bytes && length <= static_cast<uint64_t>(size_ - 8),
+                   "safetensors file '", path_.string(), "' is truncated or not a safetensors file: its header length is ",
+                   length, " bytes but the file has ", size_, " bytes");
+    std::string text(length, '\0');
+    detail::read_exact(fd_.get(), path_, 8, text.data(), static_cast<int64_t>(length), size_);
+    data_start_ = 8 + static_cast<int64_t>(length);
+    ::fsdpx::detail::Json header;
+    try {
+      header = ::fsdpx::detail::parse_json(text, path_.string());
+    } catch (const IoError& e) {
+      bad_header(e.what());
+    }
+    if (!header.is_object()) bad_header("it is not a JSON object");
+    for (const auto& [name, v] : header.items()) {
+      if (name == "__metadata__") {
+        if (v.is_object()) {
+          for (const auto& [k, m] : v.items()) {
+            if (m.is_string()) metadata_[k] = m.get<std::string>();
+          }
+        }
+        continue;
+      }
+      entries_.push_back(parse_entry(name, v));
+    }
+    std::sort(entries_.begin(), entries_.end(), [](const SafetensorsEntry& a, const SafetensorsEntry& b) {
+      return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+    });
+    int64_t expected = data_start_;
+    for (const SafetensorsEntry& e : entries_) {
+      if (e.begin != expected) {
+        bad_header(::fsdpx::detail::str("tensor '", e.name, "' starts at byte ", e.begin - data_start_, " of the data, not ",
+                                        expected - data_start_, ": the tensors overlap or leave a hole"));
+      }
+      expected = e.end;
+    }
+    FSDPX_CHECK_AS(IoError, expected == size_, "safetensors file '", path_.string(), "' is ",
+                   (expected > size_ ? "truncated" : "corrupt"), ": its header describes ", expected, " bytes but the file has ",
+                   size_);
+    for (size_t i = 0; i < entries_.size(); ++i) by_name_[entries_[i].name] = i;
   }
-  FSDPX_CHECK_AS(IoError, header.is_object(), "safetensors file '", path.string(),
-                 "' has a bad header: it is not a JSON object");
-  if (data_start != nullptr) *data_start = 8 + static_cast<int64_t>(length);
-  if (file_size != nullptr) *file_size = size;
-  return header;
-}
+
+  const fs::path& path() const { return path_; }
+  int64_t size() const { return size_; }
+  /// The tensors in the order of their data.
+  const std::vector<SafetensorsEntry>& entries() const { return entries_; }
+  const SafetensorsEntry* find(const std::string& name) const {
+    const auto it = by_name_.find(name);
+    return it == by_name_.end() ? nullptr : &entries_[it->second];
+  }
+  const std::map<std::string, std::string>& metadata() const { return metadata_; }
+
+  /// Reads the raw bytes [offset, offset + n) of the file.
+  void read_bytes(int64_t offset, void* out, int64_t n) const { detail::read_exact(fd_.get(), path_, offset, out, n, size_); }
+
+ private:
+  [[noreturn]] void bad_header(const std::string& why) const {
+    std::string text = why;
+    if (text.rfind("fsdpx: ", 0) == 0) text = text.substr(7);
+    throw IoError(::fsdpx::detail::str("fsdpx: safetensors file '", path_.string(), "' has a bad header: ", text));
+  }
+
+  SafetensorsEntry parse_entry(const std::string& name, const ::fsdpx::detail::Json& v) const {
+    const auto bad = [&](const std::string& why) { bad_header(::fsdpx::detail::str("tensor '", name, "' ", why)); };
+    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets") ||
+        !v["dtype"].is_string() || !v["shape"].is_array() || !v["data_offsets"].is_array() || v["data_offsets"].size() != 2) {
+      bad("lacks a dtype, a shape or two data_offsets");
+    }
+    const auto type = detail::safetensors_dtype(v["dtype"].get<std::string>());
+    if (!type) bad("has the unknown dtype '" + v["dtype"].get<std::string>() + "'");
+    SafetensorsEntry e{name, *type, {}, 1, 0, 0};
+    const auto as_size = [&](const ::fsdpx::detail::Json& j, const char* what) {
+      // Bounded, so that offsets plus the header never overflow; whether they fit the file is checked
+      // once all are known (a short file is "truncated").
+      constexpr int64_t limit = int64_t{1} << 60;
+      if (!j.is_number_integer() || (j.is_number_unsigned() ? j.get<uint64_t>() > static_cast<uint64_t>(limit) : j.get<int64_t>() < 0)) {
+        bad(::fsdpx::detail::str("has a bad ", what, " (", j.dump(), ")"));
+      }
+      return j.get<int64_t>();
+    };
+    for (const auto& d : v["shape"]) {
+      const int64_t dim = as_size(d, "shape");
+      if (__builtin_mul_overflow(e.numel, dim, &e.numel)) bad("has a shape whose element count overflows");
+      e.shape.push_back(dim);
+    }
+    int64_t bytes = 0;
+    if (__builtin_mul_overflow(e.numel, static_cast<int64_t>(c10::elementSize(*type)), &bytes)) {
+      bad("has a shape whose byte count overflows");
+    }
+    const int64_t lo = as_size(v["data_offsets"][0], "data_offsets"), hi = as_size(v["data_offsets"][1], "data_offsets");
+    if (hi < lo || hi - lo != bytes) {
+      bad(::fsdpx::detail::str("has data_offsets [", lo, ", ", hi, ") that do not fit its shape and dtype (", bytes, " bytes)"));
+    }
+    e.begin = data_start_ + lo;
+    e.end = data_start_ + hi;
+    return e;
+  }
+
+  fs::path path_;
+  detail::Fd fd_;
+  int64_t size_ = 0;
+  int64_t data_start_ = 0;
+  std::vector<SafetensorsEntry> entries_;
+  std::map<std::string, size_t> by_name_;
+  std::map<std::string, std::string> metadata_;
+};
+
+/// A model folder's tensors: <stem>.safetensors, or <stem>.safetensors.index.json and the files it
+/// names (which must be plain file names inside the folder); or one .safetensors file. Opens every
+/// file and checks every header up front; reads only what is asked for. Not thread-safe.
+class SafetensorsDir {
+ public:
+  explicit SafetensorsDir(const fs::path& path, const std::string& stem = "model") : path_(path) {
+    std::error_code ec;
+    if (!fs::is_directory(path, ec)) {
+      add_file(path);
+      return;
+    }
+    const fs::path index_path = path / (stem + ".safetensors.index.json");
+    if (!fs::exists(index_path, ec)) {
+      const fs::path single = path / (stem + ".safetensors");
+      FSDPX_CHECK_AS(IoError, fs::exists(single, ec), "'", path.string(), "' holds neither ", single.filename().string(),
+                     " nor ", index_path.filename().string());
+      add_file(single);
+      return;
+    }
+    index_ = index_path;
+    const std::string doc = index_path.string();
+    detail::Fd index_fd = detail::open_regular_file(index_path, "safetensors index");
+    struct stat st {};
+    if (::fstat(index_fd.get(), &st) != 0) detail::throw_io("stat of", index_path, errno);
+    FSDPX_CHECK_AS(IoError, static_cast<uint64_t>(st.st_size) <= detail::max_header_bytes, "safetensors index '", doc,
+                   "' has ", st.st_size, " bytes; an index is refused above ", detail::max_header_bytes);
+    const auto index = ::fsdpx::detail::parse_json(detail::read_text(index_path), doc);
+    const auto& weight_map = ::fsdpx::detail::json_at(index, "weight_map", doc);
+    FSDPX_CHECK_AS(IoError, weight_map.is_object(), "safetensors index '", doc, "': \"weight_map\" is not an object");
+    std::map<std::string, std::set<std::string>> by_file;
+    for (const auto& [name, file] : weight_map.items()) {
+      FSDPX_CHECK_AS(IoError, file.is_string(), "safetensors index '", doc, "': the file of '", name, "' is not a string");
+      const std::string f = file.get<std::string>();
+      // A plain file name: the index must not lead out of the folder (../, absolute, sub-folders).
+      FSDPX_CHECK_AS(IoError, !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos &&
+                                  f.find('\\') == std::string::npos && f.find('\0') == std::string::npos,
+                     "safetensors index '", doc, "' maps '", name, "' to '", f,
+                     "', which is not a file name inside the folder (no paths are allowed)");
+      by_file[f].insert(name);
+    }
+    std::vector<size_t> opened;  // every named file first: one that is missing is the first thing to say
+    for (const auto& [file, names] : by_file) opened.push_back(add_file(path / file));
+    auto file_index = opened.begin();
+    for (const auto& [file, names] : by_file) {
+      const size_t i = *file_index++;
+      for (const auto& e : files_[i]->entries()) {
+        FSDPX_CHECK_AS(IoError, names.count(e.name) != 0, "safetensors file '", files_[i]->path().string(), "' holds '",
+                       e.name, "', which its index '", doc, "' maps elsewhere or not at all");
+      }
+      for (const auto& name : names) {
+        FSDPX_CHECK_AS(IoError, files_[i]->find(name) != nullptr, "safetensors index '", doc, "' maps '", name, "' to '",
+                       files_[i]->path().string(), "', which does not hold it");
+      }
+    }
+  }
+
+  const fs::path& path() const { return path_; }
+  /// The index file, when the folder has one.
+  const std::optional<fs::path>& index() const { return index_; }
+  const std::vector<std::unique_ptr<SafetensorsFile>>& files() const { return files_; }
+
+  const SafetensorsEntry* find(const std::string& name) const {
+    const auto it = where_.find(name);
+    return it == where_.end() ? nullptr : files_[it->second]->find(name);
+  }
+  const SafetensorsFile& file_of(const std::string& name) const {
+    const auto it = where_.find(name);
+    FSDPX_CHECK_AS(IoError, it != where_.end(), "'", path_.string(), "' holds no tensor '", name, "'");
+    return *files_[it->second];
+  }
+  /// Every tensor name, sorted.
+  std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& [name, i] : where_) out.push_back(name);
+    return out;
+  }
+  /// Bytes of tensor data in all files.
+  int64_t total_bytes() const {
+    int64_t n = 0;
+    for (const auto& f : files_) {
+      for (const auto& e : f->entries()) n += e.end - e.begin;
+    }
+    return n;
+  }
+  /// Bytes read by read() so far.
+  int64_t bytes_read() const { return bytes_read_; }
+
+  /// Copies elements [first, last) of the flattened tensor `name` into `out` (a contiguous CPU tensor
+  /// of last - first elements, of the file's dtype or, for floating tensors, any floating dtype: cast).
+  /// Reads exactly those bytes, in pieces of at most `chunk_bytes`.
+  void read(const std::string& name, int64_t first, int64_t last, const at::Tensor& out) {
+    const SafetensorsEntry* e = find(name);
+    FSDPX_CHECK_AS(IoError, e != nullptr, "'", path_.string(), "' holds no tensor '", name, "'");
+    const SafetensorsFile& file = file_of(name);
+    FSDPX_CHECK(0 <= first && first <= last && last <= e->numel, "safetensors: elements [", first, ", ", last, ") of '", name,
+                "' are outside its ", e->numel);
+    FSDPX_CHECK(out.is_cpu() && out.is_contiguous() && out.numel() == last - first, "safetensors: reading '", name,
+                "' needs a contiguous CPU tensor of ", last - first, " elements");
+    FSDPX_CHECK(out.scalar_type() == e->dtype || (at::isFloatingType(out.scalar_type()) && at::isFloatingType(e->dtype)),
+                "safetensors: tensor '", name, "' in '", file.path().string(), "' has dtype ", e->dtype,
+                ", which cannot be cast to ", out.scalar_type());
+    const int64_t esize = static_cast<int64_t>(c10::elementSize(e->dtype));
+    if (out.scalar_type() == e->dtype) {  // straight into the destination
+      file.read_bytes(e->begin + first * esize, out.data_ptr(), (last - first) * esize);
+      bytes_read_ += (last - first) * esize;
+      return;
+    }
+    const int64_t step = std::max<int64_t>(1, chunk_bytes / esize);
+    if (!staging_.defined() || staging_.scalar_type() != e->dtype || staging_.numel() < std::min(step, last - first)) {
+      staging_ = at::empty({std::min(step, last - first)}, at::TensorOptions().dtype(e->dtype));
+    }
+    for (int64_t pos = first; pos < last; pos += step) {
+      const int64_t n = std::min(step, last - pos);
+      at::Tensor piece = staging_.narrow(0, 0, n);
+      file.read_bytes(e->begin + pos * esize, piece.data_ptr(), n * esize);
+      out.narrow(0, pos - first, n).copy_(piece);
+      bytes_read_ += n * esize;
+    }
+  }
+
+  /// The whole tensor `name`, in its own dtype and shape.
+  at::Tensor read(const std::string& name) {
+    const SafetensorsEntry* e = find(name);
+    FSDPX_CHECK_AS(IoError, e != nullptr, "'", path_.string(), "' holds no tensor '", name, "'");
+    at::Tensor t = at::empty(e->shape, at::TensorOptions().dtype(e->dtype));
+    read(name, 0, e->numel, t.reshape({-1}));
+    return t;
+  }
+
+  /// Reads are cast through a staging buffer of at most this many bytes.
+  static constexpr int64_t chunk_bytes = int64_t{16} << 20;
+
+ private:
+  size_t add_file(const fs::path& file) {
+    files_.push_back(std::make_unique<SafetensorsFile>(file));
+    const size_t i = files_.size() - 1;
+    for (const auto& e : files_[i]->entries()) {
+      const auto [it, inserted] = where_.emplace(e.name, i);
+      FSDPX_CHECK_AS(IoError, inserted, "'", path_.string(), "': tensor '", e.name, "' is in both '",
+                     files_[it->second]->path().string(), "' and '", file.string(), "'");
+    }
+    return i;
+  }
+
+  fs::path path_;
+  std::optional<fs::path> index_;
+  std::vector<std::unique_ptr<SafetensorsFile>> files_;
+  std::map<std::string, size_t> where_;
+  at::Tensor staging_;
+  int64_t bytes_read_ = 0;
+};
 
 /// The "__metadata__" of one .safetensors file.
 inline std::map<std::string, std::string> read_safetensors_metadata(const fs::path& path) {
-  const detail::Json header = read_safetensors_header(path);
-  std::map<std::string, std::string> out;
-  if (header.contains("__metadata__") && header["__metadata__"].is_object()) {
-    for (const auto& [k, v] : header["__metadata__"].object()) {
-      if (v.is_string()) out[k] = v.string();
-    }
-  }
-  return out;
+  return SafetensorsFile(path).metadata();
 }
-
-namespace detail {
-
-/// The tensors of one file, in the order of their data.
-inline NamedTensors load_safetensors_file(const fs::path& path) {
-  int64_t data_start = 0, size = 0;
-  const Json header = read_safetensors_header(path, &data_start, &size);
-  struct Entry {
-    std::string name;
-    at::ScalarType type;
-    std::vector<int64_t> shape;
-    int64_t begin, end;
-  };
-  std::vector<Entry> entries;
-  const auto bad = [&](const std::string& name, const std::string& why) {
-    throw IoError(::fsdpx::detail::str("fsdpx: safetensors file '", path.string(), "' has a bad header: tensor '",
-                                       name, "' ", why));
-  };
-  for (const auto& [name, v] : header.object()) {
-    if (name == "__metadata__") continue;
-    if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets") ||
-        !v["dtype"].is_string() || !v["shape"].is_array() || !v["data_offsets"].is_array() ||
-        v["data_offsets"].array().size() != 2) {
-      bad(name, "lacks a dtype, a shape or two data_offsets");
-    }
-    const auto type = safetensors_dtype(v["dtype"].string());
-    if (!type) bad(name, "has the unknown dtype '" + v["dtype"].string() + "'");
-    Entry e{name, *type, {}, v["data_offsets"].array()[0].integer(), v["data_offsets"].array()[1].integer()};
-    int64_t numel = 1;
-    for (const Json& d : v["shape"].array()) {
-      if (!d.is_number() || d.integer() < 0) bad(name, "has a bad shape");
-      e.shape.push_back(d.integer());
-      numel *= d.integer();
-    }
-    if (e.begin < 0 || e.end < e.begin || e.end - e.begin != numel * static_cast<int64_t>(c10::elementSize(*type))) {
-      bad(name, ::fsdpx::detail::str("has data_offsets [", e.begin, ", ", e.end, ") that do not fit its shape and dtype"));
-    }
-    entries.push_back(std::move(e));
-  }
-  std::sort(entries.begin(), entries.end(), [](const Entry& a, const Entry& b) {
-    return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
-  });
-  int64_t expected = 0;
-  for (const Entry& e : entries) {
-    if (e.begin != expected) bad(e.name, ::fsdpx::detail::str("starts at byte ", e.begin, " of the data, not ", expected,
-                                                                   ": the tensors overlap or leave a hole"));
-    expected = e.end;
-  }
-  FSDPX_CHECK_AS(IoError, data_start + expected == size, "safetensors file '", path.string(), "' is ",
-                 (data_start + expected > size ? "truncated" : "corrupt"), ": its header describes ",
-                 data_start + expected, " bytes but the file has ", size);
-  Fd fd(path, O_RDONLY);
-  NamedTensors out;
-  for (const Entry& e : entries) {
-    at::Tensor t = at::empty(e.shape, at::TensorOptions().dtype(e.type));
-    read_exact(fd.get(), path, data_start + e.begin, t.data_ptr(), e.end - e.begin, size);
-    out.emplace_back(e.name, std::move(t));
-  }
-  return out;
-}
-
-}  // namespace detail
 
 /// Reads a .safetensors file, or a directory holding model.safetensors or an index and its files
 /// (`stem` names them). Tensors come in the order of their files and of their data within a file.
 /// A missing, truncated or malformed file is an IoError naming it.
 inline NamedTensors load_safetensors(const fs::path& path, const std::string& stem = "model") {
-  if (!fs::is_directory(path)) return detail::load_safetensors_file(path);
-  const fs::path index_path = path / (stem + ".safetensors.index.json");
-  if (!fs::exists(index_path)) {
-    const fs::path single = path / (stem + ".safetensors");
-    FSDPX_CHECK_AS(IoError, fs::exists(single), "'", path.string(), "' holds neither ", single.filename().string(),
-                   " nor ", index_path.filename().string());
-    return detail::load_safetensors_file(single);
-  }
-  const detail::Json index = detail::Json::parse(detail::read_text(index_path), index_path.string());
-  FSDPX_CHECK_AS(IoError, index.contains("weight_map") && index["weight_map"].is_object(), "safetensors index '",
-                 index_path.string(), "' has no weight_map object");
-  std::map<std::string, std::set<std::string>> by_file;
-  for (const auto& [name, file] : index["weight_map"].object()) {
-    FSDPX_CHECK_AS(IoError, file.is_string(), "safetensors index '", index_path.string(), "': the file of '", name,
-                   "' is not a string");
-    by_file[file.string()].insert(name);
-  }
+  SafetensorsDir dir(path, stem);
   NamedTensors out;
-  for (const auto& [file, names] : by_file) {
-    std::set<std::string> found;
-    for (auto& [name, t] : detail::load_safetensors_file(path / file)) {
-      FSDPX_CHECK_AS(IoError, names.count(name) != 0, "safetensors file '", (path / file).string(), "' holds '", name,
-                     "', which its index '", index_path.string(), "' maps elsewhere or not at all");
-      found.insert(name);
-      out.emplace_back(name, std::move(t));
-    }
-    for (const auto& name : names) {
-      FSDPX_CHECK_AS(IoError, found.count(name) != 0, "safetensors index '", index_path.string(), "' maps '", name,
-                     "' to '", (path / file).string(), "', which does not hold it");
-    }
+  for (const auto& file : dir.files()) {
+    for (const auto& e : file->entries()) out.emplace_back(e.name, dir.read(e.name));
   }
   return out;
 }

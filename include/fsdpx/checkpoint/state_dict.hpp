@@ -318,6 +318,17 @@ inline StateDict local_state_dict(const core::ShardedModel& model) {
   return sd;
 }
 
+namespace detail {
+/// Unit `u`'s whole flat buffer of master values (the shards' dtype, not the compute-dtype copies the
+/// unit unshards into), on the unit's compute device. Collective over the shard group.
+inline at::Tensor gather_unit_shards(core::ShardedModel& model, core::Unit& u) {
+  const at::Device device = u.options().device;  // offloaded shards go through the device for the collective
+  at::Tensor full = at::empty({u.layout().padded_numel()}, u.shard().options().device(device));
+  model.mesh().shard_group().all_gather(full, u.shard().to(device));
+  return full;
+}
+}  // namespace detail
+
 /// Every parameter whole, float32 on the CPU: on rank 0 only, or on every rank with `all_ranks`.
 /// Collective: every rank calls it. One unit is gathered at a time.
 inline StateDict full_state_dict(core::ShardedModel& model, bool all_ranks = false) {
@@ -326,12 +337,9 @@ inline StateDict full_state_dict(core::ShardedModel& model, bool all_ranks = fal
   for (size_t i = 0; i < model.num_units(); ++i) {
     core::Unit& u = model.unit(i);
     if (u.layout().params().empty()) continue;
-    // Gather the shards (float32 masters, not the compute-dtype copies the unit unshards into).
-    const auto& layout = u.layout();
-    const at::Device device = u.options().device;  // offloaded shards go through the device for the collective
-    at::Tensor full = at::empty({layout.padded_numel()}, u.shard().options().device(device));
-    model.mesh().shard_group().all_gather(full, u.shard().to(device));
+    const at::Tensor full = detail::gather_unit_shards(model, u);
     if (!keep) continue;
+    const auto& layout = u.layout();
     const at::Tensor host = full.to(at::kCPU);  // (a GPU model gathers on the device, then copies once)
     for (const core::ParamInfo& p : layout.params()) {
       sd.entries.push_back({p.name, p.shape, 0, p.numel, {{"data", host.narrow(0, p.offset, p.numel).clone()}}});

@@ -3,6 +3,10 @@
 //   auto model = fsdpx::deferred_init<Gpt>(config);   // costs the size of its largest tensor
 //   fsdpx::Fsdp<Gpt, ...> sharded(model, world);     // materializes, initializes and shards unit by unit
 //
+// While the model is constructed every CPU allocation returns the same scratch memory, so a module's
+// constructor must not compute tensors it keeps (a table derived from its configuration): compute
+// them at first use instead. Its parameters' values are discarded anyway (in_deferred_init()).
+//
 // Fsdp initializes each module of a deferred model with its own reset_parameters() (Linear,
 // Embedding, LayerNorm, GroupNorm, Conv1d/2d/3d, BatchNorm1d/2d/3d), or with FsdpOptions::init_module
 // for modules it does not know. The values equal a fresh construction's in distribution, not in the
@@ -91,6 +95,17 @@ inline void materialize_module(torch::nn::Module& m, const std::string& name, co
 }
 
 }  // namespace core::detail
+
+/// True while deferred_init constructs a model on this process: a module's constructor may then skip
+/// initializing its parameters (the values are discarded; Fsdp initializes each unit as it
+/// materializes it), which saves a pass over the whole model.
+inline bool in_deferred_init() {
+  return dynamic_cast<core::detail::ScratchCpuAllocator*>(c10::GetCPUAllocator()) != nullptr;
+}
+
+/// A ModuleInit that leaves materialized parameters uninitialized: only for a model whose every
+/// parameter is loaded right after construction (a strict load of pretrained weights).
+inline bool skip_init(torch::nn::Module&) { return true; }
 
 /// Constructs `Model(args...)` without materializing its parameters (see the top of this header).
 template <class Model, class... Args>

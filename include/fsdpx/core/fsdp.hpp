@@ -26,6 +26,7 @@
 
 #include <fsdpx/core/sharded_model.hpp>
 #include <fsdpx/dist/any.hpp>
+#include <fsdpx/dist/env.hpp>
 #include <fsdpx/dist/mesh.hpp>
 #include <fsdpx/policies.hpp>
 

@@ -12,6 +12,7 @@
 #include <functional>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include <fcntl.h>
@@ -80,6 +81,7 @@ class Fd {
   }
   Fd(const Fd&) = delete;
   Fd& operator=(const Fd&) = delete;
+  Fd(Fd&& other) noexcept : fd_(std::exchange(other.fd_, -1)) {}
   ~Fd() {
     if (fd_ >= 0) ::close(fd_);
   }
@@ -132,46 +134,65 @@ struct WrittenFile {
   uint32_t crc32c = 0;
 };
 
-/// Writes `path` durably: `produce(sink)` calls sink(data, n) with the content in order; the bytes
-/// go to "<path>.tmp", which is fsynced and renamed over `path`, then the directory is fsynced.
-/// On any error the temporary file is removed and `path` is left as it was.
+/// A file written durably, piece by piece: the bytes go to "<path>.tmp"; commit() fsyncs it, renames
+/// it over `path` and fsyncs the directory. Destroyed uncommitted (an error on the way), the
+/// temporary file is removed and `path` is left as it was.
+class DurableFile {
+ public:
+  explicit DurableFile(fs::path path) : path_(std::move(path)), tmp_(path_.string() + ".tmp"), fd_(tmp_, O_WRONLY | O_CREAT | O_TRUNC) {}
+  DurableFile(const DurableFile&) = delete;
+  DurableFile& operator=(const DurableFile&) = delete;
+  ~DurableFile() {
+    if (committed_) return;
+    std::error_code ignored;
+    fs::remove(tmp_, ignored);
+  }
+
+  void append(const void* data, size_t n) {
+    const auto* p = static_cast<const char*>(data);
+    crc_.update(p, n);
+    FaultInjection& fault = fault_injection();
+    while (n > 0) {
+      if (const int err = fault.error.load(); err != 0 && fault.written.load() + static_cast<int64_t>(n) > fault.after_bytes) {
+        throw_io("writing", tmp_, err);
+      }
+      const ssize_t k = ::write(fd_.get(), p, n);
+      if (k < 0) {
+        if (errno == EINTR) continue;
+        throw_io("writing", tmp_, errno);
+      }
+      p += k;
+      n -= static_cast<size_t>(k);
+      bytes_ += k;
+      fault.written += k;
+    }
+  }
+  int64_t bytes() const { return bytes_; }
+
+  WrittenFile commit() {
+    if (::fsync(fd_.get()) != 0) throw_io("fsync of", tmp_, errno);
+    fd_.close(tmp_);
+    if (::rename(tmp_.c_str(), path_.c_str()) != 0) throw_io("renaming into place", path_, errno);
+    committed_ = true;
+    fsync_directory(path_.parent_path().empty() ? fs::path(".") : path_.parent_path());
+    return {path_, bytes_, crc_.value()};
+  }
+
+ private:
+  fs::path path_;
+  fs::path tmp_;
+  Fd fd_;
+  Crc32c crc_;
+  int64_t bytes_ = 0;
+  bool committed_ = false;
+};
+
+/// Writes `path` durably (DurableFile): `produce(sink)` calls sink(data, n) with the content in order.
 inline WrittenFile write_file_durably(const fs::path& path,
                                      const std::function<void(const std::function<void(const void*, size_t)>&)>& produce) {
-  const fs::path tmp = path.string() + ".tmp";
-  WrittenFile out{path, 0, 0};
-  try {
-    Fd fd(tmp, O_WRONLY | O_CREAT | O_TRUNC);
-    Crc32c crc;
-    FaultInjection& fault = fault_injection();
-    produce([&](const void* data, size_t n) {
-      const auto* p = static_cast<const char*>(data);
-      crc.update(p, n);
-      while (n > 0) {
-        if (const int err = fault.error.load(); err != 0 && fault.written.load() + static_cast<int64_t>(n) > fault.after_bytes) {
-          throw_io("writing", tmp, err);
-        }
-        const ssize_t k = ::write(fd.get(), p, n);
-        if (k < 0) {
-          if (errno == EINTR) continue;
-          throw_io("writing", tmp, errno);
-        }
-        p += k;
-        n -= static_cast<size_t>(k);
-        out.bytes += k;
-        fault.written += k;
-      }
-    });
-    if (::fsync(fd.get()) != 0) throw_io("fsync of", tmp, errno);
-    fd.close(tmp);
-    out.crc32c = crc.value();
-    if (::rename(tmp.c_str(), path.c_str()) != 0) throw_io("renaming into place", path, errno);
-    fsync_directory(path.parent_path().empty() ? fs::path(".") : path.parent_path());
-  } catch (...) {
-    std::error_code ignored;
-    fs::remove(tmp, ignored);
-    throw;
-  }
-  return out;
+  DurableFile file(path);
+  produce([&](const void* data, size_t n) { file.append(data, n); });
+  return file.commit();
 }
 
 inline WrittenFile write_text_durably(const fs::path& path, std::string_view text) {

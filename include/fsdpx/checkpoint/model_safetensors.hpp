@@ -1,0 +1,345 @@
+// A model's weights to and from a safetensors folder (Hugging Face's layout: model.safetensors, or
+// an index and its files), sharded or not.
+//
+// Loading: a sharded model's ranks each read exactly the bytes of the slices they hold (positioned
+// reads) and cast them into their float32 shards: no rank reads, or holds, the whole model. Names
+// are matched through a caller's map (a model family's table). Everything is checked before a byte is read: tensors the model has and the files lack (missing),
+// tensors the files have and the model lacks (unexpected), and tensors whose shape differs or whose
+// dtype cannot be cast (mismatched). Strict (the default), any of them is one error naming them all,
+// and the model is left as it was; otherwise they are returned and the rest is loaded.
+//
+// Saving: a sharded model is gathered one unit at a time (every rank takes part) and world rank 0
+// writes each tensor as its unit arrives (SafetensorsWriter), so memory stays bounded by one unit.
+#pragma once
+
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/checkpoint/state_dict.hpp>
+#include <fsdpx/core/sharded_model.hpp>
+#include <fsdpx/dist/any.hpp>
+#include <fsdpx/error.hpp>
+
+namespace fsdpx {
+
+struct SafetensorsLoadOptions {
+  /// Any missing, unexpected or mismatched tensor is an error (naming them all) and nothing is loaded.
+  bool strict = true;
+  /// The files' name for the model's tensor `name` (a parameter's or a buffer's fully qualified name);
+  /// nullopt: this tensor is not loaded from the files. Empty: the same name.
+  std::function<std::optional<std::string>(const std::string&)> file_name;
+  /// Tensors of the files that the model deliberately lacks (a tied head's copy, a cached rotary
+  /// table): neither loaded nor reported as unexpected.
+  std::function<bool(const std::string&)> ignore;
+  /// Load the module's buffers too (whole, on every rank; replicated like the module holds them).
+  bool buffers = true;
+};
+
+/// What a load found and did (on this rank).
+struct SafetensorsLoadReport {
+  std::vector<std::string> missing;     // the model's tensors the files lack (the files' names)
+  std::vector<std::string> unexpected;  // the files' tensors the model lacks
+  std::vector<std::string> mismatched;  // "<name>: <why>"
+  int64_t tensors = 0;                  // tensors loaded (a sharded model: those this rank holds part of)
+  int64_t bytes_read = 0;               // bytes this rank read from the files
+  double seconds = 0;
+  bool ok() const { return missing.empty() && unexpected.empty() && mismatched.empty(); }
+};
+
+namespace checkpoint::detail {
+
+/// One destination: elements [first, last) of the files' tensor `file_name`, into `dst`.
+struct LoadTarget {
+  std::string file_name;
+  std::vector<int64_t> shape;  // the model's, for the shape check
+  at::Tensor dst;              // 1-D, last - first elements, any device
+  int64_t first = 0, last = 0;
+};
+
+inline std::string list_names(std::vector<std::string> names) {
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  std::string s;
+  const size_t shown = std::min<size_t>(names.size(), 20);
+  for (size_t i = 0; i < shown; ++i) s += (i ? ", " : "") + names[i];
+  if (names.size() > shown) s += ::fsdpx::detail::str(" and ", names.size() - shown, " more");
+  return s;
+}
+
+/// Checks `targets` against the files, then (when nothing is wrong, or not strict) reads them.
+inline SafetensorsLoadReport load_targets(SafetensorsDir& dir, std::vector<LoadTarget>& targets,
+                                          const SafetensorsLoadOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
+  SafetensorsLoadReport report;
+  std::set<std::string> claimed;
+  std::set<std::string> bad;
+  for (const LoadTarget& t : targets) {
+    claimed.insert(t.file_name);
+    const SafetensorsEntry* e = dir.find(t.file_name);
+    if (e == nullptr) {
+      report.missing.push_back(t.file_name);
+      bad.insert(t.file_name);
+    } else if (e->shape != t.shape) {
+      report.mismatched.push_back(::fsdpx::detail::str(t.file_name, ": shape ", c10::IntArrayRef(e->shape), " in '",
+                                                       dir.file_of(t.file_name).path().string(), "' but ",
+                                                       c10::IntArrayRef(t.shape), " in the model"));
+      bad.insert(t.file_name);
+    } else if (e->dtype != t.dst.scalar_type() && !(at::isFloatingType(e->dtype) && at::isFloatingType(t.dst.scalar_type()) &&
+                                                    !c10::isFloat8Type(e->dtype))) {
+      report.mismatched.push_back(::fsdpx::detail::str(
+          t.file_name, ": dtype ", e->dtype, " in '", dir.file_of(t.file_name).path().string(), "' cannot be cast to the model's ",
+          t.dst.scalar_type(), c10::isFloat8Type(e->dtype) ? " (a float8 checkpoint needs its scales, which a cast would drop)" : ""));
+      bad.insert(t.file_name);
+    }
+  }
+  for (const std::string& name : dir.names()) {
+    if (claimed.count(name) == 0 && !(options.ignore && options.ignore(name))) report.unexpected.push_back(name);
+  }
+  std::sort(report.missing.begin(), report.missing.end());
+  report.missing.erase(std::unique(report.missing.begin(), report.missing.end()), report.missing.end());
+  std::sort(report.mismatched.begin(), report.mismatched.end());
+  report.mismatched.erase(std::unique(report.mismatched.begin(), report.mismatched.end()), report.mismatched.end());
+  if (options.strict && !report.ok()) {
+    std::string msg;
+    if (!report.missing.empty()) msg += "\n  missing (in the model, not in the files): " + list_names(report.missing);
+    if (!report.unexpected.empty()) msg += "\n  unexpected (in the files, not in the model): " + list_names(report.unexpected);
+    if (!report.mismatched.empty()) msg += "\n  mismatched: " + list_names(report.mismatched);
+    throw ConfigError(::fsdpx::detail::str("fsdpx: loading '", dir.path().string(),
+                                           "': the files do not match the model (nothing was loaded):", msg));
+  }
+  at::NoGradGuard no_grad;
+  const int64_t bytes_before = dir.bytes_read();
+  std::set<std::string> loaded;
+  at::Tensor staging;  // for destinations that are not contiguous host memory
+  for (LoadTarget& t : targets) {
+    if (bad.count(t.file_name) != 0 || t.first == t.last) continue;
+    loaded.insert(t.file_name);
+    if (t.dst.is_cpu() && t.dst.is_contiguous()) {
+      dir.read(t.file_name, t.first, t.last, t.dst);
+      continue;
+    }
+    const int64_t step = std::max<int64_t>(1, SafetensorsDir::chunk_bytes / static_cast<int64_t>(t.dst.element_size()));
+    for (int64_t pos = t.first; pos < t.last; pos += step) {
+      const int64_t n = std::min(step, t.last - pos);
+      if (!staging.defined() || staging.scalar_type() != t.dst.scalar_type() || staging.numel() < n) {
+        staging = at::empty({std::min(step, t.last - t.first)},
+                            at::TensorOptions().dtype(t.dst.scalar_type()).pinned_memory(t.dst.is_cuda()));
+      }
+      const at::Tensor piece = staging.narrow(0, 0, n);
+      dir.read(t.file_name, pos, pos + n, piece);
+      t.dst.narrow(0, pos - t.first, n).copy_(piece);
+    }
+  }
+  report.tensors = static_cast<int64_t>(loaded.size());
+  report.bytes_read = dir.bytes_read() - bytes_before;
+  report.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return report;
+}
+
+inline std::optional<std::string> file_name_of(const SafetensorsLoadOptions& options, const std::string& name) {
+  return options.file_name ? options.file_name(name) : std::optional<std::string>(name);
+}
+
+inline void add_buffer_targets(torch::nn::Module& module, const SafetensorsLoadOptions& options, std::vector<LoadTarget>& targets) {
+  if (!options.buffers) return;
+  for (const auto& b : module.named_buffers(/*recurse=*/true)) {
+    const auto file = file_name_of(options, b.key());
+    if (!file) continue;
+    at::Tensor flat = b.value().is_contiguous() ? b.value().view({-1}) : at::Tensor();
+    FSDPX_CHECK(flat.defined(), "loading safetensors: buffer '", b.key(), "' is not contiguous");
+    targets.push_back({*file, b.value().sizes().vec(), flat, 0, b.value().numel()});
+  }
+}
+
+}  // namespace checkpoint::detail
+
+/// Loads the safetensors folder `dir` into a sharded model: each rank reads the slices of its own
+/// shards (and the module's buffers whole). Every rank calls it; it is not collective.
+inline SafetensorsLoadReport load_safetensors_into(core::ShardedModel& model, checkpoint::SafetensorsDir& dir,
+                                                   const SafetensorsLoadOptions& options = {}) {
+  model.wait_for_snapshots();  // a background checkpoint copy may still read the shards
+  model.reshard_all();         // the next forward gathers the loaded shards
+  std::vector<checkpoint::detail::LoadTarget> targets;
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    core::Unit& u = model.unit(i);
+    const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
+    for (const core::ParamInfo& p : u.layout().params()) {
+      const auto file = checkpoint::detail::file_name_of(options, p.name);
+      if (!file) continue;
+      const core::FlatRange r = detail::held_range(u, p);
+      if (r.begin < r.end) {
+        targets.push_back({*file, p.shape, u.shard().narrow(0, r.begin - base, r.size()), r.begin - p.offset, r.end - p.offset});
+      } else {  // this rank holds none of it: its name is still checked
+        targets.push_back({*file, p.shape, u.shard().narrow(0, 0, 0), 0, 0});
+      }
+    }
+  }
+  checkpoint::detail::add_buffer_targets(model.root_module(), options, targets);
+  return checkpoint::detail::load_targets(dir, targets, options);
+}
+
+/// Loads the safetensors folder `dir` into a module that is not sharded (every tensor whole).
+inline SafetensorsLoadReport load_safetensors_into(torch::nn::Module& module, checkpoint::SafetensorsDir& dir,
+                                                   const SafetensorsLoadOptions& options = {}) {
+  std::vector<checkpoint::detail::LoadTarget> targets;
+  std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (parameter, contiguous staging) for odd layouts
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) {
+    const auto file = checkpoint::detail::file_name_of(options, p.key());
+    if (!file) continue;
+    at::Tensor dst = p.value().is_contiguous() ? p.value().detach().view({-1}) : at::Tensor();
+    if (!dst.defined()) {  // a tensor not loaded (not strict) keeps its values through the copy back
+      dst = p.value().detach().reshape({-1}).clone();
+      copy_back.emplace_back(p.value(), dst);
+    }
+    targets.push_back({*file, p.value().sizes().vec(), dst, 0, p.value().numel()});
+  }
+  checkpoint::detail::add_buffer_targets(module, options, targets);
+  auto report = checkpoint::detail::load_targets(dir, targets, options);
+  at::NoGradGuard no_grad;
+  for (auto& [param, staged] : copy_back) param.copy_(staged.view(param.sizes()));
+  return report;
+}
+
+// ---- saving -------------------------------------------------------------------------------------------
+
+struct SafetensorsSaveOptions {
+  /// File size limit, metadata and file name stem.
+  checkpoint::SafetensorsOptions files;
+  /// Floating-point tensors are written in this dtype (e.g. at::kBFloat16); others as they are.
+  std::optional<at::ScalarType> dtype;
+  /// The files' name for the model's tensor `name`; nullopt: not written. Empty: the same name.
+  std::function<std::optional<std::string>(const std::string&)> file_name;
+  /// Write the module's buffers too.
+  bool buffers = true;
+};
+
+namespace checkpoint::detail {
+
+inline at::ScalarType saved_dtype(at::ScalarType t, const SafetensorsSaveOptions& o) {
+  return o.dtype && at::isFloatingType(t) ? *o.dtype : t;
+}
+
+/// Runs `work` on world rank `writer` while every rank runs `collective` (which calls back into the
+/// writer's share through the flag it gets); the writer's first exception is kept, the collectives go
+/// on without it, and at the end every rank learns the outcome: the writer rethrows its exception, the
+/// others throw an IoError carrying its message. No rank is left waiting in a collective.
+template <class Collective>
+void collective_with_writer(dist::AnyCommunicator& world, int writer, Collective&& collective) {
+  std::exception_ptr error;
+  std::string message;
+  const auto guarded = [&](auto&& fn) {
+    if (error) return;
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      error = std::current_exception();
+      message = e.what();
+    } catch (...) {
+      error = std::current_exception();
+      message = "an unknown exception";
+    }
+  };
+  collective(guarded);
+  message.resize(std::min<size_t>(message.size(), 4000));
+  const auto device = at::TensorOptions().device(world.device_type());
+  at::Tensor length = at::full({1}, world.rank() == writer ? static_cast<double>(message.size()) : 0.0,
+                               device.dtype(at::kFloat));
+  world.all_reduce(length, dist::ReduceOp::max);
+  const auto n = static_cast<int64_t>(length.item<float>());
+  if (n == 0 && !error) return;
+  at::Tensor text = at::zeros({std::max<int64_t>(n, 1)}, device.dtype(at::kByte));
+  if (world.rank() == writer && n > 0) {
+    text.copy_(at::from_blob(message.data(), {n}, at::TensorOptions().dtype(at::kByte)));
+  }
+  world.broadcast(text, writer);
+  if (error) std::rethrow_exception(error);
+  const at::Tensor host = text.to(at::kCPU);
+  throw IoError(::fsdpx::detail::str("fsdpx: world rank ", writer, " failed while writing, and this rank stopped with it: ",
+                                     std::string(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n))));
+}
+
+}  // namespace checkpoint::detail
+
+/// Writes a sharded model's full weights (its float32 masters, cast per options.dtype) and buffers to
+/// `dir` in Hugging Face's safetensors layout. Collective: every rank calls it; one unit is gathered at
+/// a time, and world rank 0 writes. Returns what was written on rank 0 (empty elsewhere); a failure
+/// on rank 0 (a full disk) is an error on every rank.
+inline checkpoint::SavedSafetensors save_safetensors(core::ShardedModel& model, const std::filesystem::path& dir,
+                                                     const SafetensorsSaveOptions& options = {}) {
+  auto& world = model.mesh().world();
+  const bool writer = world.rank() == 0;
+  // The plan (every tensor's name, dtype and shape, in unit order) is known to all without a gather.
+  std::vector<checkpoint::TensorSpec> specs;
+  std::vector<std::vector<std::pair<const core::ParamInfo*, std::string>>> unit_names(model.num_units());
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    for (const core::ParamInfo& p : model.unit(i).layout().params()) {
+      const auto file = checkpoint::detail::file_name_of({.file_name = options.file_name}, p.name);
+      if (!file) continue;
+      unit_names[i].emplace_back(&p, *file);
+      specs.push_back({*file, checkpoint::detail::saved_dtype(model.unit(i).options().shard_dtype, options), p.shape});
+    }
+  }
+  std::vector<std::pair<std::string, at::Tensor>> buffers;
+  if (options.buffers) {
+    for (const auto& b : model.root_module().named_buffers(/*recurse=*/true)) {
+      const auto file = checkpoint::detail::file_name_of({.file_name = options.file_name}, b.key());
+      if (!file) continue;
+      buffers.emplace_back(*file, b.value());
+      specs.push_back({*file, checkpoint::detail::saved_dtype(b.value().scalar_type(), options), b.value().sizes().vec()});
+    }
+  }
+  model.wait_for_snapshots();
+  checkpoint::SavedSafetensors saved;
+  std::optional<checkpoint::SafetensorsWriter> out;
+  checkpoint::detail::collective_with_writer(world, 0, [&](const auto& guarded) {
+    if (writer) guarded([&] { out.emplace(dir, specs, options.files); });
+    for (size_t i = 0; i < model.num_units(); ++i) {
+      core::Unit& u = model.unit(i);
+      if (unit_names[i].empty()) continue;
+      const at::Tensor full = detail::gather_unit_shards(model, u);
+      if (!writer) continue;
+      guarded([&] {
+        const at::Tensor host = full.to(at::kCPU);
+        for (const auto& [p, name] : unit_names[i]) {
+          const at::Tensor t = host.narrow(0, p->offset, p->numel).view(p->shape);
+          out->write(name, t.to(checkpoint::detail::saved_dtype(t.scalar_type(), options)));
+        }
+      });
+    }
+    if (writer) {
+      guarded([&] {
+        for (const auto& [name, b] : buffers) out->write(name, b.to(at::kCPU, checkpoint::detail::saved_dtype(b.scalar_type(), options)));
+        saved = out->finish();
+      });
+    }
+  });
+  return saved;
+}
+
+/// Writes a module's weights and buffers (not sharded) to `dir` in Hugging Face's safetensors layout.
+inline checkpoint::SavedSafetensors save_safetensors(torch::nn::Module& module, const std::filesystem::path& dir,
+                                                     const SafetensorsSaveOptions& options = {}) {
+  checkpoint::NamedTensors tensors;
+  const auto add = [&](const std::string& key, const at::Tensor& t) {
+    const auto file = checkpoint::detail::file_name_of({.file_name = options.file_name}, key);
+    if (file) tensors.emplace_back(*file, t.detach().to(checkpoint::detail::saved_dtype(t.scalar_type(), options)));
+  };
+  for (const auto& p : module.named_parameters(/*recurse=*/true)) add(p.key(), p.value());
+  if (options.buffers) {
+    for (const auto& b : module.named_buffers(/*recurse=*/true)) add(b.key(), b.value());
+  }
+  return checkpoint::save_safetensors(dir, tensors, options.files);
+}
+
+}  // namespace fsdpx

@@ -1,0 +1,302 @@
+// The configuration of a decoder-only causal language model of the Llama family, read from a Hugging
+// Face config.json: LlamaForCausalLM ("llama"), Qwen2ForCausalLM ("qwen2") and Qwen3ForCausalLM
+// ("qwen3"). They share one architecture and differ in switches this struct names: which projections
+// have biases, whether q and k are normalized per head, RoPE scaling, sliding-window layers, a tied head.
+//
+// A field that changes the math and that this implementation does not reproduce (another model_type,
+// activation, RoPE type, quantization, ...) is an error naming it: never a silently different model.
+// Fields absent from the file take the defaults of the family's transformers config class.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <c10/core/ScalarType.h>
+
+#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/detail/json.hpp>
+#include <fsdpx/error.hpp>
+
+namespace fsdpx::models {
+
+/// Rotary position embedding: the inverse frequencies of transformers' RoPE types "default",
+/// "linear" and "llama3" (Llama 3.1's frequency-dependent scaling).
+struct RopeConfig {
+  std::string type = "default";
+  double theta = 10000.0;
+  double factor = 1.0;                                 // linear, llama3
+  double low_freq_factor = 1.0;                        // llama3
+  double high_freq_factor = 4.0;                       // llama3
+  int64_t original_max_position_embeddings = 8192;     // llama3
+};
+
+struct DecoderConfig {
+  std::string model_type = "llama";  // "llama", "qwen2" or "qwen3"
+  int64_t vocab_size = 32000;
+  int64_t hidden_size = 4096;
+  int64_t intermediate_size = 11008;
+  int64_t num_hidden_layers = 32;
+  int64_t num_attention_heads = 32;
+  int64_t num_key_value_heads = 32;  // grouped-query attention when fewer than the heads
+  int64_t head_dim = 128;
+  double rms_norm_eps = 1e-6;
+  RopeConfig rope;
+  int64_t max_position_embeddings = 2048;
+  bool qkv_bias = false;      // biases on q_proj, k_proj, v_proj (Qwen2: always)
+  bool o_bias = false;        // a bias on o_proj (Llama and Qwen3: attention_bias)
+  bool mlp_bias = false;      // biases on gate_proj, up_proj, down_proj (Llama: mlp_bias)
+  bool qk_norm = false;       // Qwen3: RMSNorm over each head of q and k, before RoPE
+  bool tie_word_embeddings = false;
+  std::optional<int64_t> pad_token_id;  // the embedding row that gets no gradient
+  double attention_dropout = 0.0;       // applied in training mode only
+  /// Per layer: attends within the last `sliding_window` positions only (Qwen2/Qwen3 layer_types).
+  std::vector<bool> sliding_layers;
+  int64_t sliding_window = 0;
+  double initializer_range = 0.02;      // std of the normal initialization of new weights
+  /// The dtype the weights were saved in ("dtype" / "torch_dtype"): what an export writes by default.
+  c10::ScalarType dtype = c10::kFloat;
+  /// config.json as read, written back by an export (with "dtype" updated); empty when built by hand.
+  ::fsdpx::detail::Json source;
+
+  int64_t kv_groups() const { return num_attention_heads / num_key_value_heads; }
+  bool is_sliding(int64_t layer) const {
+    return layer < static_cast<int64_t>(sliding_layers.size()) && sliding_layers[static_cast<size_t>(layer)];
+  }
+};
+
+/// The architectures (config.json "architectures") that fsdpx's decoder reproduces, by model_type.
+inline const char* causal_lm_architecture(const std::string& model_type) {
+  if (model_type == "llama") return "LlamaForCausalLM";
+  if (model_type == "qwen2") return "Qwen2ForCausalLM";
+  if (model_type == "qwen3") return "Qwen3ForCausalLM";
+  return nullptr;
+}
+
+namespace detail {
+
+inline c10::ScalarType parse_torch_dtype(const std::string& name, const std::string& doc) {
+  if (name == "float32" || name == "float") return c10::kFloat;
+  if (name == "bfloat16") return c10::kBFloat16;
+  if (name == "float16" || name == "half") return c10::kHalf;
+  if (name == "float64") return c10::kDouble;
+  throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "': \"dtype\" is \"", name,
+                                         "\"; a model's weights are float32, bfloat16, float16 or float64"));
+}
+
+inline const char* torch_dtype_name(c10::ScalarType t) {
+  switch (t) {
+    case c10::kFloat: return "float32";
+    case c10::kBFloat16: return "bfloat16";
+    case c10::kHalf: return "float16";
+    case c10::kDouble: return "float64";
+    default: break;
+  }
+  throw ConfigError(::fsdpx::detail::str("fsdpx: a Hugging Face model's weights are float32, bfloat16, float16 or float64, not ", t));
+}
+
+[[noreturn]] inline void unsupported(const std::string& doc, const std::string& what) {
+  throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "': ", what,
+                                         "; fsdpx's decoder does not reproduce it, and would train a different model"));
+}
+
+inline RopeConfig parse_rope(const ::fsdpx::detail::Json& j, const std::string& doc) {
+  using ::fsdpx::detail::json_find;
+  RopeConfig r;
+  // transformers 5 writes "rope_parameters" (holding rope_theta); 4.x wrote rope_theta and "rope_scaling".
+  const ::fsdpx::detail::Json* params = nullptr;
+  std::string where = "rope_parameters";
+  if (const auto it = j.find("rope_parameters"); it != j.end() && !it->is_null()) {
+    params = &*it;
+  } else if (const auto s = j.find("rope_scaling"); s != j.end() && !s->is_null()) {
+    params = &*s;
+    where = "rope_scaling";
+  }
+  r.theta = json_find<double>(j, "rope_theta", doc).value_or(r.theta);
+  if (const auto f = json_find<double>(j, "partial_rotary_factor", doc); f && *f != 1.0) {
+    unsupported(doc, ::fsdpx::detail::str("\"partial_rotary_factor\" is ", *f, " (RoPE on part of each head)"));
+  }
+  if (params == nullptr) return r;
+  const std::string pdoc = doc + "\": \"" + where;
+  if (!params->is_object()) unsupported(doc, "\"" + where + "\" is not an object");
+  for (const auto& [key, value] : params->items()) {
+    if (value.is_object()) unsupported(doc, "\"" + where + "\" holds RoPE parameters per layer type (\"" + key + "\")");
+  }
+  r.type = json_find<std::string>(*params, "rope_type", pdoc).value_or(json_find<std::string>(*params, "type", pdoc).value_or("default"));
+  r.theta = json_find<double>(*params, "rope_theta", pdoc).value_or(r.theta);
+  if (const auto f = json_find<double>(*params, "partial_rotary_factor", pdoc); f && *f != 1.0) {
+    unsupported(doc, ::fsdpx::detail::str("\"partial_rotary_factor\" is ", *f, " (RoPE on part of each head)"));
+  }
+  if (r.type == "default") return r;
+  if (r.type != "linear" && r.type != "llama3") {
+    unsupported(doc, "the RoPE type \"" + r.type + "\" (supported: default, linear, llama3)");
+  }
+  r.factor = json_find<double>(*params, "factor", pdoc).value_or(1.0);
+  FSDPX_CHECK(r.factor > 0, "'", doc, "': the RoPE factor must be positive, not ", r.factor);
+  if (r.type == "llama3") {
+    r.low_freq_factor = ::fsdpx::detail::json_get<double>(*params, "low_freq_factor", pdoc);
+    r.high_freq_factor = ::fsdpx::detail::json_get<double>(*params, "high_freq_factor", pdoc);
+    FSDPX_CHECK(r.high_freq_factor != r.low_freq_factor, "'", doc, "': llama3 RoPE needs high_freq_factor != low_freq_factor");
+    const auto original = json_find<int64_t>(*params, "original_max_position_embeddings", pdoc);
+    r.original_max_position_embeddings =
+        original.value_or(json_find<int64_t>(j, "original_max_position_embeddings", doc)
+                              .value_or(json_find<int64_t>(j, "max_position_embeddings", doc).value_or(8192)));
+  }
+  return r;
+}
+
+}  // namespace detail
+
+/// Reads a config.json document (`doc` names it in errors).
+inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const std::string& doc) {
+  using ::fsdpx::detail::json_find;
+  using ::fsdpx::detail::json_get;
+  FSDPX_CHECK_AS(IoError, j.is_object(), "'", doc, "' is not a JSON object");
+  DecoderConfig c;
+  c.source = j;
+  c.model_type = json_get<std::string>(j, "model_type", doc);
+  if (causal_lm_architecture(c.model_type) == nullptr) {
+    throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "': model_type \"", c.model_type,
+                                           "\" is not one fsdpx's decoder implements (llama, qwen2, qwen3)"));
+  }
+  if (const auto arch = j.find("architectures"); arch != j.end() && arch->is_array()) {
+    for (const auto& a : *arch) {
+      const std::string name = ::fsdpx::detail::json_as<std::string>(a, "'" + doc + "': an architecture");
+      if (name != causal_lm_architecture(c.model_type)) {
+        throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "': architecture \"", name, "\" (model_type \"", c.model_type,
+                                               "\"): fsdpx's decoder is a ", causal_lm_architecture(c.model_type)));
+      }
+    }
+  }
+  const bool llama = c.model_type == "llama", qwen2 = c.model_type == "qwen2", qwen3 = c.model_type == "qwen3";
+  c.vocab_size = json_get<int64_t>(j, "vocab_size", doc);
+  c.hidden_size = json_get<int64_t>(j, "hidden_size", doc);
+  c.intermediate_size = json_get<int64_t>(j, "intermediate_size", doc);
+  c.num_hidden_layers = json_get<int64_t>(j, "num_hidden_layers", doc);
+  c.num_attention_heads = json_get<int64_t>(j, "num_attention_heads", doc);
+  c.num_key_value_heads = json_find<int64_t>(j, "num_key_value_heads", doc).value_or(c.num_attention_heads);
+  for (const auto& [name, v] : {std::pair{"vocab_size", c.vocab_size}, {"hidden_size", c.hidden_size},
+                                {"intermediate_size", c.intermediate_size}, {"num_hidden_layers", c.num_hidden_layers},
+                                {"num_attention_heads", c.num_attention_heads}, {"num_key_value_heads", c.num_key_value_heads}}) {
+    FSDPX_CHECK_AS(IoError, v > 0 && v <= (int64_t{1} << 31), "'", doc, "': \"", name, "\" is ", v, "; it must be in [1, 2^31]");
+  }
+  FSDPX_CHECK_AS(IoError, c.num_attention_heads % c.num_key_value_heads == 0, "'", doc, "': ", c.num_attention_heads,
+                 " attention heads cannot be grouped over ", c.num_key_value_heads, " key/value heads");
+  // Qwen3's class defaults head_dim to 128; Llama's and Qwen2's derive it.
+  c.head_dim = json_find<int64_t>(j, "head_dim", doc).value_or(qwen3 ? 128 : c.hidden_size / c.num_attention_heads);
+  FSDPX_CHECK_AS(IoError, c.head_dim > 0 && c.head_dim % 2 == 0 && c.head_dim <= 65536, "'", doc, "': \"head_dim\" is ",
+                 c.head_dim, "; RoPE needs a positive even head dimension");
+  c.rms_norm_eps = json_find<double>(j, "rms_norm_eps", doc).value_or(1e-6);
+  c.max_position_embeddings = json_find<int64_t>(j, "max_position_embeddings", doc).value_or(llama ? 2048 : 32768);
+  c.rope = detail::parse_rope(j, doc);
+  const std::string act = json_find<std::string>(j, "hidden_act", doc).value_or("silu");
+  if (act != "silu") detail::unsupported(doc, "\"hidden_act\" is \"" + act + "\" (fsdpx's SwiGLU MLP uses silu)");
+  const bool attention_bias = json_find<bool>(j, "attention_bias", doc).value_or(false);
+  c.qkv_bias = qwen2 || attention_bias;
+  c.o_bias = !qwen2 && attention_bias;
+  c.mlp_bias = llama && json_find<bool>(j, "mlp_bias", doc).value_or(false);
+  c.qk_norm = qwen3;
+  c.tie_word_embeddings = json_find<bool>(j, "tie_word_embeddings", doc).value_or(false);
+  c.pad_token_id = json_find<int64_t>(j, "pad_token_id", doc);
+  FSDPX_CHECK_AS(IoError, !c.pad_token_id || (*c.pad_token_id >= -c.vocab_size && *c.pad_token_id < c.vocab_size), "'", doc,
+                 "': \"pad_token_id\" is ", c.pad_token_id.value_or(0), ", outside the vocabulary of ", c.vocab_size);
+  c.attention_dropout = json_find<double>(j, "attention_dropout", doc).value_or(0.0);
+  FSDPX_CHECK_AS(IoError, c.attention_dropout >= 0 && c.attention_dropout < 1, "'", doc, "': \"attention_dropout\" is ",
+                 c.attention_dropout);
+  c.initializer_range = json_find<double>(j, "initializer_range", doc).value_or(0.02);
+  if (const auto d = json_find<std::string>(j, "dtype", doc).value_or(json_find<std::string>(j, "torch_dtype", doc).value_or(""));
+      !d.empty()) {
+    c.dtype = detail::parse_torch_dtype(d, doc);
+  }
+  // Sliding-window layers (Qwen2/Qwen3): "sliding_window" counts only with "use_sliding_window".
+  c.sliding_layers.assign(static_cast<size_t>(c.num_hidden_layers), false);
+  if (qwen2 || qwen3) {
+    const bool use = json_find<bool>(j, "use_sliding_window", doc).value_or(false);
+    const std::optional<int64_t> window = use ? json_find<int64_t>(j, "sliding_window", doc) : std::nullopt;
+    if (window) FSDPX_CHECK_AS(IoError, *window > 0, "'", doc, "': \"sliding_window\" is ", *window);
+    if (const auto types = j.find("layer_types"); types != j.end() && !types->is_null()) {
+      FSDPX_CHECK_AS(IoError, types->is_array() && static_cast<int64_t>(types->size()) == c.num_hidden_layers, "'", doc,
+                     "': \"layer_types\" must list one type for each of the ", c.num_hidden_layers, " layers");
+      for (size_t i = 0; i < types->size(); ++i) {
+        const std::string t = ::fsdpx::detail::json_as<std::string>((*types)[i], "'" + doc + "': a layer type");
+        if (t != "full_attention" && t != "sliding_attention") detail::unsupported(doc, "the layer type \"" + t + "\"");
+        c.sliding_layers[i] = t == "sliding_attention" && window.has_value();
+      }
+    } else if (window) {
+      const int64_t from = json_find<int64_t>(j, "max_window_layers", doc).value_or(28);
+      for (int64_t i = from; i < c.num_hidden_layers; ++i) c.sliding_layers[static_cast<size_t>(i)] = true;
+    }
+    c.sliding_window = window.value_or(0);
+  }
+  // Fields that change the math and that none of these families' transformers classes read: present,
+  // they mean a model other than the one this config's model_type builds.
+  for (const char* field : {"quantization_config", "attn_logit_softcapping", "final_logit_softcapping", "logit_scale",
+                            "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"}) {
+    if (const auto it = j.find(field); it != j.end() && !it->is_null()) {
+      detail::unsupported(doc, ::fsdpx::detail::str("\"", field, "\" is set"));
+    }
+  }
+  return c;
+}
+
+/// Reads `<dir>/config.json` (or the file itself when `path` is a file).
+inline DecoderConfig read_decoder_config(const std::filesystem::path& path) {
+  const std::filesystem::path file = std::filesystem::is_directory(path) ? path / "config.json" : path;
+  FSDPX_CHECK_AS(IoError, std::filesystem::exists(file), "'", file.string(), "' does not exist: a Hugging Face model folder "
+                 "holds its configuration in config.json");
+  return parse_decoder_config(::fsdpx::detail::parse_json(checkpoint::detail::read_text(file), file.string()), file.string());
+}
+
+/// The config.json an export writes: the one read (so fields fsdpx does not use survive) with the
+/// weights' dtype, or one written from `c` when it was built by hand.
+inline ::fsdpx::detail::Json to_hf_config(const DecoderConfig& c, c10::ScalarType dtype) {
+  ::fsdpx::detail::Json j = c.source.is_object() ? c.source : ::fsdpx::detail::Json::object();
+  if (!c.source.is_object()) {
+    j["architectures"] = {causal_lm_architecture(c.model_type)};
+    j["model_type"] = c.model_type;
+    j["vocab_size"] = c.vocab_size;
+    j["hidden_size"] = c.hidden_size;
+    j["intermediate_size"] = c.intermediate_size;
+    j["num_hidden_layers"] = c.num_hidden_layers;
+    j["num_attention_heads"] = c.num_attention_heads;
+    j["num_key_value_heads"] = c.num_key_value_heads;
+    j["head_dim"] = c.head_dim;
+    j["rms_norm_eps"] = c.rms_norm_eps;
+    j["max_position_embeddings"] = c.max_position_embeddings;
+    j["hidden_act"] = "silu";
+    j["tie_word_embeddings"] = c.tie_word_embeddings;
+    j["attention_dropout"] = c.attention_dropout;
+    j["initializer_range"] = c.initializer_range;
+    j["pad_token_id"] = c.pad_token_id ? ::fsdpx::detail::Json(*c.pad_token_id) : ::fsdpx::detail::Json(nullptr);
+    if (c.model_type != "qwen2") j["attention_bias"] = c.o_bias;
+    if (c.model_type == "llama") j["mlp_bias"] = c.mlp_bias;
+    ::fsdpx::detail::Json rope = {{"rope_type", c.rope.type}, {"rope_theta", c.rope.theta}};
+    if (c.rope.type != "default") rope["factor"] = c.rope.factor;
+    if (c.rope.type == "llama3") {
+      rope["low_freq_factor"] = c.rope.low_freq_factor;
+      rope["high_freq_factor"] = c.rope.high_freq_factor;
+      rope["original_max_position_embeddings"] = c.rope.original_max_position_embeddings;
+    }
+    j["rope_parameters"] = rope;
+    if (c.model_type != "llama") {
+      bool any = false;
+      ::fsdpx::detail::Json types = ::fsdpx::detail::Json::array();
+      for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+        any = any || c.is_sliding(i);
+        types.push_back(c.is_sliding(i) ? "sliding_attention" : "full_attention");
+      }
+      j["layer_types"] = types;
+      j["use_sliding_window"] = any;
+      j["sliding_window"] = any ? ::fsdpx::detail::Json(c.sliding_window) : ::fsdpx::detail::Json(nullptr);
+    }
+  }
+  // transformers 5 reads "dtype", 4.x "torch_dtype": both name the weights as written.
+  j["dtype"] = detail::torch_dtype_name(dtype);
+  if (j.contains("torch_dtype")) j["torch_dtype"] = detail::torch_dtype_name(dtype);
+  return j;
+}
+
+}  // namespace fsdpx::models

@@ -1,0 +1,343 @@
+// A decoder-only causal language model of the Llama family in LibTorch: LlamaForCausalLM,
+// Qwen2ForCausalLM and Qwen3ForCausalLM as transformers computes them (models/config.hpp names what
+// differs between them). Token embedding, DecoderLayer x N (grouped-query attention with RoPE through
+// at::scaled_dot_product_attention, SwiGLU MLP, pre-RMSNorm residuals), a final RMSNorm and an LM head,
+// tied to the embedding or not.
+//
+//   auto config = fsdpx::models::read_decoder_config(dir);
+//   fsdpx::models::CausalLM model(config);                         // random weights (transformers' init)
+//   auto logits = model(input_ids);                                // [batch, seq, vocab]
+//
+// Modules are named as transformers names them ("model.layers.3.self_attn.q_proj.weight"), so a
+// checkpoint, a merge and an export carry Hugging Face's names as they are. Each DecoderLayer is
+// called through fsdpx::forward: sharded with Fsdp<CausalLM, ..., WrapModules<DecoderLayerImpl>>,
+// each layer is a unit; unsharded, the same code runs as a plain module.
+//
+// The projections and the embedding are this header's own small modules rather than torch::nn's:
+// torch::nn::Linear initializes its weights in its constructor, which for a model built only to be
+// loaded (or built under deferred_init) is a wasted pass over every parameter.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+#include <torch/nn/modules/container/modulelist.h>
+#include <torch/nn/pimpl.h>
+
+#include <fsdpx/core/deferred_init.hpp>
+#include <fsdpx/core/fsdp.hpp>
+#include <fsdpx/models/config.hpp>
+
+namespace fsdpx::models {
+
+/// y = x W^T (+ b), as torch.nn.Linear; parameters are created uninitialized (reset_parameters fills them).
+struct LinearImpl : torch::nn::Module {
+  LinearImpl(int64_t in_features, int64_t out_features, bool bias) {
+    weight = register_parameter("weight", at::empty({out_features, in_features}));
+    if (bias) this->bias = register_parameter("bias", at::empty({out_features}));
+  }
+  at::Tensor forward(const at::Tensor& x) { return at::linear(x, weight, bias); }
+  /// transformers' _init_weights: weight ~ N(0, std), bias = 0.
+  void reset_parameters(double std) {
+    at::NoGradGuard no_grad;
+    weight.normal_(0.0, std);
+    if (bias.defined()) bias.zero_();
+  }
+  at::Tensor weight, bias;
+};
+TORCH_MODULE(Linear);
+
+/// Token embedding, as torch.nn.Embedding with padding_idx: the padding row gets no gradient.
+struct EmbeddingImpl : torch::nn::Module {
+  EmbeddingImpl(int64_t num_embeddings, int64_t dim, std::optional<int64_t> padding_idx) {
+    weight = register_parameter("weight", at::empty({num_embeddings, dim}));
+    if (padding_idx) this->padding_idx = *padding_idx < 0 ? *padding_idx + num_embeddings : *padding_idx;
+  }
+  at::Tensor forward(const at::Tensor& ids) { return at::embedding(weight, ids, padding_idx); }
+  void reset_parameters(double std) {
+    at::NoGradGuard no_grad;
+    weight.normal_(0.0, std);
+    if (padding_idx >= 0) weight[padding_idx].zero_();
+  }
+  at::Tensor weight;
+  int64_t padding_idx = -1;
+};
+TORCH_MODULE(Embedding);
+
+/// Root-mean-square normalization as transformers computes it: in float32, cast back to the input's
+/// dtype, then scaled by the gain.
+struct RMSNormImpl : torch::nn::Module {
+  RMSNormImpl(int64_t dim, double eps) : eps(eps) { weight = register_parameter("weight", at::empty({dim})); }
+  at::Tensor forward(const at::Tensor& x) {
+    const auto dtype = x.scalar_type();
+    const at::Tensor h = x.to(at::kFloat);
+    return weight * (h * at::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(dtype);
+  }
+  void reset_parameters() {
+    at::NoGradGuard no_grad;
+    weight.fill_(1.0);
+  }
+  at::Tensor weight;
+  double eps;
+};
+TORCH_MODULE(RMSNorm);
+
+/// Rotary position embedding: inverse frequencies of transformers' "default", "linear" and "llama3"
+/// RoPE, and the cos/sin tables for given positions, in float32 with transformers' operations.
+/// Computed at first use, not in the constructor: under deferred_init every allocation of a
+/// constructor shares one scratch buffer, so no tensor computed there would survive.
+class Rotary {
+ public:
+  explicit Rotary(const DecoderConfig& c) : head_dim_(c.head_dim), rope_(c.rope) {}
+
+  /// cos and sin [batch or 1, seq, head_dim] of `positions` [batch or 1, seq], cast to `dtype`.
+  std::pair<at::Tensor, at::Tensor> cos_sin(const at::Tensor& positions, at::ScalarType dtype) const {
+    const at::Tensor freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq().to(positions.device());
+    const at::Tensor emb = at::cat({freqs, freqs}, -1);
+    return {emb.cos().to(dtype), emb.sin().to(dtype)};
+  }
+
+  /// [head_dim / 2] float32 on the CPU; derived from the config (not a buffer: never saved).
+  const at::Tensor& inv_freq() const {
+    std::call_once(cache_->once, [this] { cache_->inv_freq = compute(); });
+    return cache_->inv_freq;
+  }
+
+ private:
+  at::Tensor compute() const {
+    const double dim = static_cast<double>(head_dim_);
+    const auto& r = rope_;
+    at::Tensor inv = at::pow(r.theta, at::arange(0, head_dim_, 2, at::TensorOptions().dtype(at::kLong)).to(at::kFloat) / dim)
+                         .reciprocal();
+    if (r.type == "linear") inv = inv / r.factor;
+    if (r.type == "llama3") {
+      const double old_len = static_cast<double>(r.original_max_position_embeddings);
+      const double low_wavelen = old_len / r.low_freq_factor, high_wavelen = old_len / r.high_freq_factor;
+      const at::Tensor wavelen = inv.reciprocal() * (2 * M_PI);
+      const at::Tensor scaled = at::where(wavelen > low_wavelen, inv / r.factor, inv);
+      const at::Tensor smooth = (wavelen.reciprocal() * old_len - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+      const at::Tensor smoothed = (1 - smooth) * scaled / r.factor + smooth * scaled;
+      const at::Tensor medium = at::logical_not(wavelen < high_wavelen) * at::logical_not(wavelen > low_wavelen);
+      inv = at::where(medium, smoothed, scaled);
+    }
+    return inv.to(at::kFloat);
+  }
+
+  struct Cache {
+    std::once_flag once;
+    at::Tensor inv_freq;
+  };
+  int64_t head_dim_;
+  RopeConfig rope_;
+  std::shared_ptr<Cache> cache_ = std::make_shared<Cache>();  // copies share it
+};
+
+/// The attention masks of one forward: undefined means "causal" (SDPA's is_causal), else a boolean
+/// mask [batch or 1, 1, seq, seq] where true attends.
+struct AttentionMasks {
+  at::Tensor full;
+  at::Tensor sliding;
+};
+
+inline at::Tensor rotate_half(const at::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return at::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+struct AttentionImpl : torch::nn::Module {
+  explicit AttentionImpl(const DecoderConfig& c)
+      : heads(c.num_attention_heads), kv_heads(c.num_key_value_heads), head_dim(c.head_dim), dropout(c.attention_dropout) {
+    q_proj = register_module("q_proj", Linear(c.hidden_size, heads * head_dim, c.qkv_bias));
+    k_proj = register_module("k_proj", Linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias));
+    v_proj = register_module("v_proj", Linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias));
+    o_proj = register_module("o_proj", Linear(heads * head_dim, c.hidden_size, c.o_bias));
+    if (c.qk_norm) {
+      q_norm = register_module("q_norm", RMSNorm(head_dim, c.rms_norm_eps));
+      k_norm = register_module("k_norm", RMSNorm(head_dim, c.rms_norm_eps));
+    }
+  }
+  /// x [batch, seq, hidden]; cos/sin [batch or 1, seq, head_dim]; mask undefined (causal) or boolean.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask) {
+    const int64_t batch = x.size(0), seq = x.size(1);
+    at::Tensor q = q_proj(x).view({batch, seq, heads, head_dim});
+    at::Tensor k = k_proj(x).view({batch, seq, kv_heads, head_dim});
+    if (q_norm) {
+      q = q_norm(q);
+      k = k_norm(k);
+    }
+    q = q.transpose(1, 2);
+    k = k.transpose(1, 2);
+    const at::Tensor v = v_proj(x).view({batch, seq, kv_heads, head_dim}).transpose(1, 2);
+    const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
+    q = q * c + rotate_half(q) * s;
+    k = k * c + rotate_half(k) * s;
+    const at::Tensor y = at::scaled_dot_product_attention(
+        q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, is_training() ? dropout : 0.0,
+        /*is_causal=*/!mask.defined() && seq > 1, std::pow(static_cast<double>(head_dim), -0.5),
+        /*enable_gqa=*/kv_heads != heads);
+    return o_proj(y.transpose(1, 2).reshape({batch, seq, heads * head_dim}));
+  }
+  int64_t heads, kv_heads, head_dim;
+  double dropout;
+  Linear q_proj{nullptr}, k_proj{nullptr}, v_proj{nullptr}, o_proj{nullptr};
+  RMSNorm q_norm{nullptr}, k_norm{nullptr};
+};
+TORCH_MODULE(Attention);
+
+/// SwiGLU: down(silu(gate(x)) * up(x)).
+struct MlpImpl : torch::nn::Module {
+  explicit MlpImpl(const DecoderConfig& c) {
+    gate_proj = register_module("gate_proj", Linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+    up_proj = register_module("up_proj", Linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
+    down_proj = register_module("down_proj", Linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
+  }
+  at::Tensor forward(const at::Tensor& x) { return down_proj(at::silu(gate_proj(x)) * up_proj(x)); }
+  Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
+};
+TORCH_MODULE(Mlp);
+
+/// One transformer layer: the FSDP unit (WrapModules<DecoderLayerImpl>).
+struct DecoderLayerImpl : torch::nn::Module {
+  DecoderLayerImpl(const DecoderConfig& c, int64_t index) : sliding(c.is_sliding(index)) {
+    input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+    self_attn = register_module("self_attn", Attention(c));
+    post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+    mlp = register_module("mlp", Mlp(c));
+  }
+  at::Tensor forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const AttentionMasks& masks) {
+    const at::Tensor x = h + self_attn(input_layernorm(h), cos, sin, sliding ? masks.sliding : masks.full);
+    return x + mlp(post_attention_layernorm(x));
+  }
+  bool sliding;
+  RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
+  Attention self_attn{nullptr};
+  Mlp mlp{nullptr};
+};
+TORCH_MODULE(DecoderLayer);
+
+/// Embedding, layers and the final norm: hidden states [batch, seq, hidden].
+struct DecoderModelImpl : torch::nn::Module {
+  explicit DecoderModelImpl(const DecoderConfig& c) : config(c), rotary(c) {
+    embed_tokens = register_module("embed_tokens", Embedding(c.vocab_size, c.hidden_size, c.pad_token_id));
+    auto list = register_module("layers", torch::nn::ModuleList());
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      layers.emplace_back(c, i);
+      list->push_back(layers.back());
+    }
+    norm = register_module("norm", RMSNorm(c.hidden_size, c.rms_norm_eps));
+  }
+
+  /// input_ids [batch, seq] (int64). attention_mask [batch, seq]: 1 for tokens, 0 for padding
+  /// (undefined: no padding). position_ids [batch or 1, seq] (undefined: 0, 1, ..., seq - 1).
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {}, const at::Tensor& position_ids = {}) {
+    FSDPX_CHECK(input_ids.dim() == 2 && input_ids.scalar_type() == at::kLong, "DecoderModel: input_ids must be int64 "
+                "[batch, seq], not ", input_ids.scalar_type(), " ", input_ids.sizes());
+    const int64_t seq = input_ids.size(1);
+    const auto device = input_ids.device();
+    at::Tensor h = embed_tokens(input_ids);
+    const at::Tensor positions =
+        position_ids.defined() ? position_ids : at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
+    const auto [cos, sin] = rotary.cos_sin(positions, h.scalar_type());
+    const AttentionMasks masks = make_masks(attention_mask, seq, device);
+    for (auto& layer : layers) h = fsdpx::forward(layer, h, cos, sin, masks);
+    return norm(h);
+  }
+
+  /// Causal masks, with padding and sliding windows when there are any; undefined when causal suffices.
+  AttentionMasks make_masks(const at::Tensor& attention_mask, int64_t seq, at::Device device) const {
+    const bool any_sliding = std::any_of(config.sliding_layers.begin(), config.sliding_layers.end(), [](bool b) { return b; });
+    if (!attention_mask.defined() && !any_sliding) return {};
+    const auto idx = at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device));
+    const at::Tensor q = idx.unsqueeze(1), k = idx.unsqueeze(0);
+    at::Tensor causal = (k <= q).view({1, 1, seq, seq});
+    if (attention_mask.defined()) {
+      FSDPX_CHECK(attention_mask.dim() == 2 && attention_mask.size(1) == seq, "DecoderModel: attention_mask must be "
+                  "[batch, seq] with seq = ", seq, ", not ", attention_mask.sizes());
+      causal = causal & attention_mask.to(device).to(at::kBool).view({attention_mask.size(0), 1, 1, seq});
+    }
+    AttentionMasks masks;
+    masks.full = attention_mask.defined() ? causal : at::Tensor();
+    if (any_sliding) masks.sliding = causal & (k > q - config.sliding_window).view({1, 1, seq, seq});
+    return masks;
+  }
+
+  DecoderConfig config;
+  Rotary rotary;
+  Embedding embed_tokens{nullptr};
+  std::vector<DecoderLayer> layers;
+  RMSNorm norm{nullptr};
+};
+TORCH_MODULE(DecoderModel);
+
+/// transformers' initialization of one of this header's modules (Linear, Embedding: N(0,
+/// initializer_range); biases 0; RMSNorm gains 1). False for other modules.
+inline bool init_decoder_module(torch::nn::Module& m, double std) {
+  if (auto* l = dynamic_cast<LinearImpl*>(&m)) {
+    l->reset_parameters(std);
+  } else if (auto* e = dynamic_cast<EmbeddingImpl*>(&m)) {
+    e->reset_parameters(std);
+  } else if (auto* n = dynamic_cast<RMSNormImpl*>(&m)) {
+    n->reset_parameters();
+  } else {
+    return false;
+  }
+  return true;
+}
+
+/// The causal LM: logits [batch, seq, vocab] over DecoderModel's hidden states.
+struct CausalLMImpl : torch::nn::Module {
+  /// Random weights, initialized as transformers initializes them (not under deferred_init: Fsdp then
+  /// initializes each unit with FsdpOptions::init_module, e.g. models::init_module(config)).
+  explicit CausalLMImpl(DecoderConfig c) : config(std::move(c)) {
+    model = register_module("model", DecoderModel(config));
+    if (!config.tie_word_embeddings) lm_head = register_module("lm_head", Linear(config.hidden_size, config.vocab_size, false));
+    if (!in_deferred_init()) reset_parameters();
+  }
+
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {}, const at::Tensor& position_ids = {}) {
+    return head(model->forward(input_ids, attention_mask, position_ids));
+  }
+
+  /// The LM head over hidden states (the embedding's weight when tied).
+  at::Tensor head(const at::Tensor& hidden) {
+    return config.tie_word_embeddings ? at::linear(hidden, model->embed_tokens->weight) : lm_head(hidden);
+  }
+
+  /// Mean next-token cross-entropy as transformers' causal LM loss: labels [batch, seq] are the input
+  /// ids (shifted inside), -100 ignored, computed in float32.
+  at::Tensor loss(const at::Tensor& input_ids, const at::Tensor& labels, const at::Tensor& attention_mask = {}) {
+    return causal_lm_loss(forward(input_ids, attention_mask), labels);
+  }
+
+  static at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index = -100) {
+    const int64_t vocab = logits.size(-1);
+    const at::Tensor shifted = at::constant_pad_nd(labels, {0, 1}, static_cast<double>(ignore_index)).narrow(1, 1, labels.size(1));
+    return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), shifted.reshape({-1}).to(logits.device()),
+                                  std::nullopt, at::Reduction::Mean, ignore_index);
+  }
+
+  /// transformers' initialization of every parameter.
+  void reset_parameters() {
+    for (const auto& m : modules(/*include_self=*/false)) init_decoder_module(*m, config.initializer_range);  // (no own parameters; a constructor cannot name itself)
+  }
+
+  DecoderConfig config;
+  DecoderModel model{nullptr};
+  Linear lm_head{nullptr};
+};
+TORCH_MODULE(CausalLM);
+
+/// FsdpOptions::init_module for a deferred CausalLM: each module initialized as transformers does.
+inline ModuleInit init_module(const DecoderConfig& c) {
+  return [std = c.initializer_range](torch::nn::Module& m) { return init_decoder_module(m, std); };
+}
+
+}  // namespace fsdpx::models

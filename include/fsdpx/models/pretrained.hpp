@@ -1,0 +1,280 @@
+// Hugging Face model folders in and out of fsdpx's decoder, sharded or not, with no Python:
+//
+//   using Sharded = fsdpx::Fsdp<models::CausalLM, FullShard, NoOffload, BF16Mixed, ShardedStateDict,
+//                               WrapModules<models::DecoderLayerImpl>>;
+//   auto model = models::from_pretrained<Sharded>(dir, world);     // deferred: no rank holds the model
+//   ... train ...
+//   models::save_pretrained(model, out_dir, {.source_dir = dir});  // collective; rank 0 writes
+//
+// Loading reads config.json, then each rank reads from the safetensors files exactly the byte ranges
+// of its own shards (checkpoint/model_safetensors.hpp) and casts them into its float32 masters.
+// Saving gathers one unit at a time and rank 0 writes safetensors with transformers' names, config.json
+// (the source's, with the dtype written) and the source folder's tokenizer and generation files, so
+// transformers' from_pretrained loads the folder as it is.
+#pragma once
+
+#include <algorithm>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <type_traits>
+#include <unordered_map>
+#include <vector>
+
+#include <fsdpx/checkpoint/model_folder.hpp>
+#include <fsdpx/checkpoint/model_safetensors.hpp>
+#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/core/deferred_init.hpp>
+#include <fsdpx/core/fsdp.hpp>
+#include <fsdpx/models/config.hpp>
+#include <fsdpx/models/decoder.hpp>
+
+namespace fsdpx::models {
+
+namespace fs = std::filesystem;
+
+// ---- the family's name table ---------------------------------------------------------------------------
+
+/// One tensor of a Hugging Face checkpoint of the Llama family: its name in the files, the name of the
+/// CausalLM tensor it fills, and its shape.
+struct HfTensor {
+  std::string hf_name;
+  std::string module_name;
+  std::vector<int64_t> shape;
+};
+
+/// The declared name table of the Llama family (llama, qwen2, qwen3): every tensor a config implies.
+/// fsdpx's modules are named as transformers names them, so the two names agree; a family whose
+/// module names differ declares its pairs here, and loading, saving and merging follow it.
+inline std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
+  std::vector<HfTensor> out;
+  const auto add = [&](const std::string& name, std::vector<int64_t> shape) { out.push_back({name, name, std::move(shape)}); };
+  const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim,
+                m = c.intermediate_size;
+  add("model.embed_tokens.weight", {c.vocab_size, h});
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string l = "model.layers." + std::to_string(i) + ".";
+    add(l + "input_layernorm.weight", {h});
+    for (const auto& [proj, rows] : {std::pair{"q_proj", q}, {"k_proj", kv}, {"v_proj", kv}}) {
+      add(l + "self_attn." + proj + ".weight", {rows, h});
+      if (c.qkv_bias) add(l + "self_attn." + proj + ".bias", {rows});
+    }
+    add(l + "self_attn.o_proj.weight", {h, q});
+    if (c.o_bias) add(l + "self_attn.o_proj.bias", {h});
+    if (c.qk_norm) {
+      add(l + "self_attn.q_norm.weight", {c.head_dim});
+      add(l + "self_attn.k_norm.weight", {c.head_dim});
+    }
+    add(l + "post_attention_layernorm.weight", {h});
+    for (const auto& [proj, shape] : {std::pair{"gate_proj", std::vector<int64_t>{m, h}}, {"up_proj", {m, h}}, {"down_proj", {h, m}}}) {
+      add(l + "mlp." + proj + ".weight", shape);
+      if (c.mlp_bias) add(l + "mlp." + proj + ".bias", {shape[0]});
+    }
+  }
+  add("model.norm.weight", {h});
+  if (!c.tie_word_embeddings) add("lm_head.weight", {c.vocab_size, h});
+  return out;
+}
+
+/// Tensors of a checkpoint that transformers' classes of this family ignore when loading: the rotary
+/// caches older versions saved, and the head of a tied model (the embedding is used instead).
+inline bool ignored_on_load(const std::string& hf_name, const DecoderConfig& c) {
+  const std::string rotary = ".self_attn.rotary_emb.inv_freq";
+  if (hf_name.size() > rotary.size() && hf_name.compare(hf_name.size() - rotary.size(), rotary.size(), rotary) == 0) return true;
+  return c.tie_word_embeddings && hf_name == "lm_head.weight";
+}
+
+/// Module name -> file name through the table (names outside the table keep their own).
+class HfNameMap {
+ public:
+  explicit HfNameMap(const DecoderConfig& c) {
+    for (auto& t : hf_tensors(c)) to_hf_.emplace(t.module_name, t.hf_name);
+  }
+  std::string operator()(const std::string& module_name) const {
+    const auto it = to_hf_.find(module_name);
+    return it == to_hf_.end() ? module_name : it->second;
+  }
+
+ private:
+  std::unordered_map<std::string, std::string> to_hf_;
+};
+
+// ---- loading -------------------------------------------------------------------------------------------
+
+struct LoadPretrainedOptions {
+  /// Missing, unexpected or mismatched tensors are one error naming them all (nothing is loaded).
+  /// Not strict: they are returned in the report and the rest is loaded.
+  bool strict = true;
+};
+
+namespace detail {
+
+inline SafetensorsLoadOptions load_options(const DecoderConfig& c, const LoadPretrainedOptions& o) {
+  HfNameMap names(c);
+  return {.strict = o.strict,
+          .file_name = [names](const std::string& n) { return std::optional<std::string>(names(n)); },
+          .ignore = [c](const std::string& n) { return ignored_on_load(n, c); }};
+}
+
+/// The folder's config must describe the model it is loaded into (same shapes and switches).
+inline void check_same_architecture(const DecoderConfig& model, const DecoderConfig& files, const fs::path& dir) {
+  std::vector<std::string> diff;
+  const auto same = [&](const char* name, const auto& a, const auto& b) {
+    if (a != b) diff.push_back(::fsdpx::detail::str(name, " ", a, " in the model, ", b, " in the folder"));
+  };
+  same("model_type", model.model_type, files.model_type);
+  same("num_hidden_layers", model.num_hidden_layers, files.num_hidden_layers);
+  same("hidden_size", model.hidden_size, files.hidden_size);
+  same("num_attention_heads", model.num_attention_heads, files.num_attention_heads);
+  same("num_key_value_heads", model.num_key_value_heads, files.num_key_value_heads);
+  same("head_dim", model.head_dim, files.head_dim);
+  same("tie_word_embeddings", model.tie_word_embeddings, files.tie_word_embeddings);
+  if (diff.empty()) return;
+  std::string msg;
+  for (const auto& d : diff) msg += "\n  " + d;
+  throw ConfigError(::fsdpx::detail::str("fsdpx: the model folder '", dir.string(), "' holds another architecture than the "
+                                         "model it is loaded into:", msg));
+}
+
+}  // namespace detail
+
+/// An Fsdp<CausalLM, ...>.
+template <class T>
+concept ShardedCausalLM = requires { typename T::ModelType; } && std::is_same_v<typename T::ModelType, CausalLM>;
+
+/// Loads the weights of the Hugging Face folder `dir` into a sharded CausalLM: each rank reads the byte
+/// ranges of its own shards. Every rank calls it; it is not collective.
+template <class Sharded>
+  requires ShardedCausalLM<Sharded>
+SafetensorsLoadReport load_pretrained(Sharded& model, const fs::path& dir, const LoadPretrainedOptions& options = {}) {
+  const DecoderConfig& config = model->config;
+  detail::check_same_architecture(config, read_decoder_config(dir), dir);
+  checkpoint::SafetensorsDir files(dir);
+  return load_safetensors_into(model.sharded(), files, detail::load_options(config, options));
+}
+
+/// Loads the weights of the Hugging Face folder `dir` into a CausalLM that is not sharded.
+inline SafetensorsLoadReport load_pretrained(CausalLM& model, const fs::path& dir, const LoadPretrainedOptions& options = {}) {
+  detail::check_same_architecture(model->config, read_decoder_config(dir), dir);
+  checkpoint::SafetensorsDir files(dir);
+  return load_safetensors_into(*model, files, detail::load_options(model->config, options));
+}
+
+/// A sharded CausalLM with the weights of the Hugging Face folder `dir`: built with deferred_init (no
+/// rank ever holds the whole model), sharded over `world`, then loaded (each rank its own byte ranges).
+/// Collective: every rank calls it. Strict, units are left uninitialized before the load (every
+/// value is loaded); not strict, tensors the folder lacks keep transformers' random initialization.
+template <class Sharded>
+  requires ShardedCausalLM<Sharded>
+Sharded from_pretrained(const fs::path& dir, dist::AnyCommunicator world, FsdpOptions options = {},
+                        const LoadPretrainedOptions& load = {}, SafetensorsLoadReport* report = nullptr) {
+  const DecoderConfig config = read_decoder_config(dir);
+  if (!options.init_module) options.init_module = load.strict ? ModuleInit(skip_init) : init_module(config);
+  Sharded model(deferred_init<CausalLM>(config), std::move(world), std::move(options));
+  const SafetensorsLoadReport r = load_pretrained(model, dir, load);
+  if (report != nullptr) *report = r;
+  return model;
+}
+
+// ---- saving --------------------------------------------------------------------------------------------
+
+struct SavePretrainedOptions {
+  /// The folder the model came from: its tokenizer, generation and other non-weight files are copied
+  /// (config.json is written from the model's config). Empty: none are copied.
+  fs::path source_dir;
+  /// The dtype of the weights written; default: the dtype the model was saved in (config "dtype").
+  std::optional<at::ScalarType> dtype;
+  /// Bytes per safetensors file before another is started (save_pretrained's "5GB").
+  int64_t max_shard_bytes = 5'000'000'000;
+};
+
+namespace detail {
+
+inline SafetensorsSaveOptions save_options(const DecoderConfig& c, at::ScalarType dtype, const SavePretrainedOptions& o) {
+  HfNameMap names(c);
+  return {.files = {.max_shard_bytes = o.max_shard_bytes, .metadata = {}, .name = "model"},
+          .dtype = dtype,
+          .file_name = [names](const std::string& n) { return std::optional<std::string>(names(n)); },
+          .buffers = true};
+}
+
+/// config.json and the source folder's other files, after the weights.
+inline void write_folder_files(const DecoderConfig& c, at::ScalarType dtype, const fs::path& out, const SavePretrainedOptions& o) {
+  checkpoint::detail::write_text_durably(out / "config.json", to_hf_config(c, dtype).dump(2) + "\n");
+  if (!o.source_dir.empty()) {
+    checkpoint::copy_model_files(o.source_dir, out, {.follow_symlinks = true, .skip = [](const std::string& n) { return n == "config.json"; }});
+  }
+}
+
+}  // namespace detail
+
+/// Writes a sharded CausalLM as a Hugging Face folder `out`: safetensors with transformers' names
+/// (an index above max_shard_bytes), config.json, and the source folder's tokenizer and generation
+/// files. Collective: one unit is gathered at a time and world rank 0 writes; a failure there (a full
+/// disk) is an error on every rank.
+template <class Sharded>
+  requires ShardedCausalLM<Sharded>
+checkpoint::SavedSafetensors save_pretrained(Sharded& model, const fs::path& out, const SavePretrainedOptions& options = {}) {
+  const DecoderConfig& config = model->config;
+  const at::ScalarType dtype = options.dtype.value_or(config.dtype);
+  const auto saved = save_safetensors(model.sharded(), out, detail::save_options(config, dtype, options));
+  auto& world = model.sharded().mesh().world();
+  checkpoint::detail::collective_with_writer(world, 0, [&](const auto& guarded) {
+    if (world.rank() == 0) guarded([&] { detail::write_folder_files(config, dtype, out, options); });
+  });
+  return saved;
+}
+
+/// Writes a CausalLM that is not sharded as a Hugging Face folder `out`.
+inline checkpoint::SavedSafetensors save_pretrained(CausalLM& model, const fs::path& out, const SavePretrainedOptions& options = {}) {
+  const at::ScalarType dtype = options.dtype.value_or(model->config.dtype);
+  const auto saved = save_safetensors(*model, out, detail::save_options(model->config, dtype, options));
+  detail::write_folder_files(model->config, dtype, out, options);
+  return saved;
+}
+
+// ---- merged checkpoints --------------------------------------------------------------------------------
+
+/// For a merge (fsdpx-merge): the tensors of a checkpoint renamed to the names its config.json implies,
+/// or, when they are not exactly the tensors that config describes (names and shapes), nullopt and a
+/// sentence in `why`: the config must then not be written beside them, since transformers would load
+/// random weights in place of every tensor it does not find. `config_json` is config.json's text.
+inline std::optional<checkpoint::NamedTensors> rename_for_config(checkpoint::NamedTensors tensors, const std::string& config_json,
+                                                                 const std::string& doc, std::string& why) {
+  DecoderConfig c;
+  try {
+    c = parse_decoder_config(::fsdpx::detail::parse_json(config_json, doc), doc);
+  } catch (const Error& e) {
+    why = e.what();
+    return std::nullopt;
+  }
+  std::map<std::string, const HfTensor*> expected;
+  const auto table = hf_tensors(c);
+  for (const auto& t : table) expected.emplace(t.module_name, &t);
+  std::vector<std::string> problems;
+  std::set<std::string> seen;
+  for (auto& [name, t] : tensors) {
+    const auto it = expected.find(name);
+    if (it == expected.end()) {
+      problems.push_back("'" + name + "' is not a tensor of this config");
+      continue;
+    }
+    seen.insert(name);
+    if (t.sizes() != c10::IntArrayRef(it->second->shape)) {
+      problems.push_back(::fsdpx::detail::str("'", name, "' has shape ", t.sizes(), ", the config implies ",
+                                              c10::IntArrayRef(it->second->shape)));
+    }
+    name = it->second->hf_name;
+  }
+  for (const auto& t : table) {
+    if (seen.count(t.module_name) == 0) problems.push_back("'" + t.module_name + "' is missing");
+  }
+  if (problems.empty()) return tensors;
+  why = ::fsdpx::detail::str("the checkpoint's tensors are not those of its config.json (model_type \"", c.model_type, "\"): ",
+                             checkpoint::detail::list_names(problems));
+  return std::nullopt;
+}
+
+}  // namespace fsdpx::models

@@ -1,0 +1,71 @@
+"""A Hugging Face model, fine-tuned sharded by fsdpx and exported, loaded back by transformers.
+
+    python export_test.py <fsdpx_hf_train_export> <fixtures dir> <work dir> <mpiexec> [mpiexec flags...]
+
+For each source model: 5 AdamW steps at 2 ranks (the program checks them against an unsharded run),
+save_pretrained, then here: transformers' from_pretrained reports no missing, unexpected or mismatched
+tensors, its logits equal fsdpx's (1e-5 of their scale), and the tokenizer and generation files came
+along byte for byte.
+"""
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+
+def check(program, fixtures, work, mpiexec, name, max_shard_bytes, tolerance=1e-5):
+    source = os.path.join(fixtures, name)
+    out = os.path.join(work, name)
+    shutil.rmtree(out, ignore_errors=True)
+    cmd = [mpiexec[0], "-n", "2", *mpiexec[1:], program, source, out, str(max_shard_bytes)]
+    print("+", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    model, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True, dtype=torch.float32)
+    for key in ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs"):
+        assert not info.get(key), f"{name}: transformers reports {key}: {info[key]}"
+    files = sorted(f for f in os.listdir(out) if f.endswith(".safetensors"))
+    print(f"{name}: {files} loaded with no missing, unexpected or mismatched tensors")
+    if max_shard_bytes < 100_000:
+        assert len(files) > 1 and os.path.exists(os.path.join(out, "model.safetensors.index.json")), files
+    ref = load_file(out + ".logits.safetensors")
+    with torch.no_grad():
+        logits = model.eval()(ref["input_ids"]).logits
+    err = ((logits - ref["logits"]).abs().max() / ref["logits"].abs().max()).item()
+    print(f"{name}: transformers on the export vs fsdpx: relative error {err:.2e}")
+    assert err <= tolerance, f"{name}: logits differ by {err:.2e} of their scale (bound {tolerance})"
+    with open(os.path.join(out, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(source, "config.json")) as f:
+        source_config = json.load(f)
+    assert config["dtype"] == source_config["dtype"], (config["dtype"], source_config["dtype"])
+    for k in ("model_type", "architectures", "num_hidden_layers", "tie_word_embeddings"):
+        assert config[k] == source_config[k], k
+    for f in os.listdir(source):
+        if f.endswith(".json") and f not in ("config.json", "model.safetensors.index.json"):
+            assert filecmp.cmp(os.path.join(source, f), os.path.join(out, f), shallow=False), f"{f} was not copied as it is"
+    if os.path.exists(os.path.join(source, "tokenizer.json")):
+        tok = AutoTokenizer.from_pretrained(out)
+        assert tok("w5 w7")["input_ids"] == [5, 7], tok("w5 w7")
+
+
+def main():
+    program, fixtures, work, *mpiexec = sys.argv[1:]
+    os.makedirs(work, exist_ok=True)
+    check(program, fixtures, work, mpiexec, "llama_gqa", 20_000)          # untied, an index and several files
+    check(program, fixtures, work, mpiexec, "qwen2_tied", 5_000_000_000)  # tied head, biases, a sliding layer
+    # Written back in bfloat16, as it came: transformers computes with the weights rounded to bfloat16 and
+    # fsdpx with its float32 masters, so they agree to the rounding of the weights (2^-8), not to 1e-5.
+    check(program, fixtures, work, mpiexec, "qwen3_qknorm_bf16", 5_000_000_000, tolerance=1 / 64)
+    dtypes = {t.dtype for t in load_file(os.path.join(work, "qwen3_qknorm_bf16", "model.safetensors")).values()}
+    assert dtypes == {torch.bfloat16}, dtypes
+    print("PASSED")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Tiny random Hugging Face models for the `hf` tests, made locally with transformers (no download),
+and transformers' own outputs on them, which the C++ tests compare against.
+
+    python make_hf_models.py OUT_DIR [--big]
+
+OUT_DIR/<name>/              a model folder as save_pretrained writes it (config.json, safetensors)
+OUT_DIR/<name>.ref.safetensors
+    input_ids [2, 12], attention_mask [2, 12] (row 1 right-padded), and transformers' logits:
+    logits (float32 compute), logits_masked (with attention_mask), logits_bf16 (bfloat16 compute, for
+    bfloat16 files), inv_freq (the rotary inverse frequencies)
+--big: also OUT_DIR/llama_big, ~97M parameters in bfloat16 (the loading-memory test).
+"""
+import json
+import os
+import sys
+
+import torch
+from safetensors.torch import save_file
+from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3Config, Qwen3ForCausalLM)
+
+SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=112, max_position_embeddings=128)
+
+MODELS = {
+    # GQA (8 heads over 2), Llama 3.1's RoPE scaling, MLP biases, an untied head; 3+ files with an index.
+    "llama_gqa": (LlamaForCausalLM, LlamaConfig(
+        **SMALL, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, mlp_bias=True, pad_token_id=0,
+        rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 32}, tie_word_embeddings=False), torch.float32, "40KB"),
+    # q/k/v biases, a tied head, rope_theta 1e6, a sliding-window layer (window 4).
+    "qwen2_tied": (Qwen2ForCausalLM, Qwen2Config(
+        **SMALL, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+        rope_theta=1e6, use_sliding_window=True, sliding_window=4, max_window_layers=1), torch.float32, None),
+    # per-head q/k RMSNorm, head_dim 24 (not hidden/heads = 16), attention biases on q/k/v/o.
+    "qwen3_qknorm": (Qwen3ForCausalLM, Qwen3Config(
+        **SMALL, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24, attention_bias=True,
+        tie_word_embeddings=False), torch.float32, None),
+    # bfloat16 files
+    "llama_gqa_bf16": (LlamaForCausalLM, None, torch.bfloat16, "40KB"),
+    "qwen3_qknorm_bf16": (Qwen3ForCausalLM, None, torch.bfloat16, None),
+}
+BIG = LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+                  num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+def make(out, name, cls, config, dtype, shard_size):
+    torch.manual_seed(sum(map(ord, name)))
+    model = cls(config)
+    with torch.no_grad():  # norms and biases away from their 1 / 0 initial values, so a swap would show
+        for pname, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    model = model.to(dtype)
+    kwargs = {"max_shard_size": shard_size} if shard_size else {}
+    model.save_pretrained(os.path.join(out, name), **kwargs)
+    return model
+
+
+def add_tokenizer(path, vocab_size):
+    """A real (tiny) tokenizer, so an export's copy of it can be loaded with AutoTokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<pad>": 0, "<unk>": 1, **{f"w{i}": i for i in range(2, vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", unk_token="<unk>").save_pretrained(path)
+
+
+def reference(out, name, bf16):
+    path = os.path.join(out, name)
+    torch.manual_seed(7)
+    input_ids = torch.randint(1, 96, (2, 12))
+    mask = torch.ones(2, 12, dtype=torch.long)
+    mask[1, 9:] = 0
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ref = {"input_ids": input_ids, "attention_mask": mask}
+    with torch.no_grad():
+        ref["logits"] = model(input_ids).logits.contiguous()
+        ref["logits_masked"] = model(input_ids, attention_mask=mask).logits.contiguous()
+        ref["inv_freq"] = model.model.rotary_emb.inv_freq.float().contiguous()
+        if bf16:
+            m16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+            ref["logits_bf16"] = m16(input_ids).logits.float().contiguous()
+    save_file(ref, os.path.join(out, name + ".ref.safetensors"))
+
+
+def main():
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    configs = {}
+    for name, (cls, config, dtype, shard_size) in MODELS.items():
+        config = config or configs[name.replace("_bf16", "")]
+        configs[name] = config
+        make(out, name, cls, config, dtype, shard_size)
+        if name == "llama_gqa":
+            add_tokenizer(os.path.join(out, name), config.vocab_size)
+        reference(out, name, dtype == torch.bfloat16)
+    files = [f for f in os.listdir(os.path.join(out, "llama_gqa")) if f.endswith(".safetensors")]
+    assert len(files) >= 3, f"llama_gqa should be sharded into 3+ files, has {files}"
+    if "--big" in sys.argv:
+        make(out, "llama_big", LlamaForCausalLM, BIG, torch.bfloat16, "60MB")
+    with open(os.path.join(out, "READY"), "w") as f:
+        json.dump({"models": sorted(configs)}, f)
+
+
+if __name__ == "__main__":
+    main()

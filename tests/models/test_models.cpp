@@ -1,0 +1,317 @@
+// fsdpx's decoder and its Hugging Face name table, config.json parsing, and every kind of bad model
+// folder: each an error naming the tensor, the file or the field. Single process; the folders come from
+// tests/models/make_hf_models.py (FSDPX_HF_FIXTURES).
+#include <catch2/catch.hpp>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <string>
+
+#include <sys/stat.h>
+
+#include <fsdpx/models.hpp>
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace models = fsdpx::models;
+namespace ckpt = fsdpx::checkpoint;
+using fsdpx::detail::Json;
+
+fs::path fixtures() {
+  const char* dir = std::getenv("FSDPX_HF_FIXTURES");
+  REQUIRE(dir != nullptr);
+  REQUIRE(fs::exists(fs::path(dir) / "READY"));
+  return dir;
+}
+
+struct TempDir {
+  fs::path path;
+  TempDir() {
+    path = fs::temp_directory_path() / ("fsdpx_test_models_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++));
+    fs::remove_all(path);
+    fs::create_directories(path);
+  }
+  ~TempDir() {
+    std::error_code ec;
+    fs::remove_all(path, ec);
+  }
+  static int& counter() {
+    static int n = 0;
+    return n;
+  }
+};
+
+/// A copy of fixture `name` whose tensors pass through `edit` (name -> tensor; erase or add).
+fs::path edited_copy(const TempDir& tmp, const std::string& name, const std::function<void(std::map<std::string, at::Tensor>&)>& edit) {
+  auto loaded = ckpt::load_safetensors(fixtures() / name);
+  std::map<std::string, at::Tensor> tensors(loaded.begin(), loaded.end());
+  edit(tensors);
+  const fs::path dir = tmp.path / name;
+  ckpt::NamedTensors out(tensors.begin(), tensors.end());
+  ckpt::save_safetensors(dir, out);
+  fs::copy_file(fixtures() / name / "config.json", dir / "config.json");
+  return dir;
+}
+
+fs::path plain_copy(const TempDir& tmp, const std::string& name) {
+  const fs::path dir = tmp.path / name;
+  fs::copy(fixtures() / name, dir, fs::copy_options::recursive);
+  return dir;
+}
+
+std::string load_error(const fs::path& dir) {
+  try {
+    models::CausalLM model(models::read_decoder_config(dir));
+    models::load_pretrained(model, dir);
+  } catch (const fsdpx::Error& e) {
+    return e.what();
+  }
+  FAIL("loading " << dir << " succeeded");
+  return {};
+}
+
+std::string config_error(Json config) {
+  try {
+    models::parse_decoder_config(config, "config.json");
+  } catch (const fsdpx::Error& e) {
+    return e.what();
+  }
+  FAIL("config accepted: " << config.dump());
+  return {};
+}
+
+Json llama_config() {
+  return {{"model_type", "llama"}, {"architectures", {"LlamaForCausalLM"}}, {"vocab_size", 96}, {"hidden_size", 64},
+          {"intermediate_size", 112}, {"num_hidden_layers", 2}, {"num_attention_heads", 8}, {"num_key_value_heads", 2}};
+}
+
+/// The module's parameter names and shapes against the declared table.
+void check_table(const models::DecoderConfig& c) {
+  models::CausalLM model(c);
+  std::map<std::string, std::vector<int64_t>> module, table;
+  for (const auto& p : model->named_parameters()) module[p.key()] = p.value().sizes().vec();
+  for (const auto& t : models::hf_tensors(c)) {
+    CHECK(t.module_name == t.hf_name);
+    table[t.module_name] = t.shape;
+  }
+  CHECK(module == table);
+  CHECK(model->named_buffers().is_empty());  // nothing derived from the config is saved
+}
+
+}  // namespace
+
+TEST_CASE("models: the name table lists exactly the decoder's parameters", "[hf][unit]") {
+  auto c = models::parse_decoder_config(llama_config(), "llama");
+  check_table(c);
+  c.mlp_bias = c.o_bias = c.qkv_bias = true;
+  check_table(c);
+  c.tie_word_embeddings = true;
+  c.qk_norm = true;
+  c.head_dim = 24;
+  check_table(c);
+  Json qwen2 = llama_config();
+  qwen2["model_type"] = "qwen2";
+  qwen2["architectures"] = {"Qwen2ForCausalLM"};
+  qwen2["attention_bias"] = true;  // Qwen2 ignores it: q/k/v always have biases, o_proj never
+  const auto q2 = models::parse_decoder_config(qwen2, "qwen2");
+  CHECK(q2.qkv_bias);
+  CHECK_FALSE(q2.o_bias);
+  check_table(q2);
+  Json qwen3 = llama_config();
+  qwen3["model_type"] = "qwen3";
+  qwen3.erase("architectures");
+  const auto q3 = models::parse_decoder_config(qwen3, "qwen3");
+  CHECK(q3.head_dim == 128);  // Qwen3Config's default, not hidden / heads
+  CHECK(q3.qk_norm);
+  check_table(q3);
+}
+
+TEST_CASE("models: a config that changes the math is refused, naming the field", "[hf][unit][errors]") {
+  Json c = llama_config();
+  c["model_type"] = "mistral";
+  CHECK_THAT(config_error(c), Catch::Contains("model_type \"mistral\""));
+  c = llama_config();
+  c["architectures"] = {"LlamaForSequenceClassification"};
+  CHECK_THAT(config_error(c), Catch::Contains("LlamaForSequenceClassification"));
+  c = llama_config();
+  c["rope_parameters"] = {{"rope_type", "yarn"}, {"rope_theta", 10000.0}, {"factor", 4.0}};
+  CHECK_THAT(config_error(c), Catch::Contains("RoPE type \"yarn\""));
+  c = llama_config();
+  c["rope_scaling"] = {{"type", "dynamic"}, {"factor", 2.0}};  // transformers 4.x spelling
+  CHECK_THAT(config_error(c), Catch::Contains("RoPE type \"dynamic\""));
+  c = llama_config();
+  c["partial_rotary_factor"] = 0.5;
+  CHECK_THAT(config_error(c), Catch::Contains("partial_rotary_factor"));
+  c = llama_config();
+  c["hidden_act"] = "gelu";
+  CHECK_THAT(config_error(c), Catch::Contains("\"hidden_act\" is \"gelu\""));
+  c = llama_config();
+  c["quantization_config"] = {{"quant_method", "fp8"}};
+  CHECK_THAT(config_error(c), Catch::Contains("quantization_config"));
+  c = llama_config();
+  c["rope_parameters"] = {{"full_attention", {{"rope_type", "default"}}}};
+  CHECK_THAT(config_error(c), Catch::Contains("per layer type"));
+  c = llama_config();
+  c["num_key_value_heads"] = 3;
+  CHECK_THAT(config_error(c), Catch::Contains("cannot be grouped"));
+  c = llama_config();
+  c["vocab_size"] = "96";
+  CHECK_THAT(config_error(c), Catch::Contains("\"vocab_size\" must be an integer"));
+  c = llama_config();
+  c.erase("hidden_size");
+  CHECK_THAT(config_error(c), Catch::Contains("has no \"hidden_size\""));
+  c = llama_config();
+  c["model_type"] = "qwen2";
+  c["architectures"] = {"Qwen2ForCausalLM"};
+  c["use_sliding_window"] = true;
+  c["sliding_window"] = 4;
+  c["layer_types"] = {"full_attention", "chunked_attention"};
+  CHECK_THAT(config_error(c), Catch::Contains("layer type \"chunked_attention\""));
+}
+
+TEST_CASE("models: transformers 4.x configs (rope_theta, rope_scaling, torch_dtype) read the same", "[hf][unit]") {
+  Json c = llama_config();
+  c["rope_theta"] = 500000.0;
+  c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+                       {"original_max_position_embeddings", 8192}};
+  c["torch_dtype"] = "bfloat16";
+  const auto config = models::parse_decoder_config(c, "v4");
+  CHECK(config.rope.type == "llama3");
+  CHECK(config.rope.theta == 500000.0);
+  CHECK(config.rope.original_max_position_embeddings == 8192);
+  CHECK(config.dtype == at::kBFloat16);
+  const Json back = models::to_hf_config(config, at::kFloat);
+  CHECK(back["torch_dtype"] == "float32");
+  CHECK(back["dtype"] == "float32");
+  CHECK(back["rope_scaling"]["factor"] == 8.0);  // fields fsdpx does not rewrite are kept as read
+}
+
+TEST_CASE("models: bad model folders are errors naming the tensor or the file", "[hf][errors]") {
+  TempDir tmp;
+  SECTION("a missing tensor") {
+    const auto dir = edited_copy(tmp, "qwen2_tied", [](auto& t) { t.erase("model.layers.1.mlp.up_proj.weight"); });
+    const auto e = load_error(dir);
+    CHECK_THAT(e, Catch::Contains("missing (in the model, not in the files): model.layers.1.mlp.up_proj.weight"));
+    CHECK_THAT(e, Catch::Contains("nothing was loaded"));
+  }
+  SECTION("a wrong shape") {
+    const auto dir = edited_copy(tmp, "qwen2_tied", [](auto& t) { t["model.layers.0.self_attn.k_proj.weight"] = at::zeros({16, 64}); });
+    CHECK_THAT(load_error(dir), Catch::Contains("model.layers.0.self_attn.k_proj.weight: shape [16, 64]") &&
+                                    Catch::Contains("but [32, 64] in the model"));
+  }
+  SECTION("an unexpected tensor; the ones transformers ignores are not") {
+    const auto dir = edited_copy(tmp, "qwen2_tied", [](auto& t) {
+      t["model.layers.0.self_attn.rotary_emb.inv_freq"] = at::ones({8});  // older transformers saved these
+      t["lm_head.weight"] = at::zeros({96, 64});                          // a tied head's copy
+      t["model.layers.7.mlp.extra.weight"] = at::zeros({2});
+    });
+    const auto e = load_error(dir);
+    CHECK_THAT(e, Catch::Contains("unexpected (in the files, not in the model): model.layers.7.mlp.extra.weight"));
+    CHECK_THAT(e, !Catch::Contains("inv_freq") && !Catch::Contains("lm_head"));
+  }
+  SECTION("a dtype the loader cannot cast") {
+    const auto dir = edited_copy(tmp, "qwen2_tied", [](auto& t) {
+      t["model.norm.weight"] = at::ones({64}, at::kLong);
+      t["model.layers.0.input_layernorm.weight"] = at::ones({64}).to(at::kFloat8_e4m3fn);
+    });
+    const auto e = load_error(dir);
+    CHECK_THAT(e, Catch::Contains("model.norm.weight: dtype Long") && Catch::Contains("cannot be cast to the model's Float"));
+    CHECK_THAT(e, Catch::Contains("model.layers.0.input_layernorm.weight: dtype Float8_e4m3fn") && Catch::Contains("scales"));
+  }
+  SECTION("an unknown model_type") {
+    const auto dir = plain_copy(tmp, "qwen2_tied");
+    auto config = fsdpx::detail::parse_json(ckpt::detail::read_text(dir / "config.json"), "config");
+    config["model_type"] = "gemma3";
+    ckpt::detail::write_text_durably(dir / "config.json", config.dump());
+    CHECK_THAT(load_error(dir), Catch::Contains("model_type \"gemma3\" is not one fsdpx's decoder implements"));
+  }
+  SECTION("a truncated shard file") {
+    const auto dir = plain_copy(tmp, "llama_gqa");
+    const fs::path file = dir / "model-00003-of-00017.safetensors";
+    fs::resize_file(file, fs::file_size(file) - 10);
+    CHECK_THAT(load_error(dir), Catch::Contains("'" + file.string() + "' is truncated"));
+  }
+  SECTION("an index naming an absent file, a path out of the folder, a FIFO") {
+    const auto dir = plain_copy(tmp, "llama_gqa");
+    const fs::path index = dir / "model.safetensors.index.json";
+    const auto original = fsdpx::detail::parse_json(ckpt::detail::read_text(index), "index");
+    const auto with_file = [&](const std::string& file) {
+      auto j = original;
+      j["weight_map"]["model.norm.weight"] = file;
+      ckpt::detail::write_text_durably(index, j.dump());
+    };
+    with_file("model-00099-of-00017.safetensors");
+    CHECK_THAT(load_error(dir), Catch::Contains("model-00099-of-00017.safetensors' does not exist"));
+    for (const std::string escape : {"../llama_gqa/model-00001-of-00017.safetensors", "/etc/passwd", "sub/x.safetensors"}) {
+      with_file(escape);
+      CHECK_THAT(load_error(dir), Catch::Contains("'" + escape + "', which is not a file name inside the folder"));
+    }
+    REQUIRE(::mkfifo((dir / "fifo.safetensors").c_str(), 0600) == 0);
+    with_file("fifo.safetensors");
+    CHECK_THAT(load_error(dir), Catch::Contains("fifo.safetensors' is not a regular file"));  // and no hang
+  }
+  SECTION("a header that lies about its sizes") {
+    const auto dir = plain_copy(tmp, "qwen2_tied");
+    const fs::path file = dir / "model.safetensors";
+    std::string bytes = ckpt::detail::read_text(file);
+    const auto at = bytes.find("[64]");  // a norm's shape -> a shape whose byte count overflows
+    REQUIRE(at != std::string::npos);
+    bytes.replace(at, 4, "[576460752303423488,64]");
+    uint64_t length = 0;
+    std::memcpy(&length, bytes.data(), 8);
+    length += 19;
+    std::memcpy(bytes.data(), &length, 8);
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+    CHECK_THAT(load_error(dir), Catch::Contains("'" + file.string() + "' has a bad header") && Catch::Contains("overflows"));
+  }
+}
+
+TEST_CASE("models: a strict failure loads nothing, and not strict it reports and loads the rest", "[hf]") {
+  TempDir tmp;
+  const auto dir = edited_copy(tmp, "qwen2_tied", [](auto& t) {
+    t.erase("model.norm.weight");
+    t["model.layers.0.mlp.down_proj.weight"] = at::zeros({64, 7});
+    t["extra"] = at::zeros({1});
+  });
+  models::CausalLM model(models::read_decoder_config(dir));
+  std::map<std::string, at::Tensor> before;
+  for (const auto& p : model->named_parameters()) before[p.key()] = p.value().clone();
+  CHECK_THROWS_AS(models::load_pretrained(model, dir), fsdpx::ConfigError);
+  for (const auto& p : model->named_parameters()) CHECK(at::equal(p.value(), before[p.key()]));
+
+  const auto report = models::load_pretrained(model, dir, {.strict = false});
+  CHECK(report.missing == std::vector<std::string>{"model.norm.weight"});
+  CHECK(report.unexpected == std::vector<std::string>{"extra"});
+  REQUIRE(report.mismatched.size() == 1);
+  CHECK_THAT(report.mismatched[0], Catch::StartsWith("model.layers.0.mlp.down_proj.weight: shape [64, 7]"));
+  CHECK(at::equal(model->named_parameters()["model.norm.weight"], before["model.norm.weight"]));
+  CHECK(at::equal(model->named_parameters()["model.layers.0.mlp.down_proj.weight"], before["model.layers.0.mlp.down_proj.weight"]));
+  const auto files = ckpt::load_safetensors(dir);
+  for (const auto& [name, t] : files) {
+    if (name == "model.layers.1.mlp.up_proj.weight") CHECK(at::equal(model->named_parameters()[name], t));
+  }
+}
+
+TEST_CASE("models: a merge writes the names its config implies, or refuses the config", "[hf][merge]") {
+  const std::string config_text = ckpt::detail::read_text(fixtures() / "qwen3_qknorm" / "config.json");
+  const auto tensors = ckpt::load_safetensors(fixtures() / "qwen3_qknorm");
+  std::string why;
+  const auto renamed = models::rename_for_config(tensors, config_text, "config.json", why);
+  REQUIRE(renamed.has_value());
+  CHECK(renamed->size() == tensors.size());
+
+  auto missing = tensors;
+  missing.pop_back();
+  CHECK_FALSE(models::rename_for_config(missing, config_text, "config.json", why).has_value());
+  CHECK_THAT(why, Catch::Contains("is missing"));
+  ckpt::NamedTensors gpt = {{"tok.weight", at::zeros({96, 64})}, {"h0.qkv.weight", at::zeros({192, 64})}};
+  CHECK_FALSE(models::rename_for_config(gpt, config_text, "config.json", why).has_value());
+  CHECK_THAT(why, Catch::Contains("'h0.qkv.weight' is not a tensor of this config"));
+  const std::string gpt2 = R"({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})";
+  CHECK_FALSE(models::rename_for_config(gpt, gpt2, "config.json", why).has_value());
+  CHECK_THAT(why, Catch::Contains("model_type \"gpt2\""));
+}

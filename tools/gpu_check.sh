@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The GPU runs of docs/gpu.md in one command, for the lent GPU machine (CUDA PyTorch, nvcc, NCCL; no MPI,
+# Boost or Catch2, no network): configure NCCL-only, build the GPU tests and bench_gpt, run `ctest -L gpu`,
+# then the throughput comparison (fsdpx-cuda, libtorch-cuda, PyTorch FSDP2), each REPEAT times.
+#   tools/gpu_check.sh [build|test|bench|all]...      (default: all)
+# The machine has no package registry: the Debian packages it lacks (catch2, nlohmann-json3-dev) travel
+# as .deb files in .gpu/ (ignored by git; `apt-get download` them there) and are unpacked into a prefix.
+# Env: DEBS (default .gpu), BUILD_DIR (default build-gpu),
+#      BENCH_ARGS (bench_gpt's "steps warmup batch seq dim layers vocab heads"), REPEAT (default 2), JOBS.
+# Every step runs even when an earlier one failed (one lease is short); the exit status is the first failure.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+BUILD=${BUILD_DIR:-build-gpu}
+ARGS=(${BENCH_ARGS:-5 2 4 2048 2048 18 32000 16})
+REPEAT=${REPEAT:-2}
+JOBS=${JOBS:-$(nproc)}
+steps=("$@")
+[[ ${#steps[@]} -eq 0 ]] && steps=(all)
+status=0
+note() { printf '\n==== %s\n' "$*"; }
+fail() { echo "FAILED: $*"; [[ $status -ne 0 ]] || status=1; }
+want() { local s; for s in "${steps[@]}"; do [[ $s == all || $s == "$1" ]] && return 0; done; return 1; }
+
+if want build; then
+  note "machine"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || fail "nvidia-smi"
+  python3 -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name(0))"
+  deps=/tmp/fsdpx-deps
+  for name in catch2 nlohmann-json3-dev; do
+    deb=$(ls "${DEBS:-.gpu}"/${name}_*.deb 2>/dev/null | head -1)
+    if [[ -n $deb ]]; then dpkg -x "$deb" "$deps"; else fail "no $name .deb in ${DEBS:-.gpu}"; fi
+  done
+  torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+  note "configure ($BUILD)"
+  cmake -S . -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -Wno-dev \
+        -DCMAKE_PREFIX_PATH="$torch_prefix;$deps/usr" -DPython3_EXECUTABLE="$(command -v python3)" \
+        -DFSDPX_BUILD_EXAMPLES=OFF -DFSDPX_BUILD_TOOLS=OFF 2>&1 | grep -E "fsdpx|Error|error" || true
+  [[ -f $BUILD/build.ninja ]] || fail "configure"
+  note "build"
+  cmake --build "$BUILD" -j "$JOBS" --target fsdpx_nccl_tests fsdpx_gpu_parity bench_gpt 2>&1 | grep -E -A8 "error|FAILED" | head -150
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || fail "build"
+fi
+
+if want test; then
+  note "ctest -L gpu"
+  (cd "$BUILD" && ctest -L gpu --output-on-failure) || fail "ctest -L gpu"
+fi
+
+if want bench; then
+  note "throughput: bench_gpt ${ARGS[*]} (x$REPEAT)"
+  export RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1
+  for ((i = 1; i <= REPEAT; i++)); do
+    MASTER_PORT=$((29511 + i)) "$BUILD/benchmarks/bench_gpt" fsdpx-cuda "${ARGS[@]}" 2>&1 | tail -5 || fail "fsdpx-cuda"
+    "$BUILD/benchmarks/bench_gpt" libtorch-cuda "${ARGS[@]}" 2>&1 | tail -5 || fail "libtorch-cuda"
+    (unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR
+     python3 -m torch.distributed.run --standalone --nproc-per-node=1 benchmarks/fsdp2_gpt.py fsdp2-cuda "${ARGS[@]}" 2>&1 | tail -5) ||
+      fail "fsdp2-cuda"
+  done
+fi
+exit $status
