@@ -4,7 +4,7 @@
 //
 //   checkpoint::merge_checkpoint(step dir)      the shards of every rank -> full tensors (no model, no MPI)
 //   checkpoint::save_safetensors(out, tensors)  Hugging Face's model.safetensors layout
-//   checkpoint::copy_huggingface_files(...)     config.json, tokenizer files
+//   checkpoint::copy_huggingface_files(...)     config.json (only beside the names it implies), tokenizer files
 //
 //   merge <checkpoint root or step dir> <out dir> [--step N] [--dtype float32|bfloat16] [--keep-names]
 //
@@ -107,7 +107,14 @@ int main(int argc, char** argv) try {
 
   const ckpt::SavedSafetensors saved = ckpt::save_safetensors(*out, tensors);
   for (const auto& f : saved.files) std::printf("merge: wrote %s (%lld bytes)\n", f.path.c_str(), static_cast<long long>(f.bytes));
-  const auto copied = ckpt::copy_huggingface_files(dir, *out);
+  // config.json only beside the names it implies: with fsdpx's names, from_pretrained would find none of
+  // its tensors and start from random weights.
+  const bool write_config = gpt2 && !keep_names;
+  const auto copied = ckpt::copy_huggingface_files(dir, *out, [&](const std::string& f) { return f == "config.json" && !write_config; });
+  if (!write_config && fs::exists(config)) {
+    std::printf("merge: config.json not copied: the tensors keep the checkpoint's names, which are not %s\n",
+                gpt2 ? "GPT-2's (--keep-names)" : "those of a GPT-2 configuration");
+  }
   for (const auto& f : copied) std::printf("merge: wrote %s (copied from the checkpoint)\n", f.path.c_str());
 
   const std::string o = out->string();
@@ -119,12 +126,9 @@ int main(int argc, char** argv) try {
               "  from safetensors.torch import load_file\n"
               "  state = load_file(\"%s/model.safetensors\")   # {name: tensor}, e.g. state[\"%s\"].shape\n",
               o.c_str(), example.c_str());
-  if (!copied.empty() && gpt2 && !keep_names) {
+  if (write_config) {
     std::printf("  from transformers import GPT2LMHeadModel\n"
                 "  model = GPT2LMHeadModel.from_pretrained(\"%s\")   # byte-level: token id = byte value\n",
-                o.c_str());
-  } else if (!copied.empty()) {
-    std::printf("  # config.json is there too: a model class that matches these names loads it with from_pretrained(\"%s\")\n",
                 o.c_str());
   }
   return 0;

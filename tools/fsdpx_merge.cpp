@@ -21,6 +21,7 @@
 #include <fsdpx/checkpoint/merge.hpp>
 #include <fsdpx/checkpoint/safetensors.hpp>
 #include <fsdpx/error.hpp>
+#include <fsdpx/models/pretrained.hpp>
 
 namespace {
 
@@ -44,7 +45,10 @@ constexpr const char* usage =
     "  --dtype D         cast floating-point tensors: float32, bfloat16 or float16 (default: as saved)\n"
     "  --max-shard-size  the largest safetensors file, e.g. 5GB (default), 500MB, 2GiB, or bytes\n"
     "  --no-verify       skip checking the files' sizes and CRC-32C against fsdp_config.json\n"
-    "The step's huggingface/ directory (config.json, tokenizer files), when there is one, is copied into --out.\n";
+    "The step's huggingface/ files (config.json, tokenizer files), when there are any, are copied into --out.\n"
+    "config.json is written only beside the tensor names it implies: a Llama, Qwen2 or Qwen3 config whose\n"
+    "tensors (names and shapes) are all there, in transformers' names; otherwise it is left out, with a warning,\n"
+    "since from_pretrained would start every tensor it does not find from random weights.\n";
 
 [[noreturn]] void usage_error(const std::string& msg) {
   throw fsdpx::ConfigError(str("fsdpx-merge: ", msg, "\n", usage));
@@ -180,7 +184,7 @@ int run(int argc, char** argv) {
   const fs::path dir = resolve_step_dir(*input, step);
   options.warn = [](const std::string& w) { std::cerr << "fsdpx-merge: warning: " << w << "\n"; };
   ckpt::MergeReport report;
-  const ckpt::NamedTensors tensors = ckpt::merge_checkpoint(dir, options, &report);
+  ckpt::NamedTensors tensors = ckpt::merge_checkpoint(dir, options, &report);
   int64_t elements = 0, bytes = 0;
   for (const auto& [name, t] : tensors) {
     elements += t.numel();
@@ -192,10 +196,33 @@ int run(int argc, char** argv) {
             << (report.checksums_verified ? "verified" : "not verified") << ") from " << report.dir.string() << "\n"
             << "fsdpx-merge: " << tensors.size() << " tensors, " << elements << " elements, " << bytes << " bytes\n";
 
+  // config.json: written only beside the names it implies (renamed to them when the family is known).
+  std::optional<fsdpx::detail::Json> config;
+  const fs::path hf = ckpt::huggingface_dir(dir);
+  if (format == "torch" && !hf.empty() && fs::exists(hf / "config.json")) {
+    std::cerr << "fsdpx-merge: warning: config.json is not written with --format torch: from_pretrained does not read "
+                 "model.pt (use --format safetensors for a Hugging Face folder)\n";
+  } else if (!hf.empty() && fs::is_regular_file(fs::symlink_status(hf / "config.json"))) {
+    const fs::path path = hf / "config.json";
+    FSDPX_CHECK_AS(fsdpx::IoError, fs::file_size(path) <= (int64_t{16} << 20), "'", path.string(), "' is larger than 16 MiB");
+    const std::string text = ckpt::detail::read_text(path);
+    std::string why;
+    if (auto renamed = fsdpx::models::rename_for_config(tensors, text, path.string(), why)) {
+      tensors = std::move(*renamed);
+      config = fsdpx::detail::parse_json(text, path.string());
+    } else {
+      std::cerr << "fsdpx-merge: warning: config.json is not written: " << why
+                << ". transformers' from_pretrained would start every tensor it does not find from random weights; "
+                   "the tensors are written with the checkpoint's names.\n";
+    }
+  }
+
   std::error_code ec;
   fs::create_directories(*out, ec);
   FSDPX_CHECK_AS(fsdpx::IoError, !ec && fs::is_directory(*out), "creating the output directory '", out->string(),
                  "' failed", ec ? ": " + ec.message() : std::string());
+  // A config.json an earlier merge left in --out must not stand beside tensors it does not describe.
+  if (!config && fs::exists(fs::symlink_status(*out / "config.json"))) ckpt::detail::remove_durably(*out / "config.json");
   std::vector<ckpt::detail::WrittenFile> written;
   if (format == "torch") {
     c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
@@ -206,7 +233,21 @@ int run(int argc, char** argv) {
     written = saved.files;
     if (saved.index) written.push_back(*saved.index);
   }
-  for (const auto& f : ckpt::copy_huggingface_files(dir, *out)) written.push_back(f);
+  for (const auto& f : ckpt::copy_huggingface_files(dir, *out, [](const std::string& f) { return f == "config.json"; })) {
+    written.push_back(f);
+  }
+  if (config) {
+    // The dtype of the weights as written ("dtype", and "torch_dtype" for transformers 4.x).
+    at::ScalarType dtype = at::kFloat;
+    for (const auto& [name, t] : tensors) {
+      if (at::isFloatingType(t.scalar_type())) {
+        dtype = t.scalar_type();
+        break;
+      }
+    }
+    const auto decoder = fsdpx::models::parse_decoder_config(*config, (hf / "config.json").string());
+    written.push_back(ckpt::detail::write_text_durably(*out / "config.json", fsdpx::models::to_hf_config(decoder, dtype).dump(2) + "\n"));
+  }
   for (const auto& f : written) std::cout << "fsdpx-merge: wrote " << f.path.string() << " (" << f.bytes << " bytes)\n";
   return 0;
 }

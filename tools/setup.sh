@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs what building and testing fsdpx needs, and nothing that is already there:
-#   Debian packages (compiler, CMake, Open MPI, Catch2, Boost, OpenSSL, nlohmann/json): installed when root, else printed;
+#   Debian packages (compiler, CMake, Open MPI, Catch2, Boost, OpenSSL, nlohmann/json, CLI11): installed when root, else printed;
 #   LibTorch: PyTorch 2.13.0 in .venv, unless Torch_DIR or CMAKE_PREFIX_PATH already points at one;
 #   Conan (packaging) in .venv; NCCL headers (nvidia-nccl-cu13) in .venv when nvcc is present.
 set -euo pipefail
@@ -10,7 +10,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 say() { printf 'fsdpx setup: %s\n' "$*"; }
 
 # ---- system packages ---------------------------------------------------------------------------
-packages=(g++ make cmake libopenmpi-dev openmpi-bin catch2 libboost-dev libssl-dev nlohmann-json3-dev python3)
+packages=(g++ make cmake libopenmpi-dev openmpi-bin catch2 libboost-dev libssl-dev nlohmann-json3-dev libcli11-dev python3)
 if command -v dpkg-query >/dev/null; then
   missing=()
   for p in "${packages[@]}"; do
@@ -29,7 +29,7 @@ if command -v dpkg-query >/dev/null; then
     fi
   fi
 else
-  say "not a Debian system: make sure a C++20 compiler, CMake >= 3.22, MPI, Catch2 v2, Boost, OpenSSL and nlohmann/json are installed"
+  say "not a Debian system: make sure a C++20 compiler, CMake >= 3.22, MPI, Catch2 v2, Boost, OpenSSL, nlohmann/json and CLI11 are installed"
 fi
 
 # ---- LibTorch ----------------------------------------------------------------------------------

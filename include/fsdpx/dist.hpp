@@ -6,6 +6,7 @@
 #include <fsdpx/dist/communicator.hpp>
 #include <fsdpx/dist/env.hpp>
 #include <fsdpx/dist/mesh.hpp>
+#include <fsdpx/dist/outcome.hpp>
 #if defined(FSDPX_WITH_MPI)
 #include <fsdpx/dist/mpi.hpp>
 #endif

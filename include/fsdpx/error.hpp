@@ -1,9 +1,11 @@
 // fsdpx error types and the FSDPX_CHECK family (TORCH_CHECK-style: the message names the cause).
 #pragma once
 
+#include <algorithm>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace fsdpx {
 
@@ -51,6 +53,17 @@ std::string str(const Args&... args) {
   std::ostringstream os;
   (os << ... << args);
   return os.str();
+}
+
+/// "a, b, c and 7 more": the distinct names, sorted, the first `shown` of them (for an error that lists
+/// what is missing or wrong).
+inline std::string join_names(std::vector<std::string> names, size_t shown = 20) {
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  std::string s;
+  for (size_t i = 0; i < std::min(shown, names.size()); ++i) s += (i ? ", " : "") + names[i];
+  if (names.size() > shown) s += str(" and ", names.size() - shown, " more");
+  return s;
 }
 
 }  // namespace detail

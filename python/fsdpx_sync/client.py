@@ -67,14 +67,17 @@ class WeightVersion:
         return dict(self.tensors)
 
     def load_into(self, module: torch.nn.Module, strict: bool = True) -> Tuple[List[str], List[str]]:
-        """Copies every tensor into the module's parameter or buffer of the same name (cast to its
-        dtype, on its device). Strict: a missing, unexpected or wrong-shaped name is an error listing
-        all of them, raised before anything is copied. Returns (missing, unexpected)."""
-        # Every name of a tied parameter may be sent (the C++ loader accepts any of them).
-        targets = dict(module.named_parameters(remove_duplicate=False))
-        targets.update(dict(module.named_buffers(remove_duplicate=False)))
+        """Copies every tensor into the module's parameter or persistent buffer of the same name (cast
+        to its dtype, on its device): the names of module.state_dict(), as transformers' models have
+        them. Strict: a missing, unexpected or wrong-shaped name is an error listing all of them,
+        raised before anything is copied. A tied tensor (one tensor under several names, such as a
+        tied LM head) needs only one of its names. Returns (missing, unexpected)."""
+        targets = module.state_dict(keep_vars=True)  # persistent buffers only: never a rotary cache
         received = self.named()
-        missing = [n for n in targets if n not in received]
+        aliases = {}  # id of the tensor -> its names
+        for n, t in targets.items():
+            aliases.setdefault(id(t), []).append(n)
+        missing = [n for n, t in targets.items() if not any(a in received for a in aliases[id(t)])]
         unexpected = [n for n in received if n not in targets]
         wrong = [f"{n}: {tuple(received[n].shape)} received, {tuple(t.shape)} in the module"
                  for n, t in targets.items() if n in received and received[n].shape != t.shape]

@@ -96,8 +96,10 @@ def main():
     with safe_open(single, framework="pt") as f:
         check(f.metadata().get("format") == "pt", "__metadata__ format is pt")
         check(list(f.keys()) == sorted(expected), "safe_open lists every tensor")
-    check(json.load(open(os.path.join(out, "config.json"))) == {"model_type": "fsdpx-test"},
-          "huggingface/config.json is copied into --out")
+    # The fixture's config names no model family whose tensors these are: writing it beside them would
+    # make from_pretrained start from random weights, so it is left out, with a warning.
+    check(not os.path.exists(os.path.join(out, "config.json")) and "config.json is not written" in p.stderr
+          and 'model_type "fsdpx-test"' in p.stderr, "a config.json that does not describe these tensors is not written")
 
     # sharded with an index
     out_sharded = os.path.join(work, "merged_sharded")

@@ -5,9 +5,10 @@ and transformers' own outputs on them, which the C++ tests compare against.
 
 OUT_DIR/<name>/              a model folder as save_pretrained writes it (config.json, safetensors)
 OUT_DIR/<name>.ref.safetensors
-    input_ids [2, 12], attention_mask [2, 12] (row 1 right-padded), and transformers' logits:
-    logits (float32 compute), logits_masked (with attention_mask), logits_bf16 (bfloat16 compute, for
-    bfloat16 files), inv_freq (the rotary inverse frequencies)
+    input_ids [2, 12], attention_mask [2, 12] (row 1 right-padded), attention_mask_left (row 0
+    left-padded), and transformers' logits: logits (float32 compute), logits_masked and logits_left
+    (with those masks), logits_bf16 (bfloat16 compute, for bfloat16 files), inv_freq (the rotary
+    inverse frequencies)
 --big: also OUT_DIR/llama_big, ~97M parameters in bfloat16 (the loading-memory test).
 """
 import json
@@ -24,17 +25,20 @@ SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=112, max_position_
 MODELS = {
     # GQA (8 heads over 2), Llama 3.1's RoPE scaling, MLP biases, an untied head; 3+ files with an index.
     "llama_gqa": (LlamaForCausalLM, LlamaConfig(
-        **SMALL, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, mlp_bias=True, pad_token_id=0,
+        **{**SMALL, "max_position_embeddings": 256}, num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2, mlp_bias=True, pad_token_id=0,
+        # head_dim 8: wavelengths 6.3, 63, 628, 6283 against 128/4 and 128/1: one frequency in each of
+        # llama3's three bands (kept, smoothed, divided)
         rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                      "original_max_position_embeddings": 32}, tie_word_embeddings=False), torch.float32, "40KB"),
+                      "original_max_position_embeddings": 128}, tie_word_embeddings=False), torch.float32, "40KB"),
     # q/k/v biases, a tied head, rope_theta 1e6, a sliding-window layer (window 4).
     "qwen2_tied": (Qwen2ForCausalLM, Qwen2Config(
         **SMALL, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
         rope_theta=1e6, use_sliding_window=True, sliding_window=4, max_window_layers=1), torch.float32, None),
-    # per-head q/k RMSNorm, head_dim 24 (not hidden/heads = 16), attention biases on q/k/v/o.
+    # per-head q/k RMSNorm, head_dim 24 (not hidden/heads = 16), attention biases on q/k/v/o, linear RoPE scaling.
     "qwen3_qknorm": (Qwen3ForCausalLM, Qwen3Config(
         **SMALL, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24, attention_bias=True,
-        tie_word_embeddings=False), torch.float32, None),
+        rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, tie_word_embeddings=False),
+        torch.float32, None),
     # bfloat16 files
     "llama_gqa_bf16": (LlamaForCausalLM, None, torch.bfloat16, "40KB"),
     "qwen3_qknorm_bf16": (Qwen3ForCausalLM, None, torch.bfloat16, None),
@@ -71,12 +75,15 @@ def reference(out, name, bf16):
     torch.manual_seed(7)
     input_ids = torch.randint(1, 96, (2, 12))
     mask = torch.ones(2, 12, dtype=torch.long)
-    mask[1, 9:] = 0
+    mask[1, 9:] = 0  # right padding
+    left = torch.ones(2, 12, dtype=torch.long)
+    left[0, :4] = 0  # left padding: the first queries see no token at all
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    ref = {"input_ids": input_ids, "attention_mask": mask}
+    ref = {"input_ids": input_ids, "attention_mask": mask, "attention_mask_left": left}
     with torch.no_grad():
         ref["logits"] = model(input_ids).logits.contiguous()
         ref["logits_masked"] = model(input_ids, attention_mask=mask).logits.contiguous()
+        ref["logits_left"] = model(input_ids, attention_mask=left).logits.contiguous()
         ref["inv_freq"] = model.model.rotary_emb.inv_freq.float().contiguous()
         if bf16:
             m16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()

@@ -5,8 +5,11 @@
 
 #include <cstdlib>
 #include <filesystem>
+#include <cerrno>
 #include <fstream>
 #include <string>
+
+#include <unistd.h>
 
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/models.hpp>
@@ -57,9 +60,14 @@ TEST_CASE("hf: logits of the sharded model equal transformers' (float32 files)",
     const at::Tensor ids = ref(name, "input_ids");
     const double err = relative_error(model(ids), ref(name, "logits"));
     const double masked = relative_error(model(ids, ref(name, "attention_mask")), ref(name, "logits_masked"));
-    if (world.rank() == 0) std::printf("hf parity: %s, %d ranks: relative error %.2e, with a padding mask %.2e\n", name, world.size(), err, masked);
+    const double left = relative_error(model(ids, ref(name, "attention_mask_left")), ref(name, "logits_left"));
+    if (world.rank() == 0) {
+      std::printf("hf parity: %s, %d ranks: relative error %.2e, right-padded %.2e, left-padded %.2e\n", name, world.size(),
+                  err, masked, left);
+    }
     CHECK(err <= 1e-5);
     CHECK(masked <= 1e-5);
+    CHECK(left <= 1e-5);
     CHECK(at::allclose(model->model->rotary.inv_freq(), ref(name, "inv_freq"), 1e-7, 0));
   }
 }
@@ -95,6 +103,63 @@ TEST_CASE("hf: BF16Mixed against transformers in bfloat16", "[hf]") {
     const double err = relative_error(logits, ref(name, "logits_bf16"));
     if (world.rank() == 0) std::printf("hf parity: %s, BF16Mixed vs transformers bfloat16: relative error %.2e\n", name, err);
     CHECK(err <= 1.0 / 64);
+  }
+}
+
+TEST_CASE("hf: a frozen bfloat16 copy (inference_only) loads the files as they are", "[hf]") {
+  // An RL trainer's reference model: shards kept in bfloat16 (2 bytes per parameter over the ranks).
+  auto& world = fsdpx::test::world();
+  for (const char* name : bf16_models) {
+    INFO(name);
+    auto model = models::from_pretrained<ShardedBf16>(fixtures() / name, world, {.inference_only = true});
+    CHECK(model.sharded().unit(0).shard().scalar_type() == at::kBFloat16);
+    at::NoGradGuard no_grad;
+    CHECK(relative_error(model(ref(name, "input_ids")), ref(name, "logits_bf16")) <= 1.0 / 64);
+  }
+}
+
+TEST_CASE("hf: hybrid sharding with CPU offload loads its shards (each replica reads its own)", "[hf]") {
+  using Hybrid = fsdpx::Fsdp<models::CausalLM, fsdpx::HybridShard<1>, fsdpx::CpuOffload<false>, fsdpx::FullPrecision,
+                             fsdpx::ShardedStateDict, fsdpx::WrapModules<models::DecoderLayerImpl>>;
+  auto& world = fsdpx::test::world();
+  fsdpx::SafetensorsLoadReport report;
+  auto model = models::from_pretrained<Hybrid>(fixtures() / "llama_gqa", world, {}, {}, &report);
+  CHECK(report.bytes_read == ckpt::SafetensorsDir(fixtures() / "llama_gqa").total_bytes());  // a whole replica each
+  CHECK(relative_error(model(ref("llama_gqa", "input_ids")), ref("llama_gqa", "logits")) <= 1e-5);
+}
+
+TEST_CASE("hf: a full disk on the writing rank is an error on every rank, and nothing is left half-written", "[hf][errors]") {
+  auto& world = fsdpx::test::world();
+  auto model = models::from_pretrained<Sharded>(fixtures() / "llama_gqa", world);
+  const fs::path out = fs::temp_directory_path() / ("fsdpx_test_hf_full_disk_" + std::to_string(::getppid()));
+  if (world.rank() == 0) fs::remove_all(out);
+  world.barrier();
+  if (world.rank() == 0) ckpt::detail::inject_write_error(ENOSPC, 100'000);  // the disk fills during the weights
+  std::string error;
+  try {
+    models::save_pretrained(model, out, {.source_dir = fixtures() / "llama_gqa", .max_shard_bytes = 20'000});
+  } catch (const fsdpx::IoError& e) {
+    error = e.what();
+  }
+  if (world.rank() == 0) ckpt::detail::inject_write_error(0);
+  INFO(error);
+  if (world.rank() == 0) {
+    CHECK_THAT(error, Catch::Contains("ENOSPC: the disk is full"));
+  } else {
+    CHECK_THAT(error, Catch::Contains("failed on rank 0") && Catch::Contains("ENOSPC"));
+  }
+  world.barrier();
+  if (world.rank() == 0) {
+    CHECK_FALSE(fs::exists(out / "config.json"));  // the folder does not pass for a model
+    for (const auto& e : fs::directory_iterator(out)) CHECK(e.path().extension() != ".tmp");
+    fs::remove_all(out);
+  }
+  // and the model still works: the next save succeeds
+  const fs::path again = out.string() + "_again";
+  models::save_pretrained(model, again, {});
+  if (world.rank() == 0) {
+    CHECK(fs::exists(again / "config.json"));
+    fs::remove_all(again);
   }
 }
 

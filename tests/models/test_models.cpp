@@ -187,7 +187,8 @@ TEST_CASE("models: transformers 4.x configs (rope_theta, rope_scaling, torch_dty
   const Json back = models::to_hf_config(config, at::kFloat);
   CHECK(back["torch_dtype"] == "float32");
   CHECK(back["dtype"] == "float32");
-  CHECK(back["rope_scaling"]["factor"] == 8.0);  // fields fsdpx does not rewrite are kept as read
+  CHECK(back["rope_scaling"]["factor"] == 8.0);  // 4.x's spelling kept in step with rope_parameters
+  CHECK(back["rope_parameters"]["rope_type"] == "llama3");
 }
 
 TEST_CASE("models: bad model folders are errors naming the tensor or the file", "[hf][errors]") {

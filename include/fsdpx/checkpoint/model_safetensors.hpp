@@ -29,6 +29,7 @@
 #include <fsdpx/checkpoint/state_dict.hpp>
 #include <fsdpx/core/sharded_model.hpp>
 #include <fsdpx/dist/any.hpp>
+#include <fsdpx/dist/outcome.hpp>
 #include <fsdpx/error.hpp>
 
 namespace fsdpx {
@@ -67,16 +68,6 @@ struct LoadTarget {
   int64_t first = 0, last = 0;
 };
 
-inline std::string list_names(std::vector<std::string> names) {
-  std::sort(names.begin(), names.end());
-  names.erase(std::unique(names.begin(), names.end()), names.end());
-  std::string s;
-  const size_t shown = std::min<size_t>(names.size(), 20);
-  for (size_t i = 0; i < shown; ++i) s += (i ? ", " : "") + names[i];
-  if (names.size() > shown) s += ::fsdpx::detail::str(" and ", names.size() - shown, " more");
-  return s;
-}
-
 /// Checks `targets` against the files, then (when nothing is wrong, or not strict) reads them.
 inline SafetensorsLoadReport load_targets(SafetensorsDir& dir, std::vector<LoadTarget>& targets,
                                           const SafetensorsLoadOptions& options) {
@@ -112,9 +103,9 @@ inline SafetensorsLoadReport load_targets(SafetensorsDir& dir, std::vector<LoadT
   report.mismatched.erase(std::unique(report.mismatched.begin(), report.mismatched.end()), report.mismatched.end());
   if (options.strict && !report.ok()) {
     std::string msg;
-    if (!report.missing.empty()) msg += "\n  missing (in the model, not in the files): " + list_names(report.missing);
-    if (!report.unexpected.empty()) msg += "\n  unexpected (in the files, not in the model): " + list_names(report.unexpected);
-    if (!report.mismatched.empty()) msg += "\n  mismatched: " + list_names(report.mismatched);
+    if (!report.missing.empty()) msg += "\n  missing (in the model, not in the files): " + ::fsdpx::detail::join_names(report.missing);
+    if (!report.unexpected.empty()) msg += "\n  unexpected (in the files, not in the model): " + ::fsdpx::detail::join_names(report.unexpected);
+    if (!report.mismatched.empty()) msg += "\n  mismatched: " + ::fsdpx::detail::join_names(report.mismatched);
     throw ConfigError(::fsdpx::detail::str("fsdpx: loading '", dir.path().string(),
                                            "': the files do not match the model (nothing was loaded):", msg));
   }
@@ -147,14 +138,17 @@ inline SafetensorsLoadReport load_targets(SafetensorsDir& dir, std::vector<LoadT
   return report;
 }
 
-inline std::optional<std::string> file_name_of(const SafetensorsLoadOptions& options, const std::string& name) {
-  return options.file_name ? options.file_name(name) : std::optional<std::string>(name);
+using FileNameFn = std::function<std::optional<std::string>(const std::string&)>;
+
+/// The files' name of the model's tensor `name` through `fn` (the same name when fn is empty).
+inline std::optional<std::string> file_name_of(const FileNameFn& fn, const std::string& name) {
+  return fn ? fn(name) : std::optional<std::string>(name);
 }
 
 inline void add_buffer_targets(torch::nn::Module& module, const SafetensorsLoadOptions& options, std::vector<LoadTarget>& targets) {
   if (!options.buffers) return;
   for (const auto& b : module.named_buffers(/*recurse=*/true)) {
-    const auto file = file_name_of(options, b.key());
+    const auto file = file_name_of(options.file_name, b.key());
     if (!file) continue;
     at::Tensor flat = b.value().is_contiguous() ? b.value().view({-1}) : at::Tensor();
     FSDPX_CHECK(flat.defined(), "loading safetensors: buffer '", b.key(), "' is not contiguous");
@@ -166,8 +160,8 @@ inline void add_buffer_targets(torch::nn::Module& module, const SafetensorsLoadO
 
 /// Loads the safetensors folder `dir` into a sharded model: each rank reads the slices of its own
 /// shards (and the module's buffers whole). Every rank calls it; it is not collective.
-inline SafetensorsLoadReport load_safetensors_into(core::ShardedModel& model, checkpoint::SafetensorsDir& dir,
-                                                   const SafetensorsLoadOptions& options = {}) {
+inline SafetensorsLoadReport load_model_safetensors(core::ShardedModel& model, checkpoint::SafetensorsDir& dir,
+                                                    const SafetensorsLoadOptions& options = {}) {
   model.wait_for_snapshots();  // a background checkpoint copy may still read the shards
   model.reshard_all();         // the next forward gathers the loaded shards
   std::vector<checkpoint::detail::LoadTarget> targets;
@@ -175,7 +169,7 @@ inline SafetensorsLoadReport load_safetensors_into(core::ShardedModel& model, ch
     core::Unit& u = model.unit(i);
     const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
     for (const core::ParamInfo& p : u.layout().params()) {
-      const auto file = checkpoint::detail::file_name_of(options, p.name);
+      const auto file = checkpoint::detail::file_name_of(options.file_name, p.name);
       if (!file) continue;
       const core::FlatRange r = detail::held_range(u, p);
       if (r.begin < r.end) {
@@ -190,12 +184,12 @@ inline SafetensorsLoadReport load_safetensors_into(core::ShardedModel& model, ch
 }
 
 /// Loads the safetensors folder `dir` into a module that is not sharded (every tensor whole).
-inline SafetensorsLoadReport load_safetensors_into(torch::nn::Module& module, checkpoint::SafetensorsDir& dir,
-                                                   const SafetensorsLoadOptions& options = {}) {
+inline SafetensorsLoadReport load_model_safetensors(torch::nn::Module& module, checkpoint::SafetensorsDir& dir,
+                                                    const SafetensorsLoadOptions& options = {}) {
   std::vector<checkpoint::detail::LoadTarget> targets;
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (parameter, contiguous staging) for odd layouts
   for (const auto& p : module.named_parameters(/*recurse=*/true)) {
-    const auto file = checkpoint::detail::file_name_of(options, p.key());
+    const auto file = checkpoint::detail::file_name_of(options.file_name, p.key());
     if (!file) continue;
     at::Tensor dst = p.value().is_contiguous() ? p.value().detach().view({-1}) : at::Tensor();
     if (!dst.defined()) {  // a tensor not loaded (not strict) keeps its values through the copy back
@@ -230,53 +224,15 @@ inline at::ScalarType saved_dtype(at::ScalarType t, const SafetensorsSaveOptions
   return o.dtype && at::isFloatingType(t) ? *o.dtype : t;
 }
 
-/// Runs `work` on world rank `writer` while every rank runs `collective` (which calls back into the
-/// writer's share through the flag it gets); the writer's first exception is kept, the collectives go
-/// on without it, and at the end every rank learns the outcome: the writer rethrows its exception, the
-/// others throw an IoError carrying its message. No rank is left waiting in a collective.
-template <class Collective>
-void collective_with_writer(dist::AnyCommunicator& world, int writer, Collective&& collective) {
-  std::exception_ptr error;
-  std::string message;
-  const auto guarded = [&](auto&& fn) {
-    if (error) return;
-    try {
-      fn();
-    } catch (const std::exception& e) {
-      error = std::current_exception();
-      message = e.what();
-    } catch (...) {
-      error = std::current_exception();
-      message = "an unknown exception";
-    }
-  };
-  collective(guarded);
-  message.resize(std::min<size_t>(message.size(), 4000));
-  const auto device = at::TensorOptions().device(world.device_type());
-  at::Tensor length = at::full({1}, world.rank() == writer ? static_cast<double>(message.size()) : 0.0,
-                               device.dtype(at::kFloat));
-  world.all_reduce(length, dist::ReduceOp::max);
-  const auto n = static_cast<int64_t>(length.item<float>());
-  if (n == 0 && !error) return;
-  at::Tensor text = at::zeros({std::max<int64_t>(n, 1)}, device.dtype(at::kByte));
-  if (world.rank() == writer && n > 0) {
-    text.copy_(at::from_blob(message.data(), {n}, at::TensorOptions().dtype(at::kByte)));
-  }
-  world.broadcast(text, writer);
-  if (error) std::rethrow_exception(error);
-  const at::Tensor host = text.to(at::kCPU);
-  throw IoError(::fsdpx::detail::str("fsdpx: world rank ", writer, " failed while writing, and this rank stopped with it: ",
-                                     std::string(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n))));
-}
-
 }  // namespace checkpoint::detail
 
 /// Writes a sharded model's full weights (its float32 masters, cast per options.dtype) and buffers to
 /// `dir` in Hugging Face's safetensors layout. Collective: every rank calls it; one unit is gathered at
-/// a time, and world rank 0 writes. Returns what was written on rank 0 (empty elsewhere); a failure
-/// on rank 0 (a full disk) is an error on every rank.
-inline checkpoint::SavedSafetensors save_safetensors(core::ShardedModel& model, const std::filesystem::path& dir,
-                                                     const SafetensorsSaveOptions& options = {}) {
+/// a time, and world rank 0 writes. Returns what was written on rank 0 (empty elsewhere). A failure on
+/// rank 0 (a full disk) does not stop the gathers the others are in; it is an error on every rank
+/// once they are done. A rank that cannot allocate a unit's gather says so before anyone gathers it.
+inline checkpoint::SavedSafetensors save_model_safetensors(core::ShardedModel& model, const std::filesystem::path& dir,
+                                                           const SafetensorsSaveOptions& options = {}) {
   auto& world = model.mesh().world();
   const bool writer = world.rank() == 0;
   // The plan (every tensor's name, dtype and shape, in unit order) is known to all without a gather.
@@ -284,7 +240,7 @@ inline checkpoint::SavedSafetensors save_safetensors(core::ShardedModel& model, 
   std::vector<std::vector<std::pair<const core::ParamInfo*, std::string>>> unit_names(model.num_units());
   for (size_t i = 0; i < model.num_units(); ++i) {
     for (const core::ParamInfo& p : model.unit(i).layout().params()) {
-      const auto file = checkpoint::detail::file_name_of({.file_name = options.file_name}, p.name);
+      const auto file = checkpoint::detail::file_name_of(options.file_name, p.name);
       if (!file) continue;
       unit_names[i].emplace_back(&p, *file);
       specs.push_back({*file, checkpoint::detail::saved_dtype(model.unit(i).options().shard_dtype, options), p.shape});
@@ -293,7 +249,7 @@ inline checkpoint::SavedSafetensors save_safetensors(core::ShardedModel& model, 
   std::vector<std::pair<std::string, at::Tensor>> buffers;
   if (options.buffers) {
     for (const auto& b : model.root_module().named_buffers(/*recurse=*/true)) {
-      const auto file = checkpoint::detail::file_name_of({.file_name = options.file_name}, b.key());
+      const auto file = checkpoint::detail::file_name_of(options.file_name, b.key());
       if (!file) continue;
       buffers.emplace_back(*file, b.value());
       specs.push_back({*file, checkpoint::detail::saved_dtype(b.value().scalar_type(), options), b.value().sizes().vec()});
@@ -302,37 +258,40 @@ inline checkpoint::SavedSafetensors save_safetensors(core::ShardedModel& model, 
   model.wait_for_snapshots();
   checkpoint::SavedSafetensors saved;
   std::optional<checkpoint::SafetensorsWriter> out;
-  checkpoint::detail::collective_with_writer(world, 0, [&](const auto& guarded) {
-    if (writer) guarded([&] { out.emplace(dir, specs, options.files); });
-    for (size_t i = 0; i < model.num_units(); ++i) {
-      core::Unit& u = model.unit(i);
-      if (unit_names[i].empty()) continue;
-      const at::Tensor full = detail::gather_unit_shards(model, u);
-      if (!writer) continue;
-      guarded([&] {
-        const at::Tensor host = full.to(at::kCPU);
-        for (const auto& [p, name] : unit_names[i]) {
-          const at::Tensor t = host.narrow(0, p->offset, p->numel).view(p->shape);
-          out->write(name, t.to(checkpoint::detail::saved_dtype(t.scalar_type(), options)));
-        }
-      });
-    }
-    if (writer) {
-      guarded([&] {
-        for (const auto& [name, b] : buffers) out->write(name, b.to(at::kCPU, checkpoint::detail::saved_dtype(b.scalar_type(), options)));
-        saved = out->finish();
-      });
-    }
+  std::exception_ptr write_failure;  // rank 0's first; it keeps gathering without writing
+  const auto write = [&](auto&& fn) {
+    if (writer && !write_failure) write_failure = dist::capture_failure(fn);
+  };
+  write([&] { out.emplace(dir, specs, options.files); });
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    core::Unit& u = model.unit(i);
+    if (unit_names[i].empty()) continue;
+    detail::UnitGather gather;
+    dist::agree_on_outcome<Error>(world, dist::capture_failure([&] { gather = detail::unit_gather_buffers(u); }),
+                                  ::fsdpx::detail::str("allocating unit '", u.name(), "' whole to save it"));
+    model.mesh().shard_group().all_gather(gather.full, gather.input);
+    write([&] {
+      const at::Tensor host = gather.full.to(at::kCPU);
+      for (const auto& [p, name] : unit_names[i]) {
+        const at::Tensor t = host.narrow(0, p->offset, p->numel).view(p->shape);
+        out->write(name, t.to(checkpoint::detail::saved_dtype(t.scalar_type(), options)));
+      }
+    });
+  }
+  write([&] {
+    for (const auto& [name, b] : buffers) out->write(name, b.to(at::kCPU, checkpoint::detail::saved_dtype(b.scalar_type(), options)));
+    saved = out->finish();
   });
+  dist::agree_on_outcome<IoError>(world, write_failure, ::fsdpx::detail::str("writing the model's safetensors to '", dir.string(), "'"));
   return saved;
 }
 
 /// Writes a module's weights and buffers (not sharded) to `dir` in Hugging Face's safetensors layout.
-inline checkpoint::SavedSafetensors save_safetensors(torch::nn::Module& module, const std::filesystem::path& dir,
-                                                     const SafetensorsSaveOptions& options = {}) {
+inline checkpoint::SavedSafetensors save_model_safetensors(torch::nn::Module& module, const std::filesystem::path& dir,
+                                                           const SafetensorsSaveOptions& options = {}) {
   checkpoint::NamedTensors tensors;
   const auto add = [&](const std::string& key, const at::Tensor& t) {
-    const auto file = checkpoint::detail::file_name_of({.file_name = options.file_name}, key);
+    const auto file = checkpoint::detail::file_name_of(options.file_name, key);
     if (file) tensors.emplace_back(*file, t.detach().to(checkpoint::detail::saved_dtype(t.scalar_type(), options)));
   };
   for (const auto& p : module.named_parameters(/*recurse=*/true)) add(p.key(), p.value());

@@ -433,9 +433,10 @@ class SafetensorsDir {
       add_file(path);
       return;
     }
+    // As transformers: the single file when there is one, else the index.
     const fs::path index_path = path / (stem + ".safetensors.index.json");
-    if (!fs::exists(index_path, ec)) {
-      const fs::path single = path / (stem + ".safetensors");
+    const fs::path single = path / (stem + ".safetensors");
+    if (fs::exists(single, ec) || !fs::exists(index_path, ec)) {
       FSDPX_CHECK_AS(IoError, fs::exists(single, ec), "'", path.string(), "' holds neither ", single.filename().string(),
                      " nor ", index_path.filename().string());
       add_file(single);
@@ -448,7 +449,9 @@ class SafetensorsDir {
     if (::fstat(index_fd.get(), &st) != 0) detail::throw_io("stat of", index_path, errno);
     FSDPX_CHECK_AS(IoError, static_cast<uint64_t>(st.st_size) <= detail::max_header_bytes, "safetensors index '", doc,
                    "' has ", st.st_size, " bytes; an index is refused above ", detail::max_header_bytes);
-    const auto index = ::fsdpx::detail::parse_json(detail::read_text(index_path), doc);
+    std::string text(static_cast<size_t>(st.st_size), '\0');  // from the descriptor checked above
+    detail::read_exact(index_fd.get(), index_path, 0, text.data(), st.st_size, st.st_size);
+    const auto index = ::fsdpx::detail::parse_json(text, doc);
     const auto& weight_map = ::fsdpx::detail::json_at(index, "weight_map", doc);
     FSDPX_CHECK_AS(IoError, weight_map.is_object(), "safetensors index '", doc, "': \"weight_map\" is not an object");
     std::map<std::string, std::set<std::string>> by_file;

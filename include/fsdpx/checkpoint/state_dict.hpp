@@ -203,15 +203,7 @@ class SliceLoader {
     for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
     return s + "]";
   }
-  static std::string join(std::vector<std::string> v) {
-    std::sort(v.begin(), v.end());
-    v.erase(std::unique(v.begin(), v.end()), v.end());
-    std::string s;
-    const size_t shown = std::min<size_t>(v.size(), 12);
-    for (size_t i = 0; i < shown; ++i) s += (i ? ", " : "") + v[i];
-    if (v.size() > shown) s += ::fsdpx::detail::str(" and ", v.size() - shown, " more");
-    return s;
-  }
+  static std::string join(std::vector<std::string> v) { return ::fsdpx::detail::join_names(std::move(v), 12); }
 
   std::string what_;
   bool cast_floating_ = false;
@@ -319,13 +311,20 @@ inline StateDict local_state_dict(const core::ShardedModel& model) {
 }
 
 namespace detail {
-/// Unit `u`'s whole flat buffer of master values (the shards' dtype, not the compute-dtype copies the
-/// unit unshards into), on the unit's compute device. Collective over the shard group.
-inline at::Tensor gather_unit_shards(core::ShardedModel& model, core::Unit& u) {
+/// The buffers of a gather of unit `u`'s master values: the whole flat buffer (the shards' dtype, not
+/// the compute-dtype copies the unit unshards into) and this rank's input, on the unit's compute device.
+struct UnitGather {
+  at::Tensor full, input;
+};
+inline UnitGather unit_gather_buffers(const core::Unit& u) {
   const at::Device device = u.options().device;  // offloaded shards go through the device for the collective
-  at::Tensor full = at::empty({u.layout().padded_numel()}, u.shard().options().device(device));
-  model.mesh().shard_group().all_gather(full, u.shard().to(device));
-  return full;
+  return {at::empty({u.layout().padded_numel()}, u.shard().options().device(device)), u.shard().to(device)};
+}
+/// Unit `u`'s whole flat buffer of master values. Collective over the shard group.
+inline at::Tensor gather_unit_shards(core::ShardedModel& model, const core::Unit& u) {
+  UnitGather g = unit_gather_buffers(u);
+  model.mesh().shard_group().all_gather(g.full, g.input);
+  return g.full;
 }
 }  // namespace detail
 

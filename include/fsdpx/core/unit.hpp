@@ -60,10 +60,16 @@ class Unit {
                 "requires_grad after it did");
     const at::Device shard_device = options_.offload_to_cpu ? at::Device(at::kCPU) : options_.device;
     const auto shard_opts = at::TensorOptions().dtype(options_.shard_dtype).device(shard_device);
-    shard_ = empty_buffer(layout_.shard_numel(), shard_opts).zero_();  // host shards on huge pages
+    shard_ = empty_buffer(layout_.shard_numel(), shard_opts);  // host shards on huge pages
     if (options_.offload_to_cpu && options_.pin_memory && options_.device.is_cuda()) shard_ = shard_.pin_memory();
     const FlatRange mine = layout_.shard_range(shard_rank_);
     at::NoGradGuard no_grad;
+    // Every element is written once: the padding zeroed, the rest copied (a second pass over a large
+    // shard costs as much as the copy).
+    for (const FlatRange& gap : layout_.padding()) {
+      const int64_t lo = std::max(gap.begin, mine.begin), hi = std::min(gap.end, mine.end);
+      if (lo < hi) shard_.narrow(0, lo - mine.begin, hi - lo).zero_();
+    }
     for (const ParamInfo& p : layout_.params()) {
       // Shard values from the original parameter, never from a compute-dtype copy of it.
       const at::Tensor flat = p.param.detach().reshape({-1});

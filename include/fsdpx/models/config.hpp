@@ -8,6 +8,7 @@
 // Fields absent from the file take the defaults of the family's transformers config class.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
@@ -107,13 +108,14 @@ inline RopeConfig parse_rope(const ::fsdpx::detail::Json& j, const std::string& 
   using ::fsdpx::detail::json_find;
   RopeConfig r;
   // transformers 5 writes "rope_parameters" (holding rope_theta); 4.x wrote rope_theta and "rope_scaling".
+  // As transformers: "rope_scaling" (4.x) wins over "rope_parameters" when both are there.
   const ::fsdpx::detail::Json* params = nullptr;
-  std::string where = "rope_parameters";
-  if (const auto it = j.find("rope_parameters"); it != j.end() && !it->is_null()) {
-    params = &*it;
-  } else if (const auto s = j.find("rope_scaling"); s != j.end() && !s->is_null()) {
+  std::string where = "rope_scaling";
+  if (const auto s = j.find("rope_scaling"); s != j.end() && !s->is_null()) {
     params = &*s;
-    where = "rope_scaling";
+  } else if (const auto it = j.find("rope_parameters"); it != j.end() && !it->is_null()) {
+    params = &*it;
+    where = "rope_parameters";
   }
   r.theta = json_find<double>(j, "rope_theta", doc).value_or(r.theta);
   if (const auto f = json_find<double>(j, "partial_rotary_factor", doc); f && *f != 1.0) {
@@ -140,10 +142,11 @@ inline RopeConfig parse_rope(const ::fsdpx::detail::Json& j, const std::string& 
     r.low_freq_factor = ::fsdpx::detail::json_get<double>(*params, "low_freq_factor", pdoc);
     r.high_freq_factor = ::fsdpx::detail::json_get<double>(*params, "high_freq_factor", pdoc);
     FSDPX_CHECK(r.high_freq_factor != r.low_freq_factor, "'", doc, "': llama3 RoPE needs high_freq_factor != low_freq_factor");
-    const auto original = json_find<int64_t>(*params, "original_max_position_embeddings", pdoc);
+    // A top-level original_max_position_embeddings wins, as in transformers (Phi-3 writes it there).
+    const auto top = json_find<int64_t>(j, "original_max_position_embeddings", doc);
     r.original_max_position_embeddings =
-        original.value_or(json_find<int64_t>(j, "original_max_position_embeddings", doc)
-                              .value_or(json_find<int64_t>(j, "max_position_embeddings", doc).value_or(8192)));
+        top.value_or(json_find<int64_t>(*params, "original_max_position_embeddings", pdoc)
+                         .value_or(json_find<int64_t>(j, "max_position_embeddings", doc).value_or(8192)));
   }
   return r;
 }
@@ -162,6 +165,7 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
     throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "': model_type \"", c.model_type,
                                            "\" is not one fsdpx's decoder implements (llama, qwen2, qwen3)"));
   }
+  const bool llama = c.model_type == "llama", qwen2 = c.model_type == "qwen2", qwen3 = c.model_type == "qwen3";
   if (const auto arch = j.find("architectures"); arch != j.end() && arch->is_array()) {
     for (const auto& a : *arch) {
       const std::string name = ::fsdpx::detail::json_as<std::string>(a, "'" + doc + "': an architecture");
@@ -171,13 +175,15 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
       }
     }
   }
-  const bool llama = c.model_type == "llama", qwen2 = c.model_type == "qwen2", qwen3 = c.model_type == "qwen3";
   c.vocab_size = json_get<int64_t>(j, "vocab_size", doc);
   c.hidden_size = json_get<int64_t>(j, "hidden_size", doc);
   c.intermediate_size = json_get<int64_t>(j, "intermediate_size", doc);
   c.num_hidden_layers = json_get<int64_t>(j, "num_hidden_layers", doc);
   c.num_attention_heads = json_get<int64_t>(j, "num_attention_heads", doc);
-  c.num_key_value_heads = json_find<int64_t>(j, "num_key_value_heads", doc).value_or(c.num_attention_heads);
+  // Absent, Llama's class takes the attention heads, Qwen2's and Qwen3's their default of 32; null, all take the heads.
+  c.num_key_value_heads = j.contains("num_key_value_heads") || llama
+                              ? json_find<int64_t>(j, "num_key_value_heads", doc).value_or(c.num_attention_heads)
+                              : 32;
   for (const auto& [name, v] : {std::pair{"vocab_size", c.vocab_size}, {"hidden_size", c.hidden_size},
                                 {"intermediate_size", c.intermediate_size}, {"num_hidden_layers", c.num_hidden_layers},
                                 {"num_attention_heads", c.num_attention_heads}, {"num_key_value_heads", c.num_key_value_heads}}) {
@@ -214,8 +220,10 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   // Sliding-window layers (Qwen2/Qwen3): "sliding_window" counts only with "use_sliding_window".
   c.sliding_layers.assign(static_cast<size_t>(c.num_hidden_layers), false);
   if (qwen2 || qwen3) {
+    // Absent, the window is the classes' default of 4096; null, there is none.
     const bool use = json_find<bool>(j, "use_sliding_window", doc).value_or(false);
-    const std::optional<int64_t> window = use ? json_find<int64_t>(j, "sliding_window", doc) : std::nullopt;
+    const std::optional<int64_t> window =
+        !use ? std::nullopt : j.contains("sliding_window") ? json_find<int64_t>(j, "sliding_window", doc) : std::optional<int64_t>(4096);
     if (window) FSDPX_CHECK_AS(IoError, *window > 0, "'", doc, "': \"sliding_window\" is ", *window);
     if (const auto types = j.find("layer_types"); types != j.end() && !types->is_null()) {
       FSDPX_CHECK_AS(IoError, types->is_array() && static_cast<int64_t>(types->size()) == c.num_hidden_layers, "'", doc,
@@ -223,7 +231,10 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
       for (size_t i = 0; i < types->size(); ++i) {
         const std::string t = ::fsdpx::detail::json_as<std::string>((*types)[i], "'" + doc + "': a layer type");
         if (t != "full_attention" && t != "sliding_attention") detail::unsupported(doc, "the layer type \"" + t + "\"");
-        c.sliding_layers[i] = t == "sliding_attention" && window.has_value();
+        FSDPX_CHECK_AS(IoError, t == "full_attention" || window.has_value(), "'", doc, "': layer ", i,
+                       " is a sliding_attention layer but there is no window (\"use_sliding_window\" is false or "
+                       "\"sliding_window\" null)");
+        c.sliding_layers[i] = t == "sliding_attention";
       }
     } else if (window) {
       const int64_t from = json_find<int64_t>(j, "max_window_layers", doc).value_or(28);
@@ -250,48 +261,82 @@ inline DecoderConfig read_decoder_config(const std::filesystem::path& path) {
   return parse_decoder_config(::fsdpx::detail::parse_json(checkpoint::detail::read_text(file), file.string()), file.string());
 }
 
-/// The config.json an export writes: the one read (so fields fsdpx does not use survive) with the
-/// weights' dtype, or one written from `c` when it was built by hand.
+/// Whether `c` is a model its model_type's transformers class builds; ConfigError naming what is not.
+inline void check_expressible(const DecoderConfig& c) {
+  std::vector<std::string> why;
+  const auto need = [&](bool ok, const char* what) {
+    if (!ok) why.push_back(what);
+  };
+  if (c.model_type == "llama") {
+    need(c.qkv_bias == c.o_bias, "q/k/v and o_proj biases differ (Llama's attention_bias sets all four)");
+    need(!c.qk_norm, "q/k norms (Qwen3's)");
+  } else if (c.model_type == "qwen2") {
+    need(c.qkv_bias && !c.o_bias, "Qwen2 has q/k/v biases and no o_proj bias, always");
+    need(!c.mlp_bias, "MLP biases (Llama's mlp_bias)");
+    need(!c.qk_norm, "q/k norms (Qwen3's)");
+  } else if (c.model_type == "qwen3") {
+    need(c.qkv_bias == c.o_bias, "q/k/v and o_proj biases differ (Qwen3's attention_bias sets all four)");
+    need(c.qk_norm, "no q/k norms (Qwen3 always has them)");
+    need(!c.mlp_bias, "MLP biases (Llama's mlp_bias)");
+  } else {
+    why.push_back("model_type \"" + c.model_type + "\"");
+  }
+  if (c.model_type == "llama") need(c.sliding_layers.empty() || std::none_of(c.sliding_layers.begin(), c.sliding_layers.end(), [](bool b) { return b; }), "sliding-window layers (Qwen's)");
+  need(c.rope.type == "default" || c.rope.type == "linear" || c.rope.type == "llama3", "a RoPE type other than default, linear, llama3");
+  if (why.empty()) return;
+  std::string list;
+  for (const auto& w : why) list += "\n  " + w;
+  throw ConfigError(::fsdpx::detail::str("fsdpx: this DecoderConfig has switches transformers' ", causal_lm_architecture(c.model_type) ? causal_lm_architecture(c.model_type) : "classes",
+                                         " cannot express, so no config.json would describe the model:", list));
+}
+
+/// The config.json an export writes: every field fsdpx's decoder uses, from `c` (so a config changed
+/// after loading, e.g. a resized vocabulary, is written as it now is), over the config it was read from
+/// (whose other fields: token ids, generation defaults, survive); "dtype" names the weights written.
+/// ConfigError when `c` is not a model its model_type's class builds.
 inline ::fsdpx::detail::Json to_hf_config(const DecoderConfig& c, c10::ScalarType dtype) {
+  check_expressible(c);
   ::fsdpx::detail::Json j = c.source.is_object() ? c.source : ::fsdpx::detail::Json::object();
-  if (!c.source.is_object()) {
-    j["architectures"] = {causal_lm_architecture(c.model_type)};
-    j["model_type"] = c.model_type;
-    j["vocab_size"] = c.vocab_size;
-    j["hidden_size"] = c.hidden_size;
-    j["intermediate_size"] = c.intermediate_size;
-    j["num_hidden_layers"] = c.num_hidden_layers;
-    j["num_attention_heads"] = c.num_attention_heads;
-    j["num_key_value_heads"] = c.num_key_value_heads;
-    j["head_dim"] = c.head_dim;
-    j["rms_norm_eps"] = c.rms_norm_eps;
-    j["max_position_embeddings"] = c.max_position_embeddings;
-    j["hidden_act"] = "silu";
-    j["tie_word_embeddings"] = c.tie_word_embeddings;
-    j["attention_dropout"] = c.attention_dropout;
-    j["initializer_range"] = c.initializer_range;
-    j["pad_token_id"] = c.pad_token_id ? ::fsdpx::detail::Json(*c.pad_token_id) : ::fsdpx::detail::Json(nullptr);
-    if (c.model_type != "qwen2") j["attention_bias"] = c.o_bias;
-    if (c.model_type == "llama") j["mlp_bias"] = c.mlp_bias;
-    ::fsdpx::detail::Json rope = {{"rope_type", c.rope.type}, {"rope_theta", c.rope.theta}};
-    if (c.rope.type != "default") rope["factor"] = c.rope.factor;
-    if (c.rope.type == "llama3") {
-      rope["low_freq_factor"] = c.rope.low_freq_factor;
-      rope["high_freq_factor"] = c.rope.high_freq_factor;
-      rope["original_max_position_embeddings"] = c.rope.original_max_position_embeddings;
+  j["architectures"] = {causal_lm_architecture(c.model_type)};
+  j["model_type"] = c.model_type;
+  j["vocab_size"] = c.vocab_size;
+  j["hidden_size"] = c.hidden_size;
+  j["intermediate_size"] = c.intermediate_size;
+  j["num_hidden_layers"] = c.num_hidden_layers;
+  j["num_attention_heads"] = c.num_attention_heads;
+  j["num_key_value_heads"] = c.num_key_value_heads;
+  j["head_dim"] = c.head_dim;
+  j["rms_norm_eps"] = c.rms_norm_eps;
+  j["max_position_embeddings"] = c.max_position_embeddings;
+  j["hidden_act"] = "silu";
+  j["tie_word_embeddings"] = c.tie_word_embeddings;
+  j["attention_dropout"] = c.attention_dropout;
+  j["initializer_range"] = c.initializer_range;
+  j["pad_token_id"] = c.pad_token_id ? ::fsdpx::detail::Json(*c.pad_token_id) : ::fsdpx::detail::Json(nullptr);
+  if (c.model_type != "qwen2") j["attention_bias"] = c.o_bias;
+  if (c.model_type == "llama") j["mlp_bias"] = c.mlp_bias;
+  ::fsdpx::detail::Json rope = {{"rope_type", c.rope.type}, {"rope_theta", c.rope.theta}};
+  if (c.rope.type != "default") rope["factor"] = c.rope.factor;
+  if (c.rope.type == "llama3") {
+    rope["low_freq_factor"] = c.rope.low_freq_factor;
+    rope["high_freq_factor"] = c.rope.high_freq_factor;
+    rope["original_max_position_embeddings"] = c.rope.original_max_position_embeddings;
+  }
+  j["rope_parameters"] = rope;
+  // transformers 4.x's spelling, kept in step where the source had it (4.x reads only these).
+  if (j.contains("rope_theta")) j["rope_theta"] = c.rope.theta;
+  if (j.contains("rope_scaling")) j["rope_scaling"] = c.rope.type == "default" ? ::fsdpx::detail::Json(nullptr) : rope;
+  j.erase("original_max_position_embeddings");  // it would win over rope_parameters' (see parse_rope)
+  if (c.model_type != "llama") {
+    bool any = false;
+    ::fsdpx::detail::Json types = ::fsdpx::detail::Json::array();
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      any = any || c.is_sliding(i);
+      types.push_back(c.is_sliding(i) ? "sliding_attention" : "full_attention");
     }
-    j["rope_parameters"] = rope;
-    if (c.model_type != "llama") {
-      bool any = false;
-      ::fsdpx::detail::Json types = ::fsdpx::detail::Json::array();
-      for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
-        any = any || c.is_sliding(i);
-        types.push_back(c.is_sliding(i) ? "sliding_attention" : "full_attention");
-      }
-      j["layer_types"] = types;
-      j["use_sliding_window"] = any;
-      j["sliding_window"] = any ? ::fsdpx::detail::Json(c.sliding_window) : ::fsdpx::detail::Json(nullptr);
-    }
+    j["layer_types"] = types;
+    j["use_sliding_window"] = any;
+    j["sliding_window"] = any ? ::fsdpx::detail::Json(c.sliding_window) : ::fsdpx::detail::Json(nullptr);
   }
   // transformers 5 reads "dtype", 4.x "torch_dtype": both name the weights as written.
   j["dtype"] = detail::torch_dtype_name(dtype);

@@ -100,15 +100,21 @@ class Rotary {
 
   /// cos and sin [batch or 1, seq, head_dim] of `positions` [batch or 1, seq], cast to `dtype`.
   std::pair<at::Tensor, at::Tensor> cos_sin(const at::Tensor& positions, at::ScalarType dtype) const {
-    const at::Tensor freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq().to(positions.device());
+    const at::Tensor freqs = positions.unsqueeze(-1).to(at::kFloat) * inv_freq(positions.device());
     const at::Tensor emb = at::cat({freqs, freqs}, -1);
     return {emb.cos().to(dtype), emb.sin().to(dtype)};
   }
 
-  /// [head_dim / 2] float32 on the CPU; derived from the config (not a buffer: never saved).
-  const at::Tensor& inv_freq() const {
-    std::call_once(cache_->once, [this] { cache_->inv_freq = compute(); });
-    return cache_->inv_freq;
+  /// [head_dim / 2] float32 on `device`; derived from the config (not a buffer: never saved). Kept per
+  /// device, so a GPU forward does not copy it from the host (and wait for the copy) every time.
+  at::Tensor inv_freq(at::Device device = at::kCPU) const {
+    std::lock_guard lock(cache_->mutex);
+    if (!cache_->cpu.defined()) cache_->cpu = compute();
+    if (device.is_cpu()) return cache_->cpu;
+    for (const auto& [d, t] : cache_->on_device) {
+      if (d == device) return t;
+    }
+    return cache_->on_device.emplace_back(device, cache_->cpu.to(device)).second;
   }
 
  private:
@@ -132,8 +138,9 @@ class Rotary {
   }
 
   struct Cache {
-    std::once_flag once;
-    at::Tensor inv_freq;
+    std::mutex mutex;
+    at::Tensor cpu;
+    std::vector<std::pair<at::Device, at::Tensor>> on_device;
   };
   int64_t head_dim_;
   RopeConfig rope_;
@@ -179,10 +186,19 @@ struct AttentionImpl : torch::nn::Module {
     const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
     q = q * c + rotate_half(q) * s;
     k = k * c + rotate_half(k) * s;
+    at::Tensor keys = k, values = v;
+    // With a mask, the kernels that take one (memory-efficient) do not group heads: expand the key and
+    // value heads as transformers' repeat_kv does, rather than fall back to the math kernel.
+    const bool grouped = kv_heads != heads;
+    if (mask.defined() && grouped) {
+      const int64_t groups = heads / kv_heads;
+      keys = k.unsqueeze(2).expand({batch, kv_heads, groups, seq, head_dim}).reshape({batch, heads, seq, head_dim});
+      values = v.unsqueeze(2).expand({batch, kv_heads, groups, seq, head_dim}).reshape({batch, heads, seq, head_dim});
+    }
     const at::Tensor y = at::scaled_dot_product_attention(
-        q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, is_training() ? dropout : 0.0,
+        q, keys, values, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, is_training() ? dropout : 0.0,
         /*is_causal=*/!mask.defined() && seq > 1, std::pow(static_cast<double>(head_dim), -0.5),
-        /*enable_gqa=*/kv_heads != heads);
+        /*enable_gqa=*/grouped && !mask.defined());
     return o_proj(y.transpose(1, 2).reshape({batch, seq, heads * head_dim}));
   }
   int64_t heads, kv_heads, head_dim;
@@ -251,9 +267,16 @@ struct DecoderModelImpl : torch::nn::Module {
     return norm(h);
   }
 
-  /// Causal masks, with padding and sliding windows when there are any; undefined when causal suffices.
-  AttentionMasks make_masks(const at::Tensor& attention_mask, int64_t seq, at::Device device) const {
-    const bool any_sliding = std::any_of(config.sliding_layers.begin(), config.sliding_layers.end(), [](bool b) { return b; });
+  /// Causal masks, with padding and sliding windows where they change anything; undefined when causal
+  /// suffices (SDPA's is_causal, and its fastest kernels). As transformers, a padding mask of all ones
+  /// is no mask (one look at it), and a window at least as long as the sequence is no window.
+  AttentionMasks make_masks(at::Tensor attention_mask, int64_t seq, at::Device device) const {
+    const bool any_sliding = seq > config.sliding_window &&
+                             std::any_of(config.sliding_layers.begin(), config.sliding_layers.end(), [](bool b) { return b; });
+    if (attention_mask.defined() && attention_mask.dim() == 2 && attention_mask.size(1) == seq &&
+        attention_mask.all().item<bool>()) {
+      attention_mask = at::Tensor();
+    }
     if (!attention_mask.defined() && !any_sliding) return {};
     const auto idx = at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device));
     const at::Tensor q = idx.unsqueeze(1), k = idx.unsqueeze(0);
@@ -265,7 +288,7 @@ struct DecoderModelImpl : torch::nn::Module {
     }
     AttentionMasks masks;
     masks.full = attention_mask.defined() ? causal : at::Tensor();
-    if (any_sliding) masks.sliding = causal & (k > q - config.sliding_window).view({1, 1, seq, seq});
+    masks.sliding = any_sliding ? causal & (k > q - config.sliding_window).view({1, 1, seq, seq}) : masks.full;
     return masks;
   }
 

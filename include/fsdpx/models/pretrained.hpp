@@ -28,6 +28,7 @@
 #include <fsdpx/checkpoint/safetensors.hpp>
 #include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/fsdp.hpp>
+#include <fsdpx/dist/outcome.hpp>
 #include <fsdpx/models/config.hpp>
 #include <fsdpx/models/decoder.hpp>
 
@@ -152,14 +153,14 @@ SafetensorsLoadReport load_pretrained(Sharded& model, const fs::path& dir, const
   const DecoderConfig& config = model->config;
   detail::check_same_architecture(config, read_decoder_config(dir), dir);
   checkpoint::SafetensorsDir files(dir);
-  return load_safetensors_into(model.sharded(), files, detail::load_options(config, options));
+  return load_model_safetensors(model.sharded(), files, detail::load_options(config, options));
 }
 
 /// Loads the weights of the Hugging Face folder `dir` into a CausalLM that is not sharded.
 inline SafetensorsLoadReport load_pretrained(CausalLM& model, const fs::path& dir, const LoadPretrainedOptions& options = {}) {
   detail::check_same_architecture(model->config, read_decoder_config(dir), dir);
   checkpoint::SafetensorsDir files(dir);
-  return load_safetensors_into(*model, files, detail::load_options(model->config, options));
+  return load_model_safetensors(*model, files, detail::load_options(model->config, options));
 }
 
 /// A sharded CausalLM with the weights of the Hugging Face folder `dir`: built with deferred_init (no
@@ -173,7 +174,11 @@ Sharded from_pretrained(const fs::path& dir, dist::AnyCommunicator world, FsdpOp
   const DecoderConfig config = read_decoder_config(dir);
   if (!options.init_module) options.init_module = load.strict ? ModuleInit(skip_init) : init_module(config);
   Sharded model(deferred_init<CausalLM>(config), std::move(world), std::move(options));
-  const SafetensorsLoadReport r = load_pretrained(model, dir, load);
+  SafetensorsLoadReport r;
+  // A rank whose read fails (the same files fail alike everywhere; a flaky mount may not) must not
+  // leave the others waiting in the first gather of training.
+  dist::agree_on_outcome<IoError>(model.sharded().mesh().world(), dist::capture_failure([&] { r = load_pretrained(model, dir, load); }),
+                                  "loading '" + dir.string() + "'");
   if (report != nullptr) *report = r;
   return model;
 }
@@ -201,8 +206,8 @@ inline SafetensorsSaveOptions save_options(const DecoderConfig& c, at::ScalarTyp
 }
 
 /// config.json and the source folder's other files, after the weights.
-inline void write_folder_files(const DecoderConfig& c, at::ScalarType dtype, const fs::path& out, const SavePretrainedOptions& o) {
-  checkpoint::detail::write_text_durably(out / "config.json", to_hf_config(c, dtype).dump(2) + "\n");
+inline void write_folder_files(const ::fsdpx::detail::Json& config, const fs::path& out, const SavePretrainedOptions& o) {
+  checkpoint::detail::write_text_durably(out / "config.json", config.dump(2) + "\n");
   if (!o.source_dir.empty()) {
     checkpoint::copy_model_files(o.source_dir, out, {.follow_symlinks = true, .skip = [](const std::string& n) { return n == "config.json"; }});
   }
@@ -219,19 +224,21 @@ template <class Sharded>
 checkpoint::SavedSafetensors save_pretrained(Sharded& model, const fs::path& out, const SavePretrainedOptions& options = {}) {
   const DecoderConfig& config = model->config;
   const at::ScalarType dtype = options.dtype.value_or(config.dtype);
-  const auto saved = save_safetensors(model.sharded(), out, detail::save_options(config, dtype, options));
+  const ::fsdpx::detail::Json hf_config = to_hf_config(config, dtype);  // refuses what transformers cannot express, before any write
+  const auto saved = save_model_safetensors(model.sharded(), out, detail::save_options(config, dtype, options));
   auto& world = model.sharded().mesh().world();
-  checkpoint::detail::collective_with_writer(world, 0, [&](const auto& guarded) {
-    if (world.rank() == 0) guarded([&] { detail::write_folder_files(config, dtype, out, options); });
-  });
+  std::exception_ptr failure;
+  if (world.rank() == 0) failure = dist::capture_failure([&] { detail::write_folder_files(hf_config, out, options); });
+  dist::agree_on_outcome<IoError>(world, failure, "writing the model folder '" + out.string() + "'");
   return saved;
 }
 
 /// Writes a CausalLM that is not sharded as a Hugging Face folder `out`.
 inline checkpoint::SavedSafetensors save_pretrained(CausalLM& model, const fs::path& out, const SavePretrainedOptions& options = {}) {
   const at::ScalarType dtype = options.dtype.value_or(model->config.dtype);
-  const auto saved = save_safetensors(*model, out, detail::save_options(model->config, dtype, options));
-  detail::write_folder_files(model->config, dtype, out, options);
+  const ::fsdpx::detail::Json hf_config = to_hf_config(model->config, dtype);
+  const auto saved = save_model_safetensors(*model, out, detail::save_options(model->config, dtype, options));
+  detail::write_folder_files(hf_config, out, options);
   return saved;
 }
 
@@ -273,7 +280,7 @@ inline std::optional<checkpoint::NamedTensors> rename_for_config(checkpoint::Nam
   }
   if (problems.empty()) return tensors;
   why = ::fsdpx::detail::str("the checkpoint's tensors are not those of its config.json (model_type \"", c.model_type, "\"): ",
-                             checkpoint::detail::list_names(problems));
+                             ::fsdpx::detail::join_names(problems));
   return std::nullopt;
 }
 

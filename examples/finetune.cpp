@@ -1,0 +1,229 @@
+// finetune: a pretrained Hugging Face model (Llama, Qwen2, Qwen3) fine-tuned sharded with fsdpx, with
+// background checkpoints and --resume, and handed back as a Hugging Face folder.
+//
+//   mpiexec -n 2 finetune --model DIR --data tokens.bin --out OUT_DIR [--steps 100] [--batch 8] [--seq 256]
+//                         [--lr 2e-5] [--warmup 10] [--save-every 50] [--ckpt-dir DIR] [--resume] [--bf16]
+//   torchrun --nproc-per-node=8 --no-python finetune ...        (GPUs: NCCL, one GPU per rank)
+//
+// --model   a folder with config.json and model.safetensors (or an index and its files), as
+//           save_pretrained writes it or the Hugging Face cache holds it
+// --data    token ids, little-endian, back to back (--data-dtype uint16, uint32 or int64; default uint32)
+// --out     where the fine-tuned model goes: safetensors in transformers' names, config.json and the
+//           source folder's tokenizer and generation files; transformers' from_pretrained loads it
+//
+// Loading: the model is built with deferred_init and each rank reads from the files only the bytes of
+// its own shards, so no rank ever holds the whole model. Training: AdamW over the shards (no weight
+// decay on norms and biases), a cosine schedule with warmup, global-norm clipping at 1.0 (TrainStep).
+// Each step's batch is --batch windows of --seq tokens drawn from the data by the step's seed (each
+// token predicts the next), the same whatever the world size, so a resumed run continues the same
+// sequence of batches.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <torch/optim.h>
+
+#include <fsdpx/fsdp.hpp>
+#include <fsdpx/models.hpp>
+
+#include "common/launch.hpp"
+
+namespace fs = std::filesystem;
+namespace models = fsdpx::models;
+
+namespace {
+
+struct Args {
+  std::string model, data, out;
+  std::string data_dtype = "uint32";
+  int64_t steps = 100;
+  int64_t stop_after = 0;  // > 0: stop after this step (an interrupted run); the schedule still spans --steps
+  int64_t batch = 8;       // windows per step, over all ranks
+  int64_t seq = 256;
+  double lr = 2e-5;
+  int64_t warmup = 10;
+  int64_t save_every = 50;
+  std::string ckpt_dir = "finetune_checkpoints";
+  bool resume = false;
+  bool bf16 = false;
+};
+
+/// A file of token ids read in windows by positioned reads (a corpus may be far larger than memory).
+class TokenFile {
+ public:
+  TokenFile(const fs::path& path, const std::string& dtype) : path_(path), fd_(path, O_RDONLY) {
+    if (dtype == "uint16") {
+      type_ = at::kUInt16;
+    } else if (dtype == "uint32") {
+      type_ = at::kUInt32;
+    } else if (dtype == "int64") {
+      type_ = at::kLong;
+    } else {
+      FSDPX_CHECK(false, "finetune: --data-dtype must be uint16, uint32 or int64, not '", dtype, "'");
+    }
+    struct stat st {};
+    FSDPX_CHECK_AS(fsdpx::IoError, ::fstat(fd_.get(), &st) == 0, "finetune: cannot stat --data '", path.string(), "'");
+    const int64_t width = static_cast<int64_t>(c10::elementSize(type_));
+    FSDPX_CHECK_AS(fsdpx::IoError, S_ISREG(st.st_mode) && st.st_size % width == 0, "finetune: --data '", path.string(),
+                   "' is not a file of ", dtype, " token ids (", st.st_size, " bytes)");
+    tokens_ = st.st_size / width;
+  }
+  int64_t size() const { return tokens_; }
+
+  /// `count` windows of `length` tokens starting at `starts[i]`, as int64 [count, length].
+  at::Tensor windows(const std::vector<int64_t>& starts, int64_t length) const {
+    const int64_t width = static_cast<int64_t>(c10::elementSize(type_));
+    at::Tensor raw = at::empty({static_cast<int64_t>(starts.size()), length}, at::TensorOptions().dtype(type_));
+    for (size_t i = 0; i < starts.size(); ++i) {
+      auto* p = static_cast<char*>(raw[static_cast<int64_t>(i)].data_ptr());
+      int64_t done = 0;
+      while (done < length * width) {
+        const ssize_t k = ::pread(fd_.get(), p + done, static_cast<size_t>(length * width - done), starts[i] * width + done);
+        FSDPX_CHECK_AS(fsdpx::IoError, k > 0, "finetune: reading --data '", path_.string(), "' failed");
+        done += k;
+      }
+    }
+    return raw.to(at::kLong);
+  }
+
+ private:
+  fs::path path_;
+  fsdpx::checkpoint::detail::Fd fd_;  // closes itself, also when the constructor throws
+  at::ScalarType type_ = at::kUInt32;
+  int64_t tokens_ = 0;
+};
+
+template <class Sharded>
+int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device) {
+  const bool lead = world.rank() == 0;
+  const int W = world.size();
+  FSDPX_CHECK(args.batch % W == 0, "finetune: --batch ", args.batch, " must be a multiple of the world size ", W);
+  const TokenFile data(args.data, args.data_dtype);
+  FSDPX_CHECK(data.size() > args.seq + 1, "finetune: --data holds ", data.size(), " tokens, fewer than one window of --seq + 1");
+
+  const auto load_start = std::chrono::steady_clock::now();
+  fsdpx::SafetensorsLoadReport loaded;
+  auto model = models::from_pretrained<Sharded>(args.model, world, {.device = device}, {}, &loaded);
+  const auto& config = model->config;
+  if (lead) {
+    int64_t params = 0;
+    for (const auto& t : models::hf_tensors(config)) params += c10::multiply_integers(t.shape);
+    std::printf("finetune: %s (%s, %.1fM parameters) loaded in %.2f s over %d ranks (%s); rank 0 read %.1f MiB; %s\n",
+                args.model.c_str(), config.model_type.c_str(), params / 1e6,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count(), W,
+                std::string(world.backend_name()).c_str(), loaded.bytes_read / 1048576.0,
+                fsdpx::examples::memory_line(device).c_str());
+  }
+
+  auto optimizer = fsdpx::make_adamw(model, torch::optim::AdamWOptions(args.lr).weight_decay(0.1));
+  fsdpx::LrScheduler scheduler(optimizer, fsdpx::LrSchedule::cosine(args.warmup, args.steps, /*min_lr_ratio=*/0.1));
+  int64_t start = 0;
+  if (args.resume) {
+    if (const auto info = fsdpx::load_checkpoint(args.ckpt_dir, model, optimizer, scheduler)) {
+      start = info->step;
+      if (lead) std::printf("finetune: resumed from step %lld of %s (saved by %d ranks)\n", static_cast<long long>(start),
+                            args.ckpt_dir.c_str(), info->saved_world_size);
+    } else if (lead) {
+      std::printf("finetune: no checkpoint in %s: starting from the pretrained weights\n", args.ckpt_dir.c_str());
+    }
+  }
+#if defined(FSDPX_WITH_BOOST)
+  std::optional<fsdpx::CheckpointCoordinator> ckpt;
+  // Every step's huggingface/ gets the model folder's config and tokenizer files (never its weights),
+  // so fsdpx-merge turns any step into a Hugging Face folder.
+  if (args.save_every > 0) ckpt.emplace(args.ckpt_dir, model, fsdpx::CheckpointOptions{.max_to_keep = 2, .huggingface_dir = args.model});
+#else
+  FSDPX_CHECK(args.save_every == 0, "finetune: fsdpx was built without Boost, so it cannot save checkpoints; pass --save-every 0");
+#endif
+  fsdpx::TrainStep<Sharded> train_step(model, optimizer, &scheduler, {.max_grad_norm = 1.0});
+
+  const int64_t per_rank = args.batch / W, last = args.stop_after > 0 ? std::min(args.stop_after, args.steps) : args.steps;
+  double first_loss = -1, last_loss = 0;
+  for (int64_t step = start + 1; step <= last; ++step) {
+    const auto t0 = std::chrono::steady_clock::now();
+    at::manual_seed(step);  // the step's windows, whichever run or world size draws them
+    const at::Tensor starts_t = at::randint(data.size() - args.seq, {args.batch}, at::kLong);
+    std::vector<int64_t> starts;
+    for (int64_t i = 0; i < per_rank; ++i) starts.push_back(starts_t[world.rank() * per_rank + i].item<int64_t>());
+    const at::Tensor ids = data.windows(starts, args.seq).to(device);
+    const auto [lo, hi] = at::aminmax(ids);
+    FSDPX_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < config.vocab_size, "finetune: --data holds token ids in [",
+                lo.item<int64_t>(), ", ", hi.item<int64_t>(), "], outside the model's vocabulary [0, ", config.vocab_size, ")");
+    const at::Tensor loss = model.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor());
+    loss.backward();
+    const fsdpx::StepReport report = train_step.optimizer_step();
+    auto mean = loss.detach().to(at::kDouble).reshape({1});
+    world.all_reduce(mean, fsdpx::dist::ReduceOp::avg);
+    const double l = mean.item<double>();
+    if (first_loss < 0) first_loss = l;
+    last_loss = l;
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (lead) {
+      std::printf("step %4lld  loss %.4f  lr %.3g  grad-norm %.3f  %.0f tokens/s  %s\n", static_cast<long long>(step), l, report.lr,
+                  report.grad_norm.value_or(0.0), static_cast<double>(args.batch * args.seq) / seconds,
+                  fsdpx::examples::memory_line(device).c_str());
+      std::fflush(stdout);
+    }
+#if defined(FSDPX_WITH_BOOST)
+    if (ckpt && step % args.save_every == 0) ckpt->save(step, model, optimizer, scheduler);
+#endif
+  }
+#if defined(FSDPX_WITH_BOOST)
+  if (ckpt) ckpt->wait();
+#endif
+  if (last < args.steps) {
+    if (lead) std::printf("finetune: stopped after step %lld of %lld (--stop-after); resume with --resume\n",
+                          static_cast<long long>(last), static_cast<long long>(args.steps));
+    return 0;
+  }
+  const auto saved = models::save_pretrained(model, args.out, {.source_dir = args.model});
+  if (lead) {
+    std::printf("finetune: loss %.4f -> %.4f; wrote %s (%zu safetensors files, %.1f MiB of %s weights)\n", first_loss, last_loss,
+                args.out.c_str(), saved.files.size(), saved.total_size / 1048576.0, c10::toString(config.dtype));
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  Args args;
+  CLI::App app{"finetune: a pretrained Hugging Face model (Llama, Qwen2, Qwen3) fine-tuned sharded with fsdpx"};
+  app.add_option("--model", args.model, "Hugging Face model folder (config.json + safetensors)")->required()->check(CLI::ExistingDirectory);
+  app.add_option("--data", args.data, "token ids, little-endian, back to back")->required()->check(CLI::ExistingFile);
+  app.add_option("--out", args.out, "where the fine-tuned Hugging Face folder goes")->required();
+  app.add_option("--data-dtype", args.data_dtype, "uint16, uint32 or int64")->capture_default_str();
+  app.add_option("--steps", args.steps, "optimizer steps (the schedule's length)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--stop-after", args.stop_after, "stop after this step (an interrupted run; resume with --resume)");
+  app.add_option("--batch", args.batch, "windows per step, over all ranks")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--seq", args.seq, "tokens per window")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--lr", args.lr, "peak learning rate")->capture_default_str();
+  app.add_option("--warmup", args.warmup, "warmup steps")->capture_default_str();
+  app.add_option("--save-every", args.save_every, "checkpoint every N steps (0: never)")->capture_default_str();
+  app.add_option("--ckpt-dir", args.ckpt_dir, "checkpoint root")->capture_default_str();
+  app.add_flag("--resume", args.resume, "continue from the newest checkpoint in --ckpt-dir");
+  app.add_flag("--bf16", args.bf16, "compute in bfloat16 (float32 masters and gradient reduction)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+  auto [world, device] = fsdpx::examples::init_world();
+  using Wrap = fsdpx::WrapModules<models::DecoderLayerImpl>;
+  if (args.bf16) {
+    return run<fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::BF16Mixed, fsdpx::ShardedStateDict, Wrap>>(
+        args, world, device);
+  }
+  return run<fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision, fsdpx::ShardedStateDict, Wrap>>(
+      args, world, device);
+} catch (const std::exception& e) {
+  return fsdpx::examples::report_failure("finetune", e);
+}
