@@ -5,7 +5,10 @@
 // for the Python side to compare bit for bit. Each version waits until Python acknowledges it
 // (ack_<version>), so Python receives every one.
 //
-//   python_peer_program <work dir> <versions>
+//   python_peer_program <work dir> <versions> [Hugging Face model folder]
+//
+// With a model folder the trainer is fsdpx's decoder loaded from it (models::from_pretrained), and
+// Python receives into transformers' own class of that model, by name.
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
@@ -15,6 +18,7 @@
 
 #include <fsdpx/checkpoint/safetensors.hpp>
 #include <fsdpx/fsdp.hpp>
+#include <fsdpx/models.hpp>
 #include <fsdpx/sync.hpp>
 
 #include "../core/models.hpp"
@@ -22,54 +26,79 @@
 using namespace fsdpx;
 namespace fs = std::filesystem;
 
+namespace {
+
+/// Publishes `versions` versions of `fsdp`'s weights (bfloat16 parameters, float32 buffers), one
+/// training step apart (`train(v)`), each written to expected_<v>.safetensors first and held until
+/// Python acknowledges it.
+template <class Sharded, class Train>
+void serve(Sharded& fsdp, dist::AnyCommunicator& world, const fs::path& work, int versions, Train&& train) {
+  std::unique_ptr<sync::SynchronizerServer> server;
+  if (world.rank() == 0) {
+    server = std::make_unique<sync::SynchronizerServer>();  // the secret comes from FSDPX_SYNC_SECRET
+    std::ofstream(work / "port.tmp") << server->port() << "\n";
+    fs::rename(work / "port.tmp", work / "port");
+  }
+  for (int v = 1; v <= versions; ++v) {
+    train(v);
+    const auto weights = sync::gather_full_state_dict(fsdp, world.rank() == 0, {.dtype = at::kBFloat16});
+    if (world.rank() == 0) {
+      checkpoint::NamedTensors expected;
+      for (const auto& t : weights) expected.emplace_back(t.name, t.tensor.contiguous());
+      checkpoint::save_safetensors(work, expected, {.name = "expected_" + std::to_string(v)});
+      server->publish(v, weights);
+      const fs::path ack = work / ("ack_" + std::to_string(v));
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+      while (!fs::exists(ack) && !fs::exists(work / "abort")) {
+        if (std::chrono::steady_clock::now() > give_up) {
+          throw std::runtime_error("the Python receiver did not acknowledge version " + std::to_string(v));
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      if (fs::exists(work / "abort")) throw std::runtime_error("the Python receiver gave up");
+    }
+    world.barrier();
+  }
+}
+
+}  // namespace
+
 int main(int argc, char** argv) {
-  if (argc != 3) {
-    std::fprintf(stderr, "usage: %s <work dir> <versions>\n", argv[0]);
+  if (argc != 3 && argc != 4) {
+    std::fprintf(stderr, "usage: %s <work dir> <versions> [Hugging Face model folder]\n", argv[0]);
     return 2;
   }
   const fs::path work = argv[1];
   const int versions = std::stoi(argv[2]);
   try {
     dist::AnyCommunicator world(dist::MpiCommunicator::world());
+    if (argc == 4) {  // a pretrained model, fine-tuned; Python receives into transformers' own class
+      using Hf = Fsdp<models::CausalLM, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<models::DecoderLayerImpl>>;
+      auto fsdp = models::from_pretrained<Hf>(argv[3], world);
+      auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-2));
+      serve(fsdp, world, work, versions, [&](int v) {
+        at::manual_seed(100 + v);
+        const auto ids = at::randint(1, fsdp->config.vocab_size, {2 * world.size(), 12}, at::kLong).narrow(0, 2 * world.rank(), 2);
+        optimizer.zero_grad();
+        fsdp.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()).backward();
+        optimizer.step();
+      });
+      return 0;
+    }
     const test::GptConfig c{.vocab = 61, .seq = 16, .dim = 32, .heads = 4, .layers = 2, .tied = false};
     at::manual_seed(1);
     test::Gpt model(c);
     model->register_buffer("step_count", at::zeros({2}));
     Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>> fsdp(model, world);
     auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-2));
-
-    std::unique_ptr<sync::SynchronizerServer> server;
-    if (world.rank() == 0) {
-      server = std::make_unique<sync::SynchronizerServer>();  // the secret comes from FSDPX_SYNC_SECRET
-      std::ofstream(work / "port.tmp") << server->port() << "\n";
-      fs::rename(work / "port.tmp", work / "port");
-    }
-    for (int v = 1; v <= versions; ++v) {
+    serve(fsdp, world, work, versions, [&](int v) {
       at::manual_seed(100 + v);
       auto tokens = at::randint(c.vocab, {2 * world.size(), c.seq + 1}, at::kLong).narrow(0, 2 * world.rank(), 2);
       optimizer.zero_grad();
       fsdp(tokens.narrow(1, 0, c.seq).contiguous(), tokens.narrow(1, 1, c.seq).contiguous()).backward();
       optimizer.step();
       model->named_buffers()["step_count"].fill_(v);
-      const auto weights = sync::gather_full_state_dict(fsdp, world.rank() == 0, {.dtype = at::kBFloat16});
-      if (world.rank() == 0) {
-        checkpoint::NamedTensors expected;
-        for (const auto& t : weights) expected.emplace_back(t.name, t.tensor.contiguous());
-        checkpoint::save_safetensors(work, expected,
-                                     {.metadata = {{"buffers", "step_count"}}, .name = "expected_" + std::to_string(v)});
-        server->publish(v, weights);
-        const fs::path ack = work / ("ack_" + std::to_string(v));
-        const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-        while (!fs::exists(ack) && !fs::exists(work / "abort")) {
-          if (std::chrono::steady_clock::now() > give_up) {
-            throw std::runtime_error("the Python receiver did not acknowledge version " + std::to_string(v));
-          }
-          std::this_thread::sleep_for(std::chrono::milliseconds(20));
-        }
-        if (fs::exists(work / "abort")) throw std::runtime_error("the Python receiver gave up");
-      }
-      world.barrier();
-    }
+    });
     return 0;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "python_peer_program: %s\n", e.what());

@@ -1,9 +1,13 @@
 """The Python receiver against a C++ trainer (label "sync"): fsdpx_sync is pip-installed into a
 temporary directory, then receives every version a 2-rank fsdpx trainer publishes, with its secret,
 bit-exact against what the trainer wrote, buffers included, and loads each into a torch module by
-name with the strict check. A wrong secret is refused.
+name with the strict check. A wrong secret is refused. With --hf-model, a second trainer fine-tunes
+that Hugging Face model (fsdpx's decoder, loaded with models::from_pretrained) and Python receives every
+version into transformers' own class of the model, by name, strict (its tied head needs no copy of its
+own), bit-exact.
 
-    python_receiver_test.py --package <python/> --program <python_peer_program> --mpiexec <mpiexec> [flags...]
+    python_receiver_test.py --package <python/> --program <python_peer_program> --mpiexec <mpiexec>
+                            --work <dir> [--hf-model <folder>] [-- mpiexec flags...]
 """
 
 import argparse
@@ -23,6 +27,7 @@ def main() -> int:
     ap.add_argument("--program", required=True)
     ap.add_argument("--mpiexec", required=True)
     ap.add_argument("--work", required=True)
+    ap.add_argument("--hf-model")
     ap.add_argument("mpiexec_flags", nargs="*")
     args = ap.parse_args()
 
@@ -57,8 +62,55 @@ def main() -> int:
 
     secret = "python-receiver-test-secret"
     env = dict(os.environ, FSDPX_SYNC_SECRET=secret)
-    trainer = subprocess.Popen([args.mpiexec, *args.mpiexec_flags, "-n", "2", args.program, args.work, str(VERSIONS)],
-                               env=env)
+    state = {"module": None}
+
+    def check_gpt(v, weights, expected):
+        got = weights.named()
+        assert got["step_count"].dtype == torch.float32 and torch.all(got["step_count"] == v)
+        if state["module"] is None:
+            module = state["module"] = build_module(torch, expected, buffers={"step_count"})
+            # Strict: a name the module lacks is named in the error, and nothing is copied.
+            extra = torch.nn.Module()
+            extra.register_parameter("not_sent", torch.nn.Parameter(torch.zeros(1)))
+            module.add_module("extra", extra)
+            try:
+                weights.load_into(module)
+                raise AssertionError("a missing name was not reported")
+            except SyncError as e:
+                assert "missing: extra.not_sent" in str(e), e
+            del module.extra
+        module = state["module"]
+        weights.load_into(module)  # vLLM's load_weights takes the same pairs: iter(weights)
+        for name, t in module.state_dict().items():
+            assert torch.equal(t, expected[name].to(t.dtype)), f"version {v}: {name} was not loaded"
+
+    receive(args, [], env, secret, SyncClient, SyncError, load_file, torch, check_gpt, "a GPT")
+
+    if args.hf_model:
+        from transformers import AutoModelForCausalLM
+        hf = AutoModelForCausalLM.from_pretrained(args.hf_model, dtype=torch.float32)
+        tied = hf.config.tie_word_embeddings
+
+        def check_hf(v, weights, expected):
+            assert "lm_head.weight" not in weights.named() or not tied, "a tied head was sent twice"
+            weights.load_into(hf)  # strict, by transformers' own names
+            for name, t in hf.state_dict().items():
+                source = "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
+                assert torch.equal(t, expected[source].to(t.dtype)), f"version {v}: {name} was not loaded"
+
+        receive(args, [args.hf_model], env, secret, SyncClient, SyncError, load_file, torch, check_hf,
+                f"transformers' {type(hf).__name__}")
+    return 0
+
+
+def receive(args, program_args, env, secret, SyncClient, SyncError, load_file, torch, check, what):
+    """Starts the trainer, receives every version, checks it bit-exact against what the trainer wrote,
+    then `check(version, weights, expected)`."""
+    for f in os.listdir(args.work):
+        if f == "port" or f.startswith("ack_") or f.startswith("expected_") or f == "abort":
+            os.remove(os.path.join(args.work, f))
+    trainer = subprocess.Popen([args.mpiexec, *args.mpiexec_flags, "-n", "2", args.program, args.work, str(VERSIONS),
+                                *program_args], env=env)
     try:
         port_file = os.path.join(args.work, "port")
         deadline = time.monotonic() + 120
@@ -75,7 +127,6 @@ def main() -> int:
             assert "refused to let this client fetch" in str(e) and "authentication failed" in str(e), e
 
         client = SyncClient("127.0.0.1", port, secret=secret)
-        module = None
         have = -1
         for v in range(1, VERSIONS + 1):
             weights = client.fetch_newer(have, timeout=120)
@@ -87,24 +138,8 @@ def main() -> int:
                 r = got[name]
                 assert r.dtype == t.dtype and r.shape == t.shape, (name, r.dtype, t.dtype, r.shape, t.shape)
                 assert torch.equal(r.view(torch.uint8), t.view(torch.uint8)), f"version {v}: {name} differs"
-            assert got["step_count"].dtype == torch.float32 and torch.all(got["step_count"] == v)
             assert any(n.endswith("weight") and t.dtype == torch.bfloat16 for n, t in got.items())
-
-            if module is None:
-                module = build_module(torch, expected, buffers={"step_count"})
-                # Strict: a name the module lacks is named in the error, and nothing is copied.
-                extra = torch.nn.Module()
-                extra.register_parameter("not_sent", torch.nn.Parameter(torch.zeros(1)))
-                module.add_module("extra", extra)
-                try:
-                    weights.load_into(module)
-                    raise AssertionError("a missing name was not reported")
-                except SyncError as e:
-                    assert "missing: extra.not_sent" in str(e), e
-                del module.extra
-            weights.load_into(module)  # vLLM's load_weights takes the same pairs: iter(weights)
-            for name, t in module.state_dict().items():
-                assert torch.equal(t, expected[name].to(t.dtype)), f"version {v}: {name} was not loaded"
+            check(v, weights, expected)
             have = v
             open(os.path.join(args.work, f"ack_{v}"), "w").close()
         client.close()
@@ -118,9 +153,8 @@ def main() -> int:
             trainer.kill()
         raise
     from fsdpx_sync import checksum
-    print(f"python receiver: {VERSIONS} versions received bit-exact, buffers included (CRC-32C: "
+    print(f"python receiver, {what}: {VERSIONS} versions received bit-exact (CRC-32C: "
           f"{checksum.implementation()})")
-    return 0
 
 
 def build_module(torch, tensors, buffers):
