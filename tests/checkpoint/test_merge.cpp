@@ -249,3 +249,60 @@ TEST_CASE("merge: the commit record of the weights alone (\"complete\": false) i
   CHECK_THAT(merge_error(dir), Catch::Contains("commit record '" + config.string() + "'") &&
                                    Catch::Contains("model component is not committed"));
 }
+
+TEST_CASE("merge: a crafted commit record cannot make it allocate, wrap a number or overflow the stack", "[checkpoint][merge][errors]") {
+  TempDir tmp;
+  const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 2));
+  const fs::path config = dir / ckpt::config_file;
+  const std::string good = ckpt::detail::read_text(config);
+  const auto with = [&](const std::string& from, const std::string& to) {
+    std::string text = good;
+    const auto at = text.find(from);
+    REQUIRE(at != std::string::npos);
+    text.replace(at, from.size(), to);
+    ckpt::detail::write_text_durably(config, text);
+  };
+  with("\"world_size\": 2", "\"world_size\": 2000000000");  // would allocate per rank
+  CHECK_THAT(merge_error(dir), Catch::Contains("commit record '" + config.string() + "': world_size is 2000000000") &&
+                                   Catch::Contains("it must be in [1, 131072]"));
+  with("\"world_size\": 2", "\"world_size\": 4294967298");  // 2 once wrapped to 32 bits
+  CHECK_THAT(merge_error(dir), Catch::Contains("'" + config.string() + "': \"world_size\" must be an integer in") &&
+                                   Catch::Contains("not the integer 4294967298"));
+  with("\"world_size\": 2", "\"world_size\": -2");
+  CHECK_THAT(merge_error(dir), Catch::Contains("world_size is -2"));
+  with("\"world_size\": 2", "\"world_size\": 2.5");
+  CHECK_THAT(merge_error(dir), Catch::Contains("\"world_size\" must be an integer") && Catch::Contains("not the number 2.5"));
+  // 200,000 nested arrays: a recursive parser would overflow the stack.
+  ckpt::detail::write_text_durably(config, std::string(200000, '[') + std::string(200000, ']'));
+  CHECK_THAT(merge_error(dir), Catch::Contains("'" + config.string() + "' nests JSON objects and arrays deeper than 64 levels"));
+  ckpt::detail::write_text_durably(config, "{\"format\": \"fsdpx\", \"format_version\": ");
+  CHECK_THAT(merge_error(dir), Catch::Contains("'" + config.string() + "' is not valid JSON at byte"));
+}
+
+TEST_CASE("merge: links in a checkpoint's huggingface/ are not followed, and nothing is written outside the output",
+          "[checkpoint][merge][errors]") {
+  TempDir tmp;
+  const fs::path dir = merge_fixture::write_checkpoint(tmp.path / "ckpt", 12, merge_fixture::shard(merge_fixture::originals(), 2));
+  const fs::path hf = dir / "huggingface";
+  const fs::path secret = tmp.path / "secret.txt";
+  std::ofstream(secret) << "not for the output\n";
+  fs::create_symlink(secret, hf / "tokenizer.json");              // a link out of the checkpoint
+  fs::create_directories(tmp.path / "outside");
+  fs::create_directory_symlink(tmp.path / "outside", hf / "sub");  // and a linked folder
+  std::ofstream(hf / "generation_config.json") << "{}\n";
+  const fs::path out = tmp.path / "out";
+  fs::create_directories(out);
+  const fs::path target = tmp.path / "outside" / "victim.json";
+  std::ofstream(target) << "unchanged\n";
+  fs::create_symlink(target, out / "generation_config.json");     // a link already in the output
+  const auto written = ckpt::copy_huggingface_files(dir, out);
+  std::vector<std::string> names;
+  for (const auto& f : written) names.push_back(f.path.filename().string());
+  std::sort(names.begin(), names.end());
+  CHECK(names == std::vector<std::string>{"config.json", "generation_config.json"});
+  CHECK_FALSE(fs::exists(out / "tokenizer.json"));
+  CHECK_FALSE(fs::exists(out / "sub"));
+  CHECK(ckpt::detail::read_text(target) == "unchanged\n");             // the link was replaced, not followed
+  CHECK_FALSE(fs::is_symlink(out / "generation_config.json"));
+  CHECK(ckpt::detail::read_text(out / "generation_config.json") == "{}\n");
+}

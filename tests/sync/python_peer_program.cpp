@@ -6,6 +6,7 @@
 // (ack_<version>), so Python receives every one.
 //
 //   python_peer_program <work dir> <versions> [Hugging Face model folder]
+//   python_peer_program <work dir> <steps> --checkpoints        (saves checkpoints for the Python watcher)
 //
 // With a model folder the trainer is fsdpx's decoder loaded from it (models::from_pretrained), and
 // Python receives into transformers' own class of that model, by name.
@@ -16,6 +17,7 @@
 #include <string>
 #include <thread>
 
+#include <fsdpx/checkpoint.hpp>
 #include <fsdpx/checkpoint/safetensors.hpp>
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/models.hpp>
@@ -61,17 +63,55 @@ void serve(Sharded& fsdp, dist::AnyCommunicator& world, const fs::path& work, in
   }
 }
 
+/// Saves every step's weights with the coordinator (2 kept: older steps are rotated away while Python
+/// may be reading them; every fourth step with the optimizer, so its commit record is rewritten), each
+/// preceded by side_<step>.safetensors, the full float32 weights gathered outside the checkpoint.
+void save_steps(dist::AnyCommunicator& world, const fs::path& work, int steps) {
+  const test::GptConfig c{.vocab = 61, .seq = 16, .dim = 32, .heads = 4, .layers = 2, .tied = false};
+  at::manual_seed(1);
+  test::Gpt model(c);
+  Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>> fsdp(model, world);
+  auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-2));
+  CheckpointCoordinator ckpt(work / "ckpt", fsdp, {.max_to_keep = 2});
+  for (int step = 1; step <= steps; ++step) {
+    at::manual_seed(100 + step);
+    auto tokens = at::randint(c.vocab, {2 * world.size(), c.seq + 1}, at::kLong).narrow(0, 2 * world.rank(), 2);
+    optimizer.zero_grad();
+    fsdp(tokens.narrow(1, 0, c.seq).contiguous(), tokens.narrow(1, 1, c.seq).contiguous()).backward();
+    optimizer.step();
+    const auto weights = sync::gather_full_state_dict(fsdp, world.rank() == 0);
+    if (world.rank() == 0) {
+      checkpoint::NamedTensors side;
+      for (const auto& t : weights) side.emplace_back(t.name, t.tensor.contiguous());
+      checkpoint::save_safetensors(work, side, {.name = "side_" + std::to_string(step)});
+    }
+    world.barrier();
+    if (step % 4 == 0) {
+      ckpt.save(step, fsdp, &optimizer);
+    } else {
+      ckpt.save(step, fsdp);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(40));  // room for the reader between saves
+  }
+  ckpt.wait();
+  if (world.rank() == 0) std::ofstream(work / "done") << steps << "\n";
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   if (argc != 3 && argc != 4) {
-    std::fprintf(stderr, "usage: %s <work dir> <versions> [Hugging Face model folder]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s <work dir> <versions> [Hugging Face model folder | --checkpoints]\n", argv[0]);
     return 2;
   }
   const fs::path work = argv[1];
   const int versions = std::stoi(argv[2]);
   try {
     dist::AnyCommunicator world(dist::MpiCommunicator::world());
+    if (argc == 4 && std::string(argv[3]) == "--checkpoints") {
+      save_steps(world, work, versions);
+      return 0;
+    }
     if (argc == 4) {  // a pretrained model, fine-tuned; Python receives into transformers' own class
       using Hf = Fsdp<models::CausalLM, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<models::DecoderLayerImpl>>;
       auto fsdp = models::from_pretrained<Hf>(argv[3], world);

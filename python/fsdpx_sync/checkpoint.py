@@ -1,0 +1,224 @@
+"""Following an fsdpx checkpoint root from Python: the newest committed weights, merged into whole
+tensors, every file checked against the commit record. No connection to the trainer: the file system.
+
+    from fsdpx_sync import CheckpointWatcher
+    watcher = CheckpointWatcher("/ckpt")
+    weights = watcher.wait_newer(have=-1, timeout=600)   # a WeightVersion: (name, tensor) pairs, .step
+    weights.load_into(hf_model)                          # or vLLM's load_weights(iter(weights))
+
+The reading protocol is fsdpx's C++ CheckpointWatcher's (fsdpx/sync/watcher.hpp; the format is
+docs/checkpoint.md), for every attempt:
+  1. read latest_state_dict_iteration.txt (the trainer advances it only once a step's weights are
+     committed); a step not newer than the last one returned is ignored;
+  2. lease the step (<root>/global_step_<N>/.leases/<host>-<pid>-<n>: "<host> <pid>"), so that the
+     trainer's rotation does not delete it mid-read; a step already gone cannot be leased;
+  3. read its commit record (actor/fsdp_config.json): it must commit the model;
+  4. read every rank's model file, check its size and CRC-32C against the record on the bytes read,
+     load them with torch.load(weights_only=True), and merge the slices into whole tensors, checking
+     that every element of every tensor is covered.
+When 2-4 fail (a file replaced or rotated away meanwhile) and the iteration file has moved on, the
+newer step is tried at once; otherwise the attempt returns nothing and wait_newer keeps waiting (the
+failure is in its timeout error).
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import socket
+import time
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .checksum import crc32c
+from .client import WeightVersion
+from .errors import SyncError
+
+STATE_DICT_ITERATION_FILE = "latest_state_dict_iteration.txt"
+COMMIT_RECORD = "fsdp_config.json"
+FORMAT_VERSION = 1
+MAX_WORLD_SIZE = 1 << 17  # as fsdpx's readers: a record cannot make this one allocate without bound
+_lease_counter = itertools.count()
+
+
+def step_dir(root: str, step: int) -> str:
+    return os.path.join(root, f"global_step_{step}", "actor")
+
+
+def read_iteration_file(root: str) -> Optional[int]:
+    path = os.path.join(root, STATE_DICT_ITERATION_FILE)
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        return None
+    try:
+        step = int(text.strip())
+    except ValueError:
+        raise SyncError(f"fsdpx: iteration file '{path}' does not hold a step number: {text[:40]!r}") from None
+    if step < 0:
+        raise SyncError(f"fsdpx: iteration file '{path}' holds a negative step: {step}")
+    return step
+
+
+def read_commit_record(directory: str) -> Optional[dict]:
+    """The step's commit record, checked; None when the step is not committed."""
+    path = os.path.join(directory, COMMIT_RECORD)
+    try:
+        with open(path, "rb") as f:
+            record = json.loads(f.read(16 << 20))
+    except FileNotFoundError:
+        return None
+    except (ValueError, RecursionError) as e:
+        raise SyncError(f"fsdpx: commit record '{path}' is not valid JSON: {e}") from None
+    if not isinstance(record, dict) or record.get("format") != "fsdpx":
+        raise SyncError(f"fsdpx: '{path}' is not an fsdpx commit record (no \"format\": \"fsdpx\")")
+    version = record.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise SyncError(f"fsdpx: commit record '{path}': format version {version}; this reader knows up to {FORMAT_VERSION}")
+    world = record.get("world_size")
+    if not isinstance(world, int) or not 0 < world <= MAX_WORLD_SIZE:
+        raise SyncError(f"fsdpx: commit record '{path}': world_size is {world!r}")
+    if not isinstance(record.get("files", {}), dict):
+        raise SyncError(f"fsdpx: commit record '{path}': \"files\" is not an object")
+    return record
+
+
+class Lease:
+    """Pins a committed step against the trainer's rotation while it is read (fsdpx's CheckpointLease)."""
+
+    def __init__(self, root: str, step: int):
+        if read_commit_record(step_dir(root, step)) is None:
+            raise SyncError(f"fsdpx: cannot lease step {step}: it is not (or no longer) committed")
+        host = socket.gethostname()
+        leases = os.path.join(root, f"global_step_{step}", ".leases")
+        os.makedirs(leases, exist_ok=True)
+        self.path = os.path.join(leases, f"{host}-{os.getpid()}-py{next(_lease_counter)}")
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:
+            f.write(f"{host} {os.getpid()}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        if read_commit_record(step_dir(root, step)) is None:  # rotated away between the choice and the lease
+            self.release()
+            raise SyncError(f"fsdpx: cannot lease step {step}: it is not (or no longer) committed")
+
+    def release(self):
+        try:
+            os.remove(self.path)
+        except FileNotFoundError:
+            pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+def read_step(root: str, step: int, dtype: Optional[torch.dtype] = None) -> WeightVersion:
+    """The committed weights of `step`, merged (the caller holds a Lease); SyncError naming what is wrong."""
+    directory = step_dir(root, step)
+    record = read_commit_record(directory)
+    if record is None:
+        raise SyncError(f"fsdpx: step {step} of '{root}' is not committed")
+    if "model" not in record.get("components", []):
+        raise SyncError(f"fsdpx: step {step}: its commit record does not commit the model")
+    if record.get("state_dict_kind") == "local":
+        raise SyncError(f"fsdpx: step {step} holds \"local\" state dicts, which only the model that saved them can read")
+    world = record["world_size"]
+    files = record.get("files", {})
+    merged: Dict[str, Tuple[List[int], torch.Tensor, List[Tuple[int, int]]]] = {}
+    for rank in range(world):
+        name = f"model_world_size_{world}_rank_{rank}.pt"
+        path = os.path.join(directory, name)
+        info = files.get(name)
+        if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or not isinstance(info.get("crc32c"), int):
+            raise SyncError(f"fsdpx: '{path}' is not listed with its size and CRC-32C in {COMMIT_RECORD}")
+        try:
+            with open(path, "rb") as f:
+                data = f.read(info["bytes"] + 1)
+        except FileNotFoundError:
+            raise SyncError(f"fsdpx: '{path}' is missing (rotated away while it was read?)") from None
+        if len(data) != info["bytes"]:
+            raise SyncError(f"fsdpx: '{path}' has {len(data)} bytes, its commit record says {info['bytes']}")
+        if crc32c(data) != info["crc32c"]:
+            raise SyncError(f"fsdpx: '{path}' does not match the CRC-32C of its commit record: corrupt or replaced")
+        sd = torch.load(io.BytesIO(data), weights_only=True)  # checked bytes, never the file again
+        if not isinstance(sd, dict) or sd.get("component") != "model" or sd.get("world_size") != world or sd.get("rank") != rank:
+            raise SyncError(f"fsdpx: '{path}' does not hold rank {rank}'s model state dict of world size {world}")
+        for tname, e in sd.get("entries", {}).items():
+            shape, begin, end, t = list(e["shape"]), int(e["begin"]), int(e["end"]), e["data"]
+            numel = 1
+            for d in shape:
+                numel *= int(d)
+            if not 0 <= begin <= end <= numel or t.numel() != end - begin:
+                raise SyncError(f"fsdpx: '{path}': entry '{tname}' holds {t.numel()} elements for [{begin}, {end}) of {numel}")
+            if tname not in merged:
+                merged[tname] = (shape, torch.empty(numel, dtype=t.dtype), [])
+            known, flat, filled = merged[tname]
+            if known != shape or flat.dtype != t.dtype:
+                raise SyncError(f"fsdpx: '{path}': '{tname}' is {t.dtype} {shape} here, {flat.dtype} {known} in a lower rank's file")
+            flat[begin:end] = t.reshape(-1)
+            filled.append((begin, end))
+    tensors = []
+    for tname in sorted(merged):  # name order, as fsdpx's merge
+        shape, flat, filled = merged[tname]
+        covered = 0
+        for begin, end in sorted(filled):
+            if begin > covered:
+                break
+            covered = max(covered, end)
+        if covered < flat.numel():
+            raise SyncError(f"fsdpx: step {step}: elements [{covered}, {flat.numel()}) of '{tname}' are in no rank's file")
+        t = flat.view(shape)
+        if dtype is not None and t.is_floating_point():
+            t = t.to(dtype)
+        tensors.append((tname, t))
+    return WeightVersion(version=step, tensors=tensors)
+
+
+class CheckpointWatcher:
+    """Follows a checkpoint root: poll() returns the newest committed weights when they are newer than
+    the last returned (else None, at once); wait_newer(have) blocks until a step newer than `have`."""
+
+    def __init__(self, root: str, *, poll_interval: float = 0.2, timeout: float = 300.0, dtype: Optional[torch.dtype] = None):
+        self.root = root
+        self.poll_interval = poll_interval
+        self.timeout = timeout
+        self.dtype = dtype
+        self.last = -1
+        self.last_failure: Optional[str] = None
+
+    def poll(self) -> Optional[WeightVersion]:
+        tried = set()
+        while True:
+            step = read_iteration_file(self.root)
+            if step is None or step <= self.last or step in tried:
+                return None
+            tried.add(step)
+            try:
+                with Lease(self.root, step):
+                    weights = read_step(self.root, step, self.dtype)
+            except SyncError as e:
+                self.last_failure = f"step {step}: {e}"
+                continue  # the iteration file may have moved on: try the newer step at once
+            self.last = step
+            return weights
+
+    def wait_newer(self, have: int = -1, timeout: Optional[float] = None) -> WeightVersion:
+        self.last = max(self.last, have)
+        deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
+        while True:
+            weights = self.poll()
+            if weights is not None:
+                return weights
+            if time.monotonic() > deadline:
+                why = f"; the last attempt failed: {self.last_failure}" if self.last_failure else ""
+                raise SyncError(f"fsdpx: no committed step newer than {self.last} appeared in '{self.root}' "
+                                f"within {self.timeout if timeout is None else timeout} s{why}")
+            time.sleep(self.poll_interval)
