@@ -40,7 +40,7 @@ class FsdpxConan(ConanFile):
         self.requires("nlohmann_json/[>=3.10 <4]", transitive_headers=True)  # commit records, safetensors, configs
         self.requires("openmpi/[>=4.1 <6]", transitive_headers=True)
         self.requires("boost/[>=1.74 <2]", transitive_headers=True)
-        self.requires("openssl/[>=1.1 <4]", transitive_headers=True)  # the sync service's HMAC handshake
+        self.requires("openssl/[>=1.1.1 <4]", transitive_headers=True)  # the sync service's HMAC handshake and TLS
 
     def validate(self):
         if self.settings.get_safe("compiler.cppstd"):

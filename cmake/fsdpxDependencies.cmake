@@ -31,15 +31,16 @@ elseif(FSDPX_WITH_BOOST)
   find_dependency(Boost 1.74 CONFIG)
 endif()
 
-# OpenSSL (libcrypto): the synchronizer service's HMAC handshake (fsdpx/sync/server.hpp, client.hpp).
+# OpenSSL (libcrypto, libssl): the synchronizer service's HMAC handshake and its optional TLS
+# (fsdpx/sync/server.hpp, client.hpp).
 if(NOT DEFINED FSDPX_WITH_OPENSSL)
-  find_package(OpenSSL QUIET COMPONENTS Crypto)
+  find_package(OpenSSL QUIET COMPONENTS Crypto SSL)
   set(FSDPX_WITH_OPENSSL OFF)
   if(OPENSSL_FOUND)
     set(FSDPX_WITH_OPENSSL ON)
   endif()
 elseif(FSDPX_WITH_OPENSSL)
-  find_dependency(OpenSSL COMPONENTS Crypto)
+  find_dependency(OpenSSL COMPONENTS Crypto SSL)
 endif()
 
 # NCCL needs a LibTorch built with CUDA (c10_cuda) and nccl.h + libnccl.

@@ -20,6 +20,7 @@ import os
 import secrets as _secrets
 import select
 import socket
+import ssl
 import struct
 import time
 from dataclasses import dataclass, field
@@ -102,9 +103,17 @@ class SyncClient:
     nothing else. Not thread-safe: one client per thread."""
 
     def __init__(self, host: str, port: int, *, secret: Optional[str] = None, connect_timeout: float = 10.0,
-                 io_timeout: float = 60.0, max_bucket_bytes: int = 1 << 30, max_version_bytes: int = 64 << 30):
+                 io_timeout: float = 60.0, max_bucket_bytes: int = 1 << 30, max_version_bytes: int = 64 << 30,
+                 tls: bool = False, tls_ca_file: Optional[str] = None, tls_server_name: Optional[str] = None):
+        """tls: speak TLS to a server that does; its certificate must be signed by an authority of
+        ``tls_ca_file`` (PEM; None: the system's) and name ``tls_server_name`` (default: ``host``)."""
         self.where = f"{host}:{port}"
         self.address = (host, port)
+        self._tls = None
+        if tls:
+            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls_ca_file)
+            context.minimum_version = ssl.TLSVersion.TLSv1_2
+            self._tls = (context, tls_server_name or host)
         if secret is None:
             secret = os.environ.get("FSDPX_SYNC_FETCH_SECRET") or os.environ.get("FSDPX_SYNC_SECRET") or ""
         self._secret = secret.encode() if isinstance(secret, str) else bytes(secret)
@@ -130,6 +139,20 @@ class SyncClient:
             time.sleep(0.05)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        if self._tls is not None:
+            context, name = self._tls
+            sock.settimeout(max(1.0, deadline - time.monotonic()))
+            try:
+                sock = context.wrap_socket(sock, server_hostname=name)
+            except (ssl.SSLError, OSError) as e:
+                sock.close()
+                hint = ""
+                if isinstance(e, ssl.SSLCertVerificationError):
+                    hint = (" (the server's certificate is not signed by the trusted authorities, or does not name "
+                            f"{name!r})")
+                elif "WRONG_VERSION_NUMBER" in str(e) or "record layer failure" in str(e):
+                    hint = " (the server does not speak TLS: is TLS set on both the server and the client?)"
+                raise SyncError(f"fsdpx: the TLS handshake with the synchronizer at {self.where} failed: {e}{hint}") from None
         self._sock = sock
         try:
             self._handshake()
@@ -245,6 +268,8 @@ class SyncClient:
         ready, _, _ = select.select([self._sock], [], [], 0)
         if not ready:
             return False
+        if isinstance(self._sock, ssl.SSLSocket):
+            return True  # TLS bytes unasked for (the server sends no session tickets): a close or an alert
         try:
             self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
         except (BlockingIOError, InterruptedError):

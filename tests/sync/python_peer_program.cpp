@@ -37,7 +37,12 @@ template <class Sharded, class Train>
 void serve(Sharded& fsdp, dist::AnyCommunicator& world, const fs::path& work, int versions, Train&& train) {
   std::unique_ptr<sync::SynchronizerServer> server;
   if (world.rank() == 0) {
-    server = std::make_unique<sync::SynchronizerServer>();  // the secret comes from FSDPX_SYNC_SECRET
+    sync::ServerOptions options;  // the secret comes from FSDPX_SYNC_SECRET
+    if (const char* cert = std::getenv("FSDPX_TEST_TLS_CERT"); cert != nullptr) {  // TLS, for the Python client's
+      options.tls_certificate_file = cert;
+      options.tls_private_key_file = std::getenv("FSDPX_TEST_TLS_KEY");
+    }
+    server = std::make_unique<sync::SynchronizerServer>(options);
     std::ofstream(work / "port.tmp") << server->port() << "\n";
     fs::rename(work / "port.tmp", work / "port");
   }

@@ -86,6 +86,30 @@ def main() -> int:
 
     receive(args, [], env, secret, SyncClient, SyncError, load_file, torch, check_gpt, "a GPT")
 
+    # TLS: a self-signed certificate for 127.0.0.1; the client verifies it, and refuses another.
+    cert, key, other = (os.path.join(args.work, f) for f in ("cert.pem", "key.pem", "other.pem"))
+    for c, k in ((cert, key), (other, other + ".key")):
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+                        "-days", "2", "-subj", "/CN=fsdpx-test", "-addext", "subjectAltName=IP:127.0.0.1",
+                        "-keyout", k, "-out", c], check=True, capture_output=True)
+    tls_env = dict(env, FSDPX_TEST_TLS_CERT=cert, FSDPX_TEST_TLS_KEY=key)
+    state["module"] = None
+
+    def refusals(port):
+        try:
+            SyncClient("127.0.0.1", port, secret=secret, tls=True, tls_ca_file=other).fetch_newer(-1, timeout=5)
+            raise AssertionError("a server whose certificate is signed by someone else was trusted")
+        except SyncError as e:
+            assert "TLS handshake" in str(e) and "certificate" in str(e), e
+        try:
+            SyncClient("127.0.0.1", port, secret=secret, io_timeout=3, connect_timeout=3).fetch_newer(-1, timeout=2)
+            raise AssertionError("a plain client was served by a TLS server")
+        except SyncError:
+            pass
+
+    receive(args, [], tls_env, secret, SyncClient, SyncError, load_file, torch, check_gpt, "a GPT over TLS",
+            client_options=dict(tls=True, tls_ca_file=cert), before=refusals)
+
     if args.hf_model:
         from transformers import AutoModelForCausalLM
         hf = AutoModelForCausalLM.from_pretrained(args.hf_model, dtype=torch.float32)
@@ -103,9 +127,11 @@ def main() -> int:
     return 0
 
 
-def receive(args, program_args, env, secret, SyncClient, SyncError, load_file, torch, check, what):
+def receive(args, program_args, env, secret, SyncClient, SyncError, load_file, torch, check, what, client_options=None,
+            before=None):
     """Starts the trainer, receives every version, checks it bit-exact against what the trainer wrote,
-    then `check(version, weights, expected)`."""
+    then `check(version, weights, expected)`. `before(port)` runs once the server listens."""
+    client_options = client_options or {}
     for f in os.listdir(args.work):
         if f == "port" or f.startswith("ack_") or f.startswith("expected_") or f == "abort":
             os.remove(os.path.join(args.work, f))
@@ -121,12 +147,14 @@ def receive(args, program_args, env, secret, SyncClient, SyncError, load_file, t
         port = int(open(port_file).read())
 
         try:
-            SyncClient("127.0.0.1", port, secret="wrong").fetch_newer(-1, timeout=5)
+            SyncClient("127.0.0.1", port, secret="wrong", **client_options).fetch_newer(-1, timeout=5)
             raise AssertionError("a wrong secret was accepted")
         except SyncError as e:
             assert "refused to let this client fetch" in str(e) and "authentication failed" in str(e), e
+        if before is not None:
+            before(port)
 
-        client = SyncClient("127.0.0.1", port, secret=secret)
+        client = SyncClient("127.0.0.1", port, secret=secret, **client_options)
         have = -1
         for v in range(1, VERSIONS + 1):
             weights = client.fetch_newer(have, timeout=120)

@@ -22,6 +22,7 @@
 #include <sys/wait.h>
 #include <fcntl.h>
 #include <csignal>
+#include <cstdlib>
 #include <unistd.h>
 
 #include <fsdpx/sync/service.hpp>
@@ -531,4 +532,67 @@ TEST_CASE("security: out of file descriptors, the server pauses accepting instea
   CHECK(cpu_seconds < 0.5);  // a spinning accept loop takes a whole core
   fxs::SynchronizerClient reader("127.0.0.1", port, {.connect_timeout = 10000ms});
   CHECK(reader.fetch_newer(fxs::no_version, 5s).version == 1);
+}
+
+namespace {
+
+/// A self-signed certificate for 127.0.0.1 and its key, made with the openssl command (tools/setup.sh
+/// installs it), in a fresh directory; returns {certificate, key}.
+std::pair<std::string, std::string> self_signed_certificate(const std::string& name) {
+  const std::string dir = "/tmp/fsdpx_tls_" + name + "_" + std::to_string(::getpid());
+  const std::string cert = dir + "/cert.pem", key = dir + "/key.pem";
+  const std::string cmd = "mkdir -p " + dir + " && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 "
+                          "-subj /CN=fsdpx-test -addext subjectAltName=IP:127.0.0.1 -keyout " + key + " -out " + cert +
+                          " >/dev/null 2>&1";
+  REQUIRE(std::system(cmd.c_str()) == 0);
+  return {cert, key};
+}
+
+}  // namespace
+
+TEST_CASE("security: TLS: versions travel encrypted, the server's certificate is verified, and plain peers are refused",
+          "[security]") {
+  const auto [cert, key] = self_signed_certificate("server");
+  const auto [other_cert, other_key] = self_signed_certificate("other");
+  fxs::SynchronizerServer server({.secret = "s", .tls_certificate_file = cert, .tls_private_key_file = key,
+                                  .handshake_timeout = 1500ms});
+  const auto port = server.port();
+  const fxs::ClientOptions tls{.secret = "s", .tls = true, .tls_ca_file = cert};
+  fxs::SynchronizerClient trainer("127.0.0.1", port, tls);
+  trainer.publish(1, weights_of(1));
+  fxs::SynchronizerClient reader("127.0.0.1", port, tls);
+  CHECK(bit_equal(reader.fetch_newer(fxs::no_version, 5s), weights_of(1)));
+  trainer.publish(2, weights_of(2));
+  CHECK(bit_equal(reader.fetch_newer(1, 5s), weights_of(2)));
+
+  // On the wire: no frame magic and no weight bytes in the clear (a raw TLS ClientHello gets a TLS answer).
+  {
+    RawConnection raw(port, 2000ms);
+    REQUIRE(raw.ok());
+    CHECK_FALSE(raw.recv_frame().has_value());  // the server waits for a TLS hello, then gives up
+    CHECK(raw.closed_by_server());
+  }
+  // A certificate signed by someone else: the client refuses the server.
+  fxs::ClientOptions wrong_ca = tls;
+  wrong_ca.tls_ca_file = other_cert;
+  CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", port, wrong_ca),
+                    Catch::Contains("TLS handshake with the synchronizer at 127.0.0.1:") &&
+                        Catch::Contains("certificate verify failed"));
+  // The right certificate under another name.
+  fxs::ClientOptions wrong_name = tls;
+  wrong_name.tls_server_name = "rollout.example.com";
+  CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", port, wrong_name), Catch::Contains("certificate verify failed"));
+  // A plain client never gets the server's hello; a TLS client to a plain server is told what is wrong.
+  fxs::ClientOptions plain{.connect_timeout = 2000ms, .io_timeout = 3000ms, .secret = "s"};
+  CHECK_THROWS_AS(fxs::SynchronizerClient("127.0.0.1", port, plain).fetch_newer(fxs::no_version, 1s), fsdpx::SyncError);
+  fxs::SynchronizerServer plain_server({.secret = "s"});
+  CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", plain_server.port(), tls),
+                    Catch::Contains("TLS handshake") && Catch::Contains("does not speak TLS"));
+  CHECK(server.stats().failed_auth >= 2);  // the refused certificate and name: the clients abort the handshake
+  CHECK(server.stats().timed_out >= 2);    // the raw and the plain connections never started TLS
+  // Misconfiguration is named.
+  CHECK_THROWS_WITH(fxs::SynchronizerServer({.tls_certificate_file = cert}), Catch::Contains("needs both"));
+  CHECK_THROWS_WITH(fxs::SynchronizerServer({.tls_certificate_file = cert, .tls_private_key_file = "/nonexistent/key.pem"}),
+                    Catch::Contains("the TLS private key '/nonexistent/key.pem' cannot be used"));
+  CHECK(bit_equal(reader.fetch_newer(fxs::no_version, 5s), weights_of(2)));  // the honest ones were served throughout
 }

@@ -35,6 +35,7 @@
 #include <fsdpx/sync/bucket.hpp>
 #include <fsdpx/sync/detail/auth.hpp>
 #include <fsdpx/sync/detail/frame.hpp>
+#include <fsdpx/sync/detail/stream.hpp>
 
 namespace fsdpx::sync {
 
@@ -51,6 +52,12 @@ struct ClientOptions {
   /// Limits on what the server may send: one bucket, one version.
   int64_t max_bucket_bytes = int64_t{1} << 30;
   int64_t max_version_bytes = int64_t{64} << 30;
+  /// TLS, to a server that speaks it (ServerOptions::tls_certificate_file): its certificate must be
+  /// signed by an authority of tls_ca_file (PEM; empty: the system's) and name tls_server_name (a host
+  /// name or IP address; empty: the address given).
+  bool tls = false;
+  std::string tls_ca_file;
+  std::string tls_server_name;
 };
 
 namespace detail {
@@ -77,6 +84,10 @@ class SynchronizerClient {
     const auto address = detail::asio::ip::make_address(host, ec);
     FSDPX_CHECK_AS(SyncError, !ec, "synchronizer client: '", host, "' is not an IP address: ", ec.message());
     endpoint_ = detail::tcp::endpoint(address, port);
+    if (options_.tls) {
+      if (options_.tls_server_name.empty()) options_.tls_server_name = host;
+      tls_.emplace(detail::client_tls_context(options_.tls_ca_file, options_.tls_server_name));
+    }
     connect(options_.connect_timeout);
   }
   SynchronizerClient(const SynchronizerClient&) = delete;
@@ -143,13 +154,13 @@ class SynchronizerClient {
 
   /// Leaves: a publisher says goodbye first, so readers are not told that the trainer was lost.
   void close() {
-    if (!socket_.is_open()) return;
+    if (!is_open()) return;
     if (published_ && role_ == Role::publish) {
       write_frame(detail::make_frame(detail::FrameKind::goodbye, no_version), nullptr, "saying goodbye");
     }
     boost::system::error_code ignored;
-    socket_.shutdown(detail::tcp::socket::shutdown_both, ignored);
-    socket_.close(ignored);
+    stream_->socket().shutdown(detail::tcp::socket::shutdown_both, ignored);
+    close_socket();
   }
 
  private:
@@ -157,9 +168,9 @@ class SynchronizerClient {
   /// waiting on an authenticated connection, so a hang-up (or anything unasked for) seen without
   /// blocking means a fresh connection.
   void reconnect_if_closed() {
-    if (!socket_.is_open()) return connect(options_.connect_timeout);  // after an earlier error
+    if (!is_open()) return connect(options_.connect_timeout);  // after an earlier error
     if (!role_) return;  // the server's hello is waiting: authenticate() reads it
-    pollfd p{socket_.native_handle(), POLLIN, 0};
+    pollfd p{stream_->socket().native_handle(), POLLIN, 0};
     if (::poll(&p, 1, 0) <= 0) return;
     char c;
     const ssize_t n = ::recv(p.fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
@@ -168,36 +179,60 @@ class SynchronizerClient {
     }
   }
 
+  bool is_open() { return stream_ && stream_->socket().is_open(); }
+  void close_socket() {
+    boost::system::error_code ignored;
+    if (stream_) stream_->socket().close(ignored);
+  }
+
   void connect(std::chrono::milliseconds timeout) {
     boost::system::error_code ignored;
-    socket_.close(ignored);
+    close_socket();
+    stream_.reset();
     role_.reset();
     hello_.reset();
     peer_closed_ = false;
     const auto deadline = dist::deadline_after(timeout);
     std::string last = "no attempt";
+    detail::tcp::socket socket(io_);
     while (true) {
       std::optional<boost::system::error_code> result;
-      socket_.async_connect(endpoint_, [&](const boost::system::error_code& e) { result = e; });
+      socket.async_connect(endpoint_, [&](const boost::system::error_code& e) { result = e; });
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       io_.restart();
       io_.run_for(std::max(left, std::chrono::milliseconds(1)));
       if (result && !*result) break;
       if (!result) {
-        socket_.close(ignored);
+        socket.close(ignored);
         io_.restart();
         io_.run();
         last = "timed out";
       } else {
         last = result->message();
-        socket_.close(ignored);
+        socket.close(ignored);
       }
       FSDPX_CHECK_AS(SyncError, std::chrono::steady_clock::now() < deadline, "could not connect to the synchronizer at ",
                      where_, " within ", timeout.count(), " ms: ", last, " (is the server running, and is the address right?)");
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    socket_.set_option(detail::tcp::no_delay(true));
-    socket_.set_option(detail::asio::socket_base::keep_alive(true));
+    socket.set_option(detail::tcp::no_delay(true));
+    socket.set_option(detail::asio::socket_base::keep_alive(true));
+    stream_.emplace(std::move(socket), tls_ ? &*tls_ : nullptr);
+    if (tls_) {
+      stream_->set_server_name(options_.tls_server_name);
+      std::optional<boost::system::error_code> result;
+      stream_->async_handshake(detail::asio::ssl::stream_base::client, [&](const boost::system::error_code& e) { result = e; });
+      io_.restart();
+      io_.run_for(std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
+                           std::chrono::milliseconds(1000)));
+      if (!result || *result) {
+        close_socket();
+        io_.restart();
+        io_.run();
+        throw SyncError(::fsdpx::detail::str("fsdpx: the TLS handshake with the synchronizer at ", where_, " failed: ",
+                                             result ? detail::tls_failure(*result) : std::string("it did not finish in time")));
+      }
+    }
   }
 
   /// The handshake for `role` (once per connection; a connection that fetches reconnects to publish).
@@ -237,8 +272,7 @@ class SynchronizerClient {
                 auth.data(), what);
     const auto [reply, payload] = read_frame(options_.io_timeout, what + " (the handshake)", /*small=*/true);
     if (reply.kind == static_cast<uint16_t>(detail::FrameKind::error)) {
-      boost::system::error_code ignored;
-      socket_.close(ignored);
+      close_socket();
       throw SyncError(::fsdpx::detail::str("fsdpx: the synchronizer at ", where_, " refused to let this client ",
                                            to_string(role), ": ", payload,
                                            secret.empty() ? " (this client has no secret: set ClientOptions::secret or "
@@ -306,23 +340,21 @@ class SynchronizerClient {
   }
 
   [[noreturn]] void fail(const std::string& why, const std::string& what) {
-    boost::system::error_code ignored;
-    socket_.close(ignored);
+    close_socket();
     throw SyncError(::fsdpx::detail::str("fsdpx: ", what, " from the synchronizer at ", where_, ": ", why));
   }
 
   /// Runs one asynchronous operation to completion or its deadline; a missed deadline closes the socket.
   template <class Start>
   void run(Start&& start, std::chrono::milliseconds timeout, const std::string& what) {
-    FSDPX_CHECK_AS(SyncError, socket_.is_open(), what, ": the connection to the synchronizer at ", where_,
+    FSDPX_CHECK_AS(SyncError, is_open(), what, ": the connection to the synchronizer at ", where_,
                    " is closed after an earlier error");
     std::optional<boost::system::error_code> result;
     start([&](const boost::system::error_code& ec, size_t) { result = ec; });
     io_.restart();
     io_.run_for(timeout);
     if (!result) {
-      boost::system::error_code ignored;
-      socket_.close(ignored);
+      close_socket();
       io_.restart();
       io_.run();
       throw SyncError(::fsdpx::detail::str("fsdpx: ", what, ": the synchronizer at ", where_, " did not answer within ",
@@ -339,7 +371,7 @@ class SynchronizerClient {
   void write_frame(const detail::FrameHeader& h, const void* payload, const std::string& what) {
     std::array<detail::asio::const_buffer, 2> buffers{detail::asio::buffer(&h, sizeof(h)),
                                                      detail::asio::buffer(payload, payload ? h.length : 0)};
-    run([&](auto handler) { detail::asio::async_write(socket_, buffers, handler); }, options_.io_timeout, what);
+    run([&](auto handler) { stream_->async_write(buffers, handler); }, options_.io_timeout, what);
   }
 
   /// Reads one frame. The payload of an error, hello or welcome frame comes back as the string (at most
@@ -347,7 +379,7 @@ class SynchronizerClient {
   std::pair<detail::FrameHeader, std::string> read_frame(std::chrono::milliseconds timeout, const std::string& what,
                                                          bool small = false, bool keep_payload = false) {
     detail::FrameHeader h;
-    run([&](auto handler) { detail::asio::async_read(socket_, detail::asio::buffer(&h, sizeof(h)), handler); }, timeout,
+    run([&](auto handler) { stream_->async_read(detail::asio::buffer(&h, sizeof(h)), handler); }, timeout,
         what);
     const bool text = h.kind == static_cast<uint16_t>(detail::FrameKind::error) || small;
     const uint64_t allowed = text ? detail::max_error_bytes
@@ -358,7 +390,7 @@ class SynchronizerClient {
     at::Tensor payload = at::empty({static_cast<int64_t>(h.length)}, at::kByte);
     if (h.length > 0) {
       run([&](auto handler) {
-            detail::asio::async_read(socket_, detail::asio::buffer(payload.data_ptr(), h.length), handler);
+            stream_->async_read(detail::asio::buffer(payload.data_ptr(), h.length), handler);
           },
           options_.io_timeout, what);
     }
@@ -375,7 +407,8 @@ class SynchronizerClient {
   std::string where_;
   detail::tcp::endpoint endpoint_;
   detail::asio::io_context io_;
-  detail::tcp::socket socket_{io_};
+  std::optional<detail::asio::ssl::context> tls_;  // set: TLS (ClientOptions::tls)
+  std::optional<detail::Stream> stream_;          // the connection, TLS or not
   at::Tensor payload_;
   std::optional<detail::Nonce> hello_;
   std::optional<Role> role_;

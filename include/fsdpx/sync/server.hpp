@@ -41,6 +41,7 @@
 #include <fsdpx/sync/bucket.hpp>
 #include <fsdpx/sync/detail/auth.hpp>
 #include <fsdpx/sync/detail/frame.hpp>
+#include <fsdpx/sync/detail/stream.hpp>
 #include <fsdpx/sync/synchronizer.hpp>
 
 namespace fsdpx::sync {
@@ -57,6 +58,10 @@ struct ServerOptions {
   std::string fetch_secret;
   /// A server bound beyond loopback with a role that has no secret refuses to start unless this is set.
   bool allow_unauthenticated = false;
+  /// TLS: with a certificate chain and its private key (PEM files), every connection speaks TLS 1.2 or
+  /// newer, and clients verify the certificate (ClientOptions::tls_ca_file). Both or neither.
+  std::string tls_certificate_file;
+  std::string tls_private_key_file;
 
   // Limits: what one peer, and all of them together, can make the server hold.
   int64_t max_bucket_bytes = int64_t{256} << 20;   // one bucket frame; clients' bucket_bytes must fit
@@ -75,7 +80,7 @@ struct ServerStats {
   int64_t live = 0;
   int64_t handshaking = 0;         // live, not yet authenticated
   int64_t refused_over_limit = 0;  // closed at once: max_connections reached
-  int64_t failed_auth = 0;         // wrong or missing secret, or a malformed handshake
+  int64_t failed_auth = 0;         // wrong or missing secret, a malformed handshake, a failed TLS handshake
   int64_t protocol_errors = 0;     // frames refused after the handshake
   int64_t timed_out = 0;           // handshake, idle or I/O deadlines
   int64_t accept_errors = 0;       // accept() failures (e.g. out of file descriptors), retried after a pause
@@ -123,8 +128,10 @@ class Session : public std::enable_shared_from_this<Session> {
   void on_closed(const boost::system::error_code& ec);
   uint64_t allowed_payload(FrameKind kind) const;
 
+  void send_hello();
+
   ServerCore* core_;
-  tcp::socket socket_;
+  Stream stream_;
   std::string peer_;
   FrameHeader in_;
   std::array<uint8_t, 2 * nonce_bytes> small_{};  // handshake payloads
@@ -159,6 +166,7 @@ struct ServerCore {
   std::vector<std::weak_ptr<Session>> waiters;
   Session* publishing = nullptr;  // the one connection staging a version, if any
   ServerStats stats;                    // written on the io thread; read through post()
+  std::optional<asio::ssl::context> tls;  // set: every connection speaks TLS
   asio::io_context io;
   tcp::acceptor acceptor{io};
   asio::steady_timer accept_pause{io};
@@ -227,9 +235,9 @@ struct ServerCore {
 };
 
 inline Session::Session(ServerCore* core, tcp::socket socket)
-    : core_(core), socket_(std::move(socket)), watchdog_(core->io), fetch_timer_(core->io) {
+    : core_(core), stream_(std::move(socket), core->tls ? &*core->tls : nullptr), watchdog_(core->io), fetch_timer_(core->io) {
   boost::system::error_code ec;
-  const auto ep = socket_.remote_endpoint(ec);
+  const auto ep = stream_.socket().remote_endpoint(ec);
   peer_ = ec ? std::string("?") : ep.address().to_string() + ":" + std::to_string(ep.port());
   ++core_->stats.live;
   ++core_->stats.handshaking;
@@ -255,18 +263,27 @@ void Session::guarded(Fn&& fn) {
 
 inline void Session::start() {
   guarded([&] {
-    server_nonce_ = fresh_nonce();
-    FrameHeader hello = make_frame(FrameKind::hello, no_version, protocol_version, server_nonce_.data(), nonce_bytes);
-    hello.flags = static_cast<uint16_t>((core_->publish_secret.empty() ? 0 : 1) | (core_->fetch_secret.empty() ? 0 : 2));
-    // The whole handshake, not each frame of it, must end within handshake_timeout.
+    // The whole handshake (TLS's, then the secret's), not each frame of it, must end within handshake_timeout.
     arm(core_->options.handshake_timeout);
-    auto owned = std::make_shared<std::pair<FrameHeader, Nonce>>(hello, server_nonce_);
-    std::array<asio::const_buffer, 2> buffers{asio::buffer(&owned->first, sizeof(FrameHeader)),
-                                              asio::buffer(owned->second)};
-    asio::async_write(socket_, buffers, [self = shared_from_this(), owned](const boost::system::error_code& ec, size_t) {
-      if (ec) return self->on_closed(ec);
-      self->guarded([&] { self->read_header(); });
+    stream_.async_handshake(asio::ssl::stream_base::server, [self = shared_from_this()](const boost::system::error_code& ec) {
+      if (ec) {
+        if (!self->closed_) ++self->core_->stats.failed_auth;  // not TLS, or no acceptable version or cipher
+        return self->on_closed(ec);
+      }
+      self->guarded([&] { self->send_hello(); });
     });
+  });
+}
+
+inline void Session::send_hello() {
+  server_nonce_ = fresh_nonce();
+  FrameHeader hello = make_frame(FrameKind::hello, no_version, protocol_version, server_nonce_.data(), nonce_bytes);
+  hello.flags = static_cast<uint16_t>((core_->publish_secret.empty() ? 0 : 1) | (core_->fetch_secret.empty() ? 0 : 2));
+  auto owned = std::make_shared<std::pair<FrameHeader, Nonce>>(hello, server_nonce_);
+  std::array<asio::const_buffer, 2> buffers{asio::buffer(&owned->first, sizeof(FrameHeader)), asio::buffer(owned->second)};
+  stream_.async_write(buffers, [self = shared_from_this(), owned](const boost::system::error_code& ec, size_t) {
+    if (ec) return self->on_closed(ec);
+    self->guarded([&] { self->read_header(); });
   });
 }
 
@@ -288,7 +305,7 @@ inline void Session::arm(std::chrono::milliseconds after) {
 inline void Session::read_header() {
   if (closed_ || closing_) return;
   if (role_) arm(pending_ ? core_->options.io_timeout : core_->options.idle_timeout);
-  asio::async_read(socket_, asio::buffer(&in_, sizeof(in_)), [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
+  stream_.async_read(asio::buffer(&in_, sizeof(in_)), [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
     self->guarded([&] { self->on_header(ec); });
   });
 }
@@ -322,7 +339,7 @@ inline void Session::on_header(const boost::system::error_code& ec) {
     payload_ = at::empty({static_cast<int64_t>(in_.length)}, at::kByte);
     into = payload_.data_ptr();
   }
-  asio::async_read(socket_, asio::buffer(into, in_.length), [self = shared_from_this()](const boost::system::error_code& e, size_t) {
+  stream_.async_read(asio::buffer(into, in_.length), [self = shared_from_this()](const boost::system::error_code& e, size_t) {
     self->guarded([&] { self->on_payload(e); });
   });
 }
@@ -479,7 +496,7 @@ inline void Session::check_fetch() {
     ++watch_generation_;
     auto owned = std::make_shared<FrameHeader>(begin);
     arm(core_->options.io_timeout);
-    asio::async_write(socket_, asio::buffer(owned.get(), sizeof(FrameHeader)),
+    stream_.async_write(asio::buffer(owned.get(), sizeof(FrameHeader)),
                       [self = shared_from_this(), owned, snapshot](const boost::system::error_code& ec, size_t) {
                         if (ec) return self->on_closed(ec);
                         self->guarded([&] { self->send_bucket(snapshot, 0); });
@@ -518,7 +535,7 @@ inline void Session::send_bucket(std::shared_ptr<const EncodedSnapshot> s, size_
   arm(core_->options.io_timeout);
   std::array<asio::const_buffer, 2> buffers{asio::buffer(&s->headers[index], sizeof(FrameHeader)),
                                             asio::buffer(s->buckets[index].const_data_ptr(), s->buckets[index].nbytes())};
-  asio::async_write(socket_, buffers, [self = shared_from_this(), s, index](const boost::system::error_code& ec, size_t) {
+  stream_.async_write(buffers, [self = shared_from_this(), s, index](const boost::system::error_code& ec, size_t) {
     if (ec) return self->on_closed(ec);  // the reader left mid-transfer: nothing else is affected
     self->guarded([&] { self->send_bucket(s, index + 1); });
   });
@@ -534,7 +551,7 @@ inline void Session::send(FrameHeader frame, std::string text, bool then_close) 
   }
   arm(core_->options.io_timeout);
   std::array<asio::const_buffer, 2> buffers{asio::buffer(&owned->first, sizeof(FrameHeader)), asio::buffer(owned->second)};
-  asio::async_write(socket_, buffers, [self = shared_from_this(), owned, then_close](const boost::system::error_code& ec, size_t) {
+  stream_.async_write(buffers, [self = shared_from_this(), owned, then_close](const boost::system::error_code& ec, size_t) {
     if (ec || then_close) return self->on_closed(ec ? ec : asio::error::connection_aborted);
     self->guarded([&] { self->read_header(); });
   });
@@ -556,7 +573,7 @@ inline void Session::refuse(const std::string& why, int64_t ServerStats::*counte
     closing_ = true;  // a read still in flight (a superseded publisher's) is ignored when it ends
     fetch_timer_.cancel();
     boost::system::error_code ignored;
-    socket_.shutdown(tcp::socket::shutdown_receive, ignored);
+    stream_.socket().shutdown(tcp::socket::shutdown_receive, ignored);
   } catch (...) {
     on_closed(asio::error::connection_aborted);
   }
@@ -587,7 +604,7 @@ inline void Session::on_closed(const boost::system::error_code& ec) {
   boost::system::error_code ignored;
   watchdog_.cancel();
   fetch_timer_.cancel();
-  socket_.close(ignored);
+  stream_.socket().close(ignored);
 }
 
 }  // namespace detail
@@ -605,6 +622,9 @@ class SynchronizerServer {
                    "synchronizer server: inconsistent limits (max_bucket_bytes ", o.max_bucket_bytes,
                    ", max_version_bytes ", o.max_version_bytes, ", max_version_jump ", o.max_version_jump,
                    ", max_connections ", o.max_connections, ")");
+    FSDPX_CHECK_AS(SyncError, o.tls_certificate_file.empty() == o.tls_private_key_file.empty(),
+                   "synchronizer server: TLS needs both tls_certificate_file and tls_private_key_file");
+    if (!o.tls_certificate_file.empty()) core.tls.emplace(detail::server_tls_context(o.tls_certificate_file, o.tls_private_key_file));
     core.publish_secret = resolve_secret(Role::publish, o.publish_secret, o.secret);
     core.fetch_secret = resolve_secret(Role::fetch, o.fetch_secret, o.secret);
     boost::system::error_code ec;
