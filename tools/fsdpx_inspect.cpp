@@ -1,0 +1,188 @@
+// fsdpx-inspect: what a checkpoint root holds, and whether its files are intact.
+//
+//   fsdpx-inspect <checkpoint root>                 the steps, their commit state, world size, mesh and bytes,
+//                                                   the iteration files and where they point, live leases
+//   fsdpx-inspect <root> --step N [--tensors]       one step: its files, and its model's tensors (shape, dtype)
+//   fsdpx-inspect <root> --verify [--step N]        every committed file's size and CRC-32C against the commit
+//                                                   record; exit 1 naming each file that is wrong
+//
+// Reads only; never writes or leases anything. Exit 0, or 1 with the reason.
+#include <cstdint>
+#include <cstdio>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <CLI/CLI.hpp>
+
+#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/checkpoint/format.hpp>
+#include <fsdpx/checkpoint/layout.hpp>
+#include <fsdpx/error.hpp>
+
+namespace {
+
+namespace fs = std::filesystem;
+namespace ckpt = fsdpx::checkpoint;
+
+std::string bytes_text(int64_t n) {
+  char buf[32];
+  if (n >= (int64_t{1} << 30)) {
+    std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(n) / (1 << 30));
+  } else if (n >= (1 << 20)) {
+    std::snprintf(buf, sizeof buf, "%.1f MiB", static_cast<double>(n) / (1 << 20));
+  } else {
+    std::snprintf(buf, sizeof buf, "%lld B", static_cast<long long>(n));
+  }
+  return buf;
+}
+
+/// The commit state of a step directory, in words, and its record when it has one.
+std::pair<std::string, std::optional<ckpt::CommitRecord>> commit_state(const fs::path& dir) {
+  try {
+    const auto record = ckpt::read_commit_record(dir);
+    if (!record) return {"NOT committed (a save that failed or is running)", std::nullopt};
+    std::string comps;
+    for (const auto& c : record->components) comps += (comps.empty() ? "" : "+") + c;
+    return {std::string(record->complete ? "committed, complete" : "committed") + " (" + comps + ")", record};
+  } catch (const fsdpx::Error& e) {
+    return {std::string("UNREADABLE commit record: ") + e.what(), std::nullopt};
+  }
+}
+
+/// Size and CRC-32C of every file the record lists, read in full; each problem named.
+std::vector<std::string> verify_files(const fs::path& dir, const ckpt::CommitRecord& record) {
+  std::vector<std::string> problems;
+  for (const auto& [name, info] : record.files) {
+    const fs::path path = dir / name;
+    try {
+      const std::vector<char> data = ckpt::detail::read_file(path);
+      if (static_cast<int64_t>(data.size()) != info.bytes) {
+        problems.push_back(fsdpx::detail::str("'", path.string(), "' has ", data.size(), " bytes, the commit record says ", info.bytes));
+        continue;
+      }
+      fsdpx::detail::Crc32c crc;
+      crc.update(data.data(), data.size());
+      if (info.crc32c && crc.value() != *info.crc32c) {
+        problems.push_back(fsdpx::detail::str("'", path.string(), "' does not match its CRC-32C (", crc.value(), ", the commit record says ",
+                                              *info.crc32c, "): the file is corrupt"));
+        continue;
+      }
+      if (const auto parsed = ckpt::parse_shard_file_name(name); parsed && parsed->component != ckpt::Component::extra_state) {
+        ckpt::load_shard_file(dir, name, record.file(dir, name, true));  // and it parses as what its name says
+      }
+    } catch (const fsdpx::Error& e) {
+      problems.push_back(e.what());
+    }
+  }
+  return problems;
+}
+
+void print_tensors(const fs::path& dir, const ckpt::CommitRecord& record) {
+  struct Tensor {
+    std::vector<int64_t> shape;
+    std::string dtype;
+    int64_t elements = 0;
+    int64_t bytes = 0;
+  };
+  std::map<std::string, Tensor> tensors;
+  for (int r = 0; r < record.world_size; ++r) {
+    const std::string name = ckpt::shard_file_name(ckpt::Component::model, record.world_size, r);
+    const auto sd = ckpt::load_shard_file(dir, name, record.file(dir, name, true));
+    for (const auto& e : sd.entries) {
+      Tensor& t = tensors[e.name];
+      const at::Tensor& data = e.tensors.at("data");
+      t.shape = e.shape;
+      t.dtype = c10::toString(data.scalar_type());
+      t.elements += e.end - e.begin;
+      t.bytes += data.nbytes();
+    }
+  }
+  int64_t elements = 0, bytes = 0;
+  std::cout << "  model tensors (" << tensors.size() << "):\n";
+  for (const auto& [name, t] : tensors) {
+    std::cout << "    " << name << "  " << c10::IntArrayRef(t.shape) << "  " << t.dtype << "\n";
+    elements += t.elements;
+    bytes += t.bytes;
+  }
+  std::cout << "  " << elements << " elements, " << bytes_text(bytes) << " of model data over " << record.world_size << " files\n";
+}
+
+int run(int argc, char** argv) {
+  std::string root;
+  std::optional<int64_t> step;
+  bool tensors = false, verify = false;
+  CLI::App app{"fsdpx-inspect: the steps of an fsdpx checkpoint root, their commit state and files; --verify checks them"};
+  app.add_option("root", root, "checkpoint root (holding global_step_<N> directories)")->required()->check(CLI::ExistingDirectory);
+  app.add_option("--step", step, "one step: its files (and --tensors: its model's tensors)");
+  app.add_flag("--tensors", tensors, "list the model's tensors: name, shape, dtype");
+  app.add_flag("--verify", verify, "check every committed file's size and CRC-32C against its commit record (exit 1 on any problem)");
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  }
+
+  std::cout << "checkpoint root " << root << "\n";
+  for (const char* file : {ckpt::checkpointed_iteration_file, ckpt::state_dict_iteration_file}) {
+    try {
+      const auto s = ckpt::read_iteration_file(fs::path(root) / file);
+      std::cout << "  " << file << " -> " << (s ? "step " + std::to_string(*s) : std::string("(none)")) << "\n";
+    } catch (const fsdpx::Error& e) {
+      std::cout << "  " << file << ": " << e.what() << "\n";
+    }
+  }
+  const auto steps = ckpt::list_steps(root);
+  if (steps.empty()) std::cout << "  no global_step_<N> directories\n";
+  bool found = !step.has_value();
+  std::vector<std::string> problems;
+  for (const auto& s : steps) {
+    if (step && s.step != *step) continue;
+    found = true;
+    const fs::path dir = s.path / "actor";
+    const auto [state, record] = commit_state(dir);
+    std::cout << "step " << s.step << ": " << state;
+    if (record) {
+      std::cout << "; world size " << record->world_size;
+      if (record->mesh_shard) std::cout << ", shard groups of " << *record->mesh_shard;
+      if (!record->kind.empty()) std::cout << ", " << record->kind << " state dicts";
+    }
+    std::cout << "; " << bytes_text(ckpt::directory_bytes(s.path)) << (ckpt::is_leased(s.path) ? "; leased by a reader" : "") << "\n";
+    if (step && record) {
+      for (const auto& [name, info] : record->files) {
+        std::cout << "    " << name << "  " << bytes_text(info.bytes);
+        if (info.crc32c) std::cout << "  crc32c " << *info.crc32c;
+        std::cout << "\n";
+      }
+      if (tensors) print_tensors(dir, *record);
+    }
+    if (verify && !record && state.rfind("UNREADABLE", 0) == 0) problems.push_back("step " + std::to_string(s.step) + ": " + state);
+    if (verify && record) {
+      const auto found_problems = verify_files(dir, *record);
+      std::cout << "  verify: " << (found_problems.empty() ? "every file intact (" + std::to_string(record->files.size()) + ")" : "PROBLEMS") << "\n";
+      for (const auto& p : found_problems) std::cout << "    " << p << "\n";
+      problems.insert(problems.end(), found_problems.begin(), found_problems.end());
+    }
+  }
+  FSDPX_CHECK_AS(fsdpx::IoError, found, "'", root, "' has no step ", step.value_or(-1));
+  if (verify && !problems.empty()) {
+    std::cerr << "fsdpx-inspect: " << problems.size() << " problem(s) found:\n";
+    for (const auto& p : problems) std::cerr << "  " << p << "\n";
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& e) {
+    std::cerr << e.what() << "\n";  // fsdpx's errors say "fsdpx: " and name the file
+    return 1;
+  }
+}
