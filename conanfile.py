@@ -1,17 +1,25 @@
 # Conan 2 recipe for fsdpx, a header-only C++20 library.
 #
-#   conan create . -pr:a conan/profiles/system --build=missing     (tools/conan_create.sh does this offline)
+#   conan profile detect                                              (once: a default profile)
+#   conan config install conan/profiles --target-folder profiles     (once: the profile fsdpx-system)
+#   conan create . -pr:a fsdpx-system --build=missing --no-remote     (tools/conan_create.sh does all this)
 #
 # LibTorch, MPI and Boost are declared as requirements but are meant to come from the system: the
-# profile conan/profiles/system lists them under [platform_requires], so Conan neither downloads nor
-# builds them, and CMake finds them where they are installed (LibTorch through Torch_DIR).
+# profile conan/profiles/fsdpx-system lists them under [platform_requires], so Conan neither downloads nor
+# builds them, and CMake finds them where they are installed. LibTorch: Torch_DIR (the environment or
+# the conf user.fsdpx:torch_dir), else the torch package of the Python on PATH; the package records
+# where it was, so a consumer on the same machine finds it without being told.
 import os
 import re
+import shutil
+import subprocess
 
 from conan import ConanFile
+from conan.errors import ConanInvalidConfiguration
 from conan.tools.build import check_min_cppstd
 from conan.tools.cmake import CMake, CMakeToolchain, cmake_layout
 from conan.tools.files import load
+from conan.tools.scm import Version
 
 required_conan_version = ">=2.0"
 
@@ -32,6 +40,9 @@ class FsdpxConan(ConanFile):
         cmakelists = load(self, os.path.join(self.recipe_folder, "CMakeLists.txt"))
         self.version = re.search(r"project\(fsdpx\s+VERSION\s+([0-9.]+)", cmakelists).group(1)
 
+    # Only Boost's headers are used (Asio): a Boost built by Conan needs none of its libraries.
+    default_options = {"boost/*:header_only": True}
+
     def requirements(self):
         # The package is built with the MPI backend, Boost and OpenSSL, so these are always needed. The NCCL
         # backend is off in the Conan package (see generate()); install with CMake for GPU ranks.
@@ -42,9 +53,19 @@ class FsdpxConan(ConanFile):
         self.requires("boost/[>=1.74 <2]", transitive_headers=True)
         self.requires("openssl/[>=1.1.1 <4]", transitive_headers=True)  # the sync service's HMAC handshake and TLS
 
+    # C++20 as fsdpx uses it (concepts, designated initializers, std::erase_if, <bit>): the oldest
+    # compilers known to build it.
+    _minimum_compilers = {"gcc": "11", "clang": "14", "apple-clang": "14"}
+
     def validate(self):
         if self.settings.get_safe("compiler.cppstd"):
             check_min_cppstd(self, 20)
+        compiler, version = self.settings.get_safe("compiler"), self.settings.get_safe("compiler.version")
+        minimum = self._minimum_compilers.get(str(compiler))
+        if minimum and version and Version(version) < minimum:
+            raise ConanInvalidConfiguration(f"fsdpx needs {compiler} {minimum} or newer for C++20; this is {compiler} {version}")
+        if compiler and str(compiler) not in self._minimum_compilers:
+            raise ConanInvalidConfiguration(f"fsdpx is built and tested with GCC and Clang on Linux; {compiler} is not supported")
 
     def layout(self):
         cmake_layout(self)
@@ -63,7 +84,27 @@ class FsdpxConan(ConanFile):
         tc.cache_variables["FSDPX_WITH_BOOST"] = True
         tc.cache_variables["FSDPX_WITH_OPENSSL"] = True
         tc.cache_variables["FSDPX_WITH_NCCL"] = False
+        tc.cache_variables["Torch_DIR"] = self._torch_dir()
         tc.generate()
+
+    def _torch_dir(self):
+        """LibTorch's CMake package: Torch_DIR, the conf user.fsdpx:torch_dir, or the Python on PATH's torch."""
+        found = self.conf.get("user.fsdpx:torch_dir", default=None, check_type=str) or os.environ.get("Torch_DIR")
+        if not found:
+            for python in ("python3", "python"):
+                exe = shutil.which(python)
+                if not exe:
+                    continue
+                p = subprocess.run([exe, "-c", "import torch; print(torch.utils.cmake_prefix_path)"],
+                                   capture_output=True, text=True)
+                if p.returncode == 0 and p.stdout.strip():
+                    found = os.path.join(p.stdout.strip(), "Torch")
+                    break
+        if not found or not os.path.exists(os.path.join(found, "TorchConfig.cmake")):
+            raise ConanInvalidConfiguration(
+                "fsdpx needs LibTorch: set Torch_DIR to <libtorch>/share/cmake/Torch (or -c user.fsdpx:torch_dir=...), "
+                "or put a Python with torch on PATH" + (f"; {found} holds no TorchConfig.cmake" if found else ""))
+        return found
 
     def build(self):
         # Nothing is compiled; configuring generates fsdpxConfig.cmake and fsdpxTargets.cmake.

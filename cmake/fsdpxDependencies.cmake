@@ -4,7 +4,7 @@
 include(CMakeFindDependencyMacro)
 list(APPEND CMAKE_MODULE_PATH "${CMAKE_CURRENT_LIST_DIR}")
 
-find_dependency(Torch)
+find_dependency(Torch HINTS ${FSDPX_TORCH_DIR_HINT})  # (the hint: the installed config's, see fsdpxConfig.cmake.in)
 # JSON (commit records, safetensors headers, Hugging Face configs): header-only nlohmann/json.
 find_dependency(nlohmann_json 3.10)
 

@@ -1,5 +1,7 @@
 # conan create's test: builds a small fsdpx program against the package through CMake and runs it.
 import os
+import shutil
+import tempfile
 
 from conan import ConanFile
 from conan.tools.build import can_run
@@ -16,7 +18,10 @@ class FsdpxTestPackageConan(ConanFile):
         self.requires(self.tested_reference_str)
 
     def layout(self):
-        cmake_layout(self)
+        # Built outside the source tree (a temporary folder, removed after the test), unless
+        # tools.cmake.cmake_layout:test_folder names one.
+        self._tmp_root = None if self.conf.get("tools.cmake.cmake_layout:test_folder") else tempfile.mkdtemp(prefix="fsdpx_test_package_")
+        cmake_layout(self, build_folder=self._tmp_root or "build")
 
     def generate(self):
         tc = CMakeToolchain(self)
@@ -36,3 +41,5 @@ class FsdpxTestPackageConan(ConanFile):
         #   -c user.fsdpx:launcher="mpiexec -n 2 --oversubscribe"
         launcher = self.conf.get("user.fsdpx:launcher", default="", check_type=str)
         self.run(f"{launcher} {exe}".strip(), env="conanrun")
+        if self._tmp_root:
+            shutil.rmtree(self._tmp_root, ignore_errors=True)
