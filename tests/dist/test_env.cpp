@@ -110,3 +110,11 @@ TEST_CASE("missing, malformed and contradictory variables name themselves", "[en
                                             {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}})),
                     Contains("LOCAL_RANK=3 is not below LOCAL_WORLD_SIZE=2"));
 }
+
+TEST_CASE("a launcher MPI does not agree with is named with what to do about it", "[env]") {
+  using fsdpx::dist::Launcher;
+  using fsdpx::dist::launcher_mismatch_hint;
+  CHECK_THAT(launcher_mismatch_hint(Launcher::slurm), Catch::Contains("srun --mpi=pmix") && !Catch::Contains("torchrun"));
+  CHECK_THAT(launcher_mismatch_hint(Launcher::torchrun), Catch::Contains("NCCL"));
+  CHECK_THAT(launcher_mismatch_hint(Launcher::open_mpi), Catch::Contains("one launcher"));
+}

@@ -95,6 +95,22 @@ inline constexpr LauncherVars launcher_vars[] = {
 
 }  // namespace detail
 
+/// What to do when the launcher's variables and MPI disagree about the ranks (MpiCommunicator::world()).
+inline std::string launcher_mismatch_hint(Launcher launcher) {
+  switch (launcher) {
+    case Launcher::slurm:
+      return "srun started these processes, but MPI did not join them into one job (each one is a world of its "
+             "own): give srun the PMI plugin your MPI was built with, e.g. srun --mpi=pmix (srun --mpi=list shows "
+             "them), or start the ranks with mpirun inside the allocation";
+    case Launcher::torchrun:
+      return "torchrun started these processes, and the MPI backend cannot join a torchrun job: use the NCCL "
+             "backend there, or start the ranks with mpirun or mpiexec";
+    default:
+      return "start every rank with one launcher (mpirun, mpiexec, or srun with its MPI plugin), and do not set "
+             "another launcher's variables (RANK, WORLD_SIZE) by hand";
+  }
+}
+
 /// Reads the launcher's variables. Missing, malformed or contradictory ones throw ConfigError naming them.
 inline LaunchEnv detect_launch_env(const EnvLookup& env = process_env) {
   using detail::parse_env_int;

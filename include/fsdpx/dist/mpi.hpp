@@ -192,9 +192,7 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
     FSDPX_CHECK(env.launcher == Launcher::single_process ||
                     (env.rank == world.rank() && env.world_size == world.size()),
                 "the ", to_string(env.launcher), " environment says rank ", env.rank, " of ", env.world_size,
-                " but MPI says rank ", world.rank(), " of ", world.size(),
-                ": start every rank with mpirun, mpiexec or srun (the MPI backend cannot join a torchrun job; "
-                "use NCCL there)");
+                " but MPI says rank ", world.rank(), " of ", world.size(), ": ", launcher_mismatch_hint(env.launcher));
     return world;
   }
 
