@@ -10,6 +10,7 @@
 #include <fstream>
 #include <future>
 #include <set>
+#include <cstdlib>
 #include <thread>
 
 #include <fcntl.h>
@@ -590,4 +591,46 @@ TEST_CASE("a lease a crashed reader left unreadable or empty pins its step only 
     CHECK(checkpoint::is_leased(step));
   }
   world.barrier();
+}
+
+TEST_CASE("a real commit record holds exactly the fields of docs/checkpoint.md", "[checkpoint][coordinator]") {
+  auto world = any_world();
+  const fs::path root = fresh_dir("spec");
+  torch::manual_seed(5);
+  CkptModel<> model(ResMlp(), world);
+  auto opt = make_adamw(model, adamw_options());
+  ExtraState extra;
+  {
+    CheckpointCoordinator ckpt(root, model);
+    train_step(model, opt, world);
+    ckpt.save(1, model, opt, extra);
+    ckpt.wait();
+  }
+  world.barrier();
+  // The spec's example: the first ```json block of the "## Format" section.
+  const char* source = std::getenv("FSDPX_SOURCE_DIR");
+  REQUIRE(source != nullptr);
+  const std::string doc = checkpoint::detail::read_text(fs::path(source) / "docs" / "checkpoint.md");
+  const auto section = doc.find("\n## Format");
+  REQUIRE(section != std::string::npos);
+  const auto begin = doc.find("```json\n", section);
+  const auto end = doc.find("```", begin + 8);
+  REQUIRE((begin != std::string::npos && end != std::string::npos));
+  const auto spec = fsdpx::detail::parse_json(doc.substr(begin + 8, end - begin - 8), "docs/checkpoint.md's example");
+  const auto real = fsdpx::detail::parse_json(checkpoint::detail::read_text(checkpoint::step_dir(root, 1) / checkpoint::config_file),
+                                              "the commit record");
+  const auto keys = [](const fsdpx::detail::Json& j) {
+    std::set<std::string> k;
+    for (const auto& [key, v] : j.items()) k.insert(key);
+    return k;
+  };
+  CHECK(keys(real) == keys(spec));
+  CHECK(keys(real["mesh"]) == keys(spec["mesh"]));
+  CHECK(keys(real["files"].begin().value()) == keys(spec["files"].begin().value()));
+  for (const auto& [key, v] : spec.items()) {
+    INFO(key);
+    CHECK(real[key].type() == v.type());  // the same JSON types (numbers as integers)
+  }
+  CHECK(real["components"] == spec["components"]);
+  CHECK(real["files"].size() == static_cast<size_t>(3 * world.size()));  // model, optim and extra_state of every rank
 }

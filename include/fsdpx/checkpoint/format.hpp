@@ -167,8 +167,21 @@ inline c10::IValue to_ivalue(const StateDict& sd) {
   return d;
 }
 
-inline StateDict state_dict_from_ivalue(const c10::IValue& v, const fs::path& path) {
-  const detail::Fields f(v, path, "the file");
+namespace detail {
+
+/// The product of `shape` (its element count), or an IoError when a dimension is negative or the
+/// product overflows: a crafted file must not defeat the range checks that use it.
+inline int64_t checked_numel(const std::vector<int64_t>& shape, const fs::path& path, const std::string& name) {
+  int64_t numel = 1;
+  for (const int64_t d : shape) {
+    FSDPX_CHECK_AS(IoError, d >= 0 && !__builtin_mul_overflow(numel, d, &numel), "'", path.string(), "': entry '", name,
+                   "' has the shape ", c10::IntArrayRef(shape), ", whose element count is negative or overflows");
+  }
+  return numel;
+}
+
+inline StateDict parse_state_dict(const c10::IValue& v, const fs::path& path) {
+  const Fields f(v, path, "the file");
   FSDPX_CHECK_AS(IoError, f.text("format") == format_name, "'", path.string(), "' is not an fsdpx checkpoint file");
   const int64_t version = f.integer("format_version");
   FSDPX_CHECK_AS(IoError, version <= format_version, "'", path.string(), "' has format version ", version,
@@ -178,38 +191,73 @@ inline StateDict state_dict_from_ivalue(const c10::IValue& v, const fs::path& pa
   FSDPX_CHECK_AS(IoError, kind == "full" || kind == "sharded" || kind == "local", "'", path.string(), "': unknown kind '", kind, "'");
   sd.kind = kind == "full" ? StateDictKind::full : kind == "local" ? StateDictKind::local : StateDictKind::sharded;
   sd.component = f.text("component");
-  sd.world_size = static_cast<int>(f.integer("world_size"));
-  sd.rank = static_cast<int>(f.integer("rank"));
-  const detail::Fields entries(f.get("entries"), path, "'entries'");
+  const int64_t world = f.integer("world_size"), rank = f.integer("rank");
+  FSDPX_CHECK_AS(IoError, 0 < world && world <= max_world_size && 0 <= rank && rank < world, "'", path.string(),
+                 "' says it is rank ", rank, " of ", world, ", which is no rank of a world of 1 to ", max_world_size);
+  sd.world_size = static_cast<int>(world);
+  sd.rank = static_cast<int>(rank);
+  const Fields entries(f.get("entries"), path, "'entries'");
   for (const auto& item : entries.dict()) {
+    FSDPX_CHECK_AS(IoError, item.key().isString(), "'", path.string(), "': an entry's name is not a string");
     const std::string name = item.key().toStringRef();
-    const detail::Fields e(item.value(), path, "entry '" + name + "'");
+    const Fields e(item.value(), path, "entry '" + name + "'");
     TensorSlice s;
     s.name = name;
-    s.shape = e.get("shape").isList() ? [&] {
-      std::vector<int64_t> shape;
-      for (const c10::IValue& x : e.get("shape").toListRef()) shape.push_back(x.toInt());
-      return shape;
-    }() : std::vector<int64_t>{};
+    const c10::IValue& shape = e.get("shape");
+    FSDPX_CHECK_AS(IoError, shape.isList() || shape.isIntList(), "'", path.string(), "': entry '", name, "' has no shape list");
+    for (const c10::IValue& x : shape.toListRef()) {
+      FSDPX_CHECK_AS(IoError, x.isInt(), "'", path.string(), "': entry '", name, "' has a shape that is not integers");
+      s.shape.push_back(x.toInt());
+    }
+    const int64_t numel = checked_numel(s.shape, path, name);
     s.begin = e.integer("begin");
     s.end = e.integer("end");
     if (e.has("step")) s.step = e.integer("step");
     for (const auto& field : e.dict()) {
-      if (field.value().isTensor()) s.tensors[field.key().toStringRef()] = field.value().toTensor().reshape({-1});
+      if (field.value().isTensor()) {
+        FSDPX_CHECK_AS(IoError, field.key().isString(), "'", path.string(), "': entry '", name, "' has a tensor without a name");
+        s.tensors[field.key().toStringRef()] = field.value().toTensor().reshape({-1});
+      }
     }
-    FSDPX_CHECK_AS(IoError, 0 <= s.begin && s.begin <= s.end && s.end <= s.global_numel(), "'", path.string(),
-                   "': entry '", name, "' has the range [", s.begin, ", ", s.end, ") outside its ", s.global_numel(),
-                   " elements");
+    FSDPX_CHECK_AS(IoError, 0 <= s.begin && s.begin <= s.end && s.end <= numel, "'", path.string(), "': entry '", name,
+                   "' has the range [", s.begin, ", ", s.end, ") outside its ", numel, " elements");
+    for (const auto& [key, t] : s.tensors) {
+      FSDPX_CHECK_AS(IoError, t.numel() == s.end - s.begin, "'", path.string(), "': entry '", name, "' holds ", t.numel(),
+                     " elements in '", key, "' for the range [", s.begin, ", ", s.end, ")");
+    }
     sd.entries.push_back(std::move(s));
   }
   if (f.has("param_groups")) {
-    for (const c10::IValue& g : f.get("param_groups").toListRef()) {
-      std::map<std::string, std::vector<double>> group;
-      for (const auto& item : g.toGenericDict()) group[item.key().toStringRef()] = detail::to_doubles(item.value());
-      sd.param_groups.push_back(std::move(group));
+    const c10::IValue& groups = f.get("param_groups");
+    FSDPX_CHECK_AS(IoError, groups.isList(), "'", path.string(), "': 'param_groups' is not a list");
+    for (const c10::IValue& g : groups.toListRef()) {
+      const Fields group(g, path, "a param group");
+      std::map<std::string, std::vector<double>> values;
+      for (const auto& item : group.dict()) {
+        FSDPX_CHECK_AS(IoError, item.key().isString() && (item.value().isList() || item.value().isDoubleList() || item.value().isIntList()),
+                       "'", path.string(), "': a param group holds something other than named lists of numbers");
+        for (const c10::IValue& x : item.value().toListRef()) {
+          FSDPX_CHECK_AS(IoError, x.isInt() || x.isDouble(), "'", path.string(), "': a param group's '", item.key().toStringRef(),
+                         "' holds something other than numbers");
+        }
+        values[item.key().toStringRef()] = to_doubles(item.value());
+      }
+      sd.param_groups.push_back(std::move(values));
     }
   }
   return sd;
+}
+
+}  // namespace detail
+
+/// A state dict from a loaded file; anything malformed (a crafted file) is an IoError naming the file.
+inline StateDict state_dict_from_ivalue(const c10::IValue& v, const fs::path& path) {
+  try {
+    return detail::parse_state_dict(v, path);
+  } catch (const c10::Error& e) {  // a type the checks above did not foresee
+    throw IoError(::fsdpx::detail::str("fsdpx: '", path.string(), "' is not a well-formed fsdpx checkpoint file: ",
+                                       e.what_without_backtrace()));
+  }
 }
 
 /// Writes a state dict durably (Python: torch.load(path, weights_only=True)).

@@ -165,6 +165,13 @@ inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOption
                    ") does not match its model files:", problems);
   }
 
+  int64_t model_file_bytes = 0;  // bounds what the files can describe
+  for (int r = 0; r < world; ++r) {
+    std::error_code size_ec;
+    const auto n = fs::file_size(dir / shard_file_name(Component::model, world, r), size_ec);
+    if (!size_ec) model_file_bytes += static_cast<int64_t>(n);
+  }
+
   // ---- each rank's file in turn -----------------------------------------------------------------------
   struct Param {
     std::vector<int64_t> shape;
@@ -193,6 +200,12 @@ inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOption
       auto [it, inserted] = params.try_emplace(s.name);
       Param& p = it->second;
       if (inserted) {
+        // The whole tensor is made of the files' slices, so it cannot be larger than the files: a
+        // shape that says otherwise (a crafted or corrupt file) must not make the merge allocate it.
+        const int64_t bytes = s.global_numel() * static_cast<int64_t>(t->second.element_size());
+        FSDPX_CHECK_AS(IoError, bytes <= model_file_bytes, "'", path.string(), "': parameter '", s.name, "' has the shape ",
+                       c10::IntArrayRef(s.shape), " (", bytes, " bytes), more than all ", world, " model files hold together (",
+                       model_file_bytes, " bytes): the file is corrupt");
         p.shape = s.shape;
         p.flat = at::empty({s.global_numel()}, t->second.options().device(at::kCPU));
       } else {

@@ -71,6 +71,13 @@ inline c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> exp
   } catch (const c10::Error& e) {
     throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", data.size(),
                                        " bytes) is truncated or corrupt: ", e.what_without_backtrace()));
+  } catch (const std::bad_alloc&) {
+    // LibTorch's unpickler reserves what a length field says before reading it: a corrupt length
+    // (reachable only without a checksum to check first) asks for more memory than there is.
+    throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", data.size(),
+                                       " bytes) is corrupt: a length inside it asks for more memory than this machine has"));
+  } catch (const std::exception& e) {
+    throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", data.size(), " bytes) is corrupt: ", e.what()));
   }
 }
 
