@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing fsdpx needs, and nothing that is already there:
 #   Debian packages (compiler, CMake, Open MPI, Catch2, Boost, OpenSSL, nlohmann/json, CLI11): installed when root, else printed;
-#   LibTorch: PyTorch 2.13.0 in .venv, unless Torch_DIR or CMAKE_PREFIX_PATH already points at one;
+#   LibTorch: PyTorch 2.13.0 in .venv, unless Torch_DIR or CMAKE_PREFIX_PATH already points at one (the
+#   Python-side tests still get torch in .venv);
 #   Conan (packaging) in .venv; NCCL headers (nvidia-nccl-cu13) in .venv when nvcc is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -49,7 +50,10 @@ fi
 pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
 has_module() { "$VENV/bin/python" -c "import $1" >/dev/null 2>&1; }
 if has_user_torch; then
-  say "using your LibTorch (Torch_DIR / CMAKE_PREFIX_PATH)"
+  # The build uses yours; the tests that compare with Python (torch.load, transformers, the Python
+  # receiver) still need torch in .venv, so they are not skipped.
+  say "using your LibTorch (Torch_DIR / CMAKE_PREFIX_PATH) for the build"
+  has_module torch || { say "installing PyTorch $TORCH_VERSION (CPU) into $VENV for the Python-side tests"; pip_install "torch==$TORCH_VERSION"; }
 elif ! "$VENV/bin/python" -c "import torch,sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" 2>/dev/null; then
   say "installing PyTorch $TORCH_VERSION (CPU) into $VENV for LibTorch"
   pip_install "torch==$TORCH_VERSION"
@@ -57,7 +61,7 @@ fi
 has_module conans || { say "installing Conan into $VENV"; pip_install conan; }
 has_module safetensors || { say "installing safetensors into $VENV (checkpoint interop tests)"; pip_install safetensors; }
 has_module google_crc32c || { say "installing google-crc32c into $VENV (fast CRC-32C for the Python receiver; optional)"; pip_install google-crc32c || say "could not install google-crc32c: the Python receiver checks frames with its torch CRC-32C"; }
-has_module transformers || { say "installing transformers into $VENV (the LR schedules are tested against its own)"; pip_install transformers; }
+has_module transformers || { say "installing transformers into $VENV (the LR schedules and the Hugging Face models are tested against its own)"; pip_install transformers; }
 has_module setuptools || { say "installing setuptools into $VENV (pip-installs python/fsdpx_sync in its test)"; pip_install setuptools; }
 
 # ---- NCCL headers, so the NCCL backend is at least compiled on machines without a GPU ----------
