@@ -75,6 +75,29 @@ TEST_CASE("residual MLP, HybridShard with the shard size chosen from the paramet
                                        {.no_sync = false, .clip = 1.0, .tolerance = f32_tolerance}, options);
 }
 
+TEST_CASE("HybridShard<auto_shard_size> counts a tensor held under two names once", "[parity][hybrid]") {
+  // One 100 x 100 weight registered in the module and in a child (tied), used twice.
+  struct TiedImpl : torch::nn::Module {
+    TiedImpl() {
+      w = register_parameter("w", at::randn({100, 100}) * 0.01);
+      register_module("child", std::make_shared<torch::nn::Module>())->register_parameter("w", w);
+    }
+    at::Tensor forward(const at::Tensor& x) { return at::linear(at::linear(x, w), w).sum(); }
+    at::Tensor w;
+  };
+  TORCH_MODULE(Tied);
+  auto& ctx = parity_context();
+  if (ctx.comm.size() % 2 != 0) return;
+  Tied model;
+  REQUIRE(model->parameters().size() == 2);  // LibTorch lists the tied tensor under both names
+  // 16 bytes of state per parameter: 160,000 bytes once, 320,000 counted twice. A budget of 100,000
+  // per rank needs 2 shards when counted once, 4 when counted twice (world size 4).
+  FsdpOptions options;
+  options.auto_shard_budget_bytes = 100'000;
+  Fsdp<Tied, HybridShard<auto_shard_size>, NoOffload, FullPrecision, ShardedStateDict, NoWrap> sharded(model, ctx.comm, options);
+  CHECK(sharded.mesh().shard_size() == std::min(2, ctx.comm.size()));
+}
+
 namespace {
 // A model whose forward calls its blocks directly, bypassing fsdpx::forward.
 struct BypassImpl : torch::nn::Module {

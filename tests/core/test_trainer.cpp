@@ -396,3 +396,53 @@ TEST_CASE("LrSchedule refuses shapes that mean nothing, naming the field", "[tra
   LrScheduler other(two, LrSchedule::linear(2, 10));
   CHECK_THROWS_WITH(other.load_state_dict(s.state_dict()), Catch::Contains("1 parameter groups but the optimizer has 2"));
 }
+
+TEST_CASE("a frozen unit, a tied head and an unused parameter: saved at W ranks, resumed with the optimizer at W-1",
+          "[trainer][resume][frozen]") {
+  // docs/core.md advises a frozen module as a unit of its own: AdamW never steps its shards, so the
+  // saved optimizer state has none of them, and a resume must not expect any.
+  GptConfig c;
+  c.tied = true;
+  const auto make = [&](uint64_t seed, const dist::AnyCommunicator& comm) {
+    at::manual_seed(seed);
+    Gpt gpt(c);
+    for (auto& p : gpt->blocks[0]->parameters()) p.set_requires_grad(false);       // a frozen unit
+    gpt->register_parameter("never_used", at::zeros({8}));                         // no gradient, ever
+    return std::make_unique<GptFsdp>(gpt, comm);
+  };
+  const fs::path root = trainer_dir("frozen_resume");
+  const TrainStepOptions options{.accumulation_steps = kMicro, .max_grad_norm = 1.0};
+  auto straight = make(42, world());
+  auto straight_opt = make_adamw(*straight, adamw());
+  TrainStep<GptFsdp> straight_step(*straight, straight_opt, nullptr, options);
+  train(*straight, straight_step, world(), 0, 5);
+  const auto expected = gathered(*straight);
+  {
+    auto first = make(42, world());
+    auto opt = make_adamw(*first, adamw());
+    TrainStep<GptFsdp> step(*first, opt, nullptr, options);
+    train(*first, step, world(), 0, 3);
+    CheckpointCoordinator ckpt(root, *first);
+    ckpt.save(3, *first, opt, ExtraState{});
+    ckpt.wait();
+  }
+  world().barrier();
+  const int resumed_size = std::max(1, world().size() - 1);
+  auto group = world().split(world().rank() < resumed_size ? 0 : dist::no_color, world().rank(), "resumed");
+  if (group) {
+    auto resumed = make(7, *group);
+    auto opt = make_adamw(*resumed, adamw());
+    const auto info = load_checkpoint(root, *resumed, opt);
+    REQUIRE(info.has_value());
+    CHECK(info->step == 3);
+    TrainStep<GptFsdp> step(*resumed, opt, nullptr, options);
+    train(*resumed, step, *group, 3, 2);
+    const auto got = gathered(*resumed);
+    const double diff = max_difference(got, expected);
+    if (group->rank() == 0) std::printf("  frozen unit, tied head, unused parameter: resumed at %d ranks, max |diff| = %.3g\n", resumed_size, diff);
+    CHECK(diff <= f32_tolerance);
+    // The frozen block is the checkpoint's, not the resumed model's own initial values (seed 7).
+    CHECK(at::equal(got.at("h0.qkv.weight"), expected.at("h0.qkv.weight")));
+  }
+  world().barrier();
+}

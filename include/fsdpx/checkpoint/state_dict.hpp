@@ -167,10 +167,13 @@ class SliceLoader {
   }
 
   /// Throws, naming everything that does not match; `strict`: names the checkpoint has and the model lacks are errors too.
-  void finish(bool strict = true) {
+  /// `absent_is_missing` false: a name no saved state dict mentions at all is no error (optimizer
+  /// state of a tensor the optimizer never stepped: a frozen unit's shards); one that is there in part is.
+  void finish(bool strict = true, bool absent_is_missing = true) {
     std::vector<std::string> missing;
     for (auto& [name, targets] : targets_) {
       if (mismatched_.count(name) != 0) continue;  // named below, with the reason
+      if (!absent_is_missing && seen_.count(name) == 0) continue;
       if (complete_ && seen_.count(name) == 0) {  // no saved rank has any of it (even where this rank holds none)
         missing.push_back(name);
         continue;
@@ -434,6 +437,7 @@ inline void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::
   struct Pending {
     const core::Unit::OptimParam* op;
     std::map<std::string, at::Tensor> tensors;
+    std::vector<std::string> targets;  // its entries in the loader
   };
   std::vector<Pending> pending;
   detail::SliceLoader loader("optimizer");
@@ -468,7 +472,8 @@ inline void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::
             const int64_t lo = std::max(p.offset, op_begin), hi = std::min(p.offset + p.numel, op_end);
             if (lo < hi) {
               for (const auto& key : keys) {
-                loader.add_target(p.name + " [" + key + "]", p.shape, lo - p.offset, hi - p.offset,
+                pend.targets.push_back(p.name + " [" + key + "]");
+                loader.add_target(pend.targets.back(), p.shape, lo - p.offset, hi - p.offset,
                                   pend.tensors[key].narrow(0, lo - op_begin, hi - lo));
               }
             }
@@ -487,8 +492,17 @@ inline void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::
     loader.load(split, "v");
   });
   if (keys.empty()) return;  // saved before the first step: nothing to restore
-  loader.finish(/*strict=*/false);  // parameters the model lacks were named by the model load already
+  // Parameters the model lacks were named by the model load already; tensors the optimizer never
+  // stepped (a frozen unit, or one frozen when saved and trained now) have no saved state and get none.
+  loader.finish(/*strict=*/false, /*absent_is_missing=*/false);
   for (auto& pend : pending) {
+    const bool saved = std::any_of(pend.targets.begin(), pend.targets.end(), [&](const std::string& t) {
+      for (const auto& target : loader.targets()[t]) {
+        if (!target.filled.empty()) return true;
+      }
+      return false;
+    });
+    if (!saved) continue;
     optimizer.state()[pend.op->tensor.unsafeGetTensorImpl()] = detail::make_optimizer_state(optimizer, std::move(pend.tensors), step);
   }
 }

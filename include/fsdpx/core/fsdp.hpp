@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <optional>
 #include <type_traits>
+#include <unordered_set>
 #include <utility>
 
 #include <ATen/ATen.h>
@@ -200,8 +201,11 @@ class Fsdp {
 
   int resolve_shard(const dist::AnyCommunicator& world, const FsdpOptions& options) const {
     if constexpr (Mesh::shard_size == auto_shard_size) {
-      int64_t numel = 0;
-      for (const auto& p : model_->parameters()) numel += p.numel();
+      int64_t numel = 0;  // each tensor once: a tied one is listed under every name it has
+      std::unordered_set<const c10::TensorImpl*> seen;
+      for (const auto& p : model_->parameters()) {
+        if (seen.insert(p.unsafeGetTensorImpl()).second) numel += p.numel();
+      }
       const auto env = dist::detect_launch_env();
       const int64_t budget = options.auto_shard_budget_bytes.value_or(int64_t{8} << 30);
       return dist::resolve_shard_size<Mesh>(world.size(),
