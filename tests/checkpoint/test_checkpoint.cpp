@@ -634,3 +634,104 @@ TEST_CASE("a real commit record holds exactly the fields of docs/checkpoint.md",
   CHECK(real["components"] == spec["components"]);
   CHECK(real["files"].size() == static_cast<size_t>(3 * world.size()));  // model, optim and extra_state of every rank
 }
+
+namespace {
+/// Blocks with BatchNorm (running statistics and an int64 counter) and a root buffer (a router bias).
+struct BnBlockImpl : torch::nn::Module {
+  explicit BnBlockImpl(int64_t d) {
+    lin = register_module("lin", torch::nn::Linear(d, d));
+    bn = register_module("bn", torch::nn::BatchNorm1d(d));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x + torch::relu(bn(lin(x))); }
+  torch::nn::Linear lin{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(BnBlock);
+
+struct BnNetImpl : torch::nn::Module {
+  BnNetImpl() {
+    stem = register_module("stem", torch::nn::Linear(20, 16));
+    b0 = register_module("b0", BnBlock(16));
+    b1 = register_module("b1", BnBlock(16));
+    head = register_module("head", torch::nn::Linear(16, 5));
+    router_bias = register_buffer("router_bias", at::zeros({16}));
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
+    auto h = stem(x) + router_bias;
+    h = fsdpx::forward(b0, h);
+    h = fsdpx::forward(b1, h);
+    {
+      at::NoGradGuard no_grad;
+      router_bias.add_(0.25);  // a buffer the model updates itself (DeepSeek's e_score_correction_bias)
+    }
+    return torch::nn::functional::cross_entropy(head(h), y);
+  }
+  torch::nn::Linear stem{nullptr}, head{nullptr};
+  BnBlock b0{nullptr}, b1{nullptr};
+  at::Tensor router_bias;
+};
+TORCH_MODULE(BnNet);
+using BnModel = Fsdp<BnNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BnBlockImpl>>;
+
+/// Every buffer of `b` equal to `a`'s, bit for bit, dtype included.
+void require_same_buffers(BnModel& a, BnModel& b) {
+  auto want = a.module()->named_buffers();
+  const auto got = b.module()->named_buffers();
+  REQUIRE(got.size() == 7);  // router_bias, and per block running_mean, running_var, num_batches_tracked
+  for (const auto& item : got) {
+    INFO(item.key());
+    REQUIRE(item.value().scalar_type() == want[item.key()].scalar_type());
+    REQUIRE(at::equal(item.value(), want[item.key()]));
+  }
+}
+}  // namespace
+
+TEST_CASE("buffers (BatchNorm statistics, a counter, a router bias) are in every state dict kind", "[checkpoint][buffers]") {
+  auto world = any_world();
+  const fs::path dir = fresh_dir("buffers");
+  torch::manual_seed(1);
+  BnModel a(BnNet(), world);
+  auto opt_a = make_adamw(a, adamw_options());
+  for (int i = 0; i < 2; ++i) train_step(a, opt_a, world);
+  REQUIRE(a.module()->b0->bn->num_batches_tracked.item<int64_t>() == 2);
+  // The statistics are each rank's own batch's (as with DDP without buffer broadcast); state dicts
+  // take world rank 0's, so make every rank hold those, and check what comes back.
+  for (auto& item : a.module()->named_buffers()) world.broadcast(item.value(), 0);
+
+  torch::manual_seed(2);
+  BnModel b(BnNet(), world);
+
+  SECTION("sharded") {
+    const StateDict sd = sharded_state_dict(a.sharded());
+    const auto is_buffer = [](const TensorSlice& e) {
+      for (const char* b : {"running_mean", "running_var", "num_batches_tracked", "router_bias"}) {
+        if (e.name.ends_with(b)) return true;
+      }
+      return false;
+    };
+    const auto n = std::count_if(sd.entries.begin(), sd.entries.end(), is_buffer);
+    CHECK(n == (world.rank() == 0 ? 7 : 0));  // buffers once, in world rank 0's file
+    checkpoint::save_state_dict(dir / ("s" + std::to_string(world.rank()) + ".pt"), sd);
+    world.barrier();
+    load_files(b, dir, "s", world.size());
+    CHECK(same_shards(a, b));
+    require_same_buffers(a, b);
+  }
+  SECTION("local") {
+    checkpoint::save_state_dict(dir / ("l" + std::to_string(world.rank()) + ".pt"), local_state_dict(a.sharded()));
+    world.barrier();
+    load_files(b, dir, "l", world.size());
+    CHECK(same_shards(a, b));
+    require_same_buffers(a, b);
+  }
+  SECTION("full") {
+    load_model_state_dict(b.sharded(), full_state_dict(a.sharded(), /*all_ranks=*/true));
+    CHECK(same_shards(a, b));
+    require_same_buffers(a, b);
+  }
+  SECTION("a state dict without the buffers is refused, naming them") {
+    StateDict sd = full_state_dict(a.sharded(), /*all_ranks=*/true);
+    std::erase_if(sd.entries, [](const auto& e) { return e.name == "b1.bn.running_var"; });
+    REQUIRE_THROWS_WITH(load_model_state_dict(b.sharded(), sd), Catch::Matchers::Contains("missing: b1.bn.running_var"));
+  }
+}

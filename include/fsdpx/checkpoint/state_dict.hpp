@@ -285,6 +285,23 @@ inline void set_group_hyperparameters(torch::optim::OptimizerOptions& o, const s
 
 // ---- model ------------------------------------------------------------------------------------------
 
+namespace detail {
+/// Each buffer as one whole entry, in its own dtype, copied to host memory (every rank holds the same
+/// copy, as the module keeps them; sharded state dicts take world rank 0's).
+inline void add_buffers(StateDict& sd, const core::ShardedModel& model) {
+  for (const auto& [name, b] : model.named_buffers()) {
+    sd.entries.push_back({name, b.sizes().vec(), 0, b.numel(), {{"data", host_copy(b.detach().contiguous().reshape({-1}))}}});
+  }
+}
+/// Registers every buffer as a whole target of `loader`.
+inline void add_buffer_targets(SliceLoader& loader, const core::ShardedModel& model) {
+  for (const auto& [name, b] : model.named_buffers()) {
+    FSDPX_CHECK(b.is_contiguous(), "buffer '", name, "' is not contiguous; state dicts load buffers in place");
+    loader.add_target(name, b.sizes().vec(), 0, b.numel(), b.detach().view({-1}));
+  }
+}
+}  // namespace detail
+
 /// This rank's slices of every parameter (float32 master values), copied to host memory.
 inline StateDict sharded_state_dict(const core::ShardedModel& model) {
   StateDict sd = detail::empty_state_dict(model, StateDictKind::sharded, "model");
@@ -299,6 +316,7 @@ inline StateDict sharded_state_dict(const core::ShardedModel& model) {
                             {{"data", detail::host_copy(u.shard().narrow(0, r.begin - base, r.size()))}}});
     }
   }
+  if (model.mesh().world().rank() == 0) detail::add_buffers(sd, model);
   return sd;
 }
 
@@ -310,6 +328,7 @@ inline StateDict local_state_dict(const core::ShardedModel& model) {
     const core::FlatRange r = u.layout().shard_range(u.shard_rank());
     sd.entries.push_back({u.name(), {u.layout().padded_numel()}, r.begin, r.end, {{"data", detail::host_copy(u.shard())}}});
   }
+  detail::add_buffers(sd, model);  // a local state dict is loaded by the rank that saved it only
   return sd;
 }
 
@@ -347,6 +366,7 @@ inline StateDict full_state_dict(core::ShardedModel& model, bool all_ranks = fal
       sd.entries.push_back({p.name, p.shape, 0, p.numel, {{"data", host.narrow(0, p.offset, p.numel).clone()}}});
     }
   }
+  if (keep) detail::add_buffers(sd, model);
   return sd;
 }
 
@@ -378,6 +398,8 @@ inline void load_model_state_dict(core::ShardedModel& model,
     const core::FlatRange r = u.layout().shard_range(u.shard_rank());
     local.add_target(u.name(), {u.layout().padded_numel()}, r.begin, r.end, u.shard());
   }
+  detail::add_buffer_targets(loader, model);
+  detail::add_buffer_targets(local, model);
   for_each_saved([&](const StateDict& sd) {
     FSDPX_CHECK(sd.component == "model", "loading a model state dict from a '", sd.component, "' state dict");
     FSDPX_CHECK(!kind || *kind == sd.kind, "the saved state dicts mix kinds (", to_string(*kind), " and ",

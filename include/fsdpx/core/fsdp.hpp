@@ -16,12 +16,16 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
 #include <optional>
 #include <type_traits>
 #include <unordered_set>
 #include <utility>
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
@@ -34,7 +38,9 @@
 namespace fsdpx {
 
 using core::GradNorm;
+using core::ReplicaInit;
 using core::ShardedBytes;
+using core::StepStats;
 
 struct FsdpOptions {
   /// The device the model computes on; default: where its first parameter is.
@@ -52,6 +58,15 @@ struct FsdpOptions {
   bool inference_only = false;
   /// deferred_init models: initializes modules fsdpx does not know (returns false to decline).
   ModuleInit init_module;
+  /// How the ranks' copies of the constructed values become one model: checked equal (default; an
+  /// error names the first tensor that differs and the ranks), copied from rank 0, or trusted.
+  ReplicaInit replicas = ReplicaInit::check;
+  /// Which parameters make_adamw decays, by fully qualified name and tensor (default: dim() >= 2).
+  /// E.g. [](const std::string& name, const at::Tensor& p) { return p.dim() >= 2 && name.find("embed") == npos; }
+  std::function<bool(const std::string&, const at::Tensor&)> weight_decay;
+  /// A wrap policy other than NoWrap that picks no module is an error (the model would train as one
+  /// unit, with no overlap); set this when that is intended.
+  bool allow_no_units = false;
 };
 
 /// HybridShard<auto_shard_size>'s choice (as LightRFT does): the smallest shard size that divides the
@@ -99,6 +114,11 @@ class Fsdp {
     unit.reduce_dtype = Precision::reduce_dtype;
     unit.output_dtype = Precision::output_dtype;
     unit.device = options.device.value_or(first_device());
+    if (!unit.device.has_index() && !unit.device.is_cpu()) {
+      // "cuda" means the current device now: fixed here, so every allocation lands on it whatever
+      // device is current later (autograd's threads, a rollout engine's).
+      unit.device = c10::Device(unit.device.type(), c10::impl::getDeviceGuardImpl(unit.device.type())->getDevice().index());
+    }
     unit.offload_to_cpu = Offload::offload_to_cpu;
     unit.pin_memory = Offload::pin_memory;
     unit.reshard_after_forward = options.reshard_after_forward;
@@ -109,18 +129,24 @@ class Fsdp {
     }
     FSDPX_CHECK(unit.device.type() == world.device_type(), "the model computes on ", unit.device, " but the communicator (", world.backend_name(), ") works on ",
                 c10::DeviceTypeName(world.device_type(), true), " tensors");
+    core::ModelSetup setup;
+    setup.is_unit = [](const UnitQuery& q) { return Wrap::is_unit(q); };
+    setup.init_module = options.init_module;
+    setup.decay = options.weight_decay;
+    setup.replicas = options.replicas;
+    setup.check_units = [allow_none = options.allow_no_units](const std::vector<std::string>& units) {
+      check_wrap_matched(units, allow_none);
+    };
     state_ = std::make_unique<core::ShardedModel>(model_.ptr(), dist::DeviceMesh<dist::AnyCommunicator>::build(world, shard),
-                                                  unit, [](const UnitQuery& q) { return Wrap::is_unit(q); },
-                                                  options.init_module);
+                                                  unit, setup);
   }
 
   /// The root forward under the unit protocol.
   template <class... Args>
   auto forward(Args&&... args) {
-    auto& root = state_->root();
-    return state_->run(root, [&] {
-      return model_->forward(core::ShardedModel::cast_input(root, std::forward<Args>(args))...);
-    });
+    return state_->run_with(
+        state_->root(), [&](auto&&... inputs) { return model_->forward(std::forward<decltype(inputs)>(inputs)...); },
+        std::forward<Args>(args)...);
   }
   template <class... Args>
   auto operator()(Args&&... args) {
@@ -133,10 +159,9 @@ class Fsdp {
   template <class Method, class... Args>
     requires std::is_member_function_pointer_v<Method>
   auto call(Method method, Args&&... args) {
-    auto& root = state_->root();
-    return state_->run(root, [&] {
-      return ((*model_).*method)(core::ShardedModel::cast_input(root, std::forward<Args>(args))...);
-    });
+    return state_->run_with(
+        state_->root(), [&](auto&&... inputs) { return ((*model_).*method)(std::forward<decltype(inputs)>(inputs)...); },
+        std::forward<Args>(args)...);
   }
   /// The same for any callable taking the model; its arguments are used as they are.
   template <class Fn>
@@ -192,6 +217,8 @@ class Fsdp {
   core::ShardedModel& sharded() { return *state_; }
   const core::ShardedModel& sharded() const { return *state_; }
   ShardedBytes sharded_bytes() const { return state_->sharded_bytes(); }
+  /// What the last step did: its forward order, when reductions were issued, peak unsharded bytes.
+  const core::StepStats& last_step_stats() const { return state_->last_step_stats(); }
 
  private:
   c10::Device first_device() const {
@@ -215,6 +242,22 @@ class Fsdp {
     }
   }
 
+  static void check_wrap_matched(const std::vector<std::string>& units, bool allow_none) {
+    if constexpr (requires { Wrap::unmatched(units); }) {
+      const auto missing = Wrap::unmatched(units);
+      std::string list;
+      for (const auto& m : missing) list += (list.empty() ? "'" : ", '") + m + "'";
+      FSDPX_CHECK(missing.empty() || (allow_none && units.empty()), "the wrap policy's name pattern(s) ", list,
+                  " match no module of the model (module names are dotted paths such as 'layers.0' or 'lm_head'; '*' "
+                  "matches within one segment)");
+    }
+    if constexpr (!std::is_same_v<Wrap, NoWrap>) {
+      FSDPX_CHECK(allow_none || !units.empty(), "the wrap policy picked no module of the model, so it would train as "
+                  "one unit (no overlap of communication with computation, the whole model gathered at once); check "
+                  "the policy, or set FsdpOptions::allow_no_units when that is intended");
+    }
+  }
+
   Model model_;
   std::unique_ptr<core::ShardedModel> state_;
 };
@@ -224,9 +267,9 @@ template <class Holder, class... Args>
 auto forward(Holder& module, Args&&... args) {
   const auto [owner, unit] = core::detail::UnitRegistry::instance().find(module.ptr().get());
   if (owner == nullptr) return module->forward(std::forward<Args>(args)...);
-  return owner->run(*unit, [&, u = unit] {
-    return module->forward(core::ShardedModel::cast_input(*u, std::forward<Args>(args))...);
-  });
+  return owner->run_with(
+      *unit, [&](auto&&... inputs) { return module->forward(std::forward<decltype(inputs)>(inputs)...); },
+      std::forward<Args>(args)...);
 }
 
 /// Runs `fn(module)` (any member function) under `module`'s unit protocol when it is a sharded unit.

@@ -1,17 +1,28 @@
 // ShardedModel: the units of one model and the protocol that runs them. Not a template, so every
 // Fsdp<...> shares one compiled implementation; Fsdp maps its policies onto UnitOptions.
 //
-// Forward:  pre_forward(u) unshards u and prefetches the next unit in forward order (recorded on the
-//           first forward); post_forward(u) reshards u (unless it is the root or reshard_after_forward
-//           is off) and hooks u's outputs so that u is unsharded again before its backward.
-// Backward: the output hook unshards u and prefetches the unit before it; autograd's post-accumulate
-//           hooks count u's gradients, and when all are in, u's reduce-scatter starts. Reductions
-//           start in one fixed order (reverse unit index, root last) on every rank. At the end of
-//           backward, missing reductions start (unused parameters count as zero), all are finished
-//           into the shards' gradients, and every unit is resharded.
+// Forward:  pre_forward(u) unshards u and prefetches the unit that followed u in the previous step's
+//           forward (the order is recorded again at every step, so a unit skipped on some steps is
+//           followed); the call's inputs that require grad pass through one post-backward node;
+//           post_forward(u) reshards u (unless it is the root or reshard_after_forward is off) and
+//           hooks u's outputs so that u is unsharded again before its backward.
+// Backward: the output hook unshards u and prefetches the unit before it in this step's forward.
+//           A unit's backward is over when its post-backward node runs (its inputs' gradients are
+//           complete) or when every one of its parameters has accumulated a gradient, whichever comes
+//           first: then its reduce-scatter starts at once and it reshards. Parameters without a
+//           gradient count as zero; nothing waits for them. Autograd runs the same graph in the same
+//           order on every rank, so reductions are issued in the same order everywhere. HSDP / NoShard
+//           start each unit's replica all-reduce as soon as its reduce-scatter is done. At the end of
+//           backward, units whose backward never signalled (no input requiring grad) are reduced in
+//           reverse unit order, every result is added to the shards' gradients, and all reshard.
+// Failure:  a forward that throws reshards what it gathered; a backward that throws leaves a pass
+//           whose end never came. The next forward or backward sees it (autograd gives every pass its
+//           own id), waits for the collectives it issued, discards its gradients and starts clean.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
+#include <iterator>
 #include <cmath>
 #include <functional>
 #include <future>
@@ -33,6 +44,7 @@
 #include <fsdpx/core/detail/autograd.hpp>
 #include <fsdpx/core/memory.hpp>
 #include <fsdpx/core/unit.hpp>
+#include <fsdpx/detail/crc32c.hpp>
 #include <fsdpx/dist/mesh.hpp>
 #include <fsdpx/policies/wrap.hpp>
 
@@ -100,28 +112,60 @@ struct ShardedBytes {
   int64_t unsharded = 0;    // full parameter buffers allocated right now
 };
 
+/// How the ranks' copies of the values a model was constructed with become one model.
+enum class ReplicaInit {
+  check,                 // every rank must have constructed the same values (checked: an error names the tensor)
+  broadcast_from_rank0,  // rank 0's values are copied to every rank (as DDP and FSDP's sync_module_states)
+  as_constructed,        // trusted as they are (e.g. a checkpoint is loaded right after)
+};
+
+/// What the units are and how they start, for ShardedModel's constructor.
+struct ModelSetup {
+  std::function<bool(const UnitQuery&)> is_unit;
+  /// deferred_init models: initializes modules fsdpx does not know.
+  ModuleInit init_module;
+  /// Whether a parameter gets weight decay, by its fully qualified name and tensor; default dim() >= 2.
+  std::function<bool(const std::string&, const at::Tensor&)> decay;
+  /// Sees the chosen units' names before anything changes (e.g. the wrap policy matched nothing).
+  std::function<void(const std::vector<std::string>&)> check_units;
+  ReplicaInit replicas = ReplicaInit::check;
+};
+
+/// What the last step did (a forward and its backward): for tests, benchmarks and profiles.
+struct StepStats {
+  std::vector<std::string> forward_order;  // the units the forward ran, in order (the root left out)
+  int units_run = 0;                       // units whose forward ran with gradients on, the root included
+  int reductions_during_backward = 0;      // reduce-scatters issued as soon as their unit's backward ended
+  int reductions_at_end = 0;               // issued only when backward had finished
+  int late_reductions = 0;                 // issued again for gradients that arrived after their unit's
+  int64_t peak_unsharded_bytes = 0;        // the most full-parameter bytes allocated at once
+};
+
 class ShardedModel {
  public:
   using Mesh = dist::DeviceMesh<dist::AnyCommunicator>;
-  using UnitSelector = std::function<bool(const UnitQuery&)>;
 
-  /// `init_module` initializes modules of a deferred_init model that fsdpx does not know.
-  ShardedModel(std::shared_ptr<torch::nn::Module> root, Mesh mesh, UnitOptions options, const UnitSelector& is_unit,
-               const ModuleInit& init_module = {})
+  /// Collective over the mesh's world. Nothing in the module changes until every check has passed on
+  /// every rank; a failure after that (out of memory, a collective error) puts the module's parameters
+  /// back as they were before rethrowing.
+  ShardedModel(std::shared_ptr<torch::nn::Module> root, Mesh mesh, UnitOptions options, const ModelSetup& setup)
       : root_module_(std::move(root)), mesh_(std::move(mesh)), options_(options) {
-    // Duplicates of the groups, so gathers and reductions have communicators of their own.
-    auto gather = *mesh_.shard_group().split(0, mesh_.shard_group().rank(), "fsdpx/gather");
-    auto reduce = *mesh_.shard_group().split(0, mesh_.shard_group().rank(), "fsdpx/reduce");
-    const UnitComms comms{gather, reduce, mesh_.replicate_group()};
-
     // Names of every parameter (the first name of a shared one).
     std::unordered_map<const c10::TensorImpl*, std::string> names;
     for (const auto& item : root_module_->named_parameters(/*recurse=*/true)) {
       names.emplace(item.value().unsafeGetTensorImpl(), item.key());
     }
+    const auto decays = [&](const std::string& name, const at::Tensor& p) {
+      return setup.decay ? setup.decay(name, p) : p.dim() >= 2;
+    };
     // Pick units top-down; parameters outside every unit belong to the root.
     std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> picked;
-    pick_units(*root_module_, "", is_unit, picked);
+    pick_units(*root_module_, "", setup.is_unit, picked);
+    if (setup.check_units) {
+      std::vector<std::string> unit_names;
+      for (const auto& item : picked) unit_names.push_back(item.first);
+      setup.check_units(unit_names);
+    }
     std::unordered_map<const c10::TensorImpl*, std::string> owner;
     const auto collect = [&](const std::string& unit_name, torch::nn::Module& m) {
       std::vector<ParamInfo> params;
@@ -134,46 +178,113 @@ class ShardedModel {
           continue;
         }
         owner.emplace(key, unit_name);
-        params.push_back({names[key], p, {}, p.dim() >= 2});
+        params.push_back({names[key], p, {}, decays(names[key], p)});
       }
       return params;
     };
     std::vector<std::pair<std::string, std::vector<ParamInfo>>> unit_params;
-    for (auto& [name, m] : picked) unit_params.emplace_back(name, collect(name, *m));
     std::vector<ParamInfo> root_params;
+    for (auto& [name, m] : picked) unit_params.emplace_back(name, collect(name, *m));
     for (const auto& item : root_module_->named_parameters(true)) {
       const auto* key = item.value().unsafeGetTensorImpl();
-      if (owner.emplace(key, "root").second) root_params.push_back({item.key(), item.value(), {}, item.value().dim() >= 2});
+      if (owner.emplace(key, "root").second) root_params.push_back({item.key(), item.value(), {}, decays(item.key(), item.value())});
     }
+    unit_params.insert(unit_params.begin(), {"root", std::move(root_params)});
+    std::vector<torch::nn::Module*> unit_modules{root_module_.get()};
+    for (auto& item : picked) unit_modules.push_back(item.second.get());
+
+    // A module with frozen and trainable parameters (LoRA adapters beside frozen base weights) gets two
+    // units that always move together: the trainable one, and "<name>#frozen", sharded and gathered
+    // like it but never reduced, with no gradient and no optimizer state.
+    struct Planned {
+      std::string name;
+      std::vector<ParamInfo> params;
+      size_t module;  // index into unit_modules
+      bool companion;
+    };
+    std::vector<Planned> planned;
+    for (size_t m = 0; m < unit_params.size(); ++m) {
+      auto& [name, params] = unit_params[m];
+      std::vector<ParamInfo> frozen;
+      if (!params.empty() && std::any_of(params.begin(), params.end(), [](const ParamInfo& p) { return p.param.requires_grad(); })) {
+        const auto split = std::stable_partition(params.begin(), params.end(),
+                                                 [](const ParamInfo& p) { return p.param.requires_grad(); });
+        frozen.assign(std::make_move_iterator(split), std::make_move_iterator(params.end()));
+        params.erase(split, params.end());
+      }
+      planned.push_back({name, std::move(params), m, false});
+      if (!frozen.empty()) planned.push_back({name + "#frozen", std::move(frozen), m, true});
+    }
+
+    // ---- checks: nothing has changed yet ----
+    for (const auto* m : unit_modules) {
+      FSDPX_CHECK(detail::UnitRegistry::instance().find(m).first == nullptr, "module '", m->name(),
+                  "' is already a unit of another Fsdp model");
+    }
+    for (const auto& u : planned) Unit::check_params(u.name, u.params, options_);
+    check_layouts_agree(planned);
+
+    // Duplicates of the groups, so gathers and reductions have communicators of their own.
+    auto gather = *mesh_.shard_group().split(0, mesh_.shard_group().rank(), "fsdpx/gather");
+    auto reduce = *mesh_.shard_group().split(0, mesh_.shard_group().rank(), "fsdpx/reduce");
+    const UnitComms comms{gather, reduce, mesh_.replicate_group()};
 
     // A deferred model is materialized one unit at a time, right before that unit takes its shard
     // and releases the rest: no rank ever holds the whole model.
     const bool deferred = detail::DeferredModels::instance().contains(root_module_.get());
-    std::unordered_set<const torch::nn::Module*> in_units;
+    const auto* skip = setup.init_module.target<bool (*)(torch::nn::Module&)>();
+    // Values that a strict load overwrites right after construction are not compared.
+    const bool values_meaningful = !(deferred && skip != nullptr && *skip == &skip_init);
     for (auto& [name, m] : picked) {
-      for (const auto& sub : m->modules(/*include_self=*/true)) in_units.insert(sub.get());
+      for (const auto& sub : m->modules(/*include_self=*/true)) in_units_.insert(sub.get());
     }
     const auto materialize = [&](torch::nn::Module& top, const std::string& prefix, bool root_only) {
       if (!deferred) return;
       for (const auto& item : top.named_modules(prefix, /*include_self=*/true)) {
-        if (root_only && in_units.count(item.value().get()) != 0) continue;
-        detail::materialize_module(*item.value(), item.key(), init_module);
+        if (root_only && in_units_.count(item.value().get()) != 0) continue;
+        detail::materialize_module(*item.value(), item.key(), setup.init_module);
       }
     };
 
-    UnitOptions root_options = options_;
-    root_options.reshard_after_forward = false;  // the root's parameters are needed again first in backward
-    materialize(*root_module_, "", /*root_only=*/true);
-    units_.push_back(std::make_unique<Unit>("root", 0, std::move(root_params), comms, root_options));
-    modules_.push_back(root_module_.get());
-    for (size_t i = 0; i < picked.size(); ++i) {
-      materialize(*picked[i].second, picked[i].first, /*root_only=*/false);
-      units_.push_back(std::make_unique<Unit>(unit_params[i].first, static_cast<int>(i + 1),
-                                              std::move(unit_params[i].second), comms, options_));
-      modules_.push_back(picked[i].second.get());
+    // ---- changes, undone if anything fails ----
+    std::vector<std::pair<at::Tensor, at::Tensor>> originals;  // parameter, its data before
+    for (const auto& u : planned) {
+      for (const ParamInfo& p : u.params) originals.emplace_back(p.param, p.param.variable_data());
     }
+    try {
+      for (size_t k = 0; k < planned.size(); ++k) {
+        Planned& u = planned[k];
+        const bool is_root = u.module == 0;
+        if (!u.companion) {
+          if (is_root) {
+            materialize(*root_module_, "", /*root_only=*/true);
+          } else {
+            materialize(*picked[u.module - 1].second, picked[u.module - 1].first, /*root_only=*/false);
+          }
+          std::vector<ParamInfo> all = u.params;  // the module's parameters, its companion's too
+          if (k + 1 < planned.size() && planned[k + 1].companion) {
+            all.insert(all.end(), planned[k + 1].params.begin(), planned[k + 1].params.end());
+          }
+          replicate_values(u.name, all, *unit_modules[u.module], is_root, values_meaningful, setup.replicas);
+        }
+        UnitOptions unit_options = options_;
+        // The root's parameters are needed again first in backward.
+        if (is_root) unit_options.reshard_after_forward = false;
+        units_.push_back(std::make_unique<Unit>(u.name, static_cast<int>(k), std::move(u.params), comms, unit_options));
+        modules_.push_back(unit_modules[u.module]);
+        is_companion_.push_back(u.companion);
+        companion_.push_back(0);
+        if (u.companion) companion_[k - 1] = k;
+      }
+    } catch (...) {
+      at::NoGradGuard no_grad;
+      for (auto& [param, data] : originals) param.set_data(data);
+      throw;
+    }
+    originals.clear();
     if (deferred) detail::DeferredModels::instance().remove(root_module_.get());  // frees the scratch
     for (size_t i = 0; i < units_.size(); ++i) {
+      if (is_companion_[i]) continue;  // reached through the unit it moves with
       detail::UnitRegistry::instance().add(modules_[i], this, units_[i].get());
       install_gradient_hooks(*units_[i]);
     }
@@ -185,7 +296,9 @@ class ShardedModel {
   ~ShardedModel() {
     wait_for_snapshots();     // a background checkpoint copy may still read the shards
     *alive_ = false;  // autograd may still hold hooks that point here
-    for (const auto* m : modules_) detail::UnitRegistry::instance().remove(m);
+    for (size_t i = 0; i < modules_.size(); ++i) {
+      if (!is_companion_[i]) detail::UnitRegistry::instance().remove(modules_[i]);
+    }
   }
 
   const Mesh& mesh() const { return mesh_; }
@@ -194,6 +307,15 @@ class ShardedModel {
   /// replicated on every rank, as the module holds them).
   torch::nn::Module& root_module() const { return *root_module_; }
   size_t num_units() const { return units_.size(); }
+  /// The module's buffers by name (running statistics, counters, router biases). They are not
+  /// sharded: every rank holds the same copy, as the module keeps them.
+  std::vector<std::pair<std::string, at::Tensor>> named_buffers() const {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (const auto& b : root_module_->named_buffers(/*recurse=*/true)) {
+      if (b.value().defined()) out.emplace_back(b.key(), b.value());
+    }
+    return out;
+  }
   const UnitOptions& options() const { return options_; }
   Unit& unit(size_t i) { return *units_.at(i); }
   const Unit& unit(size_t i) const { return *units_.at(i); }
@@ -204,14 +326,32 @@ class ShardedModel {
   /// Runs `call` (a forward, or any member function) under unit `u`'s protocol.
   template <class Call>
   auto run(Unit& u, Call&& call) {
-    pre_forward(u);
     try {
+      pre_forward(u);
       auto out = call();
       return post_forward(u, std::move(out));
     } catch (const c10::Error& e) {
+      forward_failed(u);
       rethrow_if_resharded_access(e);
       throw;
+    } catch (...) {
+      forward_failed(u);
+      throw;
     }
+  }
+
+  /// Runs `body(inputs...)` under unit `u`'s protocol, with `args` as the unit computes them: floating
+  /// tensors cast to the compute dtype, and those that require grad routed through the node that ends
+  /// the unit's backward.
+  template <class Body, class... Args>
+  auto run_with(Unit& u, Body&& body, Args&&... args) {
+    return run(u, [&] {
+      std::tuple<decltype(cast_input(u, std::forward<Args>(args)))...> inputs(cast_input(u, std::forward<Args>(args))...);
+      std::vector<at::Tensor*> tracked;
+      std::apply([&](auto&... a) { (track_input(a, tracked), ...); }, inputs);
+      add_post_backward_node(u, tracked);
+      return std::apply([&](auto&&... a) { return body(std::forward<decltype(a)>(a)...); }, std::move(inputs));
+    });
   }
 
   /// A unit's forward argument as the unit computes it: floating tensors cast to the compute dtype
@@ -253,6 +393,9 @@ class ShardedModel {
 
   // ---- training helpers -----------------------------------------------------------------------------
 
+  /// What the last completed step did (updated at the end of each backward).
+  const StepStats& last_step_stats() const { return last_stats_; }
+
   /// Off: skip gradient reduction and keep unsharded gradients until a step with it on (accumulation).
   void set_requires_gradient_sync(bool on) { sync_ = on; }
   bool requires_gradient_sync() const { return sync_; }
@@ -262,10 +405,16 @@ class ShardedModel {
   /// optimizer step changes nothing, and warns.
   GradNorm clip_grad_norm_(double max_norm) {
     at::NoGradGuard no_grad;
-    auto sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(mesh_.shard_group().device_type()));
+    // Each shard gradient's norm in its own dtype on its own device (as torch's clip_grad_norm_), then
+    // one scalar to the communicator's device: no copy of a gradient.
+    std::vector<at::Tensor> norms;
     for (auto& u : units_) {
-      for (const at::Tensor& g : u->shard_grads()) sq += g.to(sq.device(), at::kDouble).pow(2).sum();
+      for (const at::Tensor& g : u->shard_grads()) norms.push_back(at::linalg_vector_norm(g, 2));
     }
+    const bool on_host = mesh_.shard_group().device_type() == c10::kCPU;
+    const auto comm_device = on_host ? at::Device(at::kCPU) : options_.device;
+    at::Tensor sq = norms.empty() ? at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(comm_device))
+                                  : at::stack(norms).to(at::kDouble).square().sum().reshape({1}).to(comm_device);
     // Shards of one group partition the model; replicas hold the same shard.
     mesh_.shard_group().all_reduce(sq, dist::ReduceOp::sum);
     GradNorm norm{std::sqrt(sq.item<double>())};
@@ -321,12 +470,16 @@ class ShardedModel {
 
  private:
   struct PassState {  // per unit, per backward pass
-    bool pre_backward_done = false;
+    bool ran_forward = false;       // its forward ran with gradients on (the same on every rank)
+    int post_backward_expected = 0;  // calls whose inputs went through a post-backward node
+    int post_backward_seen = 0;
     int grads_ready = 0;
-    bool reduction_ready = false;
+    bool pre_backward_done = false;
+    bool backward_done = false;     // reduction issued (when syncing) and resharded
+    bool late_gradient = false;     // a gradient accumulated after that: reduced again at the end
   };
 
-  static void pick_units(torch::nn::Module& m, const std::string& prefix, const UnitSelector& is_unit,
+  static void pick_units(torch::nn::Module& m, const std::string& prefix, const std::function<bool(const UnitQuery&)>& is_unit,
                          std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& out) {
     const auto numel = [](torch::nn::Module& mod) {
       int64_t n = 0;
@@ -337,7 +490,7 @@ class ShardedModel {
       const std::string name = prefix.empty() ? child.key() : prefix + "." + child.key();
       int64_t largest = 0;
       for (const auto& grandchild : child.value()->children()) largest = std::max(largest, numel(*grandchild));
-      if (is_unit(UnitQuery{*child.value(), numel(*child.value()), largest})) {
+      if (is_unit(UnitQuery{*child.value(), numel(*child.value()), largest, name})) {
         out.emplace_back(name, child.value());
       } else {
         pick_units(*child.value(), name, is_unit, out);
@@ -371,30 +524,86 @@ class ShardedModel {
 
   size_t index_of(const Unit& u) const { return static_cast<size_t>(u.index()); }
 
-  void pre_forward(Unit& u) {
-    u.unshard();
-    if (!order_frozen_) {
-      if (&u == units_.front().get()) {
-        forward_order_.clear();
-      } else {
-        forward_order_.push_back(&u);
-      }
-    } else if (&u == units_.front().get()) {
-      if (!forward_order_.empty()) forward_order_.front()->unshard_async();  // prefetch the first unit
-    } else if (const auto pos = position_.find(&u); pos != position_.end() && pos->second + 1 < forward_order_.size()) {
-      forward_order_[pos->second + 1]->unshard_async();
+  template <class T>
+  static void track_input(T& arg, std::vector<at::Tensor*>& tracked) {
+    if constexpr (std::is_same_v<std::remove_cvref_t<T>, at::Tensor> && !std::is_const_v<std::remove_reference_t<T>>) {
+      if (arg.defined() && arg.requires_grad()) tracked.push_back(&arg);
     }
+  }
+
+  void add_post_backward_node(Unit& u, const std::vector<at::Tensor*>& tracked) {
+    if (tracked.empty() || !at::GradMode::is_enabled()) return;
+    std::vector<at::Tensor> inputs;
+    for (const at::Tensor* t : tracked) inputs.push_back(*t);
+    auto hook = std::make_shared<detail::BackwardHook>([alive = alive_, this, &u] {
+      if (*alive) post_backward(u);
+    });
+    auto outputs = detail::add_post_backward_hook(std::move(inputs), std::move(hook));
+    for (size_t i = 0; i < tracked.size(); ++i) *tracked[i] = std::move(outputs[i]);
+    ++pass_[index_of(u)].post_backward_expected;
+  }
+
+  bool is_root(const Unit& u) const { return &u == units_.front().get(); }
+
+  /// A unit and its frozen companion (if any) are gathered and freed together.
+  Unit* companion(const Unit& u) const {
+    const size_t c = companion_[index_of(u)];
+    return c == 0 ? nullptr : units_[c].get();
+  }
+  void unshard_async_with(Unit& u) {
+    u.unshard_async();
+    if (Unit* c = companion(u)) c->unshard_async();
+  }
+  void unshard_with(Unit& u) {
+    unshard_async_with(u);
+    u.unshard();
+    if (Unit* c = companion(u)) c->unshard();
+  }
+  void reshard_with(Unit& u) {
+    u.reshard();
+    if (Unit* c = companion(u)) c->reshard();
+  }
+
+  void note_unsharded() {
+    int64_t bytes = 0;
+    for (const auto& u : units_) bytes += u->unsharded_bytes();
+    stats_.peak_unsharded_bytes = std::max(stats_.peak_unsharded_bytes, bytes);
+  }
+
+  /// The root's forward starts a step: a pass that an exception ended is cleaned up first.
+  void begin_step() {
+    if (detail::current_backward_pass_id() != -1) return;  // a forward run inside backward (recomputation)
+    if (in_backward_) abort_failed_pass();
+    recording_.clear();
+    recorded_.assign(units_.size(), false);
+    stats_ = StepStats{};
+  }
+
+  void pre_forward(Unit& u) {
+    if (is_root(u)) begin_step();
+    unshard_with(u);
+    const size_t i = index_of(u);
+    if (at::GradMode::is_enabled()) pass_[i].ran_forward = true;
+    if (is_root(u)) {
+      if (!forward_order_.empty()) unshard_async_with(*forward_order_.front());  // prefetch the first unit
+    } else {
+      if (i < recorded_.size() && !recorded_[i]) {
+        recorded_[i] = true;
+        recording_.push_back(&u);
+      }
+      // Prefetch what followed u in the previous step (the same on every rank).
+      if (const auto pos = position_.find(&u); pos != position_.end() && pos->second + 1 < forward_order_.size()) {
+        unshard_async_with(*forward_order_[pos->second + 1]);
+      }
+    }
+    note_unsharded();
   }
 
   template <class Out>
   Out post_forward(Unit& u, Out out) {
-    const bool is_root = &u == units_.front().get();
-    if (is_root && !order_frozen_) {
-      order_frozen_ = true;
-      for (size_t i = 0; i < forward_order_.size(); ++i) position_[forward_order_[i]] = i;
-    }
+    if (is_root(u) && detail::current_backward_pass_id() == -1) commit_forward_order();
     // An inference-only root has no backward to free it after: it is freed here like the others.
-    if ((!is_root || u.options().inference_only) && u.options().reshard_after_forward) u.reshard();
+    if ((!is_root(u) || u.options().inference_only) && u.options().reshard_after_forward) reshard_with(u);
     auto hook = std::make_shared<detail::BackwardHook>([alive = alive_, this, &u] {
       if (*alive) pre_backward(u);
     });
@@ -406,44 +615,98 @@ class ShardedModel {
     });
   }
 
-  /// First unit event of a backward pass: arrange for its end.
+  /// This step's forward order becomes the one prefetching follows; a unit prefetched for this step
+  /// but not run (the model skipped it) is freed.
+  void commit_forward_order() {
+    forward_order_ = recording_;
+    position_.clear();
+    for (size_t i = 0; i < forward_order_.size(); ++i) position_[forward_order_[i]] = i;
+    stats_.forward_order.clear();
+    for (const Unit* u : forward_order_) stats_.forward_order.push_back(u->name());
+    for (size_t i = 1; i < units_.size(); ++i) {
+      if (!recorded_[i] && !is_companion_[i] && units_[i]->options().reshard_after_forward) reshard_with(*units_[i]);
+    }
+  }
+
+  /// The root's forward threw: free what it gathered and forget its half-recorded order and counts,
+  /// so the next step starts clean. (Inside backward, a recomputation's failure ends that pass.)
+  void forward_failed(Unit& u) noexcept {
+    if (!is_root(u) || detail::current_backward_pass_id() != -1) return;
+    try {
+      reshard_all();
+    } catch (const std::exception& e) {
+      TORCH_WARN("fsdpx: after a failed forward, freeing the gathered parameters failed too: ", e.what());
+    }
+    for (auto& s : pass_) s = PassState{};
+    recording_.clear();
+  }
+
+  /// First unit event of a backward pass: arrange for its end. A pass that began and never ended
+  /// (an exception left it) is cleaned up first.
   void begin_backward() {
-    if (in_backward_) return;
+    const int id = detail::current_backward_pass_id();
+    if (in_backward_ && id == backward_pass_id_) return;
+    if (in_backward_) abort_failed_pass();
     in_backward_ = true;
-    next_reduction_ = 0;
-    detail::at_end_of_backward([this] { end_of_backward(); });
+    backward_pass_id_ = id;
+    detail::at_end_of_backward([alive = alive_, this] {
+      if (*alive) end_of_backward();
+    });
   }
 
   void pre_backward(Unit& u) {
     begin_backward();
+    unshard_with(u);  // again after an earlier call of the same unit finished its backward
     PassState& s = pass_[index_of(u)];
-    if (s.pre_backward_done) return;
-    s.pre_backward_done = true;
-    u.unshard();
-    if (const auto pos = position_.find(&u); pos != position_.end() && pos->second > 0) {
-      forward_order_[pos->second - 1]->unshard_async();  // backward prefetch
+    if (!s.pre_backward_done) {
+      s.pre_backward_done = true;
+      if (const auto pos = position_.find(&u); pos != position_.end() && pos->second > 0) {
+        unshard_async_with(*forward_order_[pos->second - 1]);  // backward prefetch
+      }
     }
+    note_unsharded();
+  }
+
+  /// The post-backward node of one call of `u` ran; the last of u's calls ends its backward.
+  void post_backward(Unit& u) {
+    begin_backward();
+    PassState& s = pass_[index_of(u)];
+    if (++s.post_backward_seen >= s.post_backward_expected) unit_backward_done(u);
   }
 
   void on_grad_accumulated(Unit& u) {
-    if (!sync_) return;
     begin_backward();  // a pass that never met a hooked output still ends with its reductions
     PassState& s = pass_[index_of(u)];
-    if (++s.grads_ready == static_cast<int>(u.layout().params().size())) {
-      s.reduction_ready = true;
-      start_ready_reductions();
+    if (s.backward_done) {
+      if (sync_ && u.trainable()) s.late_gradient = true;
+      return;
+    }
+    // Every gradient in means the backward is over, unless frozen parameters (the companion's) are
+    // still needed for the gradient of the unit's input: then only the post-backward node says so.
+    if (++s.grads_ready == static_cast<int>(u.layout().params().size()) && companion(u) == nullptr) {
+      unit_backward_done(u);
     }
   }
 
-  /// Reductions start in reverse unit index on every rank, so collectives match across ranks even
-  /// when gradients become ready in another order.
-  void start_ready_reductions() {
-    while (next_reduction_ < units_.size()) {
-      Unit& u = *units_[units_.size() - 1 - next_reduction_];
-      if (u.trainable() && !pass_[index_of(u)].reduction_ready) return;
+  /// u's backward is over: its reduction starts now (missing gradients count as zero) and it reshards.
+  void unit_backward_done(Unit& u) {
+    PassState& s = pass_[index_of(u)];
+    if (s.backward_done) return;
+    s.backward_done = true;
+    if (sync_ && u.trainable()) {
       u.reduce_gradients_async();
-      if (&u != units_.front().get() && u.options().reshard_after_forward) u.reshard();
-      ++next_reduction_;
+      issued_.push_back(&u);
+      ++stats_.reductions_during_backward;
+    }
+    if (!is_root(u)) reshard_with(u);
+    advance_replica_reductions();
+  }
+
+  /// Starts the replica all-reduce of every issued unit whose reduce-scatter is done, in issue order
+  /// (the same on every rank), without waiting for any.
+  void advance_replica_reductions() {
+    while (replica_next_ < issued_.size() && issued_[replica_next_]->reduce_scatter_completed()) {
+      issued_[replica_next_++]->start_replica_reduction();
     }
   }
 
@@ -451,12 +714,209 @@ class ShardedModel {
     in_backward_ = false;
     wait_for_snapshots();  // the optimizer step that follows changes the shards
     if (sync_) {
-      for (auto& s : pass_) s.reduction_ready = true;  // unused parameters: their gradient is zero
-      start_ready_reductions();
-      for (size_t i = units_.size(); i-- > 0;) units_[i]->finish_gradient_reduction();
+      // Units whose backward never signalled (no input required grad, or it ended without them):
+      // reduced now, in reverse unit order. A unit that did not run keeps no gradient at all, so
+      // the optimizer leaves it as it is.
+      for (size_t i = units_.size(); i-- > 0;) {
+        Unit& u = *units_[i];
+        if (pass_[i].backward_done || !pass_[i].ran_forward || !u.trainable()) continue;
+        u.reduce_gradients_async();
+        issued_.push_back(&u);
+        ++stats_.reductions_at_end;
+      }
+      for (Unit* u : issued_) u->start_replica_reduction();
+      for (Unit* u : issued_) u->finish_gradient_reduction();
+      // Gradients accumulated after their unit's reduction (autograd ran a branch late): reduced
+      // again, in unit order.
+      for (size_t i = 0; i < units_.size(); ++i) {
+        if (!pass_[i].late_gradient) continue;
+        units_[i]->reduce_gradients_async();
+        units_[i]->finish_gradient_reduction();
+        ++stats_.late_reductions;
+      }
     }
+    issued_.clear();
+    replica_next_ = 0;
     reshard_all();  // the next forward gathers the updated shards
+    for (const auto& s : pass_) stats_.units_run += s.ran_forward ? 1 : 0;
+    last_stats_ = stats_;
     for (auto& s : pass_) s = PassState{};
+  }
+
+  /// A backward pass ended with an exception (its end-of-backward callback never ran). Every rank
+  /// issued the same collectives before it (the same graph, the same failure), so they complete;
+  /// then the gradients of that pass are dropped and every unit reshards.
+  void abort_failed_pass() {
+    in_backward_ = false;
+    std::string error;
+    bool dropped = false;
+    for (auto& u : units_) {
+      try {
+        dropped = u->discard_gradients() || dropped;
+      } catch (const std::exception& e) {
+        if (error.empty()) error = e.what();
+      }
+    }
+    issued_.clear();
+    replica_next_ = 0;
+    try {
+      reshard_all();
+    } catch (const std::exception& e) {
+      if (error.empty()) error = e.what();
+    }
+    for (auto& s : pass_) s = PassState{};
+    TORCH_WARN("fsdpx: the previous backward pass ended with an exception; the gradients it computed",
+               dropped && !sync_ ? " (and those accumulated without gradient sync before it)" : "",
+               " were discarded and no shard changed. Zero the optimizer's gradients before the next step as "
+               "usual.",
+               error.empty() ? "" : " Waiting for its collectives failed too: ", error);
+  }
+
+  // ---- construction: every rank builds the same model ------------------------------------------------
+
+  /// Every int64 of every rank's `mine` (all the same length), in rank order, over the world.
+  std::vector<int64_t> all_gather_world(const std::vector<int64_t>& mine) {
+    auto& world = mesh_.world();
+    const auto device = world.device_type() == c10::kCPU ? at::Device(at::kCPU) : options_.device;
+    const at::Tensor in = at::tensor(mine, at::kLong).to(device);
+    at::Tensor out = at::empty({static_cast<int64_t>(mine.size()) * world.size()}, in.options());
+    world.all_gather(out, in);
+    const at::Tensor host = out.cpu();
+    return {host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + host.numel()};
+  }
+
+  /// The ranks (other than this one) whose entry `i` differs from rank 0's; `all` holds n per rank.
+  static std::vector<int> ranks_differing(const std::vector<int64_t>& all, size_t n, size_t i) {
+    std::vector<int> out;
+    for (size_t r = 1; r * n < all.size(); ++r) {
+      if (all[r * n + i] != all[i]) out.push_back(static_cast<int>(r));
+    }
+    return out;
+  }
+
+  static std::string join_ranks(const std::vector<int>& ranks) {
+    std::string s;
+    for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+    return s;
+  }
+
+  /// Every rank must build the same units: names, shapes, dtypes, trainability and weight-decay
+  /// classes. Checked with one small collective (two when they differ, to name the tensor) before any
+  /// collective sizes a buffer from them.
+  template <class Planned>
+  void check_layouts_agree(const std::vector<Planned>& planned) {
+    std::vector<std::string> described;
+    std::vector<int64_t> hashes;
+    uint32_t total = 0;
+    for (const auto& [unit, params, module, companion] : planned) {
+      for (const ParamInfo& p : params) {
+        described.push_back(::fsdpx::detail::str("'", p.name, "' (unit '", unit, "', shape ", p.param.sizes(), ", ",
+                                                 p.param.scalar_type(), p.param.requires_grad() ? ", trainable" : ", frozen",
+                                                 p.decay ? ", decayed)" : ")"));
+        const uint32_t h = ::fsdpx::detail::Crc32c::of(described.back().data(), described.back().size());
+        hashes.push_back(h);
+        total = ::fsdpx::detail::Crc32c::of(&h, sizeof h) ^ (total * 31u);
+      }
+    }
+    const auto all = all_gather_world({static_cast<int64_t>(hashes.size()), static_cast<int64_t>(total)});
+    const auto count_differs = ranks_differing(all, 2, 0), layout_differs = ranks_differing(all, 2, 1);
+    if (count_differs.empty() && layout_differs.empty()) return;
+    const int me = mesh_.world().rank();
+    if (!count_differs.empty()) {
+      std::string counts;
+      for (size_t r = 0; r * 2 < all.size(); ++r) counts += ::fsdpx::detail::str(r ? ", " : "", "rank ", r, ": ", all[r * 2]);
+      throw ConfigError(::fsdpx::detail::str(
+          "fsdpx: the ranks built different models (rank ", me, "): they hold different numbers of parameters (",
+          counts, "); ranks differing from rank 0: ", join_ranks(count_differs), ". Every rank must construct the "
+          "same model with the same configuration."));
+    }
+    const auto per_tensor = all_gather_world(hashes);
+    for (size_t i = 0; i < hashes.size(); ++i) {
+      if (const auto ranks = ranks_differing(per_tensor, hashes.size(), i); !ranks.empty()) {
+        throw ConfigError(::fsdpx::detail::str(
+            "fsdpx: the ranks built different models: parameter ", described[i], " on rank ", me,
+            " is not the same on rank 0 and rank(s) ", join_ranks(ranks), " (name, shape, dtype, requires_grad or "
+            "weight-decay class). Every rank must construct the same model with the same configuration."));
+      }
+    }
+  }
+
+  /// An exact fingerprint of a tensor's bytes (the same bits give the same value on every rank).
+  static int64_t fingerprint(const at::Tensor& tensor) {
+    at::NoGradGuard no_grad;
+    const at::Tensor t = tensor.detach().contiguous().reshape({-1});
+    if (t.numel() == 0) return 0;
+    const auto as = [&]() -> at::ScalarType {
+      switch (t.element_size()) {
+        case 1: return at::kByte;
+        case 2: return at::kShort;
+        case 4: return at::kInt;
+        default: return at::kLong;
+      }
+    }();
+    const at::Tensor bits = (t.scalar_type() == at::kBool ? t.to(at::kByte) : t).view(as).reshape({-1});
+    constexpr int64_t chunk = int64_t{1} << 20;  // bounds the temporaries, whatever the tensor's size
+    int64_t h = bits.numel();
+    for (int64_t begin = 0; begin < bits.numel(); begin += chunk) {
+      const int64_t n = std::min(chunk, bits.numel() - begin);
+      const at::Tensor weights = at::arange(begin, begin + n, bits.options().dtype(at::kLong)).remainder(65521).add_(1);
+      h = h * 1000003 + (bits.narrow(0, begin, n).to(at::kLong) * weights).sum().item<int64_t>();
+    }
+    return h;
+  }
+
+  /// The values one unit takes its shard from must be the same on every rank: checked with one
+  /// collective of fingerprints (parameters and buffers), or copied from rank 0 (ReplicaInit).
+  void replicate_values(const std::string& unit, const std::vector<ParamInfo>& params, torch::nn::Module& module,
+                        bool root, bool values_meaningful, ReplicaInit how) {
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const ParamInfo& p : params) tensors.emplace_back(p.name, p.param);
+    for (auto& [name, buffer] : unit_buffers(module, root)) tensors.emplace_back(name, buffer);
+    if (how == ReplicaInit::as_constructed || mesh_.world().size() == 1) return;
+    at::NoGradGuard no_grad;
+    if (how == ReplicaInit::broadcast_from_rank0) {
+      for (auto& [name, t] : tensors) {
+        at::Tensor data = t.detach();
+        if (data.is_contiguous()) {
+          mesh_.world().broadcast(data, 0);
+        } else {
+          at::Tensor copy = data.contiguous();
+          mesh_.world().broadcast(copy, 0);
+          data.copy_(copy);
+        }
+      }
+      return;
+    }
+    if (!values_meaningful || tensors.empty()) return;
+    std::vector<int64_t> prints;
+    for (const auto& [name, t] : tensors) prints.push_back(fingerprint(t));
+    const auto all = all_gather_world(prints);
+    for (size_t i = 0; i < prints.size(); ++i) {
+      if (const auto ranks = ranks_differing(all, prints.size(), i); !ranks.empty()) {
+        throw ConfigError(::fsdpx::detail::str(
+            "fsdpx: '", tensors[i].first, "' (unit '", unit, "') does not hold the same values on rank 0 and rank(s) ",
+            join_ranks(ranks), "; every rank takes its shard from its own copy, so the model would be a patchwork. "
+            "Seed every rank's random generator alike before constructing the model, or set "
+            "FsdpOptions::replicas = fsdpx::ReplicaInit::broadcast_from_rank0 to copy rank 0's values (as DDP does)."));
+      }
+    }
+  }
+
+  /// The buffers of `module` that a unit holds: all of its own for a unit, those outside every
+  /// other unit for the root.
+  std::vector<std::pair<std::string, at::Tensor>> unit_buffers(torch::nn::Module& module, bool root) const {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    if (!root) {
+      for (const auto& b : module.named_buffers(/*recurse=*/true)) out.emplace_back(b.key(), b.value());
+      return out;
+    }
+    for (const auto& item : module.named_modules("", /*include_self=*/true)) {
+      if (in_units_.count(item.value().get()) != 0) continue;
+      for (const auto& b : item.value()->named_buffers(/*recurse=*/false)) {
+        out.emplace_back(item.key().empty() ? b.key() : item.key() + "." + b.key(), b.value());
+      }
+    }
+    return out;
   }
 
   std::shared_ptr<torch::nn::Module> root_module_;
@@ -465,12 +925,20 @@ class ShardedModel {
   std::vector<std::unique_ptr<Unit>> units_;  // [0] is the root
   std::vector<const torch::nn::Module*> modules_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;  // keep the hooks' nodes alive
-  std::vector<Unit*> forward_order_;
+  std::unordered_set<const torch::nn::Module*> in_units_;  // every module inside a non-root unit
+  std::vector<bool> is_companion_;  // a module's frozen parameters, moving with the unit before it
+  std::vector<size_t> companion_;   // the index of a unit's frozen companion, or 0 (none)
+  std::vector<Unit*> forward_order_;     // the last completed forward's units (prefetching follows it)
   std::unordered_map<const Unit*, size_t> position_;
-  bool order_frozen_ = false;
+  std::vector<Unit*> recording_;         // this forward's units so far
+  std::vector<bool> recorded_;
   std::vector<PassState> pass_;
   bool in_backward_ = false;
-  size_t next_reduction_ = 0;
+  int backward_pass_id_ = -1;
+  std::vector<Unit*> issued_;            // reductions of this pass, in the order they were issued
+  size_t replica_next_ = 0;              // issued_[replica_next_...] have not started their replica all-reduce
+  StepStats stats_;
+  StepStats last_stats_;
   bool sync_ = true;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::mutex fence_mutex_;

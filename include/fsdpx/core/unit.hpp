@@ -53,11 +53,9 @@ class Unit {
   Unit(std::string name, int index, std::vector<ParamInfo> params, UnitComms comms, const UnitOptions& options)
       : name_(std::move(name)), index_(index), comms_(std::move(comms)), options_(options) {
     shard_rank_ = comms_.gather.rank();
+    check_params(name_, params, options_);
+    trainable_ = !params.empty() && params.front().param.requires_grad();
     layout_ = FlatParamLayout(std::move(params), comms_.gather.size());
-    check_trainable_consistency();
-    FSDPX_CHECK(!options_.inference_only || !trainable_, "unit '", name_,
-                "': an inference-only model has trainable parameters; Fsdp freezes them, so something set "
-                "requires_grad after it did");
     const at::Device shard_device = options_.offload_to_cpu ? at::Device(at::kCPU) : options_.device;
     const auto shard_opts = at::TensorOptions().dtype(options_.shard_dtype).device(shard_device);
     shard_ = empty_buffer(layout_.shard_numel(), shard_opts);  // host shards on huge pages
@@ -86,6 +84,21 @@ class Unit {
     for (const auto& [range, decayed] : {std::pair{decay, true}, std::pair{no_decay, false}}) {
       if (range.size() > 0) optim_params_.push_back({shard_.narrow(0, range.begin, range.size()), range, decayed});
     }
+  }
+
+  /// Throws what the constructor would refuse, before anything is changed.
+  static void check_params(const std::string& name, const std::vector<ParamInfo>& params, const UnitOptions& options) {
+    if (params.empty()) return;
+    const bool trainable = params.front().param.requires_grad();
+    for (const ParamInfo& p : params) {
+      FSDPX_CHECK(p.param.requires_grad() == trainable, "unit '", name, "' mixes frozen and trainable parameters ('",
+                  params.front().name, "', '", p.name, "'); ShardedModel gives the frozen ones a unit of their own");
+      FSDPX_CHECK(p.param.is_floating_point(), "unit '", name, "': parameter '", p.name, "' has dtype ",
+                  p.param.scalar_type(), "; only floating-point parameters can be sharded");
+    }
+    FSDPX_CHECK(!options.inference_only || !trainable, "unit '", name,
+                "': an inference-only model has trainable parameters; Fsdp freezes them, so something set "
+                "requires_grad after it did");
   }
 
   Unit(const Unit&) = delete;
@@ -179,20 +192,40 @@ class Unit {
       }
     }
     for (const FlatRange& gap : layout_.padding()) flat_grad_.narrow(0, gap.begin, gap.size()).zero_();
-    reduced_ = at::empty({layout_.shard_numel()}, opts);
-    reduce_ = comms_.reduce.reduce_scatter_async(reduced_, flat_grad_, dist::ReduceOp::avg);
+    // A shard group of one has nothing to reduce: the flat gradient is the result (no backend's AVG
+    // over one rank is relied on).
+    if (comms_.reduce.size() == 1) {
+      reduced_ = flat_grad_;
+      reduce_ = dist::Work();
+    } else {
+      reduced_ = at::empty({layout_.shard_numel()}, opts);
+      reduce_ = comms_.reduce.reduce_scatter_async(reduced_, flat_grad_, dist::ReduceOp::avg);
+    }
     reducing_ = true;
   }
 
-  /// Waits for the reduction, averages across replicas and adds the result to the gradients of the
+  bool reducing() const { return reducing_; }
+  /// True once the reduce-scatter started by reduce_gradients_async() has completed (or none runs).
+  bool reduce_scatter_completed() const { return !reducing_ || replicating_ || reduce_.is_completed(); }
+
+  /// HSDP / NoShard: once the reduce-scatter is done, starts averaging its result across replicas,
+  /// so the all-reduce runs behind the rest of backward. No-op when it already started.
+  void start_replica_reduction() {
+    if (!reducing_ || replicating_) return;
+    reduce_.wait();
+    flat_grad_ = at::Tensor();
+    if (comms_.replicate.size() > 1) replica_ = comms_.replicate.all_reduce_async(reduced_, dist::ReduceOp::avg);
+    replicating_ = true;
+  }
+
+  /// Waits for the reduction (and the replicas' average) and adds the result to the gradients of the
   /// optimizer tensors (each its own tensor: LibTorch's zero_grad() detaches gradients in place,
   /// which views would refuse). A gradient that zero_grad() reset is set instead of added to.
   void finish_gradient_reduction() {
     if (!reducing_) return;
-    reducing_ = false;
-    reduce_.wait();
-    flat_grad_ = at::Tensor();
-    if (comms_.replicate.size() > 1) comms_.replicate.all_reduce(reduced_, dist::ReduceOp::avg);
+    start_replica_reduction();
+    replica_.wait();
+    reducing_ = replicating_ = false;
     at::NoGradGuard no_grad;
     const at::Tensor g = reduced_.to(shard_.device(), at::kFloat);
     reduced_ = at::Tensor();
@@ -205,6 +238,26 @@ class Unit {
         grad = part.clone();
       }
     }
+  }
+
+  /// After a backward pass that ended with an exception: waits for the collectives it issued (every
+  /// rank issued the same ones), then drops their results and the unsharded gradients, so none of
+  /// the failed pass reaches the shards. Returns whether unsharded gradients were dropped.
+  bool discard_gradients() {
+    if (reducing_) {
+      reducing_ = replicating_ = false;
+      reduce_.wait();
+      replica_.wait();
+    }
+    flat_grad_ = reduced_ = at::Tensor();
+    bool dropped = false;
+    for (const ParamInfo& p : layout_.params()) {
+      if (at::Tensor& g = p.param.mutable_grad(); g.defined()) {
+        g.reset();
+        dropped = true;
+      }
+    }
+    return dropped;
   }
 
   /// The float32 gradients of the optimizer tensors that have one.
@@ -224,23 +277,6 @@ class Unit {
  private:
   enum class State { sharded, gathering, unsharded };
 
-  void check_trainable_consistency() {
-    const auto& params = layout_.params();
-    if (params.empty()) {
-      trainable_ = false;
-      return;
-    }
-    trainable_ = params.front().param.requires_grad();
-    for (const ParamInfo& p : params) {
-      FSDPX_CHECK(p.param.requires_grad() == trainable_, "unit '", name_, "' mixes frozen and trainable parameters ('",
-                  params.front().name, "' ", trainable_ ? "trainable" : "frozen", ", '", p.name, "' ",
-                  trainable_ ? "frozen" : "trainable",
-                  "); freeze whole units, or make the frozen modules units of their own with the wrap policy");
-      FSDPX_CHECK(p.param.is_floating_point(), "unit '", name_, "': parameter '", p.name, "' has dtype ",
-                  p.param.scalar_type(), "; only floating-point parameters can be sharded");
-    }
-  }
-
   std::string name_;
   int index_;
   UnitComms comms_;
@@ -254,7 +290,9 @@ class Unit {
   std::vector<OptimParam> optim_params_;
   dist::Work gather_;
   dist::Work reduce_;
-  bool reducing_ = false;
+  dist::Work replica_;
+  bool reducing_ = false;     // a reduce-scatter was started and its result is not yet in the shards
+  bool replicating_ = false;  // the reduce-scatter is done; the replicas' all-reduce (if any) started
   at::Tensor flat_grad_;
   at::Tensor reduced_;
 };

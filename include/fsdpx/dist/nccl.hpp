@@ -75,10 +75,11 @@ inline ncclDataType_t nccl_dtype(const std::string& ctx, at::ScalarType dtype) {
   return ncclFloat32;
 }
 
-constexpr ncclRedOp_t nccl_op(ReduceOp op) {
+/// Averaging over one rank is the identity: a sum, never NCCL's AVG.
+constexpr ncclRedOp_t nccl_op(ReduceOp op, int group_size) {
   switch (op) {
     case ReduceOp::sum: return ncclSum;
-    case ReduceOp::avg: return ncclAvg;
+    case ReduceOp::avg: return group_size == 1 ? ncclSum : ncclAvg;
     case ReduceOp::max: return ncclMax;
     case ReduceOp::min: return ncclMin;
   }
@@ -127,13 +128,16 @@ class NcclCommState {
     if (health_->broken() || std::uncaught_exceptions() > 0) {
       abort_once();
     } else {
-      ncclCommDestroy(comm_);
+      std::lock_guard calls(calls_mutex_);
+      if (!aborted_) ncclCommDestroy(comm_);
     }
     cudaStreamDestroy(stream_);
   }
 
   ncclComm_t comm() const { return comm_; }
   cudaStream_t stream() const { return stream_; }
+  /// Something that must live as long as this communicator (the MPI world that bootstrapped it).
+  void keep_alive(std::shared_ptr<void> owner) { keep_alive_ = std::move(owner); }
   c10::DeviceIndex device() const { return device_; }
   int rank() const { return rank_; }
   int size() const { return size_; }
@@ -141,7 +145,19 @@ class NcclCommState {
   const std::shared_ptr<CommHealth>& health() const { return health_; }
   std::string context(std::string_view op) const { return op_context(op, options_.name, rank_, size_); }
 
+  /// Holds off the watchdog's abort while this thread calls NCCL on the communicator (ncclCommAbort
+  /// must not run beside another call on it), and refuses once it was aborted. Recursive: a call
+  /// that fails aborts from inside.
+  [[nodiscard]] std::unique_lock<std::recursive_mutex> lock_calls(const std::string& ctx) {
+    std::unique_lock calls(calls_mutex_);
+    if (aborted_) {
+      throw CommError(health_->broken() ? health_->cause() : detail::str("fsdpx: ", ctx, ": the communicator was aborted"));
+    }
+    return calls;
+  }
+
   /// Nonblocking communicators may answer ncclInProgress; wait (bounded) until the call settled.
+  /// Call it holding lock_calls().
   void settle(ncclResult_t result, const std::string& ctx) {
     const auto deadline = deadline_after(options_.timeout);
     while (result == ncclInProgress) {
@@ -182,7 +198,10 @@ class NcclCommState {
   };
 
   void abort_once() {
-    std::call_once(aborted_, [&] { ncclCommAbort(comm_); });
+    std::lock_guard calls(calls_mutex_);
+    if (aborted_) return;
+    aborted_ = true;
+    ncclCommAbort(comm_);
   }
 
   void watch_loop() {
@@ -194,7 +213,12 @@ class NcclCommState {
       while (!pending_.empty() && cudaEventQuery(pending_.front().done->get()) == cudaSuccess) pending_.pop_front();
       if (health_->broken()) continue;
       ncclResult_t async = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &async);
+      lock.unlock();  // lock order: calls_mutex_ is never taken while holding mutex_
+      {
+        std::lock_guard calls(calls_mutex_);
+        if (!aborted_) ncclCommGetAsyncError(comm_, &async);
+      }
+      lock.lock();
       if (async != ncclSuccess && async != ncclInProgress) {
         const std::string ctx = pending_.empty() ? context("communicator") : pending_.front().context;
         lock.unlock();
@@ -219,12 +243,14 @@ class NcclCommState {
   int size_ = 1;
   cudaStream_t stream_ = nullptr;
   std::shared_ptr<CommHealth> health_ = std::make_shared<CommHealth>();
-  std::once_flag aborted_;
+  std::recursive_mutex calls_mutex_;  // NCCL calls on comm_ and its abort never overlap
+  bool aborted_ = false;
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<Pending> pending_;
   bool stopping_ = false;
   std::thread watchdog_;
+  std::shared_ptr<void> keep_alive_;  // released after the destructor's body has destroyed comm_
 };
 
 class NcclWorkState final : public WorkState {
@@ -315,6 +341,11 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
 #if defined(FSDPX_WITH_MPI)
       auto mpi = MpiCommunicator::world(options);
       id = unique_id(mpi);
+      // The bootstrap's MPI stays initialized as long as the NCCL world: its last communicator would
+      // finalize MPI, and a program that uses MPI afterwards (or again) could not.
+      auto comm = create(env.rank, env.world_size, device, id, std::move(options));
+      comm.state_->keep_alive(std::make_shared<MpiCommunicator>(std::move(mpi)));
+      return comm;
 #else
       env.require_rendezvous();  // fsdpx was built without MPI: only the TCP store can carry the id
 #endif
@@ -415,8 +446,9 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     detail::check_reduce_dtype(ctx, op == ReduceOp::avg, input);
     const auto type = detail::nccl_dtype(ctx, input.scalar_type());
     const auto count = static_cast<size_t>(output.numel());
+    const int n = size();
     batch.launches.push_back([=](ncclComm_t c, cudaStream_t s) {
-      return ncclReduceScatter(input.const_data_ptr(), output.data_ptr(), count, type, detail::nccl_op(op), c, s);
+      return ncclReduceScatter(input.const_data_ptr(), output.data_ptr(), count, type, detail::nccl_op(op, n), c, s);
     });
     note(batch, "reduce_scatter", {output, input});
   }
@@ -428,8 +460,9 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     detail::check_reduce_dtype(ctx, op == ReduceOp::avg, tensor);
     const auto type = detail::nccl_dtype(ctx, tensor.scalar_type());
     const auto count = static_cast<size_t>(tensor.numel());
+    const int n = size();
     batch.launches.push_back([=](ncclComm_t c, cudaStream_t s) {
-      return ncclAllReduce(tensor.const_data_ptr(), tensor.data_ptr(), count, type, detail::nccl_op(op), c, s);
+      return ncclAllReduce(tensor.const_data_ptr(), tensor.data_ptr(), count, type, detail::nccl_op(op, n), c, s);
     });
     note(batch, "all_reduce", {tensor});
   }
@@ -456,12 +489,15 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     const detail::CudaEvent ready;  // destroying it after the wait is enqueued is allowed
     detail::check_cuda(cudaEventRecord(ready.get(), caller.stream()), ctx + " (record ready)");
     detail::check_cuda(cudaStreamWaitEvent(stream(), ready.get(), 0), ctx + " (wait ready)");
-    if (batch.launches.size() == 1) {
-      state_->settle(batch.launches.front()(native_handle(), stream()), ctx);
-    } else if (!batch.launches.empty()) {
-      state_->settle(ncclGroupStart(), ctx + " (group start)");
-      for (auto& l : batch.launches) state_->settle(l(native_handle(), stream()), ctx);
-      state_->settle(ncclGroupEnd(), ctx + " (group end)");
+    {
+      const auto calls = state_->lock_calls(ctx);  // released before watch(): it takes the watchdog's lock
+      if (batch.launches.size() == 1) {
+        state_->settle(batch.launches.front()(native_handle(), stream()), ctx);
+      } else if (!batch.launches.empty()) {
+        state_->settle(ncclGroupStart(), ctx + " (group start)");
+        for (auto& l : batch.launches) state_->settle(l(native_handle(), stream()), ctx);
+        state_->settle(ncclGroupEnd(), ctx + " (group end)");
+      }
     }
     auto done = std::make_shared<detail::CudaEvent>();
     detail::check_cuda(cudaEventRecord(done->get(), stream()), ctx + " (record done)");
@@ -510,6 +546,7 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     ncclComm_t child = nullptr;
+    const auto calls = state_->lock_calls(ctx);
     state_->settle(ncclCommSplit(native_handle(), color == no_color ? NCCL_SPLIT_NOCOLOR : color, key, &child,
                                  &config),
                    ctx);

@@ -108,9 +108,7 @@ struct GatherOptions {
 /// them to its module's dtype on loading.
 inline std::vector<NamedTensor> module_buffers(const core::ShardedModel& model) {
   std::vector<NamedTensor> out;
-  for (const auto& b : model.root_module().named_buffers(/*recurse=*/true)) {
-    if (b.value().defined()) out.push_back({b.key(), b.value().detach()});
-  }
+  for (const auto& [name, buffer] : model.named_buffers()) out.push_back({name, buffer.detach()});
   return out;
 }
 

@@ -15,9 +15,12 @@
 #include <c10/core/Allocator.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/variable.h>
 
 namespace fsdpx::core::detail {
@@ -75,12 +78,50 @@ inline c10::intrusive_ptr<torch::autograd::Node> add_post_accumulate_hook(const 
   return accumulator;
 }
 
+// ---- post-backward: after the backward of one unit call has reached the call's inputs --------------
+// FSDP2's RegisterPostBackwardFunction in C++: one identity node over every input of a unit call that
+// requires grad. Autograd runs it once the gradients of all those inputs are complete, which is when
+// the call's backward (and the accumulation of the parameter gradients on the way) is done.
+
+class PostBackwardHolder final : public torch::CustomClassHolder {
+ public:
+  explicit PostBackwardHolder(std::shared_ptr<BackwardHook> hook) : hook(std::move(hook)) {}
+  std::shared_ptr<BackwardHook> hook;
+};
+
+struct PostBackwardFunction : torch::autograd::Function<PostBackwardFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
+                                                at::TensorList inputs, std::shared_ptr<BackwardHook> hook) {
+    ctx->set_materialize_grads(false);  // an input without a gradient passes an undefined one on
+    ctx->saved_data["hook"] = c10::IValue::make_capsule(c10::make_intrusive<PostBackwardHolder>(std::move(hook)));
+    return inputs.vec();  // autograd returns views of them with this node as their grad_fn
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto holder = ctx->saved_data["hook"].toCapsule();
+    (*static_cast<PostBackwardHolder*>(holder.get())->hook)();
+    grads.emplace_back();  // no gradient for the hook argument
+    return grads;
+  }
+};
+
+/// Returns `inputs` (each requiring grad) routed through one node that runs `hook` in backward.
+inline std::vector<at::Tensor> add_post_backward_hook(std::vector<at::Tensor> inputs, std::shared_ptr<BackwardHook> hook) {
+  // A TensorList argument (not a std::vector) is what autograd records as differentiable inputs.
+  return PostBackwardFunction::apply(at::TensorList(inputs), std::move(hook));
+}
+
 // ---- end of backward --------------------------------------------------------------------------------
 
 /// Runs `fn` once the current backward pass has finished. Valid only while a backward pass runs.
+/// Autograd drops it, unrun, when the pass ends with an exception.
 inline void at_end_of_backward(std::function<void()> fn) {
   torch::autograd::Engine::get_default_engine().queue_callback(std::move(fn));
 }
+
+/// The backward pass (graph task) this thread is running, or -1 outside backward. Each pass has its
+/// own id, so a pass that began and never ended is told apart from the one running now.
+inline int current_backward_pass_id() { return torch::autograd::get_current_graph_task_id(); }
 
 // ---- deferred construction: build a model without materializing its parameters --------------------
 // While a ScratchAllocationScope lives, every CPU allocation returns the same scratch buffer (grown to

@@ -1,0 +1,367 @@
+// The unit protocol on models the parity tests' GPT does not cover, each against unsharded training:
+// unused parameters in every unit and an execution order unlike the registration order (reductions
+// must start when each unit's backward ends, memory must stay bounded by the units in flight), a unit
+// skipped on some steps, exceptions in backward and forward, ranks that built different models, and
+// units chosen by name. CTest runs this under mpiexec at world sizes 1-4 (label protocol).
+#include <catch2/catch.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include <torch/nn.h>
+#include <torch/optim.h>
+
+#include <fsdpx/fsdp.hpp>
+
+#include "../support/mpi_world.hpp"
+#include "parity.hpp"
+
+using namespace fsdpx;
+using namespace fsdpx::test;
+using fsdpx::test::world;
+using Catch::Matchers::Contains;
+
+fsdpx::test::ParityContext& fsdpx::test::parity_context() {
+  static ParityContext ctx{world(), at::Device(at::kCPU)};
+  return ctx;
+}
+
+namespace {
+
+/// Set by the tests: which block a forward skips (-1: none), and which step's backward or forward throws.
+int g_skip_block = -1;
+bool g_throw_in_backward = false;
+bool g_throw_in_forward = false;
+
+/// Identity whose backward throws while g_throw_in_backward is set (a user's exception, an OOM).
+struct ThrowInBackward : torch::autograd::Function<ThrowInBackward> {
+  static at::Tensor forward(torch::autograd::AutogradContext*, const at::Tensor& x) { return x.clone(); }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext*, torch::autograd::variable_list g) {
+    if (g_throw_in_backward) throw std::runtime_error("injected failure in backward");
+    return g;
+  }
+};
+
+/// Blocks run in `order` (not the order they are registered in), each owning a LayerNorm it never
+/// uses; block 1 may be skipped, and block 2 may throw in its backward or forward.
+struct ShuffledImpl : torch::nn::Module {
+  explicit ShuffledImpl(int64_t blocks_n = 6, int64_t dim = 24) {
+    stem = register_module("stem", torch::nn::Linear(20, dim));
+    for (int64_t i = 0; i < blocks_n; ++i) blocks.push_back(register_module("r" + std::to_string(i), ResBlock(dim)));
+    head = register_module("head", torch::nn::Linear(dim, 5));
+    for (int64_t i = 0; i < blocks_n; ++i) order.push_back((i * 5 + 2) % blocks_n);  // 2, 1, 0, 5, 4, 3 for 6
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
+    auto h = stem(x);
+    for (const int64_t b : order) {
+      if (b == g_skip_block) continue;
+      if (b == 2) {
+        if (g_throw_in_forward) throw std::runtime_error("injected failure in forward");
+        h = ThrowInBackward::apply(h);
+      }
+      h = fsdpx::forward(blocks[b], h);
+    }
+    return torch::nn::functional::cross_entropy(head(h), y);
+  }
+  torch::nn::Linear stem{nullptr}, head{nullptr};
+  std::vector<ResBlock> blocks;
+  std::vector<int64_t> order;
+};
+TORCH_MODULE(Shuffled);
+
+using ShardedShuffled = Fsdp<Shuffled, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<ResBlockImpl>>;
+
+/// The bytes of the root's full parameters plus those of the `n` largest other units: the most that
+/// may be unsharded at once when at most `n` units are in flight beside the root.
+int64_t in_flight_bound(const core::ShardedModel& m, size_t n) {
+  std::vector<int64_t> sizes;
+  for (size_t i = 1; i < m.num_units(); ++i) sizes.push_back(m.unit(i).layout().padded_numel() * 4);
+  std::sort(sizes.rbegin(), sizes.rend());
+  int64_t bound = m.unit(0).layout().padded_numel() * 4;
+  for (size_t i = 0; i < std::min(n, sizes.size()); ++i) bound += sizes[i];
+  return bound;
+}
+
+}  // namespace
+
+TEST_CASE("unused parameters in every unit and a shuffled execution order: each reduction starts when its unit's "
+          "backward ends",
+          "[protocol]") {
+  ParityRun run{.clip = 1.0, .tolerance = f32_tolerance};
+  run.after_step = [](core::ShardedModel& m, torch::optim::Optimizer&) {
+    const StepStats& s = m.last_step_stats();
+    INFO("reductions during backward " << s.reductions_during_backward << ", at its end " << s.reductions_at_end);
+    // Every unit ran, and every one was reduced before backward ended: the unused LayerNorm of each
+    // block held nothing back.
+    CHECK(s.units_run == static_cast<int>(m.num_units()));
+    CHECK(s.reductions_during_backward == s.units_run);
+    CHECK(s.reductions_at_end == 0);
+    // The order recorded is the execution order, not the registration order.
+    CHECK(s.forward_order == std::vector<std::string>{"r2", "r1", "r0", "r5", "r4", "r3"});
+    // At most two blocks are full at once (the one computing and the one prefetched), beside the root.
+    INFO("peak unsharded bytes " << s.peak_unsharded_bytes << ", bound " << in_flight_bound(m, 2));
+    CHECK(s.peak_unsharded_bytes <= in_flight_bound(m, 2));
+    CHECK(s.peak_unsharded_bytes < in_flight_bound(m, m.num_units()));
+  };
+  check_parity<ShardedShuffled>([] { return Shuffled(); }, mlp_batch, run);
+}
+
+TEST_CASE("a unit skipped on some steps: prefetching follows each step's order, and the skipped unit keeps its "
+          "values",
+          "[protocol]") {
+  int step = 0;
+  ParityRun run{.clip = 1.0, .tolerance = f32_tolerance};
+  run.after_step = [&step](core::ShardedModel& m, torch::optim::Optimizer&) {
+    const StepStats& s = m.last_step_stats();
+    const bool skipped = step % 2 == 1;
+    CHECK(s.units_run == static_cast<int>(m.num_units()) - (skipped ? 1 : 0));
+    CHECK(std::count(s.forward_order.begin(), s.forward_order.end(), "r1") == (skipped ? 0 : 1));
+    CHECK(s.reductions_at_end == 0);
+    // A unit prefetched for the previous order but skipped is freed at the end of forward.
+    CHECK(m.sharded_bytes().unsharded == 0);
+    ++step;
+  };
+  // Steps 1 and 3 skip block 1 on every rank (the path may change per step, never per rank).
+  const auto batches = [](int s) {
+    g_skip_block = s % 2 == 1 ? 1 : -1;
+    return mlp_batch(s);
+  };
+  check_parity<ShardedShuffled>([] { return Shuffled(); }, batches, run);
+  g_skip_block = -1;
+}
+
+TEST_CASE("an exception in backward, and one in forward, do not poison the next step", "[protocol]") {
+  auto& ctx = parity_context();
+  const int W = ctx.comm.size(), r = ctx.comm.rank();
+  at::manual_seed(42);
+  auto reference = Shuffled();
+  at::manual_seed(42);
+  ShardedShuffled sharded(Shuffled(), ctx.comm);
+  auto optimizer = make_adamw(sharded, adamw());
+  auto ref_optimizer = reference_adamw(*reference);
+  // Steps 2 and 3 fail (in backward, then in forward); the reference never sees them.
+  for (int step = 0; step < 6; ++step) {
+    const Batch b = mlp_batch(step);
+    const auto mine = rows(b.x.size(0), W, 0, 1, r);
+    optimizer.zero_grad();
+    if (step == 2 || step == 3) {
+      g_throw_in_backward = step == 2;
+      g_throw_in_forward = step == 3;
+      const auto fail = [&] { sharded(b.x.index_select(0, mine), b.y.index_select(0, mine)).backward(); };
+      REQUIRE_THROWS_WITH(fail(), Contains("injected failure"));
+      g_throw_in_backward = g_throw_in_forward = false;
+      continue;
+    }
+    ref_optimizer.zero_grad();
+    reference->forward(b.x, b.y).backward();
+    ref_optimizer.step();
+    sharded(b.x.index_select(0, mine), b.y.index_select(0, mine)).backward();
+    optimizer.step();
+    if (step > 3) CHECK(sharded.last_step_stats().reductions_at_end == 0);
+  }
+  auto scope = sharded.full_parameters();
+  auto ref = reference->named_parameters();
+  double worst = 0;
+  for (const auto& p : sharded->named_parameters()) {
+    worst = std::max(worst, (p.value().detach() - ref[p.key()].detach()).abs().max().item<double>());
+  }
+  INFO("max |sharded - reference| = " << worst);
+  REQUIRE(worst <= f32_tolerance);
+}
+
+TEST_CASE("a failed construction leaves the module as it was, usable unsharded", "[protocol][errors]") {
+  const int W = world().size(), r = world().rank();
+  at::manual_seed(7);
+  Shuffled model;
+  if (W == 1) {
+    // An error found before anything changes: a parameter that cannot be sharded.
+    model->blocks[3]->register_parameter("count", at::zeros({2}, at::kLong), /*requires_grad=*/false);
+  } else {
+    // Found only when block 3's turn comes, after the root and blocks 0-2 were sharded: the last rank
+    // built block 3 with other values.
+    at::NoGradGuard no_grad;
+    if (r == W - 1) model->blocks[3]->b->weight.add_(1.0);
+  }
+  std::map<std::string, at::Tensor> before;
+  for (const auto& p : model->named_parameters()) before[p.key()] = p.value().detach().clone();
+  const Batch b = mlp_batch(0);
+  const auto loss_before = model->forward(b.x, b.y).item<double>();
+
+  std::string message;
+  try {
+    ShardedShuffled sharded(model, world());
+  } catch (const fsdpx::ConfigError& e) {
+    message = e.what();
+  }
+  INFO(message);
+  if (W == 1) {
+    REQUIRE_THAT(message, Contains("'r3.count'") && Contains("only floating-point parameters"));
+  } else {
+    REQUIRE_THAT(message, Contains("'r3.b.weight'") && Contains("rank(s) " + std::to_string(W - 1)) &&
+                              Contains("broadcast_from_rank0"));
+  }
+  for (const auto& p : model->named_parameters()) {
+    INFO(p.key());
+    REQUIRE(p.value().defined());
+    REQUIRE(at::equal(p.value().detach(), before[p.key()]));
+  }
+  REQUIRE(model->forward(b.x, b.y).item<double>() == loss_before);
+  auto loss = model->forward(b.x, b.y);
+  loss.backward();  // trains unsharded
+  REQUIRE(model->blocks[0]->a->weight.grad().defined());
+}
+
+TEST_CASE("ranks constructed with different values: broadcast_from_rank0 makes one model", "[protocol]") {
+  const int W = world().size(), r = world().rank();
+  at::manual_seed(100 + r);  // every rank draws other values
+  Shuffled model;
+  at::manual_seed(100);
+  Shuffled rank0;  // rank 0's values, built everywhere for the comparison
+  FsdpOptions options;
+  options.replicas = ReplicaInit::broadcast_from_rank0;
+  ShardedShuffled sharded(model, world(), options);
+  auto scope = sharded.full_parameters();
+  auto want = rank0->named_parameters();
+  for (const auto& p : sharded->named_parameters()) {
+    INFO(p.key() << " on rank " << r << " of " << W);
+    REQUIRE(at::equal(p.value().detach(), want[p.key()].detach()));
+  }
+}
+
+TEST_CASE("ranks that built different shapes fail on every rank, naming the parameter", "[protocol][errors]") {
+  const int W = world().size(), r = world().rank();
+  if (W == 1) return;
+  Shuffled model(6, r == W - 1 ? 32 : 24);  // the last rank has another model dimension
+  std::string message;
+  try {
+    ShardedShuffled sharded(model, world());
+  } catch (const fsdpx::ConfigError& e) {
+    message = e.what();
+  }
+  INFO(message);
+  REQUIRE_THAT(message, Contains("the ranks built different models") && Contains("'stem.weight'") &&
+                            Contains("rank(s) " + std::to_string(W - 1)));
+  // Nothing was sharded: the model still trains as it is.
+  const Batch b = mlp_batch(0);
+  if (r != W - 1) model->forward(b.x, b.y).backward();
+}
+
+TEST_CASE("units chosen by name; a pattern or policy that matches nothing is an error", "[protocol][wrap]") {
+  at::manual_seed(3);
+  {
+    Fsdp<Shuffled, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapNames<"r*", "head">> sharded(Shuffled(),
+                                                                                                         world());
+    std::vector<std::string> names;
+    for (size_t i = 1; i < sharded.sharded().num_units(); ++i) names.push_back(sharded.sharded().unit(i).name());
+    REQUIRE(names == std::vector<std::string>{"r0", "r1", "r2", "r3", "r4", "r5", "head"});
+  }
+  at::manual_seed(3);
+  Shuffled model;
+  using Typo = Fsdp<Shuffled, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapNames<"r*", "blocks.*">>;
+  REQUIRE_THROWS_WITH((Typo(model, world())), Contains("'blocks.*'") && Contains("match no module"));
+  using Nothing = Fsdp<Shuffled, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapBySize<1'000'000>>;
+  REQUIRE_THROWS_WITH((Nothing(model, world())), Contains("picked no module") && Contains("allow_no_units"));
+  FsdpOptions options;
+  options.allow_no_units = true;
+  Nothing one_unit(model, world(), options);
+  REQUIRE(one_unit.sharded().num_units() == 1);
+}
+
+TEST_CASE("weight decay chosen by name and shape", "[protocol][optim]") {
+  at::manual_seed(3);
+  FsdpOptions options;
+  options.weight_decay = [](const std::string& name, const at::Tensor& p) {
+    return p.dim() >= 2 && name.rfind("stem.", 0) != 0;  // no decay for the input projection
+  };
+  ShardedShuffled sharded(Shuffled(), world(), options);
+  for (size_t i = 0; i < sharded.sharded().num_units(); ++i) {
+    for (const auto& p : sharded.sharded().unit(i).layout().params()) {
+      INFO(p.name);
+      CHECK(p.decay == (p.param.dim() >= 2 && p.name != "stem.weight"));
+    }
+  }
+}
+
+namespace {
+/// A frozen base Linear plus a trainable low-rank update (LoRA): frozen and trainable in one module.
+struct LoraLinearImpl : torch::nn::Module {
+  LoraLinearImpl(int64_t in, int64_t out, int64_t rank = 2) {
+    base = register_module("base", torch::nn::Linear(in, out));
+    for (auto& p : base->parameters()) p.set_requires_grad(false);
+    lora_a = register_parameter("lora_a", at::randn({rank, in}) * 0.1);
+    lora_b = register_parameter("lora_b", at::randn({out, rank}) * 0.1);
+  }
+  at::Tensor forward(const at::Tensor& x) { return base(x) + at::linear(at::linear(x, lora_a), lora_b); }
+  torch::nn::Linear base{nullptr};
+  at::Tensor lora_a, lora_b;
+};
+TORCH_MODULE(LoraLinear);
+
+struct LoraBlockImpl : torch::nn::Module {
+  explicit LoraBlockImpl(int64_t d) {
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    for (auto& p : norm->parameters()) p.set_requires_grad(false);
+    up = register_module("up", LoraLinear(d, 2 * d));
+    down = register_module("down", LoraLinear(2 * d, d));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x + down(torch::relu(up(norm(x)))); }
+  torch::nn::LayerNorm norm{nullptr};
+  LoraLinear up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(LoraBlock);
+
+/// A frozen stem and a trainable head in the root, LoRA in every block.
+struct LoraNetImpl : torch::nn::Module {
+  LoraNetImpl() {
+    stem = register_module("stem", torch::nn::Linear(20, 16));
+    for (auto& p : stem->parameters()) p.set_requires_grad(false);
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("r" + std::to_string(i), LoraBlock(16)));
+    head = register_module("head", torch::nn::Linear(16, 5));
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
+    auto h = stem(x);
+    for (auto& b : blocks) h = fsdpx::forward(b, h);
+    return torch::nn::functional::cross_entropy(head(h), y);
+  }
+  torch::nn::Linear stem{nullptr}, head{nullptr};
+  std::vector<LoraBlock> blocks;
+};
+TORCH_MODULE(LoraNet);
+}  // namespace
+
+TEST_CASE("LoRA adapters inside every block (base weights frozen): frozen parameters are sharded, never reduced, "
+          "with no gradient or optimizer state",
+          "[protocol][lora]") {
+  ParityRun run{.clip = 1.0, .tolerance = f32_tolerance};
+  run.after_step = [](core::ShardedModel& m, torch::optim::Optimizer& opt) {
+    // Root, its frozen stem, and each block with its frozen companion.
+    REQUIRE(m.num_units() == 8);
+    size_t stepped = 0;
+    for (size_t i = 0; i < m.num_units(); ++i) {
+      const core::Unit& u = m.unit(i);
+      const bool frozen = u.name().ends_with("#frozen");
+      INFO(u.name());
+      CHECK(u.trainable() == !frozen);
+      for (const auto& p : u.layout().params()) CHECK(p.param.requires_grad() == !frozen);
+      if (frozen) {
+        CHECK(u.shard_grads().empty());  // never reduced: no gradient
+        CHECK(u.shard().numel() == u.layout().padded_numel() / m.mesh().shard_size());  // sharded
+      } else {
+        stepped += u.optim_params().size();
+      }
+    }
+    CHECK(opt.state().size() == stepped);  // optimizer state only for the trainable shards
+    const StepStats& s = m.last_step_stats();
+    // Blocks r1 and r2 end their backward at their inputs. r0's input comes from the frozen stem and
+    // needs no gradient, so nothing marks the end of its backward: it is reduced at the end, with the
+    // root (whose frozen stem may be needed until then).
+    CHECK(s.reductions_during_backward == 2);
+    CHECK(s.reductions_at_end == 2);
+  };
+  check_parity<Fsdp<LoraNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<LoraBlockImpl>>>(
+      [] { return LoraNet(); }, mlp_batch, run);
+}
