@@ -19,6 +19,8 @@
 #include "../support/mpi_world.hpp"
 #include "checkpoint_common.hpp"
 
+#include <fsdpx/checkpoint/merge.hpp>
+
 using namespace fsdpx;
 using namespace fsdpx::test;
 namespace fs = std::filesystem;
@@ -712,10 +714,28 @@ TEST_CASE("buffers (BatchNorm statistics, a counter, a router bias) are in every
     const auto n = std::count_if(sd.entries.begin(), sd.entries.end(), is_buffer);
     CHECK(n == (world.rank() == 0 ? 7 : 0));  // buffers once, in world rank 0's file
     checkpoint::save_state_dict(dir / ("s" + std::to_string(world.rank()) + ".pt"), sd);
+    // The same files under their checkpoint names, for fsdpx-merge's reader.
+    checkpoint::save_state_dict(dir / checkpoint::shard_file_name(checkpoint::Component::model, world.size(), world.rank()), sd);
     world.barrier();
     load_files(b, dir, "s", world.size());
     CHECK(same_shards(a, b));
     require_same_buffers(a, b);
+    if (world.rank() == 0) {  // the merge carries the buffers, integers kept integers
+      checkpoint::MergeOptions options;
+      options.warn = [](const std::string&) {};  // no commit record here: merge warns, as it should
+      const auto merged = checkpoint::merge_checkpoint(dir, options);
+      auto want = a.module()->named_buffers();
+      int buffers = 0;
+      for (const auto& [name, t] : merged) {
+        if (want.find(name) == nullptr) continue;
+        ++buffers;
+        INFO(name);
+        CHECK(t.scalar_type() == want[name].scalar_type());
+        CHECK(at::equal(t, want[name]));
+      }
+      CHECK(buffers == 7);
+    }
+    world.barrier();
   }
   SECTION("local") {
     checkpoint::save_state_dict(dir / ("l" + std::to_string(world.rank()) + ".pt"), local_state_dict(a.sharded()));
