@@ -111,13 +111,9 @@ uint64_t seed() {
 constexpr int iterations = 400;
 constexpr auto time_limit = std::chrono::seconds(60);
 
-}  // namespace
-
-TEST_CASE("fuzz: crafted checkpoint files end in an error naming the file, never a crash", "[security][checkpoint]") {
-  merge_fixture::TempDir tmp;
-  const fs::path dir = merge_fixture::write_checkpoint(tmp.path / "ckpt", 12, merge_fixture::shard(merge_fixture::originals(), 2));
-  const std::vector<std::string> files = {ckpt::config_file, "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt",
-                                          "optim_world_size_2_rank_0.pt"};
+/// Up to `iterations` rounds (within `time_limit`): one of `files` in `dir` is mutated, `check(what)`
+/// runs the readers on it, and the file is restored. Returns the rounds done.
+int fuzz_files(const fs::path& dir, const std::vector<std::string>& files, const std::function<void(const std::string&)>& check) {
   std::vector<std::string> originals;
   for (const auto& f : files) originals.push_back(read_all(dir / f));
   std::mt19937_64 rng(seed());
@@ -127,7 +123,20 @@ TEST_CASE("fuzz: crafted checkpoint files end in an error naming the file, never
     const size_t target = rng() % files.size();
     std::string what;
     write_all(dir / files[target], mutate(originals[target], rng, what));
-    what = files[target] + ": " + what;
+    check(files[target] + ": " + what);
+    write_all(dir / files[target], originals[target]);
+  }
+  return done;
+}
+
+}  // namespace
+
+TEST_CASE("fuzz: crafted checkpoint files end in an error naming the file, never a crash", "[security][checkpoint]") {
+  merge_fixture::TempDir tmp;
+  const fs::path dir = merge_fixture::write_checkpoint(tmp.path / "ckpt", 12, merge_fixture::shard(merge_fixture::originals(), 2));
+  const std::vector<std::string> files = {ckpt::config_file, "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt",
+                                          "optim_world_size_2_rank_0.pt"};
+  const int done = fuzz_files(dir, files, [&](const std::string& what) {
     for (const bool verify : {true, false}) {  // unverified, the corrupt bytes reach the parsers
       expect_clean("merge", what, [&] { ckpt::merge_checkpoint(dir, {.verify_checksums = verify, .warn = [](const std::string&) {}}); });
     }
@@ -135,8 +144,7 @@ TEST_CASE("fuzz: crafted checkpoint files end in an error naming the file, never
       if (const auto r = ckpt::read_commit_record(dir)) ckpt::verify_step(dir, *r, true);
     });
     for (size_t i = 1; i < files.size(); ++i) expect_clean("load_shard_file " + files[i], what, [&] { ckpt::load_shard_file(dir, files[i]); });
-    write_all(dir / files[target], originals[target]);
-  }
+  });
   std::printf("fuzz: %d crafted checkpoints\n", done);
   CHECK(done >= 50);
   CHECK(ckpt::merge_checkpoint(dir).size() == merge_fixture::originals().size());  // and the intact one still merges
@@ -153,18 +161,9 @@ TEST_CASE("fuzz: crafted safetensors files and indexes end in an error naming th
   for (const auto& e : fs::directory_iterator(dir)) files.push_back(e.path().filename().string());
   std::sort(files.begin(), files.end());
   REQUIRE(files.size() >= 4);
-  std::vector<std::string> originals;
-  for (const auto& f : files) originals.push_back(read_all(dir / f));
   torch::nn::Module model;  // a module with the folder's tensors (in float32: a cast), for the model loader
   for (const auto& [name, t] : tensors) model.register_parameter(name, at::zeros(t.sizes()));
-  std::mt19937_64 rng(seed());
-  const auto start = std::chrono::steady_clock::now();
-  int done = 0;
-  for (; done < iterations && std::chrono::steady_clock::now() - start < time_limit; ++done) {
-    const size_t target = rng() % files.size();
-    std::string what;
-    write_all(dir / files[target], mutate(originals[target], rng, what));
-    what = files[target] + ": " + what;
+  const int done = fuzz_files(dir, files, [&](const std::string& what) {
     expect_clean("load_model_safetensors", what, [&] {
       ckpt::SafetensorsDir st(dir);
       fsdpx::load_model_safetensors(model, st, {.strict = false});
@@ -174,8 +173,7 @@ TEST_CASE("fuzz: crafted safetensors files and indexes end in an error naming th
       for (const auto& name : st.names()) st.read(name);
     });
     expect_clean("load_safetensors", what, [&] { ckpt::load_safetensors(dir); });
-    write_all(dir / files[target], originals[target]);
-  }
+  });
   std::printf("fuzz: %d crafted safetensors folders\n", done);
   CHECK(done >= 50);
   CHECK(ckpt::load_safetensors(dir).size() == tensors.size());

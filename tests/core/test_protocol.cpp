@@ -75,6 +75,16 @@ TORCH_MODULE(Shuffled);
 
 using ShardedShuffled = Fsdp<Shuffled, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<ResBlockImpl>>;
 
+/// The ConfigError constructing ShardedShuffled from `model` throws on this rank ("" when none).
+std::string construction_error(Shuffled& model) {
+  try {
+    ShardedShuffled sharded(model, world());
+  } catch (const fsdpx::ConfigError& e) {
+    return e.what();
+  }
+  return {};
+}
+
 /// The bytes of the root's full parameters plus those of the `n` largest other units: the most that
 /// may be unsharded at once when at most `n` units are in flight beside the root.
 int64_t in_flight_bound(const core::ShardedModel& m, size_t n) {
@@ -191,12 +201,7 @@ TEST_CASE("a failed construction leaves the module as it was, usable unsharded",
   const Batch b = mlp_batch(0);
   const auto loss_before = model->forward(b.x, b.y).item<double>();
 
-  std::string message;
-  try {
-    ShardedShuffled sharded(model, world());
-  } catch (const fsdpx::ConfigError& e) {
-    message = e.what();
-  }
+  const std::string message = construction_error(model);
   INFO(message);
   if (W == 1) {
     REQUIRE_THAT(message, Contains("'r3.count'") && Contains("only floating-point parameters"));
@@ -236,12 +241,7 @@ TEST_CASE("ranks that built different shapes fail on every rank, naming the para
   const int W = world().size(), r = world().rank();
   if (W == 1) return;
   Shuffled model(6, r == W - 1 ? 32 : 24);  // the last rank has another model dimension
-  std::string message;
-  try {
-    ShardedShuffled sharded(model, world());
-  } catch (const fsdpx::ConfigError& e) {
-    message = e.what();
-  }
+  const std::string message = construction_error(model);
   INFO(message);
   REQUIRE_THAT(message, Contains("the ranks built different models") && Contains("'stem.weight'") &&
                             Contains("rank(s) " + std::to_string(W - 1)));
