@@ -6,7 +6,7 @@
 //   disk     write()+fsync of the same number of bytes per rank: the disk's sequential speed
 //   sync     torch::save of the same tensors plus fsync: what a synchronous save blocks
 //   async    CheckpointCoordinator::save() inside a training loop: the time save() takes plus the
-//            time the next backward waits for the background copy (ShardedModel::snapshot_wait),
+//            time the next backward waits for the background copy (ShardedModel::shard_reader_wait),
 //            and the write throughput (bytes / time from save() to the last durable file), alone
 //            (save then wait) and while training runs on the same cores
 // It prints the ratios the targets are about: blocked / sync (target <= 5%) and write throughput
@@ -166,7 +166,7 @@ int main(int argc, char** argv) {
     step();
     plain_step_s += seconds_since(t0);
   }
-  const double wait_before = model.sharded().snapshot_wait().count();
+  const double wait_before = model.sharded().shard_reader_wait().count();
   for (int i = 0; i < steps; ++i) {
     ckpt.wait();  // one save at a time, so each write is timed alone
     settle();
@@ -179,7 +179,7 @@ int main(int argc, char** argv) {
     step_s += seconds_since(t0);
   }
   ckpt.wait();
-  const double fence_s = model.sharded().snapshot_wait().count() - wait_before;
+  const double fence_s = model.sharded().shard_reader_wait().count() - wait_before;
   const double blocked_s = (save_call_s + fence_s) / steps;
   const double write_med_s = median(write_s);
   const double save_bytes = static_cast<double>(written.load()) / steps;

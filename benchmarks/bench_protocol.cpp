@@ -1,8 +1,9 @@
 // The unit protocol under conditions that used to cost it its overlap: a GPT whose every block owns
 // one parameter it never uses (FullShard), and a plain GPT under HybridShard (replica all-reduces).
-// Prints the median step time and each rank's peak RSS. It uses only the public API that existed
-// before the per-unit post-backward rewrite, so the same file builds against an older checkout for a
-// side-by-side comparison (docs/benchmarks.md, "The unit protocol", has the commands).
+// Prints the median step time, the largest rank's peak RSS and its minor page faults per step. It
+// uses only the public API that existed before the per-unit post-backward rewrite, so the same file
+// builds against an older checkout for a side-by-side comparison (docs/benchmarks.md, "The unit
+// protocol" and "Step buffers", have the commands).
 //
 //   mpiexec -n 2 bench_protocol unused      mpiexec -n 4 bench_protocol hybrid
 #include <algorithm>
@@ -11,6 +12,8 @@
 #include <fstream>
 #include <string>
 #include <vector>
+
+#include <sys/resource.h>
 
 #include <torch/nn.h>
 #include <torch/optim.h>
@@ -66,6 +69,13 @@ int64_t peak_rss_kib() {
   return -1;
 }
 
+/// Minor page faults of this process so far: each is a page touched for the first time since it was
+/// mapped, so buffers allocated fresh every step show up here as pages faulted in every step.
+int64_t minor_faults() {
+  rusage usage{};
+  return ::getrusage(RUSAGE_SELF, &usage) == 0 ? static_cast<int64_t>(usage.ru_minflt) : -1;
+}
+
 template <class Sharded>
 void run(const char* mode, dist::AnyCommunicator world, const GptConfig& c, bool with_unused, FsdpOptions options = {}) {
   at::manual_seed(0);
@@ -73,7 +83,9 @@ void run(const char* mode, dist::AnyCommunicator world, const GptConfig& c, bool
   auto optimizer = make_adamw(model, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
   const int64_t batch = 4;
   std::vector<double> ms;
+  int64_t faults_before = 0;
   for (int step = 0; step < 13; ++step) {
+    if (step == 3) faults_before = minor_faults();
     at::manual_seed(100 + step * world.size() + world.rank());
     const auto tokens = at::randint(c.vocab, {batch, c.seq + 1}, at::kLong);
     const auto start = std::chrono::steady_clock::now();
@@ -83,12 +95,16 @@ void run(const char* mode, dist::AnyCommunicator world, const GptConfig& c, bool
     world.barrier();
     if (step >= 3) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
+  const double faults_per_step = static_cast<double>(minor_faults() - faults_before) / static_cast<double>(ms.size());
   std::sort(ms.begin(), ms.end());
+  auto faults = at::full({1}, faults_per_step, at::kDouble);
+  world.all_reduce(faults, dist::ReduceOp::max);
   auto rss = at::full({1}, static_cast<double>(peak_rss_kib()) / 1024.0, at::kDouble);
   world.all_reduce(rss, dist::ReduceOp::max);
   if (world.rank() == 0) {
-    std::printf("bench_protocol %s: world %d, median step %.1f ms (min %.1f, max %.1f), peak RSS of the largest rank %.0f MiB\n",
-                mode, world.size(), ms[ms.size() / 2], ms.front(), ms.back(), rss.item<double>());
+    std::printf("bench_protocol %s: world %d, median step %.1f ms (min %.1f, max %.1f), peak RSS of the largest rank %.0f MiB, "
+                "minor page faults per step (largest rank) %.0f\n",
+                mode, world.size(), ms[ms.size() / 2], ms.front(), ms.back(), rss.item<double>(), faults.item<double>());
   }
 }
 

@@ -10,7 +10,7 @@
 // are rollouts with a plain copy. The sync and the raw broadcast alternate, iteration by iteration, so
 // both see the same machine; each time is the slowest rank's, and "sync/raw" is the median of the
 // per-iteration ratios (its range beside it). fsdpx's host buffers (CPU shards, gather and bucket
-// buffers) are advised to use 2 MiB pages (core::empty_host), and so is the raw broadcast's buffer,
+// buffers) are advised to use 2 MiB pages (memory::empty_host), and so is the raw broadcast's buffer,
 // like for like; FSDPX_HUGE_PAGES=0 turns that off. The rollout module's parameters, where the sync's
 // copies land (the raw broadcast's land in its buffer), are moved there too with
 // sync::place_on_huge_pages, as docs/sync.md advises; --rollout-pages default leaves them where
@@ -107,8 +107,8 @@ int main(int argc, char** argv) {
     const char* thp = std::getenv("THP_MEM_ALLOC_ENABLE");
     std::printf("%d iterations of sync and raw broadcast alternating, slowest rank; bandwidth = model bytes / time "
                 "(GB/s, 1e9)\npages: fsdpx's host buffers and the raw buffer %s; the rollout module's parameters %s\n\n",
-                args.iters, core::host_huge_pages() ? "advised 2 MiB" : "4 KiB (FSDPX_HUGE_PAGES=0, or not Linux)",
-                args.rollout_huge_pages && core::host_huge_pages() ? "advised 2 MiB (sync::place_on_huge_pages)"
+                args.iters, memory::host_huge_pages() ? "advised 2 MiB" : "4 KiB (FSDPX_HUGE_PAGES=0, or not Linux)",
+                args.rollout_huge_pages && memory::host_huge_pages() ? "advised 2 MiB (sync::place_on_huge_pages)"
                 : thp != nullptr && std::string(thp) == "1"       ? "2 MiB (THP_MEM_ALLOC_ENABLE=1)"
                                                                   : "4 KiB (PyTorch's allocator, --rollout-pages default)");
   }
@@ -122,8 +122,8 @@ int main(int argc, char** argv) {
   at::Tensor gather_out, gather_in;
   if (groups.trainer) {
     const int64_t per = (numel + args.trainers - 1) / args.trainers;
-    gather_in = core::empty_host(per, at::kFloat).fill_(1);
-    gather_out = core::empty_host(per * args.trainers, at::kFloat).fill_(0);
+    gather_in = memory::empty_host(per, at::kFloat).fill_(1);
+    gather_out = memory::empty_host(per * args.trainers, at::kFloat).fill_(0);
   }
   const double raw_gather = time_collective(world, args.iters, [&] {
     if (groups.trainer) groups.trainer->all_gather(gather_out, gather_in);
@@ -159,8 +159,8 @@ int main(int argc, char** argv) {
     world.all_reduce(wire_t, dist::ReduceOp::max);
     wire = wire_t.item<int64_t>();
     // One buffer for every row (a fresh one per row moved the raw figure by up to 40% on the VM).
-    // Allocated as fsdpx allocates its own host buffers (core::empty_host: huge pages where allowed).
-    if (groups.model_update && raw_buffer.numel() < wire) raw_buffer = core::empty_host(wire + (wire >> 4), at::kByte).fill_(1);
+    // Allocated as fsdpx allocates its own host buffers (memory::empty_host: huge pages where allowed).
+    if (groups.model_update && raw_buffer.numel() < wire) raw_buffer = memory::empty_host(wire + (wire >> 4), at::kByte).fill_(1);
     at::Tensor raw = groups.model_update ? raw_buffer.narrow(0, 0, wire) : at::Tensor();
     const auto [sync_t, raw_t] = fsdpx::bench::time_side_by_side(
         world, args.iters, sync_once,

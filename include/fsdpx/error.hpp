@@ -40,6 +40,12 @@ class IoError : public Error {
   using Error::Error;
 };
 
+/// An invariant of fsdpx itself broke: a bug in fsdpx, not a cause in the user's input or system.
+class InternalError : public Error {
+ public:
+  using Error::Error;
+};
+
 /// Weight sync between trainer and rollout failed: a lost peer, a version that never came, a bad frame.
 class SyncError : public Error {
  public:
@@ -66,6 +72,12 @@ inline std::string join_names(std::vector<std::string> names, size_t shown = 20)
   return s;
 }
 
+/// Throws `ErrorType` with "fsdpx: " followed by the message parts; for paths that cannot go on.
+template <class ErrorType, class... Args>
+[[noreturn]] void fail(const Args&... args) {
+  throw ErrorType(::fsdpx::detail::str("fsdpx: ", args...));
+}
+
 }  // namespace detail
 }  // namespace fsdpx
 
@@ -79,3 +91,10 @@ inline std::string join_names(std::vector<std::string> names, size_t shown = 20)
 
 /// Argument and configuration checks.
 #define FSDPX_CHECK(cond, ...) FSDPX_CHECK_AS(::fsdpx::ConfigError, cond, __VA_ARGS__)
+
+/// Throws `ErrorType` unconditionally (a path that cannot go on); the compiler knows it does not return.
+#define FSDPX_FAIL(ErrorType, ...) ::fsdpx::detail::fail<ErrorType>(__VA_ARGS__)
+
+/// An invariant of fsdpx's own (not a check of the user's input): InternalError, asking for a report.
+#define FSDPX_INTERNAL_ASSERT(cond, ...) \
+  FSDPX_CHECK_AS(::fsdpx::InternalError, cond, "internal error (a bug in fsdpx, please report it): ", __VA_ARGS__)

@@ -8,9 +8,10 @@
 #include <vector>
 
 #include <fsdpx/core/flat_param.hpp>
-#include <fsdpx/core/host_memory.hpp>
+#include <fsdpx/memory/host.hpp>
 
 using namespace fsdpx::core;
+using namespace fsdpx::memory;
 
 namespace {
 std::vector<ParamInfo> params_of(const std::vector<std::vector<int64_t>>& shapes) {
@@ -71,4 +72,42 @@ TEST_CASE("host buffers: large ones 2 MiB-aligned, small ones ordinary, both usa
   CHECK(empty_host(0, at::kFloat).numel() == 0);
   CHECK(empty_buffer(1 << 20, at::TensorOptions().dtype(at::kFloat)).numel() == 1 << 20);
   CHECK_THROWS_WITH(empty_host(-1, at::kFloat), Catch::Contains("numel must be >= 0"));
+}
+
+TEST_CASE("step buffers: a block given back is reused, the cache never holds more than the peak in use",
+          "[layout][memory]") {
+  auto& cache = HostBufferCache::instance();
+  release_cached_host_buffers();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const int64_t n = int64_t{3} << 20;  // 12 MiB
+  const void* first = nullptr;
+  {
+    at::Tensor a = empty_step_buffer(n, f32);
+    CHECK(a.numel() == n);
+    CHECK(a.is_cpu());
+    if (host_huge_pages()) CHECK(on_huge_page_boundary(a));
+    a.fill_(1.5f);
+    CHECK(a.sum().item<double>() == 1.5 * static_cast<double>(n));
+    first = a.const_data_ptr();
+  }
+  CHECK(cache.free_bytes() >= static_cast<size_t>(n * 4));
+  {
+    // The same size again (in another dtype): the block just given back, with its pages resident.
+    at::Tensor b = empty_step_buffer(2 * n, at::TensorOptions().dtype(at::kBFloat16));
+    CHECK(b.const_data_ptr() == first);
+    CHECK(cache.free_bytes() == 0);
+  }
+  // Units of different sizes one after the other: older free blocks are freed, not accumulated.
+  const int64_t step = int64_t{1} << 19;  // 2 MiB more each time
+  for (int64_t k = 1; k <= 6; ++k) {
+    at::Tensor c = empty_step_buffer(n + k * step, f32);
+    INFO("size " << k << ": free " << cache.free_bytes());
+    CHECK(cache.free_bytes() <= static_cast<size_t>((n + k * step) * 4));
+  }
+  CHECK(cache.free_bytes() <= static_cast<size_t>((n + 6 * step) * 4));
+  // Pinned and device tensors are left to their allocators.
+  CHECK(empty_step_buffer(16, f32).numel() == 16);
+  release_cached_host_buffers();
+  CHECK(cache.free_bytes() == 0);
+  CHECK_THROWS_WITH(empty_step_buffer(-1, f32), Catch::Contains("numel must be >= 0"));
 }

@@ -7,11 +7,18 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <set>
 #include <functional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include <unistd.h>
+
+#include <torch/csrc/autograd/profiler_kineto.h>
 #include <torch/nn.h>
 #include <torch/optim.h>
 
@@ -94,6 +101,56 @@ int64_t in_flight_bound(const core::ShardedModel& m, size_t n) {
   int64_t bound = m.unit(0).layout().padded_numel() * 4;
   for (size_t i = 0; i < std::min(n, sizes.size()); ++i) bound += sizes[i];
   return bound;
+}
+
+/// Blocks with BatchNorm (running statistics, a batch counter) and a root buffer the model updates.
+struct BnBlockImpl : torch::nn::Module {
+  explicit BnBlockImpl(int64_t dim) {
+    // No bias before the BatchNorm (as conv-BN blocks do): its gradient is analytically zero, and
+    // Adam would turn the rounding noise left in it into steps that differ between any two runs.
+    fc = register_module("fc", torch::nn::Linear(torch::nn::LinearOptions(dim, dim).bias(false)));
+    bn = register_module("bn", torch::nn::BatchNorm1d(dim));
+  }
+  at::Tensor forward(const at::Tensor& x) { return torch::relu(bn(fc(x))) + x; }
+  torch::nn::Linear fc{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(BnBlock);
+
+struct BnMlpImpl : torch::nn::Module {
+  BnMlpImpl() {
+    stem = register_module("stem", torch::nn::Linear(20, 16));
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("b" + std::to_string(i), BnBlock(16)));
+    head = register_module("head", torch::nn::Linear(16, 5));
+    seen = register_buffer("seen", at::zeros({1}));
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
+    if (is_training()) {
+      at::NoGradGuard no_grad;
+      seen.add_(x.size(0));  // a buffer the model updates itself (rows seen on this rank)
+    }
+    auto h = stem(x);
+    for (auto& b : blocks) h = fsdpx::forward(b, h);
+    return torch::nn::functional::cross_entropy(head(h), y);
+  }
+  torch::nn::Linear stem{nullptr}, head{nullptr};
+  std::vector<BnBlock> blocks;
+  at::Tensor seen;
+};
+TORCH_MODULE(BnMlp);
+
+using ShardedBnMlp = Fsdp<BnMlp, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BnBlockImpl>>;
+
+Batch bn_batch(int step) {
+  at::manual_seed(1000 + step);
+  return {at::randn({24, 20}), at::randint(5, {24}, at::kLong)};  // 24 rows: whole slices at 1-4 ranks
+}
+
+/// Whether `t` holds the same values on every rank (rank 0's sent to all and compared).
+bool same_on_every_rank(const at::Tensor& t) {
+  at::Tensor rank0 = t.detach().clone();
+  world().broadcast(rank0, 0);
+  return at::equal(rank0, t.detach());
 }
 
 }  // namespace
@@ -364,4 +421,131 @@ TEST_CASE("LoRA adapters inside every block (base weights frozen): frozen parame
   };
   check_parity<Fsdp<LoraNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<LoraBlockImpl>>>(
       [] { return LoraNet(); }, mlp_batch, run);
+}
+
+TEST_CASE("BatchNorm: running statistics equal the unsharded reference's after training", "[protocol][buffers]") {
+  // Every rank sees the whole batch, so each rank's statistics are the reference's, and averaging the
+  // gradients over the ranks gives the reference's gradients: buffers and parameters must match.
+  const auto policy = GENERATE(BufferSync::none, BufferSync::average, BufferSync::broadcast_from_rank0);
+  INFO("buffer_sync " << static_cast<int>(policy));
+  at::manual_seed(5);
+  BnMlp reference;
+  at::manual_seed(5);
+  FsdpOptions options;
+  options.buffer_sync = policy;
+  ShardedBnMlp sharded(BnMlp(), world(), options);
+  auto optimizer = make_adamw(sharded, adamw());
+  auto ref_optimizer = reference_adamw(*reference);
+  for (int step = 0; step < 5; ++step) {
+    const Batch b = bn_batch(step);
+    ref_optimizer.zero_grad();
+    reference->forward(b.x, b.y).backward();
+    ref_optimizer.step();
+    optimizer.zero_grad();
+    sharded(b.x, b.y).backward();
+    optimizer.step();
+  }
+  auto want = reference->named_buffers();
+  int compared = 0;
+  for (const auto& [name, got] : sharded.sharded().named_buffers()) {
+    INFO(name);
+    REQUIRE(got.scalar_type() == want[name].scalar_type());
+    if (got.is_floating_point()) {
+      // Float rounding of the ranks' average (a third of three equal gradients is not always the
+      // gradient) separates them, as it does the parameters.
+      const double diff = (got - want[name]).abs().max().item<double>();
+      INFO("max |sharded - reference| = " << diff);
+      REQUIRE(diff <= f32_tolerance);
+    } else {
+      REQUIRE(at::equal(got, want[name]));
+    }
+    ++compared;
+  }
+  REQUIRE(compared == 3 * 3 + 1);  // mean, variance and counter per BatchNorm, and the root's buffer
+  // And the parameters, unsharded.
+  sharded->eval();
+  reference->eval();
+  const Batch b = bn_batch(99);
+  const double loss = sharded(b.x, b.y).item<double>();
+  REQUIRE(std::abs(loss - reference->forward(b.x, b.y).item<double>()) <= 1e-4);
+}
+
+TEST_CASE("BatchNorm on different batches per rank: buffer_sync averages or copies rank 0's statistics",
+          "[protocol][buffers]") {
+  const int W = world().size(), r = world().rank();
+  const Batch b = bn_batch(0);
+  const auto mine = rows(b.x.size(0), W, 0, 1, r);
+  at::manual_seed(6);
+  BnMlp reference;
+  for (const auto policy : {BufferSync::none, BufferSync::average, BufferSync::broadcast_from_rank0}) {
+    at::manual_seed(6);
+    FsdpOptions options;
+    options.buffer_sync = policy;
+    ShardedBnMlp sharded(BnMlp(), world(), options);
+    sharded(b.x.index_select(0, mine), b.y.index_select(0, mine)).backward();
+    // The forward synchronized the buffers it started with; the ones it updated are synchronized now,
+    // as a user does before saving or evaluating.
+    sharded.sync_buffers(policy);
+    const auto& bn0 = sharded->blocks[0]->bn;
+    INFO("buffer_sync " << static_cast<int>(policy) << ", rank " << r << " of " << W);
+    if (policy == BufferSync::none) {
+      const bool same = same_on_every_rank(bn0->running_mean);  // collective: every rank takes part
+      if (r > 0) REQUIRE_FALSE(same);                             // each rank's own batch
+      continue;
+    }
+    for (const auto& [name, buffer] : sharded.sharded().named_buffers()) {
+      INFO(name);
+      REQUIRE(same_on_every_rank(buffer));
+    }
+    REQUIRE(sharded->seen.item<double>() == static_cast<double>(b.x.size(0) / W));  // the same everywhere
+    if (policy == BufferSync::average) {
+      // The first BatchNorm's input does not depend on batch statistics: the ranks' averaged running
+      // mean is the one the reference computes over the whole batch.
+      at::NoGradGuard no_grad;
+      const at::Tensor x = reference->blocks[0]->fc(reference->stem(b.x));
+      const at::Tensor want = x.mean(0) * 0.1;  // momentum 0.1 from zeros
+      REQUIRE(at::allclose(bn0->running_mean, want, 1e-5, 1e-6));
+    }
+  }
+}
+
+TEST_CASE("a PyTorch profiler trace shows fsdpx's phases by name", "[protocol][profiler]") {
+  namespace prof = torch::autograd::profiler;
+  using torch::profiler::impl::ActivityType;
+  using torch::profiler::impl::ProfilerConfig;
+  using torch::profiler::impl::ProfilerState;
+  at::manual_seed(11);
+  ShardedShuffled sharded(Shuffled(), world());
+  auto optimizer = make_adamw(sharded, adamw());
+  const ProfilerConfig config(ProfilerState::KINETO);
+  const std::set<ActivityType> activities{ActivityType::CPU};
+  prof::prepareProfiler(config, activities);
+  prof::enableProfiler(config, activities);
+  for (int step = 0; step < 2; ++step) {  // two training steps
+    const Batch b = mlp_batch(step);
+    optimizer.zero_grad();
+    sharded(b.x, b.y).backward();
+    sharded.clip_grad_norm_(1.0);
+    optimizer.step();
+  }
+  const auto result = prof::disableProfiler();
+  std::set<std::string> names;
+  for (const auto& e : result->events()) {
+    if (e.name().rfind("fsdpx::", 0) == 0) names.insert(e.name());
+  }
+  for (const char* phase : {"fsdpx::pre_forward", "fsdpx::all_gather", "fsdpx::reshard", "fsdpx::pre_backward",
+                            "fsdpx::post_backward", "fsdpx::reduce_scatter", "fsdpx::end_of_backward",
+                            "fsdpx::finish_reduction", "fsdpx::clip_grad_norm"}) {
+    INFO(phase);
+    CHECK(names.count(phase) == 1);
+  }
+  // The same names in the Chrome trace file that TensorBoard and Perfetto open.
+  const auto path = std::filesystem::temp_directory_path() /
+                    ("fsdpx_trace_rank" + std::to_string(world().rank()) + "_" + std::to_string(::getpid()) + ".json");
+  result->save(path.string());
+  std::ifstream in(path);
+  const std::string trace((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(trace.find("\"fsdpx::reduce_scatter\"") != std::string::npos);
+  CHECK(trace.find("\"fsdpx::end_of_backward\"") != std::string::npos);
+  std::filesystem::remove(path);
 }

@@ -3,7 +3,7 @@
 
 #include <ATen/ATen.h>
 
-#include <fsdpx/dist/mesh.hpp>
+#include <fsdpx/core/mesh.hpp>
 #include <fsdpx/dist/mpi.hpp>
 
 #include "../support/mpi_world.hpp"
@@ -49,11 +49,11 @@ TEST_CASE("every divisor of the world size gives a (replicate x shard) mesh", "[
 
 TEST_CASE("mesh policies resolve to shard sizes", "[mpi][mesh]") {
   const int W = world().size();
-  auto full = fsdpx::dist::make_mesh<fsdpx::FullShard>(world());
+  auto full = fsdpx::core::make_mesh<fsdpx::FullShard>(world());
   REQUIRE(full.shard_size() == W);
-  auto none = fsdpx::dist::make_mesh<fsdpx::NoShard>(world());
+  auto none = fsdpx::core::make_mesh<fsdpx::NoShard>(world());
   REQUIRE(none.shard_size() == 1);
   REQUIRE(none.replicate_size() == W);
-  auto hybrid = fsdpx::dist::make_mesh<fsdpx::HybridShard<>>(world(), W);
+  auto hybrid = fsdpx::core::make_mesh<fsdpx::HybridShard<>>(world(), W);
   REQUIRE(hybrid.shard_size() == W);
 }

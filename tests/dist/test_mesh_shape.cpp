@@ -1,7 +1,7 @@
 // Mesh shapes and mesh-policy resolution, without communication.
 #include <catch2/catch.hpp>
 
-#include <fsdpx/dist/mesh.hpp>
+#include <fsdpx/core/mesh.hpp>
 
 using namespace fsdpx;
 using Catch::Matchers::Contains;
@@ -34,13 +34,13 @@ TEST_CASE("a shard size that does not divide the world is an error listing the s
 }
 
 TEST_CASE("mesh policies resolve their shard size", "[mesh]") {
-  CHECK(dist::resolve_shard_size<FullShard>(6) == 6);
-  CHECK(dist::resolve_shard_size<NoShard>(6) == 1);
-  CHECK(dist::resolve_shard_size<HybridShard<2>>(6) == 2);
-  CHECK(dist::resolve_shard_size<HybridShard<>>(6, 3) == 3);
-  CHECK_THROWS_WITH(dist::resolve_shard_size<HybridShard<>>(6), Contains("needs the shard size at run time"));
-  CHECK_THROWS_WITH(dist::resolve_shard_size<HybridShard<auto_shard_size>>(6),
+  CHECK(core::resolve_shard_size<FullShard>(6) == 6);
+  CHECK(core::resolve_shard_size<NoShard>(6) == 1);
+  CHECK(core::resolve_shard_size<HybridShard<2>>(6) == 2);
+  CHECK(core::resolve_shard_size<HybridShard<>>(6, 3) == 3);
+  CHECK_THROWS_WITH(core::resolve_shard_size<HybridShard<>>(6), Contains("needs the shard size at run time"));
+  CHECK_THROWS_WITH(core::resolve_shard_size<HybridShard<auto_shard_size>>(6),
                     Contains("needs the model to choose a shard size"));
-  CHECK_THROWS_WITH(dist::resolve_shard_size<HybridShard<2>>(6, 3), Contains("fixes the shard size at compile time"));
-  CHECK_THROWS_WITH(dist::resolve_shard_size<FullShard>(6, 2), Contains("use HybridShard"));
+  CHECK_THROWS_WITH(core::resolve_shard_size<HybridShard<2>>(6, 3), Contains("fixes the shard size at compile time"));
+  CHECK_THROWS_WITH(core::resolve_shard_size<FullShard>(6, 2), Contains("use HybridShard"));
 }

@@ -150,8 +150,8 @@ TEST_CASE("a receiving module's large parameters move to 2 MiB pages, keeping th
   const auto* big_impl = first->weight.unsafeGetTensorImpl();
 
   const int64_t moved = place_on_huge_pages(*m);
-  using fsdpx::core::on_huge_page_boundary;
-  if (!fsdpx::core::host_huge_pages()) {
+  using fsdpx::memory::on_huge_page_boundary;
+  if (!fsdpx::memory::host_huge_pages()) {
     CHECK(moved == 0);  // FSDPX_HUGE_PAGES=0 or not Linux: nothing to gain, nothing moved
     return;
   }

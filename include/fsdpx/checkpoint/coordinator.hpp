@@ -56,6 +56,7 @@
 #include <boost/asio/steady_timer.hpp>
 #include <boost/asio/thread_pool.hpp>
 
+#include <ATen/record_function.h>
 #include <torch/optim/optimizer.h>
 
 #include <fsdpx/detail/json.hpp>
@@ -142,6 +143,7 @@ SaveRequest make_save_request(int64_t step, Sharded& model, torch::optim::Optimi
   } else {
     core::ShardedModel* sharded = &model.sharded();
     req.snapshot = [sharded, optimizer](SaveRequest& r) {
+      RECORD_USER_SCOPE("fsdpx::checkpoint_snapshot");
       r.model = kind == StateDictKind::local ? local_state_dict(*sharded) : sharded_state_dict(*sharded);
       if (optimizer != nullptr) r.optim = optimizer_state_dict(*sharded, *optimizer);
     };
@@ -210,7 +212,7 @@ class CheckpointCoordinator {
     std::optional<std::promise<void>> copied;
     if (req.snapshot) {  // the model's next backward waits until the copy is taken
       copied.emplace();
-      model.sharded().add_snapshot_fence(copied->get_future().share());
+      model.sharded().add_shard_reader(copied->get_future().share());
     }
     submit(std::move(req), std::move(copied));
   }

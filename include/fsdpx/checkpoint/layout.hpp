@@ -246,7 +246,7 @@ class CheckpointLease {
     // The step may have been rotated away between the reader's choice and the lease.
     if (!read_commit_record(step_dir(root, step))) {
       fs::remove(path_, ec);
-      FSDPX_CHECK_AS(IoError, false, "cannot lease step ", step, ": it is not (or no longer) committed");
+      FSDPX_FAIL(IoError, "cannot lease step ", step, ": it is not (or no longer) committed");
     }
   }
   CheckpointLease(const CheckpointLease&) = delete;

@@ -131,8 +131,8 @@ inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOption
     if (sizes.size() > 1) {
       std::string files;
       for (const auto& [name, p] : present) files += "\n  " + (dir / name).string();
-      FSDPX_CHECK_AS(IoError, false, "'", dir.string(), "' has no ", config_file, " (never committed) and its model "
-                     "files come from ", sizes.size(), " different world sizes; remove the stale ones:", files);
+      FSDPX_FAIL(IoError, "'", dir.string(), "' has no ", config_file, " (never committed) and its model "
+                 "files come from ", sizes.size(), " different world sizes; remove the stale ones:", files);
     }
     rep.world_size = *sizes.begin();
     warn(::fsdpx::detail::str("'", dir.string(), "' has no ", config_file, ": this checkpoint was never committed "
@@ -243,8 +243,8 @@ inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOption
     std::string list;
     for (size_t i = 0; i < gaps.size() && i < 20; ++i) list += "\n  " + gaps[i];
     if (gaps.size() > 20) list += ::fsdpx::detail::str("\n  and ", gaps.size() - 20, " more");
-    FSDPX_CHECK_AS(IoError, false, "the model files in '", dir.string(), "' (world size ", world,
-                   ") leave parts of parameters uncovered, in no rank's file:", list);
+    FSDPX_FAIL(IoError, "the model files in '", dir.string(), "' (world size ", world,
+               ") leave parts of parameters uncovered, in no rank's file:", list);
   }
 
   NamedTensors out;

@@ -162,7 +162,7 @@ inline void add_buffer_targets(torch::nn::Module& module, const SafetensorsLoadO
 /// shards (and the module's buffers whole). Every rank calls it; it is not collective.
 inline SafetensorsLoadReport load_model_safetensors(core::ShardedModel& model, checkpoint::SafetensorsDir& dir,
                                                     const SafetensorsLoadOptions& options = {}) {
-  model.wait_for_snapshots();  // a background checkpoint copy may still read the shards
+  model.wait_for_shard_readers();  // a background checkpoint copy may still read the shards
   model.reshard_all();         // the next forward gathers the loaded shards
   std::vector<checkpoint::detail::LoadTarget> targets;
   for (size_t i = 0; i < model.num_units(); ++i) {
@@ -255,7 +255,7 @@ inline checkpoint::SavedSafetensors save_model_safetensors(core::ShardedModel& m
       specs.push_back({*file, checkpoint::detail::saved_dtype(b.value().scalar_type(), options), b.value().sizes().vec()});
     }
   }
-  model.wait_for_snapshots();
+  model.wait_for_shard_readers();
   checkpoint::SavedSafetensors saved;
   std::optional<checkpoint::SafetensorsWriter> out;
   std::exception_ptr write_failure;  // rank 0's first; it keeps gathering without writing

@@ -221,9 +221,11 @@ class SliceLoader {
 
 /// LibTorch keeps the step count inside the state object but exposes it by type.
 inline int64_t optimizer_step(torch::optim::OptimizerParamState& state) {
-  if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(&state)) return s->step();
-  if (auto* s = dynamic_cast<torch::optim::AdamParamState*>(&state)) return s->step();
-  return 0;
+  int64_t step = 0;
+  visit_optimizer_row<AsState>(state, [&](auto row, auto& s) {
+    if constexpr (decltype(row)::adam_like) step = s.step();
+  });
+  return step;
 }
 
 /// A new state object of `optimizer`'s type with `tensors` and `step`.
@@ -233,52 +235,49 @@ inline std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(
     const auto it = tensors.find(key);
     return it == tensors.end() ? at::Tensor() : it->second;
   };
-  const auto adam_like = [&](auto state) {  // Adam and AdamW keep the same fields
-    state->step(step);
-    state->exp_avg(get("exp_avg"));
-    state->exp_avg_sq(get("exp_avg_sq"));
-    if (const at::Tensor m = get("max_exp_avg_sq"); m.defined()) state->max_exp_avg_sq(m);
-    return std::unique_ptr<torch::optim::OptimizerParamState>(std::move(state));
-  };
-  if (dynamic_cast<torch::optim::AdamW*>(&optimizer) != nullptr) return adam_like(std::make_unique<torch::optim::AdamWParamState>());
-  if (dynamic_cast<torch::optim::Adam*>(&optimizer) != nullptr) return adam_like(std::make_unique<torch::optim::AdamParamState>());
-  if (dynamic_cast<torch::optim::SGD*>(&optimizer) != nullptr) {
-    auto s = std::make_unique<torch::optim::SGDParamState>();
-    s->momentum_buffer(get("momentum_buffer"));
-    return s;
-  }
-  FSDPX_CHECK(false, "loading optimizer state: this optimizer type is not known to fsdpx (Adam, AdamW and SGD are)");
-  return nullptr;
+  std::unique_ptr<torch::optim::OptimizerParamState> out;
+  visit_optimizer_row<AsOptimizer>(optimizer, [&](auto row, auto&) {
+    auto state = std::make_unique<typename decltype(row)::State>();
+    if constexpr (decltype(row)::adam_like) {
+      state->step(step);
+      state->exp_avg(get("exp_avg"));
+      state->exp_avg_sq(get("exp_avg_sq"));
+      if (const at::Tensor m = get("max_exp_avg_sq"); m.defined()) state->max_exp_avg_sq(m);
+    } else {
+      state->momentum_buffer(get("momentum_buffer"));
+    }
+    out = std::move(state);
+  });
+  FSDPX_CHECK(out != nullptr, "loading optimizer state: this optimizer type is not known to fsdpx (", known_optimizers,
+              " are)");
+  return out;
 }
 
 /// The hyperparameters of a param group, as numbers (what checkpoints keep and restore).
 inline std::map<std::string, std::vector<double>> group_hyperparameters(torch::optim::OptimizerOptions& o) {
-  const auto adam_like = [](auto& a) -> std::map<std::string, std::vector<double>> {
-    return {{"lr", {a.lr()}}, {"betas", {std::get<0>(a.betas()), std::get<1>(a.betas())}}, {"eps", {a.eps()}},
-            {"weight_decay", {a.weight_decay()}}, {"amsgrad", {a.amsgrad() ? 1.0 : 0.0}}};
-  };
-  if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&o)) return adam_like(*a);
-  if (auto* a = dynamic_cast<torch::optim::AdamOptions*>(&o)) return adam_like(*a);
-  if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&o)) {
-    return {{"lr", {s->lr()}}, {"momentum", {s->momentum()}}, {"dampening", {s->dampening()}},
-            {"weight_decay", {s->weight_decay()}}, {"nesterov", {s->nesterov() ? 1.0 : 0.0}}};
-  }
-  return {{"lr", {o.get_lr()}}};
+  std::map<std::string, std::vector<double>> h{{"lr", {o.get_lr()}}};
+  visit_optimizer_row<AsOptions>(o, [&](auto row, auto& a) {
+    if constexpr (decltype(row)::adam_like) {
+      h = {{"lr", {a.lr()}}, {"betas", {std::get<0>(a.betas()), std::get<1>(a.betas())}}, {"eps", {a.eps()}},
+           {"weight_decay", {a.weight_decay()}}, {"amsgrad", {a.amsgrad() ? 1.0 : 0.0}}};
+    } else {
+      h = {{"lr", {a.lr()}}, {"momentum", {a.momentum()}}, {"dampening", {a.dampening()}},
+           {"weight_decay", {a.weight_decay()}}, {"nesterov", {a.nesterov() ? 1.0 : 0.0}}};
+    }
+  });
+  return h;
 }
 
 inline void set_group_hyperparameters(torch::optim::OptimizerOptions& o, const std::map<std::string, std::vector<double>>& h) {
   const auto one = [&](const char* k) { return h.at(k).at(0); };
-  const auto adam_like = [&](auto& a) {
-    a.betas({h.at("betas").at(0), h.at("betas").at(1)}).eps(one("eps")).weight_decay(one("weight_decay")).amsgrad(one("amsgrad") != 0);
-  };
   o.set_lr(one("lr"));
-  if (auto* a = dynamic_cast<torch::optim::AdamWOptions*>(&o)) {
-    adam_like(*a);
-  } else if (auto* b = dynamic_cast<torch::optim::AdamOptions*>(&o)) {
-    adam_like(*b);
-  } else if (auto* s = dynamic_cast<torch::optim::SGDOptions*>(&o)) {
-    s->momentum(one("momentum")).dampening(one("dampening")).weight_decay(one("weight_decay")).nesterov(one("nesterov") != 0);
-  }
+  visit_optimizer_row<AsOptions>(o, [&](auto row, auto& a) {
+    if constexpr (decltype(row)::adam_like) {
+      a.betas({h.at("betas").at(0), h.at("betas").at(1)}).eps(one("eps")).weight_decay(one("weight_decay")).amsgrad(one("amsgrad") != 0);
+    } else {
+      a.momentum(one("momentum")).dampening(one("dampening")).weight_decay(one("weight_decay")).nesterov(one("nesterov") != 0);
+    }
+  });
 }
 
 }  // namespace detail
@@ -376,7 +375,7 @@ inline StateDict full_state_dict(core::ShardedModel& model, bool all_ranks = fal
 inline void load_model_state_dict(core::ShardedModel& model,
                                   const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved,
                                   bool strict = true) {
-  model.wait_for_snapshots();  // a background checkpoint copy may still read the shards
+  model.wait_for_shard_readers();  // a background checkpoint copy may still read the shards
   model.reshard_all();         // the next forward gathers the loaded shards
   detail::SliceLoader loader("model", model.options().inference_only);
   std::optional<StateDictKind> kind;
@@ -466,7 +465,7 @@ inline void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::
   int64_t step = 0;
   bool first = true;
   std::vector<std::string> keys;
-  model.wait_for_snapshots();
+  model.wait_for_shard_readers();
   for_each_saved([&](const StateDict& sd) {
     FSDPX_CHECK(sd.component == "optim", "loading optimizer state from a '", sd.component, "' state dict");
     if (first) {

@@ -29,6 +29,7 @@
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
+#include <fsdpx/core/mesh.hpp>
 #include <fsdpx/core/sharded_model.hpp>
 #include <fsdpx/dist/any.hpp>
 #include <fsdpx/dist/env.hpp>
@@ -37,6 +38,7 @@
 
 namespace fsdpx {
 
+using core::BufferSync;
 using core::GradNorm;
 using core::ReplicaInit;
 using core::ShardedBytes;
@@ -67,6 +69,10 @@ struct FsdpOptions {
   /// A wrap policy other than NoWrap that picks no module is an error (the model would train as one
   /// unit, with no overlap); set this when that is intended.
   bool allow_no_units = false;
+  /// How the ranks' copies of the module's buffers are kept equal (default: not at all, as FSDP2):
+  /// BufferSync::broadcast_from_rank0 as DDP, or BufferSync::average for running statistics of the
+  /// global batch. Applied before every forward of the root.
+  BufferSync buffer_sync = BufferSync::none;
 };
 
 /// HybridShard<auto_shard_size>'s choice (as LightRFT does): the smallest shard size that divides the
@@ -134,6 +140,7 @@ class Fsdp {
     setup.init_module = options.init_module;
     setup.decay = options.weight_decay;
     setup.replicas = options.replicas;
+    setup.buffer_sync = options.buffer_sync;
     setup.check_units = [allow_none = options.allow_no_units](const std::vector<std::string>& units) {
       check_wrap_matched(units, allow_none);
     };
@@ -190,6 +197,9 @@ class Fsdp {
 
   GradNorm clip_grad_norm_(double max_norm) { return state_->clip_grad_norm_(max_norm); }
   void set_requires_gradient_sync(bool on) { state_->set_requires_gradient_sync(on); }
+  /// Makes every rank's buffers equal now (collective): before saving or evaluating, so the last
+  /// step's statistics are agreed too.
+  void sync_buffers(BufferSync how) { state_->sync_buffers(how); }
   void unshard() { state_->unshard_all(); }
   /// RL trainers: move the shards and their gradients to host memory while a rollout engine uses the
   /// device, then back. Pair with move_optimizer_state(optimizer, ...) for the optimizer.
@@ -198,7 +208,7 @@ class Fsdp {
   void reshard() { state_->reshard_all(); }
   /// Waits for background checkpoint copies of the shards; needed only before changing the shards
   /// outside the usual backward-then-step order (the end of backward waits by itself).
-  void wait_for_snapshots() { state_->wait_for_snapshots(); }
+  void wait_for_shard_readers() { state_->wait_for_shard_readers(); }
 
   /// Full parameters in the module for the scope's lifetime (inspection, evaluation, export).
   class FullParameters {
@@ -235,10 +245,10 @@ class Fsdp {
       }
       const auto env = dist::detect_launch_env();
       const int64_t budget = options.auto_shard_budget_bytes.value_or(int64_t{8} << 30);
-      return dist::resolve_shard_size<Mesh>(world.size(),
+      return core::resolve_shard_size<Mesh>(world.size(),
                                             choose_auto_shard_size(numel, world.size(), env.local_world_size, budget));
     } else {
-      return dist::resolve_shard_size<Mesh>(world.size(), options.shard_size);
+      return core::resolve_shard_size<Mesh>(world.size(), options.shard_size);
     }
   }
 

@@ -4,6 +4,7 @@
 
 #include <memory>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -18,23 +19,75 @@ namespace fsdpx {
 
 namespace detail {
 
-/// The tensors of one parameter's optimizer state by name (the one place that knows LibTorch's
-/// state types: Adam, AdamW, SGD). Undefined tensors (e.g. no amsgrad) are left out.
+// ---- the optimizers fsdpx knows: one row per LibTorch optimizer -------------------------------------
+// LibTorch erases an optimizer's, its state's and its options' types behind base classes; the rows
+// below are the one place that names the concrete types, and visit_optimizer_row() the one place that
+// recovers them. Adam and AdamW share their fields (adam_like).
+
+struct AdamWRow {
+  using Optimizer = torch::optim::AdamW;
+  using State = torch::optim::AdamWParamState;
+  using Options = torch::optim::AdamWOptions;
+  static constexpr bool adam_like = true;
+};
+struct AdamRow {
+  using Optimizer = torch::optim::Adam;
+  using State = torch::optim::AdamParamState;
+  using Options = torch::optim::AdamOptions;
+  static constexpr bool adam_like = true;
+};
+struct SgdRow {
+  using Optimizer = torch::optim::SGD;
+  using State = torch::optim::SGDParamState;
+  using Options = torch::optim::SGDOptions;
+  static constexpr bool adam_like = false;
+};
+using KnownOptimizers = std::tuple<AdamWRow, AdamRow, SgdRow>;
+inline constexpr const char* known_optimizers = "Adam, AdamW and SGD";
+
+/// Which of a row's types an object is: its Optimizer, State or Options.
+struct AsOptimizer {
+  template <class Row> using type = typename Row::Optimizer;
+};
+struct AsState {
+  template <class Row> using type = typename Row::State;
+};
+struct AsOptions {
+  template <class Row> using type = typename Row::Options;
+};
+
+/// Calls fn(Row{}, object as Row's type) for the row `object` belongs to; false when it is in none.
+template <class As, class Base, class Fn>
+bool visit_optimizer_row(Base& object, Fn&& fn) {
+  return std::apply(
+      [&](auto... rows) {
+        const auto try_row = [&](auto row) {
+          using Target = typename As::template type<decltype(row)>;
+          auto* p = dynamic_cast<Target*>(&object);
+          if (p != nullptr) fn(row, *p);
+          return p != nullptr;
+        };
+        return (try_row(rows) || ...);
+      },
+      KnownOptimizers{});
+}
+
+/// The tensors of one parameter's optimizer state by name. Undefined tensors (e.g. no amsgrad) are
+/// left out.
 using StateTensors = std::vector<std::pair<std::string, at::Tensor*>>;
 inline StateTensors optimizer_state_tensors(torch::optim::OptimizerParamState& state) {
   StateTensors out;
   const auto add = [&](const char* name, at::Tensor& t) {
     if (t.defined()) out.emplace_back(name, &t);
   };
-  if (auto* s = dynamic_cast<torch::optim::AdamWParamState*>(&state)) {
-    add("exp_avg", s->exp_avg()), add("exp_avg_sq", s->exp_avg_sq()), add("max_exp_avg_sq", s->max_exp_avg_sq());
-  } else if (auto* a = dynamic_cast<torch::optim::AdamParamState*>(&state)) {
-    add("exp_avg", a->exp_avg()), add("exp_avg_sq", a->exp_avg_sq()), add("max_exp_avg_sq", a->max_exp_avg_sq());
-  } else if (auto* g = dynamic_cast<torch::optim::SGDParamState*>(&state)) {
-    add("momentum_buffer", g->momentum_buffer());
-  } else {
-    FSDPX_CHECK(false, "this optimizer's state type is not known to fsdpx (Adam, AdamW and SGD are)");
-  }
+  const bool known = visit_optimizer_row<AsState>(state, [&](auto row, auto& s) {
+    if constexpr (decltype(row)::adam_like) {
+      add("exp_avg", s.exp_avg()), add("exp_avg_sq", s.exp_avg_sq()), add("max_exp_avg_sq", s.max_exp_avg_sq());
+    } else {
+      add("momentum_buffer", s.momentum_buffer());
+    }
+  });
+  FSDPX_CHECK(known, "this optimizer's state type is not known to fsdpx (", known_optimizers, " are)");
   return out;
 }
 
@@ -56,7 +109,7 @@ torch::optim::AdamW make_adamw(const Sharded& model, const torch::optim::AdamWOp
 /// (RL trainers: offload between steps, reload before the next). Pinned when moved to the host of a
 /// GPU machine, so the reload copies asynchronously; moving to the host releases the device's cached
 /// blocks, so another process can use them. Call it after Fsdp::offload_model() (or
-/// wait_for_snapshots()): a background checkpoint copy may still read the state.
+/// wait_for_shard_readers()): a background checkpoint copy may still read the state.
 inline void move_optimizer_state(torch::optim::Optimizer& optimizer, at::Device device, bool pin_memory = true) {
   const auto move = [&](at::Tensor& t) {
     if (!t.defined()) return;

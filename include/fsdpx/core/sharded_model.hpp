@@ -37,6 +37,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
@@ -119,6 +120,16 @@ enum class ReplicaInit {
   as_constructed,        // trusted as they are (e.g. a checkpoint is loaded right after)
 };
 
+/// How the ranks' copies of the module's buffers (BatchNorm running statistics, counters, router
+/// biases) are kept equal. Each rank's forward updates its own copy from its own batch, so without
+/// this they drift apart, and state dicts save world rank 0's.
+enum class BufferSync {
+  none,                  // each rank keeps its own (FSDP2's behaviour)
+  broadcast_from_rank0,  // rank 0's copied to every rank before each forward (DDP's broadcast_buffers)
+  average,               // floating buffers averaged over the ranks before each forward, others copied
+                         // from rank 0: running means become those of the global batch
+};
+
 /// What the units are and how they start, for ShardedModel's constructor.
 struct ModelSetup {
   std::function<bool(const UnitQuery&)> is_unit;
@@ -129,6 +140,7 @@ struct ModelSetup {
   /// Sees the chosen units' names before anything changes (e.g. the wrap policy matched nothing).
   std::function<void(const std::vector<std::string>&)> check_units;
   ReplicaInit replicas = ReplicaInit::check;
+  BufferSync buffer_sync = BufferSync::none;
 };
 
 /// What the last step did (a forward and its backward): for tests, benchmarks and profiles.
@@ -149,7 +161,7 @@ class ShardedModel {
   /// every rank; a failure after that (out of memory, a collective error) puts the module's parameters
   /// back as they were before rethrowing.
   ShardedModel(std::shared_ptr<torch::nn::Module> root, Mesh mesh, UnitOptions options, const ModelSetup& setup)
-      : root_module_(std::move(root)), mesh_(std::move(mesh)), options_(options) {
+      : root_module_(std::move(root)), mesh_(std::move(mesh)), options_(options), buffer_sync_(setup.buffer_sync) {
     // Names of every parameter (the first name of a shared one).
     std::unordered_map<const c10::TensorImpl*, std::string> names;
     for (const auto& item : root_module_->named_parameters(/*recurse=*/true)) {
@@ -294,7 +306,7 @@ class ShardedModel {
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;
   ~ShardedModel() {
-    wait_for_snapshots();     // a background checkpoint copy may still read the shards
+    wait_for_shard_readers();  // a background checkpoint copy may still read the shards
     *alive_ = false;  // autograd may still hold hooks that point here
     for (size_t i = 0; i < modules_.size(); ++i) {
       if (!is_companion_[i]) detail::UnitRegistry::instance().remove(modules_[i]);
@@ -316,6 +328,39 @@ class ShardedModel {
     }
     return out;
   }
+  /// Makes every rank's buffers equal (collective over the world): rank 0's, or the floating ones
+  /// averaged. The forward does this by itself under FsdpOptions::buffer_sync; call it before saving
+  /// or evaluating to agree on the last step's statistics too.
+  void sync_buffers(BufferSync how) {
+    if (how == BufferSync::none || mesh_.world().size() == 1) return;
+    RECORD_USER_SCOPE("fsdpx::sync_buffers");
+    at::NoGradGuard no_grad;
+    // One flat tensor per dtype and treatment, so a model's buffers cost a few collectives, issued in
+    // the same order on every rank (the layouts were checked to agree at construction).
+    std::map<std::pair<at::ScalarType, bool>, std::vector<at::Tensor>> groups;
+    std::unordered_set<const c10::TensorImpl*> seen;
+    for (const auto& [name, b] : named_buffers()) {
+      if (!seen.insert(b.unsafeGetTensorImpl()).second) continue;  // a buffer registered twice
+      groups[{b.scalar_type(), how == BufferSync::average && b.is_floating_point()}].push_back(b.detach());
+    }
+    const auto comm_device = mesh_.world().device_type() == c10::kCPU ? at::Device(at::kCPU) : options_.device;
+    for (auto& [key, tensors] : groups) {
+      std::vector<at::Tensor> flat;
+      for (const at::Tensor& t : tensors) flat.push_back(t.reshape({-1}).to(comm_device));
+      at::Tensor packed = at::cat(flat);
+      if (key.second) {
+        mesh_.world().all_reduce(packed, dist::ReduceOp::avg);
+      } else {
+        mesh_.world().broadcast(packed, 0);
+      }
+      int64_t offset = 0;
+      for (at::Tensor& t : tensors) {
+        t.copy_(packed.narrow(0, offset, t.numel()).view(t.sizes()));
+        offset += t.numel();
+      }
+    }
+  }
+
   const UnitOptions& options() const { return options_; }
   Unit& unit(size_t i) { return *units_.at(i); }
   const Unit& unit(size_t i) const { return *units_.at(i); }
@@ -367,29 +412,31 @@ class ShardedModel {
     }
   }
 
-  // ---- snapshots: background copies of the shards (checkpoints) --------------------------------------
+  // ---- background readers of the shards ---------------------------------------------------------------
 
-  /// A background copy of the shards and optimizer state is in progress until `done` is ready. The
-  /// shards must not change until then: the end of the next backward (before any optimizer step)
-  /// waits for it, so the copy overlaps a forward and backward instead of blocking the loop.
-  void add_snapshot_fence(std::shared_future<void> done) {
-    std::lock_guard lock(fence_mutex_);
-    fences_.push_back(std::move(done));
+  /// Something reads the shards (and optimizer state) in the background until `done` is ready: a
+  /// checkpoint's copy, a weight export. The shards must not change until then: the end of the next
+  /// backward (before any optimizer step) waits for it, so the read overlaps a forward and backward
+  /// instead of blocking the loop.
+  void add_shard_reader(std::shared_future<void> done) {
+    std::lock_guard lock(readers_mutex_);
+    readers_.push_back(std::move(done));
   }
-  /// Waits for every background copy of the shards (call before changing shards outside a step).
-  void wait_for_snapshots() {
-    std::vector<std::shared_future<void>> fences;
+  /// Waits for every background reader of the shards (call before changing shards outside a step).
+  void wait_for_shard_readers() {
+    std::vector<std::shared_future<void>> readers;
     {
-      std::lock_guard lock(fence_mutex_);
-      fences.swap(fences_);
+      std::lock_guard lock(readers_mutex_);
+      readers.swap(readers_);
     }
-    if (fences.empty()) return;
+    if (readers.empty()) return;
+    RECORD_USER_SCOPE("fsdpx::wait_for_shard_readers");
     const auto start = std::chrono::steady_clock::now();
-    for (auto& f : fences) f.wait();
-    snapshot_wait_ += std::chrono::steady_clock::now() - start;
+    for (auto& f : readers) f.wait();
+    reader_wait_ += std::chrono::steady_clock::now() - start;
   }
-  /// Total time training waited for background checkpoint copies (what an async save blocked).
-  std::chrono::duration<double> snapshot_wait() const { return snapshot_wait_; }
+  /// Total time training waited for background readers of the shards (what an async save blocked).
+  std::chrono::duration<double> shard_reader_wait() const { return reader_wait_; }
 
   // ---- training helpers -----------------------------------------------------------------------------
 
@@ -404,6 +451,7 @@ class ShardedModel {
   /// returns the norm before clipping. A non-finite norm clears the gradients, so a following
   /// optimizer step changes nothing, and warns.
   GradNorm clip_grad_norm_(double max_norm) {
+    RECORD_USER_SCOPE("fsdpx::clip_grad_norm");
     at::NoGradGuard no_grad;
     // Each shard gradient's norm in its own dtype on its own device (as torch's clip_grad_norm_), then
     // one scalar to the communicator's device: no copy of a gradient.
@@ -447,13 +495,14 @@ class ShardedModel {
   /// Offloading returns the freed blocks to the device's driver (the caching allocator would keep
   /// them), so a rollout engine in another process can use that memory.
   void offload_model() {
-    wait_for_snapshots();  // a background checkpoint copy may still read the shards
+    wait_for_shard_readers();  // a background checkpoint copy may still read the shards
     reshard_all();
     for (auto& u : units_) u->move_shard(at::Device(at::kCPU));
     release_cached_device_memory();
+    memory::release_cached_host_buffers();  // a CPU model's step buffers too
   }
   void reload_model() {
-    wait_for_snapshots();
+    wait_for_shard_readers();
     const at::Device home = options_.offload_to_cpu ? at::Device(at::kCPU) : options_.device;
     for (auto& u : units_) u->move_shard(home);
   }
@@ -574,12 +623,16 @@ class ShardedModel {
   void begin_step() {
     if (detail::current_backward_pass_id() != -1) return;  // a forward run inside backward (recomputation)
     if (in_backward_) abort_failed_pass();
+    // Before the forward, as DDP does: after it, the graph may hold the buffers (an eval-mode
+    // BatchNorm saves its running statistics), and changing them would break its backward.
+    sync_buffers(buffer_sync_);
     recording_.clear();
     recorded_.assign(units_.size(), false);
     stats_ = StepStats{};
   }
 
   void pre_forward(Unit& u) {
+    RECORD_USER_SCOPE("fsdpx::pre_forward");
     if (is_root(u)) begin_step();
     unshard_with(u);
     const size_t i = index_of(u);
@@ -655,6 +708,7 @@ class ShardedModel {
   }
 
   void pre_backward(Unit& u) {
+    RECORD_USER_SCOPE("fsdpx::pre_backward");
     begin_backward();
     unshard_with(u);  // again after an earlier call of the same unit finished its backward
     PassState& s = pass_[index_of(u)];
@@ -669,6 +723,7 @@ class ShardedModel {
 
   /// The post-backward node of one call of `u` ran; the last of u's calls ends its backward.
   void post_backward(Unit& u) {
+    RECORD_USER_SCOPE("fsdpx::post_backward");
     begin_backward();
     PassState& s = pass_[index_of(u)];
     if (++s.post_backward_seen >= s.post_backward_expected) unit_backward_done(u);
@@ -711,8 +766,9 @@ class ShardedModel {
   }
 
   void end_of_backward() {
+    RECORD_USER_SCOPE("fsdpx::end_of_backward");
     in_backward_ = false;
-    wait_for_snapshots();  // the optimizer step that follows changes the shards
+    wait_for_shard_readers();  // the optimizer step that follows changes the shards
     if (sync_) {
       // Units whose backward never signalled (no input required grad, or it ended without them):
       // reduced now, in reverse unit order. A unit that did not run keeps no gradient at all, so
@@ -922,6 +978,7 @@ class ShardedModel {
   std::shared_ptr<torch::nn::Module> root_module_;
   Mesh mesh_;
   UnitOptions options_;
+  BufferSync buffer_sync_;
   std::vector<std::unique_ptr<Unit>> units_;  // [0] is the root
   std::vector<const torch::nn::Module*> modules_;
   std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;  // keep the hooks' nodes alive
@@ -941,9 +998,9 @@ class ShardedModel {
   StepStats last_stats_;
   bool sync_ = true;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
-  std::mutex fence_mutex_;
-  std::vector<std::shared_future<void>> fences_;
-  std::chrono::duration<double> snapshot_wait_{0};
+  std::mutex readers_mutex_;
+  std::vector<std::shared_future<void>> readers_;
+  std::chrono::duration<double> reader_wait_{0};
 };
 
 }  // namespace fsdpx::core

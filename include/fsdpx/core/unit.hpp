@@ -17,12 +17,13 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 
 #include <fsdpx/core/detail/autograd.hpp>
 #include <fsdpx/core/flat_param.hpp>
-#include <fsdpx/core/host_memory.hpp>
 #include <fsdpx/dist/any.hpp>
 #include <fsdpx/error.hpp>
+#include <fsdpx/memory/host.hpp>
 
 namespace fsdpx::core {
 
@@ -58,7 +59,7 @@ class Unit {
     layout_ = FlatParamLayout(std::move(params), comms_.gather.size());
     const at::Device shard_device = options_.offload_to_cpu ? at::Device(at::kCPU) : options_.device;
     const auto shard_opts = at::TensorOptions().dtype(options_.shard_dtype).device(shard_device);
-    shard_ = empty_buffer(layout_.shard_numel(), shard_opts);  // host shards on huge pages
+    shard_ = memory::empty_buffer(layout_.shard_numel(), shard_opts);  // host shards on huge pages
     if (options_.offload_to_cpu && options_.pin_memory && options_.device.is_cuda()) shard_ = shard_.pin_memory();
     const FlatRange mine = layout_.shard_range(shard_rank_);
     at::NoGradGuard no_grad;
@@ -131,7 +132,9 @@ class Unit {
   /// Starts gathering the full parameters (a prefetch); no-op unless sharded.
   void unshard_async() {
     if (state_ != State::sharded) return;
-    detail::allocate_storage(full_);
+    RECORD_USER_SCOPE("fsdpx::all_gather");
+    // Host buffers come from the step-buffer cache (the same sizes every step); a device's from its allocator.
+    detail::allocate_storage(full_, full_.is_cpu() ? memory::HostBufferCache::instance().allocate(full_.nbytes()) : at::DataPtr());
     at::NoGradGuard no_grad;
     const FlatRange mine = layout_.shard_range(shard_rank_);
     auto slot = full_.narrow(0, mine.begin, mine.size());
@@ -144,6 +147,7 @@ class Unit {
   void unshard() {
     unshard_async();
     if (state_ == State::gathering) {
+      RECORD_USER_SCOPE("fsdpx::wait_all_gather");
       gather_.wait();
       state_ = State::unsharded;
     }
@@ -152,6 +156,7 @@ class Unit {
   /// Frees the full parameters' bytes; views stay, their data is gone until the next unshard().
   void reshard() {
     if (state_ == State::sharded) return;
+    RECORD_USER_SCOPE("fsdpx::reshard");
     if (state_ == State::gathering) gather_.wait();
     detail::free_storage(full_);
     state_ = State::sharded;
@@ -161,6 +166,7 @@ class Unit {
   /// engine between steps). Tensor identity is kept, so optimizer state stays attached.
   void move_shard(at::Device device) {
     FSDPX_CHECK(state_ == State::sharded, "unit '", name_, "': move the shard only while the unit is sharded");
+    RECORD_USER_SCOPE("fsdpx::move_shard");
     // Pinned whenever a GPU's shard goes to the host, so the reload copies asynchronously.
     const bool pin = device.is_cpu() && (shard_.is_cuda() || (options_.pin_memory && options_.device.is_cuda()));
     at::Tensor moved = shard_.to(device);
@@ -178,9 +184,10 @@ class Unit {
   /// Packs this step's parameter gradients (missing ones count as zero) and starts their reduction.
   void reduce_gradients_async() {
     if (!trainable_ || reducing_) return;
+    RECORD_USER_SCOPE("fsdpx::reduce_scatter");
     at::NoGradGuard no_grad;
     const auto opts = at::TensorOptions().dtype(options_.reduce_dtype).device(options_.device);
-    flat_grad_ = at::empty({layout_.padded_numel()}, opts);
+    flat_grad_ = memory::empty_step_buffer(layout_.padded_numel(), opts);
     for (const ParamInfo& p : layout_.params()) {
       auto dst = flat_grad_.narrow(0, p.offset, p.numel);
       at::Tensor& g = p.param.mutable_grad();
@@ -198,7 +205,7 @@ class Unit {
       reduced_ = flat_grad_;
       reduce_ = dist::Work();
     } else {
-      reduced_ = at::empty({layout_.shard_numel()}, opts);
+      reduced_ = memory::empty_step_buffer(layout_.shard_numel(), opts);
       reduce_ = comms_.reduce.reduce_scatter_async(reduced_, flat_grad_, dist::ReduceOp::avg);
     }
     reducing_ = true;
@@ -212,6 +219,7 @@ class Unit {
   /// so the all-reduce runs behind the rest of backward. No-op when it already started.
   void start_replica_reduction() {
     if (!reducing_ || replicating_) return;
+    RECORD_USER_SCOPE("fsdpx::replica_all_reduce");
     reduce_.wait();
     flat_grad_ = at::Tensor();
     if (comms_.replicate.size() > 1) replica_ = comms_.replicate.all_reduce_async(reduced_, dist::ReduceOp::avg);
@@ -224,6 +232,7 @@ class Unit {
   void finish_gradient_reduction() {
     if (!reducing_) return;
     start_replica_reduction();
+    RECORD_USER_SCOPE("fsdpx::finish_reduction");
     replica_.wait();
     reducing_ = replicating_ = false;
     at::NoGradGuard no_grad;
@@ -235,7 +244,7 @@ class Unit {
       if (grad.defined()) {
         grad.add_(part);
       } else {
-        grad = part.clone();
+        grad = memory::empty_step_buffer(part.numel(), part.options()).copy_(part);
       }
     }
   }

@@ -1,4 +1,5 @@
-// DeviceMesh: the world arranged as (replicate x shard). Shard groups are runs of consecutive ranks
+// DeviceMesh: the world arranged as (replicate x shard); which shape a mesh policy asks for is the
+// FSDP core's business (core/mesh.hpp). Shard groups are runs of consecutive ranks
 // (on a multi-GPU node: the node's GPUs), replicate groups take one rank from each shard group.
 //
 //   world 8, shard 4:  shard groups {0,1,2,3} {4,5,6,7};  replicate groups {0,4} {1,5} {2,6} {3,7}
@@ -10,7 +11,6 @@
 
 #include <fsdpx/dist/communicator.hpp>
 #include <fsdpx/error.hpp>
-#include <fsdpx/policies/mesh.hpp>
 
 namespace fsdpx::dist {
 
@@ -30,31 +30,6 @@ inline MeshShape make_mesh_shape(int world_size, int shard_size) {
               world_size, " ranks cannot be split into shard groups of ", shard_size,
               " ranks; the shard size must divide the world size (one of: ", divisors, ")");
   return {world_size / shard_size, shard_size};
-}
-
-/// The shard size a mesh policy asks for at this world size. HybridShard<runtime_shard_size> takes
-/// `requested`; HybridShard<auto_shard_size> is resolved from the model by the FSDP core, which passes
-/// its choice as `requested` too.
-template <MeshPolicy Policy>
-int resolve_shard_size(int world_size, std::optional<int> requested = std::nullopt) {
-  if constexpr (Policy::kind == MeshKind::full_shard) {
-    FSDPX_CHECK(!requested || *requested == world_size, "FullShard shards over the whole world (", world_size,
-                " ranks) but shard size ", *requested, " was requested; use HybridShard for smaller groups");
-    return world_size;
-  } else if constexpr (Policy::kind == MeshKind::no_shard) {
-    FSDPX_CHECK(!requested || *requested == 1, "NoShard replicates every parameter but shard size ", *requested,
-                " was requested");
-    return 1;
-  } else if constexpr (Policy::shard_size > 0) {
-    FSDPX_CHECK(!requested || *requested == Policy::shard_size, "HybridShard<", Policy::shard_size,
-                "> fixes the shard size at compile time but ", *requested, " was requested at run time");
-    return Policy::shard_size;
-  } else {
-    FSDPX_CHECK(requested.has_value(), Policy::shard_size == runtime_shard_size
-                                           ? "HybridShard<runtime_shard_size> needs the shard size at run time"
-                                           : "HybridShard<auto_shard_size> needs the model to choose a shard size");
-    return *requested;
-  }
 }
 
 template <Communicator Comm>
@@ -98,12 +73,5 @@ class DeviceMesh {
   Comm replicate_;
   MeshShape shape_;
 };
-
-/// Builds the mesh a policy describes.
-template <MeshPolicy Policy, Communicator Comm>
-DeviceMesh<Comm> make_mesh(Comm world, std::optional<int> requested_shard_size = std::nullopt) {
-  const int shard = resolve_shard_size<Policy>(world.size(), requested_shard_size);
-  return DeviceMesh<Comm>::build(std::move(world), shard);
-}
 
 }  // namespace fsdpx::dist

@@ -42,6 +42,7 @@
 #include <fsdpx/dist/detail/mpi_engine.hpp>
 #include <fsdpx/dist/detail/mpi_types.hpp>
 #include <fsdpx/dist/env.hpp>
+#include <fsdpx/memory/host.hpp>
 
 namespace fsdpx::dist {
 
@@ -318,7 +319,9 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
     const auto chunk = [flat_in = input.view({-1}), n = output.numel()](int c) { return flat_in.narrow(0, c * n, n); };
     // Stage s sends the partial reduction of chunk r-s-1 to rank r+1 and receives chunk r-s-2's from
     // rank r-1; the partial received last (stage W-2) is chunk r, which only lacks our own share.
-    auto buffers = W > 1 ? std::array{at::empty_like(flat_out), at::empty_like(flat_out)} : std::array<at::Tensor, 2>{};
+    auto buffers = W > 1 ? std::array{memory::empty_step_buffer(flat_out.numel(), flat_out.options()),
+                                      memory::empty_step_buffer(flat_out.numel(), flat_out.options())}
+                      : std::array<at::Tensor, 2>{};
     auto step = [=, comm = native_handle(), stage = 0](std::vector<MPI_Request>& requests) mutable {
       if (W == 1) {
         flat_out.copy_(chunk(0));

@@ -71,8 +71,7 @@ inline ncclDataType_t nccl_dtype(const std::string& ctx, at::ScalarType dtype) {
     case at::kLong: return ncclInt64;
     default: break;
   }
-  FSDPX_CHECK(false, ctx, ": dtype ", dtype, " is not supported by the NCCL backend");
-  return ncclFloat32;
+  FSDPX_FAIL(ConfigError, ctx, ": dtype ", dtype, " is not supported by the NCCL backend");
 }
 
 /// Averaging over one rank is the identity: a sum, never NCCL's AVG.

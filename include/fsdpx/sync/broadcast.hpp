@@ -39,7 +39,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
-#include <fsdpx/core/host_memory.hpp>
+#include <fsdpx/memory/host.hpp>
 #include <fsdpx/core/sharded_model.hpp>
 #include <fsdpx/dist/any.hpp>
 #include <fsdpx/error.hpp>
@@ -460,7 +460,7 @@ class WeightBroadcaster {
     const core::UnitOptions& uo = model_->unit(0).options();
     const at::ScalarType wire = wire_dtype(model_->unit(0));
     if (need > 0 && (!gathered_[0].defined() || gathered_[0].numel() < need || gathered_[0].scalar_type() != wire)) {
-      for (auto& g : gathered_) g = core::empty_buffer(need, at::TensorOptions().dtype(wire).device(uo.device));
+      for (auto& g : gathered_) g = memory::empty_buffer(need, at::TensorOptions().dtype(wire).device(uo.device));
     }
     std::array<dist::Work, 2> gathering;
     const auto start = [&](size_t i) {
@@ -502,7 +502,7 @@ class WeightBroadcaster {
 
   void ensure_buffers(int64_t bytes, c10::Device device) {
     if (buffers_[0].defined() && buffers_[0].numel() >= bytes && buffers_[0].device() == device) return;
-    for (auto& b : buffers_) b = core::empty_buffer(std::max<int64_t>(bytes, 1), at::TensorOptions().dtype(at::kByte).device(device));
+    for (auto& b : buffers_) b = memory::empty_buffer(std::max<int64_t>(bytes, 1), at::TensorOptions().dtype(at::kByte).device(device));
   }
 
   static constexpr int lasting_tag = 2, gather_tag = 3;
@@ -606,7 +606,7 @@ class WeightReceiver {
     }
     const auto bytes = at::TensorOptions().dtype(at::kByte).device(options_.device);
     if (!buffers_[0].defined() || buffers_[0].numel() < largest) {
-      for (auto& b : buffers_) b = core::empty_buffer(std::max<int64_t>(largest, 1), bytes);
+      for (auto& b : buffers_) b = memory::empty_buffer(std::max<int64_t>(largest, 1), bytes);
     }
     if (!headers_[0].defined() || headers_[0].numel() < largest_header) {
       for (auto& h : headers_) h = at::empty({std::max<int64_t>(largest_header, 1)}, bytes);

@@ -32,7 +32,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
-#include <fsdpx/core/host_memory.hpp>
+#include <fsdpx/memory/host.hpp>
 #include <fsdpx/error.hpp>
 
 namespace fsdpx::sync {
@@ -135,9 +135,8 @@ inline uint8_t dtype_code(at::ScalarType t) {
     case at::kBool: return 9;
     default: break;
   }
-  FSDPX_CHECK(false, "weight sync cannot send tensors of dtype ", t,
-              " (float32, float64, bfloat16, float16, int8, uint8, int32, int64 and bool can travel)");
-  return 0;
+  FSDPX_FAIL(ConfigError, "weight sync cannot send tensors of dtype ", t,
+             " (float32, float64, bfloat16, float16, int8, uint8, int32, int64 and bool can travel)");
 }
 
 inline std::optional<at::ScalarType> dtype_from_code(uint8_t code) {
@@ -481,7 +480,7 @@ class TensorCollector {
   }
 
  private:
-  /// The tensor for `e`'s name, allocated on first sight (host ones through core::empty_buffer).
+  /// The tensor for `e`'s name, allocated on first sight (host ones through memory::empty_buffer).
   std::unordered_map<std::string, size_t>::iterator add(const BucketEntry& e) {
     const int64_t numel = e.tensor_numel();
     const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(e.dtype));  // checked by decode_header
@@ -490,7 +489,7 @@ class TensorCollector {
     FSDPX_CHECK_AS(SyncError, cost <= max_bytes_ - allocated_, "received weights: tensor '", e.name, "' of ", bytes,
                    " bytes would take the version beyond its limit of ", max_bytes_, " bytes");
     allocated_ += cost;
-    tensors_.push_back({e.name, core::empty_buffer(numel, at::TensorOptions().dtype(e.dtype).device(device_)).view(e.shape)});
+    tensors_.push_back({e.name, memory::empty_buffer(numel, at::TensorOptions().dtype(e.dtype).device(device_)).view(e.shape)});
     received_.push_back(0);
     return index_.emplace(e.name, tensors_.size() - 1).first;
   }
@@ -611,7 +610,7 @@ inline void load_into(torch::nn::Module& module, const std::vector<NamedTensor>&
   loader.finish();
 }
 
-/// Moves `module`'s CPU parameters of core::huge_page_bytes or more into core::empty_host() memory
+/// Moves `module`'s CPU parameters of memory::huge_page_bytes or more into memory::empty_host() memory
 /// (2 MiB-aligned, advised to use huge pages), keeping each Parameter object, its values, shape and
 /// requires_grad. For a receiving module (receive_into, load_into, fetch_newer_into): every copy of
 /// a sync lands in its parameters, and on 4 KiB pages the broadcast ran about 10% slower on the VM
@@ -621,17 +620,17 @@ inline void load_into(torch::nn::Module& module, const std::vector<NamedTensor>&
 /// shards: moving them would cut them off from it). Returns the bytes moved (0 with
 /// FSDPX_HUGE_PAGES=0, or off Linux, where empty_host() is PyTorch's allocator).
 inline int64_t place_on_huge_pages(torch::nn::Module& module) {
-  if (!core::host_huge_pages()) return 0;
+  if (!memory::host_huge_pages()) return 0;
   at::NoGradGuard no_grad;
   int64_t moved = 0;
   for (auto& param : module.parameters(/*recurse=*/true)) {
     const int64_t bytes = param.numel() * static_cast<int64_t>(param.element_size());
     const bool whole_storage = param.storage_offset() == 0 && param.storage().nbytes() == static_cast<size_t>(bytes);
-    if (!param.device().is_cpu() || param.is_pinned() || bytes < core::huge_page_bytes ||
-        core::on_huge_page_boundary(param) || !whole_storage) {
+    if (!param.device().is_cpu() || param.is_pinned() || bytes < memory::huge_page_bytes ||
+        memory::on_huge_page_boundary(param) || !whole_storage) {
       continue;
     }
-    const at::Tensor home = core::empty_host(param.numel(), param.scalar_type()).view(param.sizes());
+    const at::Tensor home = memory::empty_host(param.numel(), param.scalar_type()).view(param.sizes());
     home.copy_(param.detach());
     param.set_data(home);  // the same Parameter (optimisers, tied names) now on the new storage
     moved += bytes;

@@ -37,10 +37,11 @@ inline void free_storage(const at::Tensor& t) {
   s->set_nbytes(0);
 }
 
-inline void allocate_storage(const at::Tensor& t) {
+/// Gives `t`'s storage `data` (at least t.nbytes()), or, without it, fresh bytes from its allocator.
+inline void allocate_storage(const at::Tensor& t, at::DataPtr data = {}) {
   c10::StorageImpl* s = t.storage().unsafeGetStorageImpl();
   const size_t nbytes = static_cast<size_t>(t.numel()) * t.element_size();
-  s->set_data_ptr_noswap(s->allocator()->allocate(nbytes));
+  s->set_data_ptr_noswap(data ? std::move(data) : s->allocator()->allocate(nbytes));
   s->set_nbytes(nbytes);
 }
 

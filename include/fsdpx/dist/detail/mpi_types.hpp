@@ -75,9 +75,8 @@ class MpiTypes {
       case at::kBool: return MPI_C_BOOL;
       default: break;
     }
-    FSDPX_CHECK(false, ctx, ": dtype ", dtype, " is not supported by the MPI backend (float32, float64, bfloat16, "
-                "float16, int8, uint8, int32, int64, bool are)");
-    return MPI_DATATYPE_NULL;
+    FSDPX_FAIL(ConfigError, ctx, ": dtype ", dtype, " is not supported by the MPI backend (float32, float64, bfloat16, "
+               "float16, int8, uint8, int32, int64, bool are)");
   }
 
   /// The MPI op that implements `op` (avg is a sum followed by a division).

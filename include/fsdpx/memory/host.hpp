@@ -1,0 +1,210 @@
+// Host memory for the bytes fsdpx moves (the layer below dist: dist, core and sync use it).
+//
+// Two things, both for CPU tensors only (device memory has its allocator's own cache):
+//
+// - Huge pages. Large buffers (from 2 MiB) are 2 MiB-aligned and advised to use transparent huge
+//   pages, as PyTorch's THP_MEM_ALLOC_ENABLE=1 does for every allocation, but for these buffers only
+//   and without an environment variable. Why: a CPU rank's shared-memory transfer (Open MPI's CMA,
+//   process_vm_readv) pins and walks every source page; with 4 KiB pages the sync's copies ran at less
+//   than half the speed of 2 MiB pages (a VM translates every page twice; docs/sync.md, "Measured").
+//   Where the kernel offers no huge pages (THP "never", not Linux) the advice is ignored.
+//   FSDPX_HUGE_PAGES=0 turns it off.
+//
+// - A cache of the buffers a training step allocates again every step (a unit's full parameters,
+//   its flat gradient, the reduce-scatter's output and the ring's temporaries). A fresh allocation of
+//   that size is a new mapping whose every page faults in when first written; a block given back to
+//   the cache is handed out again with its pages resident, as a GPU's caching allocator does. The
+//   cache never holds more than the most bytes its blocks were in use at once (older free blocks are
+//   freed to make room), so it does not raise the peak; release_cached_host_buffers() returns the
+//   free blocks to the system (offload_model() does).
+#pragma once
+
+#include <cstdint>
+#include <cstdlib>
+#include <list>
+#include <mutex>
+#include <string_view>
+
+#include <ATen/ATen.h>
+#include <c10/core/Storage.h>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
+#include <fsdpx/error.hpp>
+
+namespace fsdpx::memory {
+
+inline constexpr int64_t huge_page_bytes = int64_t{2} << 20;
+
+/// Whether large host buffers are 2 MiB-aligned and advised to use huge pages: on Linux, unless
+/// FSDPX_HUGE_PAGES=0 (read once). Elsewhere they come from PyTorch's allocator.
+inline bool host_huge_pages() {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  static const bool enabled = [] {
+    const char* v = std::getenv("FSDPX_HUGE_PAGES");
+    return v == nullptr || std::string_view(v) != "0";
+  }();
+  return enabled;
+#else
+  return false;
+#endif
+}
+
+/// Whether `t`'s data starts on a 2 MiB boundary, as empty_host()'s large buffers do.
+inline bool on_huge_page_boundary(const at::Tensor& t) {
+  return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % static_cast<uintptr_t>(huge_page_bytes) == 0;
+}
+
+namespace detail {
+
+/// `bytes` of host memory, 2 MiB-aligned and advised to use huge pages when large (nullptr when the
+/// system refuses), or 64-byte aligned as PyTorch's CPU allocator gives. `bytes` must be a multiple
+/// of 2 MiB when large (block_bytes() rounds).
+inline void* allocate_host_block(size_t bytes, bool huge) {
+  void* p = nullptr;
+  const size_t alignment = huge ? static_cast<size_t>(huge_page_bytes) : 64;
+  if (posix_memalign(&p, alignment, std::max<size_t>(bytes, 1)) != 0) return nullptr;
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (huge) ::madvise(p, bytes, MADV_HUGEPAGE);  // advice: without transparent huge pages, the pages stay 4 KiB
+#endif
+  return p;
+}
+
+inline bool use_huge_pages(int64_t bytes) { return bytes >= huge_page_bytes && host_huge_pages(); }
+
+/// The size of the block that holds `bytes`: whole huge pages when large, whole 4 KiB pages else.
+inline size_t block_bytes(int64_t bytes) {
+  const int64_t unit = use_huge_pages(bytes) ? huge_page_bytes : 4096;
+  return static_cast<size_t>((std::max<int64_t>(bytes, 1) + unit - 1) / unit * unit);
+}
+
+}  // namespace detail
+
+/// The process's cache of host blocks (see the top of this file). Thread-safe: blocks come back from
+/// whichever thread drops the last reference (autograd's, a collective's progress thread).
+class HostBufferCache {
+ public:
+  static HostBufferCache& instance() {
+    static auto* cache = new HostBufferCache();  // never destroyed: blocks may come back during exit
+    return *cache;
+  }
+
+  /// A block of at least `bytes` (a free one of the same rounded size when there is one), owned by
+  /// the returned pointer, which gives it back here when dropped.
+  at::DataPtr allocate(int64_t bytes) {
+    FSDPX_CHECK(bytes >= 0, "HostBufferCache::allocate: bytes must be >= 0, got ", bytes);
+    const size_t size = detail::block_bytes(bytes);
+    void* p = nullptr;
+    {
+      std::lock_guard lock(mutex_);
+      for (auto it = free_.begin(); it != free_.end(); ++it) {
+        if (it->size == size) {
+          p = it->data;
+          free_bytes_ -= size;
+          free_.erase(it);
+          break;
+        }
+      }
+      if (p == nullptr) {
+        // Never hold more than the most bytes in use at once: free the oldest free blocks first.
+        const size_t limit = std::max(peak_in_use_, in_use_ + size);
+        while (!free_.empty() && in_use_ + free_bytes_ + size > limit) {
+          std::free(free_.back().data);
+          free_bytes_ -= free_.back().size;
+          free_.pop_back();
+        }
+      }
+      in_use_ += size;
+      peak_in_use_ = std::max(peak_in_use_, in_use_);
+    }
+    if (p == nullptr) p = detail::allocate_host_block(size, detail::use_huge_pages(bytes));
+    if (p == nullptr) {
+      std::lock_guard lock(mutex_);
+      in_use_ -= size;
+      FSDPX_FAIL(Error, "cannot allocate ", size, " bytes of host memory (out of memory?)");
+    }
+    return {p, new Block{p, size}, &give_back, c10::Device(c10::kCPU)};
+  }
+
+  /// Frees every block not in use; the next allocations map fresh memory.
+  void release() {
+    std::lock_guard lock(mutex_);
+    for (const Block& b : free_) std::free(b.data);
+    free_.clear();
+    free_bytes_ = 0;
+    peak_in_use_ = in_use_;
+  }
+
+  /// Bytes of blocks held for reuse, not in use.
+  size_t free_bytes() const {
+    std::lock_guard lock(mutex_);
+    return free_bytes_;
+  }
+
+ private:
+  struct Block {
+    void* data;
+    size_t size;
+  };
+
+  HostBufferCache() = default;
+
+  static void give_back(void* ctx) {
+    const Block* b = static_cast<Block*>(ctx);
+    instance().put(*b);
+    delete b;
+  }
+  void put(const Block& b) {
+    std::lock_guard lock(mutex_);
+    in_use_ -= b.size;
+    free_.push_front(b);  // most recently used first: its pages are the likeliest resident
+    free_bytes_ += b.size;
+  }
+
+  mutable std::mutex mutex_;
+  std::list<Block> free_;
+  size_t free_bytes_ = 0;
+  size_t in_use_ = 0;
+  size_t peak_in_use_ = 0;
+};
+
+/// An uninitialised 1-d CPU tensor of `numel` elements that lives for the whole run (a shard, a
+/// receive buffer); from huge_page_bytes on, 2 MiB-aligned and backed by huge pages where the kernel
+/// allows. Smaller ones come from PyTorch's allocator.
+inline at::Tensor empty_host(int64_t numel, at::ScalarType dtype) {
+  FSDPX_CHECK(numel >= 0, "empty_host: numel must be >= 0, got ", numel);
+  const auto options = at::TensorOptions().dtype(dtype).device(at::kCPU);
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(dtype));
+  if (detail::use_huge_pages(bytes)) {
+    const size_t size = detail::block_bytes(bytes);
+    void* p = detail::allocate_host_block(size, /*huge=*/true);
+    FSDPX_CHECK_AS(Error, p != nullptr, "cannot allocate ", size, " bytes of host memory (out of memory?)");
+    return at::from_blob(p, {numel}, [](void* q) { std::free(q); }, options);
+  }
+  return at::empty({numel}, options);
+}
+
+/// at::empty({numel}) with `options`, through empty_host() for unpinned CPU tensors.
+inline at::Tensor empty_buffer(int64_t numel, const at::TensorOptions& options) {
+  if (options.device().is_cpu() && !options.pinned_memory()) return empty_host(numel, options.dtype().toScalarType());
+  return at::empty({numel}, options);
+}
+
+/// An uninitialised 1-d tensor of `numel` elements needed again every step (a flat gradient, a
+/// collective's output or temporary): unpinned CPU tensors come from HostBufferCache, others from
+/// their device's allocator.
+inline at::Tensor empty_step_buffer(int64_t numel, const at::TensorOptions& options) {
+  if (!options.device().is_cpu() || options.pinned_memory()) return at::empty({numel}, options);
+  FSDPX_CHECK(numel >= 0, "empty_step_buffer: numel must be >= 0, got ", numel);
+  const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
+  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(bytes),
+                       HostBufferCache::instance().allocate(bytes), /*allocator=*/nullptr, /*resizable=*/false);
+  return at::empty({0}, options).set_(storage, 0, {numel}, {1});
+}
+
+/// Returns the host blocks cached for reuse to the system.
+inline void release_cached_host_buffers() { HostBufferCache::instance().release(); }
+
+}  // namespace fsdpx::memory

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""Checks that fsdpx's headers include only downward (docs/architecture.md, "The layers").
+
+    tools/check_layers.py [include_dir]      exit 1 and one line per upward include
+    tools/check_layers.py --self-test        the checker itself: finds a planted upward include
+
+Every header under include/fsdpx belongs to one layer (its folder; the umbrella <fsdpx/fsdp.hpp> is
+the top). A header may include headers of its own layer and of the layers listed below it, nothing
+else. A header the table does not place is an error too, so a new folder has to be given a layer.
+"""
+import pathlib
+import re
+import sys
+import tempfile
+
+# layer: the layers it may include (besides itself). Bottom to top.
+ALLOWED = {
+    "base": set(),                                   # error.hpp, version.hpp, detail/
+    "memory": {"base"},                              # host buffers: huge pages, the step-buffer cache
+    "policies": {"base"},                            # compile-time tags and concepts, no code that runs
+    "dist": {"base", "memory"},                      # communicators, meshes, launch environments
+    "core": {"base", "memory", "policies", "dist"},  # units, the protocol, Fsdp, optimizers
+    "checkpoint": {"base", "memory", "policies", "dist", "core"},
+    "sync": {"base", "memory", "policies", "dist", "core", "checkpoint"},
+    "models": {"base", "memory", "policies", "dist", "core", "checkpoint"},
+    "umbrella": {"base", "memory", "policies", "dist", "core", "checkpoint", "sync"},
+}
+
+# Top-level headers: the umbrella, and each layer's own one-include header.
+TOP_LEVEL = {
+    "error.hpp": "base",
+    "version.hpp": "base",
+    "policies.hpp": "policies",
+    "dist.hpp": "dist",
+    "checkpoint.hpp": "checkpoint",
+    "sync.hpp": "sync",
+    "models.hpp": "models",
+    "fsdp.hpp": "umbrella",
+}
+FOLDERS = {"detail": "base", "memory": "memory", "policies": "policies", "dist": "dist", "core": "core",
+           "checkpoint": "checkpoint", "sync": "sync", "models": "models"}
+
+INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](fsdpx/[^>"]+)[>"]', re.MULTILINE)
+
+
+def layer_of(relative):
+    """The layer of a header given as 'fsdpx/...', or None when the table does not place it."""
+    parts = pathlib.PurePosixPath(relative).parts
+    if len(parts) == 2:
+        return TOP_LEVEL.get(parts[1])
+    return FOLDERS.get(parts[1])
+
+
+def check(include_dir):
+    include_dir = pathlib.Path(include_dir)
+    problems = []
+    headers = sorted(include_dir.glob("fsdpx/**/*.hpp"))
+    if not headers:
+        return [f"no headers under {include_dir}/fsdpx"]
+    for header in headers:
+        relative = header.relative_to(include_dir).as_posix()
+        mine = layer_of(relative)
+        if mine is None:
+            problems.append(f"{relative}: in no layer; give its folder one in tools/check_layers.py and "
+                            "docs/architecture.md")
+            continue
+        for target in INCLUDE.findall(header.read_text(encoding="utf-8")):
+            theirs = layer_of(target)
+            if theirs is None:
+                problems.append(f"{relative}: includes {target}, which is in no layer")
+            elif theirs != mine and theirs not in ALLOWED[mine]:
+                problems.append(f"{relative} ({mine}) includes {target} ({theirs}): {mine} may include only "
+                                f"{', '.join(sorted(ALLOWED[mine])) or 'nothing of fsdpx'} besides itself")
+    return problems
+
+
+def self_test():
+    with tempfile.TemporaryDirectory() as tmp:
+        root = pathlib.Path(tmp)
+        (root / "fsdpx/dist").mkdir(parents=True)
+        (root / "fsdpx/core").mkdir(parents=True)
+        (root / "fsdpx/error.hpp").write_text("#pragma once\n")
+        (root / "fsdpx/core/unit.hpp").write_text("#include <fsdpx/dist/mesh.hpp>\n#include <fsdpx/error.hpp>\n")
+        (root / "fsdpx/dist/mesh.hpp").write_text("#include <fsdpx/error.hpp>\n")
+        assert check(root) == [], check(root)
+        (root / "fsdpx/dist/mesh.hpp").write_text("#include <fsdpx/core/unit.hpp>\n")  # upward
+        found = check(root)
+        assert len(found) == 1 and "fsdpx/dist/mesh.hpp (dist) includes fsdpx/core/unit.hpp (core)" in found[0], found
+        (root / "fsdpx/newlayer").mkdir()
+        (root / "fsdpx/newlayer/x.hpp").write_text("\n")
+        assert any("in no layer" in p for p in check(root))
+    print("check_layers self-test: an upward include and an unplaced header are found")
+
+
+def main(argv):
+    if argv[1:] == ["--self-test"]:
+        self_test()
+        return 0
+    include_dir = argv[1] if len(argv) > 1 else pathlib.Path(__file__).resolve().parent.parent / "include"
+    problems = check(include_dir)
+    for p in problems:
+        print(p)
+    if problems:
+        print(f"{len(problems)} include(s) against the layer rule (docs/architecture.md)")
+        return 1
+    print(f"every header of {include_dir}/fsdpx includes only its own layer and those below it")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
