@@ -12,6 +12,9 @@
 //                     never fails it)
 //   broken_after_timeout  a rank that stays but never joins: after the timeout, the communicator refuses
 //                     further work with the cause
+//   different_sizes   the last rank passes one element more to all_gather (a rank that built another
+//                     model): in the ring, rank 0 receives too much and the last rank too little, and
+//                     both name the cause instead of reading or writing past a buffer
 #include <csignal>
 #include <cstdio>
 #include <cstring>
@@ -110,6 +113,11 @@ int main(int argc, char** argv) {
     if (!at::equal(t, at::full({8}, 42.0))) return 6;
     std::printf("rank %d: LATE-BROADCAST-OK\n", r);
     return 0;
+  }
+  if (mode == "different_sizes") {
+    const int64_t n = r == W - 1 ? 5 : 4;
+    return expect_error<CommError>([&] { world.all_gather(at::zeros({n * W}), at::ones({n})); },
+                                   {"all_gather on communicator 'world'", "different sizes"});
   }
   if (mode == "broken_after_timeout") {
     world.barrier();

@@ -781,6 +781,7 @@ class ShardedModel {
         ++stats_.reductions_at_end;
       }
       for (Unit* u : issued_) u->start_replica_reduction();
+      for (Unit* u : issued_) u->start_gradient_copy_to_host();  // offloaded: all copies queued, one wait
       for (Unit* u : issued_) u->finish_gradient_reduction();
       // Gradients accumulated after their unit's reduction (autograd ran a branch late): reduced
       // again, in unit order.

@@ -18,6 +18,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
+#include <c10/core/Event.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 
 #include <fsdpx/core/detail/autograd.hpp>
 #include <fsdpx/core/flat_param.hpp>
@@ -226,6 +228,25 @@ class Unit {
     replicating_ = true;
   }
 
+  /// Offloaded shards on a GPU machine: once the reduction is done (in stream order), starts copying
+  /// its result to pinned host memory without blocking, and records an event the host waits on in
+  /// finish_gradient_reduction(), so the copies of all units queue back to back and the host waits
+  /// once instead of once per unit. No-op otherwise.
+  void start_gradient_copy_to_host() {
+    if (!reducing_ || copy_done_ || !reduced_.defined() || reduced_.device() == shard_.device() || !shard_.is_cpu()) return;
+    start_replica_reduction();
+    RECORD_USER_SCOPE("fsdpx::offload_gradient_copy");
+    replica_.wait();  // orders this stream after the reduction
+    at::NoGradGuard no_grad;
+    const at::Tensor source = reduced_.to(at::kFloat);  // on the device, in stream order
+    host_grad_ = at::empty({source.numel()}, at::TensorOptions().dtype(at::kFloat).pinned_memory(options_.pin_memory));
+    host_grad_.copy_(source, /*non_blocking=*/options_.pin_memory);
+    const c10::Device device = source.device();
+    copy_done_.emplace(device.type());
+    copy_done_->record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
+    reduced_ = source;  // kept until the copy is done: the device may still read it
+  }
+
   /// Waits for the reduction (and the replicas' average) and adds the result to the gradients of the
   /// optimizer tensors (each its own tensor: LibTorch's zero_grad() detaches gradients in place,
   /// which views would refuse). A gradient that zero_grad() reset is set instead of added to.
@@ -236,7 +257,14 @@ class Unit {
     replica_.wait();
     reducing_ = replicating_ = false;
     at::NoGradGuard no_grad;
-    const at::Tensor g = reduced_.to(shard_.device(), at::kFloat);
+    at::Tensor g;
+    if (copy_done_) {
+      copy_done_->synchronize();  // the host copy started by start_gradient_copy_to_host()
+      copy_done_.reset();
+      g = std::move(host_grad_);
+    } else {
+      g = reduced_.to(shard_.device(), at::kFloat);
+    }
     reduced_ = at::Tensor();
     for (auto& p : optim_params_) {
       const at::Tensor part = g.narrow(0, p.range.begin, p.range.size());
@@ -258,7 +286,11 @@ class Unit {
       reduce_.wait();
       replica_.wait();
     }
-    flat_grad_ = reduced_ = at::Tensor();
+    if (copy_done_) {
+      copy_done_->synchronize();
+      copy_done_.reset();
+    }
+    flat_grad_ = reduced_ = host_grad_ = at::Tensor();
     bool dropped = false;
     for (const ParamInfo& p : layout_.params()) {
       if (at::Tensor& g = p.param.mutable_grad(); g.defined()) {
@@ -304,6 +336,8 @@ class Unit {
   bool replicating_ = false;  // the reduce-scatter is done; the replicas' all-reduce (if any) started
   at::Tensor flat_grad_;
   at::Tensor reduced_;
+  at::Tensor host_grad_;                // offloaded shards: the reduction's result, pinned, being copied in
+  std::optional<c10::Event> copy_done_;  // set while that copy runs
 };
 
 }  // namespace fsdpx::core

@@ -227,12 +227,14 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
     FSDPX_CHECK(in_place || !overlaps(output, input), ctx,
                 ": the input overlaps the output but is not this rank's slot of it");
     // Stage s forwards slot r-s to rank r+1 and receives slot r-s-1 from rank r-1.
-    auto step = [=, comm = native_handle(), stage = 0](std::vector<MPI_Request>& requests) mutable {
+    auto step = [=, comm = native_handle(), stage = 0](std::vector<MPI_Request>& requests,
+                                                       std::vector<detail::ReceiveSize>& receives) mutable {
       if (stage == 0 && !in_place) slot(r).copy_(input.view({-1}));
       if (stage == W - 1) return MPI_SUCCESS;
       const at::Tensor send = slot(mod(r - stage)), recv = slot(mod(r - stage - 1));
       ++stage;
       requests.resize(2, MPI_REQUEST_NULL);
+      receives = {{type, count}, {}};
       if (const int rc = MPI_Irecv(recv.data_ptr(), count, type, mod(r - 1), tag, comm, &requests[0]); rc != MPI_SUCCESS) {
         return rc;
       }
@@ -258,7 +260,8 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
     const auto part = [piece, n](const at::Tensor& flat, int64_t j) { return flat.narrow(0, j * piece, std::min(piece, n - j * piece)); };
     if (r != root) {
       // Every piece at once: the root takes them in order (same source and tag).
-      auto step = [=, comm = native_handle(), tag = next_tag(), flat = input.view({-1}), started = false](std::vector<MPI_Request>& requests) mutable {
+      auto step = [=, comm = native_handle(), tag = next_tag(), flat = input.view({-1}), started = false](
+                      std::vector<MPI_Request>& requests, std::vector<detail::ReceiveSize>&) mutable {
         if (started) return MPI_SUCCESS;
         started = true;
         for (int64_t j = 0; j < pieces; ++j) {
@@ -281,13 +284,15 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
     FSDPX_CHECK(in_place || !overlaps(output, input), ctx,
                 ": the input overlaps the output but is not the root's slot of it");
     // The tag is taken after every check, so a rejected call leaves the ranks' sequences in step.
-    auto step = [=, comm = native_handle(), tag = next_tag(), j = int64_t{0}](std::vector<MPI_Request>& requests) mutable {
+    auto step = [=, comm = native_handle(), tag = next_tag(), j = int64_t{0}](
+                    std::vector<MPI_Request>& requests, std::vector<detail::ReceiveSize>& receives) mutable {
       if (j == 0 && !in_place) slot(r).copy_(input.view({-1}));
       if (j == pieces) return MPI_SUCCESS;
       for (int c = 0; c < W; ++c) {
         if (c == r) continue;
         const at::Tensor p = part(slot(c), j);
         requests.emplace_back(MPI_REQUEST_NULL);
+        receives.push_back({type, static_cast<int>(p.numel())});
         if (const int rc = MPI_Irecv(p.data_ptr(), static_cast<int>(p.numel()), type, c, tag, comm, &requests.back());
             rc != MPI_SUCCESS) {
           return rc;
@@ -322,7 +327,8 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
     auto buffers = W > 1 ? std::array{memory::empty_step_buffer(flat_out.numel(), flat_out.options()),
                                       memory::empty_step_buffer(flat_out.numel(), flat_out.options())}
                       : std::array<at::Tensor, 2>{};
-    auto step = [=, comm = native_handle(), stage = 0](std::vector<MPI_Request>& requests) mutable {
+    auto step = [=, comm = native_handle(), stage = 0](std::vector<MPI_Request>& requests,
+                                                       std::vector<detail::ReceiveSize>& receives) mutable {
       if (W == 1) {
         flat_out.copy_(chunk(0));
         return MPI_SUCCESS;
@@ -340,6 +346,7 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
       const at::Tensor& recv = buffers[stage % 2];
       ++stage;
       requests.resize(2, MPI_REQUEST_NULL);
+      receives = {{type, count}, {}};
       if (const int rc = MPI_Irecv(recv.data_ptr(), count, type, mod(r - 1), tag, comm, &requests[0]); rc != MPI_SUCCESS) {
         return rc;
       }

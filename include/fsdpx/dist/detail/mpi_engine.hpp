@@ -43,11 +43,19 @@ inline std::string mpi_error_string(int code) {
   return std::string(buf, static_cast<size_t>(len));
 }
 
+/// What a receive request must deliver: `count` elements of `type` (a peer that sends fewer was
+/// called with other sizes). A send, or a receive of any size, has type MPI_DATATYPE_NULL.
+struct ReceiveSize {
+  MPI_Datatype type = MPI_DATATYPE_NULL;
+  int count = 0;
+};
+
 /// One collective handed to the engine, as a sequence of stages. `step` is called once to start the
 /// first stage and again each time all requests of the current stage complete; it posts the next
-/// stage's requests (or none, when the collective is done) and returns an MPI error code.
+/// stage's requests (or none, when the collective is done), says for each what it must receive (the
+/// engine checks it when the stage completes; empty: nothing to check) and returns an MPI error code.
 struct MpiTask {
-  using Step = std::function<int(std::vector<MPI_Request>&)>;
+  using Step = std::function<int(std::vector<MPI_Request>&, std::vector<ReceiveSize>&)>;
   std::string context;      // op_context(): names op, communicator, rank
   Step step;
   std::function<void()> finish;  // runs on completion (e.g. divide for avg); may be empty
@@ -61,7 +69,8 @@ struct MpiTask {
   /// A stage list of one nonblocking call.
   template <class Start>
   static Step single(Start start) {
-    return [start = std::move(start), started = false](std::vector<MPI_Request>& requests) mutable {
+    return [start = std::move(start), started = false](std::vector<MPI_Request>& requests,
+                                                       std::vector<ReceiveSize>&) mutable {
       if (started) return MPI_SUCCESS;
       started = true;
       requests.emplace_back(MPI_REQUEST_NULL);
@@ -143,6 +152,8 @@ class MpiEngine {
     Clock::time_point started;
     Clock::time_point deadline;
     Clock::time_point next_report;
+    std::vector<ReceiveSize> receives;  // what the stage's receives must deliver (empty: unchecked)
+    std::vector<MPI_Status> statuses;   // the stage's, when receives are checked
   };
 
   /// Engine thread, on a failing stop: the collectives still running fail, and their buffers are
@@ -179,7 +190,7 @@ class MpiEngine {
       task.health->check(task.context);
       const auto now = Clock::now();
       const auto deadline = deadline_after(task.timeout, now), report = next_report_after(task.report_interval, now);
-      Active a{std::move(task), work, {}, now, deadline, report};
+      Active a{std::move(task), work, {}, now, deadline, report, {}, {}};
       if (advance(a)) {
         active_.push_back(std::move(a));
       } else {
@@ -193,9 +204,10 @@ class MpiEngine {
   /// Posts the next stage. Returns whether the task is still running (false: completed or failed).
   bool advance(Active& a) {
     a.requests.clear();
+    a.receives.clear();
     int rc = MPI_SUCCESS;
     try {
-      rc = a.task.step(a.requests);
+      rc = a.task.step(a.requests, a.receives);
     } catch (...) {
       fail(a, std::current_exception());
       return false;
@@ -212,6 +224,44 @@ class MpiEngine {
       a.work->set_done(std::current_exception());
     }
     return false;
+  }
+
+  /// Statuses for the stage's requests when some receive's size is checked, else MPI_STATUSES_IGNORE.
+  static MPI_Status* statuses_for(Active& a) {
+    if (a.receives.empty()) return MPI_STATUSES_IGNORE;
+    a.statuses.resize(a.requests.size());
+    return a.statuses.data();
+  }
+
+  /// Why a completed stage received another size than it was posted for (none: every size matched).
+  static std::optional<std::string> wrong_receive_size(const Active& a) {
+    for (size_t i = 0; i < a.receives.size() && i < a.statuses.size(); ++i) {
+      const ReceiveSize& want = a.receives[i];
+      if (want.type == MPI_DATATYPE_NULL) continue;
+      int got = 0;
+      MPI_Get_count(&a.statuses[i], want.type, &got);
+      if (got != want.count) {
+        return str("rank ", a.statuses[i].MPI_SOURCE, " of the communicator sent ", got, " elements where ", want.count,
+                   " were expected: the ranks called this collective with different sizes (did they build "
+                   "different models?)");
+      }
+    }
+    return std::nullopt;
+  }
+
+  /// For a stage that failed: a receive whose peer sent more than it was posted for, named.
+  static std::string receive_truncated(const Active& a, int rc) {
+    if (rc != MPI_ERR_IN_STATUS || a.receives.empty()) return {};
+    for (size_t i = 0; i < a.receives.size() && i < a.statuses.size(); ++i) {
+      int error_class = MPI_SUCCESS;
+      if (a.receives[i].type == MPI_DATATYPE_NULL || a.statuses[i].MPI_ERROR == MPI_SUCCESS) continue;
+      MPI_Error_class(a.statuses[i].MPI_ERROR, &error_class);
+      if (error_class == MPI_ERR_TRUNCATE) {
+        return str(" (rank ", a.statuses[i].MPI_SOURCE, " of the communicator sent more than the ", a.receives[i].count,
+                   " elements expected: the ranks called this collective with different sizes)");
+      }
+    }
+    return {};
   }
 
   void fail(Active& a, std::exception_ptr error, bool departure = false) {
@@ -247,13 +297,20 @@ class MpiEngine {
                                                       "failed earlier: ", a.task.health->cause()))));
         running = false;
       } else if (const int rc = MPI_Testall(static_cast<int>(a.requests.size()), a.requests.data(), &done,
-                                            MPI_STATUSES_IGNORE);
+                                            statuses_for(a));
                  rc != MPI_SUCCESS) {
-        fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed: ", mpi_error_string(rc)))));
+        fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed: ", mpi_error_string(rc),
+                                                      receive_truncated(a, rc)))));
         running = false;
       } else if (done != 0) {
         progressed = true;
-        running = advance(a);
+        if (auto wrong = wrong_receive_size(a)) {
+          a.requests.clear();  // all complete: nothing of MPI's still points into the buffers
+          fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed: ", *wrong))));
+          running = false;
+        } else {
+          running = advance(a);
+        }
       } else if (const auto why = a.task.members ? control_.verdict(*a.task.members, a.task.id, now) : std::nullopt) {
         fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed: ", why->text))),
              /*departure=*/why->that_rank_reports);

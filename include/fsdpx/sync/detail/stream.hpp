@@ -9,6 +9,8 @@
 #include <boost/asio/read.hpp>
 #include <boost/asio/ssl.hpp>
 #include <boost/asio/write.hpp>
+#include <openssl/err.h>
+#include <openssl/ssl.h>
 
 #include <optional>
 #include <string>
@@ -111,13 +113,15 @@ class Stream {
   std::optional<asio::ssl::stream<tcp::socket>> tls_;
 };
 
-/// A TLS failure in words a user acts on (OpenSSL's reason, and what it usually means here).
+/// A TLS failure in words a user acts on (OpenSSL's reason, and what it usually means here), told
+/// apart by OpenSSL's reason code, not by its message text.
 inline std::string tls_failure(const boost::system::error_code& ec) {
   std::string text = ec.message();
   if (ec.category() == asio::error::get_ssl_category()) {
-    if (text.find("certificate verify failed") != std::string::npos) {
+    const int reason = ERR_GET_REASON(static_cast<unsigned long>(ec.value()));
+    if (reason == SSL_R_CERTIFICATE_VERIFY_FAILED) {
       text += " (the server's certificate is not signed by the trusted authorities, or does not name this server)";
-    } else if (text.find("wrong version number") != std::string::npos || text.find("packet length too long") != std::string::npos) {
+    } else if (reason == SSL_R_WRONG_VERSION_NUMBER || reason == SSL_R_PACKET_LENGTH_TOO_LONG) {
       text += " (the other side does not speak TLS: is TLS set on both the server and the client?)";
     }
   }
