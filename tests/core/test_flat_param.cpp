@@ -105,8 +105,20 @@ TEST_CASE("step buffers: a block given back is reused, the cache never holds mor
     CHECK(cache.free_bytes() <= static_cast<size_t>((n + k * step) * 4));
   }
   CHECK(cache.free_bytes() <= static_cast<size_t>((n + 6 * step) * 4));
-  // Pinned and device tensors are left to their allocators.
+  // Small ones come from PyTorch's allocator: the cache is not touched.
+  const size_t cached = cache.free_bytes();
   CHECK(empty_step_buffer(16, f32).numel() == 16);
+  CHECK(cache.free_bytes() == cached);
+  // The end of a step keeps what that step had in use at most: a step that used nothing frees all.
+  cache.end_step();  // the step of the loop above: its blocks stay
+  CHECK(cache.free_bytes() == cached);
+  cache.end_step();  // a step that used none
+  CHECK(cache.free_bytes() == 0);
+  // A one-off peak outside a step (every unit gathered for an export) is trimmed to the last step's.
+  { at::Tensor whole = empty_step_buffer(4 * n, f32); }
+  CHECK(cache.free_bytes() >= static_cast<size_t>(16 * n));
+  cache.trim();
+  CHECK(cache.free_bytes() == 0);
   release_cached_host_buffers();
   CHECK(cache.free_bytes() == 0);
   CHECK_THROWS_WITH(empty_step_buffer(-1, f32), Catch::Contains("numel must be >= 0"));

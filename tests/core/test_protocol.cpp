@@ -146,11 +146,14 @@ Batch bn_batch(int step) {
   return {at::randn({24, 20}), at::randint(5, {24}, at::kLong)};  // 24 rows: whole slices at 1-4 ranks
 }
 
-/// Whether `t` holds the same values on every rank (rank 0's sent to all and compared).
+/// Whether `t` holds the same values on every rank (rank 0's sent to all and compared), the same
+/// verdict on every rank, so a failed check ends the test on all of them together.
 bool same_on_every_rank(const at::Tensor& t) {
   at::Tensor rank0 = t.detach().clone();
   world().broadcast(rank0, 0);
-  return at::equal(rank0, t.detach());
+  at::Tensor equal = at::full({1}, at::equal(rank0, t.detach()) ? 1.0 : 0.0, at::kDouble);
+  world().all_reduce(equal, fsdpx::dist::ReduceOp::min);
+  return equal.item<double>() == 1.0;
 }
 
 }  // namespace
@@ -489,8 +492,7 @@ TEST_CASE("BatchNorm on different batches per rank: buffer_sync averages or copi
     const auto& bn0 = sharded->blocks[0]->bn;
     INFO("buffer_sync " << static_cast<int>(policy) << ", rank " << r << " of " << W);
     if (policy == BufferSync::none) {
-      const bool same = same_on_every_rank(bn0->running_mean);  // collective: every rank takes part
-      if (r > 0) REQUIRE_FALSE(same);                             // each rank's own batch
+      if (W > 1) REQUIRE_FALSE(same_on_every_rank(bn0->running_mean));  // each rank's own batch
       continue;
     }
     for (const auto& [name, buffer] : sharded.sharded().named_buffers()) {
@@ -548,4 +550,19 @@ TEST_CASE("a PyTorch profiler trace shows fsdpx's phases by name", "[protocol][p
   CHECK(trace.find("\"fsdpx::reduce_scatter\"") != std::string::npos);
   CHECK(trace.find("\"fsdpx::end_of_backward\"") != std::string::npos);
   std::filesystem::remove(path);
+}
+
+TEST_CASE("buffer_sync leaves a graph that saved the buffers usable: two forwards before one backward",
+          "[protocol][buffers]") {
+  // An eval-mode BatchNorm saves its running statistics for backward; the second forward's buffer
+  // sync must not invalidate the first forward's graph (as DDP's broadcast_buffers once did).
+  at::manual_seed(8);
+  FsdpOptions options;
+  options.buffer_sync = BufferSync::average;
+  ShardedBnMlp sharded(BnMlp(), world(), options);
+  sharded->eval();
+  const Batch a = bn_batch(1), b = bn_batch(2);
+  auto loss = sharded(a.x, a.y) + sharded(b.x, b.y);
+  REQUIRE_NOTHROW(loss.backward());
+  REQUIRE(sharded.sharded().unit(1).shard_grads().size() > 0);
 }

@@ -216,7 +216,10 @@ class Fsdp {
     explicit FullParameters(core::ShardedModel& s) : s_(&s) { s_->unshard_all(); }
     FullParameters(const FullParameters&) = delete;
     FullParameters& operator=(const FullParameters&) = delete;
-    ~FullParameters() { s_->reshard_all(); }
+    ~FullParameters() {
+      s_->reshard_all();
+      memory::HostBufferCache::instance().trim();  // the one-off peak of a whole model does not stay resident
+    }
 
    private:
     core::ShardedModel* s_;

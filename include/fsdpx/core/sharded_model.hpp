@@ -341,7 +341,10 @@ class ShardedModel {
     std::unordered_set<const c10::TensorImpl*> seen;
     for (const auto& [name, b] : named_buffers()) {
       if (!seen.insert(b.unsafeGetTensorImpl()).second) continue;  // a buffer registered twice
-      groups[{b.scalar_type(), how == BufferSync::average && b.is_floating_point()}].push_back(b.detach());
+      // variable_data(): the same bytes under a version counter of its own, so the copy below does not
+      // invalidate a graph that saved the buffer (two forwards before one backward), as DDP's
+      // broadcast_buffers does.
+      groups[{b.scalar_type(), how == BufferSync::average && b.is_floating_point()}].push_back(b.variable_data());
     }
     const auto comm_device = mesh_.world().device_type() == c10::kCPU ? at::Device(at::kCPU) : options_.device;
     for (auto& [key, tensors] : groups) {
@@ -795,6 +798,7 @@ class ShardedModel {
     issued_.clear();
     replica_next_ = 0;
     reshard_all();  // the next forward gathers the updated shards
+    memory::HostBufferCache::instance().end_step();  // the step buffers kept: no more than this step's peak
     for (const auto& s : pass_) stats_.units_run += s.ran_forward ? 1 : 0;
     last_stats_ = stats_;
     for (auto& s : pass_) s = PassState{};
@@ -865,15 +869,22 @@ class ShardedModel {
     std::vector<std::string> described;
     std::vector<int64_t> hashes;
     uint32_t total = 0;
+    const auto add = [&](std::string description) {
+      described.push_back(std::move(description));
+      const uint32_t h = ::fsdpx::detail::Crc32c::of(described.back().data(), described.back().size());
+      hashes.push_back(h);
+      total = ::fsdpx::detail::Crc32c::of(&h, sizeof h) ^ (total * 31u);
+    };
     for (const auto& [unit, params, module, companion] : planned) {
       for (const ParamInfo& p : params) {
-        described.push_back(::fsdpx::detail::str("'", p.name, "' (unit '", unit, "', shape ", p.param.sizes(), ", ",
-                                                 p.param.scalar_type(), p.param.requires_grad() ? ", trainable" : ", frozen",
-                                                 p.decay ? ", decayed)" : ")"));
-        const uint32_t h = ::fsdpx::detail::Crc32c::of(described.back().data(), described.back().size());
-        hashes.push_back(h);
-        total = ::fsdpx::detail::Crc32c::of(&h, sizeof h) ^ (total * 31u);
+        add(::fsdpx::detail::str("parameter '", p.name, "' (unit '", unit, "', shape ", p.param.sizes(), ", ",
+                                 p.param.scalar_type(), p.param.requires_grad() ? ", trainable" : ", frozen",
+                                 p.decay ? ", decayed)" : ")"));
       }
+    }
+    // Buffers too: every rank synchronizes and saves them as one list (BufferSync, state dicts).
+    for (const auto& [name, b] : named_buffers()) {
+      add(::fsdpx::detail::str("buffer '", name, "' (shape ", b.sizes(), ", ", b.scalar_type(), ")"));
     }
     const auto all = all_gather_world({static_cast<int64_t>(hashes.size()), static_cast<int64_t>(total)});
     const auto count_differs = ranks_differing(all, 2, 0), layout_differs = ranks_differing(all, 2, 1);
@@ -883,7 +894,7 @@ class ShardedModel {
       std::string counts;
       for (size_t r = 0; r * 2 < all.size(); ++r) counts += ::fsdpx::detail::str(r ? ", " : "", "rank ", r, ": ", all[r * 2]);
       throw ConfigError(::fsdpx::detail::str(
-          "fsdpx: the ranks built different models (rank ", me, "): they hold different numbers of parameters (",
+          "fsdpx: the ranks built different models (rank ", me, "): they hold different numbers of parameters and buffers (",
           counts, "); ranks differing from rank 0: ", join_ranks(count_differs), ". Every rank must construct the "
           "same model with the same configuration."));
     }
@@ -891,7 +902,7 @@ class ShardedModel {
     for (size_t i = 0; i < hashes.size(); ++i) {
       if (const auto ranks = ranks_differing(per_tensor, hashes.size(), i); !ranks.empty()) {
         throw ConfigError(::fsdpx::detail::str(
-            "fsdpx: the ranks built different models: parameter ", described[i], " on rank ", me,
+            "fsdpx: the ranks built different models: ", described[i], " on rank ", me,
             " is not the same on rank 0 and rank(s) ", join_ranks(ranks), " (name, shape, dtype, requires_grad or "
             "weight-decay class). Every rank must construct the same model with the same configuration."));
       }

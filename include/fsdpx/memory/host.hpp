@@ -14,13 +14,15 @@
 //   its flat gradient, the reduce-scatter's output and the ring's temporaries). A fresh allocation of
 //   that size is a new mapping whose every page faults in when first written; a block given back to
 //   the cache is handed out again with its pages resident, as a GPU's caching allocator does. The
-//   cache never holds more than the most bytes its blocks were in use at once (older free blocks are
-//   freed to make room), so it does not raise the peak; release_cached_host_buffers() returns the
-//   free blocks to the system (offload_model() does).
+//   cache never holds more than the most bytes its blocks were in use at once in the last step (older
+//   free blocks are freed to make room), so it does not raise the peak, and a one-off peak (every unit
+//   gathered for an export) does not stay resident; release_cached_host_buffers() returns the free
+//   blocks to the system (offload_model() does).
 #pragma once
 
 #include <cstdint>
 #include <cstdlib>
+#include <algorithm>
 #include <list>
 #include <mutex>
 #include <string_view>
@@ -56,6 +58,9 @@ inline bool host_huge_pages() {
 inline bool on_huge_page_boundary(const at::Tensor& t) {
   return reinterpret_cast<uintptr_t>(t.const_data_ptr()) % static_cast<uintptr_t>(huge_page_bytes) == 0;
 }
+
+/// Step buffers below this size come from PyTorch's allocator (whose heap reuses small blocks).
+inline constexpr int64_t small_step_buffer_bytes = int64_t{64} << 10;
 
 namespace detail {
 
@@ -96,11 +101,12 @@ class HostBufferCache {
   at::DataPtr allocate(int64_t bytes) {
     FSDPX_CHECK(bytes >= 0, "HostBufferCache::allocate: bytes must be >= 0, got ", bytes);
     const size_t size = detail::block_bytes(bytes);
+    const bool huge = detail::use_huge_pages(bytes);
     void* p = nullptr;
     {
       std::lock_guard lock(mutex_);
       for (auto it = free_.begin(); it != free_.end(); ++it) {
-        if (it->size == size) {
+        if (it->size == size && it->huge == huge) {
           p = it->data;
           free_bytes_ -= size;
           free_.erase(it);
@@ -108,33 +114,44 @@ class HostBufferCache {
         }
       }
       if (p == nullptr) {
-        // Never hold more than the most bytes in use at once: free the oldest free blocks first.
-        const size_t limit = std::max(peak_in_use_, in_use_ + size);
-        while (!free_.empty() && in_use_ + free_bytes_ + size > limit) {
-          std::free(free_.back().data);
-          free_bytes_ -= free_.back().size;
-          free_.pop_back();
-        }
+        // Never hold more than the most bytes in use at once (this step or the last): free the
+        // oldest free blocks first.
+        trim_to(std::max({step_peak_, window_peak_, in_use_ + size}) - size);
       }
       in_use_ += size;
-      peak_in_use_ = std::max(peak_in_use_, in_use_);
+      window_peak_ = std::max(window_peak_, in_use_);
     }
-    if (p == nullptr) p = detail::allocate_host_block(size, detail::use_huge_pages(bytes));
+    if (p == nullptr) p = detail::allocate_host_block(size, huge);
     if (p == nullptr) {
       std::lock_guard lock(mutex_);
       in_use_ -= size;
       FSDPX_FAIL(Error, "cannot allocate ", size, " bytes of host memory (out of memory?)");
     }
-    return {p, new Block{p, size}, &give_back, c10::Device(c10::kCPU)};
+    return {p, new Block{p, size, huge}, &give_back, c10::Device(c10::kCPU)};
+  }
+
+  /// A training step ended (the unit protocol calls this at the end of each backward): the blocks
+  /// kept from now on are at most the step's peak in use.
+  void end_step() {
+    std::lock_guard lock(mutex_);
+    step_peak_ = window_peak_;
+    trim_to(step_peak_);
+    window_peak_ = in_use_;
+  }
+
+  /// After a one-off peak outside a step (every unit gathered at once): frees the free blocks beyond
+  /// the last step's peak.
+  void trim() {
+    std::lock_guard lock(mutex_);
+    trim_to(std::max(step_peak_, in_use_));
+    window_peak_ = in_use_;
   }
 
   /// Frees every block not in use; the next allocations map fresh memory.
   void release() {
     std::lock_guard lock(mutex_);
-    for (const Block& b : free_) std::free(b.data);
-    free_.clear();
-    free_bytes_ = 0;
-    peak_in_use_ = in_use_;
+    trim_to(0);
+    step_peak_ = window_peak_ = in_use_;
   }
 
   /// Bytes of blocks held for reuse, not in use.
@@ -147,9 +164,19 @@ class HostBufferCache {
   struct Block {
     void* data;
     size_t size;
+    bool huge;  // advised to use huge pages: handed out only for requests that want them
   };
 
   HostBufferCache() = default;
+
+  /// Frees the oldest free blocks until in-use and free bytes together are at most `limit`. Locked.
+  void trim_to(size_t limit) {
+    while (!free_.empty() && in_use_ + free_bytes_ > limit) {
+      std::free(free_.back().data);
+      free_bytes_ -= free_.back().size;
+      free_.pop_back();
+    }
+  }
 
   static void give_back(void* ctx) {
     const Block* b = static_cast<Block*>(ctx);
@@ -167,7 +194,8 @@ class HostBufferCache {
   std::list<Block> free_;
   size_t free_bytes_ = 0;
   size_t in_use_ = 0;
-  size_t peak_in_use_ = 0;
+  size_t window_peak_ = 0;  // the most bytes in use since the last step ended
+  size_t step_peak_ = 0;    // the most bytes in use during the last step
 };
 
 /// An uninitialised 1-d CPU tensor of `numel` elements that lives for the whole run (a shard, a
@@ -196,9 +224,12 @@ inline at::Tensor empty_buffer(int64_t numel, const at::TensorOptions& options) 
 /// collective's output or temporary): unpinned CPU tensors come from HostBufferCache, others from
 /// their device's allocator.
 inline at::Tensor empty_step_buffer(int64_t numel, const at::TensorOptions& options) {
-  if (!options.device().is_cpu() || options.pinned_memory()) return at::empty({numel}, options);
   FSDPX_CHECK(numel >= 0, "empty_step_buffer: numel must be >= 0, got ", numel);
   const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(options.dtype().toScalarType()));
+  // Small ones stay with PyTorch's allocator: its heap reuses them without page faults.
+  if (!options.device().is_cpu() || options.pinned_memory() || bytes < small_step_buffer_bytes) {
+    return at::empty({numel}, options);
+  }
   c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(bytes),
                        HostBufferCache::instance().allocate(bytes), /*allocator=*/nullptr, /*resizable=*/false);
   return at::empty({0}, options).set_(storage, 0, {numel}, {1});

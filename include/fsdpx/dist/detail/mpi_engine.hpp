@@ -251,7 +251,9 @@ class MpiEngine {
 
   /// For a stage that failed: a receive whose peer sent more than it was posted for, named.
   static std::string receive_truncated(const Active& a, int rc) {
-    if (rc != MPI_ERR_IN_STATUS || a.receives.empty()) return {};
+    int rc_class = MPI_SUCCESS;
+    MPI_Error_class(rc, &rc_class);
+    if (rc_class != MPI_ERR_IN_STATUS || a.receives.empty()) return {};
     for (size_t i = 0; i < a.receives.size() && i < a.statuses.size(); ++i) {
       int error_class = MPI_SUCCESS;
       if (a.receives[i].type == MPI_DATATYPE_NULL || a.statuses[i].MPI_ERROR == MPI_SUCCESS) continue;

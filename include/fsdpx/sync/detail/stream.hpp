@@ -118,7 +118,8 @@ class Stream {
 inline std::string tls_failure(const boost::system::error_code& ec) {
   std::string text = ec.message();
   if (ec.category() == asio::error::get_ssl_category()) {
-    const int reason = ERR_GET_REASON(static_cast<unsigned long>(ec.value()));
+    const auto code = static_cast<unsigned long>(ec.value());
+    const int reason = ERR_GET_LIB(code) == ERR_LIB_SSL ? ERR_GET_REASON(code) : 0;
     if (reason == SSL_R_CERTIFICATE_VERIFY_FAILED) {
       text += " (the server's certificate is not signed by the trusted authorities, or does not name this server)";
     } else if (reason == SSL_R_WRONG_VERSION_NUMBER || reason == SSL_R_PACKET_LENGTH_TOO_LONG) {
