@@ -60,10 +60,10 @@ int main(int argc, char** argv) try {
     auto reduce = mesh.shard_group().reduce_scatter_async(grad_shard, grad_full, ReduceOp::avg);
     auto global_loss = loss.reshape({1}).clone();
     auto loss_work = world.all_reduce_async(global_loss, ReduceOp::avg);  // overlaps the reduce-scatter
-    reduce.wait();
+    reduce.wait_stream();  // the update below runs after the reduction (in stream order on a GPU)
     if (mesh.replicate_size() > 1) mesh.replicate_group().all_reduce(grad_shard, ReduceOp::avg);
     shard.sub_(grad_shard, lr);
-    loss_work.wait();
+    loss_work.wait_host();  // the host reads the loss
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 
     replica.sub_(grad_of(replica, x, y).second, lr);  // the unsharded reference, whole batch

@@ -4,8 +4,8 @@
     tools/check_layers.py [include_dir]      exit 1 and one line per upward include
     tools/check_layers.py --self-test        the checker itself: finds a planted upward include
 
-Every header under include/fsdpx belongs to one layer (its folder; the umbrella <fsdpx/fsdp.hpp> is
-the top). A header may include headers of its own layer and of the layers listed below it, nothing
+Every header under include/fsdpx (and every .ipp implementation file) belongs to one layer (its
+folder; the umbrella <fsdpx/fsdp.hpp> and fsdpx/impl/src.hpp are the top). A header may include headers of its own layer and of the layers listed below it, nothing
 else. A header the table does not place is an error too, so a new folder has to be given a layer.
 """
 import pathlib
@@ -38,7 +38,8 @@ TOP_LEVEL = {
     "fsdp.hpp": "umbrella",
 }
 FOLDERS = {"detail": "base", "memory": "memory", "policies": "policies", "dist": "dist", "core": "core",
-           "checkpoint": "checkpoint", "sync": "sync", "models": "models"}
+           "checkpoint": "checkpoint", "sync": "sync", "models": "models",
+           "impl": "umbrella"}  # impl/src.hpp: the separately compiled part, every layer's .ipp files
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](fsdpx/[^>"]+)[>"]', re.MULTILINE)
 
@@ -54,7 +55,8 @@ def layer_of(relative):
 def check(include_dir):
     include_dir = pathlib.Path(include_dir)
     problems = []
-    headers = sorted(include_dir.glob("fsdpx/**/*.hpp"))
+    # .ipp: implementations a header includes (or impl/src.hpp compiles once); in their folder's layer.
+    headers = sorted([*include_dir.glob("fsdpx/**/*.hpp"), *include_dir.glob("fsdpx/**/*.ipp")])
     if not headers:
         return [f"no headers under {include_dir}/fsdpx"]
     for header in headers:

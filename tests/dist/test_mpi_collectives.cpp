@@ -165,16 +165,17 @@ TEST_CASE("async collectives overlap and complete in any wait order", "[mpi][asy
   auto w2 = world().all_reduce_async(summed, ReduceOp::sum);
   auto w3 = world().reduce_scatter_async(scattered, big, ReduceOp::sum);
   auto w4 = world().barrier_async();
-  w4.wait();
-  w3.wait();
-  w2.wait();
-  w1.wait();
+  w4.wait_host();
+  w3.wait_stream();  // the host backend: blocks too
+  w2.wait_host();
+  w1.wait_host();
   REQUIRE(w1.is_completed());
   REQUIRE(w3.is_completed());
   require_equal(gathered, at::arange(W).to(at::kFloat).repeat_interleave(n));
   require_equal(summed, at::full({n}, float(W)));
   require_equal(scattered, at::full({n}, W, at::kBFloat16));
-  w1.wait();  // idempotent
+  w1.wait_host();  // idempotent
+  w1.wait_stream();
 }
 
 TEST_CASE("empty tensors are valid collectives", "[mpi]") {

@@ -62,7 +62,7 @@ TEST_CASE("collectives are ordered after the caller's stream and before its late
   for (int i = 0; i < 20; ++i) a = at::tanh(at::matmul(a, a) * 1e-3);
   input.copy_(a.flatten().narrow(0, 0, 1 << 20));
   auto work = comm().all_gather_async(output, input);
-  work.wait();  // side stream now waits for the collective
+  work.wait_stream();  // side stream now waits for the collective; the host does not
   auto check = output.sub(input).abs().max();  // runs on the side stream, after the gather
   REQUIRE(check.item<float>() == 0.0f);
   REQUIRE(work.is_completed());
@@ -75,7 +75,9 @@ TEST_CASE("grouped batch: several collectives, one launch", "[nccl]") {
   auto c = at::full({4}, 2.0, cuda(at::kBFloat16));
   comm().add_all_gather(batch, b, a);
   comm().add_all_reduce(batch, c, ReduceOp::sum);
-  comm().launch(std::move(batch)).wait();
+  auto done = comm().launch(std::move(batch));
+  done.wait_host();  // the host blocks until the group has finished
+  REQUIRE(done.is_completed());
   REQUIRE(at::equal(b.cpu(), a.cpu()));
   REQUIRE(at::equal(c.cpu(), at::full({4}, 2.0, at::kBFloat16)));
 }

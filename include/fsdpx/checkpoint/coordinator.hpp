@@ -5,8 +5,8 @@
 //   ckpt.wait();  // before exit: every save durable and committed (throws the first failure)
 //
 // save() copies the state to host memory (pinned on a GPU) on the calling thread and returns; a
-// Boost.Asio thread pool serializes and writes the files durably (temporary file, fsync, rename,
-// fsync of the directory). Each rank then drops a .done marker per file, named with this run's id.
+// Boost.Asio thread pool (checkpoint/detail/worker_pool.hpp) serializes and writes the files durably
+// (temporary file, fsync, rename, fsync of the directory). Each rank then drops a .done marker per file, named with this run's id.
 // Rank 0 watches the markers and commits a step only when every rank's files of it are durable: it
 // writes fsdp_config.json (the commit record, with every file's size and CRC-32C), then advances
 // latest_state_dict_iteration.txt (weights complete) and latest_checkpointed_iteration.txt
@@ -26,10 +26,6 @@
 //
 // The checkpoint root must be one file system that every rank sees (the commit reads other ranks' markers).
 #pragma once
-
-#if !defined(FSDPX_WITH_BOOST)
-#error "fsdpx/checkpoint/coordinator.hpp needs Boost.Asio: install Boost (Debian: libboost-dev) and build with FSDPX_WITH_BOOST (fsdpx's CMake package sets it when Boost is found)"
-#endif
 
 #include <algorithm>
 #include <atomic>
@@ -52,14 +48,12 @@
 
 #include <unistd.h>
 
-#include <boost/asio/post.hpp>
-#include <boost/asio/steady_timer.hpp>
-#include <boost/asio/thread_pool.hpp>
 
 #include <ATen/record_function.h>
 #include <torch/optim/optimizer.h>
 
 #include <fsdpx/detail/json.hpp>
+#include <fsdpx/checkpoint/detail/worker_pool.hpp>
 #include <fsdpx/checkpoint/extra_state.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
@@ -270,7 +264,7 @@ class CheckpointCoordinator {
       start_task();
     }
     auto fence = std::make_shared<std::optional<std::promise<void>>>(std::move(copied));
-    boost::asio::post(pool_, [this, shared, dir, components, slots, fence] {
+    pool_.post([this, shared, dir, components, slots, fence] {
       std::string snapshot_error;
       try {
         if (shared->snapshot) shared->snapshot(*shared);
@@ -279,7 +273,7 @@ class CheckpointCoordinator {
       }
       if (*fence) (*fence)->set_value();  // the shards may change from here on
       for (size_t i = 0; i < components.size(); ++i) {
-        boost::asio::post(pool_, [this, shared, dir, c = components[i], slot = slots[i], snapshot_error] {
+        pool_.post([this, shared, dir, c = components[i], slot = slots[i], snapshot_error] {
           write_component(*shared, dir, c, *slot, snapshot_error);
         });
       }
@@ -326,7 +320,7 @@ class CheckpointCoordinator {
 
   CheckpointCoordinator(std::filesystem::path root, int rank, int world_size, std::string run, CheckpointOptions options)
       : root_(std::move(root)), rank_(rank), world_size_(world_size), run_(std::move(run)), options_(options),
-        pool_(std::max(1, options.threads)) {
+        pool_(options.threads) {
     FSDPX_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "CheckpointCoordinator: rank ", rank,
                 " is outside the world of ", world_size);
     std::error_code ec;
@@ -505,8 +499,7 @@ class CheckpointCoordinator {
   // ---- rank 0: commit ----------------------------------------------------------------------------
 
   void watch_commit(std::shared_ptr<Commit> commit) {
-    auto timer = std::make_shared<boost::asio::steady_timer>(pool_, options_.poll_interval);
-    timer->async_wait([this, commit, timer](const boost::system::error_code&) {
+    pool_.post_after(options_.poll_interval, [this, commit] {
       bool again = false;
       try {
         again = !advance_commit(*commit);
@@ -687,7 +680,7 @@ class CheckpointCoordinator {
   std::shared_ptr<InFlight> in_flight_[3];
   std::mutex iteration_mutex_;
   std::map<std::string, int64_t> iteration_;
-  boost::asio::thread_pool pool_;  // last: joined (in the destructor) before the members above go
+  checkpoint::detail::WorkerPool pool_;  // last: joined (in the destructor) before the members above go
 };
 
 }  // namespace fsdpx

@@ -150,7 +150,7 @@ class Unit {
     unshard_async();
     if (state_ == State::gathering) {
       RECORD_USER_SCOPE("fsdpx::wait_all_gather");
-      gather_.wait();
+      gather_.wait_stream();
       state_ = State::unsharded;
     }
   }
@@ -159,7 +159,7 @@ class Unit {
   void reshard() {
     if (state_ == State::sharded) return;
     RECORD_USER_SCOPE("fsdpx::reshard");
-    if (state_ == State::gathering) gather_.wait();
+    if (state_ == State::gathering) gather_.wait_stream();
     detail::free_storage(full_);
     state_ = State::sharded;
   }
@@ -222,7 +222,7 @@ class Unit {
   void start_replica_reduction() {
     if (!reducing_ || replicating_) return;
     RECORD_USER_SCOPE("fsdpx::replica_all_reduce");
-    reduce_.wait();
+    reduce_.wait_stream();
     flat_grad_ = at::Tensor();
     if (comms_.replicate.size() > 1) replica_ = comms_.replicate.all_reduce_async(reduced_, dist::ReduceOp::avg);
     replicating_ = true;
@@ -236,7 +236,7 @@ class Unit {
     if (!reducing_ || copy_done_ || !reduced_.defined() || reduced_.device() == shard_.device() || !shard_.is_cpu()) return;
     start_replica_reduction();
     RECORD_USER_SCOPE("fsdpx::offload_gradient_copy");
-    replica_.wait();  // orders this stream after the reduction
+    replica_.wait_stream();  // orders this stream after the reduction
     at::NoGradGuard no_grad;
     const at::Tensor source = reduced_.to(at::kFloat);  // on the device, in stream order
     host_grad_ = at::empty({source.numel()}, at::TensorOptions().dtype(at::kFloat).pinned_memory(options_.pin_memory));
@@ -254,7 +254,7 @@ class Unit {
     if (!reducing_) return;
     start_replica_reduction();
     RECORD_USER_SCOPE("fsdpx::finish_reduction");
-    replica_.wait();
+    replica_.wait_stream();
     reducing_ = replicating_ = false;
     at::NoGradGuard no_grad;
     at::Tensor g;
@@ -283,8 +283,8 @@ class Unit {
   bool discard_gradients() {
     if (reducing_) {
       reducing_ = replicating_ = false;
-      reduce_.wait();
-      replica_.wait();
+      reduce_.wait_host();  // nothing of the failed pass stays in flight
+      replica_.wait_host();
     }
     if (copy_done_) {
       copy_done_->synchronize();

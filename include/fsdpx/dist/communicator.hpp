@@ -49,24 +49,26 @@ concept Communicator =
       { cc.split(i, i, std::string_view{}) } -> std::same_as<std::optional<C>>;
     };
 
-/// Blocking collectives written once in terms of the asynchronous ones (CRTP).
+/// Blocking collectives written once in terms of the asynchronous ones (CRTP). Their results are ready
+/// in the caller's stream order (Work::wait_stream: on NCCL the host does not wait; reading a result on
+/// the host synchronizes); barrier() blocks the host.
 template <class Derived>
 class BlockingCollectives {
  public:
   void all_gather(at::Tensor output, const at::Tensor& input) {
-    self().all_gather_async(std::move(output), input).wait();
+    self().all_gather_async(std::move(output), input).wait_stream();
   }
   void gather(at::Tensor output, const at::Tensor& input, int root) {
-    self().gather_async(std::move(output), input, root).wait();
+    self().gather_async(std::move(output), input, root).wait_stream();
   }
   void reduce_scatter(at::Tensor output, const at::Tensor& input, ReduceOp op = ReduceOp::sum) {
-    self().reduce_scatter_async(std::move(output), input, op).wait();
+    self().reduce_scatter_async(std::move(output), input, op).wait_stream();
   }
   void all_reduce(at::Tensor tensor, ReduceOp op = ReduceOp::sum) {
-    self().all_reduce_async(std::move(tensor), op).wait();
+    self().all_reduce_async(std::move(tensor), op).wait_stream();
   }
-  void broadcast(at::Tensor tensor, int root) { self().broadcast_async(std::move(tensor), root).wait(); }
-  void barrier() { self().barrier_async().wait(); }
+  void broadcast(at::Tensor tensor, int root) { self().broadcast_async(std::move(tensor), root).wait_stream(); }
+  void barrier() { self().barrier_async().wait_host(); }
 
  private:
   Derived& self() { return static_cast<Derived&>(*this); }

@@ -4,7 +4,7 @@
 //   world.all_gather(full, shard);                           // blocking
 //   auto work = world.reduce_scatter_async(grad_shard, grad, ReduceOp::avg);
 //   ...                                                      // compute overlaps the reduction
-//   work.wait();
+//   work.wait_host();
 #pragma once
 
 #if !defined(FSDPX_WITH_MPI)
@@ -178,7 +178,7 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
                  detail::MpiTask::single([](MPI_Request* r) { return MPI_Ibarrier(MPI_COMM_WORLD, r); }), {},
                  options.timeout,
                  std::make_shared<detail::CommHealth>(), all_ranks(world_size), detail::CollectiveId{}, options.report_interval})
-        .wait();
+        .wait_host();
     auto comm = runtime->engine().run([&runtime, heartbeat_timeout] {
       runtime->open_control_channel(heartbeat_timeout);
       MPI_Comm dup = MPI_COMM_NULL;

@@ -2,8 +2,9 @@
 //
 // Each communicator runs its collectives on its own high-priority CUDA stream. A collective first
 // waits (an event, not a host sync) for the caller's current stream, so inputs written there are
-// complete; Work::wait() makes the caller's current stream wait for the collective's end. Tensors are
-// held until then (no recordStream), so memory is reused deterministically, as in PyTorch's FSDP2.
+// complete; Work::wait_stream() makes the caller's current stream wait for the collective's end, and
+// Work::wait_host() blocks the host on it. Tensors are held until one of them (no recordStream), so
+// memory is reused deterministically, as in PyTorch's FSDP2.
 // A watchdog thread aborts the communicator when a collective outlives CommOptions::timeout or NCCL
 // reports an asynchronous error; every later call then throws with that cause.
 #pragma once
@@ -262,12 +263,21 @@ class NcclWorkState final : public WorkState {
     if (!tensors_.empty()) cudaEventSynchronize(done_->get());
   }
 
-  void wait() override {
+  void wait_stream() override {
     comm_->health()->check(context_);
     c10::cuda::CUDAGuard guard(comm_->device());
     const auto caller = c10::cuda::getCurrentCUDAStream(comm_->device());
     check_cuda(cudaStreamWaitEvent(caller.stream(), done_->get(), 0), context_ + " wait");
     // The caller's stream now runs after the collective: its allocator pool may reuse these blocks.
+    std::lock_guard lock(mutex_);
+    tensors_.clear();
+  }
+  void wait_host() override {
+    comm_->health()->check(context_);
+    // A collective that never completes ends when the watchdog aborts the communicator; the check
+    // after the wait then names the timeout.
+    check_cuda(cudaEventSynchronize(done_->get()), context_ + " wait");
+    comm_->health()->check(context_);
     std::lock_guard lock(mutex_);
     tensors_.clear();
   }

@@ -1,4 +1,13 @@
 // Work: the handle an asynchronous collective returns.
+//
+// Two waits, because the backends differ and callers must say which they need:
+//   wait_stream()  the result is ready for work the calling thread issues next on its current stream of
+//                  the collective's device (NCCL: that stream waits on the collective's event; the host
+//                  does not block). For results consumed by kernels: unsharded parameters, gradients
+//                  reduced further, buffers reused by the device.
+//   wait_host()    the host blocks until the collective has finished. For results the host reads or
+//                  frees itself, and for teardown after an error.
+// On the host backend (MPI) both block. Both rethrow the collective's error (TimeoutError, CommError).
 #pragma once
 
 #include <condition_variable>
@@ -13,9 +22,11 @@ namespace detail {
 class WorkState {
  public:
   virtual ~WorkState() = default;
-  /// Blocks (or, on a device backend, orders the caller's stream) until the operation is done;
-  /// rethrows its error. Idempotent.
-  virtual void wait() = 0;
+  /// Orders the caller's current stream after the operation (a host backend blocks); rethrows its
+  /// error. Idempotent.
+  virtual void wait_stream() = 0;
+  /// Blocks the host until the operation is done; rethrows its error. Idempotent.
+  virtual void wait_host() = 0;
   /// True once the result may be read without waiting.
   virtual bool is_completed() = 0;
 };
@@ -31,11 +42,12 @@ class HostWorkState final : public WorkState {
     }
     cv_.notify_all();
   }
-  void wait() override {
+  void wait_host() override {
     std::unique_lock lock(mutex_);
     cv_.wait(lock, [&] { return done_; });
     if (error_) std::rethrow_exception(error_);
   }
+  void wait_stream() override { wait_host(); }  // no device stream: the host's order is the only one
   bool is_completed() override {
     std::lock_guard lock(mutex_);
     return done_;
@@ -56,9 +68,14 @@ class Work {
   Work() = default;
   explicit Work(std::shared_ptr<detail::WorkState> state) : state_(std::move(state)) {}
 
-  /// Waits for completion and rethrows the collective's error (fsdpx::TimeoutError, fsdpx::CommError).
-  void wait() const {
-    if (state_) state_->wait();
+  /// Makes the result ready for what the caller issues next on its current stream (see the top of
+  /// this file); rethrows the collective's error (fsdpx::TimeoutError, fsdpx::CommError).
+  void wait_stream() const {
+    if (state_) state_->wait_stream();
+  }
+  /// Blocks the host until the collective is done; rethrows its error.
+  void wait_host() const {
+    if (state_) state_->wait_host();
   }
   bool is_completed() const { return !state_ || state_->is_completed(); }
 

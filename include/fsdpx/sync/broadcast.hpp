@@ -321,7 +321,7 @@ class WeightBroadcaster {
     const auto release = [&](int tag) {
       const auto w0 = Clock::now();
       for (auto& [t, w] : pending) {
-        if (t == tag) w.wait();
+        if (t == tag) w.wait_stream();
       }
       std::erase_if(pending, [&](const auto& p) { return p.first == tag; });
       stats_.send_wait_seconds += std::chrono::duration<double>(Clock::now() - w0).count();
@@ -388,7 +388,7 @@ class WeightBroadcaster {
       });
     }
     FSDPX_CHECK_AS(SyncError, k == n, "weight sync: internal error: ", k, " of ", n, " buckets were filled");
-    for (auto& [t, w] : pending) w.wait();
+    for (auto& [t, w] : pending) w.wait_stream();
   }
 
   /// Where a unit's full flat parameters (in the wire dtype) lie on the sending rank during its turn.
@@ -404,7 +404,7 @@ class WeightBroadcaster {
       if (own.defined() && begin >= own_begin && begin + numel <= own_end) {
         return {own.narrow(0, begin - own_begin, numel), false};
       }
-      if (gather != nullptr) gather->wait();
+      if (gather != nullptr) gather->wait_stream();
       return {gathered.narrow(0, begin, numel), true};
     }
   };
@@ -494,7 +494,7 @@ class WeightBroadcaster {
         if (data.own_end > data.own_begin) data.own = u.shard();
         fn(slot, u, data);
       }
-      gathering[slot].wait();
+      gathering[slot].wait_stream();
       // The next gather starts once unit i is posted: it overlaps unit i's broadcasts.
       if (i + 1 < n) start(i + 1);  // into the slot unit i - 1 used, once it is sent
     }
@@ -621,7 +621,7 @@ class WeightReceiver {
     const auto finish = [&](int64_t k) {  // bucket k's data is in place: hand it to the sink
       if (k < 0 || k >= n) return;
       InFlight& f = flight[k % 2];
-      for (auto& w : f.works) w.wait();
+      for (auto& w : f.works) w.wait_stream();
       for (const size_t i : f.direct) sink.accepted(f.layout.entries[i]);
       for (const size_t i : f.staged) sink.accept(f.layout.entries[i], entry_view(buffers_[k % 2], f.layout.entries[i]));
       f = InFlight{};
@@ -632,7 +632,7 @@ class WeightReceiver {
     const std::string where = ::fsdpx::detail::str("broadcast over '", group_.name(), "'");
     dist::Work header = post_header(0);
     for (int64_t k = 0; k < n; ++k) {
-      header.wait();
+      header.wait_stream();
       BucketLayout layout = read_header(headers_[k % 2].narrow(0, 0, header_sizes[k]), where);
       FSDPX_CHECK_AS(SyncError, layout.version == version && layout.index == k && layout.count == n &&
                                     layout.header_bytes == header_sizes[k] && layout.total_bytes <= largest,

@@ -1,41 +1,21 @@
 // The synchronizer client: one connection to a SynchronizerServer, for publishing (the trainer) or
 // fetching (a rollout). It proves it holds the role's secret, and checks that the server holds it too
 // (so a rollout never loads weights from an impostor), before the first request.
+//
+// Declarations only: the connection (Boost.Asio, OpenSSL) is in sync/impl/client.ipp, compiled here
+// unless FSDPX_SEPARATE_COMPILATION (fsdpx/detail/config.hpp).
 #pragma once
 
-#if !defined(FSDPX_WITH_BOOST)
-#error "fsdpx/sync/client.hpp (the TCP synchronizer service) needs Boost.Asio (Boost >= 1.74): configure fsdpx where Boost is installed, so that FSDPX_WITH_BOOST is set. The broadcast (fsdpx/sync/broadcast.hpp) and the in-process Synchronizer do not need Boost."
-#endif
-
-#include <boost/asio/connect.hpp>
-#include <boost/asio/io_context.hpp>
-#include <boost/asio/ip/tcp.hpp>
-#include <boost/asio/read.hpp>
-#include <boost/asio/write.hpp>
-
-#include <poll.h>
-#include <sys/socket.h>
-
-#include <algorithm>
-#include <array>
-#include <cerrno>
 #include <chrono>
 #include <cstdint>
-#include <optional>
+#include <memory>
 #include <string>
-#include <thread>
-#include <utility>
 #include <vector>
 
-#include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
-#include <fsdpx/dist/types.hpp>
-#include <fsdpx/error.hpp>
+#include <fsdpx/detail/config.hpp>
 #include <fsdpx/sync/bucket.hpp>
-#include <fsdpx/sync/detail/auth.hpp>
-#include <fsdpx/sync/detail/frame.hpp>
-#include <fsdpx/sync/detail/stream.hpp>
 
 namespace fsdpx::sync {
 
@@ -61,88 +41,29 @@ struct ClientOptions {
 };
 
 namespace detail {
-
-namespace asio = boost::asio;
-using tcp = asio::ip::tcp;
-
-inline std::string describe(const boost::system::error_code& ec) {
-  if (ec == asio::error::eof) return "the server closed the connection (it exited, crashed or was stopped)";
-  if (ec == asio::error::connection_reset || ec == asio::error::broken_pipe) {
-    return "the connection was reset (the server exited or crashed)";
-  }
-  return ec.message();
-}
-
+class ClientConnection;
 }  // namespace detail
 
 /// One connection to a SynchronizerServer. Not thread-safe: one client per thread.
 class SynchronizerClient {
  public:
-  SynchronizerClient(std::string host, uint16_t port, ClientOptions options = {})
-      : options_(std::move(options)), where_(host + ":" + std::to_string(port)) {
-    boost::system::error_code ec;
-    const auto address = detail::asio::ip::make_address(host, ec);
-    FSDPX_CHECK_AS(SyncError, !ec, "synchronizer client: '", host, "' is not an IP address: ", ec.message());
-    endpoint_ = detail::tcp::endpoint(address, port);
-    if (options_.tls) {
-      if (options_.tls_server_name.empty()) options_.tls_server_name = host;
-      tls_.emplace(detail::client_tls_context(options_.tls_ca_file, options_.tls_server_name));
-    }
-    connect(options_.connect_timeout);
-  }
+  /// Connects (retrying up to options.connect_timeout); `host` is an IP address.
+  FSDPX_DECL SynchronizerClient(std::string host, uint16_t port, ClientOptions options = {});
   SynchronizerClient(const SynchronizerClient&) = delete;
   SynchronizerClient& operator=(const SynchronizerClient&) = delete;
-  ~SynchronizerClient() {
-    try {
-      close();
-    } catch (...) {
-    }
-  }
+  FSDPX_DECL SynchronizerClient(SynchronizerClient&&) noexcept;
+  FSDPX_DECL SynchronizerClient& operator=(SynchronizerClient&&) noexcept;
+  /// Closes the connection (a publisher says goodbye first); errors are swallowed.
+  FSDPX_DECL ~SynchronizerClient();
 
   /// Publishes `tensors` as `version`; returns once the server committed it (readers can see it).
   /// Bucket by bucket, so the trainer holds one bucket beyond the tensors.
-  void publish(int64_t version, const std::vector<NamedTensor>& tensors) {
-    FSDPX_CHECK_AS(SyncError, version >= 0, "cannot publish version ", version, ": versions are >= 0");
-    FSDPX_CHECK_AS(SyncError, !tensors.empty(), "cannot publish version ", version, ": it has no tensors");
-    const std::string what = ::fsdpx::detail::str("publishing version ", version);
-    reconnect_if_closed();
-    authenticate(Role::publish, what);
-    std::vector<TensorSpec> specs;
-    for (const auto& t : tensors) specs.push_back({t.name, t.tensor.sizes().vec(), t.tensor.scalar_type()});
-    const auto plan = plan_buckets(specs, options_.bucket_bytes, version);
-    write_frame(detail::make_frame(detail::FrameKind::publish_begin, version, plan.size()), nullptr, what);
-    at::Tensor bucket;
-    size_t next = 0;
-    for (const BucketLayout& b : plan) {
-      if (!bucket.defined() || bucket.numel() < b.total_bytes) bucket = at::empty({b.total_bytes}, at::kByte);
-      const at::Tensor view = bucket.narrow(0, 0, b.total_bytes);
-      write_header(view, b);
-      for (const auto& e : b.entries) {
-        while (tensors[next].name != e.name) ++next;  // the plan follows the tensors' order
-        pack_entry(view, e, tensors[next].tensor.to(at::kCPU));
-      }
-      write_frame(detail::make_frame(detail::FrameKind::bucket, version, b.index, view.const_data_ptr(), b.total_bytes),
-                  view.const_data_ptr(), what);
-    }
-    write_frame(detail::make_frame(detail::FrameKind::publish_end, version), nullptr, what);
-    const auto [reply, text] = read_frame(options_.io_timeout, what);
-    FSDPX_CHECK_AS(SyncError, reply.kind != static_cast<uint16_t>(detail::FrameKind::error), "the synchronizer at ",
-                   where_, " refused version ", version, ": ", text);
-    FSDPX_CHECK_AS(SyncError, reply.kind == static_cast<uint16_t>(detail::FrameKind::ack) && reply.version == version,
-                   "the synchronizer at ", where_, " answered a publish with a ",
-                   detail::to_string(detail::FrameKind(reply.kind)), " frame");
-    published_ = true;
-  }
+  FSDPX_DECL void publish(int64_t version, const std::vector<NamedTensor>& tensors);
 
   /// The newest version once it is newer than `have` (no_version: any), waiting up to `wait` for one.
   /// All of one version or a SyncError: on a timeout, when the trainer disconnected, when the server
   /// is gone, on a corrupt frame. A connection the server closed while it was idle is opened again.
-  WeightSnapshot fetch_newer(int64_t have, std::chrono::milliseconds wait) {
-    const std::string what = ::fsdpx::detail::str("fetching a version newer than ", have);
-    reconnect_if_closed();
-    authenticate(Role::fetch, what);
-    return fetch_once(have, wait, what);
-  }
+  FSDPX_DECL WeightSnapshot fetch_newer(int64_t have, std::chrono::milliseconds wait);
 
   /// fetch_newer, then loads the whole version into `module` by name; returns the version. The module is
   /// untouched when the fetch fails (the version is staged first).
@@ -153,267 +74,14 @@ class SynchronizerClient {
   }
 
   /// Leaves: a publisher says goodbye first, so readers are not told that the trainer was lost.
-  void close() {
-    if (!is_open()) return;
-    if (published_ && role_ == Role::publish) {
-      write_frame(detail::make_frame(detail::FrameKind::goodbye, no_version), nullptr, "saying goodbye");
-    }
-    boost::system::error_code ignored;
-    stream_->socket().shutdown(detail::tcp::socket::shutdown_both, ignored);
-    close_socket();
-  }
+  FSDPX_DECL void close();
 
  private:
-  /// The server closes connections idle beyond its idle_timeout: between requests, nothing may be
-  /// waiting on an authenticated connection, so a hang-up (or anything unasked for) seen without
-  /// blocking means a fresh connection.
-  void reconnect_if_closed() {
-    if (!is_open()) return connect(options_.connect_timeout);  // after an earlier error
-    if (!role_) return;  // the server's hello is waiting: authenticate() reads it
-    pollfd p{stream_->socket().native_handle(), POLLIN, 0};
-    if (::poll(&p, 1, 0) <= 0) return;
-    char c;
-    const ssize_t n = ::recv(p.fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    if ((p.revents & (POLLHUP | POLLERR)) != 0 || n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
-      connect(options_.connect_timeout);
-    }
-  }
-
-  bool is_open() { return stream_ && stream_->socket().is_open(); }
-  void close_socket() {
-    boost::system::error_code ignored;
-    if (stream_) stream_->socket().close(ignored);
-  }
-
-  void connect(std::chrono::milliseconds timeout) {
-    boost::system::error_code ignored;
-    close_socket();
-    stream_.reset();
-    role_.reset();
-    hello_.reset();
-    peer_closed_ = false;
-    const auto deadline = dist::deadline_after(timeout);
-    std::string last = "no attempt";
-    detail::tcp::socket socket(io_);
-    while (true) {
-      std::optional<boost::system::error_code> result;
-      socket.async_connect(endpoint_, [&](const boost::system::error_code& e) { result = e; });
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
-      io_.restart();
-      io_.run_for(std::max(left, std::chrono::milliseconds(1)));
-      if (result && !*result) break;
-      if (!result) {
-        socket.close(ignored);
-        io_.restart();
-        io_.run();
-        last = "timed out";
-      } else {
-        last = result->message();
-        socket.close(ignored);
-      }
-      FSDPX_CHECK_AS(SyncError, std::chrono::steady_clock::now() < deadline, "could not connect to the synchronizer at ",
-                     where_, " within ", timeout.count(), " ms: ", last, " (is the server running, and is the address right?)");
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
-    socket.set_option(detail::tcp::no_delay(true));
-    socket.set_option(detail::asio::socket_base::keep_alive(true));
-    stream_.emplace(std::move(socket), tls_ ? &*tls_ : nullptr);
-    if (tls_) {
-      stream_->set_server_name(options_.tls_server_name);
-      std::optional<boost::system::error_code> result;
-      stream_->async_handshake(detail::asio::ssl::stream_base::client, [&](const boost::system::error_code& e) { result = e; });
-      io_.restart();
-      io_.run_for(std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
-                           std::chrono::milliseconds(1000)));
-      if (!result || *result) {
-        close_socket();
-        io_.restart();
-        io_.run();
-        throw SyncError(::fsdpx::detail::str("fsdpx: the TLS handshake with the synchronizer at ", where_, " failed: ",
-                                             result ? detail::tls_failure(*result) : std::string("it did not finish in time")));
-      }
-    }
-  }
-
-  /// The handshake for `role` (once per connection; a connection that fetches reconnects to publish).
-  /// A connection opened long before its first use was closed by the server's handshake_timeout: a
-  /// fresh one is tried once.
-  void authenticate(Role role, const std::string& what) {
-    if (role_ == role || role_ == Role::publish) return;
-    if (role_) connect(options_.connect_timeout);
-    try {
-      handshake(role, what);
-    } catch (const SyncError&) {
-      if (!peer_closed_) throw;
-      connect(options_.connect_timeout);
-      handshake(role, what);
-    }
-  }
-
-  void handshake(Role role, const std::string& what) {
-    if (!hello_) {
-      const auto [hello, payload] = read_frame(options_.io_timeout, what + " (the server's hello)", /*small=*/true);
-      if (hello.kind != static_cast<uint16_t>(detail::FrameKind::hello) || hello.aux != detail::protocol_version ||
-          payload.size() != detail::nonce_bytes) {
-        fail(::fsdpx::detail::str("the server did not start with a protocol ", detail::protocol_version, " hello"), what);
-      }
-      hello_.emplace();
-      std::copy(payload.begin(), payload.end(), hello_->begin());
-    }
-    const Secret secret = resolve_secret(role, options_.secret, "");
-    const detail::Nonce mine = detail::fresh_nonce();
-    std::array<uint8_t, 2 * detail::nonce_bytes> auth{};
-    std::copy(mine.begin(), mine.end(), auth.begin());
-    if (!secret.empty()) {
-      const detail::Mac mac = detail::handshake_mac(secret.value, detail::client_label, role, *hello_, mine);
-      std::copy(mac.begin(), mac.end(), auth.begin() + detail::nonce_bytes);
-    }
-    write_frame(detail::make_frame(detail::FrameKind::auth, no_version, static_cast<uint64_t>(role), auth.data(), auth.size()),
-                auth.data(), what);
-    const auto [reply, payload] = read_frame(options_.io_timeout, what + " (the handshake)", /*small=*/true);
-    if (reply.kind == static_cast<uint16_t>(detail::FrameKind::error)) {
-      close_socket();
-      throw SyncError(::fsdpx::detail::str("fsdpx: the synchronizer at ", where_, " refused to let this client ",
-                                           to_string(role), ": ", payload,
-                                           secret.empty() ? " (this client has no secret: set ClientOptions::secret or "
-                                                            "FSDPX_SYNC_SECRET)"
-                                                          : ""));
-    }
-    if (reply.kind != static_cast<uint16_t>(detail::FrameKind::welcome) || payload.size() != detail::mac_bytes) {
-      fail("the server answered the handshake with something other than a welcome", what);
-    }
-    if (!secret.empty()) {
-      const detail::Mac expected = detail::handshake_mac(secret.value, detail::server_label, role, mine, *hello_);
-      if (!detail::same_mac(expected, reinterpret_cast<const uint8_t*>(payload.data()))) {
-        fail(::fsdpx::detail::str("the server did not prove it holds the ", to_string(role),
-                                  " secret (it runs without one, or with another): its weights are not trusted"),
-             what);
-      }
-    }
-    role_ = role;
-  }
-
-  WeightSnapshot fetch_once(int64_t have, std::chrono::milliseconds wait, const std::string& what) {
-    wait = std::clamp(wait, std::chrono::milliseconds(0), std::chrono::milliseconds(std::chrono::hours(24 * 365)));
-    const auto deadline = dist::deadline_after(wait);
-    detail::FrameHeader begin;
-    while (true) {
-      // The server may answer `timeout` before `wait` (it caps a wait at its idle_timeout): ask again
-      // for what is left.
-      const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
-                                 std::chrono::milliseconds(0));
-      write_frame(detail::make_frame(detail::FrameKind::fetch, have, static_cast<uint64_t>(left.count())), nullptr, what);
-      const auto [reply, text] = read_frame(left + options_.io_timeout, what);
-      if (reply.kind == static_cast<uint16_t>(detail::FrameKind::timeout) && std::chrono::steady_clock::now() < deadline) {
-        continue;
-      }
-      begin = reply;
-      if (reply.kind == static_cast<uint16_t>(detail::FrameKind::error)) {
-        throw SyncError(::fsdpx::detail::str("fsdpx: the synchronizer at ", where_, " answered: ", text));
-      }
-      break;
-    }
-    switch (detail::FrameKind(begin.kind)) {
-      case detail::FrameKind::snapshot_begin: break;
-      case detail::FrameKind::timeout:
-        throw SyncError(::fsdpx::detail::str("fsdpx: no weight version newer than ", have, " was published within ",
-                                             wait.count(), " ms (the synchronizer at ", where_, " has version ",
-                                             begin.version, "); the trainer may be slow, stopped or dead"));
-      default:
-        fail(::fsdpx::detail::str("an unexpected ", detail::to_string(detail::FrameKind(begin.kind)), " frame"), what);
-    }
-    if (begin.version <= have) {
-      fail(::fsdpx::detail::str("it sent version ", begin.version, " for a request newer than ", have), what);
-    }
-    if (begin.aux == 0 || begin.aux > static_cast<uint64_t>(options_.max_version_bytes / bucket_prefix_bytes)) {
-      fail(::fsdpx::detail::str("a version of ", begin.aux, " buckets"), what);
-    }
-    TensorCollector collector(at::kCPU, options_.max_version_bytes);
-    for (uint64_t k = 0; k < begin.aux; ++k) {
-      const detail::FrameHeader frame = read_frame(options_.io_timeout, what, /*small=*/false, /*keep_payload=*/true).first;
-      if (frame.kind != static_cast<uint16_t>(detail::FrameKind::bucket)) fail("a bucket frame was expected", what);
-      const BucketLayout b = detail::check_bucket(payload_, begin.version, k, begin.aux, "synchronizer " + where_);
-      for (const auto& e : b.entries) collector.accept(e, entry_view(payload_, e));
-    }
-    payload_ = at::Tensor();
-    return {begin.version, collector.finish()};
-  }
-
-  [[noreturn]] void fail(const std::string& why, const std::string& what) {
-    close_socket();
-    throw SyncError(::fsdpx::detail::str("fsdpx: ", what, " from the synchronizer at ", where_, ": ", why));
-  }
-
-  /// Runs one asynchronous operation to completion or its deadline; a missed deadline closes the socket.
-  template <class Start>
-  void run(Start&& start, std::chrono::milliseconds timeout, const std::string& what) {
-    FSDPX_CHECK_AS(SyncError, is_open(), what, ": the connection to the synchronizer at ", where_,
-                   " is closed after an earlier error");
-    std::optional<boost::system::error_code> result;
-    start([&](const boost::system::error_code& ec, size_t) { result = ec; });
-    io_.restart();
-    io_.run_for(timeout);
-    if (!result) {
-      close_socket();
-      io_.restart();
-      io_.run();
-      throw SyncError(::fsdpx::detail::str("fsdpx: ", what, ": the synchronizer at ", where_, " did not answer within ",
-                                           timeout.count(), " ms (the server or the trainer behind it is stalled or "
-                                           "unreachable)"));
-    }
-    if (*result) {
-      peer_closed_ = *result == detail::asio::error::eof || *result == detail::asio::error::connection_reset ||
-                     *result == detail::asio::error::broken_pipe;
-      fail(detail::describe(*result), what);
-    }
-  }
-
-  void write_frame(const detail::FrameHeader& h, const void* payload, const std::string& what) {
-    std::array<detail::asio::const_buffer, 2> buffers{detail::asio::buffer(&h, sizeof(h)),
-                                                     detail::asio::buffer(payload, payload ? h.length : 0)};
-    run([&](auto handler) { stream_->async_write(buffers, handler); }, options_.io_timeout, what);
-  }
-
-  /// Reads one frame. The payload of an error, hello or welcome frame comes back as the string (at most
-  /// max_error_bytes); a bucket payload (keep_payload) stays in payload_. Sizes are checked first.
-  std::pair<detail::FrameHeader, std::string> read_frame(std::chrono::milliseconds timeout, const std::string& what,
-                                                         bool small = false, bool keep_payload = false) {
-    detail::FrameHeader h;
-    run([&](auto handler) { stream_->async_read(detail::asio::buffer(&h, sizeof(h)), handler); }, timeout,
-        what);
-    const bool text = h.kind == static_cast<uint16_t>(detail::FrameKind::error) || small;
-    const uint64_t allowed = text ? detail::max_error_bytes
-                                  : h.kind == static_cast<uint16_t>(detail::FrameKind::bucket)
-                                        ? static_cast<uint64_t>(options_.max_bucket_bytes)
-                                        : 0;
-    if (const std::string problem = detail::frame_problem(h, allowed); !problem.empty()) fail(problem, what);
-    at::Tensor payload = at::empty({static_cast<int64_t>(h.length)}, at::kByte);
-    if (h.length > 0) {
-      run([&](auto handler) {
-            stream_->async_read(detail::asio::buffer(payload.data_ptr(), h.length), handler);
-          },
-          options_.io_timeout, what);
-    }
-    if (detail::frame_checksum(h.length ? payload.const_data_ptr() : nullptr, h.length) != h.checksum) {
-      fail("a frame whose checksum does not match its payload (corrupted in transit)", what);
-    }
-    std::string body;
-    if (text) body.assign(static_cast<const char*>(payload.const_data_ptr()), h.length);
-    if (keep_payload) payload_ = std::move(payload);
-    return {h, body};
-  }
-
-  ClientOptions options_;
-  std::string where_;
-  detail::tcp::endpoint endpoint_;
-  detail::asio::io_context io_;
-  std::optional<detail::asio::ssl::context> tls_;  // set: TLS (ClientOptions::tls)
-  std::optional<detail::Stream> stream_;          // the connection, TLS or not
-  at::Tensor payload_;
-  std::optional<detail::Nonce> hello_;
-  std::optional<Role> role_;
-  bool published_ = false;
-  bool peer_closed_ = false;  // the last failure was the server closing the connection
+  std::unique_ptr<detail::ClientConnection> connection_;
 };
 
 }  // namespace fsdpx::sync
+
+#if defined(FSDPX_HEADER_ONLY)
+#include <fsdpx/sync/impl/client.ipp>
+#endif

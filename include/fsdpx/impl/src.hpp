@@ -1,0 +1,15 @@
+// The separately compiled part of fsdpx: include this in exactly one source file of a program whose
+// every translation unit defines FSDPX_SEPARATE_COMPILATION (fsdpx/detail/config.hpp). CMake: link
+// fsdpx::separate instead (in fsdpx's own build) or a library made by fsdpx_add_separate_library(<name>)
+// (an installed fsdpx's CMake package): it compiles this file and defines the macro for its users.
+#pragma once
+
+#if !defined(FSDPX_SEPARATE_COMPILATION)
+#error "fsdpx/impl/src.hpp is the separately compiled part of fsdpx: define FSDPX_SEPARATE_COMPILATION for every translation unit of the program (or link fsdpx::separate), or do not include this file (fsdpx is header-only by default)"
+#endif
+
+#include <fsdpx/checkpoint/impl/worker_pool.ipp>
+#if defined(FSDPX_WITH_BOOST) && defined(FSDPX_WITH_OPENSSL)  // the TCP weight-sync service
+#include <fsdpx/sync/impl/client.ipp>
+#include <fsdpx/sync/impl/server.ipp>
+#endif

@@ -1,0 +1,653 @@
+// SynchronizerServer's implementation: sessions and the I/O loop over Boost.Asio (TLS through OpenSSL).
+// Included by sync/server.hpp (header-only) or by fsdpx/impl/src.hpp (FSDPX_SEPARATE_COMPILATION).
+#pragma once
+
+#if !defined(FSDPX_WITH_BOOST)
+#error "fsdpx/sync/server.hpp's implementation (the TCP synchronizer service) needs Boost.Asio (Boost >= 1.74): configure fsdpx where Boost is installed, so that FSDPX_WITH_BOOST is set. The broadcast (fsdpx/sync/broadcast.hpp) and the in-process Synchronizer do not need Boost."
+#endif
+
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/asio/io_context.hpp>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <future>
+#include <memory>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include <fsdpx/dist/types.hpp>
+#include <fsdpx/error.hpp>
+#include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/detail/auth.hpp>
+#include <fsdpx/sync/detail/frame.hpp>
+#include <fsdpx/sync/detail/stream.hpp>
+#include <fsdpx/sync/synchronizer.hpp>
+#include <fsdpx/sync/server.hpp>
+
+namespace fsdpx::sync {
+
+namespace detail {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+
+struct ServerCore;
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(ServerCore* core, tcp::socket socket);
+  ~Session();
+  void start();
+  void wake();
+
+ private:
+  struct Pending {
+    int64_t version = no_version;
+    uint64_t count = 0;
+    int64_t bytes = 0;
+    std::vector<at::Tensor> buckets;
+    std::vector<FrameHeader> headers;
+    std::string rejected;  // why the publish will not commit (told at its end frame)
+  };
+
+  template <class Fn>
+  void guarded(Fn&& fn);
+  void arm(std::chrono::milliseconds after);
+  void read_header();
+  void on_header(const boost::system::error_code& ec);
+  void on_payload(const boost::system::error_code& ec);
+  void handle();
+  void on_auth();
+  void begin_publish();
+  void end_publish();
+  void check_fetch();
+  void send(FrameHeader frame, std::string text = {}, bool then_close = false);
+  void send_bucket(std::shared_ptr<const EncodedSnapshot> snapshot, size_t index);
+  void refuse(const std::string& why, int64_t ServerStats::*counter);
+  void on_closed(const boost::system::error_code& ec);
+  uint64_t allowed_payload(FrameKind kind) const;
+
+  void send_hello();
+
+  ServerCore* core_;
+  Stream stream_;
+  std::string peer_;
+  FrameHeader in_;
+  std::array<uint8_t, 2 * nonce_bytes> small_{};  // handshake payloads
+  at::Tensor payload_;
+  Nonce server_nonce_{};
+  std::optional<Role> role_;
+  std::optional<Pending> pending_;
+  bool closed_ = false;
+  bool is_publisher_ = false;
+  bool said_goodbye_ = false;
+  int64_t last_published_ = no_version;
+  // deadlines: one watchdog, re-armed for each wait
+  asio::steady_timer watchdog_;
+  uint64_t watch_generation_ = 0;
+  // fetch
+  int64_t have_ = no_version;
+  std::chrono::steady_clock::time_point deadline_;
+  asio::steady_timer fetch_timer_;
+  bool waiting_ = false;
+  bool listed_ = false;  // in core_->waiters
+  bool closing_ = false;  // refused: its last frame is being sent, nothing more is read
+};
+
+struct ServerCore {
+  // State first: it outlives the io_context, whose destruction destroys the sessions its pending
+  // handlers hold (they update the counters as they go).
+  ServerOptions options;
+  Secret publish_secret, fetch_secret;
+  VersionedSlot<EncodedSnapshot> slot;
+  // Touched on the io thread only.
+  std::string publisher_lost;  // why readers should stop waiting; cleared by the next publish
+  std::vector<std::weak_ptr<Session>> waiters;
+  Session* publishing = nullptr;  // the one connection staging a version, if any
+  ServerStats stats;                    // written on the io thread; read through post()
+  std::optional<asio::ssl::context> tls;  // set: every connection speaks TLS
+  asio::io_context io;
+  tcp::acceptor acceptor{io};
+  asio::steady_timer accept_pause{io};
+
+  const Secret& secret(Role r) const { return r == Role::publish ? publish_secret : fetch_secret; }
+
+  void wake_waiters() {
+    auto list = std::move(waiters);
+    waiters.clear();
+    for (auto& w : list) {
+      if (auto s = w.lock()) s->wake();
+    }
+  }
+  /// Each waiting session is listed once; entries of closed ones are dropped as the list grows.
+  void add_waiter(std::weak_ptr<Session> s) {
+    if (waiters.size() > 2 * static_cast<size_t>(stats.live) + 16) {
+      std::erase_if(waiters, [](const auto& w) { return w.expired(); });
+    }
+    waiters.push_back(std::move(s));
+  }
+  void accept() {
+    acceptor.async_accept([this](const boost::system::error_code& ec, tcp::socket socket) {
+      if (ec == asio::error::operation_aborted || !acceptor.is_open()) return;
+      try {
+        on_accept(ec, std::move(socket));
+      } catch (...) {
+        ++stats.handler_errors;
+        pause_accepting();  // whatever failed, accepting goes on
+      }
+    });
+  }
+  void pause_accepting() {
+    accept_pause.expires_after(std::chrono::milliseconds(100));
+    accept_pause.async_wait([this](const boost::system::error_code& e) {
+      if (!e) accept();
+    });
+  }
+  void on_accept(const boost::system::error_code& ec, tcp::socket socket) {
+    {
+      if (ec) {
+        // Out of descriptors (EMFILE/ENFILE) or memory: the pending connection stays in the backlog.
+        // Accepting again at once would spin; pause, so live connections are served meanwhile.
+        ++stats.accept_errors;
+        return pause_accepting();
+      }
+      ++stats.accepted;
+      // Connections still proving a secret have a cap of their own: peers without a secret cannot take
+      // the slots of authenticated ones.
+      if (stats.live >= options.max_connections || stats.handshaking >= options.max_handshakes) {
+        ++stats.refused_over_limit;
+        boost::system::error_code ignored;
+        socket.close(ignored);
+      } else {
+        try {
+          boost::system::error_code ignored;
+          socket.set_option(tcp::no_delay(true), ignored);
+          socket.set_option(asio::socket_base::keep_alive(true), ignored);
+          std::make_shared<Session>(this, std::move(socket))->start();
+        } catch (const std::exception&) {
+          ++stats.handler_errors;  // e.g. no memory for the session: this connection is dropped
+        }
+      }
+      accept();
+    }
+  }
+};
+
+inline Session::Session(ServerCore* core, tcp::socket socket)
+    : core_(core), stream_(std::move(socket), core->tls ? &*core->tls : nullptr), watchdog_(core->io), fetch_timer_(core->io) {
+  boost::system::error_code ec;
+  const auto ep = stream_.socket().remote_endpoint(ec);
+  peer_ = ec ? std::string("?") : ep.address().to_string() + ":" + std::to_string(ep.port());
+  ++core_->stats.live;
+  ++core_->stats.handshaking;
+}
+
+inline Session::~Session() {
+  --core_->stats.live;
+  if (!role_) --core_->stats.handshaking;
+  if (core_->publishing == this) core_->publishing = nullptr;
+}
+
+/// Runs a step of this connection's protocol; whatever it throws ends this connection only.
+template <class Fn>
+void Session::guarded(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    refuse(std::string("the server could not handle it: ") + e.what(), &ServerStats::handler_errors);
+  } catch (...) {
+    refuse("the server could not handle it", &ServerStats::handler_errors);
+  }
+}
+
+inline void Session::start() {
+  guarded([&] {
+    // The whole handshake (TLS's, then the secret's), not each frame of it, must end within handshake_timeout.
+    arm(core_->options.handshake_timeout);
+    stream_.async_handshake(asio::ssl::stream_base::server, [self = shared_from_this()](const boost::system::error_code& ec) {
+      if (ec) {
+        if (!self->closed_) ++self->core_->stats.failed_auth;  // not TLS, or no acceptable version or cipher
+        return self->on_closed(ec);
+      }
+      self->guarded([&] { self->send_hello(); });
+    });
+  });
+}
+
+inline void Session::send_hello() {
+  server_nonce_ = fresh_nonce();
+  FrameHeader hello = make_frame(FrameKind::hello, no_version, protocol_version, server_nonce_.data(), nonce_bytes);
+  hello.flags = static_cast<uint16_t>((core_->publish_secret.empty() ? 0 : 1) | (core_->fetch_secret.empty() ? 0 : 2));
+  auto owned = std::make_shared<std::pair<FrameHeader, Nonce>>(hello, server_nonce_);
+  std::array<asio::const_buffer, 2> buffers{asio::buffer(&owned->first, sizeof(FrameHeader)), asio::buffer(owned->second)};
+  stream_.async_write(buffers, [self = shared_from_this(), owned](const boost::system::error_code& ec, size_t) {
+    if (ec) return self->on_closed(ec);
+    self->guarded([&] { self->read_header(); });
+  });
+}
+
+/// Closes the connection when `after` passes before the next arm() or close.
+inline void Session::arm(std::chrono::milliseconds after) {
+  const uint64_t generation = ++watch_generation_;
+  watchdog_.expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::min(after, std::chrono::milliseconds(std::chrono::hours(24 * 365)))));
+  watchdog_.async_wait([self = shared_from_this(), generation](const boost::system::error_code& ec) {
+    if (ec || generation != self->watch_generation_ || self->closed_) return;
+    ++self->core_->stats.timed_out;
+    // The server ending an idle connection is no sign that the trainer is gone (it reconnects for its
+    // next publish); a publish that stalls midway is.
+    if (!self->pending_) self->said_goodbye_ = true;
+    self->on_closed(asio::error::timed_out);
+  });
+}
+
+inline void Session::read_header() {
+  if (closed_ || closing_) return;
+  if (role_) arm(pending_ ? core_->options.io_timeout : core_->options.idle_timeout);
+  stream_.async_read(asio::buffer(&in_, sizeof(in_)), [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
+    self->guarded([&] { self->on_header(ec); });
+  });
+}
+
+inline uint64_t Session::allowed_payload(FrameKind kind) const {
+  if (!role_) return kind == FrameKind::auth ? 2 * nonce_bytes : 0;
+  if (kind == FrameKind::bucket && pending_) {
+    const int64_t room = core_->options.max_version_bytes - pending_->bytes;
+    return static_cast<uint64_t>(std::max<int64_t>(0, std::min(core_->options.max_bucket_bytes, room)));
+  }
+  return 0;
+}
+
+inline void Session::on_header(const boost::system::error_code& ec) {
+  if (closing_) return;
+  if (ec) return on_closed(ec);
+  const auto kind = FrameKind(in_.kind);
+  if (const std::string problem = frame_problem(in_, allowed_payload(kind)); !problem.empty()) {
+    return refuse(problem, role_ ? &ServerStats::protocol_errors : &ServerStats::failed_auth);
+  }
+  if (!role_ && kind != FrameKind::auth) {
+    return refuse(::fsdpx::detail::str("a ", to_string(kind), " frame before the handshake"), &ServerStats::failed_auth);
+  }
+  if (in_.length == 0) {
+    payload_ = at::Tensor();
+    return on_payload({});
+  }
+  if (role_) arm(core_->options.io_timeout);
+  void* into = small_.data();
+  if (kind == FrameKind::bucket) {
+    payload_ = at::empty({static_cast<int64_t>(in_.length)}, at::kByte);
+    into = payload_.data_ptr();
+  }
+  stream_.async_read(asio::buffer(into, in_.length), [self = shared_from_this()](const boost::system::error_code& e, size_t) {
+    self->guarded([&] { self->on_payload(e); });
+  });
+}
+
+inline void Session::on_payload(const boost::system::error_code& ec) {
+  if (closing_) return;
+  if (ec) return on_closed(ec);
+  const void* data = payload_.defined() ? payload_.const_data_ptr() : static_cast<const void*>(small_.data());
+  if (frame_checksum(data, in_.length) != in_.checksum) {
+    return refuse(::fsdpx::detail::str("a ", to_string(FrameKind(in_.kind)), " frame whose checksum does not match its "
+                                       "payload (corrupted in transit)"),
+                  role_ ? &ServerStats::protocol_errors : &ServerStats::failed_auth);
+  }
+  handle();
+}
+
+inline void Session::handle() {
+  const auto kind = FrameKind(in_.kind);
+  if (kind == FrameKind::auth) return on_auth();
+  const bool may_publish = role_ == Role::publish;
+  switch (kind) {
+    case FrameKind::publish_begin:
+    case FrameKind::bucket:
+    case FrameKind::publish_end:
+    case FrameKind::goodbye:
+      if (!may_publish) {
+        return refuse(::fsdpx::detail::str("a ", to_string(kind), " frame on a connection authenticated to fetch only"),
+                      &ServerStats::protocol_errors);
+      }
+      break;
+    default: break;
+  }
+  switch (kind) {
+    case FrameKind::publish_begin: return begin_publish();
+    case FrameKind::bucket: {
+      if (!pending_) return refuse("a bucket outside a publish", &ServerStats::protocol_errors);
+      try {
+        check_bucket(payload_, pending_->version, pending_->buckets.size(), pending_->count, "publisher " + peer_);
+      } catch (const SyncError& e) {
+        return refuse(e.what(), &ServerStats::protocol_errors);
+      }
+      pending_->bytes += static_cast<int64_t>(in_.length);
+      pending_->buckets.push_back(std::move(payload_));
+      pending_->headers.push_back(in_);
+      return read_header();
+    }
+    case FrameKind::publish_end: return end_publish();
+    case FrameKind::fetch: {
+      if (in_.version < no_version) {
+        return refuse(::fsdpx::detail::str("a fetch for versions newer than ", in_.version, " (versions are >= 0)"),
+                      &ServerStats::protocol_errors);
+      }
+      have_ = in_.version;
+      // A wait is capped by idle_timeout: a reader that crashed while waiting frees its slot then.
+      const auto cap = static_cast<uint64_t>(std::max<int64_t>(0, core_->options.idle_timeout.count()));
+      deadline_ = dist::deadline_after(std::chrono::milliseconds(std::min(in_.aux, cap)));
+      return check_fetch();
+    }
+    case FrameKind::goodbye: said_goodbye_ = true; return read_header();
+    default:
+      return refuse(::fsdpx::detail::str("an unexpected ", to_string(kind), " frame"), &ServerStats::protocol_errors);
+  }
+}
+
+inline void Session::on_auth() {
+  if (role_) return refuse("a second handshake", &ServerStats::protocol_errors);
+  if (in_.aux != static_cast<uint64_t>(Role::publish) && in_.aux != static_cast<uint64_t>(Role::fetch)) {
+    return refuse(::fsdpx::detail::str("a handshake for unknown role ", in_.aux), &ServerStats::failed_auth);
+  }
+  if (in_.length != 2 * nonce_bytes) {
+    return refuse(::fsdpx::detail::str("a handshake of ", in_.length, " bytes (", 2 * nonce_bytes, " expected)"),
+                  &ServerStats::failed_auth);
+  }
+  const Role role = Role(in_.aux);
+  const Secret& secret = core_->secret(role);
+  Nonce client_nonce;
+  std::copy_n(small_.begin(), nonce_bytes, client_nonce.begin());
+  Mac proof{};
+  if (!secret.empty()) {
+    const Mac expected = handshake_mac(secret.value, client_label, role, server_nonce_, client_nonce);
+    if (!same_mac(expected, small_.data() + nonce_bytes)) {
+      return refuse(::fsdpx::detail::str("authentication failed: the connection did not prove it holds the ",
+                                         to_string(role), " secret"),
+                    &ServerStats::failed_auth);
+    }
+    proof = handshake_mac(secret.value, server_label, role, client_nonce, server_nonce_);
+  }
+  role_ = role;
+  --core_->stats.handshaking;
+  ++watch_generation_;  // the handshake's deadline no longer applies
+  send(make_frame(FrameKind::welcome, no_version, static_cast<uint64_t>(role), proof.data(), proof.size()),
+       std::string(reinterpret_cast<const char*>(proof.data()), proof.size()));
+}
+
+inline void Session::begin_publish() {
+  if (pending_) return refuse("a publish inside a publish", &ServerStats::protocol_errors);
+  if (Session* other = core_->publishing; other != nullptr && other != this) {
+    // One publish is staged at a time, and the newest wins: a publisher that stalled mid-version
+    // (its io_timeout would end it) never holds the trainer's next version back.
+    other->said_goodbye_ = true;  // superseded, not lost: readers are not told the trainer is gone
+    other->refuse("a publish from another connection superseded this unfinished one", &ServerStats::protocol_errors);
+  }
+  const auto& o = core_->options;
+  Pending p{in_.version, in_.aux, 0, {}, {}, {}};
+  const int64_t latest = core_->slot.version();
+  if (p.version < 0) {
+    p.rejected = ::fsdpx::detail::str("version ", p.version, " is negative");
+  } else if (p.version <= latest) {
+    p.rejected = ::fsdpx::detail::str("version ", p.version, " is not newer than the latest published version, ", latest,
+                                      " (versions never go backwards)");
+  } else if (p.version - std::max<int64_t>(latest, 0) > o.max_version_jump) {
+    p.rejected = ::fsdpx::detail::str("version ", p.version, " is more than max_version_jump (", o.max_version_jump,
+                                      ") above the latest, ", latest, latest == no_version ? " (none yet: 0 counts)" : "");
+  }
+  // Every bucket holds at least a header; a count no version could fill is refused at once.
+  if (p.count == 0 || p.count > static_cast<uint64_t>(o.max_version_bytes / bucket_prefix_bytes)) {
+    return refuse(::fsdpx::detail::str("a publish of ", p.count, " buckets"), &ServerStats::protocol_errors);
+  }
+  is_publisher_ = true;
+  said_goodbye_ = false;
+  core_->publisher_lost.clear();
+  core_->publishing = this;
+  pending_ = std::move(p);
+  read_header();
+}
+
+inline void Session::end_publish() {
+  if (!pending_ || in_.version != pending_->version) return refuse("an end frame outside its publish", &ServerStats::protocol_errors);
+  Pending p = std::move(*pending_);
+  pending_.reset();
+  core_->publishing = nullptr;
+  if (p.rejected.empty() && p.buckets.size() != p.count) {
+    p.rejected = ::fsdpx::detail::str("version ", p.version, " ended after ", p.buckets.size(), " of ", p.count, " buckets");
+  }
+  if (p.rejected.empty()) {
+    try {
+      // Frame headers are made anew: a reader gets the server's, never fields a publisher chose.
+      core_->slot.publish(p.version, encode_snapshot(p.version, std::move(p.buckets)));
+      last_published_ = p.version;
+      core_->wake_waiters();
+    } catch (const SyncError& e) {
+      p.rejected = e.what();
+    }
+  }
+  if (!p.rejected.empty()) return send(make_frame(FrameKind::error, p.version), p.rejected);
+  send(make_frame(FrameKind::ack, p.version));
+}
+
+inline void Session::check_fetch() {
+  if (closed_ || closing_) return;
+  auto [version, snapshot] = core_->slot.latest();
+  if (version > have_ && snapshot != nullptr) {
+    const FrameHeader begin = snapshot->begin;
+    ++watch_generation_;
+    auto owned = std::make_shared<FrameHeader>(begin);
+    arm(core_->options.io_timeout);
+    stream_.async_write(asio::buffer(owned.get(), sizeof(FrameHeader)),
+                      [self = shared_from_this(), owned, snapshot](const boost::system::error_code& ec, size_t) {
+                        if (ec) return self->on_closed(ec);
+                        self->guarded([&] { self->send_bucket(snapshot, 0); });
+                      });
+    return;
+  }
+  if (!core_->publisher_lost.empty()) {
+    return send(make_frame(FrameKind::error, version),
+                ::fsdpx::detail::str("no weight version newer than ", have_, " will come (latest: ", version,
+                                     "): ", core_->publisher_lost));
+  }
+  if (std::chrono::steady_clock::now() >= deadline_) return send(make_frame(FrameKind::timeout, version));
+  waiting_ = true;
+  ++watch_generation_;  // the fetch's own deadline governs now
+  if (!listed_) {
+    listed_ = true;
+    core_->add_waiter(weak_from_this());
+  }
+  fetch_timer_.expires_at(deadline_);
+  fetch_timer_.async_wait([self = shared_from_this()](const boost::system::error_code&) {
+    self->waiting_ = false;
+    self->guarded([&] { self->check_fetch(); });
+  });
+}
+
+inline void Session::wake() {
+  listed_ = false;
+  if (waiting_) fetch_timer_.cancel();
+}
+
+/// One bucket at a time, each within io_timeout: a reader that stops reading is closed, and holds
+/// the (immutable, shared) snapshot no longer than that.
+inline void Session::send_bucket(std::shared_ptr<const EncodedSnapshot> s, size_t index) {
+  if (closed_ || closing_) return;
+  if (index == s->buckets.size()) return read_header();
+  arm(core_->options.io_timeout);
+  std::array<asio::const_buffer, 2> buffers{asio::buffer(&s->headers[index], sizeof(FrameHeader)),
+                                            asio::buffer(s->buckets[index].const_data_ptr(), s->buckets[index].nbytes())};
+  stream_.async_write(buffers, [self = shared_from_this(), s, index](const boost::system::error_code& ec, size_t) {
+    if (ec) return self->on_closed(ec);  // the reader left mid-transfer: nothing else is affected
+    self->guarded([&] { self->send_bucket(s, index + 1); });
+  });
+}
+
+inline void Session::send(FrameHeader frame, std::string text, bool then_close) {
+  if (closed_ || closing_) return;
+  if (text.size() > max_error_bytes) text.resize(max_error_bytes);  // texts can quote what peers sent
+  auto owned = std::make_shared<std::pair<FrameHeader, std::string>>(frame, std::move(text));
+  if (!owned->second.empty()) {
+    owned->first.length = owned->second.size();
+    owned->first.checksum = frame_checksum(owned->second.data(), owned->second.size());
+  }
+  arm(core_->options.io_timeout);
+  std::array<asio::const_buffer, 2> buffers{asio::buffer(&owned->first, sizeof(FrameHeader)), asio::buffer(owned->second)};
+  stream_.async_write(buffers, [self = shared_from_this(), owned, then_close](const boost::system::error_code& ec, size_t) {
+    if (ec || then_close) return self->on_closed(ec ? ec : asio::error::connection_aborted);
+    self->guarded([&] { self->read_header(); });
+  });
+}
+
+/// Tells the peer why, then closes; counted under `counter`. Never throws.
+inline void Session::refuse(const std::string& why, int64_t ServerStats::*counter) {
+  if (closed_ || closing_) return;
+  try {
+    ++(core_->stats.*counter);
+    if (is_publisher_ && !said_goodbye_ && role_ == Role::publish) {
+      core_->publisher_lost = "the trainer's connection (" + peer_ + ") sent " + why;
+      core_->wake_waiters();
+    }
+    pending_.reset();
+    if (core_->publishing == this) core_->publishing = nullptr;
+    std::string text = "the synchronizer server refused the connection from " + peer_ + ": " + why;
+    send(make_frame(FrameKind::error, no_version), std::move(text), /*then_close=*/true);
+    closing_ = true;  // a read still in flight (a superseded publisher's) is ignored when it ends
+    fetch_timer_.cancel();
+    boost::system::error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_receive, ignored);
+  } catch (...) {
+    on_closed(asio::error::connection_aborted);
+  }
+}
+
+inline void Session::on_closed(const boost::system::error_code& ec) {
+  if (closed_) return;
+  closed_ = true;
+  ++watch_generation_;
+  if (is_publisher_ && !said_goodbye_ && role_ == Role::publish && core_->publisher_lost.empty()) {
+    // A trainer that vanishes (killed, crashed, network gone) will not publish again: readers waiting for
+    // a newer version are told now instead of at their timeout.
+    try {
+      core_->publisher_lost =
+          pending_ ? ::fsdpx::detail::str("the trainer publishing to this synchronizer (", peer_,
+                                          ") disconnected in the middle of version ", pending_->version, " (",
+                                          pending_->buckets.size(), " of ", pending_->count,
+                                          " buckets received; the partial version was discarded): ", ec.message())
+                   : ::fsdpx::detail::str("the trainer publishing to this synchronizer (", peer_,
+                                          ") disconnected without saying goodbye after version ", last_published_, ": ",
+                                          ec.message());
+      core_->wake_waiters();
+    } catch (...) {
+    }
+  }
+  pending_.reset();
+  if (core_->publishing == this) core_->publishing = nullptr;
+  boost::system::error_code ignored;
+  watchdog_.cancel();
+  fetch_timer_.cancel();
+  stream_.socket().close(ignored);
+}
+
+}  // namespace detail
+
+FSDPX_DECL SynchronizerServer::SynchronizerServer(ServerOptions options)
+    : core_(std::make_unique<detail::ServerCore>()) {
+  auto& core = *core_;
+  core.options = std::move(options);
+  const ServerOptions& o = core.options;
+  FSDPX_CHECK_AS(SyncError, o.max_bucket_bytes >= bucket_prefix_bytes && o.max_version_bytes >= o.max_bucket_bytes &&
+                                o.max_version_jump >= 1 && o.max_connections >= 1 && o.max_handshakes >= 1,
+                 "synchronizer server: inconsistent limits (max_bucket_bytes ", o.max_bucket_bytes,
+                 ", max_version_bytes ", o.max_version_bytes, ", max_version_jump ", o.max_version_jump,
+                 ", max_connections ", o.max_connections, ")");
+  FSDPX_CHECK_AS(SyncError, o.tls_certificate_file.empty() == o.tls_private_key_file.empty(),
+                 "synchronizer server: TLS needs both tls_certificate_file and tls_private_key_file");
+  if (!o.tls_certificate_file.empty()) core.tls.emplace(detail::server_tls_context(o.tls_certificate_file, o.tls_private_key_file));
+  core.publish_secret = resolve_secret(Role::publish, o.publish_secret, o.secret);
+  core.fetch_secret = resolve_secret(Role::fetch, o.fetch_secret, o.secret);
+  boost::system::error_code ec;
+  const auto address = detail::asio::ip::make_address(o.host, ec);
+  FSDPX_CHECK_AS(SyncError, !ec, "synchronizer server: '", o.host, "' is not an IP address: ", ec.message());
+  if (!address.is_loopback() && !o.allow_unauthenticated) {
+    for (const Role r : {Role::publish, Role::fetch}) {
+      FSDPX_CHECK_AS(SyncError, !core.secret(r).empty(), "synchronizer server: refusing to listen on ", o.host,
+                     " without a ", to_string(r), " secret: anyone who reaches the port could ",
+                     r == Role::publish ? "publish weights into every rollout" : "read the model's weights",
+                     ". Set ServerOptions::secret (or ", r == Role::publish ? "publish_secret" : "fetch_secret",
+                     ", or the environment variable FSDPX_SYNC_SECRET), listen on 127.0.0.1, or set "
+                     "allow_unauthenticated on a network you trust");
+    }
+  }
+  const detail::tcp::endpoint endpoint(address, o.port);
+  core.acceptor.open(endpoint.protocol(), ec);
+  if (!ec) core.acceptor.set_option(detail::tcp::acceptor::reuse_address(true), ec);
+  if (!ec) core.acceptor.bind(endpoint, ec);
+  if (!ec) core.acceptor.listen(detail::asio::socket_base::max_listen_connections, ec);
+  FSDPX_CHECK_AS(SyncError, !ec, "synchronizer server: cannot listen on ", o.host, ":", o.port, ": ", ec.message());
+  port_ = core.acceptor.local_endpoint().port();
+  core.accept();
+  thread_ = std::thread([&core] {
+    // Handlers contain their own exceptions; this is the last line, so the loop never ends early.
+    while (true) {
+      try {
+        core.io.run();
+        return;
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "fsdpx: synchronizer server: a handler failed (%s); serving on\n", e.what());
+      } catch (...) {
+        std::fprintf(stderr, "fsdpx: synchronizer server: a handler failed; serving on\n");
+      }
+    }
+  });
+}
+
+FSDPX_DECL SynchronizerServer::~SynchronizerServer() { stop(); }
+FSDPX_DECL const std::string& SynchronizerServer::host() const { return core_ ? core_->options.host : stopped_host_; }
+FSDPX_DECL int64_t SynchronizerServer::latest_version() const { return core_ ? core_->slot.version() : no_version; }
+
+FSDPX_DECL ServerStats SynchronizerServer::stats() const {
+  if (!core_) return last_stats_;
+  std::promise<ServerStats> taken;
+  auto future = taken.get_future();
+  detail::asio::post(core_->io, [&] { taken.set_value(core_->stats); });
+  return future.get();
+}
+
+FSDPX_DECL void SynchronizerServer::publish(int64_t version, const std::vector<NamedTensor>& tensors) {
+  FSDPX_CHECK_AS(SyncError, core_ != nullptr, "cannot publish version ", version, ": the server was stopped");
+  FSDPX_CHECK_AS(SyncError, version >= 0, "cannot publish version ", version, ": versions are >= 0");
+  FSDPX_CHECK_AS(SyncError, !tensors.empty(), "cannot publish version ", version, ": it has no tensors");
+  auto snapshot = detail::encode_snapshot(version, pack_buckets(tensors, core_->options.bucket_bytes, version));
+  core_->slot.publish(version, std::move(snapshot));
+  detail::asio::post(core_->io, [core = core_.get()] {
+    core->publisher_lost.clear();
+    core->wake_waiters();
+  });
+}
+
+FSDPX_DECL void SynchronizerServer::stop() {
+  if (!thread_.joinable()) return;
+  last_stats_ = stats();
+  stopped_host_ = core_->options.host;
+  detail::asio::post(core_->io, [core = core_.get()] {
+    boost::system::error_code ignored;
+    core->acceptor.close(ignored);
+    core->accept_pause.cancel();
+    core->io.stop();
+  });
+  thread_.join();
+  core_.reset();  // closes every connection
+}
+
+}  // namespace fsdpx::sync
