@@ -426,6 +426,35 @@ TEST_CASE("LoRA adapters inside every block (base weights frozen): frozen parame
       [] { return LoraNet(); }, mlp_batch, run);
 }
 
+// Policies of a user's own: any type that satisfies the concept is a policy. Policies are compile-time
+// configuration read once at construction (docs/policies.md, "What a policy is"): these two mean
+// what CpuOffload<false> and FullPrecision mean, and train the same.
+struct HostShardsUnpinned {
+  static constexpr bool offload_to_cpu = true;
+  static constexpr bool pin_memory = false;
+};
+struct AllFloat32 {
+  static constexpr c10::ScalarType param_dtype = c10::ScalarType::Float;
+  static constexpr c10::ScalarType reduce_dtype = c10::ScalarType::Float;
+  static constexpr std::optional<c10::ScalarType> output_dtype{};
+};
+static_assert(OffloadPolicy<HostShardsUnpinned> && PrecisionPolicy<AllFloat32>);
+
+TEST_CASE("policies of the user's own type train like the library's tags with the same values", "[protocol][policies]") {
+  ParityRun run{.clip = 1.0, .tolerance = f32_tolerance};
+  run.after_step = [](core::ShardedModel& m, torch::optim::Optimizer&) {
+    for (size_t i = 0; i < m.num_units(); ++i) {
+      INFO(m.unit(i).name());
+      CHECK(m.unit(i).shard_device().is_cpu());
+      CHECK(m.unit(i).options().offload_to_cpu);
+      CHECK_FALSE(m.unit(i).options().pin_memory);
+      CHECK(m.unit(i).options().param_dtype == at::kFloat);
+    }
+  };
+  check_parity<Fsdp<LoraNet, FullShard, HostShardsUnpinned, AllFloat32, ShardedStateDict, WrapModules<LoraBlockImpl>>>(
+      [] { return LoraNet(); }, mlp_batch, run);
+}
+
 TEST_CASE("BatchNorm: running statistics equal the unsharded reference's after training", "[protocol][buffers]") {
   // Every rank sees the whole batch, so each rank's statistics are the reference's, and averaging the
   // gradients over the ranks gives the reference's gradients: buffers and parameters must match.

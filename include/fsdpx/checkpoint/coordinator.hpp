@@ -6,7 +6,8 @@
 //
 // save() copies the state to host memory (pinned on a GPU) on the calling thread and returns; a
 // Boost.Asio thread pool (checkpoint/detail/worker_pool.hpp) serializes and writes the files durably
-// (temporary file, fsync, rename, fsync of the directory). Each rank then drops a .done marker per file, named with this run's id.
+// (temporary file, fsync, rename, fsync of the directory). Each rank then drops a .done marker per
+// file, named with this run's id.
 // Rank 0 watches the markers and commits a step only when every rank's files of it are durable: it
 // writes fsdp_config.json (the commit record, with every file's size and CRC-32C), then advances
 // latest_state_dict_iteration.txt (weights complete) and latest_checkpointed_iteration.txt

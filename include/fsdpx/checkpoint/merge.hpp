@@ -8,6 +8,8 @@
 // coverage of every parameter (a gap names the parameter and the range).
 #pragma once
 
+#include <fsdpx/detail/config.hpp>
+
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
@@ -56,26 +58,9 @@ struct MergeReport {
 namespace detail {
 
 /// The step directory's model files: `dir` itself, or dir/actor when `dir` is global_step_<N>.
-inline fs::path model_dir(const fs::path& dir) {
-  const auto has_checkpoint = [](const fs::path& d) {
-    std::error_code ec;
-    if (!fs::is_directory(d, ec)) return false;
-    if (fs::exists(d / config_file, ec)) return true;
-    for (const auto& e : fs::directory_iterator(d, ec)) {
-      if (parse_shard_file_name(e.path().filename().string())) return true;
-    }
-    return false;
-  };
-  if (!has_checkpoint(dir) && has_checkpoint(dir / "actor")) return dir / "actor";
-  return dir;
-}
+FSDPX_DECL fs::path model_dir(const fs::path& dir);
 
-inline std::string local_kind_message(const fs::path& what) {
-  return ::fsdpx::detail::str("fsdpx: '", what.string(), "' holds a \"local\" state dict (each unit's raw, padded "
-                              "flat shard): it cannot be merged without the model, which alone knows how parameters "
-                              "lie in the flat shards. Load it into the same model at the same world size and save "
-                              "a full or sharded state dict, or save with ShardedStateDict/FullStateDict");
-}
+FSDPX_DECL std::string local_kind_message(const fs::path& what);
 
 }  // namespace detail
 
@@ -258,14 +243,7 @@ inline NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOption
 }
 
 /// The step's huggingface/ folder (config.json, tokenizer files), or an empty path when it has none.
-inline fs::path huggingface_dir(const fs::path& step_dir) {
-  const fs::path dir = detail::model_dir(step_dir);
-  std::error_code ec;
-  for (const fs::path& hf : {dir / "huggingface", dir.parent_path() / "huggingface"}) {
-    if (fs::is_directory(hf, ec) && !fs::is_symlink(hf, ec)) return hf;
-  }
-  return {};
-}
+FSDPX_DECL fs::path huggingface_dir(const fs::path& step_dir);
 
 /// Copies the step's huggingface/ files other than weights into `out_dir`, durably; returns the files
 /// written (none when there is no huggingface/ folder). A checkpoint is not trusted: links are not
@@ -278,3 +256,7 @@ inline std::vector<detail::WrittenFile> copy_huggingface_files(const fs::path& s
 }
 
 }  // namespace fsdpx::checkpoint
+
+#if defined(FSDPX_HEADER_ONLY)
+#include <fsdpx/checkpoint/impl/merge.ipp>
+#endif

@@ -2,6 +2,8 @@
 // the same or a different world size and mesh, with optimizer, RNG and client state.
 #pragma once
 
+#include <fsdpx/detail/config.hpp>
+
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -49,14 +51,8 @@ namespace checkpoint::detail {
 
 /// Streams the files of one component of a committed step to `fn`, each checked against the record.
 /// At the saving topology a rank reads only the file that holds its shards.
-inline void for_each_saved_file(const fs::path& dir, const CommitRecord& record, Component c, std::optional<int> only_rank,
-                                bool verify, const std::function<void(const StateDict&)>& fn) {
-  for (int r = 0; r < record.world_size; ++r) {
-    if (only_rank && r != *only_rank) continue;
-    const std::string name = shard_file_name(c, record.world_size, r);
-    fn(load_shard_file(dir, name, record.file(dir, name, verify)));
-  }
-}
+FSDPX_DECL void for_each_saved_file(const fs::path& dir, const CommitRecord& record, Component c,
+    std::optional<int> only_rank, bool verify, const std::function<void(const StateDict&)>& fn);
 
 }  // namespace checkpoint::detail
 
@@ -162,3 +158,7 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
 }
 
 }  // namespace fsdpx
+
+#if defined(FSDPX_HEADER_ONLY)
+#include <fsdpx/checkpoint/impl/resume.ipp>
+#endif

@@ -8,6 +8,14 @@
 #error "fsdpx/impl/src.hpp is the separately compiled part of fsdpx: define FSDPX_SEPARATE_COMPILATION for every translation unit of the program (or link fsdpx::separate), or do not include this file (fsdpx is header-only by default)"
 #endif
 
+#include <fsdpx/core/impl/sharded_model.ipp>
+#include <fsdpx/checkpoint/impl/state_dict.ipp>
+#include <fsdpx/checkpoint/impl/format.ipp>
+#include <fsdpx/checkpoint/impl/layout.ipp>
+#include <fsdpx/checkpoint/impl/safetensors.ipp>
+#include <fsdpx/checkpoint/impl/merge.ipp>
+#include <fsdpx/checkpoint/impl/model_safetensors.ipp>
+#include <fsdpx/checkpoint/impl/resume.ipp>
 #include <fsdpx/checkpoint/impl/worker_pool.ipp>
 #if defined(FSDPX_WITH_BOOST) && defined(FSDPX_WITH_OPENSSL)  // the TCP weight-sync service
 #include <fsdpx/sync/impl/client.ipp>

@@ -1,0 +1,276 @@
+// Out-of-line functions of fsdpx/checkpoint/state_dict.hpp: included by it (header-only) or by fsdpx/impl/src.hpp
+// (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
+#pragma once
+
+#include <fsdpx/checkpoint/state_dict.hpp>
+
+namespace fsdpx::detail {
+
+FSDPX_DECL std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(
+    torch::optim::Optimizer& optimizer, std::map<std::string, at::Tensor> tensors, int64_t step) {
+  const auto get = [&](const char* key) {
+    const auto it = tensors.find(key);
+    return it == tensors.end() ? at::Tensor() : it->second;
+  };
+  std::unique_ptr<torch::optim::OptimizerParamState> out;
+  visit_optimizer_row<AsOptimizer>(optimizer, [&](auto row, auto&) {
+    auto state = std::make_unique<typename decltype(row)::State>();
+    if constexpr (decltype(row)::adam_like) {
+      state->step(step);
+      state->exp_avg(get("exp_avg"));
+      state->exp_avg_sq(get("exp_avg_sq"));
+      if (const at::Tensor m = get("max_exp_avg_sq"); m.defined()) state->max_exp_avg_sq(m);
+    } else {
+      state->momentum_buffer(get("momentum_buffer"));
+    }
+    out = std::move(state);
+  });
+  FSDPX_CHECK(out != nullptr, "loading optimizer state: this optimizer type is not known to fsdpx (", known_optimizers,
+              " are)");
+  return out;
+}
+
+FSDPX_DECL std::map<std::string, std::vector<double>> group_hyperparameters(torch::optim::OptimizerOptions& o) {
+  std::map<std::string, std::vector<double>> h{{"lr", {o.get_lr()}}};
+  visit_optimizer_row<AsOptions>(o, [&](auto row, auto& a) {
+    if constexpr (decltype(row)::adam_like) {
+      h = {{"lr", {a.lr()}}, {"betas", {std::get<0>(a.betas()), std::get<1>(a.betas())}}, {"eps", {a.eps()}},
+           {"weight_decay", {a.weight_decay()}}, {"amsgrad", {a.amsgrad() ? 1.0 : 0.0}}};
+    } else {
+      h = {{"lr", {a.lr()}}, {"momentum", {a.momentum()}}, {"dampening", {a.dampening()}},
+           {"weight_decay", {a.weight_decay()}}, {"nesterov", {a.nesterov() ? 1.0 : 0.0}}};
+    }
+  });
+  return h;
+}
+
+FSDPX_DECL void set_group_hyperparameters(torch::optim::OptimizerOptions& o, const std::map<std::string,
+    std::vector<double>>& h) {
+  const auto one = [&](const char* k) { return h.at(k).at(0); };
+  o.set_lr(one("lr"));
+  visit_optimizer_row<AsOptions>(o, [&](auto row, auto& a) {
+    if constexpr (decltype(row)::adam_like) {
+      a.betas({h.at("betas").at(0), h.at("betas").at(1)}).eps(one("eps")).weight_decay(one("weight_decay")).amsgrad(one("amsgrad") != 0);
+    } else {
+      a.momentum(one("momentum")).dampening(one("dampening")).weight_decay(one("weight_decay")).nesterov(one("nesterov") != 0);
+    }
+  });
+}
+
+FSDPX_DECL void add_buffer_targets(SliceLoader& loader, const core::ShardedModel& model) {
+  for (const auto& [name, b] : model.named_buffers()) {
+    FSDPX_CHECK(b.is_contiguous(), "buffer '", name, "' is not contiguous; state dicts load buffers in place");
+    loader.add_target(name, b.sizes().vec(), 0, b.numel(), b.detach().view({-1}));
+  }
+}
+
+}  // namespace fsdpx::detail
+
+namespace fsdpx {
+
+FSDPX_DECL StateDict sharded_state_dict(const core::ShardedModel& model) {
+  StateDict sd = detail::empty_state_dict(model, StateDictKind::sharded, "model");
+  if (!detail::writes_slices(model)) return sd;
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    const core::Unit& u = model.unit(i);
+    const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
+    for (const core::ParamInfo& p : u.layout().params()) {
+      const core::FlatRange r = detail::held_range(u, p);
+      if (r.begin >= r.end) continue;
+      sd.entries.push_back({p.name, p.shape, r.begin - p.offset, r.end - p.offset,
+                            {{"data", detail::host_copy(u.shard().narrow(0, r.begin - base, r.size()))}}});
+    }
+  }
+  if (model.mesh().world().rank() == 0) detail::add_buffers(sd, model);
+  return sd;
+}
+
+FSDPX_DECL StateDict local_state_dict(const core::ShardedModel& model) {
+  StateDict sd = detail::empty_state_dict(model, StateDictKind::local, "model");
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    const core::Unit& u = model.unit(i);
+    const core::FlatRange r = u.layout().shard_range(u.shard_rank());
+    sd.entries.push_back({u.name(), {u.layout().padded_numel()}, r.begin, r.end, {{"data", detail::host_copy(u.shard())}}});
+  }
+  detail::add_buffers(sd, model);  // a local state dict is loaded by the rank that saved it only
+  return sd;
+}
+
+}  // namespace fsdpx
+
+namespace fsdpx::detail {
+
+FSDPX_DECL UnitGather unit_gather_buffers(const core::Unit& u) {
+  const at::Device device = u.options().device;  // offloaded shards go through the device for the collective
+  return {at::empty({u.layout().padded_numel()}, u.shard().options().device(device)), u.shard().to(device)};
+}
+
+}  // namespace fsdpx::detail
+
+namespace fsdpx {
+
+FSDPX_DECL StateDict full_state_dict(core::ShardedModel& model, bool all_ranks) {
+  StateDict sd = detail::empty_state_dict(model, StateDictKind::full, "model");
+  const bool keep = all_ranks || model.mesh().world().rank() == 0;
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    core::Unit& u = model.unit(i);
+    if (u.layout().params().empty()) continue;
+    const at::Tensor full = detail::gather_unit_shards(model, u);
+    if (!keep) continue;
+    const auto& layout = u.layout();
+    const at::Tensor host = full.to(at::kCPU);  // (a GPU model gathers on the device, then copies once)
+    for (const core::ParamInfo& p : layout.params()) {
+      sd.entries.push_back({p.name, p.shape, 0, p.numel, {{"data", host.narrow(0, p.offset, p.numel).clone()}}});
+    }
+  }
+  if (keep) detail::add_buffers(sd, model);
+  return sd;
+}
+
+FSDPX_DECL void load_model_state_dict(core::ShardedModel& model,
+                                  const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved,
+                                  bool strict) {
+  model.wait_for_shard_readers();  // a background checkpoint copy may still read the shards
+  model.reshard_all();         // the next forward gathers the loaded shards
+  detail::SliceLoader loader("model", model.options().inference_only);
+  std::optional<StateDictKind> kind;
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    core::Unit& u = model.unit(i);
+    const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
+    for (const core::ParamInfo& p : u.layout().params()) {
+      const core::FlatRange r = detail::held_range(u, p);
+      if (r.begin < r.end) {
+        loader.add_target(p.name, p.shape, r.begin - p.offset, r.end - p.offset, u.shard().narrow(0, r.begin - base, r.size()));
+      } else {
+        loader.add_target(p.name, p.shape, 0, 0, u.shard().narrow(0, 0, 0));  // known name, nothing to copy
+      }
+    }
+  }
+  detail::SliceLoader local("model (local)", model.options().inference_only);
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    core::Unit& u = model.unit(i);
+    const core::FlatRange r = u.layout().shard_range(u.shard_rank());
+    local.add_target(u.name(), {u.layout().padded_numel()}, r.begin, r.end, u.shard());
+  }
+  detail::add_buffer_targets(loader, model);
+  detail::add_buffer_targets(local, model);
+  for_each_saved([&](const StateDict& sd) {
+    FSDPX_CHECK(sd.component == "model", "loading a model state dict from a '", sd.component, "' state dict");
+    FSDPX_CHECK(!kind || *kind == sd.kind, "the saved state dicts mix kinds (", to_string(*kind), " and ",
+                to_string(sd.kind), ")");
+    kind = sd.kind;
+    if (sd.kind == StateDictKind::local) {
+      FSDPX_CHECK(sd.world_size == model.mesh().world().size(), "a local state dict loads only at the world size "
+                  "that saved it: it was saved by ", sd.world_size, " ranks, this job has ", model.mesh().world().size(),
+                  "; save a sharded or full state dict to change the world size");
+      if (sd.rank != model.mesh().world().rank()) return;  // a local state dict is this rank's only
+      local.load(sd, "data");
+    } else {
+      loader.load(sd, "data");
+    }
+  });
+  FSDPX_CHECK(kind.has_value(), "loading a model state dict: no saved state dict was given");
+  (*kind == StateDictKind::local ? local : loader).finish(strict);
+}
+
+FSDPX_DECL StateDict optimizer_state_dict(const core::ShardedModel& model, torch::optim::Optimizer& optimizer) {
+  StateDict sd = detail::empty_state_dict(model, StateDictKind::sharded, "optim");
+  for (auto& group : optimizer.param_groups()) sd.param_groups.push_back(detail::group_hyperparameters(group.options()));
+  if (!detail::writes_slices(model)) return sd;
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    const core::Unit& u = model.unit(i);
+    const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
+    for (const auto& op : u.optim_params()) {
+      const auto it = optimizer.state().find(op.tensor.unsafeGetTensorImpl());
+      if (it == optimizer.state().end()) continue;  // not stepped yet
+      const auto state = detail::optimizer_state_tensors(*it->second);
+      const int64_t step = detail::optimizer_step(*it->second);
+      const int64_t op_begin = base + op.range.begin, op_end = base + op.range.end;
+      for (const core::ParamInfo& p : u.layout().params()) {
+        const int64_t lo = std::max(p.offset, op_begin), hi = std::min(p.offset + p.numel, op_end);
+        if (lo >= hi) continue;
+        TensorSlice s{p.name, p.shape, lo - p.offset, hi - p.offset, {}, step};
+        for (const auto& [key, t] : state) s.tensors[key] = detail::host_copy(t->narrow(0, lo - op_begin, hi - lo));
+        sd.entries.push_back(std::move(s));
+      }
+    }
+  }
+  return sd;
+}
+
+FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::ShardedModel& model,
+                                      const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved) {
+  struct Pending {
+    const core::Unit::OptimParam* op;
+    std::map<std::string, at::Tensor> tensors;
+    std::vector<std::string> targets;  // its entries in the loader
+  };
+  std::vector<Pending> pending;
+  detail::SliceLoader loader("optimizer");
+  int64_t step = 0;
+  bool first = true;
+  std::vector<std::string> keys;
+  model.wait_for_shard_readers();
+  for_each_saved([&](const StateDict& sd) {
+    FSDPX_CHECK(sd.component == "optim", "loading optimizer state from a '", sd.component, "' state dict");
+    if (first) {
+      first = false;
+      if (sd.param_groups.size() == optimizer.param_groups().size()) {
+        for (size_t g = 0; g < sd.param_groups.size(); ++g) {
+          detail::set_group_hyperparameters(optimizer.param_groups()[g].options(), sd.param_groups[g]);
+        }
+      }
+    }
+    for (const TensorSlice& s : sd.entries) {
+      step = std::max(step, s.step);
+      if (!keys.empty() || s.tensors.empty()) continue;
+      for (const auto& [key, t] : s.tensors) keys.push_back(key);
+    }
+    if (pending.empty() && !keys.empty()) {  // the state tensors' names are known now: make the targets
+      for (size_t i = 0; i < model.num_units(); ++i) {
+        core::Unit& u = model.unit(i);
+        const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
+        for (const auto& op : u.optim_params()) {
+          Pending pend{&op, {}};
+          for (const auto& key : keys) pend.tensors[key] = at::zeros_like(op.tensor);
+          const int64_t op_begin = base + op.range.begin, op_end = base + op.range.end;
+          for (const core::ParamInfo& p : u.layout().params()) {
+            const int64_t lo = std::max(p.offset, op_begin), hi = std::min(p.offset + p.numel, op_end);
+            if (lo < hi) {
+              for (const auto& key : keys) {
+                pend.targets.push_back(p.name + " [" + key + "]");
+                loader.add_target(pend.targets.back(), p.shape, lo - p.offset, hi - p.offset,
+                                  pend.tensors[key].narrow(0, lo - op_begin, hi - lo));
+              }
+            }
+          }
+          pending.push_back(std::move(pend));
+        }
+      }
+    }
+    // One loader keyed by (name, state key): each saved slice contributes each of its tensors.
+    StateDict split;
+    split.component = "optim";
+    split.rank = sd.rank;
+    for (const TensorSlice& s : sd.entries) {
+      for (const auto& [key, t] : s.tensors) split.entries.push_back({s.name + " [" + key + "]", s.shape, s.begin, s.end, {{"v", t}}, s.step});
+    }
+    loader.load(split, "v");
+  });
+  if (keys.empty()) return;  // saved before the first step: nothing to restore
+  // Parameters the model lacks were named by the model load already; tensors the optimizer never
+  // stepped (a frozen unit, or one frozen when saved and trained now) have no saved state and get none.
+  loader.finish(/*strict=*/false, /*absent_is_missing=*/false);
+  for (auto& pend : pending) {
+    const bool saved = std::any_of(pend.targets.begin(), pend.targets.end(), [&](const std::string& t) {
+      for (const auto& target : loader.targets()[t]) {
+        if (!target.filled.empty()) return true;
+      }
+      return false;
+    });
+    if (!saved) continue;
+    optimizer.state()[pend.op->tensor.unsafeGetTensorImpl()] = detail::make_optimizer_state(optimizer, std::move(pend.tensors), step);
+  }
+}
+
+}  // namespace fsdpx
