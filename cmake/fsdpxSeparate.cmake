@@ -7,6 +7,8 @@ function(fsdpx_add_separate_library name)
   set(_source ${CMAKE_CURRENT_BINARY_DIR}/${name}_src.cpp)
   file(CONFIGURE OUTPUT ${_source} CONTENT "#include <fsdpx/impl/src.hpp>\n")
   add_library(${name} STATIC EXCLUDE_FROM_ALL ${_source})
+  # Position-independent, so that it links into shared libraries too (a Python extension, a plugin).
+  set_target_properties(${name} PROPERTIES POSITION_INDEPENDENT_CODE ON)
   target_link_libraries(${name} PUBLIC fsdpx::fsdpx)
   target_compile_definitions(${name} PUBLIC FSDPX_SEPARATE_COMPILATION=1)
 endfunction()

@@ -36,9 +36,9 @@ class FlatParamLayout {
  public:
   /// Every parameter starts at a multiple of this many elements, and every shard spans a multiple of
   /// it: in a buffer aligned as PyTorch allocates them, each parameter and shard then begins 128-byte
-  /// aligned in float32 (64 in bfloat16). Copies of unaligned ranges run far slower: on the CI VM a
-  /// CPU rank's shared-memory read (process_vm_readv) into a destination 16 bytes off alignment moves
-  /// 3.7 GB/s against 6.5 aligned (docs/sync.md, "Measured"); vectorised kernels and NCCL gain too.
+  /// aligned in float32 (64 in bfloat16). Copies of unaligned ranges run far slower (a CPU rank's
+  /// shared-memory read into a misaligned destination: docs/sync.md, "Measured"); vectorised kernels
+  /// and NCCL gain too.
   /// The cost: fewer than this many padding elements per parameter, and per shard.
   static constexpr int64_t alignment_elements = 32;
 

@@ -276,8 +276,9 @@ class NcclWorkState final : public WorkState {
     comm_->health()->check(context_);
     // A collective that never completes ends when the watchdog aborts the communicator; the check
     // after the wait then names the timeout.
-    check_cuda(cudaEventSynchronize(done_->get()), context_ + " wait");
-    comm_->health()->check(context_);
+    const cudaError_t synced = cudaEventSynchronize(done_->get());
+    comm_->health()->check(context_);  // first: a timeout or NCCL error is the cause of a failed sync
+    check_cuda(synced, context_ + " wait");
     std::lock_guard lock(mutex_);
     tensors_.clear();
   }

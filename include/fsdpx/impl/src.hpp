@@ -16,7 +16,9 @@
 #include <fsdpx/checkpoint/impl/merge.ipp>
 #include <fsdpx/checkpoint/impl/model_safetensors.ipp>
 #include <fsdpx/checkpoint/impl/resume.ipp>
+#if defined(FSDPX_WITH_BOOST)  // the checkpoint coordinator's threads
 #include <fsdpx/checkpoint/impl/worker_pool.ipp>
+#endif
 #if defined(FSDPX_WITH_BOOST) && defined(FSDPX_WITH_OPENSSL)  // the TCP weight-sync service
 #include <fsdpx/sync/impl/client.ipp>
 #include <fsdpx/sync/impl/server.ipp>

@@ -16,6 +16,7 @@
 
 #include <fsdpx/detail/config.hpp>
 #include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/detail/auth.hpp>  // Role, secrets (public API in both modes)
 
 namespace fsdpx::sync {
 

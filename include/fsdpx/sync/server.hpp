@@ -22,6 +22,8 @@
 
 #include <fsdpx/detail/config.hpp>
 #include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/detail/auth.hpp>  // Role, secrets (public API in both modes)
+#include <fsdpx/sync/synchronizer.hpp>
 
 namespace fsdpx::sync {
 
