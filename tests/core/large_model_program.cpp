@@ -44,7 +44,9 @@ int main(int argc, char** argv) {
   for (size_t i = 0; i < sharded.sharded().num_units(); ++i) {
     largest_unit = std::max(largest_unit, sharded.sharded().unit(i).layout().padded_numel());
   }
-  const double bound = model_mib / world.size() + 2.0 * largest_unit * 4 / (1 << 20) + 64;
+  // Its share, two units in flight (one materialized, one being sharded), and a fixed allowance for the
+  // process itself (MPI and torch thread arenas), whose growth varies by ~32 MiB run to run under load.
+  const double bound = model_mib / world.size() + 2.0 * largest_unit * 4 / (1 << 20) + 96;
   auto worst = at::full({1}, growth, at::kDouble);
   world.all_reduce(worst, dist::ReduceOp::max);
 

@@ -38,14 +38,7 @@ inline constexpr int max_world_size = 1 << 17;
 enum class Component { model, optim, extra_state };
 inline constexpr Component all_components[] = {Component::model, Component::optim, Component::extra_state};
 
-inline const char* to_string(Component c) {
-  switch (c) {
-    case Component::model: return "model";
-    case Component::optim: return "optim";
-    case Component::extra_state: return "extra_state";
-  }
-  return "?";
-}
+FSDPX_DECL const char* to_string(Component c);
 
 inline std::string shard_file_name(Component c, int world_size, int rank) {
   return ::fsdpx::detail::str(to_string(c), "_world_size_", world_size, "_rank_", rank, ".pt");
@@ -81,50 +74,27 @@ namespace detail {
 
 inline c10::impl::GenericDict new_dict() { return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get()); }
 // Plain (untyped) lists: typed ones pickle through torch.jit helpers that torch.load(weights_only) refuses.
-inline c10::impl::GenericList int_list(const std::vector<int64_t>& v) {
-  c10::impl::GenericList l(c10::AnyType::get());
-  for (const int64_t x : v) l.push_back(x);
-  return l;
-}
-inline c10::impl::GenericList double_list(const std::vector<double>& v) {
-  c10::impl::GenericList l(c10::AnyType::get());
-  for (const double x : v) l.push_back(x);
-  return l;
-}
+FSDPX_DECL c10::impl::GenericList int_list(const std::vector<int64_t>& v);
+FSDPX_DECL c10::impl::GenericList double_list(const std::vector<double>& v);
 
 /// A field of a loaded dict, or an IoError naming the file and the field.
 class Fields {
  public:
-  Fields(const c10::IValue& v, const fs::path& path, std::string where) : path_(path), where_(std::move(where)) {
-    FSDPX_CHECK_AS(IoError, v.isGenericDict(), "'", path_.string(), "': ", where_, " is not a dict");
-    dict_ = v.toGenericDict();
-  }
-  const c10::IValue& get(const char* key) const {
-    const auto it = dict_.find(key);
-    FSDPX_CHECK_AS(IoError, it != dict_.end(), "'", path_.string(), "' is not an fsdpx checkpoint file: ", where_,
-                   " has no '", key, "'");
-    return it->value();
-  }
+  FSDPX_DECL Fields(const c10::IValue& v, const fs::path& path, std::string where);
+  FSDPX_DECL const c10::IValue& get(const char* key) const;
   bool has(const char* key) const { return dict_.find(key) != dict_.end(); }
   int64_t integer(const char* key) const { return checked(get(key).isInt(), key).toInt(); }
   std::string text(const char* key) const { return checked(get(key).isString(), key).toStringRef(); }
   const c10::impl::GenericDict& dict() const { return dict_; }
 
  private:
-  const c10::IValue& checked(bool ok, const char* key) const {
-    FSDPX_CHECK_AS(IoError, ok, "'", path_.string(), "': ", where_, "'s '", key, "' has the wrong type");
-    return get(key);
-  }
+  FSDPX_DECL const c10::IValue& checked(bool ok, const char* key) const;
   fs::path path_;
   std::string where_;
   c10::impl::GenericDict dict_ = new_dict();
 };
 
-inline std::vector<double> to_doubles(const c10::IValue& v) {
-  std::vector<double> out;
-  for (const c10::IValue& x : v.toListRef()) out.push_back(x.isInt() ? static_cast<double>(x.toInt()) : x.toDouble());
-  return out;
-}
+FSDPX_DECL std::vector<double> to_doubles(const c10::IValue& v);
 
 }  // namespace detail
 

@@ -29,7 +29,6 @@
 
 #include <fsdpx/checkpoint/detail/file_io.hpp>
 #include <fsdpx/checkpoint/format.hpp>
-#include <fsdpx/detail/json.hpp>
 
 namespace fsdpx::checkpoint {
 
@@ -62,32 +61,16 @@ struct CommitRecord {
 FSDPX_DECL CommitRecord parse_commit_record(const fs::path& config);
 
 /// The commit record of the step in `dir`, nullopt when the step is not committed.
-inline std::optional<CommitRecord> read_commit_record(const fs::path& dir) {
-  std::error_code ec;
-  const fs::path config = dir / config_file;
-  if (!fs::exists(config, ec)) return std::nullopt;
-  return parse_commit_record(config);
-}
+FSDPX_DECL std::optional<CommitRecord> read_commit_record(const fs::path& dir);
 
 /// Committed with weights (weights_only) or with everything.
-inline bool is_committed(const CommitRecord& record, bool weights_only) {
-  const auto& c = record.components;
-  return weights_only ? std::find(c.begin(), c.end(), "model") != c.end() : record.complete;
-}
+FSDPX_DECL bool is_committed(const CommitRecord& record, bool weights_only);
 
 /// Reads every state dict file the commit record lists (model and optim, or those of `components`),
 /// each checked against its recorded size and, when `verify_checksums`, its CRC-32C; IoError naming
 /// the first bad file.
-inline void verify_step(const fs::path& dir, const CommitRecord& record, bool verify_checksums,
-                        const std::vector<std::string>& components = {"model", "optim"}) {
-  for (const auto& [name, info] : record.files) {
-    if (std::none_of(components.begin(), components.end(),
-                     [&](const std::string& c) { return name.rfind(c + "_world_size_", 0) == 0; })) {
-      continue;
-    }
-    load_shard_file(dir, name, record.file(dir, name, verify_checksums));
-  }
-}
+FSDPX_DECL void verify_step(const fs::path& dir, const CommitRecord& record, bool verify_checksums,
+    const std::vector<std::string>& components = {"model", "optim"});
 
 /// A step directory of the root: global_step_<N>.
 struct StepDir {
@@ -122,36 +105,13 @@ inline constexpr std::chrono::seconds lease_write_grace{60};
 FSDPX_DECL bool lease_is_live(const fs::path& lease);
 }  // namespace detail
 
-inline bool is_leased(const fs::path& step_root) {
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(step_root / ".leases", ec)) {
-    if (detail::lease_is_live(entry.path())) return true;
-  }
-  return false;
-}
+FSDPX_DECL bool is_leased(const fs::path& step_root);
 
 /// Pins a committed step: rotation does not delete it while the lease lives (readers: weight sync,
 /// evaluation, export). A lease of a process that died is ignored.
 class CheckpointLease {
  public:
-  CheckpointLease(const fs::path& root, int64_t step) {
-    static std::atomic<int> counter{0};
-    // Checked first (no debris for a step already gone) and again after the lease exists (rotation
-    // may have taken the step in between).
-    FSDPX_CHECK_AS(IoError, read_commit_record(step_dir(root, step)).has_value(), "cannot lease step ", step,
-                   ": it is not (or no longer) committed");
-    const fs::path dir = root / ::fsdpx::detail::str("global_step_", step) / ".leases";
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    FSDPX_CHECK_AS(IoError, !ec, "cannot lease step ", step, ": creating '", dir.string(), "': ", ec.message());
-    path_ = dir / ::fsdpx::detail::str(detail::host_name(), "-", ::getpid(), "-", counter++);
-    detail::write_text_durably(path_, ::fsdpx::detail::str(detail::host_name(), " ", ::getpid(), "\n"));
-    // The step may have been rotated away between the reader's choice and the lease.
-    if (!read_commit_record(step_dir(root, step))) {
-      fs::remove(path_, ec);
-      FSDPX_FAIL(IoError, "cannot lease step ", step, ": it is not (or no longer) committed");
-    }
-  }
+  FSDPX_DECL CheckpointLease(const fs::path& root, int64_t step);
   CheckpointLease(const CheckpointLease&) = delete;
   CheckpointLease& operator=(const CheckpointLease&) = delete;
   ~CheckpointLease() {
@@ -182,50 +142,8 @@ FSDPX_DECL void delete_step(const fs::path& root, const StepDir& s);
 /// step an iteration file names, a leased step, one in `in_flight`, or any step newer than the newest
 /// committed one: it is still being saved, or an interrupted run left it and this run saves it
 /// again. Those newer steps do not count against the policy either.
-inline void rotate_checkpoints(const fs::path& root, const RotationPolicy& policy, const std::set<int64_t>& in_flight = {}) {
-  std::error_code ec;
-  for (const auto& e : fs::directory_iterator(root, ec)) {
-    if (e.path().filename().string().rfind(".deleting_global_step_", 0) == 0) fs::remove_all(e.path(), ec);
-  }
-  std::set<int64_t> named;
-  try {
-    for (const char* file : {state_dict_iteration_file, checkpointed_iteration_file}) {
-      if (const auto step = read_iteration_file(root / file)) named.insert(*step);
-    }
-  } catch (const IoError& e) {  // which steps are in use is unknown: delete nothing
-    TORCH_WARN("fsdpx: checkpoint rotation skipped: ", e.what());
-    return;
-  }
-  std::vector<StepDir> committed, debris;
-  for (const StepDir& s : list_steps(root)) {
-    std::optional<CommitRecord> record;
-    try {
-      record = read_commit_record(s.path / "actor");
-    } catch (const IoError&) {
-    }
-    (record && is_committed(*record, /*weights_only=*/true) ? committed : debris).push_back(s);
-  }
-  if (committed.empty()) return;
-  const int64_t newest = named.empty() ? committed.back().step : *named.rbegin();
-  const auto in_use = [&](const StepDir& s) { return named.count(s.step) != 0 || in_flight.count(s.step) != 0 || is_leased(s.path); };
-  for (const StepDir& s : debris) {
-    if (s.step < newest && !in_use(s)) delete_step(root, s);
-  }
-  int kept = 0;
-  int64_t bytes = 0;
-  for (auto it = committed.rbegin(); it != committed.rend(); ++it) {
-    if (it->step > newest) continue;
-    const int64_t size = directory_bytes(it->path);
-    const bool over = (policy.max_to_keep > 0 && kept >= policy.max_to_keep) ||
-                      (policy.max_bytes > 0 && bytes + size > policy.max_bytes);
-    if (it->step == newest || !over || in_use(*it)) {
-      ++kept;
-      bytes += size;
-      continue;
-    }
-    delete_step(root, *it);
-  }
-}
+FSDPX_DECL void rotate_checkpoints(const fs::path& root, const RotationPolicy& policy,
+    const std::set<int64_t>& in_flight = {});
 
 }  // namespace fsdpx::checkpoint
 

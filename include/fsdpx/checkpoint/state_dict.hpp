@@ -69,42 +69,20 @@ struct StateDict {
   std::vector<std::map<std::string, std::vector<double>>> param_groups;
 };
 
-inline const char* to_string(StateDictKind kind) {
-  switch (kind) {
-    case StateDictKind::full: return "full";
-    case StateDictKind::sharded: return "sharded";
-    case StateDictKind::local: return "local";
-  }
-  return "?";
-}
+FSDPX_DECL const char* to_string(StateDictKind kind);
 
 namespace detail {
 
 /// What a rank holds of parameter `p`: [lo, hi) of the flat layout, or an empty range.
-inline core::FlatRange held_range(const core::Unit& u, const core::ParamInfo& p) {
-  const core::FlatRange mine = u.layout().shard_range(u.shard_rank());
-  return {std::max(p.offset, mine.begin), std::min(p.offset + p.numel, mine.end)};
-}
+FSDPX_DECL core::FlatRange held_range(const core::Unit& u, const core::ParamInfo& p);
 
 /// Only replica 0 of each shard group writes slices: the other replicas hold the same values.
 inline bool writes_slices(const core::ShardedModel& model) { return model.mesh().replicate_group().rank() == 0; }
 
-inline StateDict empty_state_dict(const core::ShardedModel& model, StateDictKind kind, const char* component) {
-  StateDict sd;
-  sd.kind = kind;
-  sd.component = component;
-  sd.world_size = model.mesh().world().size();
-  sd.rank = model.mesh().world().rank();
-  return sd;
-}
+FSDPX_DECL StateDict empty_state_dict(const core::ShardedModel& model, StateDictKind kind, const char* component);
 
 /// A host snapshot of `t` (pinned when it lives on a GPU, so the copy is a fast DMA).
-inline at::Tensor host_copy(const at::Tensor& t) {
-  if (t.is_cpu()) return t.clone();
-  at::Tensor out = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
-  out.copy_(t);
-  return out;
-}
+FSDPX_DECL at::Tensor host_copy(const at::Tensor& t);
 
 /// Copies the overlaps of saved slices into this rank's destinations, and checks that every
 /// destination was filled exactly and that nothing saved was left over.
@@ -126,79 +104,12 @@ class SliceLoader {
   }
 
   /// Copies from one saved state dict; `key` selects the tensor of each slice.
-  void load(const StateDict& sd, const std::string& key) {
-    ranks_seen_.insert(sd.rank);
-    complete_ = complete_ || sd.kind == StateDictKind::full || static_cast<int>(ranks_seen_.size()) == sd.world_size;
-    for (const TensorSlice& s : sd.entries) {
-      seen_.insert(s.name);
-      const auto it = targets_.find(s.name);
-      if (it == targets_.end()) {
-        unexpected_.push_back(s.name);
-        continue;
-      }
-      const auto t = s.tensors.find(key);
-      if (t == s.tensors.end()) {
-        problems_.push_back(::fsdpx::detail::str("'", s.name, "' has no '", key, "' tensor"));
-        continue;
-      }
-      for (Target& target : it->second) {
-        if (s.shape != target.shape) {
-          mismatched_.insert(s.name);
-          problems_.push_back(::fsdpx::detail::str("'", s.name, "' has shape ", shape_text(s.shape),
-                                                   " in the checkpoint but ", shape_text(target.shape), " in the model"));
-          break;
-        }
-        const bool castable = cast_floating_ && t->second.is_floating_point() && target.dst.is_floating_point();
-        if (t->second.scalar_type() != target.dst.scalar_type() && !castable) {
-          mismatched_.insert(s.name);
-          problems_.push_back(::fsdpx::detail::str("'", s.name, "' has dtype ", t->second.scalar_type(),
-                                                   " in the checkpoint but ", target.dst.scalar_type(), " in the model"));
-          break;
-        }
-        FSDPX_CHECK_AS(IoError, t->second.numel() == s.end - s.begin, "'", s.name, "' in rank ", sd.rank, "'s ",
-                       what_, " state dict holds ", t->second.numel(), " elements for the range [", s.begin, ", ",
-                       s.end, ")");
-        const int64_t lo = std::max(s.begin, target.begin), hi = std::min(s.end, target.end);
-        if (lo >= hi) continue;
-        at::NoGradGuard no_grad;
-        target.dst.narrow(0, lo - target.begin, hi - lo)
-            .copy_(t->second.reshape({-1}).narrow(0, lo - s.begin, hi - lo));
-        target.filled.emplace_back(lo, hi);
-      }
-    }
-  }
+  FSDPX_DECL void load(const StateDict& sd, const std::string& key);
 
   /// Throws, naming everything that does not match; `strict`: names the checkpoint has and the model lacks are errors too.
   /// `absent_is_missing` false: a name no saved state dict mentions at all is no error (optimizer
   /// state of a tensor the optimizer never stepped: a frozen unit's shards); one that is there in part is.
-  void finish(bool strict = true, bool absent_is_missing = true) {
-    std::vector<std::string> missing;
-    for (auto& [name, targets] : targets_) {
-      if (mismatched_.count(name) != 0) continue;  // named below, with the reason
-      if (!absent_is_missing && seen_.count(name) == 0) continue;
-      if (complete_ && seen_.count(name) == 0) {  // no saved rank has any of it (even where this rank holds none)
-        missing.push_back(name);
-        continue;
-      }
-      for (Target& t : targets) {
-        std::sort(t.filled.begin(), t.filled.end());
-        int64_t covered_to = t.begin;
-        for (const auto& [lo, hi] : t.filled) {
-          if (lo > covered_to) break;
-          covered_to = std::max(covered_to, hi);
-        }
-        if (covered_to < t.end) {
-          missing.push_back(::fsdpx::detail::str(name, (t.filled.empty() ? "" : " (partly)"), " [", covered_to, ", ",
-                                                 t.end, ")"));
-        }
-      }
-    }
-    std::string msg;
-    if (!missing.empty()) msg += ::fsdpx::detail::str("\n  missing: ", join(missing));
-    if (strict && !unexpected_.empty()) msg += ::fsdpx::detail::str("\n  not in the model: ", join(unexpected_));
-    if (!problems_.empty()) msg += ::fsdpx::detail::str("\n  mismatched: ", join(problems_));
-    FSDPX_CHECK(msg.empty(), "loading the ", what_, " state dict: it does not match this model:", msg);
-  }
+  FSDPX_DECL void finish(bool strict = true, bool absent_is_missing = true);
 
   std::map<std::string, std::vector<Target>>& targets() { return targets_; }
 
@@ -222,13 +133,7 @@ class SliceLoader {
 };
 
 /// LibTorch keeps the step count inside the state object but exposes it by type.
-inline int64_t optimizer_step(torch::optim::OptimizerParamState& state) {
-  int64_t step = 0;
-  visit_optimizer_row<AsState>(state, [&](auto row, auto& s) {
-    if constexpr (decltype(row)::adam_like) step = s.step();
-  });
-  return step;
-}
+FSDPX_DECL int64_t optimizer_step(torch::optim::OptimizerParamState& state);
 
 /// A new state object of `optimizer`'s type with `tensors` and `step`.
 FSDPX_DECL std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(torch::optim::Optimizer& optimizer, std::map<std::string, at::Tensor> tensors, int64_t step);
@@ -246,11 +151,7 @@ FSDPX_DECL void set_group_hyperparameters(torch::optim::OptimizerOptions& o, con
 namespace detail {
 /// Each buffer as one whole entry, in its own dtype, copied to host memory (every rank holds the same
 /// copy, as the module keeps them; sharded state dicts take world rank 0's).
-inline void add_buffers(StateDict& sd, const core::ShardedModel& model) {
-  for (const auto& [name, b] : model.named_buffers()) {
-    sd.entries.push_back({name, b.sizes().vec(), 0, b.numel(), {{"data", host_copy(b.detach().contiguous().reshape({-1}))}}});
-  }
-}
+FSDPX_DECL void add_buffers(StateDict& sd, const core::ShardedModel& model);
 /// Registers every buffer as a whole target of `loader`.
 FSDPX_DECL void add_buffer_targets(SliceLoader& loader, const core::ShardedModel& model);
 }  // namespace detail
@@ -269,11 +170,7 @@ struct UnitGather {
 };
 FSDPX_DECL UnitGather unit_gather_buffers(const core::Unit& u);
 /// Unit `u`'s whole flat buffer of master values. Collective over the shard group.
-inline at::Tensor gather_unit_shards(core::ShardedModel& model, const core::Unit& u) {
-  UnitGather g = unit_gather_buffers(u);
-  model.mesh().shard_group().all_gather(g.full, g.input);
-  return g.full;
-}
+FSDPX_DECL at::Tensor gather_unit_shards(core::ShardedModel& model, const core::Unit& u);
 }  // namespace detail
 
 /// Every parameter whole, float32 on the CPU: on rank 0 only, or on every rank with `all_ranks`.

@@ -276,11 +276,7 @@ class ShardedModel {
   /// Offloading returns the freed blocks to the device's driver (the caching allocator would keep
   /// them), so a rollout engine in another process can use that memory.
   FSDPX_DECL void offload_model();
-  void reload_model() {
-    wait_for_shard_readers();
-    const at::Device home = options_.offload_to_cpu ? at::Device(at::kCPU) : options_.device;
-    for (auto& u : units_) u->move_shard(home);
-  }
+  FSDPX_DECL void reload_model();
 
   FSDPX_DECL ShardedBytes sharded_bytes() const;
 
@@ -337,11 +333,7 @@ class ShardedModel {
     if (Unit* c = companion(u)) c->reshard();
   }
 
-  void note_unsharded() {
-    int64_t bytes = 0;
-    for (const auto& u : units_) bytes += u->unsharded_bytes();
-    stats_.peak_unsharded_bytes = std::max(stats_.peak_unsharded_bytes, bytes);
-  }
+  FSDPX_DECL void note_unsharded();
 
   /// The root's forward starts a step: a pass that an exception ended is cleaned up first.
   FSDPX_DECL void begin_step();
@@ -379,12 +371,7 @@ class ShardedModel {
   FSDPX_DECL void pre_backward(Unit& u);
 
   /// The post-backward node of one call of `u` ran; the last of u's calls ends its backward.
-  void post_backward(Unit& u) {
-    RECORD_USER_SCOPE("fsdpx::post_backward");
-    begin_backward();
-    PassState& s = pass_[index_of(u)];
-    if (++s.post_backward_seen >= s.post_backward_expected) unit_backward_done(u);
-  }
+  FSDPX_DECL void post_backward(Unit& u);
 
   FSDPX_DECL void on_grad_accumulated(Unit& u);
 
@@ -393,11 +380,7 @@ class ShardedModel {
 
   /// Starts the replica all-reduce of every issued unit whose reduce-scatter is done, in issue order
   /// (the same on every rank), without waiting for any.
-  void advance_replica_reductions() {
-    while (replica_next_ < issued_.size() && issued_[replica_next_]->reduce_scatter_completed()) {
-      issued_[replica_next_++]->start_replica_reduction();
-    }
-  }
+  FSDPX_DECL void advance_replica_reductions();
 
   FSDPX_DECL void end_of_backward();
 
@@ -412,19 +395,9 @@ class ShardedModel {
   FSDPX_DECL std::vector<int64_t> all_gather_world(const std::vector<int64_t>& mine);
 
   /// The ranks (other than this one) whose entry `i` differs from rank 0's; `all` holds n per rank.
-  static std::vector<int> ranks_differing(const std::vector<int64_t>& all, size_t n, size_t i) {
-    std::vector<int> out;
-    for (size_t r = 1; r * n < all.size(); ++r) {
-      if (all[r * n + i] != all[i]) out.push_back(static_cast<int>(r));
-    }
-    return out;
-  }
+  FSDPX_DECL static std::vector<int> ranks_differing(const std::vector<int64_t>& all, size_t n, size_t i);
 
-  static std::string join_ranks(const std::vector<int>& ranks) {
-    std::string s;
-    for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
-    return s;
-  }
+  FSDPX_DECL static std::string join_ranks(const std::vector<int>& ranks);
 
   /// Every rank must build the same units: names, shapes, dtypes, trainability and weight-decay
   /// classes. Checked with one small collective (two when they differ, to name the tensor) before any

@@ -13,11 +13,10 @@
 
 #include <nlohmann/json.hpp>
 
+#include <fsdpx/detail/json_fwd.hpp>
 #include <fsdpx/error.hpp>
 
 namespace fsdpx::detail {
-
-using Json = nlohmann::json;
 
 /// Deeper nesting is refused: no file fsdpx reads needs more than a few levels, and a crafted one
 /// must not cost unbounded memory.

@@ -8,16 +8,29 @@
 #error "fsdpx/impl/src.hpp is the separately compiled part of fsdpx: define FSDPX_SEPARATE_COMPILATION for every translation unit of the program (or link fsdpx::separate), or do not include this file (fsdpx is header-only by default)"
 #endif
 
+#if defined(FSDPX_WITH_MPI)  // the MPI backend
+#include <fsdpx/dist/impl/mpi.ipp>
+#endif
+#include <fsdpx/core/impl/unit.ipp>
 #include <fsdpx/core/impl/sharded_model.ipp>
+#include <fsdpx/checkpoint/impl/file_io.ipp>
+#include <fsdpx/checkpoint/impl/model_folder.ipp>
 #include <fsdpx/checkpoint/impl/state_dict.ipp>
+#include <fsdpx/checkpoint/impl/torch_io.ipp>
 #include <fsdpx/checkpoint/impl/format.ipp>
+#include <fsdpx/checkpoint/impl/extra_state.ipp>
 #include <fsdpx/checkpoint/impl/layout.ipp>
 #include <fsdpx/checkpoint/impl/safetensors.ipp>
 #include <fsdpx/checkpoint/impl/merge.ipp>
 #include <fsdpx/checkpoint/impl/model_safetensors.ipp>
 #include <fsdpx/checkpoint/impl/resume.ipp>
+#include <fsdpx/sync/impl/bucket.ipp>
+#include <fsdpx/sync/impl/broadcast.ipp>
+#include <fsdpx/sync/impl/synchronizer.ipp>
+#include <fsdpx/sync/impl/watcher.ipp>
 #if defined(FSDPX_WITH_BOOST)  // the checkpoint coordinator's threads
 #include <fsdpx/checkpoint/impl/worker_pool.ipp>
+#include <fsdpx/checkpoint/impl/coordinator.ipp>
 #endif
 #if defined(FSDPX_WITH_BOOST) && defined(FSDPX_WITH_OPENSSL)  // the TCP weight-sync service
 #include <fsdpx/sync/impl/client.ipp>

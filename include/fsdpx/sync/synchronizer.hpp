@@ -17,6 +17,8 @@
 // Across processes, fsdpx/sync/service.hpp serves the same guarantees over TCP.
 #pragma once
 
+#include <fsdpx/detail/config.hpp>
+
 #include <chrono>
 #include <condition_variable>
 #include <memory>
@@ -99,11 +101,7 @@ class Synchronizer {
  public:
   /// Publishes `tensors` as `version`. The synchronizer takes them as they are, without copying: the
   /// caller must not modify them afterwards (gather_full_state_dict returns fresh tensors).
-  void publish(int64_t version, std::vector<NamedTensor> tensors) {
-    FSDPX_CHECK_AS(SyncError, version >= 0, "cannot publish version ", version, ": versions are >= 0");
-    auto snapshot = std::make_shared<WeightSnapshot>(WeightSnapshot{version, std::move(tensors)});
-    slot_.publish(version, std::move(snapshot));
-  }
+  FSDPX_DECL void publish(int64_t version, std::vector<NamedTensor> tensors);
 
   /// The newest snapshot, or nullptr before the first publish.
   std::shared_ptr<const WeightSnapshot> latest() const { return slot_.latest().second; }
@@ -122,3 +120,7 @@ class Synchronizer {
 };
 
 }  // namespace fsdpx::sync
+
+#if defined(FSDPX_HEADER_ONLY)
+#include <fsdpx/sync/impl/synchronizer.ipp>
+#endif

@@ -27,9 +27,8 @@
 // whose commit record is missing, or does not list the model, is never read.
 #pragma once
 
-#include <sys/stat.h>
+#include <fsdpx/detail/config.hpp>
 
-#include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <filesystem>
@@ -37,16 +36,12 @@
 #include <optional>
 #include <string>
 #include <string_view>
-#include <thread>
 #include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
-#include <fsdpx/checkpoint/format.hpp>
-#include <fsdpx/checkpoint/layout.hpp>
-#include <fsdpx/checkpoint/merge.hpp>
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
@@ -97,25 +92,7 @@ struct FileStamp {
 
 /// The model shard files of a step directory (and its commit record, with `with_record`), by name;
 /// empty when the directory is gone.
-inline std::vector<FileStamp> stamp_model_files(const std::filesystem::path& dir, bool with_record = false) {
-  std::vector<FileStamp> out;
-  std::error_code ec;
-  for (const auto& e : std::filesystem::directory_iterator(dir, ec)) {
-    const std::string name = e.path().filename().string();
-    const auto parsed = checkpoint::parse_shard_file_name(name);
-    const bool model = parsed && parsed->component == checkpoint::Component::model;
-    if (!model && !(with_record && name == checkpoint::config_file)) continue;
-    struct stat st {};
-    if (::stat(e.path().c_str(), &st) != 0) {
-      out.push_back({name, 0, 0, -1, 0});  // vanished meanwhile
-      continue;
-    }
-    out.push_back({name, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<int64_t>(st.st_size),
-                   static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec});
-  }
-  std::sort(out.begin(), out.end(), [](const FileStamp& a, const FileStamp& b) { return a.name < b.name; });
-  return out;
-}
+FSDPX_DECL std::vector<FileStamp> stamp_model_files(const std::filesystem::path& dir, bool with_record = false);
 
 }  // namespace detail
 
@@ -135,26 +112,7 @@ class CheckpointWatcher {
   /// Waits for a committed step newer than `version` (no_version: any) and returns its weights (the
   /// newest one at that moment: steps in between are skipped). Never a step older than the last one
   /// returned. After `timeout` a SyncError naming the root, the last step seen and the last failure.
-  WeightVersion wait_newer(int64_t version, std::chrono::milliseconds timeout) {
-    using Clock = std::chrono::steady_clock;
-    const auto deadline = dist::deadline_after(timeout);
-    while (true) {
-      if (auto v = try_load(version)) return std::move(*v);
-      const auto now = Clock::now();
-      if (now >= deadline) break;
-      std::this_thread::sleep_for(std::min<Clock::duration>(options_.poll_interval, deadline - now));
-    }
-    std::string seen = latest_seen_ ? ::fsdpx::detail::str("it names step ", *latest_seen_)
-                                    : std::string(std::filesystem::exists(root_) ? "it does not exist yet"
-                                                                                 : "the root does not exist");
-    throw SyncError(::fsdpx::detail::str(
-        "fsdpx: no committed weights newer than step ", version, " appeared under the checkpoint root '", root_.string(),
-        "' within ", timeout.count(), " ms (", checkpoint::state_dict_iteration_file, ": ", seen,
-        "; the last step seen: ", newest_seen_ == no_version ? std::string("none") : std::to_string(newest_seen_),
-        "; the last step loaded: ", last_returned_ == no_version ? std::string("none") : std::to_string(last_returned_),
-        "); the trainer may be slow, stopped or dead",
-        last_error_.empty() ? std::string() : "; the last attempt failed: " + last_error_));
-  }
+  FSDPX_DECL WeightVersion wait_newer(int64_t version, std::chrono::milliseconds timeout);
   WeightVersion wait_newer(int64_t version) { return wait_newer(version, options_.timeout); }
 
   /// The step of the last weights returned (no_version before the first).
@@ -167,72 +125,9 @@ class CheckpointWatcher {
 
  private:
   // A step newer than `after` and not older than the last one returned, or nothing.
-  std::optional<WeightVersion> try_load(int64_t after) {
-    // The iteration file may move on while a step is read: each move is one more attempt.
-    for (int attempt = 0; attempt < 16; ++attempt) {
-      std::optional<int64_t> step;
-      try {
-        step = checkpoint::read_iteration_file(root_ / checkpoint::state_dict_iteration_file);
-      } catch (const std::exception& e) {
-        last_error_ = e.what();
-        return std::nullopt;
-      }
-      latest_seen_ = step;
-      if (!step) return std::nullopt;
-      newest_seen_ = std::max(newest_seen_, *step);
-      // Nothing new; or the file went back to an older step (rewritten by hand, a trainer restarted
-      // from an older checkpoint): the newest weights already returned stay the newest.
-      if (*step <= after || *step < last_returned_) return std::nullopt;
-      const std::filesystem::path dir = checkpoint::step_dir(root_, *step);
-      // A step that failed and has not changed since is not read again.
-      if (failed_step_ == *step && failed_stamps_ == detail::stamp_model_files(dir, true)) return std::nullopt;
-      try {
-        WeightVersion v = load(*step, dir);
-        last_error_.clear();
-        failed_step_ = no_version;
-        return v;
-      } catch (const std::exception& e) {
-        last_error_ = ::fsdpx::detail::str("step ", *step, ": ", e.what());
-        failed_step_ = *step;
-        failed_stamps_ = detail::stamp_model_files(dir, true);
-      }
-      std::optional<int64_t> now;
-      try {
-        now = checkpoint::read_iteration_file(root_ / checkpoint::state_dict_iteration_file);
-      } catch (const std::exception&) {
-      }
-      if (!now || *now == *step) return std::nullopt;  // wait for the trainer to move on
-    }
-    return std::nullopt;
-  }
+  FSDPX_DECL std::optional<WeightVersion> try_load(int64_t after);
 
-  WeightVersion load(int64_t step, const std::filesystem::path& dir) {
-    const auto stage = [&](std::string_view s) {
-      if (options_.on_stage) options_.on_stage(s, step);
-    };
-    stage("chosen");
-    const checkpoint::CheckpointLease lease(root_, step);  // IoError when the step is gone or uncommitted
-    const auto record = checkpoint::read_commit_record(dir);
-    FSDPX_CHECK_AS(IoError, record && checkpoint::is_committed(*record, /*weights_only=*/true), "'", dir.string(),
-                   "' has no commit record that commits the model weights (", checkpoint::config_file, ")");
-    stage("leased");
-    const auto before = detail::stamp_model_files(dir);
-    checkpoint::MergeReport report;
-    checkpoint::NamedTensors merged = checkpoint::merge_checkpoint(
-        dir, {.verify_checksums = true, .dtype = options_.dtype, .warn = [](const std::string&) {}}, &report);
-    FSDPX_CHECK_AS(IoError, report.committed && report.checksums_verified, "'", dir.string(),
-                   "' was read without its commit record or without checksums to verify");
-    FSDPX_CHECK_AS(IoError, !report.step || *report.step == step, "'", dir.string(), "' holds step ", *report.step,
-                   ", not step ", step);
-    FSDPX_CHECK_AS(IoError, before == detail::stamp_model_files(dir), "a model file in '", dir.string(),
-                   "' was replaced or changed while it was read");
-    WeightVersion v;
-    v.step = step;
-    v.tensors.reserve(merged.size());
-    for (auto& [name, t] : merged) v.tensors.push_back({std::move(name), std::move(t)});
-    last_returned_ = step;
-    return v;
-  }
+  FSDPX_DECL WeightVersion load(int64_t step, const std::filesystem::path& dir);
 
   std::filesystem::path root_;
   WatcherOptions options_;
@@ -245,3 +140,7 @@ class CheckpointWatcher {
 };
 
 }  // namespace fsdpx::sync
+
+#if defined(FSDPX_HEADER_ONLY)
+#include <fsdpx/sync/impl/watcher.ipp>
+#endif

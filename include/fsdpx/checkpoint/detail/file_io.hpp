@@ -3,6 +3,8 @@
 // never a torn one. Errors name the file and the cause (a full disk says so).
 #pragma once
 
+#include <fsdpx/detail/config.hpp>
+
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
@@ -38,36 +40,12 @@ struct FaultInjection {
   std::atomic<int64_t> written{0};
 };
 
-inline FaultInjection& fault_injection() {
-  static FaultInjection* f = [] {
-    auto* fi = new FaultInjection;  // never destroyed: background writers may outlive static destruction
-    const char* spec = std::getenv("FSDPX_INJECT_WRITE_ERROR");
-    if (spec == nullptr || *spec == '\0') return fi;
-    const std::string s(spec);
-    const auto colon = s.find(':');
-    const std::string name = s.substr(0, colon);
-    const int err = name == "ENOSPC" ? ENOSPC : name == "EIO" ? EIO : name == "EDQUOT" ? EDQUOT : 0;
-    FSDPX_CHECK(err != 0, "FSDPX_INJECT_WRITE_ERROR='", s, "': the error must be ENOSPC, EIO or EDQUOT");
-    fi->after_bytes = colon == std::string::npos ? 0 : std::stoll(s.substr(colon + 1));
-    fi->error = err;
-    return fi;
-  }();
-  return *f;
-}
+FSDPX_DECL FaultInjection& fault_injection();
 
 /// Tests: from now on, checkpoint writes fail with `error` after `after_bytes` more bytes (0: off).
-inline void inject_write_error(int error, int64_t after_bytes = 0) {
-  auto& f = fault_injection();
-  f.after_bytes = f.written.load() + after_bytes;
-  f.error = error;
-}
+FSDPX_DECL void inject_write_error(int error, int64_t after_bytes = 0);
 
-inline std::string errno_text(int err) {
-  std::string text = std::strerror(err);
-  if (err == ENOSPC) text += " (ENOSPC: the disk is full)";
-  if (err == EDQUOT) text += " (EDQUOT: the disk quota is exhausted)";
-  return text;
-}
+FSDPX_DECL std::string errno_text(int err);
 
 [[noreturn]] inline void throw_io(std::string_view what, const fs::path& path, int err) {
   throw IoError(::fsdpx::detail::str("fsdpx: ", what, " '", path.string(), "' failed: ", errno_text(err)));
@@ -96,32 +74,15 @@ class Fd {
   int fd_;
 };
 
-inline void fsync_directory(const fs::path& dir) {
-  Fd fd(dir, O_RDONLY | O_DIRECTORY);
-  if (::fsync(fd.get()) != 0) throw_io("fsync of directory", dir, errno);
-}
+FSDPX_DECL void fsync_directory(const fs::path& dir);
 
 /// Removes `path` (nothing to do when it is absent) and fsyncs its directory, so the removal
 /// survives a crash.
-inline void remove_durably(const fs::path& path) {
-  std::error_code ec;
-  if (!fs::remove(path, ec)) {
-    if (ec) throw_io("removing", path, ec.value());
-    return;
-  }
-  fsync_directory(path.parent_path());
-}
+FSDPX_DECL void remove_durably(const fs::path& path);
 
 /// Allocates `bytes` of disk to `path` (no data written), so they can be freed for a later write
 /// when the disk is full. An IoError when the disk has no room even for that.
-inline void reserve_space(const fs::path& path, int64_t bytes) {
-  Fd fd(path, O_WRONLY | O_CREAT | O_TRUNC);
-  if (const int err = ::posix_fallocate(fd.get(), 0, bytes); err != 0) {
-    std::error_code ignored;
-    fs::remove(path, ignored);
-    throw_io("reserving room for the commit record in", path, err);
-  }
-}
+FSDPX_DECL void reserve_space(const fs::path& path, int64_t bytes);
 inline void release_space(const fs::path& path) {
   std::error_code ignored;
   fs::remove(path, ignored);
@@ -148,35 +109,10 @@ class DurableFile {
     fs::remove(tmp_, ignored);
   }
 
-  void append(const void* data, size_t n) {
-    const auto* p = static_cast<const char*>(data);
-    crc_.update(p, n);
-    FaultInjection& fault = fault_injection();
-    while (n > 0) {
-      if (const int err = fault.error.load(); err != 0 && fault.written.load() + static_cast<int64_t>(n) > fault.after_bytes) {
-        throw_io("writing", tmp_, err);
-      }
-      const ssize_t k = ::write(fd_.get(), p, n);
-      if (k < 0) {
-        if (errno == EINTR) continue;
-        throw_io("writing", tmp_, errno);
-      }
-      p += k;
-      n -= static_cast<size_t>(k);
-      bytes_ += k;
-      fault.written += k;
-    }
-  }
+  FSDPX_DECL void append(const void* data, size_t n);
   int64_t bytes() const { return bytes_; }
 
-  WrittenFile commit() {
-    if (::fsync(fd_.get()) != 0) throw_io("fsync of", tmp_, errno);
-    fd_.close(tmp_);
-    if (::rename(tmp_.c_str(), path_.c_str()) != 0) throw_io("renaming into place", path_, errno);
-    committed_ = true;
-    fsync_directory(path_.parent_path().empty() ? fs::path(".") : path_.parent_path());
-    return {path_, bytes_, crc_.value()};
-  }
+  FSDPX_DECL WrittenFile commit();
 
  private:
   fs::path path_;
@@ -188,35 +124,15 @@ class DurableFile {
 };
 
 /// Writes `path` durably (DurableFile): `produce(sink)` calls sink(data, n) with the content in order.
-inline WrittenFile write_file_durably(const fs::path& path,
-                                     const std::function<void(const std::function<void(const void*, size_t)>&)>& produce) {
-  DurableFile file(path);
-  produce([&](const void* data, size_t n) { file.append(data, n); });
-  return file.commit();
-}
+FSDPX_DECL WrittenFile write_file_durably(const fs::path& path,
+    const std::function<void(const std::function<void(const void*, size_t)>&)>& produce);
 
 inline WrittenFile write_text_durably(const fs::path& path, std::string_view text) {
   return write_file_durably(path, [&](const auto& sink) { sink(text.data(), text.size()); });
 }
 
 /// The whole file, or an IoError naming it.
-inline std::vector<char> read_file(const fs::path& path) {
-  Fd fd(path, O_RDONLY);
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) throw_io("stat of", path, errno);
-  std::vector<char> data(static_cast<size_t>(st.st_size));
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t k = ::read(fd.get(), data.data() + done, data.size() - done);
-    if (k < 0 && errno == EINTR) continue;
-    if (k < 0) throw_io("reading", path, errno);
-    if (k == 0) break;
-    done += static_cast<size_t>(k);
-  }
-  FSDPX_CHECK_AS(IoError, done == data.size(), "reading '", path.string(), "': the file shrank while being read (",
-                 done, " of ", data.size(), " bytes)");
-  return data;
-}
+FSDPX_DECL std::vector<char> read_file(const fs::path& path);
 
 inline std::string read_text(const fs::path& path) {
   const auto data = read_file(path);
@@ -224,3 +140,7 @@ inline std::string read_text(const fs::path& path) {
 }
 
 }  // namespace fsdpx::checkpoint::detail
+
+#if defined(FSDPX_HEADER_ONLY)
+#include <fsdpx/checkpoint/impl/file_io.ipp>
+#endif

@@ -169,3 +169,56 @@ FSDPX_DECL StateDict load_shard_file(const fs::path& dir, const std::string& nam
 }
 
 }  // namespace fsdpx::checkpoint
+
+namespace fsdpx::checkpoint {
+
+FSDPX_DECL const char* to_string(Component c) {
+  switch (c) {
+    case Component::model: return "model";
+    case Component::optim: return "optim";
+    case Component::extra_state: return "extra_state";
+  }
+  return "?";
+}
+
+FSDPX_DECL detail::Fields::Fields(const c10::IValue& v, const fs::path& path, std::string where)
+    : path_(path), where_(std::move(where)) {
+  FSDPX_CHECK_AS(IoError, v.isGenericDict(), "'", path_.string(), "': ", where_, " is not a dict");
+  dict_ = v.toGenericDict();
+}
+
+FSDPX_DECL const c10::IValue& detail::Fields::get(const char* key) const {
+  const auto it = dict_.find(key);
+  FSDPX_CHECK_AS(IoError, it != dict_.end(), "'", path_.string(), "' is not an fsdpx checkpoint file: ", where_,
+                 " has no '", key, "'");
+  return it->value();
+}
+
+FSDPX_DECL const c10::IValue& detail::Fields::checked(bool ok, const char* key) const {
+  FSDPX_CHECK_AS(IoError, ok, "'", path_.string(), "': ", where_, "'s '", key, "' has the wrong type");
+  return get(key);
+}
+
+}  // namespace fsdpx::checkpoint
+
+namespace fsdpx::checkpoint::detail {
+
+FSDPX_DECL c10::impl::GenericList int_list(const std::vector<int64_t>& v) {
+  c10::impl::GenericList l(c10::AnyType::get());
+  for (const int64_t x : v) l.push_back(x);
+  return l;
+}
+
+FSDPX_DECL c10::impl::GenericList double_list(const std::vector<double>& v) {
+  c10::impl::GenericList l(c10::AnyType::get());
+  for (const double x : v) l.push_back(x);
+  return l;
+}
+
+FSDPX_DECL std::vector<double> to_doubles(const c10::IValue& v) {
+  std::vector<double> out;
+  for (const c10::IValue& x : v.toListRef()) out.push_back(x.isInt() ? static_cast<double>(x.toInt()) : x.toDouble());
+  return out;
+}
+
+}  // namespace fsdpx::checkpoint::detail

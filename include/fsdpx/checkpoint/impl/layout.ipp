@@ -3,6 +3,7 @@
 #pragma once
 
 #include <fsdpx/checkpoint/layout.hpp>
+#include <fsdpx/detail/json.hpp>
 
 namespace fsdpx::checkpoint {
 
@@ -143,6 +144,110 @@ FSDPX_DECL void delete_step(const fs::path& root, const StepDir& s) {
     return;
   }
   fs::remove_all(doomed, ec);
+}
+
+}  // namespace fsdpx::checkpoint
+
+namespace fsdpx::checkpoint {
+
+FSDPX_DECL void verify_step(const fs::path& dir, const CommitRecord& record, bool verify_checksums,
+                        const std::vector<std::string>& components) {
+  for (const auto& [name, info] : record.files) {
+    if (std::none_of(components.begin(), components.end(),
+                     [&](const std::string& c) { return name.rfind(c + "_world_size_", 0) == 0; })) {
+      continue;
+    }
+    load_shard_file(dir, name, record.file(dir, name, verify_checksums));
+  }
+}
+
+FSDPX_DECL void rotate_checkpoints(const fs::path& root, const RotationPolicy& policy,
+    const std::set<int64_t>& in_flight) {
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    if (e.path().filename().string().rfind(".deleting_global_step_", 0) == 0) fs::remove_all(e.path(), ec);
+  }
+  std::set<int64_t> named;
+  try {
+    for (const char* file : {state_dict_iteration_file, checkpointed_iteration_file}) {
+      if (const auto step = read_iteration_file(root / file)) named.insert(*step);
+    }
+  } catch (const IoError& e) {  // which steps are in use is unknown: delete nothing
+    TORCH_WARN("fsdpx: checkpoint rotation skipped: ", e.what());
+    return;
+  }
+  std::vector<StepDir> committed, debris;
+  for (const StepDir& s : list_steps(root)) {
+    std::optional<CommitRecord> record;
+    try {
+      record = read_commit_record(s.path / "actor");
+    } catch (const IoError&) {
+    }
+    (record && is_committed(*record, /*weights_only=*/true) ? committed : debris).push_back(s);
+  }
+  if (committed.empty()) return;
+  const int64_t newest = named.empty() ? committed.back().step : *named.rbegin();
+  const auto in_use = [&](const StepDir& s) { return named.count(s.step) != 0 || in_flight.count(s.step) != 0 || is_leased(s.path); };
+  for (const StepDir& s : debris) {
+    if (s.step < newest && !in_use(s)) delete_step(root, s);
+  }
+  int kept = 0;
+  int64_t bytes = 0;
+  for (auto it = committed.rbegin(); it != committed.rend(); ++it) {
+    if (it->step > newest) continue;
+    const int64_t size = directory_bytes(it->path);
+    const bool over = (policy.max_to_keep > 0 && kept >= policy.max_to_keep) ||
+                      (policy.max_bytes > 0 && bytes + size > policy.max_bytes);
+    if (it->step == newest || !over || in_use(*it)) {
+      ++kept;
+      bytes += size;
+      continue;
+    }
+    delete_step(root, *it);
+  }
+}
+
+FSDPX_DECL CheckpointLease::CheckpointLease(const fs::path& root, int64_t step) {
+  static std::atomic<int> counter{0};
+  // Checked first (no debris for a step already gone) and again after the lease exists (rotation
+  // may have taken the step in between).
+  FSDPX_CHECK_AS(IoError, read_commit_record(step_dir(root, step)).has_value(), "cannot lease step ", step,
+                 ": it is not (or no longer) committed");
+  const fs::path dir = root / ::fsdpx::detail::str("global_step_", step) / ".leases";
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  FSDPX_CHECK_AS(IoError, !ec, "cannot lease step ", step, ": creating '", dir.string(), "': ", ec.message());
+  path_ = dir / ::fsdpx::detail::str(detail::host_name(), "-", ::getpid(), "-", counter++);
+  detail::write_text_durably(path_, ::fsdpx::detail::str(detail::host_name(), " ", ::getpid(), "\n"));
+  // The step may have been rotated away between the reader's choice and the lease.
+  if (!read_commit_record(step_dir(root, step))) {
+    fs::remove(path_, ec);
+    FSDPX_FAIL(IoError, "cannot lease step ", step, ": it is not (or no longer) committed");
+  }
+}
+
+}  // namespace fsdpx::checkpoint
+
+namespace fsdpx::checkpoint {
+
+FSDPX_DECL std::optional<CommitRecord> read_commit_record(const fs::path& dir) {
+  std::error_code ec;
+  const fs::path config = dir / config_file;
+  if (!fs::exists(config, ec)) return std::nullopt;
+  return parse_commit_record(config);
+}
+
+FSDPX_DECL bool is_committed(const CommitRecord& record, bool weights_only) {
+  const auto& c = record.components;
+  return weights_only ? std::find(c.begin(), c.end(), "model") != c.end() : record.complete;
+}
+
+FSDPX_DECL bool is_leased(const fs::path& step_root) {
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(step_root / ".leases", ec)) {
+    if (detail::lease_is_live(entry.path())) return true;
+  }
+  return false;
 }
 
 }  // namespace fsdpx::checkpoint

@@ -231,7 +231,7 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
         core::Unit& u = model.unit(i);
         const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
         for (const auto& op : u.optim_params()) {
-          Pending pend{&op, {}};
+          Pending pend{&op, {}, {}};
           for (const auto& key : keys) pend.tensors[key] = at::zeros_like(op.tensor);
           const int64_t op_begin = base + op.range.begin, op_end = base + op.range.end;
           for (const core::ParamInfo& p : u.layout().params()) {
@@ -273,4 +273,133 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
   }
 }
 
+FSDPX_DECL void detail::SliceLoader::load(const StateDict& sd, const std::string& key) {
+  ranks_seen_.insert(sd.rank);
+  complete_ = complete_ || sd.kind == StateDictKind::full || static_cast<int>(ranks_seen_.size()) == sd.world_size;
+  for (const TensorSlice& s : sd.entries) {
+    seen_.insert(s.name);
+    const auto it = targets_.find(s.name);
+    if (it == targets_.end()) {
+      unexpected_.push_back(s.name);
+      continue;
+    }
+    const auto t = s.tensors.find(key);
+    if (t == s.tensors.end()) {
+      problems_.push_back(::fsdpx::detail::str("'", s.name, "' has no '", key, "' tensor"));
+      continue;
+    }
+    for (Target& target : it->second) {
+      if (s.shape != target.shape) {
+        mismatched_.insert(s.name);
+        problems_.push_back(::fsdpx::detail::str("'", s.name, "' has shape ", shape_text(s.shape),
+                                                 " in the checkpoint but ", shape_text(target.shape), " in the model"));
+        break;
+      }
+      const bool castable = cast_floating_ && t->second.is_floating_point() && target.dst.is_floating_point();
+      if (t->second.scalar_type() != target.dst.scalar_type() && !castable) {
+        mismatched_.insert(s.name);
+        problems_.push_back(::fsdpx::detail::str("'", s.name, "' has dtype ", t->second.scalar_type(),
+                                                 " in the checkpoint but ", target.dst.scalar_type(), " in the model"));
+        break;
+      }
+      FSDPX_CHECK_AS(IoError, t->second.numel() == s.end - s.begin, "'", s.name, "' in rank ", sd.rank, "'s ",
+                     what_, " state dict holds ", t->second.numel(), " elements for the range [", s.begin, ", ",
+                     s.end, ")");
+      const int64_t lo = std::max(s.begin, target.begin), hi = std::min(s.end, target.end);
+      if (lo >= hi) continue;
+      at::NoGradGuard no_grad;
+      target.dst.narrow(0, lo - target.begin, hi - lo)
+          .copy_(t->second.reshape({-1}).narrow(0, lo - s.begin, hi - lo));
+      target.filled.emplace_back(lo, hi);
+    }
+  }
+}
+
+FSDPX_DECL void detail::SliceLoader::finish(bool strict, bool absent_is_missing) {
+  std::vector<std::string> missing;
+  for (auto& [name, targets] : targets_) {
+    if (mismatched_.count(name) != 0) continue;  // named below, with the reason
+    if (!absent_is_missing && seen_.count(name) == 0) continue;
+    if (complete_ && seen_.count(name) == 0) {  // no saved rank has any of it (even where this rank holds none)
+      missing.push_back(name);
+      continue;
+    }
+    for (Target& t : targets) {
+      std::sort(t.filled.begin(), t.filled.end());
+      int64_t covered_to = t.begin;
+      for (const auto& [lo, hi] : t.filled) {
+        if (lo > covered_to) break;
+        covered_to = std::max(covered_to, hi);
+      }
+      if (covered_to < t.end) {
+        missing.push_back(::fsdpx::detail::str(name, (t.filled.empty() ? "" : " (partly)"), " [", covered_to, ", ",
+                                               t.end, ")"));
+      }
+    }
+  }
+  std::string msg;
+  if (!missing.empty()) msg += ::fsdpx::detail::str("\n  missing: ", join(missing));
+  if (strict && !unexpected_.empty()) msg += ::fsdpx::detail::str("\n  not in the model: ", join(unexpected_));
+  if (!problems_.empty()) msg += ::fsdpx::detail::str("\n  mismatched: ", join(problems_));
+  FSDPX_CHECK(msg.empty(), "loading the ", what_, " state dict: it does not match this model:", msg);
+}
+
 }  // namespace fsdpx
+
+namespace fsdpx {
+
+FSDPX_DECL const char* to_string(StateDictKind kind) {
+  switch (kind) {
+    case StateDictKind::full: return "full";
+    case StateDictKind::sharded: return "sharded";
+    case StateDictKind::local: return "local";
+  }
+  return "?";
+}
+
+}  // namespace fsdpx
+
+namespace fsdpx::detail {
+
+FSDPX_DECL core::FlatRange held_range(const core::Unit& u, const core::ParamInfo& p) {
+  const core::FlatRange mine = u.layout().shard_range(u.shard_rank());
+  return {std::max(p.offset, mine.begin), std::min(p.offset + p.numel, mine.end)};
+}
+
+FSDPX_DECL StateDict empty_state_dict(const core::ShardedModel& model, StateDictKind kind, const char* component) {
+  StateDict sd;
+  sd.kind = kind;
+  sd.component = component;
+  sd.world_size = model.mesh().world().size();
+  sd.rank = model.mesh().world().rank();
+  return sd;
+}
+
+FSDPX_DECL at::Tensor host_copy(const at::Tensor& t) {
+  if (t.is_cpu()) return t.clone();
+  at::Tensor out = at::empty(t.sizes(), t.options().device(at::kCPU).pinned_memory(true));
+  out.copy_(t);
+  return out;
+}
+
+FSDPX_DECL int64_t optimizer_step(torch::optim::OptimizerParamState& state) {
+  int64_t step = 0;
+  visit_optimizer_row<AsState>(state, [&](auto row, auto& s) {
+    if constexpr (decltype(row)::adam_like) step = s.step();
+  });
+  return step;
+}
+
+FSDPX_DECL void add_buffers(StateDict& sd, const core::ShardedModel& model) {
+  for (const auto& [name, b] : model.named_buffers()) {
+    sd.entries.push_back({name, b.sizes().vec(), 0, b.numel(), {{"data", host_copy(b.detach().contiguous().reshape({-1}))}}});
+  }
+}
+
+FSDPX_DECL at::Tensor gather_unit_shards(core::ShardedModel& model, const core::Unit& u) {
+  UnitGather g = unit_gather_buffers(u);
+  model.mesh().shard_group().all_gather(g.full, g.input);
+  return g.full;
+}
+
+}  // namespace fsdpx::detail

@@ -568,4 +568,43 @@ FSDPX_DECL std::vector<std::pair<std::string, at::Tensor>> ShardedModel::unit_bu
   return out;
 }
 
+FSDPX_DECL void ShardedModel::reload_model() {
+  wait_for_shard_readers();
+  const at::Device home = options_.offload_to_cpu ? at::Device(at::kCPU) : options_.device;
+  for (auto& u : units_) u->move_shard(home);
+}
+
+FSDPX_DECL void ShardedModel::note_unsharded() {
+  int64_t bytes = 0;
+  for (const auto& u : units_) bytes += u->unsharded_bytes();
+  stats_.peak_unsharded_bytes = std::max(stats_.peak_unsharded_bytes, bytes);
+}
+
+FSDPX_DECL void ShardedModel::post_backward(Unit& u) {
+  RECORD_USER_SCOPE("fsdpx::post_backward");
+  begin_backward();
+  PassState& s = pass_[index_of(u)];
+  if (++s.post_backward_seen >= s.post_backward_expected) unit_backward_done(u);
+}
+
+FSDPX_DECL void ShardedModel::advance_replica_reductions() {
+  while (replica_next_ < issued_.size() && issued_[replica_next_]->reduce_scatter_completed()) {
+    issued_[replica_next_++]->start_replica_reduction();
+  }
+}
+
+FSDPX_DECL std::vector<int> ShardedModel::ranks_differing(const std::vector<int64_t>& all, size_t n, size_t i) {
+  std::vector<int> out;
+  for (size_t r = 1; r * n < all.size(); ++r) {
+    if (all[r * n + i] != all[i]) out.push_back(static_cast<int>(r));
+  }
+  return out;
+}
+
+FSDPX_DECL std::string ShardedModel::join_ranks(const std::vector<int>& ranks) {
+  std::string s;
+  for (size_t i = 0; i < ranks.size(); ++i) s += (i ? ", " : "") + std::to_string(ranks[i]);
+  return s;
+}
+
 }  // namespace fsdpx::core

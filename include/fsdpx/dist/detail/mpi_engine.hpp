@@ -9,6 +9,8 @@
 // stopped answering, long before their timeout.
 #pragma once
 
+#include <fsdpx/detail/config.hpp>
+
 #if !defined(FSDPX_WITH_MPI)
 #error "fsdpx's MPI engine needs FSDPX_WITH_MPI"
 #endif
@@ -87,11 +89,7 @@ class MpiEngine {
   ~MpiEngine() { stop(); }
 
   /// Queues a collective; the returned Work completes when MPI finishes it, fails, or times out.
-  Work submit(MpiTask task) {
-    auto work = std::make_shared<HostWorkState>();
-    post([this, task = std::move(task), work]() mutable { start(std::move(task), std::move(work)); });
-    return Work(work);
-  }
+  FSDPX_DECL Work submit(MpiTask task);
 
   /// Runs `fn` on the engine thread (between polls) and returns its result or rethrows its error.
   template <class Fn>
@@ -110,16 +108,7 @@ class MpiEngine {
   /// Joins the thread after telling the other ranks that this one leaves. `failing`: this rank ends
   /// with an error, so its collectives still running are abandoned (peers are told at once, and will
   /// fail theirs); otherwise queued work finishes (or times out) first.
-  void stop(bool failing = false) {
-    {
-      std::lock_guard lock(mutex_);
-      if (stopping_) return;
-      stopping_ = true;
-      leaving_failing_ = failing;
-    }
-    cv_.notify_all();
-    if (thread_.joinable()) thread_.join();
-  }
+  FSDPX_DECL void stop(bool failing = false);
 
   /// Engine thread: starts the control channel on `control` (a private duplicate of MPI_COMM_WORLD).
   void open_control(MPI_Comm control, std::chrono::milliseconds heartbeat_timeout) {
@@ -129,19 +118,10 @@ class MpiEngine {
   MpiControl& control() { return control_; }
 
   /// True once any collective timed out or failed: MPI cannot be finalized cleanly after that.
-  bool any_failure() const {
-    std::lock_guard lock(mutex_);
-    return any_failure_;
-  }
-  std::string first_failure() const {
-    std::lock_guard lock(mutex_);
-    return first_failure_;
-  }
+  FSDPX_DECL bool any_failure() const;
+  FSDPX_DECL std::string first_failure() const;
   /// True when the first failure was another rank leaving: that rank reports the cause itself.
-  bool first_failure_was_departure() const {
-    std::lock_guard lock(mutex_);
-    return first_failure_departure_;
-  }
+  FSDPX_DECL bool first_failure_was_departure() const;
 
  private:
   using Clock = std::chrono::steady_clock;
@@ -158,233 +138,34 @@ class MpiEngine {
 
   /// Engine thread, on a failing stop: the collectives still running fail, and their buffers are
   /// kept (MPI may still write into them until the process ends).
-  void abandon_active() {
-    for (Active& a : active_) {
-      fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context,
-                                                    " abandoned: this rank is ending after an error"))));
-      orphan(std::move(a));
-    }
-    active_.clear();
-  }
+  FSDPX_DECL void abandon_active();
 
   /// A failed task whose requests may still be inside MPI keeps its buffers alive for the rest of the
   /// process (MPI may still write into them); one with no request left is simply dropped.
-  static void orphan(Active&& a) {
-    if (a.requests.empty()) return;
-    static std::mutex m;
-    static auto* kept = new std::vector<Active>();  // never freed, on purpose
-    std::lock_guard lock(m);
-    kept->push_back(std::move(a));
-  }
+  FSDPX_DECL static void orphan(Active&& a);
 
-  void post(std::function<void()> job) {
-    {
-      std::lock_guard lock(mutex_);
-      incoming_.push_back(std::move(job));
-    }
-    cv_.notify_one();
-  }
+  FSDPX_DECL void post(std::function<void()> job);
 
-  void start(MpiTask task, std::shared_ptr<HostWorkState> work) {
-    try {
-      task.health->check(task.context);
-      const auto now = Clock::now();
-      const auto deadline = deadline_after(task.timeout, now), report = next_report_after(task.report_interval, now);
-      Active a{std::move(task), work, {}, now, deadline, report, {}, {}};
-      if (advance(a)) {
-        active_.push_back(std::move(a));
-      } else {
-        orphan(std::move(a));  // a failure with requests posted
-      }
-    } catch (...) {
-      work->set_done(std::current_exception());
-    }
-  }
+  FSDPX_DECL void start(MpiTask task, std::shared_ptr<HostWorkState> work);
 
   /// Posts the next stage. Returns whether the task is still running (false: completed or failed).
-  bool advance(Active& a) {
-    a.requests.clear();
-    a.receives.clear();
-    int rc = MPI_SUCCESS;
-    try {
-      rc = a.task.step(a.requests, a.receives);
-    } catch (...) {
-      fail(a, std::current_exception());
-      return false;
-    }
-    if (rc != MPI_SUCCESS) {
-      fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed: ", mpi_error_string(rc)))));
-      return false;
-    }
-    if (!a.requests.empty()) return true;
-    try {
-      if (a.task.finish) a.task.finish();
-      a.work->set_done();
-    } catch (...) {
-      a.work->set_done(std::current_exception());
-    }
-    return false;
-  }
+  FSDPX_DECL bool advance(Active& a);
 
   /// Statuses for the stage's requests when some receive's size is checked, else MPI_STATUSES_IGNORE.
-  static MPI_Status* statuses_for(Active& a) {
-    if (a.receives.empty()) return MPI_STATUSES_IGNORE;
-    a.statuses.resize(a.requests.size());
-    return a.statuses.data();
-  }
+  FSDPX_DECL static MPI_Status* statuses_for(Active& a);
 
   /// Why a completed stage received another size than it was posted for (none: every size matched).
-  static std::optional<std::string> wrong_receive_size(const Active& a) {
-    for (size_t i = 0; i < a.receives.size() && i < a.statuses.size(); ++i) {
-      const ReceiveSize& want = a.receives[i];
-      if (want.type == MPI_DATATYPE_NULL) continue;
-      int got = 0;
-      MPI_Get_count(&a.statuses[i], want.type, &got);
-      if (got != want.count) {
-        return str("rank ", a.statuses[i].MPI_SOURCE, " of the communicator sent ", got, " elements where ", want.count,
-                   " were expected: the ranks called this collective with different sizes (did they build "
-                   "different models?)");
-      }
-    }
-    return std::nullopt;
-  }
+  FSDPX_DECL static std::optional<std::string> wrong_receive_size(const Active& a);
 
   /// For a stage that failed: a receive whose peer sent more than it was posted for, named.
-  static std::string receive_truncated(const Active& a, int rc) {
-    int rc_class = MPI_SUCCESS;
-    MPI_Error_class(rc, &rc_class);
-    if (rc_class != MPI_ERR_IN_STATUS || a.receives.empty()) return {};
-    for (size_t i = 0; i < a.receives.size() && i < a.statuses.size(); ++i) {
-      int error_class = MPI_SUCCESS;
-      if (a.receives[i].type == MPI_DATATYPE_NULL || a.statuses[i].MPI_ERROR == MPI_SUCCESS) continue;
-      MPI_Error_class(a.statuses[i].MPI_ERROR, &error_class);
-      if (error_class == MPI_ERR_TRUNCATE) {
-        return str(" (rank ", a.statuses[i].MPI_SOURCE, " of the communicator sent more than the ", a.receives[i].count,
-                   " elements expected: the ranks called this collective with different sizes)");
-      }
-    }
-    return {};
-  }
+  FSDPX_DECL static std::string receive_truncated(const Active& a, int rc);
 
-  void fail(Active& a, std::exception_ptr error, bool departure = false) {
-    std::string what;
-    try {
-      std::rethrow_exception(error);
-    } catch (const std::exception& e) {
-      what = e.what();
-    }
-    a.task.health->mark_broken(what);
-    {
-      std::lock_guard lock(mutex_);
-      if (!any_failure_) {
-        first_failure_ = what;
-        first_failure_departure_ = departure;
-      }
-      any_failure_ = true;
-    }
-    a.work->set_done(std::move(error));
-  }
+  FSDPX_DECL void fail(Active& a, std::exception_ptr error, bool departure = false);
 
   /// Tests every active task once. Returns whether any of them moved on.
-  bool poll() {
-    bool progressed = false;
-    const auto now = Clock::now();
-    for (size_t i = 0; i < active_.size();) {
-      Active& a = active_[i];
-      int done = 0;
-      bool running = true;
-      if (a.task.health->broken()) {
-        // A sibling failed: its peers will never match this request either.
-        fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " abandoned: the communicator "
-                                                      "failed earlier: ", a.task.health->cause()))));
-        running = false;
-      } else if (const int rc = MPI_Testall(static_cast<int>(a.requests.size()), a.requests.data(), &done,
-                                            statuses_for(a));
-                 rc != MPI_SUCCESS) {
-        fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed: ", mpi_error_string(rc),
-                                                      receive_truncated(a, rc)))));
-        running = false;
-      } else if (done != 0) {
-        progressed = true;
-        if (auto wrong = wrong_receive_size(a)) {
-          a.requests.clear();  // all complete: nothing of MPI's still points into the buffers
-          fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed: ", *wrong))));
-          running = false;
-        } else {
-          running = advance(a);
-        }
-      } else if (const auto why = a.task.members ? control_.verdict(*a.task.members, a.task.id, now) : std::nullopt) {
-        fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed: ", why->text))),
-             /*departure=*/why->that_rank_reports);
-        running = false;
-      } else if (now >= a.next_report && now < a.deadline) {
-        const std::chrono::duration<double> waited = now - a.started;
-        std::fprintf(stderr,
-                     "fsdpx: %s still waiting after %.1f s (its timeout: %lld ms) for ranks that have not joined it; "
-                     "every rank must call the same collectives in the same order\n",
-                     a.task.context.c_str(), waited.count(), static_cast<long long>(a.task.timeout.count()));
-        std::fflush(stderr);
-        a.next_report = next_report_after(a.task.report_interval, now);
-      } else if (now >= a.deadline) {
-        fail(a, std::make_exception_ptr(TimeoutError(str(
-                    "fsdpx: ", a.task.context, " did not complete within ", a.task.timeout.count(),
-                    " ms: a peer rank exited, crashed, or did not call the same collective (raise "
-                    "CommOptions::timeout or FSDPX_TIMEOUT_MS if it is only slow)"))));
-        running = false;
-      }
-      if (running) {
-        ++i;
-      } else {
-        progressed = true;
-        orphan(std::move(a));  // requests are left only after a failure
-        active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
-      }
-    }
-    return progressed;
-  }
+  FSDPX_DECL bool poll();
 
-  void loop() {
-    // Spin while requests are young (shared-memory transfers need prompt progress), then back off so
-    // an idle wait does not steal a core from the training thread.
-    auto last_progress = Clock::now();
-    for (;;) {
-      std::deque<std::function<void()>> jobs;
-      {
-        std::unique_lock lock(mutex_);
-        const auto wake = [&] { return stopping_ || !incoming_.empty(); };
-        if (active_.empty()) {
-          // Listening for departures needs a look now and then even when idle.
-          if (control_.is_open()) {
-            cv_.wait_for(lock, control_poll_interval, wake);
-          } else {
-            cv_.wait(lock, wake);
-          }
-        }
-        if (stopping_ && incoming_.empty() && (active_.empty() || leaving_failing_)) {
-          const bool failing = leaving_failing_;
-          lock.unlock();
-          if (failing) abandon_active();
-          control_.leave(failing || any_failure());
-          return;
-        }
-        jobs.swap(incoming_);
-      }
-      for (auto& job : jobs) job();
-      // Notices and heartbeats work in seconds: the spin that serves collectives need not test them.
-      bool heard = false;
-      if (const auto now = Clock::now(); now >= next_control_poll_) {
-        heard = control_.poll(now);
-        next_control_poll_ = now + control_poll_spacing;
-      }
-      if (!jobs.empty() || poll() || heard) {
-        last_progress = Clock::now();
-      } else if (Clock::now() - last_progress > std::chrono::microseconds(200)) {
-        std::this_thread::sleep_for(std::chrono::microseconds(20));
-      } else {
-        std::this_thread::yield();
-      }
-    }
-  }
+  FSDPX_DECL void loop();
 
   static constexpr std::chrono::milliseconds control_poll_interval{50};  // idle wake-ups
   static constexpr std::chrono::milliseconds control_poll_spacing{10};   // at most this often otherwise
