@@ -52,7 +52,7 @@ compile() {  # compile <source> <object> [flags...]: prints "wall cpu"
   local src=$1 obj=$2; shift 2
   # shellcheck disable=SC2086
   { time ${CXX:-c++} $defines $includes $cxxflags "$@" -c "$src" -o "$obj" 2>/dev/null; } 2>&1 | tail -1 |
-    awk '{ printf "%.1f %.1f", $1, $2 + $3 }'
+    awk '{ printf "%.1f %.1f\n", $1, $2 + $3 }'
 }
 for ((round = 1; round <= repeat; round++)); do
   for i in "${!names[@]}"; do

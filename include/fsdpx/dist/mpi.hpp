@@ -181,6 +181,7 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
     int rank = 0;
     int size = 1;
     std::shared_ptr<detail::CommHealth> health = std::make_shared<detail::CommHealth>();
+    std::shared_ptr<const std::string> label = std::make_shared<const std::string>(options.name);  // in errors
     std::shared_ptr<const std::vector<int>> members;  // world ranks, sorted: whose departure fails our collectives
     std::uint64_t id;                                   // the same on every member (see derive_comm_id)
     std::shared_ptr<std::atomic<std::uint64_t>> started;  // collectives submitted: each one's sequence number
@@ -195,19 +196,20 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
 
   explicit MpiCommunicator(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
-  std::string context(std::string_view op) const { return detail::op_context(op, name(), rank(), size()); }
+  /// `op`: a string literal.
+  detail::OpContext context(std::string_view op) const { return {op, state_->label, rank(), size()}; }
 
   /// See gather_async.
   static constexpr int64_t gather_piece_bytes = int64_t{4} << 20;
 
-  FSDPX_DECL static int checked_count(const std::string& ctx, int64_t numel);
+  FSDPX_DECL static int checked_count(const detail::OpContext& ctx, int64_t numel);
 
   FSDPX_DECL static bool overlaps(const at::Tensor& a, const at::Tensor& b);
 
-  FSDPX_DECL std::function<void()> average_after(ReduceOp op, const at::Tensor& result) const;
+  FSDPX_DECL detail::MpiTask::Finish average_after(ReduceOp op, const at::Tensor& result) const;
 
-  FSDPX_DECL Work submit(std::string ctx, std::function<int(MPI_Request*)> start, std::function<void()> finish = {});
-  FSDPX_DECL Work submit_steps(std::string ctx, detail::MpiTask::Step step, std::function<void()> finish);
+  FSDPX_DECL Work submit(detail::OpContext ctx, detail::MpiTask::Start start, detail::MpiTask::Finish finish = {});
+  FSDPX_DECL Work submit_steps(detail::OpContext ctx, detail::MpiTask::Step step, detail::MpiTask::Finish finish);
 
   /// out = a (op) b, elementwise; `out` may alias `a`.
   FSDPX_DECL static void combine(ReduceOp op, const at::Tensor& out, const at::Tensor& a, const at::Tensor& b);

@@ -27,7 +27,8 @@ class CommHealth {
     return cause_;
   }
   /// Throws CommError naming the operation and the original cause when the communicator is broken.
-  void check(const std::string& context) const {
+  template <class Context>
+  void check(const Context& context) const {
     if (broken_.load()) [[unlikely]] {
       throw CommError(str("fsdpx: ", context,
                                            " refused: the communicator is unusable after an earlier failure: ",

@@ -30,6 +30,8 @@
 #include <thread>
 #include <vector>
 
+#include <fsdpx/detail/inplace_function.hpp>
+#include <fsdpx/dist/detail/checks.hpp>
 #include <fsdpx/dist/detail/health.hpp>
 #include <fsdpx/dist/detail/mpi_control.hpp>
 #include <fsdpx/dist/types.hpp>
@@ -56,12 +58,16 @@ struct ReceiveSize {
 /// first stage and again each time all requests of the current stage complete; it posts the next
 /// stage's requests (or none, when the collective is done), says for each what it must receive (the
 /// engine checks it when the stage completes; empty: nothing to check) and returns an MPI error code.
+/// Its closures live inside the task (InplaceFunction): submitting a collective does not allocate.
 struct MpiTask {
-  using Step = std::function<int(std::vector<MPI_Request>&, std::vector<ReceiveSize>&)>;
-  std::string context;      // op_context(): names op, communicator, rank
+  using Step = ::fsdpx::detail::InplaceFunction<int(std::vector<MPI_Request>&, std::vector<ReceiveSize>&), 192>;
+  using Start = ::fsdpx::detail::InplaceFunction<int(MPI_Request*), 64>;  // one nonblocking call
+  using Finish = ::fsdpx::detail::InplaceFunction<void(), 32>;
+
+  OpContext context;
   Step step;
-  std::function<void()> finish;  // runs on completion (e.g. divide for avg); may be empty
-  std::chrono::milliseconds timeout;
+  Finish finish;  // runs on completion (e.g. divide for avg); may be empty
+  std::chrono::milliseconds timeout{};
   std::shared_ptr<CommHealth> health;
   /// World ranks of the task's communicator, sorted; null: unknown (departures are not applied).
   std::shared_ptr<const std::vector<int>> members;
@@ -69,7 +75,6 @@ struct MpiTask {
   std::chrono::milliseconds report_interval{std::chrono::minutes(1)};
 
   /// A stage list of one nonblocking call.
-  template <class Start>
   static Step single(Start start) {
     return [start = std::move(start), started = false](std::vector<MPI_Request>& requests,
                                                        std::vector<ReceiveSize>&) mutable {
@@ -79,6 +84,67 @@ struct MpiTask {
       return start(&requests.back());
     };
   }
+};
+
+/// Work states for the engine's collectives, recycled: a finished collective's block serves the next
+/// one, so a warm engine hands out Work handles without allocating. Blocks may be returned by a Work
+/// a user keeps after every communicator is gone, so the free list lives as long as the process.
+class WorkStatePool {
+ public:
+  static std::shared_ptr<HostWorkState> make() {
+    return std::allocate_shared<HostWorkState>(Allocator<HostWorkState>{});
+  }
+
+ private:
+  static constexpr std::size_t max_free = 256;  // more collectives than this in flight: plain new/delete
+
+  struct FreeList {
+    std::mutex mutex;
+    std::vector<void*> blocks;
+  };
+
+  /// One list per block type (in practice one: shared_ptr's control block holding a HostWorkState).
+  template <class T>
+  static FreeList& free_list() {
+    static auto* list = new FreeList();  // never destroyed, on purpose (see the class comment)
+    return *list;
+  }
+
+  template <class T>
+  struct Allocator {
+    using value_type = T;
+    Allocator() = default;
+    template <class U>
+    Allocator(const Allocator<U>&) noexcept {}  // NOLINT(google-explicit-constructor): rebinding
+    T* allocate(std::size_t n) {
+      if (n == 1) {
+        FreeList& list = free_list<T>();
+        std::lock_guard lock(list.mutex);
+        if (!list.blocks.empty()) {
+          void* block = list.blocks.back();
+          list.blocks.pop_back();
+          return static_cast<T*>(block);
+        }
+      }
+      return std::allocator<T>().allocate(n);
+    }
+    void deallocate(T* p, std::size_t n) noexcept {
+      if (n == 1) {
+        FreeList& list = free_list<T>();
+        std::lock_guard lock(list.mutex);
+        if (list.blocks.size() < max_free) {
+          if (list.blocks.capacity() == 0) list.blocks.reserve(max_free);  // allocates once, then never
+          list.blocks.push_back(p);
+          return;
+        }
+      }
+      std::allocator<T>().deallocate(p, n);
+    }
+    template <class U>
+    bool operator==(const Allocator<U>&) const noexcept {
+      return true;
+    }
+  };
 };
 
 class MpiEngine {
@@ -144,9 +210,14 @@ class MpiEngine {
   /// process (MPI may still write into them); one with no request left is simply dropped.
   FSDPX_DECL static void orphan(Active&& a);
 
+  /// Queues `job` for run(): rare (communicator creation and teardown), so a std::function is fine.
   FSDPX_DECL void post(std::function<void()> job);
 
   FSDPX_DECL void start(MpiTask task, std::shared_ptr<HostWorkState> work);
+
+  /// A task that left MPI: failed with requests still posted, it is kept for the rest of the process
+  /// (orphan); otherwise its slot, with the request lists' capacity, serves a later task.
+  FSDPX_DECL void retire(Active&& a);
 
   /// Posts the next stage. Returns whether the task is still running (false: completed or failed).
   FSDPX_DECL bool advance(Active& a);
@@ -169,10 +240,19 @@ class MpiEngine {
 
   static constexpr std::chrono::milliseconds control_poll_interval{50};  // idle wake-ups
   static constexpr std::chrono::milliseconds control_poll_spacing{10};   // at most this often otherwise
+  static constexpr std::size_t max_spare = 64;  // retired task slots kept for reuse
 
   mutable std::mutex mutex_;
   std::condition_variable cv_;
-  std::deque<std::function<void()>> incoming_;
+  struct Submission {
+    MpiTask task;
+    std::shared_ptr<HostWorkState> work;
+  };
+  std::vector<Submission> submissions_;    // guarded by mutex_; swapped with taken_ (both keep capacity)
+  std::deque<std::function<void()>> jobs_;  // guarded by mutex_: run()'s
+  std::vector<Submission> taken_;           // engine thread only
+  std::deque<std::function<void()>> taken_jobs_;  // engine thread only
+  std::vector<Active> spare_;               // engine thread only: retired slots, for start() to reuse
   bool stopping_ = false;
   bool leaving_failing_ = false;
   bool any_failure_ = false;

@@ -10,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <fsdpx/dist/detail/checks.hpp>
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
 
@@ -62,7 +63,7 @@ class MpiTypes {
     }
   }
 
-  static MPI_Datatype datatype(const std::string& ctx, at::ScalarType dtype) {
+  static MPI_Datatype datatype(const OpContext& ctx, at::ScalarType dtype) {
     switch (dtype) {
       case at::kFloat: return MPI_FLOAT;
       case at::kDouble: return MPI_DOUBLE;
@@ -80,7 +81,7 @@ class MpiTypes {
   }
 
   /// The MPI op that implements `op` (avg is a sum followed by a division).
-  MPI_Op reduction(const std::string& ctx, ReduceOp op, at::ScalarType dtype) const {
+  MPI_Op reduction(const OpContext& ctx, ReduceOp op, at::ScalarType dtype) const {
     FSDPX_CHECK(dtype != at::kBool, ctx, ": reductions over bool tensors are not supported");
     const bool half = dtype == at::kBFloat16 || dtype == at::kHalf;
     switch (op) {

@@ -3,6 +3,8 @@
 // fsdpx/detail/config.hpp).
 #pragma once
 
+#include <cstring>
+
 #include <fsdpx/dist/mpi.hpp>
 
 namespace fsdpx::dist::detail {
@@ -193,7 +195,7 @@ FSDPX_DECL void MpiEngine::abandon_active() {
   for (Active& a : active_) {
     fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context,
                                                   " abandoned: this rank is ending after an error"))));
-    orphan(std::move(a));
+    retire(std::move(a));
   }
   active_.clear();
 }
@@ -210,16 +212,36 @@ FSDPX_DECL void MpiEngine::start(MpiTask task, std::shared_ptr<HostWorkState> wo
   try {
     task.health->check(task.context);
     const auto now = Clock::now();
-    const auto deadline = deadline_after(task.timeout, now), report = next_report_after(task.report_interval, now);
-    Active a{std::move(task), work, {}, now, deadline, report, {}, {}};
+    Active a;
+    if (!spare_.empty()) {
+      a = std::move(spare_.back());
+      spare_.pop_back();
+    }
+    a.deadline = deadline_after(task.timeout, now);
+    a.next_report = next_report_after(task.report_interval, now);
+    a.started = now;
+    a.task = std::move(task);
+    a.work = std::move(work);
     if (advance(a)) {
       active_.push_back(std::move(a));
     } else {
-      orphan(std::move(a));  // a failure with requests posted
+      retire(std::move(a));
     }
   } catch (...) {
     work->set_done(std::current_exception());
   }
+}
+
+FSDPX_DECL void MpiEngine::retire(Active&& a) {
+  if (!a.requests.empty()) {
+    orphan(std::move(a));  // failed with requests inside MPI
+    return;
+  }
+  a.task = MpiTask{};  // releases the captured tensors now
+  a.work.reset();
+  a.receives.clear();
+  a.statuses.clear();
+  if (spare_.size() < max_spare) spare_.push_back(std::move(a));
 }
 
 FSDPX_DECL bool MpiEngine::advance(Active& a) {
@@ -332,7 +354,7 @@ FSDPX_DECL bool MpiEngine::poll() {
       std::fprintf(stderr,
                    "fsdpx: %s still waiting after %.1f s (its timeout: %lld ms) for ranks that have not joined it; "
                    "every rank must call the same collectives in the same order\n",
-                   a.task.context.c_str(), waited.count(), static_cast<long long>(a.task.timeout.count()));
+                   str(a.task.context).c_str(), waited.count(), static_cast<long long>(a.task.timeout.count()));
       std::fflush(stderr);
       a.next_report = next_report_after(a.task.report_interval, now);
     } else if (now >= a.deadline) {
@@ -346,7 +368,7 @@ FSDPX_DECL bool MpiEngine::poll() {
       ++i;
     } else {
       progressed = true;
-      orphan(std::move(a));  // requests are left only after a failure
+      retire(std::move(a));
       active_.erase(active_.begin() + static_cast<std::ptrdiff_t>(i));
     }
   }
@@ -358,10 +380,9 @@ FSDPX_DECL void MpiEngine::loop() {
   // an idle wait does not steal a core from the training thread.
   auto last_progress = Clock::now();
   for (;;) {
-    std::deque<std::function<void()>> jobs;
     {
       std::unique_lock lock(mutex_);
-      const auto wake = [&] { return stopping_ || !incoming_.empty(); };
+      const auto wake = [&] { return stopping_ || !submissions_.empty() || !jobs_.empty(); };
       if (active_.empty()) {
         // Listening for departures needs a look now and then even when idle.
         if (control_.is_open()) {
@@ -370,23 +391,29 @@ FSDPX_DECL void MpiEngine::loop() {
           cv_.wait(lock, wake);
         }
       }
-      if (stopping_ && incoming_.empty() && (active_.empty() || leaving_failing_)) {
+      if (stopping_ && submissions_.empty() && jobs_.empty() && (active_.empty() || leaving_failing_)) {
         const bool failing = leaving_failing_;
         lock.unlock();
         if (failing) abandon_active();
         control_.leave(failing || any_failure());
         return;
       }
-      jobs.swap(incoming_);
+      taken_.swap(submissions_);
+      if (!jobs_.empty()) taken_jobs_.swap(jobs_);  // an empty swap would cost the deque's allocation
     }
-    for (auto& job : jobs) job();
+    // Collectives first: a job (freeing a communicator, say) must not overtake one submitted before it.
+    const bool took = !taken_.empty() || !taken_jobs_.empty();
+    for (Submission& s : taken_) start(std::move(s.task), std::move(s.work));
+    taken_.clear();
+    for (auto& job : taken_jobs_) job();
+    taken_jobs_.clear();
     // Notices and heartbeats work in seconds: the spin that serves collectives need not test them.
     bool heard = false;
     if (const auto now = Clock::now(); now >= next_control_poll_) {
       heard = control_.poll(now);
       next_control_poll_ = now + control_poll_spacing;
     }
-    if (!jobs.empty() || poll() || heard) {
+    if (took || poll() || heard) {
       last_progress = Clock::now();
     } else if (Clock::now() - last_progress > std::chrono::microseconds(200)) {
       std::this_thread::sleep_for(std::chrono::microseconds(20));
@@ -430,9 +457,13 @@ FSDPX_DECL std::optional<int> MpiControl::neighbour(int direction) const {
 }
 
 FSDPX_DECL Work MpiEngine::submit(MpiTask task) {
-  auto work = std::make_shared<HostWorkState>();
-  post([this, task = std::move(task), work]() mutable { start(std::move(task), std::move(work)); });
-  return Work(work);
+  auto work = WorkStatePool::make();
+  {
+    std::lock_guard lock(mutex_);
+    submissions_.push_back({std::move(task), work});
+  }
+  cv_.notify_one();
+  return Work(std::move(work));
 }
 
 FSDPX_DECL bool MpiEngine::any_failure() const {
@@ -453,7 +484,7 @@ FSDPX_DECL bool MpiEngine::first_failure_was_departure() const {
 FSDPX_DECL void MpiEngine::post(std::function<void()> job) {
   {
     std::lock_guard lock(mutex_);
-    incoming_.push_back(std::move(job));
+    jobs_.push_back(std::move(job));
   }
   cv_.notify_one();
 }
@@ -535,7 +566,7 @@ FSDPX_DECL MpiCommunicator MpiCommunicator::world(CommOptions options) {
   });
   // A bounded barrier first: MPI_Comm_dup blocks without a deadline if a rank never arrives.
   runtime->engine()
-      .submit({detail::op_context("join", options.name, world_rank, world_size),
+      .submit({detail::OpContext{"join", std::make_shared<const std::string>(options.name), world_rank, world_size},
                detail::MpiTask::single([](MPI_Request* r) { return MPI_Ibarrier(MPI_COMM_WORLD, r); }), {},
                options.timeout,
                std::make_shared<detail::CommHealth>(), all_ranks(world_size), detail::CollectiveId{}, options.report_interval})
@@ -568,24 +599,28 @@ FSDPX_DECL Work MpiCommunicator::all_gather_async(at::Tensor output, const at::T
   const int count = checked_count(ctx, input.numel());
   const int W = size(), r = rank(), tag = next_tag();
   const auto mod = [W](int c) { return ((c % W) + W) % W; };
+  // Slots as addresses, not tensor views: a view is a heap allocation, and this runs per unit per step.
+  // The step keeps `output` and `input` alive until the collective ends.
+  const auto bytes = static_cast<std::size_t>(input.nbytes());
+  const auto slot = [base = static_cast<char*>(output.data_ptr()), bytes](int c) { return base + c * bytes; };
   // In place when the input already is this rank's slot of the output (FSDP's copy-in layout).
-  const auto slot = [flat = output.view({-1}), n = input.numel()](int c) { return flat.narrow(0, c * n, n); };
-  const bool in_place = input.const_data_ptr() == slot(r).const_data_ptr();
+  const bool in_place = input.const_data_ptr() == slot(r);
   FSDPX_CHECK(in_place || !overlaps(output, input), ctx,
               ": the input overlaps the output but is not this rank's slot of it");
   // Stage s forwards slot r-s to rank r+1 and receives slot r-s-1 from rank r-1.
-  auto step = [=, comm = native_handle(), stage = 0](std::vector<MPI_Request>& requests,
-                                                     std::vector<detail::ReceiveSize>& receives) mutable {
-    if (stage == 0 && !in_place) slot(r).copy_(input.view({-1}));
+  auto step = [=, comm = native_handle(), stage = 0, keep_output = output](
+                  std::vector<MPI_Request>& requests, std::vector<detail::ReceiveSize>& receives) mutable {
+    if (stage == 0 && !in_place && bytes > 0) std::memcpy(slot(r), input.const_data_ptr(), bytes);
     if (stage == W - 1) return MPI_SUCCESS;
-    const at::Tensor send = slot(mod(r - stage)), recv = slot(mod(r - stage - 1));
+    char* const send = slot(mod(r - stage));
+    char* const recv = slot(mod(r - stage - 1));
     ++stage;
     requests.resize(2, MPI_REQUEST_NULL);
     receives = {{type, count}, {}};
-    if (const int rc = MPI_Irecv(recv.data_ptr(), count, type, mod(r - 1), tag, comm, &requests[0]); rc != MPI_SUCCESS) {
+    if (const int rc = MPI_Irecv(recv, count, type, mod(r - 1), tag, comm, &requests[0]); rc != MPI_SUCCESS) {
       return rc;
     }
-    return MPI_Isend(send.const_data_ptr(), count, type, mod(r + 1), tag, comm, &requests[1]);
+    return MPI_Isend(send, count, type, mod(r + 1), tag, comm, &requests[1]);
   };
   return submit_steps(ctx, std::move(step), {});
 }
@@ -761,8 +796,8 @@ FSDPX_DECL bool MpiCommunicator::overlaps(const at::Tensor& a, const at::Tensor&
   return a.nbytes() > 0 && b.nbytes() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
-FSDPX_DECL Work MpiCommunicator::submit_steps(std::string ctx, detail::MpiTask::Step step,
-    std::function<void()> finish) {
+FSDPX_DECL Work MpiCommunicator::submit_steps(detail::OpContext ctx, detail::MpiTask::Step step,
+    detail::MpiTask::Finish finish) {
   return state_->runtime->engine().submit(
       {std::move(ctx), std::move(step), std::move(finish), state_->options.timeout, state_->health, state_->members,
        detail::CollectiveId{state_->id, ++*state_->started}, state_->options.report_interval});
@@ -794,19 +829,19 @@ FSDPX_DECL std::shared_ptr<const std::vector<int>> MpiCommunicator::all_ranks(in
   return std::make_shared<const std::vector<int>>(std::move(ranks));
 }
 
-FSDPX_DECL int MpiCommunicator::checked_count(const std::string& ctx, int64_t numel) {
+FSDPX_DECL int MpiCommunicator::checked_count(const detail::OpContext& ctx, int64_t numel) {
   FSDPX_CHECK(numel <= INT_MAX, ctx, ": ", numel, " elements exceed MPI's int count limit (", INT_MAX,
               "); split the tensor");
   return static_cast<int>(numel);
 }
 
-FSDPX_DECL std::function<void()> MpiCommunicator::average_after(ReduceOp op, const at::Tensor& result) const {
+FSDPX_DECL detail::MpiTask::Finish MpiCommunicator::average_after(ReduceOp op, const at::Tensor& result) const {
   if (op != ReduceOp::avg) return {};
   return [result, n = size()]() mutable { result.div_(n); };
 }
 
-FSDPX_DECL Work MpiCommunicator::submit(std::string ctx, std::function<int(MPI_Request*)> start,
-    std::function<void()> finish) {
+FSDPX_DECL Work MpiCommunicator::submit(detail::OpContext ctx, detail::MpiTask::Start start,
+    detail::MpiTask::Finish finish) {
   return submit_steps(std::move(ctx), detail::MpiTask::single(std::move(start)), std::move(finish));
 }
 
