@@ -196,8 +196,7 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
 
   explicit MpiCommunicator(std::shared_ptr<State> state) : state_(std::move(state)) {}
 
-  /// `op`: a string literal.
-  detail::OpContext context(std::string_view op) const { return {op, state_->label, rank(), size()}; }
+  detail::OpContext context(std::string_view op) const { return {std::string(op), state_->label, rank(), size()}; }
 
   /// See gather_async.
   static constexpr int64_t gather_piece_bytes = int64_t{4} << 20;

@@ -17,6 +17,7 @@
 #include <nccl.h>
 
 #include <array>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
@@ -54,12 +55,15 @@
 namespace fsdpx::dist {
 namespace detail {
 
-inline void check_cuda(cudaError_t e, const std::string& ctx) {
-  FSDPX_CHECK_AS(CommError, e == cudaSuccess, ctx, " failed: CUDA error ", cudaGetErrorName(e), ": ",
+/// `ctx` (an OpContext, or text) and `step` make the message only when `e` is an error.
+template <class Context>
+inline void check_cuda(cudaError_t e, const Context& ctx, std::string_view step = {}) {
+  FSDPX_CHECK_AS(CommError, e == cudaSuccess, ctx, step, " failed: CUDA error ", cudaGetErrorName(e), ": ",
                  cudaGetErrorString(e));
 }
 
-inline ncclDataType_t nccl_dtype(const std::string& ctx, at::ScalarType dtype) {
+template <class Context>
+inline ncclDataType_t nccl_dtype(const Context& ctx, at::ScalarType dtype) {
   switch (dtype) {
     case at::kFloat: return ncclFloat32;
     case at::kDouble: return ncclFloat64;
@@ -143,12 +147,27 @@ class NcclCommState {
   int size() const { return size_; }
   const CommOptions& options() const { return options_; }
   const std::shared_ptr<CommHealth>& health() const { return health_; }
-  std::string context(std::string_view op) const { return op_context(op, options_.name, rank_, size_); }
+  OpContext context(std::string op) const { return {std::move(op), label_, rank_, size_}; }
+
+  /// A CUDA event for a collective's ready or done mark, reused: an event is free again once only
+  /// this pool holds it (no Work, no watchdog entry refers to it). Re-recording an event a stream
+  /// already waits on is safe: cudaStreamWaitEvent waits for the record made before it was called.
+  /// Call it with the communicator's device current.
+  std::shared_ptr<CudaEvent> acquire_event() {
+    std::lock_guard lock(events_mutex_);
+    for (const auto& event : events_) {
+      if (event.use_count() == 1) {
+        std::atomic_thread_fence(std::memory_order_acquire);  // after the last holder's use of it
+        return event;
+      }
+    }
+    return events_.emplace_back(std::make_shared<CudaEvent>());
+  }
 
   /// Holds off the watchdog's abort while this thread calls NCCL on the communicator (ncclCommAbort
   /// must not run beside another call on it), and refuses once it was aborted. Recursive: a call
   /// that fails aborts from inside.
-  [[nodiscard]] std::unique_lock<std::recursive_mutex> lock_calls(const std::string& ctx) {
+  [[nodiscard]] std::unique_lock<std::recursive_mutex> lock_calls(const OpContext& ctx) {
     std::unique_lock calls(calls_mutex_);
     if (aborted_) {
       throw CommError(health_->broken() ? health_->cause() : detail::str("fsdpx: ", ctx, ": the communicator was aborted"));
@@ -158,24 +177,25 @@ class NcclCommState {
 
   /// Nonblocking communicators may answer ncclInProgress; wait (bounded) until the call settled.
   /// Call it holding lock_calls().
-  void settle(ncclResult_t result, const std::string& ctx) {
+  void settle(ncclResult_t result, const OpContext& ctx, std::string_view step = {}) {
     const auto deadline = deadline_after(options_.timeout);
     while (result == ncclInProgress) {
       if (std::chrono::steady_clock::now() > deadline) {
-        fail(detail::str("fsdpx: ", ctx, " did not complete within ", options_.timeout.count(), " ms"));
+        fail(detail::str("fsdpx: ", ctx, step, " did not complete within ", options_.timeout.count(), " ms"));
         throw TimeoutError(health_->cause());
       }
       std::this_thread::yield();
       ncclCommGetAsyncError(comm_, &result);
     }
     if (result != ncclSuccess) {
-      fail(detail::str("fsdpx: ", ctx, " failed: ", ncclGetErrorString(result), " (", ncclGetLastError(comm_), ")"));
+      fail(detail::str("fsdpx: ", ctx, step, " failed: ", ncclGetErrorString(result), " (", ncclGetLastError(comm_),
+                       ")"));
       throw CommError(health_->cause());
     }
   }
 
   /// Hands a launched collective to the watchdog.
-  void watch(std::shared_ptr<CudaEvent> done, std::string ctx) {
+  void watch(std::shared_ptr<CudaEvent> done, OpContext ctx) {
     {
       std::lock_guard lock(mutex_);
       pending_.push_back({std::move(done), deadline_after(options_.timeout), std::move(ctx)});
@@ -194,7 +214,7 @@ class NcclCommState {
   struct Pending {
     std::shared_ptr<CudaEvent> done;
     std::chrono::steady_clock::time_point deadline;
-    std::string context;
+    OpContext context;
   };
 
   void abort_once() {
@@ -220,7 +240,7 @@ class NcclCommState {
       }
       lock.lock();
       if (async != ncclSuccess && async != ncclInProgress) {
-        const std::string ctx = pending_.empty() ? context("communicator") : pending_.front().context;
+        const OpContext ctx = pending_.empty() ? context("communicator") : pending_.front().context;
         lock.unlock();
         fail(detail::str("fsdpx: ", ctx, " failed asynchronously: ", ncclGetErrorString(async), " (",
                          ncclGetLastError(comm_), ")"));
@@ -243,6 +263,9 @@ class NcclCommState {
   int size_ = 1;
   cudaStream_t stream_ = nullptr;
   std::shared_ptr<CommHealth> health_ = std::make_shared<CommHealth>();
+  std::shared_ptr<const std::string> label_ = std::make_shared<const std::string>(options_.name);  // in errors
+  std::mutex events_mutex_;
+  std::vector<std::shared_ptr<CudaEvent>> events_;  // acquire_event()'s pool
   std::recursive_mutex calls_mutex_;  // NCCL calls on comm_ and its abort never overlap
   bool aborted_ = false;
   std::mutex mutex_;
@@ -256,7 +279,7 @@ class NcclCommState {
 class NcclWorkState final : public WorkState {
  public:
   NcclWorkState(std::shared_ptr<NcclCommState> comm, std::shared_ptr<CudaEvent> done,
-                std::vector<at::Tensor> tensors, std::string ctx)
+                std::vector<at::Tensor> tensors, OpContext ctx)
       : comm_(std::move(comm)), done_(std::move(done)), tensors_(std::move(tensors)), context_(std::move(ctx)) {}
   ~NcclWorkState() override {
     // Never waited: the tensors may only go back to the allocator once NCCL is done with them.
@@ -267,7 +290,7 @@ class NcclWorkState final : public WorkState {
     comm_->health()->check(context_);
     c10::cuda::CUDAGuard guard(comm_->device());
     const auto caller = c10::cuda::getCurrentCUDAStream(comm_->device());
-    check_cuda(cudaStreamWaitEvent(caller.stream(), done_->get(), 0), context_ + " wait");
+    check_cuda(cudaStreamWaitEvent(caller.stream(), done_->get(), 0), context_, " wait");
     // The caller's stream now runs after the collective: its allocator pool may reuse these blocks.
     std::lock_guard lock(mutex_);
     tensors_.clear();
@@ -278,7 +301,7 @@ class NcclWorkState final : public WorkState {
     // after the wait then names the timeout.
     const cudaError_t synced = cudaEventSynchronize(done_->get());
     comm_->health()->check(context_);  // first: a timeout or NCCL error is the cause of a failed sync
-    check_cuda(synced, context_ + " wait");
+    check_cuda(synced, context_, " wait");
     std::lock_guard lock(mutex_);
     tensors_.clear();
   }
@@ -289,7 +312,7 @@ class NcclWorkState final : public WorkState {
   std::shared_ptr<CudaEvent> done_;
   std::mutex mutex_;
   std::vector<at::Tensor> tensors_;
-  std::string context_;
+  OpContext context_;
 };
 
 }  // namespace detail
@@ -492,25 +515,27 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
 
   /// Launches a batch after the caller's current stream's pending work; one Work for all of it.
   Work launch(NcclBatch batch) {
-    const auto ctx = context(batch.names.empty() ? "empty batch" : batch.names);
+    const auto ctx = context(batch.names.empty() ? std::string("empty batch") : std::move(batch.names));
     state_->health()->check(ctx);
     c10::cuda::CUDAGuard guard(device());
     const auto caller = c10::cuda::getCurrentCUDAStream(device());
-    const detail::CudaEvent ready;  // destroying it after the wait is enqueued is allowed
-    detail::check_cuda(cudaEventRecord(ready.get(), caller.stream()), ctx + " (record ready)");
-    detail::check_cuda(cudaStreamWaitEvent(stream(), ready.get(), 0), ctx + " (wait ready)");
+    {
+      const auto ready = state_->acquire_event();  // back to the pool once the wait is enqueued
+      detail::check_cuda(cudaEventRecord(ready->get(), caller.stream()), ctx, " (record ready)");
+      detail::check_cuda(cudaStreamWaitEvent(stream(), ready->get(), 0), ctx, " (wait ready)");
+    }
     {
       const auto calls = state_->lock_calls(ctx);  // released before watch(): it takes the watchdog's lock
       if (batch.launches.size() == 1) {
         state_->settle(batch.launches.front()(native_handle(), stream()), ctx);
       } else if (!batch.launches.empty()) {
-        state_->settle(ncclGroupStart(), ctx + " (group start)");
+        state_->settle(ncclGroupStart(), ctx, " (group start)");
         for (auto& l : batch.launches) state_->settle(l(native_handle(), stream()), ctx);
-        state_->settle(ncclGroupEnd(), ctx + " (group end)");
+        state_->settle(ncclGroupEnd(), ctx, " (group end)");
       }
     }
-    auto done = std::make_shared<detail::CudaEvent>();
-    detail::check_cuda(cudaEventRecord(done->get(), stream()), ctx + " (record done)");
+    auto done = state_->acquire_event();
+    detail::check_cuda(cudaEventRecord(done->get(), stream()), ctx, " (record done)");
     state_->watch(done, ctx);
     return Work(std::make_shared<detail::NcclWorkState>(state_, std::move(done), std::move(batch.tensors), ctx));
   }
@@ -576,20 +601,21 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
  private:
   explicit NcclCommunicator(std::shared_ptr<detail::NcclCommState> state) : state_(std::move(state)) {}
 
-  std::string context(std::string_view op) const { return state_->context(op); }
+  detail::OpContext context(std::string_view op) const { return state_->context(std::string(op)); }
 
-  void check_device(const std::string& ctx, const at::Tensor& t) const {
+  void check_device(const detail::OpContext& ctx, const at::Tensor& t) const {
     FSDPX_CHECK(t.device().index() == device(), ctx, ": tensor is on ", t.device(), " but the communicator uses cuda:",
                 static_cast<int>(device()));
   }
-  void check_pair(const std::string& ctx, const at::Tensor& output, const at::Tensor& input) const {
+  void check_pair(const detail::OpContext& ctx, const at::Tensor& output, const at::Tensor& input) const {
     detail::check_tensor(ctx, "output", output, device_type());
     detail::check_tensor(ctx, "input", input, device_type());
     detail::check_same_dtype(ctx, output, input);
     check_device(ctx, output);
   }
   static void note(NcclBatch& batch, std::string_view op, std::initializer_list<at::Tensor> tensors) {
-    batch.names += detail::str(batch.names.empty() ? "" : "+", op);
+    if (!batch.names.empty()) batch.names += '+';
+    batch.names += op;
     batch.tensors.insert(batch.tensors.end(), tensors.begin(), tensors.end());
   }
 

@@ -29,9 +29,10 @@ inline std::string op_context(std::string_view op, std::string_view comm_name, i
 }
 
 /// Names a collective in its errors, as op_context() does, without building the text: a collective
-/// carries one, and the words are written only when an error or a report needs them.
+/// carries one, and the words are written only when an error or a report needs them. `op` is short
+/// ("all_gather", within std::string's inline capacity), so carrying one does not allocate.
 struct OpContext {
-  std::string_view op;                            // a string literal
+  std::string op;
   std::shared_ptr<const std::string> comm_name;  // the communicator's, shared by its collectives
   int rank = 0;
   int size = 1;

@@ -132,13 +132,21 @@ class WorkStatePool {
       if (n == 1) {
         FreeList& list = free_list<T>();
         std::lock_guard lock(list.mutex);
-        if (list.blocks.size() < max_free) {
-          if (list.blocks.capacity() == 0) list.blocks.reserve(max_free);  // allocates once, then never
+        if (list.blocks.size() < max_free && reserve_once(list)) {
           list.blocks.push_back(p);
           return;
         }
       }
       std::allocator<T>().deallocate(p, n);
+    }
+    /// The list's room for max_free blocks, taken on first use (the only allocation the pool makes).
+    static bool reserve_once(FreeList& list) noexcept {
+      try {
+        if (list.blocks.capacity() < max_free) list.blocks.reserve(max_free);
+        return true;
+      } catch (...) {
+        return false;  // no room: the block is freed instead of kept
+      }
     }
     template <class U>
     bool operator==(const Allocator<U>&) const noexcept {

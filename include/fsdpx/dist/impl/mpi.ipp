@@ -221,7 +221,7 @@ FSDPX_DECL void MpiEngine::start(MpiTask task, std::shared_ptr<HostWorkState> wo
     a.next_report = next_report_after(task.report_interval, now);
     a.started = now;
     a.task = std::move(task);
-    a.work = std::move(work);
+    a.work = work;  // `work` stays ours: a throw below still completes it
     if (advance(a)) {
       active_.push_back(std::move(a));
     } else {
