@@ -65,7 +65,7 @@ int run_cuda(const std::string& mode, const GptConfig& config, int64_t batch, in
                               fsdpx::WrapModules<BlockImpl>>;
   std::unique_ptr<Sharded> sharded;
   if (mode == "fsdpx-cuda") {
-    sharded = std::make_unique<Sharded>(model, fsdpx::dist::NcclCommunicator::world());
+    sharded = std::make_unique<Sharded>(model, fsdpx::dist::nccl_world());
     optimizer = std::make_unique<torch::optim::AdamW>(fsdpx::make_adamw(*sharded, options));
     step = [&] {
       optimizer->zero_grad();

@@ -41,6 +41,21 @@ FOLDERS = {"detail": "base", "memory": "memory", "policies": "policies", "dist":
            "checkpoint": "checkpoint", "sync": "sync", "models": "models",
            "impl": "umbrella"}  # impl/src.hpp: the separately compiled part, every layer's .ipp files
 
+# Backends are peers inside dist: one backend's files never include another's. Only the launcher
+# header, which picks how a world starts, knows several (dist/launch.hpp: NCCL bootstrapped over MPI).
+BACKENDS = {
+    "mpi": ("fsdpx/dist/mpi.hpp", "fsdpx/dist/impl/mpi.ipp", "fsdpx/dist/detail/mpi_"),
+    "nccl": ("fsdpx/dist/nccl.hpp",),
+}
+
+
+def backend_of(relative):
+    for name, prefixes in BACKENDS.items():
+        if any(relative == p or (p.endswith("_") and relative.startswith(p)) for p in prefixes):
+            return name
+    return None
+
+
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](fsdpx/[^>"]+)[>"]', re.MULTILINE)
 
 
@@ -73,6 +88,10 @@ def check(include_dir):
             elif theirs != mine and theirs not in ALLOWED[mine]:
                 problems.append(f"{relative} ({mine}) includes {target} ({theirs}): {mine} may include only "
                                 f"{', '.join(sorted(ALLOWED[mine])) or 'nothing of fsdpx'} besides itself")
+            elif backend_of(relative) and backend_of(target) and backend_of(relative) != backend_of(target):
+                problems.append(f"{relative} ({backend_of(relative)} backend) includes {target} "
+                                f"({backend_of(target)} backend): backends are peers; a header that needs both "
+                                "belongs with the launcher (dist/launch.hpp)")
     return problems
 
 
@@ -88,10 +107,16 @@ def self_test():
         (root / "fsdpx/dist/mesh.hpp").write_text("#include <fsdpx/core/unit.hpp>\n")  # upward
         found = check(root)
         assert len(found) == 1 and "fsdpx/dist/mesh.hpp (dist) includes fsdpx/core/unit.hpp (core)" in found[0], found
+        (root / "fsdpx/dist/mesh.hpp").write_text("#include <fsdpx/error.hpp>\n")
+        (root / "fsdpx/dist/mpi.hpp").write_text("#include <fsdpx/error.hpp>\n")
+        (root / "fsdpx/dist/nccl.hpp").write_text("#include <fsdpx/dist/mpi.hpp>\n")  # a peer backend
+        found = check(root)
+        assert len(found) == 1 and "backends are peers" in found[0], found
+        (root / "fsdpx/dist/nccl.hpp").write_text("#include <fsdpx/error.hpp>\n")
         (root / "fsdpx/newlayer").mkdir()
         (root / "fsdpx/newlayer/x.hpp").write_text("\n")
         assert any("in no layer" in p for p in check(root))
-    print("check_layers self-test: an upward include and an unplaced header are found")
+    print("check_layers self-test: an upward include, a backend including another and an unplaced header are found")
 
 
 def main(argv):

@@ -34,7 +34,7 @@ inline World init_world() {
     const auto env = fsdpx::dist::detect_launch_env();
     const auto index = static_cast<c10::DeviceIndex>(env.local_rank);
     c10::cuda::set_device(index);
-    return {fsdpx::dist::NcclCommunicator::world(), c10::Device(c10::kCUDA, index)};
+    return {fsdpx::dist::nccl_world(), c10::Device(c10::kCUDA, index)};
   }
 #endif
 #if defined(FSDPX_WITH_MPI)
@@ -43,7 +43,7 @@ inline World init_world() {
 #else
   FSDPX_CHECK(false, "this example was built without MPI, so it needs a GPU (NCCL), and none is visible",
                      cpu_only ? " (FSDPX_EXAMPLE_DEVICE=cpu)" : "");
-  return {fsdpx::dist::AnyCommunicator(fsdpx::dist::NcclCommunicator::world()), c10::Device(c10::kCPU)};
+  return {fsdpx::dist::AnyCommunicator(fsdpx::dist::nccl_world()), c10::Device(c10::kCPU)};
 #endif
 }
 

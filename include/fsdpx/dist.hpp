@@ -15,5 +15,6 @@
 #include <fsdpx/dist/work.hpp>
 
 #if defined(FSDPX_WITH_NCCL)
+#include <fsdpx/dist/launch.hpp>
 #include <fsdpx/dist/nccl.hpp>
 #endif

@@ -14,7 +14,11 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include <fsdpx/dist/launch.hpp>  // compiled with and without MPI
 #include <fsdpx/dist/nccl.hpp>
+#if defined(FSDPX_WITH_MPI)
+#include <fsdpx/dist/mpi.hpp>
+#endif
 
 using fsdpx::dist::NcclCommunicator;
 using fsdpx::dist::ReduceOp;
@@ -102,8 +106,9 @@ int main(int argc, char** argv) {
   const std::string bootstrap = mode != nullptr ? mode : "store";
   if (bootstrap == "mpi") {
 #if defined(FSDPX_WITH_MPI)
+    // The id over MPI (what dist::nccl_world() does under mpirun without MASTER_ADDR).
     g_mpi = fsdpx::dist::MpiCommunicator::world();
-    g_comm = NcclCommunicator::create(0, 1, 0, NcclCommunicator::unique_id(*g_mpi));
+    g_comm = NcclCommunicator::world(*g_mpi);
 #else
     std::fprintf(stderr, "test_nccl: built without MPI; use FSDPX_TEST_BOOTSTRAP=store\n");
     return 1;

@@ -43,9 +43,6 @@
 #include <fsdpx/dist/detail/checks.hpp>
 #include <fsdpx/dist/detail/health.hpp>
 #include <fsdpx/dist/env.hpp>
-#if defined(FSDPX_WITH_MPI)
-#include <fsdpx/dist/mpi.hpp>
-#endif
 #include <fsdpx/dist/rendezvous.hpp>
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
@@ -359,31 +356,40 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     return NcclCommunicator(std::make_shared<detail::NcclCommState>(comm, device, std::move(options)));
   }
 
-  /// All ranks of a torchrun / mpirun / srun job, one GPU each (LOCAL_RANK picks it). NCCL's unique id
-  /// travels through a TCPStore when MASTER_ADDR/MASTER_PORT are set, otherwise through MPI.
+  /// All ranks of a torchrun or srun job, one GPU each (LOCAL_RANK picks it). NCCL's unique id
+  /// travels through a TCPStore at MASTER_ADDR:MASTER_PORT; a single process needs none. Under
+  /// mpirun without those variables, use dist::nccl_world() (<fsdpx/dist/launch.hpp>), which carries
+  /// the id over MPI, or world(bootstrap) below.
   static NcclCommunicator world(CommOptions options = {}) {
     const LaunchEnv env = detect_launch_env();
-    const auto device = static_cast<c10::DeviceIndex>(env.local_rank);
     ncclUniqueId id{};
     if (env.world_size == 1) {
       ncclGetUniqueId(&id);
-    } else if (!env.master_addr.empty() && env.master_port > 0) {
+    } else {
+      FSDPX_CHECK(!env.master_addr.empty() && env.master_port > 0, "NcclCommunicator::world() at ", env.world_size,
+                  " ranks (", to_string(env.launcher), " launch) needs MASTER_ADDR and MASTER_PORT for NCCL's unique "
+                  "id; under mpirun, call fsdpx::dist::nccl_world() (<fsdpx/dist/launch.hpp>), which carries it over "
+                  "MPI, or export both");
       Rendezvous rendezvous(env, options.timeout);
       id = unique_id(rendezvous, options.name);
-    } else {
-#if defined(FSDPX_WITH_MPI)
-      auto mpi = MpiCommunicator::world(options);
-      id = unique_id(mpi);
-      // The bootstrap's MPI stays initialized as long as the NCCL world: its last communicator would
-      // finalize MPI, and a program that uses MPI afterwards (or again) could not.
-      auto comm = create(env.rank, env.world_size, device, id, std::move(options));
-      comm.state_->keep_alive(std::make_shared<MpiCommunicator>(std::move(mpi)));
-      return comm;
-#else
-      env.require_rendezvous();  // fsdpx was built without MPI: only the TCP store can carry the id
-#endif
     }
-    return create(env.rank, env.world_size, device, id, std::move(options));
+    return create(env.rank, env.world_size, static_cast<c10::DeviceIndex>(env.local_rank), id, std::move(options));
+  }
+
+  /// The same ranks, with NCCL's unique id broadcast over `bootstrap`: a host communicator over this
+  /// job's ranks (an MpiCommunicator under mpirun). It is kept as long as the NCCL world: its last
+  /// handle may end its runtime (MPI_Finalize), and a program using it afterwards could not.
+  template <Communicator Bootstrap>
+  static NcclCommunicator world(Bootstrap bootstrap, CommOptions options = {}) {
+    const LaunchEnv env = detect_launch_env();
+    FSDPX_CHECK(bootstrap.rank() == env.rank && bootstrap.size() == env.world_size, "the bootstrap communicator '",
+                bootstrap.name(), "' is rank ", bootstrap.rank(), " of ", bootstrap.size(), " but the ",
+                to_string(env.launcher), " environment says rank ", env.rank, " of ", env.world_size,
+                ": bootstrap NCCL's world over a communicator of all the job's ranks");
+    const ncclUniqueId id = unique_id(bootstrap);
+    auto comm = create(env.rank, env.world_size, static_cast<c10::DeviceIndex>(env.local_rank), id, std::move(options));
+    comm.state_->keep_alive(std::make_shared<Bootstrap>(std::move(bootstrap)));
+    return comm;
   }
 
   /// Rank 0 creates the id; the others receive it through the store.
@@ -401,20 +407,22 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     return id;
   }
 
-#if defined(FSDPX_WITH_MPI)
-  /// Rank 0 of `mpi` creates the id and broadcasts it over MPI.
-  static ncclUniqueId unique_id(MpiCommunicator& mpi) {
+  /// Rank 0 of `bootstrap` (a host communicator: MpiCommunicator, or an AnyCommunicator of one)
+  /// creates the id and broadcasts it.
+  template <Communicator Bootstrap>
+  static ncclUniqueId unique_id(Bootstrap& bootstrap) {
+    FSDPX_CHECK(bootstrap.device_type() == c10::DeviceType::CPU, "NCCL's unique id is bootstrapped over a host "
+                "communicator, but '", bootstrap.name(), "' is a ", bootstrap.backend_name(), " communicator");
     ncclUniqueId id{};
     auto bytes = at::empty({static_cast<int64_t>(sizeof(id))}, at::TensorOptions().dtype(at::kByte));
-    if (mpi.rank() == 0) {
+    if (bootstrap.rank() == 0) {
       ncclGetUniqueId(&id);
       std::memcpy(bytes.data_ptr(), &id, sizeof(id));
     }
-    mpi.broadcast(bytes, 0);
+    bootstrap.broadcast_async(bytes, 0).wait_host();
     std::memcpy(&id, bytes.const_data_ptr(), sizeof(id));
     return id;
   }
-#endif
 
   int rank() const { return state_->rank(); }
   int size() const { return state_->size(); }

@@ -4,7 +4,9 @@
 
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <c10/util/Exception.h>
@@ -30,6 +32,29 @@ class Rendezvous {
     opts.waitWorkers = true;
     opts.timeout = timeout_;
     guarded("connect", [&] { store_ = c10::make_intrusive<c10d::TCPStore>(env_.master_addr, opts); });
+  }
+
+  Rendezvous(const Rendezvous&) = delete;
+  Rendezvous& operator=(const Rendezvous&) = delete;
+  Rendezvous(Rendezvous&&) noexcept = default;
+  Rendezvous& operator=(Rendezvous&&) = delete;
+
+  /// Every rank says it leaves; rank 0, which hosts the store, then waits (bounded by the timeout)
+  /// until all have, so a rank still finishing a barrier or reading a key never finds the server
+  /// gone. Not while an exception unwinds: the peers then fail on their own, and must not wait on us.
+  ~Rendezvous() {
+    if (!store_) return;
+    try {
+      const std::string key = "fsdpx/left";
+      if (store_->add(key, 1) < env_.world_size && env_.rank == 0 && std::uncaught_exceptions() == 0) {
+        const auto deadline = std::chrono::steady_clock::now() + timeout_;
+        while (store_->add(key, 0) < env_.world_size && std::chrono::steady_clock::now() < deadline) {
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+        }
+      }
+    } catch (...) {
+      // A peer already gone: nothing to wait for.
+    }
   }
 
   int rank() const { return env_.rank; }
