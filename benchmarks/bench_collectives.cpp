@@ -16,6 +16,7 @@
 
 #include <ATen/ATen.h>
 #include <fsdpx/fsdp.hpp>
+#include <fsdpx/dist/detail/mpi_runtime.hpp>  // the engine, to time raw MPI calls on its thread
 
 #include "timing.hpp"
 
@@ -43,7 +44,7 @@ double time_memcpy(size_t bytes, int iters) {
 
 int main(int argc, char** argv) {
   auto world = MpiCommunicator::world();
-  auto runtime = fsdpx::dist::MpiRuntime::acquire();
+  auto runtime = fsdpx::dist::detail::MpiRuntime::acquire();
   const int W = world.size(), r = world.rank();
   const int64_t max_mib = argc > 1 ? std::atoll(argv[1]) : 256;
   MPI_Comm comm = world.native_handle();

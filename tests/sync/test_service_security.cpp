@@ -25,7 +25,7 @@
 #include <cstdlib>
 #include <unistd.h>
 
-#include <fsdpx/sync/detail/auth.hpp>   // the handshake and frames, built by hand to attack the server
+#include <fsdpx/sync/detail/handshake.hpp>  // the handshake and frames, built by hand to attack the server
 #include <fsdpx/sync/detail/frame.hpp>
 #include <fsdpx/sync/service.hpp>
 

@@ -39,12 +39,10 @@
 #include <exception>
 #include <filesystem>
 #include <functional>
-#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <random>
 #include <set>
 #include <string>
 #include <vector>
@@ -202,13 +200,7 @@ class CheckpointCoordinator {
   void save(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer = nullptr, const ExtraState* extra = nullptr) {
     rethrow_failure();
     wait_for_components(optimizer != nullptr, extra != nullptr);
-    SaveRequest req = make_save_request(step, model, optimizer, extra);
-    std::optional<std::promise<void>> copied;
-    if (req.snapshot) {  // the model's next backward waits until the copy is taken
-      copied.emplace();
-      model.sharded().add_shard_reader(copied->get_future().share());
-    }
-    submit(std::move(req), std::move(copied));
+    submit(make_save_request(step, model, optimizer, extra), &model.sharded());
   }
   template <class Sharded>
   void save(int64_t step, Sharded& model, torch::optim::Optimizer& optimizer, const ExtraState& extra) {
@@ -222,9 +214,10 @@ class CheckpointCoordinator {
     save(step, model, &optimizer, &extra);
   }
 
-  /// Saves an already made request (see make_save_request); `copied` is fulfilled once its snapshot
-  /// function has run.
-  FSDPX_DECL void submit(SaveRequest req, std::optional<std::promise<void>> copied = std::nullopt);
+  /// Saves an already made request (see make_save_request). With `readers_of`, that model's next
+  /// backward waits until the request's snapshot function has run (the shards it copies must not
+  /// change before).
+  FSDPX_DECL void submit(SaveRequest req, core::ShardedModel* readers_of = nullptr);
 
   /// Waits until this rank's saves are durable (and, on rank 0, committed or failed); throws the
   /// first failure since the last throw.
@@ -250,14 +243,13 @@ class CheckpointCoordinator {
       CheckpointOptions options);
 
   /// Rank 0 draws a random id and broadcasts it: every rank names its markers with it.
+  /// A fresh random number (entropy and the clock).
+  FSDPX_DECL static uint64_t random_run_id();
+
   template <dist::Communicator Comm>
   static std::string agree_on_run_id(Comm world) {
     at::Tensor id = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(world.device_type()));
-    if (world.rank() == 0) {
-      std::random_device entropy;
-      const auto now = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
-      id.fill_(static_cast<int64_t>(((uint64_t{entropy()} << 32) | entropy()) ^ now));
-    }
+    if (world.rank() == 0) id.fill_(static_cast<int64_t>(random_run_id()));
     world.broadcast(id, 0);
     return ::fsdpx::detail::str(std::hex, static_cast<uint64_t>(id.item<int64_t>()));
   }

@@ -84,53 +84,7 @@ FSDPX_DECL StateDict empty_state_dict(const core::ShardedModel& model, StateDict
 /// A host snapshot of `t` (pinned when it lives on a GPU, so the copy is a fast DMA).
 FSDPX_DECL at::Tensor host_copy(const at::Tensor& t);
 
-/// Copies the overlaps of saved slices into this rank's destinations, and checks that every
-/// destination was filled exactly and that nothing saved was left over.
-class SliceLoader {
- public:
-  struct Target {
-    std::vector<int64_t> shape;
-    int64_t begin = 0, end = 0;  // within the flattened tensor
-    at::Tensor dst;              // 1-D, end - begin elements
-    std::vector<std::pair<int64_t, int64_t>> filled;
-  };
-
-  /// `cast_floating`: a floating-point tensor saved in another floating-point dtype is cast (an
-  /// inference-only model in bfloat16 loading a float32 checkpoint); otherwise a dtype mismatch is an error.
-  explicit SliceLoader(std::string what, bool cast_floating = false) : what_(std::move(what)), cast_floating_(cast_floating) {}
-
-  void add_target(const std::string& name, std::vector<int64_t> shape, int64_t begin, int64_t end, at::Tensor dst) {
-    targets_[name].push_back(Target{std::move(shape), begin, end, std::move(dst), {}});
-  }
-
-  /// Copies from one saved state dict; `key` selects the tensor of each slice.
-  FSDPX_DECL void load(const StateDict& sd, const std::string& key);
-
-  /// Throws, naming everything that does not match; `strict`: names the checkpoint has and the model lacks are errors too.
-  /// `absent_is_missing` false: a name no saved state dict mentions at all is no error (optimizer
-  /// state of a tensor the optimizer never stepped: a frozen unit's shards); one that is there in part is.
-  FSDPX_DECL void finish(bool strict = true, bool absent_is_missing = true);
-
-  std::map<std::string, std::vector<Target>>& targets() { return targets_; }
-
- private:
-  static std::string shape_text(const std::vector<int64_t>& shape) {
-    std::string s = "[";
-    for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-    return s + "]";
-  }
-  static std::string join(std::vector<std::string> v) { return ::fsdpx::detail::join_names(std::move(v), 12); }
-
-  std::string what_;
-  bool cast_floating_ = false;
-  std::map<std::string, std::vector<Target>> targets_;
-  std::vector<std::string> unexpected_;
-  std::vector<std::string> problems_;
-  std::set<std::string> mismatched_;
-  std::set<std::string> seen_;
-  std::set<int> ranks_seen_;
-  bool complete_ = false;  // every saved rank was read (or a full state dict)
-};
+class SliceLoader;  // detail/slice_loader.hpp
 
 /// LibTorch keeps the step count inside the state object but exposes it by type.
 FSDPX_DECL int64_t optimizer_step(torch::optim::OptimizerParamState& state);

@@ -25,7 +25,6 @@
 #include <iterator>
 #include <cmath>
 #include <functional>
-#include <future>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -235,14 +234,11 @@ class ShardedModel {
 
   // ---- background readers of the shards ---------------------------------------------------------------
 
-  /// Something reads the shards (and optimizer state) in the background until `done` is ready: a
-  /// checkpoint's copy, a weight export. The shards must not change until then: the end of the next
-  /// backward (before any optimizer step) waits for it, so the read overlaps a forward and backward
-  /// instead of blocking the loop.
-  void add_shard_reader(std::shared_future<void> done) {
-    std::lock_guard lock(readers_mutex_);
-    readers_.push_back(std::move(done));
-  }
+  /// Something reads the shards (and optimizer state) in the background: a checkpoint's copy, a
+  /// weight export. `wait_done` blocks until that read has finished (it must return also when the
+  /// reader failed). The shards must not change until then: the end of the next backward (before any
+  /// optimizer step) calls it, so the read overlaps a forward and backward instead of blocking the loop.
+  FSDPX_DECL void add_shard_reader(std::function<void()> wait_done);
   /// Waits for every background reader of the shards (call before changing shards outside a step).
   FSDPX_DECL void wait_for_shard_readers();
   /// Total time training waited for background readers of the shards (what an async save blocked).
@@ -483,7 +479,7 @@ class ShardedModel {
   bool sync_ = true;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::mutex readers_mutex_;
-  std::vector<std::shared_future<void>> readers_;
+  std::vector<std::function<void()>> readers_;  // add_shard_reader's waits
   std::chrono::duration<double> reader_wait_{0};
 };
 

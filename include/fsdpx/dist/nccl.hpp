@@ -25,7 +25,7 @@
 #include <cstring>
 #include <deque>
 #include <exception>
-#include <functional>
+#include <cstddef>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -38,10 +38,12 @@
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/SmallVector.h>
 
 #include <fsdpx/dist/communicator.hpp>
 #include <fsdpx/dist/detail/checks.hpp>
 #include <fsdpx/dist/detail/health.hpp>
+#include <fsdpx/dist/detail/work_pool.hpp>
 #include <fsdpx/dist/env.hpp>
 #include <fsdpx/dist/rendezvous.hpp>
 
@@ -273,10 +275,42 @@ class NcclCommState {
   std::shared_ptr<void> keep_alive_;  // released after the destructor's body has destroyed comm_
 };
 
+/// The tensors a batch's collectives use: kept alive (and away from the caching allocator) until the
+/// caller's stream is ordered after the batch. Most batches hold one to four.
+using BatchTensors = c10::SmallVector<at::Tensor, 4>;
+
+/// One NCCL call of a batch, as data: recording it copies a few words (no closure, no allocation).
+struct NcclCall {
+  enum class Kind : std::uint8_t { all_gather, reduce_scatter, all_reduce, broadcast, send, recv, device_copy };
+  Kind kind;
+  const void* input = nullptr;  // all_gather, reduce_scatter, broadcast (root), send, device_copy
+  void* output = nullptr;       // all_gather, reduce_scatter, all_reduce, broadcast, recv, device_copy
+  size_t count = 0;             // elements; device_copy: bytes
+  ncclDataType_t type = ncclInt8;
+  ncclRedOp_t op = ncclSum;
+  int peer = 0;                 // broadcast: root; send: destination; recv: source
+
+  ncclResult_t launch(ncclComm_t comm, cudaStream_t stream) const {
+    switch (kind) {
+      case Kind::all_gather: return ncclAllGather(input, output, count, type, comm, stream);
+      case Kind::reduce_scatter: return ncclReduceScatter(input, output, count, type, op, comm, stream);
+      case Kind::all_reduce: return ncclAllReduce(output, output, count, type, op, comm, stream);
+      case Kind::broadcast: return ncclBroadcast(input, output, count, type, peer, comm, stream);
+      case Kind::send: return ncclSend(input, count, type, peer, comm, stream);
+      case Kind::recv: return ncclRecv(output, count, type, peer, comm, stream);
+      case Kind::device_copy:
+        return cudaMemcpyAsync(output, input, count, cudaMemcpyDeviceToDevice, stream) == cudaSuccess
+                   ? ncclSuccess
+                   : ncclUnhandledCudaError;
+    }
+    return ncclInvalidArgument;
+  }
+};
+
 class NcclWorkState final : public WorkState {
  public:
-  NcclWorkState(std::shared_ptr<NcclCommState> comm, std::shared_ptr<CudaEvent> done,
-                std::vector<at::Tensor> tensors, OpContext ctx)
+  NcclWorkState(std::shared_ptr<NcclCommState> comm, std::shared_ptr<CudaEvent> done, BatchTensors tensors,
+                OpContext ctx)
       : comm_(std::move(comm)), done_(std::move(done)), tensors_(std::move(tensors)), context_(std::move(ctx)) {}
   ~NcclWorkState() override {
     // Never waited: the tensors may only go back to the allocator once NCCL is done with them.
@@ -308,22 +342,20 @@ class NcclWorkState final : public WorkState {
   std::shared_ptr<NcclCommState> comm_;
   std::shared_ptr<CudaEvent> done_;
   std::mutex mutex_;
-  std::vector<at::Tensor> tensors_;
+  BatchTensors tensors_;
   OpContext context_;
 };
 
 }  // namespace detail
 
-/// Several collectives launched as one NCCL group (one launch, one completion event).
+/// Several collectives launched as one NCCL group (one launch, one completion event). Recording up to
+/// four calls and four tensors allocates nothing.
 class NcclBatch {
- public:
-  using Launch = std::function<ncclResult_t(ncclComm_t, cudaStream_t)>;
-
  private:
   friend class NcclCommunicator;
-  std::vector<Launch> launches;
-  std::vector<at::Tensor> tensors;
-  std::string names;
+  c10::SmallVector<detail::NcclCall, 4> calls;
+  detail::BatchTensors tensors;
+  std::string names;  // "all_gather+reduce_scatter": the op in errors
 };
 
 class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
@@ -440,9 +472,7 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     detail::check_scatter_sizes(ctx, output, "output", input, "input", size());
     const auto type = detail::nccl_dtype(ctx, input.scalar_type());
     const auto count = static_cast<size_t>(input.numel());
-    batch.launches.push_back([=](ncclComm_t c, cudaStream_t s) {
-      return ncclAllGather(input.const_data_ptr(), output.data_ptr(), count, type, c, s);
-    });
+    batch.calls.push_back({detail::NcclCall::Kind::all_gather, input.const_data_ptr(), output.data_ptr(), count, type});
     note(batch, "all_gather", {output, input});
   }
 
@@ -455,27 +485,22 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     const auto type = detail::nccl_dtype(ctx, input.scalar_type());
     const auto count = static_cast<size_t>(input.numel());
     if (rank() != root) {
-      batch.launches.push_back([=](ncclComm_t c, cudaStream_t s) { return ncclSend(input.const_data_ptr(), count, type, root, c, s); });
+      batch.calls.push_back({detail::NcclCall::Kind::send, input.const_data_ptr(), nullptr, count, type, ncclSum, root});
       note(batch, "gather", {input});
       return;
     }
     check_pair(ctx, output, input);
     detail::check_scatter_sizes(ctx, output, "output", input, "input", size());
-    const auto slot = [flat = output.view({-1}), n = input.numel()](int c) { return flat.narrow(0, c * n, n); };
-    const at::Tensor own = slot(rank());
-    if (own.const_data_ptr() != input.const_data_ptr() && count > 0) {
-      batch.launches.push_back([=](ncclComm_t, cudaStream_t s) {
-        return cudaMemcpyAsync(own.data_ptr(), input.const_data_ptr(), input.nbytes(), cudaMemcpyDeviceToDevice, s) ==
-                       cudaSuccess
-                   ? ncclSuccess
-                   : ncclUnhandledCudaError;
-      });
+    // Rank c's slot of the (contiguous, checked) output; the batch keeps `output` alive.
+    const auto slot = [base = static_cast<std::byte*>(output.data_ptr()), bytes = input.nbytes()](int c) {
+      return static_cast<void*>(base + static_cast<size_t>(c) * bytes);
+    };
+    if (slot(rank()) != input.const_data_ptr() && count > 0) {
+      batch.calls.push_back({detail::NcclCall::Kind::device_copy, input.const_data_ptr(), slot(rank()), input.nbytes()});
     }
     for (int c = 0; c < size(); ++c) {
       if (c == rank()) continue;
-      batch.launches.push_back([=, to = slot(c)](ncclComm_t comm, cudaStream_t s) {
-        return ncclRecv(to.data_ptr(), count, type, c, comm, s);
-      });
+      batch.calls.push_back({detail::NcclCall::Kind::recv, nullptr, slot(c), count, type, ncclSum, c});
     }
     note(batch, "gather", {output, input});
   }
@@ -487,10 +512,8 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     detail::check_reduce_dtype(ctx, op == ReduceOp::avg, input);
     const auto type = detail::nccl_dtype(ctx, input.scalar_type());
     const auto count = static_cast<size_t>(output.numel());
-    const int n = size();
-    batch.launches.push_back([=](ncclComm_t c, cudaStream_t s) {
-      return ncclReduceScatter(input.const_data_ptr(), output.data_ptr(), count, type, detail::nccl_op(op, n), c, s);
-    });
+    batch.calls.push_back({detail::NcclCall::Kind::reduce_scatter, input.const_data_ptr(), output.data_ptr(), count, type,
+                           detail::nccl_op(op, size())});
     note(batch, "reduce_scatter", {output, input});
   }
 
@@ -501,10 +524,8 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     detail::check_reduce_dtype(ctx, op == ReduceOp::avg, tensor);
     const auto type = detail::nccl_dtype(ctx, tensor.scalar_type());
     const auto count = static_cast<size_t>(tensor.numel());
-    const int n = size();
-    batch.launches.push_back([=](ncclComm_t c, cudaStream_t s) {
-      return ncclAllReduce(tensor.const_data_ptr(), tensor.data_ptr(), count, type, detail::nccl_op(op, n), c, s);
-    });
+    batch.calls.push_back({detail::NcclCall::Kind::all_reduce, nullptr, tensor.data_ptr(), count, type,
+                           detail::nccl_op(op, size())});
     note(batch, "all_reduce", {tensor});
   }
 
@@ -515,9 +536,8 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     detail::check_root(ctx, root, size());
     const auto type = detail::nccl_dtype(ctx, tensor.scalar_type());
     const auto count = static_cast<size_t>(tensor.numel());
-    batch.launches.push_back([=](ncclComm_t c, cudaStream_t s) {
-      return ncclBroadcast(tensor.const_data_ptr(), tensor.data_ptr(), count, type, root, c, s);
-    });
+    batch.calls.push_back({detail::NcclCall::Kind::broadcast, tensor.const_data_ptr(), tensor.data_ptr(), count, type,
+                           ncclSum, root});
     note(batch, "broadcast", {tensor});
   }
 
@@ -534,18 +554,18 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     }
     {
       const auto calls = state_->lock_calls(ctx);  // released before watch(): it takes the watchdog's lock
-      if (batch.launches.size() == 1) {
-        state_->settle(batch.launches.front()(native_handle(), stream()), ctx);
-      } else if (!batch.launches.empty()) {
+      if (batch.calls.size() == 1) {
+        state_->settle(batch.calls.front().launch(native_handle(), stream()), ctx);
+      } else if (!batch.calls.empty()) {
         state_->settle(ncclGroupStart(), ctx, " (group start)");
-        for (auto& l : batch.launches) state_->settle(l(native_handle(), stream()), ctx);
+        for (const auto& call : batch.calls) state_->settle(call.launch(native_handle(), stream()), ctx);
         state_->settle(ncclGroupEnd(), ctx, " (group end)");
       }
     }
     auto done = state_->acquire_event();
     detail::check_cuda(cudaEventRecord(done->get(), stream()), ctx, " (record done)");
     state_->watch(done, ctx);
-    return Work(std::make_shared<detail::NcclWorkState>(state_, std::move(done), std::move(batch.tensors), ctx));
+    return Work(detail::WorkStatePool::make<detail::NcclWorkState>(state_, std::move(done), std::move(batch.tensors), ctx));
   }
 
   // ---- the Communicator concept ----------------------------------------------------------------

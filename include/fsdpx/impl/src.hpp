@@ -11,6 +11,9 @@
 #if defined(FSDPX_WITH_MPI)  // the MPI backend
 #include <fsdpx/dist/impl/mpi.ipp>
 #endif
+#include <fsdpx/dist/impl/rendezvous.ipp>
+#include <fsdpx/core/impl/autograd.ipp>
+#include <fsdpx/core/impl/deferred_init.ipp>
 #include <fsdpx/core/impl/unit.ipp>
 #include <fsdpx/core/impl/sharded_model.ipp>
 #include <fsdpx/checkpoint/impl/file_io.ipp>

@@ -2,6 +2,9 @@
 // fsdpx/impl/src.hpp (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
+#include <future>
+#include <random>
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -22,7 +25,13 @@ FSDPX_DECL CheckpointCoordinator::~CheckpointCoordinator() {
   pool_.join();
 }
 
-FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, std::optional<std::promise<void>> copied) {
+FSDPX_DECL uint64_t CheckpointCoordinator::random_run_id() {
+  std::random_device entropy;
+  const auto now = static_cast<uint64_t>(std::chrono::system_clock::now().time_since_epoch().count());
+  return ((uint64_t{entropy()} << 32) | entropy()) ^ now;
+}
+
+FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedModel* readers_of) {
   const auto has = [&](Component c) { return std::find(req.components.begin(), req.components.end(), c) != req.components.end(); };
   wait_for_components(has(Component::optim), has(Component::extra_state));
   FSDPX_CHECK(req.model.world_size == world_size_ && req.model.rank == rank_, "CheckpointCoordinator for rank ", rank_,
@@ -61,7 +70,12 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, std::optional<std
     }
     start_task();
   }
-  auto fence = std::make_shared<std::optional<std::promise<void>>>(std::move(copied));
+  // The model's next backward waits until the copy is taken.
+  auto fence = std::make_shared<std::optional<std::promise<void>>>();
+  if (readers_of != nullptr && shared->snapshot) {
+    fence->emplace();
+    readers_of->add_shard_reader([copied = (*fence)->get_future().share()] { copied.wait(); });
+  }
   pool_.post([this, shared, dir, components, slots, fence] {
     std::string snapshot_error;
     try {

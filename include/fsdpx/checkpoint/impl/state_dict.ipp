@@ -3,6 +3,7 @@
 #pragma once
 
 #include <fsdpx/checkpoint/state_dict.hpp>
+#include <fsdpx/checkpoint/detail/slice_loader.hpp>
 
 namespace fsdpx::detail {
 

@@ -199,8 +199,13 @@ FSDPX_DECL void ShardedModel::sync_buffers(BufferSync how) {
   }
 }
 
+FSDPX_DECL void ShardedModel::add_shard_reader(std::function<void()> wait_done) {
+  std::lock_guard lock(readers_mutex_);
+  readers_.push_back(std::move(wait_done));
+}
+
 FSDPX_DECL void ShardedModel::wait_for_shard_readers() {
-  std::vector<std::shared_future<void>> readers;
+  std::vector<std::function<void()>> readers;
   {
     std::lock_guard lock(readers_mutex_);
     readers.swap(readers_);
@@ -208,7 +213,7 @@ FSDPX_DECL void ShardedModel::wait_for_shard_readers() {
   if (readers.empty()) return;
   RECORD_USER_SCOPE("fsdpx::wait_for_shard_readers");
   const auto start = std::chrono::steady_clock::now();
-  for (auto& f : readers) f.wait();
+  for (auto& wait_done : readers) wait_done();
   reader_wait_ += std::chrono::steady_clock::now() - start;
 }
 

@@ -34,6 +34,8 @@
 #include <fsdpx/dist/detail/checks.hpp>
 #include <fsdpx/dist/detail/health.hpp>
 #include <fsdpx/dist/detail/mpi_control.hpp>
+#include <fsdpx/dist/detail/mpi_steps.hpp>
+#include <fsdpx/dist/detail/work_pool.hpp>
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/dist/work.hpp>
 #include <fsdpx/error.hpp>
@@ -47,22 +49,12 @@ inline std::string mpi_error_string(int code) {
   return std::string(buf, static_cast<size_t>(len));
 }
 
-/// What a receive request must deliver: `count` elements of `type` (a peer that sends fewer was
-/// called with other sizes). A send, or a receive of any size, has type MPI_DATATYPE_NULL.
-struct ReceiveSize {
-  MPI_Datatype type = MPI_DATATYPE_NULL;
-  int count = 0;
-};
-
-/// One collective handed to the engine, as a sequence of stages. `step` is called once to start the
-/// first stage and again each time all requests of the current stage complete; it posts the next
-/// stage's requests (or none, when the collective is done), says for each what it must receive (the
-/// engine checks it when the stage completes; empty: nothing to check) and returns an MPI error code.
-/// Its closures live inside the task (InplaceFunction): submitting a collective does not allocate.
+/// One collective handed to the engine, as a sequence of stages (MpiStep, mpi_steps.hpp). Its closures
+/// live inside the task: submitting a collective does not allocate.
 struct MpiTask {
-  using Step = ::fsdpx::detail::InplaceFunction<int(std::vector<MPI_Request>&, std::vector<ReceiveSize>&), 192>;
-  using Start = ::fsdpx::detail::InplaceFunction<int(MPI_Request*), 64>;  // one nonblocking call
-  using Finish = ::fsdpx::detail::InplaceFunction<void(), 32>;
+  using Step = MpiStep;
+  using Start = MpiStart;
+  using Finish = MpiFinish;
 
   OpContext context;
   Step step;
@@ -84,75 +76,6 @@ struct MpiTask {
       return start(&requests.back());
     };
   }
-};
-
-/// Work states for the engine's collectives, recycled: a finished collective's block serves the next
-/// one, so a warm engine hands out Work handles without allocating. Blocks may be returned by a Work
-/// a user keeps after every communicator is gone, so the free list lives as long as the process.
-class WorkStatePool {
- public:
-  static std::shared_ptr<HostWorkState> make() {
-    return std::allocate_shared<HostWorkState>(Allocator<HostWorkState>{});
-  }
-
- private:
-  static constexpr std::size_t max_free = 256;  // more collectives than this in flight: plain new/delete
-
-  struct FreeList {
-    std::mutex mutex;
-    std::vector<void*> blocks;
-  };
-
-  /// One list per block type (in practice one: shared_ptr's control block holding a HostWorkState).
-  template <class T>
-  static FreeList& free_list() {
-    static auto* list = new FreeList();  // never destroyed, on purpose (see the class comment)
-    return *list;
-  }
-
-  template <class T>
-  struct Allocator {
-    using value_type = T;
-    Allocator() = default;
-    template <class U>
-    Allocator(const Allocator<U>&) noexcept {}  // NOLINT(google-explicit-constructor): rebinding
-    T* allocate(std::size_t n) {
-      if (n == 1) {
-        FreeList& list = free_list<T>();
-        std::lock_guard lock(list.mutex);
-        if (!list.blocks.empty()) {
-          void* block = list.blocks.back();
-          list.blocks.pop_back();
-          return static_cast<T*>(block);
-        }
-      }
-      return std::allocator<T>().allocate(n);
-    }
-    void deallocate(T* p, std::size_t n) noexcept {
-      if (n == 1) {
-        FreeList& list = free_list<T>();
-        std::lock_guard lock(list.mutex);
-        if (list.blocks.size() < max_free && reserve_once(list)) {
-          list.blocks.push_back(p);
-          return;
-        }
-      }
-      std::allocator<T>().deallocate(p, n);
-    }
-    /// The list's room for max_free blocks, taken on first use (the only allocation the pool makes).
-    static bool reserve_once(FreeList& list) noexcept {
-      try {
-        if (list.blocks.capacity() < max_free) list.blocks.reserve(max_free);
-        return true;
-      } catch (...) {
-        return false;  // no room: the block is freed instead of kept
-      }
-    }
-    template <class U>
-    bool operator==(const Allocator<U>&) const noexcept {
-      return true;
-    }
-  };
 };
 
 class MpiEngine {
@@ -214,8 +137,8 @@ class MpiEngine {
   /// kept (MPI may still write into them until the process ends).
   FSDPX_DECL void abandon_active();
 
-  /// A failed task whose requests may still be inside MPI keeps its buffers alive for the rest of the
-  /// process (MPI may still write into them); one with no request left is simply dropped.
+  /// A failed task with requests still inside MPI (retire() sends it here): its buffers stay alive for
+  /// the rest of the process, since MPI may still write into them.
   FSDPX_DECL static void orphan(Active&& a);
 
   /// Queues `job` for run(): rare (communicator creation and teardown), so a std::function is fine.

@@ -3,9 +3,33 @@
 // fsdpx/detail/config.hpp).
 #pragma once
 
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <climits>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <numeric>
+#include <optional>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
 
+#include <ATen/ops/add.h>
+#include <ATen/ops/empty_like.h>
+#include <ATen/ops/maximum.h>
+#include <ATen/ops/minimum.h>
+
+#include <fsdpx/dist/detail/health.hpp>
+#include <fsdpx/dist/detail/mpi_runtime.hpp>
+#include <fsdpx/dist/env.hpp>
 #include <fsdpx/dist/mpi.hpp>
+#include <fsdpx/memory/host.hpp>
 
 namespace fsdpx::dist::detail {
 
@@ -201,7 +225,6 @@ FSDPX_DECL void MpiEngine::abandon_active() {
 }
 
 FSDPX_DECL void MpiEngine::orphan(Active&& a) {
-  if (a.requests.empty()) return;
   static std::mutex m;
   static auto* kept = new std::vector<Active>();  // never freed, on purpose
   std::lock_guard lock(m);
@@ -457,7 +480,7 @@ FSDPX_DECL std::optional<int> MpiControl::neighbour(int direction) const {
 }
 
 FSDPX_DECL Work MpiEngine::submit(MpiTask task) {
-  auto work = WorkStatePool::make();
+  auto work = WorkStatePool::make<HostWorkState>();
   {
     std::lock_guard lock(mutex_);
     submissions_.push_back({std::move(task), work});
@@ -494,10 +517,6 @@ FSDPX_DECL MPI_Status* MpiEngine::statuses_for(Active& a) {
   a.statuses.resize(a.requests.size());
   return a.statuses.data();
 }
-
-}  // namespace fsdpx::dist::detail
-
-namespace fsdpx::dist {
 
 FSDPX_DECL std::shared_ptr<MpiRuntime> MpiRuntime::acquire() {
   static std::mutex mutex;
@@ -554,9 +573,57 @@ FSDPX_DECL MpiRuntime::MpiRuntime() {
   engine_ = std::make_unique<detail::MpiEngine>();
 }
 
+}  // namespace fsdpx::dist::detail
+
+namespace fsdpx::dist {
+
+struct MpiCommunicator::State {
+  State(std::shared_ptr<detail::MpiRuntime> rt, MPI_Comm c, CommOptions opts, std::uint64_t comm_id)
+      : runtime(std::move(rt)), comm(c), options(std::move(opts)), id(comm_id),
+        started(runtime->engine().control().counter(comm_id)) {
+    runtime->engine().run([&] {
+      MPI_Comm_rank(comm, &rank);
+      MPI_Comm_size(comm, &size);
+      members = world_ranks_of(comm, size);
+    });
+  }
+  State(const State&) = delete;
+  State& operator=(const State&) = delete;
+  ~State() {
+    // A broken communicator may still have requests inside MPI; freeing it could block.
+    if (comm == MPI_COMM_NULL || health->broken()) return;
+    try {
+      runtime->engine().run([c = comm]() mutable { MPI_Comm_free(&c); });
+    } catch (...) {
+    }
+  }
+  std::shared_ptr<detail::MpiRuntime> runtime;
+  MPI_Comm comm;
+  CommOptions options;
+  int rank = 0;
+  int size = 1;
+  std::shared_ptr<detail::CommHealth> health = std::make_shared<detail::CommHealth>();
+  std::shared_ptr<const std::string> label = std::make_shared<const std::string>(options.name);  // in errors
+  std::shared_ptr<const std::vector<int>> members;  // world ranks, sorted: whose departure fails our collectives
+  std::uint64_t id;                                   // the same on every member (see derive_comm_id)
+  std::shared_ptr<std::atomic<std::uint64_t>> started;  // collectives submitted: each one's sequence number
+  std::atomic<std::uint64_t> splits{0};
+  std::atomic<std::uint64_t> sequence{0};
+};
+
+FSDPX_DECL int MpiCommunicator::rank() const { return state_->rank; }
+FSDPX_DECL int MpiCommunicator::size() const { return state_->size; }
+FSDPX_DECL const std::string& MpiCommunicator::name() const { return state_->options.name; }
+FSDPX_DECL const CommOptions& MpiCommunicator::options() const { return state_->options; }
+FSDPX_DECL MPI_Comm MpiCommunicator::native_handle() const { return state_->comm; }
+
+FSDPX_DECL detail::OpContext MpiCommunicator::context(std::string_view op) const {
+  return {std::string(op), state_->label, rank(), size()};
+}
+
 FSDPX_DECL MpiCommunicator MpiCommunicator::world(CommOptions options) {
   const auto heartbeat_timeout = default_heartbeat_timeout();  // a bad value fails before any collective
-  auto runtime = MpiRuntime::acquire();
+  auto runtime = detail::MpiRuntime::acquire();
   const LaunchEnv env = detect_launch_env();
   const auto [world_rank, world_size] = runtime->engine().run([] {
     int r = 0, n = 1;
@@ -751,9 +818,9 @@ FSDPX_DECL Work MpiCommunicator::broadcast_async(at::Tensor tensor, int root) {
   detail::check_root(ctx, root, size());
   const MPI_Datatype type = detail::MpiTypes::datatype(ctx, tensor.scalar_type());
   const int count = checked_count(ctx, tensor.numel());
-  return submit(ctx, [=, comm = native_handle()](MPI_Request* r) {
-    return MPI_Ibcast(tensor.data_ptr(), count, type, root, comm, r);
-  });
+  return submit(
+      ctx, [=, comm = native_handle()](MPI_Request* r) { return MPI_Ibcast(tensor.data_ptr(), count, type, root, comm, r); },
+      {});
 }
 
 FSDPX_DECL std::optional<MpiCommunicator> MpiCommunicator::split(int color, int key, std::string_view name) const {
@@ -796,8 +863,8 @@ FSDPX_DECL bool MpiCommunicator::overlaps(const at::Tensor& a, const at::Tensor&
   return a.nbytes() > 0 && b.nbytes() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
-FSDPX_DECL Work MpiCommunicator::submit_steps(detail::OpContext ctx, detail::MpiTask::Step step,
-    detail::MpiTask::Finish finish) {
+FSDPX_DECL Work MpiCommunicator::submit_steps(detail::OpContext ctx, detail::MpiStep step,
+    detail::MpiFinish finish) {
   return state_->runtime->engine().submit(
       {std::move(ctx), std::move(step), std::move(finish), state_->options.timeout, state_->health, state_->members,
        detail::CollectiveId{state_->id, ++*state_->started}, state_->options.report_interval});
@@ -812,15 +879,16 @@ FSDPX_DECL void MpiCommunicator::combine(ReduceOp op, const at::Tensor& out, con
   }
 }
 
-FSDPX_DECL std::uint64_t MpiRuntime::next_world_id() { return detail::derive_comm_id(0x776f726c64ULL, world_count_++,
-    0); }
+FSDPX_DECL std::uint64_t detail::MpiRuntime::next_world_id() {
+  return detail::derive_comm_id(0x776f726c64ULL, world_count_++, 0);
+}
 
 FSDPX_DECL bool MpiCommunicator::is_broken() const {
   return state_->health->broken() || state_->runtime->engine().control().lost_any(*state_->members);
 }
 
 FSDPX_DECL Work MpiCommunicator::barrier_async() {
-  return submit(context("barrier"), [comm = native_handle()](MPI_Request* r) { return MPI_Ibarrier(comm, r); });
+  return submit(context("barrier"), [comm = native_handle()](MPI_Request* r) { return MPI_Ibarrier(comm, r); }, {});
 }
 
 FSDPX_DECL std::shared_ptr<const std::vector<int>> MpiCommunicator::all_ranks(int n) {
@@ -835,13 +903,13 @@ FSDPX_DECL int MpiCommunicator::checked_count(const detail::OpContext& ctx, int6
   return static_cast<int>(numel);
 }
 
-FSDPX_DECL detail::MpiTask::Finish MpiCommunicator::average_after(ReduceOp op, const at::Tensor& result) const {
+FSDPX_DECL detail::MpiFinish MpiCommunicator::average_after(ReduceOp op, const at::Tensor& result) const {
   if (op != ReduceOp::avg) return {};
   return [result, n = size()]() mutable { result.div_(n); };
 }
 
-FSDPX_DECL Work MpiCommunicator::submit(detail::OpContext ctx, detail::MpiTask::Start start,
-    detail::MpiTask::Finish finish) {
+FSDPX_DECL Work MpiCommunicator::submit(detail::OpContext ctx, detail::MpiStart start,
+    detail::MpiFinish finish) {
   return submit_steps(std::move(ctx), detail::MpiTask::single(std::move(start)), std::move(finish));
 }
 

@@ -1,24 +1,12 @@
-// The synchronizer's per-connection proof of a shared secret: an HMAC-SHA256 challenge-response in
-// both directions (OpenSSL's libcrypto), so neither side ever sends the secret, a recorded handshake
-// cannot be replayed (each side's nonce is fresh), and a client knows the server holds the secret too.
-//
-//   server -> client  hello    32-byte server nonce
-//   client -> server  auth     role, 32-byte client nonce, HMAC(secret[role], "fsdpx-sync-2 client" role Ns Nc)
-//   server -> client  welcome  HMAC(secret[role], "fsdpx-sync-2 server" role Nc Ns)    (or error, then close)
-//
-// docs/sync.md ("Authentication") is the specification the Python receiver follows.
+// Who may connect to the synchronizer and with which secret: the roles and the secrets' resolution
+// (public API of the service in both compilation modes). The handshake that proves a secret is in
+// detail/handshake.hpp, used by the service's implementation only.
 #pragma once
 
 #if !defined(FSDPX_WITH_OPENSSL)
 #error "fsdpx/sync (the TCP synchronizer service) needs OpenSSL's libcrypto for its HMAC handshake: configure fsdpx where OpenSSL is installed (Debian: libssl-dev), so that FSDPX_WITH_OPENSSL is set."
 #endif
 
-#include <openssl/crypto.h>
-#include <openssl/evp.h>
-#include <openssl/hmac.h>
-#include <openssl/rand.h>
-
-#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <optional>
@@ -35,40 +23,6 @@ enum class Role : uint64_t { publish = 1, fetch = 2 };
 inline const char* to_string(Role r) { return r == Role::publish ? "publish" : "fetch"; }
 
 namespace detail {
-
-inline constexpr size_t nonce_bytes = 32;
-inline constexpr size_t mac_bytes = 32;
-using Nonce = std::array<uint8_t, nonce_bytes>;
-using Mac = std::array<uint8_t, mac_bytes>;
-
-inline Nonce fresh_nonce() {
-  Nonce n;
-  FSDPX_CHECK_AS(SyncError, RAND_bytes(n.data(), static_cast<int>(n.size())) == 1,
-                 "fsdpx: the synchronizer could not draw a random nonce (OpenSSL RAND_bytes failed)");
-  return n;
-}
-
-/// HMAC-SHA256(secret, label || u64 role (little-endian) || first || second).
-inline Mac handshake_mac(std::string_view secret, std::string_view label, Role role, const Nonce& first,
-                         const Nonce& second) {
-  std::string message(label);
-  const auto r = static_cast<uint64_t>(role);
-  for (int i = 0; i < 8; ++i) message.push_back(static_cast<char>((r >> (8 * i)) & 0xff));
-  message.append(reinterpret_cast<const char*>(first.data()), first.size());
-  message.append(reinterpret_cast<const char*>(second.data()), second.size());
-  Mac mac{};
-  unsigned int len = 0;
-  const auto* out = HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
-                         reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac.data(), &len);
-  FSDPX_CHECK_AS(SyncError, out != nullptr && len == mac.size(), "fsdpx: the synchronizer's HMAC-SHA256 failed (OpenSSL)");
-  return mac;
-}
-
-inline constexpr std::string_view client_label = "fsdpx-sync-2 client";
-inline constexpr std::string_view server_label = "fsdpx-sync-2 server";
-
-/// Constant-time: the comparison's duration says nothing about where the MACs differ.
-inline bool same_mac(const Mac& a, const uint8_t* b) { return CRYPTO_memcmp(a.data(), b, a.size()) == 0; }
 
 /// The environment variable's value, or nothing when unset or empty.
 inline std::optional<std::string> env_secret(const char* name) {

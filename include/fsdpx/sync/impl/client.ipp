@@ -32,7 +32,7 @@
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
-#include <fsdpx/sync/detail/auth.hpp>
+#include <fsdpx/sync/detail/handshake.hpp>
 #include <fsdpx/sync/detail/frame.hpp>
 #include <fsdpx/sync/detail/stream.hpp>
 #include <fsdpx/sync/client.hpp>
