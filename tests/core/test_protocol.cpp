@@ -280,6 +280,39 @@ TEST_CASE("a failed construction leaves the module as it was, usable unsharded",
   REQUIRE(model->blocks[0]->a->weight.grad().defined());
 }
 
+TEST_CASE("background shard readers: every wait runs, the first error reaches the caller, an empty one is refused",
+          "[protocol][errors]") {
+  at::manual_seed(11);  // every rank builds the same values (the test may run alone)
+  Shuffled model;
+  bool last_waited = false;
+  {
+    ShardedShuffled sharded(model, world());
+    core::ShardedModel& m = sharded.sharded();
+    REQUIRE_THROWS_WITH(m.add_shard_reader({}), Contains("the wait function is empty"));
+    std::vector<int> waited;
+    m.add_shard_reader([&] { waited.push_back(1); });
+    m.add_shard_reader([&] {
+      waited.push_back(2);
+      throw std::runtime_error("reader 2 failed");
+    });
+    m.add_shard_reader([&] {
+      waited.push_back(3);
+      throw std::runtime_error("reader 3 failed");
+    });
+    m.add_shard_reader([&] { waited.push_back(4); });
+    REQUIRE_THROWS_WITH(m.wait_for_shard_readers(), "reader 2 failed");
+    CHECK(waited == std::vector<int>{1, 2, 3, 4});
+    m.wait_for_shard_readers();  // nothing left to wait for
+    CHECK(waited.size() == 4);
+    // One still registered when the model goes: the destructor waits for it and swallows its error.
+    m.add_shard_reader([&] {
+      last_waited = true;
+      throw std::runtime_error("reader at teardown failed");
+    });
+  }
+  CHECK(last_waited);
+}
+
 TEST_CASE("ranks constructed with different values: broadcast_from_rank0 makes one model", "[protocol]") {
   const int W = world().size(), r = world().rank();
   at::manual_seed(100 + r);  // every rank draws other values

@@ -242,10 +242,10 @@ class CheckpointCoordinator {
   FSDPX_DECL CheckpointCoordinator(std::filesystem::path root, int rank, int world_size, std::string run,
       CheckpointOptions options);
 
-  /// Rank 0 draws a random id and broadcasts it: every rank names its markers with it.
   /// A fresh random number (entropy and the clock).
   FSDPX_DECL static uint64_t random_run_id();
 
+  /// Rank 0 draws a random id and broadcasts it: every rank names its markers with it.
   template <dist::Communicator Comm>
   static std::string agree_on_run_id(Comm world) {
     at::Tensor id = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(world.device_type()));

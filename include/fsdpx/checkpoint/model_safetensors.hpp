@@ -29,7 +29,6 @@
 
 #include <fsdpx/checkpoint/safetensors.hpp>
 #include <fsdpx/checkpoint/state_dict.hpp>
-#include <fsdpx/checkpoint/detail/slice_loader.hpp>
 #include <fsdpx/core/sharded_model.hpp>
 #include <fsdpx/dist/any.hpp>
 #include <fsdpx/dist/outcome.hpp>

@@ -235,8 +235,9 @@ class ShardedModel {
   // ---- background readers of the shards ---------------------------------------------------------------
 
   /// Something reads the shards (and optimizer state) in the background: a checkpoint's copy, a
-  /// weight export. `wait_done` blocks until that read has finished (it must return also when the
-  /// reader failed). The shards must not change until then: the end of the next backward (before any
+  /// weight export. `wait_done` blocks until that read has finished; it must return also when the
+  /// reader failed (an error it throws reaches the caller of wait_for_shard_readers, after every
+  /// other reader was waited for). The shards must not change until then: the end of the next backward (before any
   /// optimizer step) calls it, so the read overlaps a forward and backward instead of blocking the loop.
   FSDPX_DECL void add_shard_reader(std::function<void()> wait_done);
   /// Waits for every background reader of the shards (call before changing shards outside a step).

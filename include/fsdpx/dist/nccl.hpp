@@ -348,8 +348,9 @@ class NcclWorkState final : public WorkState {
 
 }  // namespace detail
 
-/// Several collectives launched as one NCCL group (one launch, one completion event). Recording up to
-/// four calls and four tensors allocates nothing.
+/// Several collectives launched as one NCCL group (one launch, one completion event). A call is
+/// recorded with its tensors' addresses: their memory must stay allocated, in place, until launch().
+/// Up to four calls and four tensors are held without allocating.
 class NcclBatch {
  private:
   friend class NcclCommunicator;
@@ -472,8 +473,8 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     detail::check_scatter_sizes(ctx, output, "output", input, "input", size());
     const auto type = detail::nccl_dtype(ctx, input.scalar_type());
     const auto count = static_cast<size_t>(input.numel());
+    note(batch, "all_gather", {output, input});  // first: the batch holds what its calls point into
     batch.calls.push_back({detail::NcclCall::Kind::all_gather, input.const_data_ptr(), output.data_ptr(), count, type});
-    note(batch, "all_gather", {output, input});
   }
 
   /// Grouped send/receive (NCCL has no gather); the root's own slot is a device copy unless in place.
@@ -485,13 +486,14 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     const auto type = detail::nccl_dtype(ctx, input.scalar_type());
     const auto count = static_cast<size_t>(input.numel());
     if (rank() != root) {
-      batch.calls.push_back({detail::NcclCall::Kind::send, input.const_data_ptr(), nullptr, count, type, ncclSum, root});
       note(batch, "gather", {input});
+      batch.calls.push_back({detail::NcclCall::Kind::send, input.const_data_ptr(), nullptr, count, type, ncclSum, root});
       return;
     }
     check_pair(ctx, output, input);
     detail::check_scatter_sizes(ctx, output, "output", input, "input", size());
-    // Rank c's slot of the (contiguous, checked) output; the batch keeps `output` alive.
+    note(batch, "gather", {output, input});
+    // Rank c's slot of the (contiguous, checked) output.
     const auto slot = [base = static_cast<std::byte*>(output.data_ptr()), bytes = input.nbytes()](int c) {
       return static_cast<void*>(base + static_cast<size_t>(c) * bytes);
     };
@@ -502,7 +504,6 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
       if (c == rank()) continue;
       batch.calls.push_back({detail::NcclCall::Kind::recv, nullptr, slot(c), count, type, ncclSum, c});
     }
-    note(batch, "gather", {output, input});
   }
 
   void add_reduce_scatter(NcclBatch& batch, at::Tensor output, const at::Tensor& input, ReduceOp op) const {
@@ -512,9 +513,9 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     detail::check_reduce_dtype(ctx, op == ReduceOp::avg, input);
     const auto type = detail::nccl_dtype(ctx, input.scalar_type());
     const auto count = static_cast<size_t>(output.numel());
+    note(batch, "reduce_scatter", {output, input});
     batch.calls.push_back({detail::NcclCall::Kind::reduce_scatter, input.const_data_ptr(), output.data_ptr(), count, type,
                            detail::nccl_op(op, size())});
-    note(batch, "reduce_scatter", {output, input});
   }
 
   void add_all_reduce(NcclBatch& batch, at::Tensor tensor, ReduceOp op) const {
@@ -524,9 +525,9 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     detail::check_reduce_dtype(ctx, op == ReduceOp::avg, tensor);
     const auto type = detail::nccl_dtype(ctx, tensor.scalar_type());
     const auto count = static_cast<size_t>(tensor.numel());
+    note(batch, "all_reduce", {tensor});
     batch.calls.push_back({detail::NcclCall::Kind::all_reduce, nullptr, tensor.data_ptr(), count, type,
                            detail::nccl_op(op, size())});
-    note(batch, "all_reduce", {tensor});
   }
 
   void add_broadcast(NcclBatch& batch, at::Tensor tensor, int root) const {
@@ -536,9 +537,9 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     detail::check_root(ctx, root, size());
     const auto type = detail::nccl_dtype(ctx, tensor.scalar_type());
     const auto count = static_cast<size_t>(tensor.numel());
+    note(batch, "broadcast", {tensor});
     batch.calls.push_back({detail::NcclCall::Kind::broadcast, tensor.const_data_ptr(), tensor.data_ptr(), count, type,
                            ncclSum, root});
-    note(batch, "broadcast", {tensor});
   }
 
   /// Launches a batch after the caller's current stream's pending work; one Work for all of it.

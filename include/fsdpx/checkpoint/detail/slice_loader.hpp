@@ -11,9 +11,12 @@
 
 #include <ATen/core/Tensor.h>
 
-#include <fsdpx/checkpoint/state_dict.hpp>
 #include <fsdpx/detail/config.hpp>
 #include <fsdpx/error.hpp>
+
+namespace fsdpx {
+struct StateDict;  // checkpoint/state_dict.hpp (which includes its .ipp, a user of this header)
+}
 
 namespace fsdpx::detail {
 

@@ -58,6 +58,14 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedMode
 
   auto shared = std::make_shared<SaveRequest>(std::move(req));
   const std::vector<Component> components = shared->components;
+  // The model's next backward waits until the copy is taken. Before the tasks are counted: should
+  // this throw, nothing is left for wait_idle() to wait on (an unfulfilled promise that dies makes
+  // the reader's wait return).
+  auto fence = std::make_shared<std::optional<std::promise<void>>>();
+  if (readers_of != nullptr && shared->snapshot) {
+    fence->emplace();
+    readers_of->add_shard_reader([copied = (*fence)->get_future().share()] { copied.wait(); });
+  }
   std::vector<std::shared_ptr<InFlight>> slots;
   for (const Component c : components) {
     auto& slot = in_flight_[static_cast<int>(c)];
@@ -69,12 +77,6 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedMode
       ++own_writes_[shared->step];
     }
     start_task();
-  }
-  // The model's next backward waits until the copy is taken.
-  auto fence = std::make_shared<std::optional<std::promise<void>>>();
-  if (readers_of != nullptr && shared->snapshot) {
-    fence->emplace();
-    readers_of->add_shard_reader([copied = (*fence)->get_future().share()] { copied.wait(); });
   }
   pool_.post([this, shared, dir, components, slots, fence] {
     std::string snapshot_error;

@@ -2,6 +2,7 @@
 // (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
+#include <fsdpx/checkpoint/detail/slice_loader.hpp>
 #include <fsdpx/checkpoint/model_safetensors.hpp>
 
 namespace fsdpx::checkpoint::detail {

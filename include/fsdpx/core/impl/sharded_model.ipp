@@ -2,6 +2,8 @@
 // fsdpx/impl/src.hpp (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
+#include <exception>
+
 #include <fsdpx/core/sharded_model.hpp>
 
 namespace fsdpx::core {
@@ -151,7 +153,11 @@ FSDPX_DECL ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> root, M
 }
 
 FSDPX_DECL ShardedModel::~ShardedModel() {
-  wait_for_shard_readers();  // a background checkpoint copy may still read the shards
+  try {
+    wait_for_shard_readers();  // a background checkpoint copy may still read the shards
+  } catch (...) {
+    // A reader's wait failed after every reader was waited for: nothing reads the shards any more.
+  }
   *alive_ = false;  // autograd may still hold hooks that point here
   for (size_t i = 0; i < modules_.size(); ++i) {
     if (!is_companion_[i]) detail::UnitRegistry::instance().remove(modules_[i]);
@@ -200,6 +206,7 @@ FSDPX_DECL void ShardedModel::sync_buffers(BufferSync how) {
 }
 
 FSDPX_DECL void ShardedModel::add_shard_reader(std::function<void()> wait_done) {
+  FSDPX_CHECK(static_cast<bool>(wait_done), "add_shard_reader: the wait function is empty");
   std::lock_guard lock(readers_mutex_);
   readers_.push_back(std::move(wait_done));
 }
@@ -213,8 +220,17 @@ FSDPX_DECL void ShardedModel::wait_for_shard_readers() {
   if (readers.empty()) return;
   RECORD_USER_SCOPE("fsdpx::wait_for_shard_readers");
   const auto start = std::chrono::steady_clock::now();
-  for (auto& wait_done : readers) wait_done();
+  // Every reader is waited for, even after one failed: the shards may change once this returns.
+  std::exception_ptr first_error;
+  for (auto& wait_done : readers) {
+    try {
+      wait_done();
+    } catch (...) {
+      if (!first_error) first_error = std::current_exception();
+    }
+  }
   reader_wait_ += std::chrono::steady_clock::now() - start;
+  if (first_error) std::rethrow_exception(first_error);
 }
 
 FSDPX_DECL GradNorm ShardedModel::clip_grad_norm_(double max_norm) {

@@ -9,6 +9,8 @@
 // docs/sync.md ("Authentication") is the specification the Python receiver follows.
 #pragma once
 
+#include <fsdpx/sync/detail/auth.hpp>  // first: its #error explains a build without OpenSSL
+
 #include <openssl/crypto.h>
 #include <openssl/evp.h>
 #include <openssl/hmac.h>
@@ -20,7 +22,6 @@
 #include <string_view>
 
 #include <fsdpx/error.hpp>
-#include <fsdpx/sync/detail/auth.hpp>
 
 namespace fsdpx::sync::detail {
 
