@@ -41,8 +41,11 @@ struct LaunchEnv {
   int master_port = 0;
 
   /// Throws ConfigError naming what is missing when there is no rendezvous endpoint.
+  /// Whether MASTER_ADDR and MASTER_PORT name a TCP rendezvous.
+  bool has_rendezvous() const { return !master_addr.empty() && master_port > 0; }
+
   void require_rendezvous() const {
-    FSDPX_CHECK(!master_addr.empty() && master_port > 0, "a TCP rendezvous needs MASTER_ADDR and MASTER_PORT (",
+    FSDPX_CHECK(has_rendezvous(), "a TCP rendezvous needs MASTER_ADDR and MASTER_PORT (",
                 to_string(launcher), " launch, rank ", rank, " of ", world_size, ", MASTER_ADDR='", master_addr,
                 "', MASTER_PORT=", master_port, "); torchrun sets both, under mpirun or srun export them");
   }

@@ -23,7 +23,7 @@ namespace fsdpx::dist {
 /// lives as long as the NCCL one.
 inline NcclCommunicator nccl_world(CommOptions options = {}) {
   const LaunchEnv env = detect_launch_env();
-  const bool store = env.world_size == 1 || (!env.master_addr.empty() && env.master_port > 0);
+  const bool store = env.world_size == 1 || env.has_rendezvous();
 #if defined(FSDPX_WITH_MPI)
   if (!store) {
     auto bootstrap = MpiCommunicator::world(options);

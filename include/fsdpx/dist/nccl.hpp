@@ -20,12 +20,12 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
 #include <deque>
 #include <exception>
-#include <cstddef>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -399,7 +399,7 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     if (env.world_size == 1) {
       ncclGetUniqueId(&id);
     } else {
-      FSDPX_CHECK(!env.master_addr.empty() && env.master_port > 0, "NcclCommunicator::world() at ", env.world_size,
+      FSDPX_CHECK(env.has_rendezvous(), "NcclCommunicator::world() at ", env.world_size,
                   " ranks (", to_string(env.launcher), " launch) needs MASTER_ADDR and MASTER_PORT for NCCL's unique "
                   "id; under mpirun, call fsdpx::dist::nccl_world() (<fsdpx/dist/launch.hpp>), which carries it over "
                   "MPI, or export both");
