@@ -3,6 +3,7 @@
 //
 //   mpiexec -n 2 finetune --model DIR --data tokens.bin --out OUT_DIR [--steps 100] [--batch 8] [--seq 256]
 //                         [--lr 2e-5] [--warmup 10] [--save-every 50] [--ckpt-dir DIR] [--resume] [--bf16]
+//                         [--activation-checkpointing] [--chunk-logits N]
 //   torchrun --nproc-per-node=8 --no-python finetune ...        (GPUs: NCCL, one GPU per rank)
 //
 // --model   a folder with config.json and model.safetensors (or an index and its files), as
@@ -12,7 +13,11 @@
 //           source folder's tokenizer and generation files; transformers' from_pretrained loads it
 //
 // Loading: the model is built with deferred_init and each rank reads from the files only the bytes of
-// its own shards, so no rank ever holds the whole model. Training: AdamW over the shards (no weight
+// its own shards, so no rank ever holds the whole model. The embedding, each layer and the LM head are
+// units (models::DecoderUnits; the head stays gathered from forward to backward). Long sequences (--seq
+// 8192 and more): --activation-checkpointing keeps only each layer's input in forward and recomputes
+// the layer in backward, and the loss never holds more than --chunk-logits logits (default 2^26: 256
+// MiB in float32) (docs/models.md, "Long sequences"). Training: AdamW over the shards (no weight
 // decay on norms and biases), a cosine schedule with warmup, global-norm clipping at 1.0 (TrainStep).
 // Each step's batch is --batch windows of --seq tokens drawn from the data by the step's seed (each
 // token predicts the next), the same whatever the world size, so a resumed run continues the same
@@ -54,6 +59,8 @@ struct Args {
   std::string ckpt_dir = "finetune_checkpoints";
   bool resume = false;
   bool bf16 = false;
+  bool activation_checkpointing = false;
+  int64_t chunk_logits = models::default_chunk_logits;
 };
 
 /// A file of token ids read in windows by positioned reads (a corpus may be far larger than memory).
@@ -111,7 +118,12 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
 
   const auto load_start = std::chrono::steady_clock::now();
   fsdpx::SafetensorsLoadReport loaded;
-  auto model = models::from_pretrained<Sharded>(args.model, world, {.device = device}, {}, &loaded);
+  auto model = models::from_pretrained<Sharded>(
+      args.model, world,
+      {.device = device, .reshard_after_forward_for = models::reshard_all_but_head,
+       .activation_checkpointing = args.activation_checkpointing},
+      {}, &loaded);
+  model->chunk_logits = args.chunk_logits;
   const auto& config = model->config;
   if (lead) {
     int64_t params = 0;
@@ -211,19 +223,24 @@ int main(int argc, char** argv) try {
   app.add_option("--ckpt-dir", args.ckpt_dir, "checkpoint root")->capture_default_str();
   app.add_flag("--resume", args.resume, "continue from the newest checkpoint in --ckpt-dir");
   app.add_flag("--bf16", args.bf16, "compute in bfloat16 (float32 masters and gradient reduction)");
+  app.add_flag("--activation-checkpointing", args.activation_checkpointing,
+               "keep only each layer's input in forward and recompute the layer in backward (long sequences)");
+  app.add_option("--chunk-logits", args.chunk_logits, "logits the loss holds at once (0: all of them)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
   }
   auto [world, device] = fsdpx::examples::init_world();
-  using Wrap = fsdpx::WrapModules<models::DecoderLayerImpl>;
+  // The layers may recompute in backward (--activation-checkpointing turns it on at run time).
+  using Checkpointing = fsdpx::CheckpointNames<"model.layers.*">;
   if (args.bf16) {
-    return run<fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::BF16Mixed, fsdpx::ShardedStateDict, Wrap>>(
-        args, world, device);
+    return run<fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::BF16Mixed, fsdpx::ShardedStateDict,
+                           models::DecoderUnits, Checkpointing>>(args, world, device);
   }
-  return run<fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision, fsdpx::ShardedStateDict, Wrap>>(
-      args, world, device);
+  return run<fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision, fsdpx::ShardedStateDict,
+                         models::DecoderUnits, Checkpointing>>(args, world, device);
 } catch (const std::exception& e) {
   return fsdpx::examples::report_failure("finetune", e);
 }

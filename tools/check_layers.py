@@ -23,7 +23,8 @@ ALLOWED = {
     "checkpoint": {"base", "memory", "policies", "dist", "core"},
     "sync": {"base", "memory", "policies", "dist", "core", "checkpoint"},
     "models": {"base", "memory", "policies", "dist", "core", "checkpoint"},
-    "umbrella": {"base", "memory", "policies", "dist", "core", "checkpoint", "sync"},
+    # fsdp.hpp includes up to sync; impl/src.hpp compiles the models' .ipp files too.
+    "umbrella": {"base", "memory", "policies", "dist", "core", "checkpoint", "sync", "models"},
 }
 
 # Top-level headers: the umbrella, and each layer's own one-include header.
@@ -43,9 +44,11 @@ FOLDERS = {"detail": "base", "memory": "memory", "policies": "policies", "dist":
 
 # Backends are peers inside dist: one backend's files never include another's. Only the launcher
 # header, which picks how a world starts, knows several (dist/launch.hpp: NCCL bootstrapped over MPI).
+# Each backend has one shape: its communicator header, its parts in detail/<name>_*.hpp, its
+# definitions in impl/<name>.ipp and impl/<name>_*.ipp.
 BACKENDS = {
-    "mpi": ("fsdpx/dist/mpi.hpp", "fsdpx/dist/impl/mpi.ipp", "fsdpx/dist/detail/mpi_"),
-    "nccl": ("fsdpx/dist/nccl.hpp",),
+    "mpi": ("fsdpx/dist/mpi.hpp", "fsdpx/dist/impl/mpi.ipp", "fsdpx/dist/impl/mpi_", "fsdpx/dist/detail/mpi_"),
+    "nccl": ("fsdpx/dist/nccl.hpp", "fsdpx/dist/impl/nccl.ipp", "fsdpx/dist/impl/nccl_", "fsdpx/dist/detail/nccl_"),
 }
 
 

@@ -1,6 +1,7 @@
-// Every policy: mesh, mixed precision, offload, state dict, wrapping.
+// Every policy: mesh, mixed precision, offload, state dict, wrapping, activation checkpointing.
 #pragma once
 
+#include <fsdpx/policies/checkpoint.hpp>
 #include <fsdpx/policies/mesh.hpp>
 #include <fsdpx/policies/offload.hpp>
 #include <fsdpx/policies/precision.hpp>

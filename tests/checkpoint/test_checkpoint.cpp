@@ -20,6 +20,7 @@
 #include "checkpoint_common.hpp"
 
 #include <fsdpx/checkpoint/merge.hpp>
+#include <fsdpx/detail/json.hpp>
 
 using namespace fsdpx;
 using namespace fsdpx::test;

@@ -7,6 +7,7 @@
 
 #include <fsdpx/checkpoint/merge.hpp>
 #include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/detail/json.hpp>
 
 #include "merge_fixture.hpp"
 #include "require_same.hpp"

@@ -1,9 +1,7 @@
 // Must not compile: CpuOffload with NoShard (tests/CMakeLists.txt checks the message).
-#include <fsdpx/fsdp.hpp>
-
-#include "../../examples/common/gpt.hpp"
+#include "net.hpp"
 
 int main() {
-  using Bad = fsdpx::Fsdp<fsdpx::examples::Gpt, fsdpx::NoShard, fsdpx::CpuOffload<>>;
+  using Bad = fsdpx::Fsdp<fsdpx::test::Net, fsdpx::NoShard, fsdpx::CpuOffload<>>;
   return sizeof(Bad) > 0 ? 0 : 1;
 }

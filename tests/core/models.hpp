@@ -55,4 +55,49 @@ struct ResMlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(ResMlp);
 
+/// A frozen base Linear plus a trainable low-rank update (LoRA): frozen and trainable in one module.
+struct LoraLinearImpl : torch::nn::Module {
+  LoraLinearImpl(int64_t in, int64_t out, int64_t rank = 2) {
+    base = register_module("base", torch::nn::Linear(in, out));
+    for (auto& p : base->parameters()) p.set_requires_grad(false);
+    lora_a = register_parameter("lora_a", at::randn({rank, in}) * 0.1);
+    lora_b = register_parameter("lora_b", at::randn({out, rank}) * 0.1);
+  }
+  at::Tensor forward(const at::Tensor& x) { return base(x) + at::linear(at::linear(x, lora_a), lora_b); }
+  torch::nn::Linear base{nullptr};
+  at::Tensor lora_a, lora_b;
+};
+TORCH_MODULE(LoraLinear);
+
+struct LoraBlockImpl : torch::nn::Module {
+  explicit LoraBlockImpl(int64_t d) {
+    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
+    for (auto& p : norm->parameters()) p.set_requires_grad(false);
+    up = register_module("up", LoraLinear(d, 2 * d));
+    down = register_module("down", LoraLinear(2 * d, d));
+  }
+  at::Tensor forward(const at::Tensor& x) { return x + down(torch::relu(up(norm(x)))); }
+  torch::nn::LayerNorm norm{nullptr};
+  LoraLinear up{nullptr}, down{nullptr};
+};
+TORCH_MODULE(LoraBlock);
+
+/// A frozen stem and a trainable head in the root, LoRA in every block.
+struct LoraNetImpl : torch::nn::Module {
+  LoraNetImpl() {
+    stem = register_module("stem", torch::nn::Linear(20, 16));
+    for (auto& p : stem->parameters()) p.set_requires_grad(false);
+    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("r" + std::to_string(i), LoraBlock(16)));
+    head = register_module("head", torch::nn::Linear(16, 5));
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
+    auto h = stem(x);
+    for (auto& b : blocks) h = fsdpx::forward(b, h);
+    return torch::nn::functional::cross_entropy(head(h), y);
+  }
+  torch::nn::Linear stem{nullptr}, head{nullptr};
+  std::vector<LoraBlock> blocks;
+};
+TORCH_MODULE(LoraNet);
+
 }  // namespace fsdpx::test

@@ -10,6 +10,9 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <map>
+#include <memory>
+#include <optional>
 #include <set>
 #include <functional>
 #include <stdexcept>
@@ -379,53 +382,6 @@ TEST_CASE("weight decay chosen by name and shape", "[protocol][optim]") {
   }
 }
 
-namespace {
-/// A frozen base Linear plus a trainable low-rank update (LoRA): frozen and trainable in one module.
-struct LoraLinearImpl : torch::nn::Module {
-  LoraLinearImpl(int64_t in, int64_t out, int64_t rank = 2) {
-    base = register_module("base", torch::nn::Linear(in, out));
-    for (auto& p : base->parameters()) p.set_requires_grad(false);
-    lora_a = register_parameter("lora_a", at::randn({rank, in}) * 0.1);
-    lora_b = register_parameter("lora_b", at::randn({out, rank}) * 0.1);
-  }
-  at::Tensor forward(const at::Tensor& x) { return base(x) + at::linear(at::linear(x, lora_a), lora_b); }
-  torch::nn::Linear base{nullptr};
-  at::Tensor lora_a, lora_b;
-};
-TORCH_MODULE(LoraLinear);
-
-struct LoraBlockImpl : torch::nn::Module {
-  explicit LoraBlockImpl(int64_t d) {
-    norm = register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})));
-    for (auto& p : norm->parameters()) p.set_requires_grad(false);
-    up = register_module("up", LoraLinear(d, 2 * d));
-    down = register_module("down", LoraLinear(2 * d, d));
-  }
-  at::Tensor forward(const at::Tensor& x) { return x + down(torch::relu(up(norm(x)))); }
-  torch::nn::LayerNorm norm{nullptr};
-  LoraLinear up{nullptr}, down{nullptr};
-};
-TORCH_MODULE(LoraBlock);
-
-/// A frozen stem and a trainable head in the root, LoRA in every block.
-struct LoraNetImpl : torch::nn::Module {
-  LoraNetImpl() {
-    stem = register_module("stem", torch::nn::Linear(20, 16));
-    for (auto& p : stem->parameters()) p.set_requires_grad(false);
-    for (int i = 0; i < 3; ++i) blocks.push_back(register_module("r" + std::to_string(i), LoraBlock(16)));
-    head = register_module("head", torch::nn::Linear(16, 5));
-  }
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
-    auto h = stem(x);
-    for (auto& b : blocks) h = fsdpx::forward(b, h);
-    return torch::nn::functional::cross_entropy(head(h), y);
-  }
-  torch::nn::Linear stem{nullptr}, head{nullptr};
-  std::vector<LoraBlock> blocks;
-};
-TORCH_MODULE(LoraNet);
-}  // namespace
-
 TEST_CASE("LoRA adapters inside every block (base weights frozen): frozen parameters are sharded, never reduced, "
           "with no gradient or optimizer state",
           "[protocol][lora]") {
@@ -627,4 +583,148 @@ TEST_CASE("buffer_sync leaves a graph that saved the buffers usable: two forward
   auto loss = sharded(a.x, a.y) + sharded(b.x, b.y);
   REQUIRE_NOTHROW(loss.backward());
   REQUIRE(sharded.sharded().unit(1).shard_grads().size() > 0);
+}
+
+namespace {
+
+/// A communicator that forwards to another and, while `armed`, refuses every reduce-scatter, as a
+/// backend that lost a peer would: every rank fails at the same collective.
+struct InjectedFailure {
+  bool armed = false;
+};
+
+class FailingComm : public dist::BlockingCollectives<FailingComm> {
+ public:
+  FailingComm(dist::AnyCommunicator inner, std::shared_ptr<InjectedFailure> failure)
+      : inner_(std::move(inner)), failure_(std::move(failure)) {}
+  c10::DeviceType device_type() const { return inner_.device_type(); }
+  std::string_view backend_name() const { return inner_.backend_name(); }
+  int rank() const { return inner_.rank(); }
+  int size() const { return inner_.size(); }
+  std::string_view name() const { return inner_.name(); }
+  dist::Work all_gather_async(at::Tensor out, const at::Tensor& in) { return inner_.all_gather_async(std::move(out), in); }
+  dist::Work gather_async(at::Tensor out, const at::Tensor& in, int root) {
+    return inner_.gather_async(std::move(out), in, root);
+  }
+  dist::Work reduce_scatter_async(at::Tensor out, const at::Tensor& in, dist::ReduceOp op) {
+    if (failure_->armed) throw fsdpx::CommError("injected reduce-scatter failure on communicator '" + std::string(name()) + "'");
+    return inner_.reduce_scatter_async(std::move(out), in, op);
+  }
+  dist::Work all_reduce_async(at::Tensor t, dist::ReduceOp op) { return inner_.all_reduce_async(std::move(t), op); }
+  dist::Work broadcast_async(at::Tensor t, int root) { return inner_.broadcast_async(std::move(t), root); }
+  dist::Work barrier_async() { return inner_.barrier_async(); }
+  std::optional<FailingComm> split(int color, int key, std::string_view name = {}) const {
+    auto child = inner_.split(color, key, name);
+    if (!child) return std::nullopt;
+    return FailingComm(std::move(*child), failure_);
+  }
+
+ private:
+  dist::AnyCommunicator inner_;
+  std::shared_ptr<InjectedFailure> failure_;
+};
+static_assert(dist::Communicator<FailingComm>);
+
+using ShardedLora = Fsdp<LoraNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<LoraBlockImpl>>;
+
+/// Every parameter of `m`, gathered (collective).
+template <class Sharded>
+std::map<std::string, at::Tensor> full_values(Sharded& m) {
+  auto scope = m.full_parameters();
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : m->named_parameters()) out[p.key()] = p.value().detach().clone();
+  return out;
+}
+
+/// Trains `sharded` on this rank's rows of mlp_batch(step) for the steps in `steps`.
+template <class Sharded>
+void train_steps(Sharded& sharded, torch::optim::Optimizer& optimizer, std::vector<int> steps) {
+  const int W = world().size(), r = world().rank();
+  for (const int step : steps) {
+    const Batch b = mlp_batch(step);
+    const auto mine = rows(b.x.size(0), W, 0, 1, r);
+    optimizer.zero_grad();
+    sharded(b.x.index_select(0, mine), b.y.index_select(0, mine)).backward();
+    optimizer.step();
+  }
+}
+
+}  // namespace
+
+TEST_CASE("a shard reader that fails at the end of backward: the pass completes, its error reaches the caller, "
+          "training goes on",
+          "[protocol][errors]") {
+  at::manual_seed(42);
+  ShardedShuffled reference(Shuffled(), world());
+  auto ref_optimizer = make_adamw(reference, adamw());
+  train_steps(reference, ref_optimizer, {0, 1, 2, 3, 4});
+
+  at::manual_seed(42);
+  ShardedShuffled sharded(Shuffled(), world());
+  auto optimizer = make_adamw(sharded, adamw());
+  train_steps(sharded, optimizer, {0, 1});
+  {
+    const int W = world().size(), r = world().rank();
+    const Batch b = mlp_batch(2);
+    const auto mine = rows(b.x.size(0), W, 0, 1, r);
+    optimizer.zero_grad();
+    auto loss = sharded(b.x.index_select(0, mine), b.y.index_select(0, mine));
+    sharded.sharded().add_shard_reader([] { throw std::runtime_error("background reader failed"); });
+    REQUIRE_THROWS_WITH(loss.backward(), Contains("background reader failed"));
+    // Every collective of the pass took place on every rank and its gradients reached the shards.
+    CHECK(sharded.sharded().stage() == core::detail::PassStage::idle);
+    CHECK(sharded.sharded_bytes().unsharded == 0);
+    CHECK(sharded.last_step_stats().units_run == static_cast<int>(sharded.sharded().num_units()));
+    optimizer.step();
+  }
+  train_steps(sharded, optimizer, {3, 4});
+  const auto want = full_values(reference), got = full_values(sharded);
+  for (const auto& [name, value] : want) {
+    INFO(name);
+    REQUIRE(at::equal(got.at(name), value));
+  }
+}
+
+TEST_CASE("a reduction that fails at the end of backward aborts the pass: no shard changes, the next step trains",
+          "[protocol][errors]") {
+  const int W = world().size();
+  if (W == 1) {
+    SUCCEED("at one rank a shard group of one reduces without a collective: there is none to fail");
+    return;
+  }
+  auto failure = std::make_shared<InjectedFailure>();
+  const dist::AnyCommunicator comm = FailingComm(world(), failure);
+  // LoraNet: block r0 (whose input needs no gradient) and the root are reduced at the end of backward.
+  at::manual_seed(42);
+  ShardedLora reference(LoraNet(), comm);
+  auto ref_optimizer = make_adamw(reference, adamw());
+  train_steps(reference, ref_optimizer, {0, 1, 3, 4});  // never sees step 2
+
+  at::manual_seed(42);
+  ShardedLora sharded(LoraNet(), comm);
+  auto optimizer = make_adamw(sharded, adamw());
+  train_steps(sharded, optimizer, {0, 1});
+  {
+    const int r = world().rank();
+    const Batch b = mlp_batch(2);
+    const auto mine = rows(b.x.size(0), W, 0, 1, r);
+    optimizer.zero_grad();
+    auto loss = sharded(b.x.index_select(0, mine), b.y.index_select(0, mine));
+    // The end of backward waits for shard readers first: this one arms the failure for what follows.
+    sharded.sharded().add_shard_reader([failure] { failure->armed = true; });
+    REQUIRE_THROWS_WITH(loss.backward(), Contains("injected reduce-scatter failure"));
+    failure->armed = false;
+    CHECK(sharded.sharded().stage() == core::detail::PassStage::idle);
+    CHECK(sharded.sharded_bytes().unsharded == 0);
+    for (size_t i = 0; i < sharded.sharded().num_units(); ++i) {
+      INFO(sharded.sharded().unit(i).name());
+      CHECK(sharded.sharded().unit(i).shard_grads().empty());  // nothing of the failed pass was applied
+    }
+  }
+  train_steps(sharded, optimizer, {3, 4});
+  const auto want = full_values(reference), got = full_values(sharded);
+  for (const auto& [name, value] : want) {
+    INFO(name);
+    REQUIRE(at::equal(got.at(name), value));
+  }
 }

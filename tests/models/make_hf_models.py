@@ -8,7 +8,8 @@ OUT_DIR/<name>.ref.safetensors
     input_ids [2, 12], attention_mask [2, 12] (row 1 right-padded), attention_mask_left (row 0
     left-padded), and transformers' logits: logits (float32 compute), logits_masked and logits_left
     (with those masks), logits_bf16 (bfloat16 compute, for bfloat16 files), inv_freq (the rotary
-    inverse frequencies)
+    inverse frequencies); its causal-LM loss: loss (labels = input_ids), loss_masked (padding labelled
+    -100); and RL's per-token values of the next tokens: log_probs and entropy [2, 11] (float32)
 --big: also OUT_DIR/llama_big, ~97M parameters in bfloat16 (the loading-memory test).
 """
 import json
@@ -85,6 +86,11 @@ def reference(out, name, bf16):
         ref["logits_masked"] = model(input_ids, attention_mask=mask).logits.contiguous()
         ref["logits_left"] = model(input_ids, attention_mask=left).logits.contiguous()
         ref["inv_freq"] = model.model.rotary_emb.inv_freq.float().contiguous()
+        ref["loss"] = model(input_ids, labels=input_ids).loss.reshape(1)
+        ref["loss_masked"] = model(input_ids, attention_mask=mask, labels=input_ids.masked_fill(mask == 0, -100)).loss.reshape(1)
+        logp = torch.log_softmax(ref["logits"][:, :-1].float(), dim=-1)
+        ref["log_probs"] = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1).contiguous()
+        ref["entropy"] = -(logp.exp() * logp).sum(-1).contiguous()
         if bf16:
             m16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
             ref["logits_bf16"] = m16(input_ids).logits.float().contiguous()

@@ -7,9 +7,14 @@
 #include <filesystem>
 #include <cerrno>
 #include <fstream>
+#include <functional>
+#include <map>
 #include <string>
+#include <vector>
 
 #include <unistd.h>
+
+#include <torch/optim.h>
 
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/models.hpp>
@@ -192,4 +197,142 @@ TEST_CASE("hf: each rank reads only the bytes of its own shards", "[hf]") {
   auto sum = at::full({1}, static_cast<double>(report.bytes_read), at::kDouble);
   world.all_reduce(sum, fsdpx::dist::ReduceOp::sum);
   CHECK(static_cast<int64_t>(sum.item<double>()) == total);  // together, the files once
+}
+
+// ---- long sequences: the chunked head, embedding and head as units, checkpointed layers ---------------
+
+namespace {
+
+/// The parameters' gradients of `model` after `backward` of `loss` (cleared first).
+std::map<std::string, at::Tensor> gradients_of(models::CausalLM& model, const std::function<at::Tensor()>& loss) {
+  model->zero_grad();
+  loss().backward();
+  std::map<std::string, at::Tensor> out;
+  for (const auto& p : model->named_parameters()) {
+    if (p.value().grad().defined()) out[p.key()] = p.value().grad().clone();
+  }
+  return out;
+}
+
+double max_relative(const std::map<std::string, at::Tensor>& a, const std::map<std::string, at::Tensor>& b) {
+  REQUIRE(a.size() == b.size());
+  double worst = 0;
+  for (const auto& [name, t] : b) worst = std::max(worst, relative_error(a.at(name), t));
+  return worst;
+}
+
+using ShardedUnits = fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision,
+                                 fsdpx::ShardedStateDict, models::DecoderUnits, fsdpx::CheckpointNames<"model.layers.*">>;
+
+}  // namespace
+
+TEST_CASE("hf: the chunked loss and log-probs equal the unchunked ones and transformers', with their gradients", "[hf]") {
+  for (const char* name : float32_models) {
+    INFO(name);
+    models::CausalLM model(models::read_decoder_config(fixtures() / name));
+    REQUIRE(models::load_pretrained(model, fixtures() / name).ok());
+    const at::Tensor ids = ref(name, "input_ids"), mask = ref(name, "attention_mask");
+    const at::Tensor labels = ids.masked_fill(mask == 0, -100);
+    const int64_t vocab = model->config.vocab_size;
+    // 5 tokens per chunk: 24 tokens make 5 chunks, the last one short.
+    const auto loss_with = [&](int64_t chunk_logits, bool masked) {
+      model->chunk_logits = chunk_logits;
+      return masked ? model->loss(ids, labels, mask) : model->loss(ids, ids);
+    };
+    for (const bool masked : {false, true}) {
+      INFO("padding masked: " << masked);
+      const at::Tensor want = ref(name, masked ? "loss_masked" : "loss");
+      const at::Tensor chunked = loss_with(5 * vocab, masked), whole = loss_with(0, masked);
+      CHECK(relative_error(chunked, whole) <= 1e-6);
+      CHECK(relative_error(chunked, want) <= 1e-5);
+      const auto g_chunked = gradients_of(model, [&] { return loss_with(5 * vocab, masked); });
+      const auto g_whole = gradients_of(model, [&] { return loss_with(0, masked); });
+      CHECK(max_relative(g_chunked, g_whole) <= 1e-5);
+    }
+    const auto log_probs_with = [&](int64_t chunk_logits) {
+      return model->log_probs(ids, {}, {.chunk_logits = chunk_logits, .entropy = true});
+    };
+    const auto chunked = log_probs_with(5 * vocab), whole = log_probs_with(0);
+    CHECK(relative_error(chunked.log_probs, whole.log_probs) <= 1e-6);
+    CHECK(relative_error(chunked.log_probs, ref(name, "log_probs")) <= 1e-5);
+    CHECK(relative_error(chunked.entropy, ref(name, "entropy")) <= 1e-5);
+    // An RL objective of both, differentiated through the chunks and at once.
+    const auto objective = [&](int64_t chunk_logits) {
+      const auto r = log_probs_with(chunk_logits);
+      return (r.log_probs * at::linspace(-1, 1, r.log_probs.numel()).view(r.log_probs.sizes())).sum() + 0.1 * r.entropy.sum();
+    };
+    CHECK(max_relative(gradients_of(model, [&] { return objective(5 * vocab); }),
+                       gradients_of(model, [&] { return objective(0); })) <= 1e-5);
+    // With a temperature, against log_softmax(logits / T) of the whole logits.
+    const auto hot = model->log_probs(ids, {}, {.chunk_logits = 5 * vocab, .temperature = 0.7});
+    const at::Tensor logits = ref(name, "logits").narrow(1, 0, ids.size(1) - 1) / 0.7;
+    const at::Tensor want = at::log_softmax(logits, -1).gather(-1, ids.narrow(1, 1, ids.size(1) - 1).unsqueeze(-1)).squeeze(-1);
+    CHECK(relative_error(hot.log_probs, want) <= 1e-5);
+  }
+}
+
+TEST_CASE("hf: embedding and head as units of their own: the root holds only the final norm; logits, loss and "
+          "log-probs equal transformers'",
+          "[hf]") {
+  auto& world = fsdpx::test::world();
+  for (const char* name : float32_models) {
+    INFO(name << " at world size " << world.size());
+    auto model = models::from_pretrained<ShardedUnits>(fixtures() / name, world,
+                                                       {.reshard_after_forward_for = models::reshard_all_but_head});
+    std::vector<std::string> root;
+    for (const auto& p : model.sharded().unit(0).layout().params()) root.push_back(p.name);
+    CHECK(root == std::vector<std::string>{"model.norm.weight"});
+    const bool tied = model->config.tie_word_embeddings;
+    CHECK(model.sharded().num_units() == static_cast<size_t>(model->config.num_hidden_layers + (tied ? 2 : 3)));
+    const at::Tensor ids = ref(name, "input_ids"), mask = ref(name, "attention_mask");
+    CHECK(relative_error(model(ids), ref(name, "logits")) <= 1e-5);
+    CHECK(relative_error(model(ids, mask), ref(name, "logits_masked")) <= 1e-5);
+    const at::Tensor loss = model.call(&models::CausalLMImpl::loss, ids, ids.masked_fill(mask == 0, -100), mask);
+    CHECK(relative_error(loss, ref(name, "loss_masked")) <= 1e-5);
+    const auto lp = model.call(&models::CausalLMImpl::log_probs, ids, at::Tensor(), models::LogProbOptions{.entropy = true});
+    CHECK(relative_error(lp.log_probs, ref(name, "log_probs")) <= 1e-5);
+    CHECK(relative_error(lp.entropy, ref(name, "entropy")) <= 1e-5);
+    for (size_t i = 1; i < model.sharded().num_units(); ++i) {  // freed after each call, but the head
+      INFO(model.sharded().unit(i).name());
+      CHECK(model.sharded().unit(i).unsharded_bytes() == (model.sharded().unit(i).name() == "lm_head" ? model.sharded().unit(i).layout().padded_numel() * 4 : 0));
+    }
+  }
+}
+
+TEST_CASE("hf: layers checkpointed, embedding and head as units, the chunked loss: trains as the unsharded model",
+          "[hf][checkpointing]") {
+  auto& world = fsdpx::test::world();
+  const int W = world.size(), rank = world.rank();
+  for (const char* name : {"llama_gqa", "qwen2_tied"}) {
+    INFO(name << " at world size " << W);
+    auto model = models::from_pretrained<ShardedUnits>(fixtures() / name, world,
+                                                       {.reshard_after_forward_for = models::reshard_all_but_head});
+    model->chunk_logits = 5 * model->config.vocab_size;
+    models::CausalLM reference(models::read_decoder_config(fixtures() / name));
+    models::load_pretrained(reference, fixtures() / name);
+    reference->chunk_logits = 0;  // transformers' way: all logits at once, nothing recomputed
+    const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.0).eps(1e-6);
+    auto optimizer = fsdpx::make_adamw(model, options);
+    torch::optim::AdamW ref_optimizer(reference->parameters(), options);
+    for (int step = 0; step < 3; ++step) {
+      at::manual_seed(500 + step);
+      const at::Tensor ids = at::randint(1, model->config.vocab_size, {2 * W, 12}, at::kLong);
+      const at::Tensor mine = ids.narrow(0, 2 * rank, 2);
+      optimizer.zero_grad();
+      model.call(&models::CausalLMImpl::loss, mine, mine, at::Tensor()).backward();
+      CHECK(model.last_step_stats().recomputations == model->config.num_hidden_layers);
+      optimizer.step();
+      ref_optimizer.zero_grad();
+      reference->loss(ids, ids).backward();
+      ref_optimizer.step();
+    }
+    auto scope = model.full_parameters();
+    auto want = reference->named_parameters();
+    double worst = 0;
+    for (const auto& p : model->named_parameters()) {
+      worst = std::max(worst, (p.value().detach() - want[p.key()].detach()).abs().max().item<double>());
+    }
+    if (rank == 0) std::printf("hf training, %s, checkpointed units: max |sharded - unsharded| = %.2e\n", name, worst);
+    CHECK(worst <= 5e-5);
+  }
 }

@@ -1,38 +1,39 @@
 // ShardedModel: the units of one model and the protocol that runs them. Not a template, so every
-// Fsdp<...> shares one compiled implementation; Fsdp maps its policies onto UnitOptions.
+// Fsdp<...> shares one compiled implementation; Fsdp maps its policies onto UnitOptions and ModelSetup
+// (core/policy_map.hpp).
 //
-// Forward:  pre_forward(u) unshards u and prefetches the unit that followed u in the previous step's
-//           forward (the order is recorded again at every step, so a unit skipped on some steps is
-//           followed); the call's inputs that require grad pass through one post-backward node;
-//           post_forward(u) reshards u (unless it is the root or reshard_after_forward is off) and
-//           hooks u's outputs so that u is unsharded again before its backward.
-// Backward: the output hook unshards u and prefetches the unit before it in this step's forward.
-//           A unit's backward is over when its post-backward node runs (its inputs' gradients are
-//           complete) or when every one of its parameters has accumulated a gradient, whichever comes
-//           first: then its reduce-scatter starts at once and it reshards. Parameters without a
-//           gradient count as zero; nothing waits for them. Autograd runs the same graph in the same
-//           order on every rank, so reductions are issued in the same order everywhere. HSDP / NoShard
-//           start each unit's replica all-reduce as soon as its reduce-scatter is done. At the end of
-//           backward, units whose backward never signalled (no input requiring grad) are reduced in
-//           reverse unit order, every result is added to the shards' gradients, and all reshard.
-// Failure:  a forward that throws reshards what it gathered; a backward that throws leaves a pass
-//           whose end never came. The next forward or backward sees it (autograd gives every pass its
-//           own id), waits for the collectives it issued, discards its gradients and starts clean.
+// The protocol is a state machine (core/detail/pass.hpp; docs/core.md has the table). The model's
+// stage: idle -> forward (the root's forward) -> after_forward -> backward (autograd's first unit event)
+// -> idle (end of backward). Each unit's phase: idle -> forward (gathered, prefetching the unit that
+// followed it last step) -> after_forward (resharded unless it keeps its parameters; its outputs
+// hooked) -> backward (gathered again when its outputs' gradients arrive, prefetching the unit before
+// it; a checkpointed unit recomputes its forward here) -> reduced (its post-backward node ran, or
+// every parameter has a gradient: the reduce-scatter starts at once and it reshards; parameters
+// without a gradient count as zero). At the end of backward, units whose backward never signalled
+// (no input required grad) are reduced in reverse unit order, every result is added to the shards'
+// gradients at once, and every unit reshards.
+//
+// Failure: every way out of a pass resets it (Pass::reset). A forward that throws reshards what it
+// gathered. A backward that throws leaves a pass whose end never came: the next forward or backward
+// sees it (autograd gives every pass its own id), waits for the collectives it issued, discards its
+// gradients and starts clean. An end of backward that throws while reducing does the same at once;
+// nothing of that pass reaches the shards.
 #pragma once
 
-#include <algorithm>
+#include <fsdpx/detail/config.hpp>
+
 #include <chrono>
-#include <iterator>
 #include <cmath>
 #include <functional>
-#include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -40,65 +41,16 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
-#include <fsdpx/core/deferred_init.hpp>
-#include <fsdpx/detail/config.hpp>
 #include <fsdpx/core/detail/autograd.hpp>
+#include <fsdpx/core/detail/model_plan.hpp>
+#include <fsdpx/core/detail/pass.hpp>
+#include <fsdpx/core/detail/unit_registry.hpp>
 #include <fsdpx/core/memory.hpp>
+#include <fsdpx/core/setup.hpp>
 #include <fsdpx/core/unit.hpp>
-#include <fsdpx/detail/crc32c.hpp>
 #include <fsdpx/dist/mesh.hpp>
-#include <fsdpx/policies/wrap.hpp>
 
 namespace fsdpx::core {
-
-class ShardedModel;
-
-namespace detail {
-
-/// Which sharded unit a module is, for fsdpx::forward.
-class UnitRegistry {
- public:
-  static UnitRegistry& instance() {
-    static UnitRegistry registry;
-    return registry;
-  }
-  void add(const torch::nn::Module* m, ShardedModel* owner, Unit* unit) {
-    std::lock_guard lock(mutex_);
-    FSDPX_CHECK(units_.find(m) == units_.end(), "module '", m->name(), "' is already a unit of another Fsdp model");
-    units_[m] = {owner, unit};
-  }
-  void remove(const torch::nn::Module* m) {
-    std::lock_guard lock(mutex_);
-    units_.erase(m);
-  }
-  std::pair<ShardedModel*, Unit*> find(const torch::nn::Module* m) const {
-    std::lock_guard lock(mutex_);
-    const auto it = units_.find(m);
-    return it == units_.end() ? std::pair<ShardedModel*, Unit*>{nullptr, nullptr} : it->second;
-  }
-
- private:
-  mutable std::mutex mutex_;
-  std::unordered_map<const torch::nn::Module*, std::pair<ShardedModel*, Unit*>> units_;
-};
-
-/// Applies `fn` to every tensor in a module's output (a tensor, or a tuple / vector of them).
-template <class T, class Fn>
-T map_tensors(T value, Fn&& fn) {
-  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
-    return fn(std::move(value));
-  } else if constexpr (requires { std::tuple_size<std::decay_t<T>>::value; }) {
-    std::apply([&](auto&... elems) { ((elems = map_tensors(std::move(elems), fn)), ...); }, value);
-    return value;
-  } else if constexpr (requires { value.begin(); typename std::decay_t<T>::value_type; }) {
-    for (auto& v : value) v = map_tensors(std::move(v), fn);
-    return value;
-  } else {
-    return value;  // no tensors inside (e.g. a scalar)
-  }
-}
-
-}  // namespace detail
 
 /// Result of clip_grad_norm_: the global norm before clipping.
 struct GradNorm {
@@ -113,53 +65,15 @@ struct ShardedBytes {
   int64_t unsharded = 0;    // full parameter buffers allocated right now
 };
 
-/// How the ranks' copies of the values a model was constructed with become one model.
-enum class ReplicaInit {
-  check,                 // every rank must have constructed the same values (checked: an error names the tensor)
-  broadcast_from_rank0,  // rank 0's values are copied to every rank (as DDP and FSDP's sync_module_states)
-  as_constructed,        // trusted as they are (e.g. a checkpoint is loaded right after)
-};
-
-/// How the ranks' copies of the module's buffers (BatchNorm running statistics, counters, router
-/// biases) are kept equal. Each rank's forward updates its own copy from its own batch, so without
-/// this they drift apart, and state dicts save world rank 0's.
-enum class BufferSync {
-  none,                  // each rank keeps its own (FSDP2's behaviour)
-  broadcast_from_rank0,  // rank 0's copied to every rank before each forward (DDP's broadcast_buffers)
-  average,               // floating buffers averaged over the ranks before each forward, others copied
-                         // from rank 0: running means become those of the global batch
-};
-
-/// What the units are and how they start, for ShardedModel's constructor.
-struct ModelSetup {
-  std::function<bool(const UnitQuery&)> is_unit;
-  /// deferred_init models: initializes modules fsdpx does not know.
-  ModuleInit init_module;
-  /// Whether a parameter gets weight decay, by its fully qualified name and tensor; default dim() >= 2.
-  std::function<bool(const std::string&, const at::Tensor&)> decay;
-  /// Sees the chosen units' names before anything changes (e.g. the wrap policy matched nothing).
-  std::function<void(const std::vector<std::string>&)> check_units;
-  ReplicaInit replicas = ReplicaInit::check;
-  BufferSync buffer_sync = BufferSync::none;
-};
-
-/// What the last step did (a forward and its backward): for tests, benchmarks and profiles.
-struct StepStats {
-  std::vector<std::string> forward_order;  // the units the forward ran, in order (the root left out)
-  int units_run = 0;                       // units whose forward ran with gradients on, the root included
-  int reductions_during_backward = 0;      // reduce-scatters issued as soon as their unit's backward ended
-  int reductions_at_end = 0;               // issued only when backward had finished
-  int late_reductions = 0;                 // issued again for gradients that arrived after their unit's
-  int64_t peak_unsharded_bytes = 0;        // the most full-parameter bytes allocated at once
-};
-
 class ShardedModel {
  public:
   using Mesh = dist::DeviceMesh<dist::AnyCommunicator>;
 
-  /// Collective over the mesh's world. Nothing in the module changes until every check has passed on
-  /// every rank; a failure after that (out of memory, a collective error) puts the module's parameters
-  /// back as they were before rethrowing.
+  /// Collective over the mesh's world, in three steps: plan (this rank chooses the units; nothing
+  /// changes), check (every rank built the same model and values; one small collective), commit (each
+  /// unit takes its shard). Nothing in the module changes until every check has passed on every rank;
+  /// a failure after that (out of memory, a collective error) puts the module's parameters back as
+  /// they were before rethrowing.
   FSDPX_DECL ShardedModel(std::shared_ptr<torch::nn::Module> root, Mesh mesh, UnitOptions options,
       const ModelSetup& setup);
 
@@ -207,15 +121,19 @@ class ShardedModel {
 
   /// Runs `body(inputs...)` under unit `u`'s protocol, with `args` as the unit computes them: floating
   /// tensors cast to the compute dtype, and those that require grad routed through the node that ends
-  /// the unit's backward.
+  /// the unit's backward. A checkpointed unit runs `body` without keeping its activations and again
+  /// inside backward: `body` must hold what it refers to by value (a module pointer, not a reference
+  /// to a caller's local), and `args` are copied until then.
   template <class Body, class... Args>
-  auto run_with(Unit& u, Body&& body, Args&&... args) {
+  auto run_with(Unit& u, const Body& body, Args&&... args) {
     return run(u, [&] {
       std::tuple<decltype(cast_input(u, std::forward<Args>(args)))...> inputs(cast_input(u, std::forward<Args>(args))...);
       std::vector<at::Tensor*> tracked;
       std::apply([&](auto&... a) { (track_input(a, tracked), ...); }, inputs);
       add_post_backward_node(u, tracked);
-      return std::apply([&](auto&&... a) { return body(std::forward<decltype(a)>(a)...); }, std::move(inputs));
+      using Result = std::decay_t<decltype(std::apply(body, inputs))>;
+      if (checkpoints(u)) return Result(checkpointed_call(u, body, inputs));
+      return Result(std::apply([&](auto&&... a) { return body(std::forward<decltype(a)>(a)...); }, std::move(inputs)));
     });
   }
 
@@ -232,13 +150,22 @@ class ShardedModel {
     }
   }
 
+  // ---- activation checkpointing -----------------------------------------------------------------------
+
+  /// Whether the units the policy chose recompute their forward in backward (on by default when the
+  /// policy chose any). Takes effect at the next unit call; a pass already running keeps its choice
+  /// for the calls it made.
+  void set_activation_checkpointing(bool on) { checkpointing_ = on; }
+  bool activation_checkpointing() const { return checkpointing_; }
+
   // ---- background readers of the shards ---------------------------------------------------------------
 
   /// Something reads the shards (and optimizer state) in the background: a checkpoint's copy, a
   /// weight export. `wait_done` blocks until that read has finished; it must return also when the
   /// reader failed (an error it throws reaches the caller of wait_for_shard_readers, after every
-  /// other reader was waited for). The shards must not change until then: the end of the next backward (before any
-  /// optimizer step) calls it, so the read overlaps a forward and backward instead of blocking the loop.
+  /// other reader was waited for). The shards must not change until then: the end of the next
+  /// backward (before any optimizer step) calls it, so the read overlaps a forward and backward
+  /// instead of blocking the loop.
   FSDPX_DECL void add_shard_reader(std::function<void()> wait_done);
   /// Waits for every background reader of the shards (call before changing shards outside a step).
   FSDPX_DECL void wait_for_shard_readers();
@@ -249,6 +176,8 @@ class ShardedModel {
 
   /// What the last completed step did (updated at the end of each backward).
   const StepStats& last_step_stats() const { return last_stats_; }
+  /// Where the model is now in the protocol (idle between steps).
+  detail::PassStage stage() const { return pass_.stage; }
 
   /// Off: skip gradient reduction and keep unsharded gradients until a step with it on (accumulation).
   void set_requires_gradient_sync(bool on) { sync_ = on; }
@@ -260,13 +189,8 @@ class ShardedModel {
   FSDPX_DECL GradNorm clip_grad_norm_(double max_norm);
 
   /// Gathers every unit's full parameters (e.g. for evaluation or export).
-  void unshard_all() {
-    for (auto& u : units_) u->unshard_async();
-    for (auto& u : units_) u->unshard();
-  }
-  void reshard_all() {
-    for (auto& u : units_) u->reshard();
-  }
+  FSDPX_DECL void unshard_all();
+  FSDPX_DECL void reshard_all();
 
   /// Sharded parameters and gradients to host memory (pinned on a GPU machine) and back. Between the
   /// two the model cannot run; the device holds none of its memory.
@@ -278,27 +202,160 @@ class ShardedModel {
   FSDPX_DECL ShardedBytes sharded_bytes() const;
 
  private:
-  struct PassState {  // per unit, per backward pass
-    bool ran_forward = false;       // its forward ran with gradients on (the same on every rank)
-    int post_backward_expected = 0;  // calls whose inputs went through a post-backward node
-    int post_backward_seen = 0;
-    int grads_ready = 0;
-    bool pre_backward_done = false;
-    bool backward_done = false;     // reduction issued (when syncing) and resharded
-    bool late_gradient = false;     // a gradient accumulated after that: reduced again at the end
-  };
+  // ---- construction (core/impl/model_plan.ipp) ----------------------------------------------------------
 
-  FSDPX_DECL static void pick_units(torch::nn::Module& m, const std::string& prefix,
-      const std::function<bool(const UnitQuery&)>& is_unit, std::vector<std::pair<std::string,
-          std::shared_ptr<torch::nn::Module>>>& out);
+  /// Every rank must build the same units (names, shapes, dtypes, trainability and weight-decay
+  /// classes) and the same buffers: checked with one small collective (two when they differ, to name
+  /// the tensor) before any collective sizes a buffer from them. No module changes.
+  FSDPX_DECL void check_plan(const detail::ModelPlan& plan);
+  /// Makes the units (materializing a deferred model one unit at a time, checking or copying each
+  /// unit's values across ranks); on failure every parameter is put back as it was.
+  FSDPX_DECL void commit_plan(detail::ModelPlan& plan, const ModelSetup& setup);
 
+  /// Every int64 of every rank's `mine` (all the same length), in rank order, over the world.
+  FSDPX_DECL std::vector<int64_t> all_gather_world(const std::vector<int64_t>& mine);
+  /// The ranks (other than this one) whose entry `i` differs from rank 0's; `all` holds n per rank.
+  FSDPX_DECL static std::vector<int> ranks_differing(const std::vector<int64_t>& all, size_t n, size_t i);
+  FSDPX_DECL static std::string join_ranks(const std::vector<int>& ranks);
+  /// An exact fingerprint of a tensor's bytes (the same bits give the same value on every rank).
+  FSDPX_DECL static int64_t fingerprint(const at::Tensor& tensor);
+  /// The values one unit takes its shard from must be the same on every rank: checked with one
+  /// collective of fingerprints (parameters and buffers), or copied from rank 0 (ReplicaInit).
+  FSDPX_DECL void replicate_values(const std::string& unit, const std::vector<ParamInfo>& params,
+      torch::nn::Module& module, bool root, bool values_meaningful, ReplicaInit how);
+  /// The buffers of `module` that a unit holds: all of its own for a unit, those outside every
+  /// other unit for the root.
+  FSDPX_DECL std::vector<std::pair<std::string, at::Tensor>> unit_buffers(torch::nn::Module& module, bool root) const;
   FSDPX_DECL void install_gradient_hooks(Unit& u);
+
+  // ---- the protocol's transitions (core/impl/sharded_model.ipp) ------------------------------------------
+
+  /// The root's forward starts a step: a backward pass that an exception ended is cleaned up first.
+  FSDPX_DECL void begin_forward();
+  /// unit: idle | after_forward | reduced -> forward. Gathers u and prefetches what followed it.
+  FSDPX_DECL void pre_forward(Unit& u);
+
+  /// unit: forward -> after_forward (with gradients on) or idle; the root's also ends the forward.
+  template <class Out>
+  Out post_forward(Unit& u, Out out) {
+    end_unit_forward(u);
+    auto hook = std::make_shared<detail::BackwardHook>([alive = alive_, this, &u] {
+      if (*alive) pre_backward(u);
+    });
+    const auto output_dtype = u.options().output_dtype;
+    return detail::map_tensors(std::move(out), [&](at::Tensor t) {
+      if (!t.defined()) return t;
+      if (output_dtype && t.is_floating_point()) t = t.to(*output_dtype);
+      if (t.requires_grad()) detail::add_pre_backward_hook(t, hook);
+      return t;
+    });
+  }
+  FSDPX_DECL void end_unit_forward(Unit& u);
+
+  /// The root's forward threw: every unit reshards and the pass resets, so the next step starts clean.
+  /// (Inside backward a failed recomputation ends that pass instead.)
+  FSDPX_DECL void forward_failed(Unit& u) noexcept;
+
+  /// stage: forward | after_forward -> backward, at the first unit event of a backward pass: arranges
+  /// for its end. A pass that began and never ended (an exception left it) is cleaned up first.
+  FSDPX_DECL void begin_backward();
+  /// unit: after_forward -> backward, when its outputs' gradients arrive. Gathers it again.
+  FSDPX_DECL void pre_backward(Unit& u);
+  /// The post-backward node of one call of `u` ran; the last of u's calls ends its backward.
+  FSDPX_DECL void post_backward(Unit& u);
+  FSDPX_DECL void on_grad_accumulated(Unit& u);
+  /// unit: backward -> reduced. Its reduction starts now (missing gradients count as zero), it reshards.
+  FSDPX_DECL void unit_backward_done(Unit& u);
+  /// Starts the replica all-reduce of every issued unit whose reduce-scatter is done, in issue order
+  /// (the same on every rank), without waiting for any.
+  FSDPX_DECL void advance_replica_reductions();
+  /// stage: backward -> idle. Reduces what is left, then adds every unit's result to its shard's
+  /// gradients at once; throwing on the way (a collective fails) aborts the pass instead.
+  FSDPX_DECL void end_of_backward();
+  /// stage: any -> idle, for a pass that ended with an exception: waits for the collectives it issued
+  /// (every rank issued the same ones, for the same failure), drops the gradients it computed and
+  /// everything it had not yet added to the shards, reshards every unit. Never throws; says what it
+  /// dropped in a warning.
+  FSDPX_DECL void abort_pass(const char* why) noexcept;
+
+  // ---- activation checkpointing ---------------------------------------------------------------------------
+
+  bool checkpoints(const Unit& u) const {
+    return checkpointing_ && u.options().checkpoint_activations && at::GradMode::is_enabled();
+  }
+
+  /// A checkpointed unit call: `body` runs on copies of the inputs without keeping activations; its
+  /// backward recomputes it on the same inputs (with the unit gathered by pre_backward) and hands the
+  /// parameters' gradients to the protocol as autograd's accumulation would.
+  template <class Body, class Inputs>
+  auto checkpointed_call(Unit& u, const Body& body, Inputs& inputs) {
+    using Stored = decltype(std::apply([](auto&... a) { return std::tuple<std::decay_t<decltype(a)>...>(a...); },
+                                       inputs));
+    using Out = std::decay_t<decltype(std::apply(body, std::declval<Stored&>()))>;
+    if constexpr (!std::is_copy_constructible_v<Stored> || !std::is_copy_constructible_v<Body> ||
+                  !std::is_copy_constructible_v<Out>) {
+      FSDPX_FAIL(ConfigError, "unit '", u.name(), "' is checkpointed, but its call's arguments, result or function "
+                 "cannot be copied, so it cannot run again in backward; leave this unit out of the checkpointing policy");
+      return std::apply(body, inputs);
+    } else {
+      struct Call final : detail::Recomputation {
+        Call(ShardedModel* model, Unit* unit, Body body, Stored args)
+            : model(model), unit(unit), alive(model->alive_), body(std::move(body)), args(std::move(args)) {}
+        std::vector<at::Tensor> run(const std::vector<at::Tensor>& tensors) override {
+          Stored call_args = args;
+          size_t next = 0;
+          call_args = detail::map_tensors(std::move(call_args), [&](at::Tensor) { return tensors.at(next++); });
+          Out out = std::apply(body, call_args);
+          std::vector<at::Tensor> flat;
+          detail::collect_tensors(out, flat);
+          if (!ran) {
+            ran = true;
+            first_out.emplace(std::move(out));
+          } else if (*alive) {
+            ++model->pass_.stats.recomputations;
+          }
+          return flat;
+        }
+        std::vector<at::Tensor> parameters() const override {
+          return *alive ? model->trainable_parameters(*unit) : std::vector<at::Tensor>{};
+        }
+        void accept_parameter_gradients(std::vector<at::Tensor> grads) override {
+          if (*alive) model->recomputed_gradients(*unit, std::move(grads));
+        }
+        ShardedModel* model;
+        Unit* unit;
+        std::shared_ptr<bool> alive;
+        Body body;
+        Stored args;
+        bool ran = false;              // the forward ran: the next run is the recomputation
+        std::optional<Out> first_out;  // the forward's result: its structure, and its non-tensor parts
+      };
+      auto call = std::make_shared<Call>(this, &u, body, std::apply([](auto&... a) { return Stored(a...); }, inputs));
+      std::vector<at::Tensor> flat;
+      detail::collect_tensors(call->args, flat);
+      const std::vector<at::Tensor> outputs = detail::run_checkpointed(flat, call, u.trainable());
+      Out out = std::move(*call->first_out);
+      call->first_out.reset();
+      size_t next = 0;
+      return detail::map_tensors(std::move(out), [&](at::Tensor) { return outputs.at(next++); });
+    }
+  }
+
+  /// The parameters of `u` (and of its frozen companion) that get gradients.
+  FSDPX_DECL std::vector<at::Tensor> trainable_parameters(const Unit& u) const;
+  /// A recomputation's parameter gradients, accumulated as autograd would, each counted toward the end
+  /// of u's backward.
+  FSDPX_DECL void recomputed_gradients(Unit& u, std::vector<at::Tensor> grads);
+
+  // ---- helpers ----------------------------------------------------------------------------------------------
 
   /// A module that runs a sharded child without fsdpx::forward reads parameters whose bytes are
   /// released; ATen notices the empty storage. Say what happened instead of ATen's words.
   FSDPX_DECL void rethrow_if_resharded_access(const c10::Error& e) const;
 
   size_t index_of(const Unit& u) const { return static_cast<size_t>(u.index()); }
+  detail::UnitRecord& record(const Unit& u) { return pass_.units[index_of(u)]; }
+  bool is_root(const Unit& u) const { return &u == units_.front().get(); }
 
   template <class T>
   static void track_input(T& arg, std::vector<at::Tensor*>& tracked) {
@@ -306,155 +363,17 @@ class ShardedModel {
       if (arg.defined() && arg.requires_grad()) tracked.push_back(&arg);
     }
   }
-
   FSDPX_DECL void add_post_backward_node(Unit& u, const std::vector<at::Tensor*>& tracked);
-
-  bool is_root(const Unit& u) const { return &u == units_.front().get(); }
 
   /// A unit and its frozen companion (if any) are gathered and freed together.
   Unit* companion(const Unit& u) const {
     const size_t c = companion_[index_of(u)];
     return c == 0 ? nullptr : units_[c].get();
   }
-  void unshard_async_with(Unit& u) {
-    u.unshard_async();
-    if (Unit* c = companion(u)) c->unshard_async();
-  }
-  void unshard_with(Unit& u) {
-    unshard_async_with(u);
-    u.unshard();
-    if (Unit* c = companion(u)) c->unshard();
-  }
-  void reshard_with(Unit& u) {
-    u.reshard();
-    if (Unit* c = companion(u)) c->reshard();
-  }
-
+  FSDPX_DECL void unshard_async_with(Unit& u);
+  FSDPX_DECL void unshard_with(Unit& u);
+  FSDPX_DECL void reshard_with(Unit& u);
   FSDPX_DECL void note_unsharded();
-
-  /// The root's forward starts a step: a pass that an exception ended is cleaned up first.
-  FSDPX_DECL void begin_step();
-
-  FSDPX_DECL void pre_forward(Unit& u);
-
-  template <class Out>
-  Out post_forward(Unit& u, Out out) {
-    if (is_root(u) && detail::current_backward_pass_id() == -1) commit_forward_order();
-    // An inference-only root has no backward to free it after: it is freed here like the others.
-    if ((!is_root(u) || u.options().inference_only) && u.options().reshard_after_forward) reshard_with(u);
-    auto hook = std::make_shared<detail::BackwardHook>([alive = alive_, this, &u] {
-      if (*alive) pre_backward(u);
-    });
-    const auto output_dtype = u.options().output_dtype;
-    return detail::map_tensors(std::move(out), [&](at::Tensor t) {
-      if (output_dtype && t.is_floating_point()) t = t.to(*output_dtype);
-      if (t.requires_grad()) detail::add_pre_backward_hook(t, hook);
-      return t;
-    });
-  }
-
-  /// This step's forward order becomes the one prefetching follows; a unit prefetched for this step
-  /// but not run (the model skipped it) is freed.
-  FSDPX_DECL void commit_forward_order();
-
-  /// The root's forward threw: free what it gathered and forget its half-recorded order and counts,
-  /// so the next step starts clean. (Inside backward, a recomputation's failure ends that pass.)
-  FSDPX_DECL void forward_failed(Unit& u) noexcept;
-
-  /// First unit event of a backward pass: arrange for its end. A pass that began and never ended
-  /// (an exception left it) is cleaned up first.
-  FSDPX_DECL void begin_backward();
-
-  FSDPX_DECL void pre_backward(Unit& u);
-
-  /// The post-backward node of one call of `u` ran; the last of u's calls ends its backward.
-  FSDPX_DECL void post_backward(Unit& u);
-
-  FSDPX_DECL void on_grad_accumulated(Unit& u);
-
-  /// u's backward is over: its reduction starts now (missing gradients count as zero) and it reshards.
-  FSDPX_DECL void unit_backward_done(Unit& u);
-
-  /// Starts the replica all-reduce of every issued unit whose reduce-scatter is done, in issue order
-  /// (the same on every rank), without waiting for any.
-  FSDPX_DECL void advance_replica_reductions();
-
-  FSDPX_DECL void end_of_backward();
-
-  /// A backward pass ended with an exception (its end-of-backward callback never ran). Every rank
-  /// issued the same collectives before it (the same graph, the same failure), so they complete;
-  /// then the gradients of that pass are dropped and every unit reshards.
-  FSDPX_DECL void abort_failed_pass();
-
-  // ---- construction: every rank builds the same model ------------------------------------------------
-
-  /// Every int64 of every rank's `mine` (all the same length), in rank order, over the world.
-  FSDPX_DECL std::vector<int64_t> all_gather_world(const std::vector<int64_t>& mine);
-
-  /// The ranks (other than this one) whose entry `i` differs from rank 0's; `all` holds n per rank.
-  FSDPX_DECL static std::vector<int> ranks_differing(const std::vector<int64_t>& all, size_t n, size_t i);
-
-  FSDPX_DECL static std::string join_ranks(const std::vector<int>& ranks);
-
-  /// Every rank must build the same units: names, shapes, dtypes, trainability and weight-decay
-  /// classes. Checked with one small collective (two when they differ, to name the tensor) before any
-  /// collective sizes a buffer from them.
-  template <class Planned>
-  void check_layouts_agree(const std::vector<Planned>& planned) {
-    std::vector<std::string> described;
-    std::vector<int64_t> hashes;
-    uint32_t total = 0;
-    const auto add = [&](std::string description) {
-      described.push_back(std::move(description));
-      const uint32_t h = ::fsdpx::detail::Crc32c::of(described.back().data(), described.back().size());
-      hashes.push_back(h);
-      total = ::fsdpx::detail::Crc32c::of(&h, sizeof h) ^ (total * 31u);
-    };
-    for (const auto& [unit, params, module, companion] : planned) {
-      for (const ParamInfo& p : params) {
-        add(::fsdpx::detail::str("parameter '", p.name, "' (unit '", unit, "', shape ", p.param.sizes(), ", ",
-                                 p.param.scalar_type(), p.param.requires_grad() ? ", trainable" : ", frozen",
-                                 p.decay ? ", decayed)" : ")"));
-      }
-    }
-    // Buffers too: every rank synchronizes and saves them as one list (BufferSync, state dicts).
-    for (const auto& [name, b] : named_buffers()) {
-      add(::fsdpx::detail::str("buffer '", name, "' (shape ", b.sizes(), ", ", b.scalar_type(), ")"));
-    }
-    const auto all = all_gather_world({static_cast<int64_t>(hashes.size()), static_cast<int64_t>(total)});
-    const auto count_differs = ranks_differing(all, 2, 0), layout_differs = ranks_differing(all, 2, 1);
-    if (count_differs.empty() && layout_differs.empty()) return;
-    const int me = mesh_.world().rank();
-    if (!count_differs.empty()) {
-      std::string counts;
-      for (size_t r = 0; r * 2 < all.size(); ++r) counts += ::fsdpx::detail::str(r ? ", " : "", "rank ", r, ": ", all[r * 2]);
-      throw ConfigError(::fsdpx::detail::str(
-          "fsdpx: the ranks built different models (rank ", me, "): they hold different numbers of parameters and buffers (",
-          counts, "); ranks differing from rank 0: ", join_ranks(count_differs), ". Every rank must construct the "
-          "same model with the same configuration."));
-    }
-    const auto per_tensor = all_gather_world(hashes);
-    for (size_t i = 0; i < hashes.size(); ++i) {
-      if (const auto ranks = ranks_differing(per_tensor, hashes.size(), i); !ranks.empty()) {
-        throw ConfigError(::fsdpx::detail::str(
-            "fsdpx: the ranks built different models: ", described[i], " on rank ", me,
-            " is not the same on rank 0 and rank(s) ", join_ranks(ranks), " (name, shape, dtype, requires_grad or "
-            "weight-decay class). Every rank must construct the same model with the same configuration."));
-      }
-    }
-  }
-
-  /// An exact fingerprint of a tensor's bytes (the same bits give the same value on every rank).
-  FSDPX_DECL static int64_t fingerprint(const at::Tensor& tensor);
-
-  /// The values one unit takes its shard from must be the same on every rank: checked with one
-  /// collective of fingerprints (parameters and buffers), or copied from rank 0 (ReplicaInit).
-  FSDPX_DECL void replicate_values(const std::string& unit, const std::vector<ParamInfo>& params,
-      torch::nn::Module& module, bool root, bool values_meaningful, ReplicaInit how);
-
-  /// The buffers of `module` that a unit holds: all of its own for a unit, those outside every
-  /// other unit for the root.
-  FSDPX_DECL std::vector<std::pair<std::string, at::Tensor>> unit_buffers(torch::nn::Module& module, bool root) const;
 
   std::shared_ptr<torch::nn::Module> root_module_;
   Mesh mesh_;
@@ -468,16 +387,10 @@ class ShardedModel {
   std::vector<size_t> companion_;   // the index of a unit's frozen companion, or 0 (none)
   std::vector<Unit*> forward_order_;     // the last completed forward's units (prefetching follows it)
   std::unordered_map<const Unit*, size_t> position_;
-  std::vector<Unit*> recording_;         // this forward's units so far
-  std::vector<bool> recorded_;
-  std::vector<PassState> pass_;
-  bool in_backward_ = false;
-  int backward_pass_id_ = -1;
-  std::vector<Unit*> issued_;            // reductions of this pass, in the order they were issued
-  size_t replica_next_ = 0;              // issued_[replica_next_...] have not started their replica all-reduce
-  StepStats stats_;
+  detail::Pass pass_;                    // everything the current pass changed
   StepStats last_stats_;
   bool sync_ = true;
+  bool checkpointing_ = true;
   std::shared_ptr<bool> alive_ = std::make_shared<bool>(true);
   std::mutex readers_mutex_;
   std::vector<std::function<void()>> readers_;  // add_shard_reader's waits
@@ -487,5 +400,6 @@ class ShardedModel {
 }  // namespace fsdpx::core
 
 #if defined(FSDPX_HEADER_ONLY)
+#include <fsdpx/core/impl/model_plan.ipp>
 #include <fsdpx/core/impl/sharded_model.ipp>
 #endif

@@ -43,6 +43,8 @@ struct UnitOptions {
   /// shards in the compute dtype and never has gradients (FsdpOptions::inference_only).
   at::ScalarType shard_dtype = at::kFloat;
   bool inference_only = false;
+  /// Its forward keeps only its inputs and runs again inside backward (activation checkpointing).
+  bool checkpoint_activations = false;
 };
 
 /// The communicators a unit uses. Gathers and reductions run on separate duplicates of the shard
@@ -118,18 +120,24 @@ class Unit {
 
   /// Offloaded shards on a GPU machine: once the reduction is done (in stream order), starts copying
   /// its result to pinned host memory without blocking, and records an event the host waits on in
-  /// finish_gradient_reduction(), so the copies of all units queue back to back and the host waits
+  /// wait_gradient_reduction(), so the copies of all units queue back to back and the host waits
   /// once instead of once per unit. No-op otherwise.
   FSDPX_DECL void start_gradient_copy_to_host();
 
-  /// Waits for the reduction (and the replicas' average) and adds the result to the gradients of the
-  /// optimizer tensors (each its own tensor: LibTorch's zero_grad() detaches gradients in place,
-  /// which views would refuse). A gradient that zero_grad() reset is set instead of added to.
-  FSDPX_DECL void finish_gradient_reduction();
+  /// Waits for the reduction (and the replicas' average) and keeps its result, in float32 where the
+  /// shard lives, as this pass's pending gradient (a second reduction in the same pass adds to it).
+  /// Nothing of the shard changes yet.
+  FSDPX_DECL void wait_gradient_reduction();
+
+  /// Adds the pending gradient to the gradients of the optimizer tensors (each its own tensor:
+  /// LibTorch's zero_grad() detaches gradients in place, which views would refuse). A gradient that
+  /// zero_grad() reset is set instead of added to.
+  FSDPX_DECL void apply_gradient_reduction();
 
   /// After a backward pass that ended with an exception: waits for the collectives it issued (every
-  /// rank issued the same ones), then drops their results and the unsharded gradients, so none of
-  /// the failed pass reaches the shards. Returns whether unsharded gradients were dropped.
+  /// rank issued the same ones), then drops their results, the pending gradient and the unsharded
+  /// gradients, so none of the failed pass reaches the shards. Returns whether unsharded gradients
+  /// were dropped.
   FSDPX_DECL bool discard_gradients();
 
   /// The float32 gradients of the optimizer tensors that have one.
@@ -162,6 +170,7 @@ class Unit {
   at::Tensor flat_grad_;
   at::Tensor reduced_;
   at::Tensor host_grad_;                // offloaded shards: the reduction's result, pinned, being copied in
+  at::Tensor pending_;                  // this pass's reduced gradient (float32, the shard's device), not yet applied
   std::optional<c10::Event> copy_done_;  // set while that copy runs
 };
 

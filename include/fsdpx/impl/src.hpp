@@ -8,13 +8,17 @@
 #error "fsdpx/impl/src.hpp is the separately compiled part of fsdpx: define FSDPX_SEPARATE_COMPILATION for every translation unit of the program (or link fsdpx::separate), or do not include this file (fsdpx is header-only by default)"
 #endif
 
-#if defined(FSDPX_WITH_MPI)  // the MPI backend
+#if defined(FSDPX_WITH_MPI)  // the MPI backend (its control channel, engine and runtime with it)
 #include <fsdpx/dist/impl/mpi.ipp>
+#endif
+#if defined(FSDPX_WITH_NCCL)  // the NCCL backend (its communicator state and watchdog with it)
+#include <fsdpx/dist/impl/nccl.ipp>
 #endif
 #include <fsdpx/dist/impl/rendezvous.ipp>
 #include <fsdpx/core/impl/autograd.ipp>
 #include <fsdpx/core/impl/deferred_init.ipp>
 #include <fsdpx/core/impl/unit.ipp>
+#include <fsdpx/core/impl/model_plan.ipp>
 #include <fsdpx/core/impl/sharded_model.ipp>
 #include <fsdpx/checkpoint/impl/file_io.ipp>
 #include <fsdpx/checkpoint/impl/model_folder.ipp>
@@ -31,6 +35,7 @@
 #include <fsdpx/sync/impl/broadcast.ipp>
 #include <fsdpx/sync/impl/synchronizer.ipp>
 #include <fsdpx/sync/impl/watcher.ipp>
+#include <fsdpx/models/impl/loss.ipp>
 #if defined(FSDPX_WITH_BOOST)  // the checkpoint coordinator's threads
 #include <fsdpx/checkpoint/impl/worker_pool.ipp>
 #include <fsdpx/checkpoint/impl/coordinator.ipp>

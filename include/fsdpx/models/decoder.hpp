@@ -9,9 +9,14 @@
 //   auto logits = model(input_ids);                                // [batch, seq, vocab]
 //
 // Modules are named as transformers names them ("model.layers.3.self_attn.q_proj.weight"), so a
-// checkpoint, a merge and an export carry Hugging Face's names as they are. Each DecoderLayer is
-// called through fsdpx::forward: sharded with Fsdp<CausalLM, ..., WrapModules<DecoderLayerImpl>>,
-// each layer is a unit; unsharded, the same code runs as a plain module.
+// checkpoint, a merge and an export carry Hugging Face's names as they are. The embedding, each
+// DecoderLayer and the LM head are called through fsdpx::forward / fsdpx::call: sharded with
+// Fsdp<CausalLM, ..., DecoderUnits> each is a unit of its own (as torchtitan shards them) and the root
+// holds only the final norm; with WrapModules<DecoderLayerImpl> the layers are units and the
+// embedding and head stay in the root; unsharded, the same code runs as a plain module.
+//
+// loss() and log_probs() never hold the whole logits: they run the head chunk by chunk of tokens
+// (models/loss.hpp), inside the head's unit.
 //
 // The projections and the embedding are this header's own small modules rather than torch::nn's:
 // torch::nn::Linear initializes its weights in its constructor, which for a model built only to be
@@ -35,6 +40,7 @@
 #include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/fsdp.hpp>
 #include <fsdpx/models/config.hpp>
+#include <fsdpx/models/loss.hpp>
 
 namespace fsdpx::models {
 
@@ -54,6 +60,13 @@ struct LinearImpl : torch::nn::Module {
   at::Tensor weight, bias;
 };
 TORCH_MODULE(Linear);
+
+/// The LM head: a Linear without bias, of a type of its own so that a wrap policy can make it a unit
+/// (DecoderUnits) without picking every projection.
+struct LmHeadImpl : LinearImpl {
+  LmHeadImpl(int64_t hidden, int64_t vocabulary) : LinearImpl(hidden, vocabulary, /*bias=*/false) {}
+};
+TORCH_MODULE(LmHead);
 
 /// Token embedding, as torch.nn.Embedding with padding_idx: the padding row gets no gradient.
 struct EmbeddingImpl : torch::nn::Module {
@@ -258,7 +271,7 @@ struct DecoderModelImpl : torch::nn::Module {
                 "[batch, seq], not ", input_ids.scalar_type(), " ", input_ids.sizes());
     const int64_t seq = input_ids.size(1);
     const auto device = input_ids.device();
-    at::Tensor h = embed_tokens(input_ids);
+    at::Tensor h = fsdpx::forward(embed_tokens, input_ids);
     const at::Tensor positions =
         position_ids.defined() ? position_ids : at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
     const auto [cos, sin] = rotary.cos_sin(positions, h.scalar_type());
@@ -315,34 +328,85 @@ inline bool init_decoder_module(torch::nn::Module& m, double std) {
   return true;
 }
 
+/// The units of a sharded CausalLM as torchtitan cuts it: the embedding, each layer and the LM head
+/// (a tied head is the embedding's unit), so the root holds only the final norm:
+///   Fsdp<CausalLM, FullShard, NoOffload, BF16Mixed, ShardedStateDict, DecoderUnits, CheckpointNames<"model.layers.*">>
+using DecoderUnits = WrapModules<DecoderLayerImpl, EmbeddingImpl, LmHeadImpl>;
+
+/// FsdpOptions::reshard_after_forward_for that keeps the LM head gathered from forward to backward:
+/// it runs last in forward and first in backward, so resharding it would gather it again at once
+/// (FSDP2 keeps its last unit so). Costs one head's full parameters for that time.
+inline bool reshard_all_but_head(const std::string& unit) { return unit != "lm_head"; }
+
 /// The causal LM: logits [batch, seq, vocab] over DecoderModel's hidden states.
 struct CausalLMImpl : torch::nn::Module {
   /// Random weights, initialized as transformers initializes them (not under deferred_init: Fsdp then
   /// initializes each unit with FsdpOptions::init_module, e.g. models::init_module(config)).
   explicit CausalLMImpl(DecoderConfig c) : config(std::move(c)) {
     model = register_module("model", DecoderModel(config));
-    if (!config.tie_word_embeddings) lm_head = register_module("lm_head", Linear(config.hidden_size, config.vocab_size, false));
+    if (!config.tie_word_embeddings) lm_head = register_module("lm_head", LmHead(config.hidden_size, config.vocab_size));
     if (!in_deferred_init()) reset_parameters();
   }
 
+  /// Runs fn(head weight, args...) under the head's unit: the LM head's, or the embedding's when tied.
+  template <class Fn, class... Args>
+  auto with_head(Fn fn, const Args&... args) {
+    if (config.tie_word_embeddings) {
+      return fsdpx::call(model->embed_tokens, [fn](Embedding& e, const auto&... a) { return fn(e->weight, a...); }, args...);
+    }
+    return fsdpx::call(lm_head, [fn](LmHead& head, const auto&... a) { return fn(head->weight, a...); }, args...);
+  }
+
+  /// Logits [batch, seq, vocab] (all of them: for generation or inspection; training uses loss()).
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {}, const at::Tensor& position_ids = {}) {
     return head(model->forward(input_ids, attention_mask, position_ids));
   }
 
-  /// The LM head over hidden states (the embedding's weight when tied).
+  /// The LM head over hidden states (the embedding's weight when tied), under the head's unit.
   at::Tensor head(const at::Tensor& hidden) {
-    return config.tie_word_embeddings ? at::linear(hidden, model->embed_tokens->weight) : lm_head(hidden);
+    return with_head([](const at::Tensor& weight, const at::Tensor& h) { return at::linear(h, weight); }, hidden);
   }
 
   /// Mean next-token cross-entropy as transformers' causal LM loss: labels [batch, seq] are the input
-  /// ids (shifted inside), -100 ignored, computed in float32.
+  /// ids (shifted inside), -100 ignored, computed in float32 chunk by chunk of tokens (chunk_logits).
   at::Tensor loss(const at::Tensor& input_ids, const at::Tensor& labels, const at::Tensor& attention_mask = {}) {
-    return causal_lm_loss(forward(input_ids, attention_mask), labels);
+    const at::Tensor hidden = model->forward(input_ids, attention_mask);
+    const at::Tensor shifted = shift_labels(labels).to(hidden.device());
+    const CrossEntropyOptions ce{.chunk_logits = chunk_logits};
+    return with_head([ce](const at::Tensor& weight, const at::Tensor& h, const at::Tensor& y) {
+      return linear_cross_entropy(h, weight, y, ce);
+    }, hidden, shifted);
   }
 
+  /// RL's per-token log-probabilities of the given next tokens: [batch, seq - 1] float32, position t
+  /// holding log p(input_ids[t + 1] | input_ids[..t]) (and the entropy of that distribution when
+  /// asked), computed chunk by chunk of tokens. Positions after padding hold values to be masked.
+  TokenLogProbs log_probs(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
+                          const LogProbOptions& options = {}) {
+    FSDPX_CHECK(input_ids.dim() == 2 && input_ids.size(1) >= 2, "CausalLM::log_probs: input_ids must be [batch, seq] "
+                "with seq >= 2 (each position's next token is its target), not ", input_ids.sizes());
+    const at::Tensor hidden = model->forward(input_ids, attention_mask);
+    const int64_t seq = input_ids.size(1);
+    const at::Tensor h = hidden.narrow(1, 0, seq - 1);
+    const at::Tensor targets = input_ids.narrow(1, 1, seq - 1).to(hidden.device());
+    auto both = with_head([options](const at::Tensor& weight, const at::Tensor& hs, const at::Tensor& t) {
+      TokenLogProbs r = linear_log_probs(hs, weight, t, options);
+      return std::make_tuple(r.log_probs, r.entropy);
+    }, h, targets);
+    return {std::get<0>(both), std::get<1>(both)};
+  }
+
+  /// labels [batch, seq] -> the next token's label at each position, ignore_index at the last.
+  static at::Tensor shift_labels(const at::Tensor& labels, int64_t ignore_index = -100) {
+    FSDPX_CHECK(labels.dim() == 2 && labels.scalar_type() == at::kLong, "CausalLM: labels must be int64 [batch, seq], not ",
+                labels.scalar_type(), " ", labels.sizes());
+    return at::constant_pad_nd(labels, {0, 1}, static_cast<double>(ignore_index)).narrow(1, 1, labels.size(1));
+  }
+
+  /// Mean next-token cross-entropy of whole logits (the unchunked reference of loss()).
   static at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index = -100) {
     const int64_t vocab = logits.size(-1);
-    const at::Tensor shifted = at::constant_pad_nd(labels, {0, 1}, static_cast<double>(ignore_index)).narrow(1, 1, labels.size(1));
+    const at::Tensor shifted = shift_labels(labels, ignore_index);
     return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), shifted.reshape({-1}).to(logits.device()),
                                   std::nullopt, at::Reduction::Mean, ignore_index);
   }
@@ -354,7 +418,11 @@ struct CausalLMImpl : torch::nn::Module {
 
   DecoderConfig config;
   DecoderModel model{nullptr};
-  Linear lm_head{nullptr};
+  LmHead lm_head{nullptr};
+  /// How many logits loss() holds at once (models/loss.hpp): memory against the number of head
+  /// products; 0 computes all logits at once, as transformers does.
+  int64_t chunk_logits = default_chunk_logits;
+
 };
 TORCH_MODULE(CausalLM);
 

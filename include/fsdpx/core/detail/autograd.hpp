@@ -65,6 +65,35 @@ FSDPX_DECL void at_end_of_backward(std::function<void()> fn);
 /// own id, so a pass that began and never ended is told apart from the one running now.
 FSDPX_DECL int current_backward_pass_id();
 
+// ---- activation checkpointing: a unit call recomputed inside backward --------------------------------
+// The reentrant form (torch.utils.checkpoint's use_reentrant=True): LibTorch's saved-tensor default
+// hooks take only Python objects, so one custom node runs the call with gradients off, keeping only
+// its inputs, and its backward runs the call again with gradients on and differentiates that.
+
+/// What a checkpointed call is to autograd.
+class Recomputation {
+ public:
+  virtual ~Recomputation() = default;
+  /// Runs the call on `inputs` (its tensors, in the order given to run_checkpointed) and returns its
+  /// output tensors in a fixed order: once in forward (gradients off), once inside backward.
+  virtual std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) = 0;
+  /// The parameters whose gradients the recomputation's backward computes.
+  virtual std::vector<at::Tensor> parameters() const = 0;
+  /// Those gradients, in the same order (undefined for a parameter the call did not use).
+  virtual void accept_parameter_gradients(std::vector<at::Tensor> grads) = 0;
+};
+
+/// Runs `call` on `inputs` without keeping its activations and returns its outputs, which carry one
+/// node whose backward sets the random generators (CPU, and the inputs' device) to their states of
+/// this forward, recomputes the call with gradients on and differentiates it for the inputs and the
+/// parameters. With `anchor`, the outputs require grad even when no input does (the parameters do).
+FSDPX_DECL std::vector<at::Tensor> run_checkpointed(const std::vector<at::Tensor>& inputs,
+                                                    std::shared_ptr<Recomputation> call, bool anchor);
+
+/// Adds `grad` to `param`'s gradient as autograd's AccumulateGrad does (taking `grad` over when
+/// nothing else refers to it, else copying it).
+FSDPX_DECL void accumulate_grad(const at::Tensor& param, at::Tensor grad);
+
 // ---- deferred construction: build a model without materializing its parameters --------------------
 // While a ScratchAllocationScope lives, every CPU allocation returns the same scratch buffer (grown to
 // the largest request; older buffers stay alive for the tensors that point into them). A model

@@ -3,10 +3,14 @@
 #pragma once
 
 #include <cstring>
+#include <optional>
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Context.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/StorageImpl.h>
 #include <ATen/core/ivalue.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -89,6 +93,165 @@ FSDPX_DECL void at_end_of_backward(std::function<void()> fn) {
 }
 
 FSDPX_DECL int current_backward_pass_id() { return torch::autograd::get_current_graph_task_id(); }
+
+/// The states of the default generators a call may draw from: the CPU's, and its device's.
+struct RngStates {
+  at::Tensor cpu;
+  std::optional<at::Device> device;
+  at::Tensor on_device;
+
+  static RngStates capture(std::optional<at::Device> device) {
+    RngStates s;
+    s.device = device;
+    {
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard lock(gen.mutex());
+      s.cpu = gen.get_state();
+    }
+    if (device) {
+      at::Generator gen = at::globalContext().defaultGenerator(*device);
+      std::lock_guard lock(gen.mutex());
+      s.on_device = gen.get_state();
+    }
+    return s;
+  }
+  void restore() const {
+    {
+      at::Generator gen = at::detail::getDefaultCPUGenerator();
+      std::lock_guard lock(gen.mutex());
+      gen.set_state(cpu);
+    }
+    if (device) {
+      at::Generator gen = at::globalContext().defaultGenerator(*device);
+      std::lock_guard lock(gen.mutex());
+      gen.set_state(on_device);
+    }
+  }
+};
+
+/// The generators set to `saved` for the scope's lifetime, then back to where they were, so a
+/// recomputation draws what its forward drew and the program's own stream does not move (fork_rng).
+class RngFork {
+ public:
+  explicit RngFork(const RngStates& saved) : previous_(RngStates::capture(saved.device)) { saved.restore(); }
+  RngFork(const RngFork&) = delete;
+  RngFork& operator=(const RngFork&) = delete;
+  ~RngFork() { previous_.restore(); }
+
+ private:
+  RngStates previous_;
+};
+
+struct CheckpointState {
+  std::shared_ptr<Recomputation> call;
+  size_t inputs_n = 0;   // the call's inputs
+  bool anchored = false;  // an anchor follows them in the node's inputs
+  RngStates rng;
+};
+
+class CheckpointHolder final : public torch::CustomClassHolder {
+ public:
+  explicit CheckpointHolder(std::shared_ptr<CheckpointState> state) : state(std::move(state)) {}
+  std::shared_ptr<CheckpointState> state;
+};
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList all,
+                                                std::shared_ptr<CheckpointState> state) {
+    ctx->set_materialize_grads(false);  // outputs without a gradient stay undefined: nothing to recompute for
+    const std::vector<at::Tensor> inputs(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(state->inputs_n));
+    std::optional<at::Device> device;
+    for (const at::Tensor& t : inputs) {
+      if (t.defined() && !t.device().is_cpu()) {
+        device = t.device();
+        break;
+      }
+    }
+    state->rng = RngStates::capture(device);
+    std::vector<at::Tensor> outputs = state->call->run(inputs);  // gradients off: nothing saved inside
+    ctx->save_for_backward(inputs);
+    for (const at::Tensor& t : outputs) {
+      if (t.defined() && !(t.is_floating_point() || t.is_complex())) ctx->mark_non_differentiable({t});
+    }
+    ctx->saved_data["state"] = c10::IValue::make_capsule(c10::make_intrusive<CheckpointHolder>(std::move(state)));
+    return outputs;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto capsule = ctx->saved_data["state"].toCapsule();
+    const std::shared_ptr<CheckpointState> state = static_cast<CheckpointHolder*>(capsule.get())->state;
+    FSDPX_CHECK(!at::GradMode::is_enabled(), "a checkpointed unit cannot be differentiated twice (backward with "
+                "create_graph): turn activation checkpointing off for this pass (set_activation_checkpointing(false))");
+    const std::vector<at::Tensor> saved = ctx->get_saved_variables();
+    std::vector<at::Tensor> inputs;
+    inputs.reserve(saved.size());
+    for (const at::Tensor& x : saved) inputs.push_back(x.defined() ? x.detach().requires_grad_(x.requires_grad()) : x);
+    std::vector<at::Tensor> outputs;
+    {
+      RngFork fork(state->rng);
+      at::AutoGradMode grad_on(true);
+      outputs = state->call->run(inputs);
+    }
+    FSDPX_CHECK(outputs.size() == grads.size(), "a checkpointed unit's recomputation returned ", outputs.size(),
+                " tensors where its forward returned ", grads.size(), " (the call is not deterministic in its outputs)");
+    torch::autograd::variable_list roots, root_grads, targets;
+    for (size_t i = 0; i < outputs.size(); ++i) {
+      if (outputs[i].defined() && outputs[i].requires_grad() && grads[i].defined()) {
+        roots.push_back(outputs[i]);
+        root_grads.push_back(grads[i]);
+      }
+    }
+    std::vector<size_t> input_slots;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      if (inputs[i].defined() && inputs[i].requires_grad()) {
+        input_slots.push_back(i);
+        targets.push_back(inputs[i]);
+      }
+    }
+    const std::vector<at::Tensor> params = state->call->parameters();
+    targets.insert(targets.end(), params.begin(), params.end());
+    torch::autograd::variable_list result(targets.size());
+    if (!roots.empty() && !targets.empty()) {
+      result = torch::autograd::grad(roots, targets, root_grads, /*retain_graph=*/false, /*create_graph=*/false,
+                                     /*allow_unused=*/true);
+    }
+    state->call->accept_parameter_gradients(
+        {std::make_move_iterator(result.begin() + static_cast<std::ptrdiff_t>(input_slots.size())),
+         std::make_move_iterator(result.end())});
+    // One gradient per tensor of the list (inputs, then the anchor's, undefined), one for the state.
+    torch::autograd::variable_list out(state->inputs_n + (state->anchored ? 1 : 0));
+    for (size_t k = 0; k < input_slots.size(); ++k) out[input_slots[k]] = std::move(result[k]);
+    out.emplace_back();
+    return out;
+  }
+};
+
+FSDPX_DECL std::vector<at::Tensor> run_checkpointed(const std::vector<at::Tensor>& inputs,
+                                                    std::shared_ptr<Recomputation> call, bool anchor) {
+  auto state = std::make_shared<CheckpointState>();
+  state->call = std::move(call);
+  state->inputs_n = inputs.size();
+  std::vector<at::Tensor> all = inputs;
+  state->anchored = anchor;
+  if (anchor) all.push_back(at::empty({0}).requires_grad_(true));
+  return CheckpointFunction::apply(at::TensorList(all), std::move(state));
+}
+
+FSDPX_DECL void accumulate_grad(const at::Tensor& param, at::Tensor grad) {
+  if (!grad.defined()) return;
+  at::NoGradGuard no_grad;
+  at::Tensor& current = param.mutable_grad();
+  if (current.defined()) {
+    current.add_(grad);
+    return;
+  }
+  // Taken over only when nothing else can see its bytes, as AccumulateGrad steals a fresh gradient.
+  const bool owned = grad.use_count() == 1 && grad.storage().use_count() == 1 && grad.is_contiguous() &&
+                     grad.storage_offset() == 0 && grad.storage().nbytes() == grad.nbytes() &&
+                     grad.sizes() == param.sizes() && grad.scalar_type() == param.scalar_type();
+  current = owned ? std::move(grad) : grad.to(param.scalar_type()).clone(at::MemoryFormat::Contiguous).view(param.sizes());
+}
 
 FSDPX_DECL c10::DataPtr ScratchCpuAllocator::allocate(size_t n) {
   std::lock_guard lock(mutex_);

@@ -155,7 +155,7 @@ FSDPX_DECL void Unit::start_gradient_copy_to_host() {
   reduced_ = source;  // kept until the copy is done: the device may still read it
 }
 
-FSDPX_DECL void Unit::finish_gradient_reduction() {
+FSDPX_DECL void Unit::wait_gradient_reduction() {
   if (!reducing_) return;
   start_replica_reduction();
   RECORD_USER_SCOPE("fsdpx::finish_reduction");
@@ -171,6 +171,14 @@ FSDPX_DECL void Unit::finish_gradient_reduction() {
     g = reduced_.to(shard_.device(), at::kFloat);
   }
   reduced_ = at::Tensor();
+  pending_ = pending_.defined() ? pending_ + g : std::move(g);
+}
+
+FSDPX_DECL void Unit::apply_gradient_reduction() {
+  if (!pending_.defined()) return;
+  at::NoGradGuard no_grad;
+  const at::Tensor g = std::move(pending_);
+  pending_ = at::Tensor();
   for (auto& p : optim_params_) {
     const at::Tensor part = g.narrow(0, p.range.begin, p.range.size());
     at::Tensor& grad = p.tensor.mutable_grad();
@@ -192,7 +200,7 @@ FSDPX_DECL bool Unit::discard_gradients() {
     copy_done_->synchronize();
     copy_done_.reset();
   }
-  flat_grad_ = reduced_ = host_grad_ = at::Tensor();
+  flat_grad_ = reduced_ = host_grad_ = pending_ = at::Tensor();
   bool dropped = false;
   for (const ParamInfo& p : layout_.params()) {
     if (at::Tensor& g = p.param.mutable_grad(); g.defined()) {

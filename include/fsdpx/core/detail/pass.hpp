@@ -1,0 +1,104 @@
+// The unit protocol's state, made explicit (FSDP2's TrainingState per parameter group): where the model
+// is in a training pass, where each unit is, and what the pass has issued. Everything a pass changes
+// lives in one Pass object, and every way out of a pass (its end, a failed forward, a failed
+// backward, an end of backward that throws) goes through Pass::reset. docs/core.md ("The protocol's
+// states") has the transition table.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace fsdpx::core {
+
+class Unit;
+
+/// What the last step did (a forward and its backward): for tests, benchmarks and profiles.
+struct StepStats {
+  std::vector<std::string> forward_order;  // the units the forward ran, in order (the root left out)
+  int units_run = 0;                       // units whose forward ran with gradients on, the root included
+  int reductions_during_backward = 0;      // reduce-scatters issued as soon as their unit's backward ended
+  int reductions_at_end = 0;               // issued only when backward had finished
+  int late_reductions = 0;                 // issued again for gradients that arrived after their unit's
+  int recomputations = 0;                  // checkpointed unit calls whose forward ran again in backward
+  int64_t peak_unsharded_bytes = 0;        // the most full-parameter bytes allocated at once
+};
+
+namespace detail {
+
+/// Where the model is between two steps.
+enum class PassStage : uint8_t {
+  idle,           // no pass: nothing issued, every unit resharded (the root excepted after a forward)
+  forward,        // the root's forward runs
+  after_forward,  // a forward ran; its graph may still be differentiated
+  backward,       // a backward pass runs (its id is Pass::backward_id); its end is queued with autograd
+};
+
+/// Where one unit is in the current pass.
+enum class UnitPhase : uint8_t {
+  idle,           // not run in this pass
+  forward,        // its forward runs: gathered
+  after_forward,  // its forward ran with gradients on; its backward has not begun
+  backward,       // its outputs' gradients arrived: gathered again, its backward (or recomputation) runs
+  reduced,        // its backward ended: its reduction was issued (when syncing) and it resharded
+};
+
+inline const char* name(PassStage s) {
+  switch (s) {
+    case PassStage::idle: return "idle";
+    case PassStage::forward: return "forward";
+    case PassStage::after_forward: return "after forward";
+    case PassStage::backward: return "backward";
+  }
+  return "?";
+}
+
+inline const char* name(UnitPhase p) {
+  switch (p) {
+    case UnitPhase::idle: return "idle";
+    case UnitPhase::forward: return "forward";
+    case UnitPhase::after_forward: return "after forward";
+    case UnitPhase::backward: return "backward";
+    case UnitPhase::reduced: return "reduced";
+  }
+  return "?";
+}
+
+/// One unit's part of a pass.
+struct UnitRecord {
+  UnitPhase phase = UnitPhase::idle;
+  bool ran_with_grad = false;  // its forward ran with gradients on (the same on every rank)
+  bool prefetched_backward = false;  // its backward prefetch was issued
+  int tracked_calls = 0;       // calls whose inputs went through a post-backward node
+  int finished_calls = 0;      // of those, the calls whose post-backward node ran
+  int grads_ready = 0;         // parameter gradients accumulated since its backward began
+  bool late_gradient = false;  // a gradient accumulated after its reduction: reduced again at the end
+};
+
+/// Everything one training pass owns.
+struct Pass {
+  PassStage stage = PassStage::idle;
+  int backward_id = -1;              // autograd's id of the backward pass, while stage == backward
+  std::vector<UnitRecord> units;     // by unit index
+  std::vector<Unit*> recording;      // this forward's units so far, in order
+  std::vector<bool> recorded;
+  std::vector<Unit*> issued;         // reductions of this pass, in the order they were issued
+  size_t replica_next = 0;           // issued[replica_next...] have not started their replica all-reduce
+  StepStats stats;
+
+  /// Back to idle, forgetting every unit's part (what every way out of a pass calls).
+  void reset(size_t units_n) {
+    stage = PassStage::idle;
+    backward_id = -1;
+    units.assign(units_n, UnitRecord{});
+    recording.clear();
+    recorded.assign(units_n, false);
+    issued.clear();
+    replica_next = 0;
+    stats = StepStats{};
+  }
+};
+
+}  // namespace detail
+}  // namespace fsdpx::core
