@@ -103,7 +103,7 @@ class TokenFile {
 
  private:
   fs::path path_;
-  fsdpx::checkpoint::detail::Fd fd_;  // closes itself, also when the constructor throws
+  fsdpx::detail::Fd fd_;  // closes itself, also when the constructor throws
   at::ScalarType type_ = at::kUInt32;
   int64_t tokens_ = 0;
 };

@@ -3,7 +3,7 @@
 // fsdpx-merge tool (tools/fsdpx_merge.cpp, more options) is built on:
 //
 //   checkpoint::merge_checkpoint(step dir)      the shards of every rank -> full tensors (no model, no MPI)
-//   checkpoint::save_safetensors(out, tensors)  Hugging Face's model.safetensors layout
+//   fsdpx::hf::save_safetensors(out, tensors)  Hugging Face's model.safetensors layout
 //   checkpoint::copy_huggingface_files(...)     config.json (only beside the names it implies), tokenizer files
 //
 //   merge <checkpoint root or step dir> <out dir> [--step N] [--dtype float32|bfloat16] [--keep-names]
@@ -22,7 +22,7 @@
 
 #include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/checkpoint/merge.hpp>
-#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/hf/safetensors.hpp>
 
 namespace fs = std::filesystem;
 namespace ckpt = fsdpx::checkpoint;
@@ -87,7 +87,7 @@ int main(int argc, char** argv) try {
   }
 
   ckpt::MergeReport report;
-  ckpt::NamedTensors tensors = ckpt::merge_checkpoint(dir, options, &report);
+  fsdpx::hf::NamedTensors tensors = ckpt::merge_checkpoint(dir, options, &report);
   FSDPX_CHECK(!tensors.empty(), "merge: the checkpoint in '", dir.string(), "' holds no tensors");
   std::printf("merge: %zu tensors from %zu files of step %lld (world size %d, %s, %s)\n", tensors.size(),
               report.files.size(), static_cast<long long>(report.step.value_or(-1)), report.world_size, report.kind.c_str(),
@@ -105,7 +105,7 @@ int main(int argc, char** argv) try {
     std::printf("merge: renamed to transformers' GPT2LMHeadModel names (config.json says model_type gpt2)\n");
   }
 
-  const ckpt::SavedSafetensors saved = ckpt::save_safetensors(*out, tensors);
+  const fsdpx::hf::SavedSafetensors saved = fsdpx::hf::save_safetensors(*out, tensors);
   for (const auto& f : saved.files) std::printf("merge: wrote %s (%lld bytes)\n", f.path.c_str(), static_cast<long long>(f.bytes));
   // config.json only beside the names it implies: with fsdpx's names, from_pretrained would find none of
   // its tensors and start from random weights.

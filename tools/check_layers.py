@@ -20,11 +20,12 @@ ALLOWED = {
     "policies": {"base"},                            # compile-time tags and concepts, no code that runs
     "dist": {"base", "memory"},                      # communicators, meshes, launch environments
     "core": {"base", "memory", "policies", "dist"},  # units, the protocol, Fsdp, optimizers
-    "checkpoint": {"base", "memory", "policies", "dist", "core"},
-    "sync": {"base", "memory", "policies", "dist", "core", "checkpoint"},
-    "models": {"base", "memory", "policies", "dist", "core", "checkpoint"},
+    "hf": {"base", "memory", "policies", "dist", "core"},  # safetensors, model folders, a model's weights in and out
+    "checkpoint": {"base", "memory", "policies", "dist", "core", "hf"},
+    "sync": {"base", "memory", "policies", "dist", "core", "hf", "checkpoint"},
+    "models": {"base", "memory", "policies", "dist", "core", "hf", "checkpoint"},
     # fsdp.hpp includes up to sync; impl/src.hpp compiles the models' .ipp files too.
-    "umbrella": {"base", "memory", "policies", "dist", "core", "checkpoint", "sync", "models"},
+    "umbrella": {"base", "memory", "policies", "dist", "core", "hf", "checkpoint", "sync", "models"},
 }
 
 # Top-level headers: the umbrella, and each layer's own one-include header.
@@ -39,7 +40,7 @@ TOP_LEVEL = {
     "fsdp.hpp": "umbrella",
 }
 FOLDERS = {"detail": "base", "memory": "memory", "policies": "policies", "dist": "dist", "core": "core",
-           "checkpoint": "checkpoint", "sync": "sync", "models": "models",
+           "hf": "hf", "checkpoint": "checkpoint", "sync": "sync", "models": "models",
            "impl": "umbrella"}  # impl/src.hpp: the separately compiled part, every layer's .ipp files
 
 # Backends are peers inside dist: one backend's files never include another's. Only the launcher

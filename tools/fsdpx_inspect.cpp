@@ -18,7 +18,7 @@
 
 #include <CLI/CLI.hpp>
 
-#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/error.hpp>
@@ -59,7 +59,7 @@ std::vector<std::string> verify_files(const fs::path& dir, const ckpt::CommitRec
   for (const auto& [name, info] : record.files) {
     const fs::path path = dir / name;
     try {
-      const std::vector<char> data = ckpt::detail::read_file(path);
+      const std::vector<char> data = fsdpx::detail::read_file(path);
       if (static_cast<int64_t>(data.size()) != info.bytes) {
         problems.push_back(fsdpx::detail::str("'", path.string(), "' has ", data.size(), " bytes, the commit record says ", info.bytes));
         continue;

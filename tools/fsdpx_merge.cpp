@@ -15,11 +15,11 @@
 #include <string>
 #include <vector>
 
-#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/merge.hpp>
-#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/hf/safetensors.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/models/pretrained.hpp>
 
@@ -82,7 +82,7 @@ int64_t parse_size(const std::string& text) {
 
 std::optional<int64_t> read_iteration(const fs::path& file) {
   if (!fs::exists(file)) return std::nullopt;
-  const std::string text = ckpt::detail::read_text(file);
+  const std::string text = fsdpx::detail::read_text(file);
   try {
     size_t used = 0;
     const int64_t step = std::stoll(text, &used);
@@ -136,7 +136,7 @@ int run(int argc, char** argv) {
   std::optional<int64_t> step;
   std::string format = "safetensors";
   ckpt::MergeOptions options;
-  ckpt::SafetensorsOptions st_options;
+  fsdpx::hf::SafetensorsOptions st_options;
   for (int i = 1; i < argc; ++i) {
     const std::string arg = argv[i];
     const auto value = [&]() -> std::string {
@@ -184,7 +184,7 @@ int run(int argc, char** argv) {
   const fs::path dir = resolve_step_dir(*input, step);
   options.warn = [](const std::string& w) { std::cerr << "fsdpx-merge: warning: " << w << "\n"; };
   ckpt::MergeReport report;
-  ckpt::NamedTensors tensors = ckpt::merge_checkpoint(dir, options, &report);
+  fsdpx::hf::NamedTensors tensors = ckpt::merge_checkpoint(dir, options, &report);
   int64_t elements = 0, bytes = 0;
   for (const auto& [name, t] : tensors) {
     elements += t.numel();
@@ -205,7 +205,7 @@ int run(int argc, char** argv) {
   } else if (!hf.empty() && fs::is_regular_file(fs::symlink_status(hf / "config.json"))) {
     const fs::path path = hf / "config.json";
     FSDPX_CHECK_AS(fsdpx::IoError, fs::file_size(path) <= (int64_t{16} << 20), "'", path.string(), "' is larger than 16 MiB");
-    const std::string text = ckpt::detail::read_text(path);
+    const std::string text = fsdpx::detail::read_text(path);
     std::string why;
     if (auto renamed = fsdpx::models::rename_for_config(tensors, text, path.string(), why)) {
       tensors = std::move(*renamed);
@@ -222,14 +222,14 @@ int run(int argc, char** argv) {
   FSDPX_CHECK_AS(fsdpx::IoError, !ec && fs::is_directory(*out), "creating the output directory '", out->string(),
                  "' failed", ec ? ": " + ec.message() : std::string());
   // A config.json an earlier merge left in --out must not stand beside tensors it does not describe.
-  if (!config && fs::exists(fs::symlink_status(*out / "config.json"))) ckpt::detail::remove_durably(*out / "config.json");
-  std::vector<ckpt::detail::WrittenFile> written;
+  if (!config && fs::exists(fs::symlink_status(*out / "config.json"))) fsdpx::detail::remove_durably(*out / "config.json");
+  std::vector<fsdpx::detail::WrittenFile> written;
   if (format == "torch") {
     c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
     for (const auto& [name, t] : tensors) dict.insert(name, t);
     written.push_back(ckpt::detail::save_ivalue(*out / "model.pt", dict));
   } else {
-    const ckpt::SavedSafetensors saved = ckpt::save_safetensors(*out, tensors, st_options);
+    const fsdpx::hf::SavedSafetensors saved = fsdpx::hf::save_safetensors(*out, tensors, st_options);
     written = saved.files;
     if (saved.index) written.push_back(*saved.index);
   }
@@ -246,7 +246,7 @@ int run(int argc, char** argv) {
       }
     }
     const auto decoder = fsdpx::models::parse_decoder_config(*config, (hf / "config.json").string());
-    written.push_back(ckpt::detail::write_text_durably(*out / "config.json", fsdpx::models::to_hf_config(decoder, dtype).dump(2) + "\n"));
+    written.push_back(fsdpx::detail::write_text_durably(*out / "config.json", fsdpx::models::to_hf_config(decoder, dtype).dump(2) + "\n"));
   }
   for (const auto& f : written) std::cout << "fsdpx-merge: wrote " << f.path.string() << " (" << f.bytes << " bytes)\n";
   return 0;

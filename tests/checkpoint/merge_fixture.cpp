@@ -10,7 +10,7 @@
 #include <string>
 
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
-#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/hf/safetensors.hpp>
 
 #include "merge_fixture.hpp"
 
@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (mode == "compare" && argc == 4) {
-      const auto got = ckpt::load_safetensors(argv[2]);
+      const auto got = fsdpx::hf::load_safetensors(argv[2]);
       const c10::IValue want = ckpt::detail::load_ivalue(argv[3]);
       const auto& dict = want.toGenericDict();
       std::map<std::string, at::Tensor> by_name(got.begin(), got.end());

@@ -15,16 +15,16 @@
 
 #include <ATen/ATen.h>
 
-#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/detail/json.hpp>
 #include <fsdpx/checkpoint/format.hpp>
-#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/hf/safetensors.hpp>
 
 namespace merge_fixture {
 
 namespace fs = std::filesystem;
 namespace ckpt = fsdpx::checkpoint;
-using ckpt::NamedTensors;
+using fsdpx::hf::NamedTensors;
 
 /// A fresh directory under the system's temporary directory, removed at the end of the test.
 struct TempDir {
@@ -125,7 +125,7 @@ inline fs::path write_checkpoint(const fs::path& root, int64_t step, const std::
     const auto o = ckpt::save_state_dict(dir / ckpt::shard_file_name(ckpt::Component::optim, world, sd.rank), optim);
     files[o.path.filename().string()] = {{"bytes", o.bytes}, {"crc32c", o.crc32c}};
   }
-  ckpt::detail::write_text_durably(dir / "huggingface" / "config.json", "{\"model_type\": \"fsdpx-test\"}\n");
+  fsdpx::detail::write_text_durably(dir / "huggingface" / "config.json", "{\"model_type\": \"fsdpx-test\"}\n");
   if (commit) {
     const fsdpx::detail::Json config = {{"format", "fsdpx"},
                                         {"format_version", 1},
@@ -137,8 +137,8 @@ inline fs::path write_checkpoint(const fs::path& root, int64_t step, const std::
                                         {"complete", true},
                                         {"components", {"model", "optim"}},
                                         {"files", std::move(files)}};
-    ckpt::detail::write_text_durably(dir / ckpt::config_file, config.dump(2) + "\n");
-    ckpt::detail::write_text_durably(root / ckpt::checkpointed_iteration_file, std::to_string(step) + "\n");
+    fsdpx::detail::write_text_durably(dir / ckpt::config_file, config.dump(2) + "\n");
+    fsdpx::detail::write_text_durably(root / ckpt::checkpointed_iteration_file, std::to_string(step) + "\n");
   }
   return dir;
 }

@@ -42,6 +42,24 @@ fs::path fresh_dir(const std::string& name) {
   return dir;
 }
 
+/// A test's set-up: the world, an emptied checkpoint root, a model seeded alike on every rank, its
+/// optimizer and extra state. `auto& [world, root, model, opt, extra] = run;` names them.
+struct CheckpointRun {
+  CheckpointRun(const std::string& name, uint64_t seed)
+      : world(any_world()), root(fresh_dir(name)), model(seeded(seed), world), opt(make_adamw(model, adamw_options())) {}
+  dist::AnyCommunicator world;
+  fs::path root;
+  CkptModel<> model;
+  torch::optim::AdamW opt;
+  ExtraState extra;
+
+ private:
+  static ResMlp seeded(uint64_t seed) {
+    torch::manual_seed(seed);
+    return ResMlp();
+  }
+};
+
 /// What the coordinator's wait() throws; empty when every save succeeded.
 std::string wait_error(CheckpointCoordinator& coordinator) {
   try {
@@ -187,12 +205,8 @@ TEST_CASE("a job of two ranks loads what 1-4 ranks saved, FullShard or HybridSha
 }
 
 TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkpoint][coordinator]") {
-  auto world = any_world();
-  const fs::path root = fresh_dir("coordinator");
-  torch::manual_seed(5);
-  CkptModel<> model(ResMlp(), world);
-  auto opt = make_adamw(model, adamw_options());
-  ExtraState extra;
+  CheckpointRun run("coordinator", 5);
+  auto& [world, root, model, opt, extra] = run;
   extra.client.insert("data_position", int64_t{0});
 
   std::atomic<int> begun{0}, ended{0}, commits{0}, weight_commits{0}, failures{0};
@@ -246,14 +260,14 @@ TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkp
 
   // A full disk on the last rank at step 4: nothing commits, nothing older is lost, the cause is told.
   const bool victim = world.rank() == world.size() - 1;
-  if (victim) checkpoint::detail::inject_write_error(ENOSPC, 1000);
+  if (victim) fsdpx::detail::inject_write_error(ENOSPC, 1000);
   train_step(model, opt, world);
   ckpt.save(4, model, opt, extra);
   const std::string error = wait_error(ckpt);
   if (victim) {
     CHECK_THAT(error, Catch::Contains("No space left on device (ENOSPC: the disk is full)"));
     CHECK_THAT(error, Catch::Contains("checkpoint step 4: rank " + std::to_string(world.rank())));
-    checkpoint::detail::inject_write_error(0);
+    fsdpx::detail::inject_write_error(0);
   } else if (world.rank() == 0) {
     CHECK_THAT(error, Catch::Contains("checkpoint step 4 was not committed"));
   } else {
@@ -303,14 +317,14 @@ TEST_CASE("a run that resumes after a crash commits the steps it saves again fro
       run.save(step, model, opt, extra);
     }
     run.wait();
-    if (last_rank) checkpoint::detail::inject_write_error(ENOSPC);
+    if (last_rank) fsdpx::detail::inject_write_error(ENOSPC);
     train_step(model, opt, world);
     run.save(6, model, opt, extra);
     CHECK(wait_error(run).empty() == (world.rank() != 0 && !last_rank));
-    checkpoint::detail::inject_write_error(0);
+    fsdpx::detail::inject_write_error(0);
   }
   world.barrier();
-  if (world.rank() == 0) checkpoint::detail::write_text_durably(root / checkpoint::checkpointed_iteration_file, "3\n");
+  if (world.rank() == 0) fsdpx::detail::write_text_durably(root / checkpoint::checkpointed_iteration_file, "3\n");
   world.barrier();
 
   // The resumed run trains on other data, so its files differ from the interrupted run's. Its
@@ -371,12 +385,8 @@ TEST_CASE("a run that resumes after a crash commits the steps it saves again fro
 
 TEST_CASE("rotation never deletes a step an iteration file names, nor counts or deletes the steps after the newest one",
           "[checkpoint][rotation]") {
-  auto world = any_world();
-  const fs::path root = fresh_dir("rotation_named");
-  torch::manual_seed(9);
-  CkptModel<> model(ResMlp(), world);
-  auto opt = make_adamw(model, adamw_options());
-  ExtraState extra;
+  CheckpointRun run("rotation_named", 9);
+  auto& [world, root, model, opt, extra] = run;
   {
     CheckpointCoordinator run(root, model);
     for (int64_t step = 1; step <= 5; ++step) run.save(step, model, opt, extra);
@@ -385,13 +395,13 @@ TEST_CASE("rotation never deletes a step an iteration file names, nor counts or 
   world.barrier();
   if (world.rank() == 0) {
     // As after a crash: the iteration files lag behind the commit records of steps 4 and 5.
-    checkpoint::detail::write_text_durably(root / checkpoint::checkpointed_iteration_file, "2\n");
-    checkpoint::detail::write_text_durably(root / checkpoint::state_dict_iteration_file, "3\n");
+    fsdpx::detail::write_text_durably(root / checkpoint::checkpointed_iteration_file, "2\n");
+    fsdpx::detail::write_text_durably(root / checkpoint::state_dict_iteration_file, "3\n");
     checkpoint::rotate_checkpoints(root, {.max_to_keep = 1});
     CHECK_FALSE(fs::exists(root / "global_step_1"));
     for (int step = 2; step <= 5; ++step) CHECK(fs::exists(root / ("global_step_" + std::to_string(step))));
     // A garbled iteration file: what is in use is unknown, so nothing is deleted.
-    checkpoint::detail::write_text_durably(root / checkpoint::checkpointed_iteration_file, "two\n");
+    fsdpx::detail::write_text_durably(root / checkpoint::checkpointed_iteration_file, "two\n");
     checkpoint::rotate_checkpoints(root, {.max_to_keep = 1});
     CHECK(fs::exists(root / "global_step_2"));
   }
@@ -399,10 +409,8 @@ TEST_CASE("rotation never deletes a step an iteration file names, nor counts or 
 }
 
 TEST_CASE("rotation keeps leased and newest steps, scans when the iteration file is gone", "[checkpoint][rotation]") {
-  auto world = any_world();
-  const fs::path root = fresh_dir("rotation");
-  torch::manual_seed(6);
-  CkptModel<> model(ResMlp(), world);
+  CheckpointRun run("rotation", 6);
+  auto& [world, root, model, opt, extra] = run;
   {
     CheckpointCoordinator ckpt(root, model, {.max_to_keep = 1});
     ckpt.save(1, model);  // weights only: latest_state_dict_iteration moves, latest_checkpointed does not
@@ -453,7 +461,7 @@ std::string capture_stderr(const fs::path& file, Fn&& fn) {
   std::fflush(stderr);
   ::dup2(saved, 2);
   ::close(saved);
-  const std::string text = checkpoint::detail::read_text(file);
+  const std::string text = fsdpx::detail::read_text(file);
   std::fputs(text.c_str(), stderr);
   return text;
 }
@@ -486,17 +494,15 @@ struct LateLastRank {
   void wait_own(int rank, int size) {
     if (rank != size - 1) own_written_future.get();
   }
-  void let_go() const { checkpoint::detail::write_text_durably(release, "go\n"); }
+  void let_go() const { fsdpx::detail::write_text_durably(release, "go\n"); }
 };
 }  // namespace
 
 TEST_CASE("a coordinator says what it waits for, and teardown after an error abandons commits at once",
           "[checkpoint][failfast]") {
-  auto world = any_world();
-  if (world.size() < 2) return;  // needs a rank that is late
-  const fs::path root = fresh_dir("teardown");
-  torch::manual_seed(7);
-  CkptModel<> model(ResMlp(), world);
+  if (fsdpx::test::world().size() < 2) return;  // needs a rank that is late
+  CheckpointRun run("teardown", 7);
+  auto& [world, root, model, opt, extra] = run;
 
   // A wait longer than report_interval says which rank's file it waits for: every other rank's file
   // is durable (barrier) and the last rank's is held until rank 0 has waited several intervals.
@@ -589,7 +595,7 @@ TEST_CASE("a lease a crashed reader left unreadable or empty pins its step only 
     }
     // A readable lease of a live process of this host pins the step however old it is.
     const fs::path live = leases / "live";
-    checkpoint::detail::write_text_durably(live, ::fsdpx::detail::str(checkpoint::detail::host_name(), " ", ::getpid(), "\n"));
+    fsdpx::detail::write_text_durably(live, ::fsdpx::detail::str(checkpoint::detail::host_name(), " ", ::getpid(), "\n"));
     fs::last_write_time(live, fs::file_time_type::clock::now() - std::chrono::hours(24));
     CHECK(checkpoint::is_leased(step));
   }
@@ -597,12 +603,8 @@ TEST_CASE("a lease a crashed reader left unreadable or empty pins its step only 
 }
 
 TEST_CASE("a real commit record holds exactly the fields of docs/checkpoint.md", "[checkpoint][coordinator]") {
-  auto world = any_world();
-  const fs::path root = fresh_dir("spec");
-  torch::manual_seed(5);
-  CkptModel<> model(ResMlp(), world);
-  auto opt = make_adamw(model, adamw_options());
-  ExtraState extra;
+  CheckpointRun run("spec", 5);
+  auto& [world, root, model, opt, extra] = run;
   {
     CheckpointCoordinator ckpt(root, model);
     train_step(model, opt, world);
@@ -613,14 +615,14 @@ TEST_CASE("a real commit record holds exactly the fields of docs/checkpoint.md",
   // The spec's example: the first ```json block of the "## Format" section.
   const char* source = std::getenv("FSDPX_SOURCE_DIR");
   REQUIRE(source != nullptr);
-  const std::string doc = checkpoint::detail::read_text(fs::path(source) / "docs" / "checkpoint.md");
+  const std::string doc = fsdpx::detail::read_text(fs::path(source) / "docs" / "checkpoint.md");
   const auto section = doc.find("\n## Format");
   REQUIRE(section != std::string::npos);
   const auto begin = doc.find("```json\n", section);
   const auto end = doc.find("```", begin + 8);
   REQUIRE((begin != std::string::npos && end != std::string::npos));
   const auto spec = fsdpx::detail::parse_json(doc.substr(begin + 8, end - begin - 8), "docs/checkpoint.md's example");
-  const auto real = fsdpx::detail::parse_json(checkpoint::detail::read_text(checkpoint::step_dir(root, 1) / checkpoint::config_file),
+  const auto real = fsdpx::detail::parse_json(fsdpx::detail::read_text(checkpoint::step_dir(root, 1) / checkpoint::config_file),
                                               "the commit record");
   const auto keys = [](const fsdpx::detail::Json& j) {
     std::set<std::string> k;

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include <fsdpx/checkpoint/merge.hpp>
-#include <fsdpx/checkpoint/model_safetensors.hpp>
-#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/hf/model_safetensors.hpp>
+#include <fsdpx/hf/safetensors.hpp>
 
 #include "merge_fixture.hpp"
 
@@ -24,7 +24,7 @@ namespace {
 namespace fs = std::filesystem;
 namespace ckpt = fsdpx::checkpoint;
 
-std::string read_all(const fs::path& p) { return ckpt::detail::read_text(p); }
+std::string read_all(const fs::path& p) { return fsdpx::detail::read_text(p); }
 void write_all(const fs::path& p, const std::string& bytes) { std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes; }
 
 /// One mutation of `bytes`, described in `what`.
@@ -152,11 +152,11 @@ TEST_CASE("fuzz: crafted checkpoint files end in an error naming the file, never
 
 TEST_CASE("fuzz: crafted safetensors files and indexes end in an error naming the file, never a crash", "[security][safetensors]") {
   merge_fixture::TempDir tmp;
-  ckpt::NamedTensors tensors;
+  fsdpx::hf::NamedTensors tensors;
   for (int i = 0; i < 6; ++i) tensors.emplace_back("layer" + std::to_string(i) + "_w", at::full({10, 10}, float(i)));
   tensors.emplace_back("bf16", at::arange(50, at::kFloat).to(at::kBFloat16));
   const fs::path dir = tmp.path / "model";
-  ckpt::save_safetensors(dir, tensors, {.max_shard_bytes = 900});
+  fsdpx::hf::save_safetensors(dir, tensors, {.max_shard_bytes = 900});
   std::vector<std::string> files;
   for (const auto& e : fs::directory_iterator(dir)) files.push_back(e.path().filename().string());
   std::sort(files.begin(), files.end());
@@ -165,17 +165,17 @@ TEST_CASE("fuzz: crafted safetensors files and indexes end in an error naming th
   for (const auto& [name, t] : tensors) model.register_parameter(name, at::zeros(t.sizes()));
   const int done = fuzz_files(dir, files, [&](const std::string& what) {
     expect_clean("load_model_safetensors", what, [&] {
-      ckpt::SafetensorsDir st(dir);
+      fsdpx::hf::SafetensorsDir st(dir);
       fsdpx::load_model_safetensors(model, st, {.strict = false});
     });
     expect_clean("SafetensorsDir", what, [&] {
-      ckpt::SafetensorsDir st(dir);
+      fsdpx::hf::SafetensorsDir st(dir);
       for (const auto& name : st.names()) st.read(name);
     });
-    expect_clean("load_safetensors", what, [&] { ckpt::load_safetensors(dir); });
+    expect_clean("load_safetensors", what, [&] { fsdpx::hf::load_safetensors(dir); });
   });
   std::printf("fuzz: %d crafted safetensors folders\n", done);
   CHECK(done >= 50);
-  CHECK(ckpt::load_safetensors(dir).size() == tensors.size());
+  CHECK(fsdpx::hf::load_safetensors(dir).size() == tensors.size());
   CHECK_FALSE(fs::exists(tmp.path / "escape.safetensors"));
 }

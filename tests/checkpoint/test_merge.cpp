@@ -223,7 +223,7 @@ TEST_CASE("merge: the huggingface directory is copied", "[checkpoint][merge]") {
   const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 2));
   const auto written = ckpt::copy_huggingface_files(dir, tmp.path / "out");
   REQUIRE(written.size() == 1);
-  CHECK(ckpt::detail::read_text(tmp.path / "out" / "config.json") == "{\"model_type\": \"fsdpx-test\"}\n");
+  CHECK(fsdpx::detail::read_text(tmp.path / "out" / "config.json") == "{\"model_type\": \"fsdpx-test\"}\n");
 }
 
 TEST_CASE("merge: the commit record of the weights alone (\"complete\": false) is enough", "[checkpoint][merge]") {
@@ -231,21 +231,21 @@ TEST_CASE("merge: the commit record of the weights alone (\"complete\": false) i
   TempDir tmp;
   const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(full, 3));
   const fs::path config = dir / ckpt::config_file;
-  std::string text = ckpt::detail::read_text(config);
+  std::string text = fsdpx::detail::read_text(config);
   const auto replace = [&](const std::string& from, const std::string& to) {
     const auto at = text.find(from);
     REQUIRE(at != std::string::npos);
     text.replace(at, from.size(), to);
   };
   replace("\"complete\": true", "\"complete\": false");
-  ckpt::detail::write_text_durably(config, text);
+  fsdpx::detail::write_text_durably(config, text);
   ckpt::MergeReport report;
   require_same_sorted(ckpt::merge_checkpoint(dir, {}, &report), full);
   CHECK(report.committed);
   CHECK_FALSE(report.complete);
   // but a record without the model is not
   replace("\"model\",", "");
-  ckpt::detail::write_text_durably(config, text);
+  fsdpx::detail::write_text_durably(config, text);
   CHECK_THAT(merge_error(dir), Catch::Contains("commit record '" + config.string() + "'") &&
                                    Catch::Contains("model component is not committed"));
 }
@@ -254,13 +254,13 @@ TEST_CASE("merge: a crafted commit record cannot make it allocate, wrap a number
   TempDir tmp;
   const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 2));
   const fs::path config = dir / ckpt::config_file;
-  const std::string good = ckpt::detail::read_text(config);
+  const std::string good = fsdpx::detail::read_text(config);
   const auto with = [&](const std::string& from, const std::string& to) {
     std::string text = good;
     const auto at = text.find(from);
     REQUIRE(at != std::string::npos);
     text.replace(at, from.size(), to);
-    ckpt::detail::write_text_durably(config, text);
+    fsdpx::detail::write_text_durably(config, text);
   };
   with("\"world_size\": 2", "\"world_size\": 2000000000");  // would allocate per rank
   CHECK_THAT(merge_error(dir), Catch::Contains("commit record '" + config.string() + "': world_size is 2000000000") &&
@@ -273,9 +273,9 @@ TEST_CASE("merge: a crafted commit record cannot make it allocate, wrap a number
   with("\"world_size\": 2", "\"world_size\": 2.5");
   CHECK_THAT(merge_error(dir), Catch::Contains("\"world_size\" must be an integer") && Catch::Contains("not the number 2.5"));
   // 200,000 nested arrays: a recursive parser would overflow the stack.
-  ckpt::detail::write_text_durably(config, std::string(200000, '[') + std::string(200000, ']'));
+  fsdpx::detail::write_text_durably(config, std::string(200000, '[') + std::string(200000, ']'));
   CHECK_THAT(merge_error(dir), Catch::Contains("'" + config.string() + "' nests JSON objects and arrays deeper than 64 levels"));
-  ckpt::detail::write_text_durably(config, "{\"format\": \"fsdpx\", \"format_version\": ");
+  fsdpx::detail::write_text_durably(config, "{\"format\": \"fsdpx\", \"format_version\": ");
   CHECK_THAT(merge_error(dir), Catch::Contains("'" + config.string() + "' is not valid JSON at byte"));
 }
 
@@ -302,7 +302,7 @@ TEST_CASE("merge: links in a checkpoint's huggingface/ are not followed, and not
   CHECK(names == std::vector<std::string>{"config.json", "generation_config.json"});
   CHECK_FALSE(fs::exists(out / "tokenizer.json"));
   CHECK_FALSE(fs::exists(out / "sub"));
-  CHECK(ckpt::detail::read_text(target) == "unchanged\n");             // the link was replaced, not followed
+  CHECK(fsdpx::detail::read_text(target) == "unchanged\n");             // the link was replaced, not followed
   CHECK_FALSE(fs::is_symlink(out / "generation_config.json"));
-  CHECK(ckpt::detail::read_text(out / "generation_config.json") == "{}\n");
+  CHECK(fsdpx::detail::read_text(out / "generation_config.json") == "{}\n");
 }

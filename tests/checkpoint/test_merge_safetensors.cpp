@@ -6,7 +6,7 @@
 #include <string>
 
 #include <fsdpx/checkpoint/merge.hpp>
-#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/hf/safetensors.hpp>
 #include <fsdpx/detail/json.hpp>
 
 #include "merge_fixture.hpp"
@@ -25,7 +25,7 @@ using merge_fixture::require_same;
 
 std::string load_error(const fs::path& path) {
   try {
-    ckpt::load_safetensors(path);
+    fsdpx::hf::load_safetensors(path);
   } catch (const fsdpx::IoError& e) {
     return e.what();
   }
@@ -57,14 +57,14 @@ NamedTensors all_dtypes() {
 TEST_CASE("safetensors: one file, Hugging Face's byte layout", "[checkpoint][safetensors]") {
   TempDir tmp("fsdpx_test_safetensors_");
   const NamedTensors tensors = all_dtypes();
-  const auto saved = ckpt::save_safetensors(tmp.path, tensors, {.metadata = {{"fsdpx_step", "12"}}});
+  const auto saved = fsdpx::hf::save_safetensors(tmp.path, tensors, {.metadata = {{"fsdpx_step", "12"}}});
   REQUIRE(saved.files.size() == 1);
   CHECK_FALSE(saved.index.has_value());
   const fs::path file = tmp.path / "model.safetensors";
   CHECK(saved.files[0].path == file);
   CHECK_FALSE(fs::exists(tmp.path / "model.safetensors.index.json"));
 
-  const std::string bytes = ckpt::detail::read_text(file);
+  const std::string bytes = fsdpx::detail::read_text(file);
   uint64_t n = 0;
   std::memcpy(&n, bytes.data(), 8);
   CHECK(n % 8 == 0);
@@ -85,12 +85,12 @@ TEST_CASE("safetensors: one file, Hugging Face's byte layout", "[checkpoint][saf
   float first[12];
   std::memcpy(first, bytes.data() + 8 + n, sizeof first);
   CHECK(first[7] == at::arange(12, at::kFloat)[7].item<float>() / 7);
-  CHECK(ckpt::read_safetensors_metadata(file).at("format") == "pt");
+  CHECK(fsdpx::hf::read_safetensors_metadata(file).at("format") == "pt");
 
   NamedTensors want;
   for (const auto& [name, t] : tensors) want.emplace_back(name, t.contiguous());
-  require_same(ckpt::load_safetensors(file), want);
-  require_same(ckpt::load_safetensors(tmp.path), want);  // a directory
+  require_same(fsdpx::hf::load_safetensors(file), want);
+  require_same(fsdpx::hf::load_safetensors(tmp.path), want);  // a directory
 }
 
 TEST_CASE("safetensors: sharded with an index, and a bfloat16 cast", "[checkpoint][safetensors]") {
@@ -100,7 +100,7 @@ TEST_CASE("safetensors: sharded with an index, and a bfloat16 cast", "[checkpoin
   for (int i = 0; i < 6; ++i) tensors.emplace_back("layers." + std::to_string(i) + ".w", at::full({10, 10}, float(i)));
   tensors.emplace_back("big", at::arange(500, at::kFloat));
   tensors.emplace_back("tail", at::ones({3}));
-  const auto saved = ckpt::save_safetensors(tmp.path, tensors, {.max_shard_bytes = 1000});
+  const auto saved = fsdpx::hf::save_safetensors(tmp.path, tensors, {.max_shard_bytes = 1000});
   // [0,1] [2,3] [4,5] [big] [tail]
   REQUIRE(saved.files.size() == 5);
   REQUIRE(saved.index.has_value());
@@ -108,23 +108,23 @@ TEST_CASE("safetensors: sharded with an index, and a bfloat16 cast", "[checkpoin
   for (int i = 0; i < 5; ++i) {
     CHECK(saved.files[i].path.filename() == "model-0000" + std::to_string(i + 1) + "-of-00005.safetensors");
   }
-  const Json index = fsdpx::detail::parse_json(ckpt::detail::read_text(tmp.path / "model.safetensors.index.json"), "index");
+  const Json index = fsdpx::detail::parse_json(fsdpx::detail::read_text(tmp.path / "model.safetensors.index.json"), "index");
   CHECK(index["metadata"]["total_size"] == saved.total_size);
   CHECK(index["weight_map"]["layers.3.w"] == "model-00002-of-00005.safetensors");
   CHECK(index["weight_map"]["big"] == "model-00004-of-00005.safetensors");
   CHECK(index["weight_map"].size() == tensors.size());
   CHECK_FALSE(fs::exists(tmp.path / "model.safetensors"));
-  require_same(ckpt::load_safetensors(tmp.path), tensors);
+  require_same(fsdpx::hf::load_safetensors(tmp.path), tensors);
 
   // saved again, smaller, into the same directory: the stale shards and the index go
   NamedTensors bf16;
   for (const auto& [name, t] : tensors) bf16.emplace_back(name, t.to(at::kBFloat16));
-  const auto again = ckpt::save_safetensors(tmp.path, bf16);
+  const auto again = fsdpx::hf::save_safetensors(tmp.path, bf16);
   REQUIRE(again.files.size() == 1);
   CHECK(fs::exists(tmp.path / "model.safetensors"));
   CHECK_FALSE(fs::exists(tmp.path / "model.safetensors.index.json"));
   CHECK_FALSE(fs::exists(tmp.path / "model-00001-of-00005.safetensors"));
-  require_same(ckpt::load_safetensors(tmp.path), bf16);
+  require_same(fsdpx::hf::load_safetensors(tmp.path), bf16);
 }
 
 TEST_CASE("safetensors: a merged checkpoint round-trips", "[checkpoint][safetensors][merge]") {
@@ -132,12 +132,12 @@ TEST_CASE("safetensors: a merged checkpoint round-trips", "[checkpoint][safetens
   const NamedTensors full = merge_fixture::originals();
   const fs::path dir = merge_fixture::write_checkpoint(tmp.path / "ckpt", 12, merge_fixture::shard(full, 3));
   const NamedTensors merged = ckpt::merge_checkpoint(dir);
-  ckpt::save_safetensors(tmp.path / "one", merged);
-  require_same(ckpt::load_safetensors(tmp.path / "one"), merged);
-  ckpt::save_safetensors(tmp.path / "many", merged, {.max_shard_bytes = 256});
+  fsdpx::hf::save_safetensors(tmp.path / "one", merged);
+  require_same(fsdpx::hf::load_safetensors(tmp.path / "one"), merged);
+  fsdpx::hf::save_safetensors(tmp.path / "many", merged, {.max_shard_bytes = 256});
   CHECK(fs::exists(tmp.path / "many" / "model.safetensors.index.json"));
   // sharded files come back in file order: compare by name
-  auto got = ckpt::load_safetensors(tmp.path / "many");
+  auto got = fsdpx::hf::load_safetensors(tmp.path / "many");
   REQUIRE(got.size() == full.size());
   std::map<std::string, at::Tensor> by_name(got.begin(), got.end());
   for (const auto& [name, t] : full) CHECK(at::equal(by_name.at(name), t));
@@ -145,9 +145,9 @@ TEST_CASE("safetensors: a merged checkpoint round-trips", "[checkpoint][safetens
 
 TEST_CASE("safetensors: truncated and malformed files are named", "[checkpoint][safetensors][errors]") {
   TempDir tmp("fsdpx_test_safetensors_");
-  ckpt::save_safetensors(tmp.path, all_dtypes());
+  fsdpx::hf::save_safetensors(tmp.path, all_dtypes());
   const fs::path file = tmp.path / "model.safetensors";
-  const std::string good = ckpt::detail::read_text(file);
+  const std::string good = fsdpx::detail::read_text(file);
   const auto write = [&](const std::string& bytes) { std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes; };
 
   write(good.substr(0, good.size() - 3));
@@ -170,7 +170,7 @@ TEST_CASE("safetensors: truncated and malformed files are named", "[checkpoint][
 
   // an index naming a file that is not there
   TempDir sharded;
-  ckpt::save_safetensors(sharded.path, all_dtypes(), {.max_shard_bytes = 64});
+  fsdpx::hf::save_safetensors(sharded.path, all_dtypes(), {.max_shard_bytes = 64});
   for (const auto& e : fs::directory_iterator(sharded.path)) {
     if (e.path().filename().string().rfind("model-00002-of-", 0) == 0) fs::remove(e.path());
   }

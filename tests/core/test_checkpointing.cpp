@@ -32,11 +32,6 @@ using namespace fsdpx::test;
 using fsdpx::test::world;
 using Catch::Matchers::Contains;
 
-fsdpx::test::ParityContext& fsdpx::test::parity_context() {
-  static ParityContext ctx{world(), at::Device(at::kCPU)};
-  return ctx;
-}
-
 namespace {
 
 bool g_throw_in_recompute = false;

@@ -19,11 +19,6 @@ using namespace fsdpx;
 using namespace fsdpx::test;
 using fsdpx::test::world;
 
-fsdpx::test::ParityContext& fsdpx::test::parity_context() {
-  static ParityContext ctx{world(), at::Device(at::kCPU)};
-  return ctx;
-}
-
 
 TEST_CASE("GPT, FullShard: parity with unsharded training, clipping on", "[parity][gpt]") {
   const GptConfig c;

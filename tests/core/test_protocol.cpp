@@ -35,11 +35,6 @@ using namespace fsdpx::test;
 using fsdpx::test::world;
 using Catch::Matchers::Contains;
 
-fsdpx::test::ParityContext& fsdpx::test::parity_context() {
-  static ParityContext ctx{world(), at::Device(at::kCPU)};
-  return ctx;
-}
-
 namespace {
 
 /// Set by the tests: which block a forward skips (-1: none), and which step's backward or forward throws.

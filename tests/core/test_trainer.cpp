@@ -25,11 +25,6 @@ using namespace fsdpx::test;
 using fsdpx::test::world;
 namespace fs = std::filesystem;
 
-fsdpx::test::ParityContext& fsdpx::test::parity_context() {
-  static ParityContext ctx{world(), at::Device(at::kCPU)};
-  return ctx;
-}
-
 namespace {
 
 using GptFsdp = Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>;

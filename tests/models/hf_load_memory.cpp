@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
     largest_unit = std::max(largest_unit, model.sharded().unit(i).layout().padded_numel() * 4);
   }
   const int64_t share = params * 4 / world.size();
-  const int64_t bound = share + largest_unit + fsdpx::checkpoint::SafetensorsDir::chunk_bytes + (int64_t{16} << 20);
+  const int64_t bound = share + largest_unit + fsdpx::hf::SafetensorsDir::chunk_bytes + (int64_t{16} << 20);
   std::printf("rank %d: loading %.1fM parameters (%.0f MiB in float32) at %d ranks: peak RSS %.1f MiB over a baseline of %.1f MiB; "
               "1/%d of the model %.1f MiB, largest unit %.1f MiB, bound %.1f MiB\n",
               world.rank(), params / 1e6, params * 4 / mib, world.size(), (peak - baseline) / mib, baseline / mib,

@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
     const at::Tensor ids = at::randint(1, vocab, {2, seq}, at::kLong);
     const at::Tensor logits = model(ids);
     if (rank == 0) {
-      fsdpx::checkpoint::save_safetensors(out.parent_path(), {{"input_ids", ids}, {"logits", logits.detach()}},
+      fsdpx::hf::save_safetensors(out.parent_path(), {{"input_ids", ids}, {"logits", logits.detach()}},
                                           {.name = out.filename().string() + ".logits"});
     }
     if (worst > 5e-5) {

@@ -25,7 +25,6 @@ namespace {
 
 namespace fs = std::filesystem;
 namespace models = fsdpx::models;
-namespace ckpt = fsdpx::checkpoint;
 
 using Sharded = fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision,
                             fsdpx::ShardedStateDict, fsdpx::WrapModules<models::DecoderLayerImpl>>;
@@ -45,7 +44,7 @@ double relative_error(const at::Tensor& a, const at::Tensor& b) {
 }
 
 at::Tensor ref(const std::string& model, const std::string& name) {
-  ckpt::SafetensorsDir dir(fixtures() / (model + ".ref.safetensors"));
+  fsdpx::hf::SafetensorsDir dir(fixtures() / (model + ".ref.safetensors"));
   return dir.read(name);
 }
 
@@ -129,7 +128,7 @@ TEST_CASE("hf: hybrid sharding with CPU offload loads its shards (each replica r
   auto& world = fsdpx::test::world();
   fsdpx::SafetensorsLoadReport report;
   auto model = models::from_pretrained<Hybrid>(fixtures() / "llama_gqa", world, {}, {}, &report);
-  CHECK(report.bytes_read == ckpt::SafetensorsDir(fixtures() / "llama_gqa").total_bytes());  // a whole replica each
+  CHECK(report.bytes_read == fsdpx::hf::SafetensorsDir(fixtures() / "llama_gqa").total_bytes());  // a whole replica each
   CHECK(relative_error(model(ref("llama_gqa", "input_ids")), ref("llama_gqa", "logits")) <= 1e-5);
 }
 
@@ -139,14 +138,14 @@ TEST_CASE("hf: a full disk on the writing rank is an error on every rank, and no
   const fs::path out = fs::temp_directory_path() / ("fsdpx_test_hf_full_disk_" + std::to_string(::getppid()));
   if (world.rank() == 0) fs::remove_all(out);
   world.barrier();
-  if (world.rank() == 0) ckpt::detail::inject_write_error(ENOSPC, 100'000);  // the disk fills during the weights
+  if (world.rank() == 0) fsdpx::detail::inject_write_error(ENOSPC, 100'000);  // the disk fills during the weights
   std::string error;
   try {
     models::save_pretrained(model, out, {.source_dir = fixtures() / "llama_gqa", .max_shard_bytes = 20'000});
   } catch (const fsdpx::IoError& e) {
     error = e.what();
   }
-  if (world.rank() == 0) ckpt::detail::inject_write_error(0);
+  if (world.rank() == 0) fsdpx::detail::inject_write_error(0);
   INFO(error);
   if (world.rank() == 0) {
     CHECK_THAT(error, Catch::Contains("ENOSPC: the disk is full"));
@@ -184,12 +183,12 @@ TEST_CASE("hf: each rank reads only the bytes of its own shards", "[hf]") {
   const fs::path dir = fixtures() / "llama_gqa";
   fsdpx::SafetensorsLoadReport report;
   auto model = models::from_pretrained<Sharded>(dir, world, {}, {}, &report);
-  const int64_t total = ckpt::SafetensorsDir(dir).total_bytes();
+  const int64_t total = fsdpx::hf::SafetensorsDir(dir).total_bytes();
   int64_t shard_bytes = 0;  // the parameters' elements this rank holds, in the files' float32
   for (size_t i = 0; i < model.sharded().num_units(); ++i) {
     const auto& u = model.sharded().unit(i);
     for (const auto& p : u.layout().params()) {
-      const auto r = fsdpx::detail::held_range(u, p);
+      const auto r = u.held_range(p);
       shard_bytes += std::max<int64_t>(0, r.end - r.begin) * 4;
     }
   }

@@ -12,13 +12,13 @@
 
 #include <sys/stat.h>
 
+#include <fsdpx/detail/json.hpp>
 #include <fsdpx/models.hpp>
 
 namespace {
 
 namespace fs = std::filesystem;
 namespace models = fsdpx::models;
-namespace ckpt = fsdpx::checkpoint;
 using fsdpx::detail::Json;
 
 fs::path fixtures() {
@@ -47,12 +47,12 @@ struct TempDir {
 
 /// A copy of fixture `name` whose tensors pass through `edit` (name -> tensor; erase or add).
 fs::path edited_copy(const TempDir& tmp, const std::string& name, const std::function<void(std::map<std::string, at::Tensor>&)>& edit) {
-  auto loaded = ckpt::load_safetensors(fixtures() / name);
+  auto loaded = fsdpx::hf::load_safetensors(fixtures() / name);
   std::map<std::string, at::Tensor> tensors(loaded.begin(), loaded.end());
   edit(tensors);
   const fs::path dir = tmp.path / name;
-  ckpt::NamedTensors out(tensors.begin(), tensors.end());
-  ckpt::save_safetensors(dir, out);
+  fsdpx::hf::NamedTensors out(tensors.begin(), tensors.end());
+  fsdpx::hf::save_safetensors(dir, out);
   fs::copy_file(fixtures() / name / "config.json", dir / "config.json");
   return dir;
 }
@@ -225,9 +225,9 @@ TEST_CASE("models: bad model folders are errors naming the tensor or the file", 
   }
   SECTION("an unknown model_type") {
     const auto dir = plain_copy(tmp, "qwen2_tied");
-    auto config = fsdpx::detail::parse_json(ckpt::detail::read_text(dir / "config.json"), "config");
+    auto config = fsdpx::detail::parse_json(fsdpx::detail::read_text(dir / "config.json"), "config");
     config["model_type"] = "gemma3";
-    ckpt::detail::write_text_durably(dir / "config.json", config.dump());
+    fsdpx::detail::write_text_durably(dir / "config.json", config.dump());
     CHECK_THAT(load_error(dir), Catch::Contains("model_type \"gemma3\" is not one fsdpx's decoder implements"));
   }
   SECTION("a truncated shard file") {
@@ -239,11 +239,11 @@ TEST_CASE("models: bad model folders are errors naming the tensor or the file", 
   SECTION("an index naming an absent file, a path out of the folder, a FIFO") {
     const auto dir = plain_copy(tmp, "llama_gqa");
     const fs::path index = dir / "model.safetensors.index.json";
-    const auto original = fsdpx::detail::parse_json(ckpt::detail::read_text(index), "index");
+    const auto original = fsdpx::detail::parse_json(fsdpx::detail::read_text(index), "index");
     const auto with_file = [&](const std::string& file) {
       auto j = original;
       j["weight_map"]["model.norm.weight"] = file;
-      ckpt::detail::write_text_durably(index, j.dump());
+      fsdpx::detail::write_text_durably(index, j.dump());
     };
     with_file("model-00099-of-00017.safetensors");
     CHECK_THAT(load_error(dir), Catch::Contains("model-00099-of-00017.safetensors' does not exist"));
@@ -258,7 +258,7 @@ TEST_CASE("models: bad model folders are errors naming the tensor or the file", 
   SECTION("a header that lies about its sizes") {
     const auto dir = plain_copy(tmp, "qwen2_tied");
     const fs::path file = dir / "model.safetensors";
-    std::string bytes = ckpt::detail::read_text(file);
+    std::string bytes = fsdpx::detail::read_text(file);
     const auto at = bytes.find("[64]");  // a norm's shape -> a shape whose byte count overflows
     REQUIRE(at != std::string::npos);
     bytes.replace(at, 4, "[576460752303423488,64]");
@@ -291,15 +291,15 @@ TEST_CASE("models: a strict failure loads nothing, and not strict it reports and
   CHECK_THAT(report.mismatched[0], Catch::StartsWith("model.layers.0.mlp.down_proj.weight: shape [64, 7]"));
   CHECK(at::equal(model->named_parameters()["model.norm.weight"], before["model.norm.weight"]));
   CHECK(at::equal(model->named_parameters()["model.layers.0.mlp.down_proj.weight"], before["model.layers.0.mlp.down_proj.weight"]));
-  const auto files = ckpt::load_safetensors(dir);
+  const auto files = fsdpx::hf::load_safetensors(dir);
   for (const auto& [name, t] : files) {
     if (name == "model.layers.1.mlp.up_proj.weight") CHECK(at::equal(model->named_parameters()[name], t));
   }
 }
 
 TEST_CASE("models: a merge writes the names its config implies, or refuses the config", "[hf][merge]") {
-  const std::string config_text = ckpt::detail::read_text(fixtures() / "qwen3_qknorm" / "config.json");
-  const auto tensors = ckpt::load_safetensors(fixtures() / "qwen3_qknorm");
+  const std::string config_text = fsdpx::detail::read_text(fixtures() / "qwen3_qknorm" / "config.json");
+  const auto tensors = fsdpx::hf::load_safetensors(fixtures() / "qwen3_qknorm");
   std::string why;
   const auto renamed = models::rename_for_config(tensors, config_text, "config.json", why);
   REQUIRE(renamed.has_value());
@@ -309,7 +309,7 @@ TEST_CASE("models: a merge writes the names its config implies, or refuses the c
   missing.pop_back();
   CHECK_FALSE(models::rename_for_config(missing, config_text, "config.json", why).has_value());
   CHECK_THAT(why, Catch::Contains("is missing"));
-  ckpt::NamedTensors gpt = {{"tok.weight", at::zeros({96, 64})}, {"h0.qkv.weight", at::zeros({192, 64})}};
+  fsdpx::hf::NamedTensors gpt = {{"tok.weight", at::zeros({96, 64})}, {"h0.qkv.weight", at::zeros({192, 64})}};
   CHECK_FALSE(models::rename_for_config(gpt, config_text, "config.json", why).has_value());
   CHECK_THAT(why, Catch::Contains("'h0.qkv.weight' is not a tensor of this config"));
   const std::string gpt2 = R"({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]})";

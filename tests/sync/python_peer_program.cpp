@@ -18,7 +18,7 @@
 #include <thread>
 
 #include <fsdpx/checkpoint.hpp>
-#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/hf/safetensors.hpp>
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/models.hpp>
 #include <fsdpx/sync.hpp>
@@ -50,9 +50,9 @@ void serve(Sharded& fsdp, dist::AnyCommunicator& world, const fs::path& work, in
     train(v);
     const auto weights = sync::gather_full_state_dict(fsdp, world.rank() == 0, {.dtype = at::kBFloat16});
     if (world.rank() == 0) {
-      checkpoint::NamedTensors expected;
+      fsdpx::hf::NamedTensors expected;
       for (const auto& t : weights) expected.emplace_back(t.name, t.tensor.contiguous());
-      checkpoint::save_safetensors(work, expected, {.name = "expected_" + std::to_string(v)});
+      fsdpx::hf::save_safetensors(work, expected, {.name = "expected_" + std::to_string(v)});
       server->publish(v, weights);
       const fs::path ack = work / ("ack_" + std::to_string(v));
       const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(120);
@@ -86,9 +86,9 @@ void save_steps(dist::AnyCommunicator& world, const fs::path& work, int steps) {
     optimizer.step();
     const auto weights = sync::gather_full_state_dict(fsdp, world.rank() == 0);
     if (world.rank() == 0) {
-      checkpoint::NamedTensors side;
+      fsdpx::hf::NamedTensors side;
       for (const auto& t : weights) side.emplace_back(t.name, t.tensor.contiguous());
-      checkpoint::save_safetensors(work, side, {.name = "side_" + std::to_string(step)});
+      fsdpx::hf::save_safetensors(work, side, {.name = "side_" + std::to_string(step)});
     }
     world.barrier();
     if (step % 4 == 0) {

@@ -10,29 +10,19 @@ own), bit-exact.
                             --work <dir> [--hf-model <folder>] [-- mpiexec flags...]
 """
 
-import argparse
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
+
+from peer_support import build_module, peer_args
 
 VERSIONS = 4
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--package", required=True)
-    ap.add_argument("--program", required=True)
-    ap.add_argument("--mpiexec", required=True)
-    ap.add_argument("--work", required=True)
-    ap.add_argument("--hf-model")
-    ap.add_argument("mpiexec_flags", nargs="*")
-    args = ap.parse_args()
-
-    shutil.rmtree(args.work, ignore_errors=True)
-    os.makedirs(args.work)
+    args = peer_args(lambda ap: ap.add_argument("--hf-model"))
     # Installable with pip, offline, depending on torch only.
     # From a copy: pip's build leaves its build/ and egg-info beside the sources.
     source = os.path.join(args.work, "package")
@@ -183,23 +173,6 @@ def receive(args, program_args, env, secret, SyncClient, SyncError, load_file, t
     from fsdpx_sync import checksum
     print(f"python receiver, {what}: {VERSIONS} versions received bit-exact (CRC-32C: "
           f"{checksum.implementation()})")
-
-
-def build_module(torch, tensors, buffers):
-    """A module tree with a parameter (or buffer) at every dotted name, as a model would have."""
-    root = torch.nn.Module()
-    for name, t in tensors.items():
-        *path, leaf = name.split(".")
-        m = root
-        for part in path:
-            if not hasattr(m, part):
-                m.add_module(part, torch.nn.Module())
-            m = getattr(m, part)
-        if leaf in buffers:
-            m.register_buffer(leaf, torch.full_like(t, -1.0))
-        else:
-            m.register_parameter(leaf, torch.nn.Parameter(torch.full_like(t, -1.0)))
-    return root
 
 
 if __name__ == "__main__":

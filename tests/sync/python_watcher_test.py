@@ -9,26 +9,18 @@ a missing one and an uncommitted step are refused with errors naming them.
     python_watcher_test.py --package <python/> --program <python_peer_program> --mpiexec <mpiexec> --work <dir> [-- flags]
 """
 
-import argparse
 import os
 import shutil
 import subprocess
 import sys
-import time
+
+from peer_support import build_module, peer_args
 
 STEPS = 24
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--package", required=True)
-    ap.add_argument("--program", required=True)
-    ap.add_argument("--mpiexec", required=True)
-    ap.add_argument("--work", required=True)
-    ap.add_argument("mpiexec_flags", nargs="*")
-    args = ap.parse_args()
-    shutil.rmtree(args.work, ignore_errors=True)
-    os.makedirs(args.work)
+    args = peer_args()
     sys.path.insert(0, args.package)  # the package's sources as they are (sync_python_receiver pip-installs it)
     import torch
     from safetensors.torch import load_file
@@ -55,15 +47,7 @@ def main() -> int:
             for name, t in side.items():
                 assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"step {w.version}: {name} differs"
             if module is None:
-                module = torch.nn.Module()
-                for name, t in side.items():  # a module with a parameter at every dotted name
-                    *path, leaf = name.split(".")
-                    m = module
-                    for part in path:
-                        if not hasattr(m, part):
-                            m.add_module(part, torch.nn.Module())
-                        m = getattr(m, part)
-                    m.register_parameter(leaf, torch.nn.Parameter(torch.zeros_like(t)))
+                module = build_module(torch, side, fill=0.0)
             w.load_into(module)
             assert all(torch.equal(t, side[n]) for n, t in module.state_dict().items())
             seen.append(w.version)

@@ -15,7 +15,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn.h>
 
-#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/detail/json.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
@@ -74,9 +74,9 @@ struct Root {
   }
 
   /// Each rank's file holds its half of every flattened tensor (of `values`' step by default).
-  std::vector<ckpt::detail::WrittenFile> write_shards(int64_t step, std::optional<int64_t> values = std::nullopt) const {
+  std::vector<fsdpx::detail::WrittenFile> write_shards(int64_t step, std::optional<int64_t> values = std::nullopt) const {
     fs::create_directories(dir(step));
-    std::vector<ckpt::detail::WrittenFile> files;
+    std::vector<fsdpx::detail::WrittenFile> files;
     for (int r = 0; r < world; ++r) {
       StateDict sd;
       sd.kind = StateDictKind::sharded;
@@ -97,7 +97,7 @@ struct Root {
     }
     return files;
   }
-  void commit(int64_t step, const std::vector<ckpt::detail::WrittenFile>& files,
+  void commit(int64_t step, const std::vector<fsdpx::detail::WrittenFile>& files,
               std::vector<std::string> components = {"model"}) const {
     using fsdpx::detail::Json;
     Json f = Json::object();
@@ -105,10 +105,10 @@ struct Root {
     const Json record = {{"format", "fsdpx"}, {"format_version", 1}, {"step", step}, {"world_size", world},
                          {"state_dict_kind", "sharded"}, {"complete", false}, {"components", components},
                          {"files", f}};
-    ckpt::detail::write_text_durably(dir(step) / ckpt::config_file, record.dump() + "\n");
+    fsdpx::detail::write_text_durably(dir(step) / ckpt::config_file, record.dump() + "\n");
   }
   void advance(int64_t step) const {
-    ckpt::detail::write_text_durably(path / ckpt::state_dict_iteration_file, std::to_string(step) + "\n");
+    fsdpx::detail::write_text_durably(path / ckpt::state_dict_iteration_file, std::to_string(step) + "\n");
   }
   /// A whole save of `step`: shards, then the commit record, then the iteration file.
   void save(int64_t step) const {

@@ -88,7 +88,7 @@ void train(Job& job, int steps, bool announce_end) {
   }
   coordinator.wait();
   if (comm.rank() == 0 && announce_end) {
-    ckpt::detail::write_text_durably(job.root / done_file, std::to_string(steps) + "\n");
+    fsdpx::detail::write_text_durably(job.root / done_file, std::to_string(steps) + "\n");
   }
 }
 

@@ -55,7 +55,7 @@
 #include <fsdpx/checkpoint/extra_state.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
-#include <fsdpx/checkpoint/model_folder.hpp>
+#include <fsdpx/hf/model_folder.hpp>
 #include <fsdpx/checkpoint/state_dict.hpp>
 #include <fsdpx/core/lr_schedule.hpp>
 #include <fsdpx/dist/communicator.hpp>
@@ -75,7 +75,7 @@ struct CheckpointOptions {
   /// A wait that lasts longer than this says on stderr what it waits for (and again each interval). 0: never.
   std::chrono::milliseconds report_interval = std::chrono::minutes(1);
   /// A model folder whose files other than weights (config.json, tokenizer and generation files:
-  /// checkpoint::copy_model_files) rank 0 copies into every step's huggingface/ directory, so a merged
+  /// fsdpx::hf::copy_model_files) rank 0 copies into every step's huggingface/ directory, so a merged
   /// checkpoint is a Hugging Face model directory. A pretrained model's own folder will do. Empty: none.
   std::filesystem::path huggingface_dir;
 };
@@ -332,7 +332,7 @@ class CheckpointCoordinator {
   FSDPX_DECL bool advance_commit(Commit& c);
 
   static void release_reserves(const std::filesystem::path& dir) {
-    for (const char* name : {".reserve_weights", ".reserve_complete"}) checkpoint::detail::release_space(dir / name);
+    for (const char* name : {".reserve_weights", ".reserve_complete"}) fsdpx::detail::release_space(dir / name);
   }
 
   FSDPX_DECL void rotate();

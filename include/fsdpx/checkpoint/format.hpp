@@ -114,7 +114,7 @@ FSDPX_DECL StateDict parse_state_dict(const c10::IValue& v, const fs::path& path
 FSDPX_DECL StateDict state_dict_from_ivalue(const c10::IValue& v, const fs::path& path);
 
 /// Writes a state dict durably (Python: torch.load(path, weights_only=True)).
-inline ::fsdpx::checkpoint::detail::WrittenFile save_state_dict(const fs::path& path, const StateDict& sd) {
+inline ::fsdpx::detail::WrittenFile save_state_dict(const fs::path& path, const StateDict& sd) {
   return detail::save_ivalue(path, to_ivalue(sd));
 }
 

@@ -27,7 +27,7 @@
 #include <c10/util/Exception.h>
 #include <unistd.h>
 
-#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 
 namespace fsdpx::checkpoint {

@@ -24,11 +24,11 @@
 
 #include <ATen/ATen.h>
 
-#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
-#include <fsdpx/checkpoint/model_folder.hpp>
-#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/hf/model_folder.hpp>
+#include <fsdpx/hf/safetensors.hpp>
 #include <fsdpx/error.hpp>
 
 namespace fsdpx::checkpoint {
@@ -68,7 +68,7 @@ FSDPX_DECL std::string local_kind_message(const fs::path& what);
 /// every parameter whole, with its saved shape, in name order (the files do not record the model's order: a
 /// rank's file lists only its slices, and nothing says where one unit ends). Reads one model file at
 /// a time; holds only the result. Throws IoError naming the file (or the parameter) on any inconsistency.
-FSDPX_DECL NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOptions& options = {},
+FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOptions& options = {},
     MergeReport* report = nullptr);
 
 /// The step's huggingface/ folder (config.json, tokenizer files), or an empty path when it has none.
@@ -77,11 +77,11 @@ FSDPX_DECL fs::path huggingface_dir(const fs::path& step_dir);
 /// Copies the step's huggingface/ files other than weights into `out_dir`, durably; returns the files
 /// written (none when there is no huggingface/ folder). A checkpoint is not trusted: links are not
 /// followed, and nothing is written outside `out_dir`.
-inline std::vector<detail::WrittenFile> copy_huggingface_files(const fs::path& step_dir, const fs::path& out_dir,
+inline std::vector<::fsdpx::detail::WrittenFile> copy_huggingface_files(const fs::path& step_dir, const fs::path& out_dir,
                                                                std::function<bool(const std::string&)> skip = {}) {
   const fs::path hf = huggingface_dir(step_dir);
   if (hf.empty()) return {};
-  return copy_model_files(hf, out_dir, {.follow_symlinks = false, .skip = std::move(skip)});
+  return hf::copy_model_files(hf, out_dir, {.follow_symlinks = false, .skip = std::move(skip)});
 }
 
 }  // namespace fsdpx::checkpoint

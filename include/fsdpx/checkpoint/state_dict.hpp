@@ -73,9 +73,6 @@ FSDPX_DECL const char* to_string(StateDictKind kind);
 
 namespace detail {
 
-/// What a rank holds of parameter `p`: [lo, hi) of the flat layout, or an empty range.
-FSDPX_DECL core::FlatRange held_range(const core::Unit& u, const core::ParamInfo& p);
-
 /// Only replica 0 of each shard group writes slices: the other replicas hold the same values.
 inline bool writes_slices(const core::ShardedModel& model) { return model.mesh().replicate_group().rank() == 0; }
 
@@ -117,12 +114,6 @@ FSDPX_DECL StateDict sharded_state_dict(const core::ShardedModel& model);
 FSDPX_DECL StateDict local_state_dict(const core::ShardedModel& model);
 
 namespace detail {
-/// The buffers of a gather of unit `u`'s master values: the whole flat buffer (the shards' dtype, not
-/// the compute-dtype copies the unit unshards into) and this rank's input, on the unit's compute device.
-struct UnitGather {
-  at::Tensor full, input;
-};
-FSDPX_DECL UnitGather unit_gather_buffers(const core::Unit& u);
 /// Unit `u`'s whole flat buffer of master values. Collective over the shard group.
 FSDPX_DECL at::Tensor gather_unit_shards(core::ShardedModel& model, const core::Unit& u);
 }  // namespace detail

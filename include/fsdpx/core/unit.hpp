@@ -12,6 +12,7 @@
 
 #include <fsdpx/detail/config.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -80,6 +81,18 @@ class Unit {
 
   /// This rank's slice of the flat layout (float32 masters; options().shard_dtype).
   const at::Tensor& shard() const { return shard_; }
+  /// The buffers of a gather of this unit's master values (the shards' dtype, not the compute-dtype
+  /// copy unshard() fills): the whole flat buffer and this rank's input, on the compute device
+  /// (offloaded shards go through it for the collective). For saving and exporting.
+  struct MasterGather {
+    at::Tensor full, input;
+  };
+  FSDPX_DECL MasterGather master_gather_buffers() const;
+  /// What this rank holds of parameter `p`: [lo, hi) of the flat layout, empty (lo >= hi) when nothing.
+  FlatRange held_range(const ParamInfo& p) const {
+    const FlatRange mine = layout_.shard_range(shard_rank_);
+    return {std::max(p.offset, mine.begin), std::min(p.offset + p.numel, mine.end)};
+  }
 
   /// What the optimizer steps: contiguous views of shard() with their weight-decay class.
   struct OptimParam {

@@ -8,6 +8,7 @@
 #error "fsdpx/impl/src.hpp is the separately compiled part of fsdpx: define FSDPX_SEPARATE_COMPILATION for every translation unit of the program (or link fsdpx::separate), or do not include this file (fsdpx is header-only by default)"
 #endif
 
+#include <fsdpx/detail/impl/file_io.ipp>
 #if defined(FSDPX_WITH_MPI)  // the MPI backend (its control channel, engine and runtime with it)
 #include <fsdpx/dist/impl/mpi.ipp>
 #endif
@@ -20,16 +21,15 @@
 #include <fsdpx/core/impl/unit.ipp>
 #include <fsdpx/core/impl/model_plan.ipp>
 #include <fsdpx/core/impl/sharded_model.ipp>
-#include <fsdpx/checkpoint/impl/file_io.ipp>
-#include <fsdpx/checkpoint/impl/model_folder.ipp>
+#include <fsdpx/hf/impl/model_folder.ipp>
+#include <fsdpx/hf/impl/safetensors.ipp>
+#include <fsdpx/hf/impl/model_safetensors.ipp>
 #include <fsdpx/checkpoint/impl/state_dict.ipp>
 #include <fsdpx/checkpoint/impl/torch_io.ipp>
 #include <fsdpx/checkpoint/impl/format.ipp>
 #include <fsdpx/checkpoint/impl/extra_state.ipp>
 #include <fsdpx/checkpoint/impl/layout.ipp>
-#include <fsdpx/checkpoint/impl/safetensors.ipp>
 #include <fsdpx/checkpoint/impl/merge.ipp>
-#include <fsdpx/checkpoint/impl/model_safetensors.ipp>
 #include <fsdpx/checkpoint/impl/resume.ipp>
 #include <fsdpx/sync/impl/bucket.ipp>
 #include <fsdpx/sync/impl/broadcast.ipp>

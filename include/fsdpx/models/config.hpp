@@ -18,7 +18,7 @@
 
 #include <c10/core/ScalarType.h>
 
-#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/detail/json.hpp>
 #include <fsdpx/error.hpp>
 
@@ -258,7 +258,7 @@ inline DecoderConfig read_decoder_config(const std::filesystem::path& path) {
   const std::filesystem::path file = std::filesystem::is_directory(path) ? path / "config.json" : path;
   FSDPX_CHECK_AS(IoError, std::filesystem::exists(file), "'", file.string(), "' does not exist: a Hugging Face model folder "
                  "holds its configuration in config.json");
-  return parse_decoder_config(::fsdpx::detail::parse_json(checkpoint::detail::read_text(file), file.string()), file.string());
+  return parse_decoder_config(::fsdpx::detail::parse_json(fsdpx::detail::read_text(file), file.string()), file.string());
 }
 
 /// Whether `c` is a model its model_type's transformers class builds; ConfigError naming what is not.

@@ -23,9 +23,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include <fsdpx/checkpoint/model_folder.hpp>
-#include <fsdpx/checkpoint/model_safetensors.hpp>
-#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/hf/model_folder.hpp>
+#include <fsdpx/hf/model_safetensors.hpp>
+#include <fsdpx/hf/safetensors.hpp>
 #include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/fsdp.hpp>
 #include <fsdpx/dist/outcome.hpp>
@@ -145,21 +145,29 @@ inline void check_same_architecture(const DecoderConfig& model, const DecoderCon
 template <class T>
 concept ShardedCausalLM = requires { typename T::ModelType; } && std::is_same_v<typename T::ModelType, CausalLM>;
 
+namespace detail {
+/// The folder's weights into a model whose config is the folder's (its config.json read once, by the
+/// caller).
+template <class Sharded>
+SafetensorsLoadReport load_weights(Sharded& model, const fs::path& dir, const LoadPretrainedOptions& options) {
+  fsdpx::hf::SafetensorsDir files(dir);
+  return load_model_safetensors(model.sharded(), files, load_options(model->config, options));
+}
+}  // namespace detail
+
 /// Loads the weights of the Hugging Face folder `dir` into a sharded CausalLM: each rank reads the byte
 /// ranges of its own shards. Every rank calls it; it is not collective.
 template <class Sharded>
   requires ShardedCausalLM<Sharded>
 SafetensorsLoadReport load_pretrained(Sharded& model, const fs::path& dir, const LoadPretrainedOptions& options = {}) {
-  const DecoderConfig& config = model->config;
-  detail::check_same_architecture(config, read_decoder_config(dir), dir);
-  checkpoint::SafetensorsDir files(dir);
-  return load_model_safetensors(model.sharded(), files, detail::load_options(config, options));
+  detail::check_same_architecture(model->config, read_decoder_config(dir), dir);
+  return detail::load_weights(model, dir, options);
 }
 
 /// Loads the weights of the Hugging Face folder `dir` into a CausalLM that is not sharded.
 inline SafetensorsLoadReport load_pretrained(CausalLM& model, const fs::path& dir, const LoadPretrainedOptions& options = {}) {
   detail::check_same_architecture(model->config, read_decoder_config(dir), dir);
-  checkpoint::SafetensorsDir files(dir);
+  fsdpx::hf::SafetensorsDir files(dir);
   return load_model_safetensors(*model, files, detail::load_options(model->config, options));
 }
 
@@ -177,7 +185,8 @@ Sharded from_pretrained(const fs::path& dir, dist::AnyCommunicator world, FsdpOp
   SafetensorsLoadReport r;
   // A rank whose read fails (the same files fail alike everywhere; a flaky mount may not) must not
   // leave the others waiting in the first gather of training.
-  dist::agree_on_outcome<IoError>(model.sharded().mesh().world(), dist::capture_failure([&] { r = load_pretrained(model, dir, load); }),
+  // The model was built from this folder's config.json: the weights are read without reading it again.
+  dist::agree_on_outcome<IoError>(model.sharded().mesh().world(), dist::capture_failure([&] { r = detail::load_weights(model, dir, load); }),
                                   "loading '" + dir.string() + "'");
   if (report != nullptr) *report = r;
   return model;
@@ -207,9 +216,9 @@ inline SafetensorsSaveOptions save_options(const DecoderConfig& c, at::ScalarTyp
 
 /// config.json and the source folder's other files, after the weights.
 inline void write_folder_files(const ::fsdpx::detail::Json& config, const fs::path& out, const SavePretrainedOptions& o) {
-  checkpoint::detail::write_text_durably(out / "config.json", config.dump(2) + "\n");
+  fsdpx::detail::write_text_durably(out / "config.json", config.dump(2) + "\n");
   if (!o.source_dir.empty()) {
-    checkpoint::copy_model_files(o.source_dir, out, {.follow_symlinks = true, .skip = [](const std::string& n) { return n == "config.json"; }});
+    fsdpx::hf::copy_model_files(o.source_dir, out, {.follow_symlinks = true, .skip = [](const std::string& n) { return n == "config.json"; }});
   }
 }
 
@@ -221,7 +230,7 @@ inline void write_folder_files(const ::fsdpx::detail::Json& config, const fs::pa
 /// disk) is an error on every rank.
 template <class Sharded>
   requires ShardedCausalLM<Sharded>
-checkpoint::SavedSafetensors save_pretrained(Sharded& model, const fs::path& out, const SavePretrainedOptions& options = {}) {
+fsdpx::hf::SavedSafetensors save_pretrained(Sharded& model, const fs::path& out, const SavePretrainedOptions& options = {}) {
   const DecoderConfig& config = model->config;
   const at::ScalarType dtype = options.dtype.value_or(config.dtype);
   const ::fsdpx::detail::Json hf_config = to_hf_config(config, dtype);  // refuses what transformers cannot express, before any write
@@ -234,7 +243,7 @@ checkpoint::SavedSafetensors save_pretrained(Sharded& model, const fs::path& out
 }
 
 /// Writes a CausalLM that is not sharded as a Hugging Face folder `out`.
-inline checkpoint::SavedSafetensors save_pretrained(CausalLM& model, const fs::path& out, const SavePretrainedOptions& options = {}) {
+inline fsdpx::hf::SavedSafetensors save_pretrained(CausalLM& model, const fs::path& out, const SavePretrainedOptions& options = {}) {
   const at::ScalarType dtype = options.dtype.value_or(model->config.dtype);
   const ::fsdpx::detail::Json hf_config = to_hf_config(model->config, dtype);
   const auto saved = save_model_safetensors(*model, out, detail::save_options(model->config, dtype, options));
@@ -248,7 +257,7 @@ inline checkpoint::SavedSafetensors save_pretrained(CausalLM& model, const fs::p
 /// or, when they are not exactly the tensors that config describes (names and shapes), nullopt and a
 /// sentence in `why`: the config must then not be written beside them, since transformers would load
 /// random weights in place of every tensor it does not find. `config_json` is config.json's text.
-inline std::optional<checkpoint::NamedTensors> rename_for_config(checkpoint::NamedTensors tensors, const std::string& config_json,
+inline std::optional<fsdpx::hf::NamedTensors> rename_for_config(fsdpx::hf::NamedTensors tensors, const std::string& config_json,
                                                                  const std::string& doc, std::string& why) {
   DecoderConfig c;
   try {

@@ -1,5 +1,5 @@
 // Loading saved slices into this rank's tensors, whatever world size saved them: used by the state-dict
-// and safetensors loaders (their implementations, and fsdpx/checkpoint/model_safetensors.hpp).
+// and safetensors loaders (their implementations, and fsdpx/hf/model_safetensors.hpp).
 #pragma once
 
 #include <cstdint>

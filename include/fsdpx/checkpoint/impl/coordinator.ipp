@@ -48,12 +48,12 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedMode
 
   if (rank_ == 0) {
     withdraw_earlier_commit(req.step, dir);
-    if (!options_.huggingface_dir.empty()) checkpoint::copy_model_files(options_.huggingface_dir, dir / "huggingface");
+    if (!options_.huggingface_dir.empty()) fsdpx::hf::copy_model_files(options_.huggingface_dir, dir / "huggingface");
     // Room for the commit records and iteration files, taken before any shard is written, so a
     // disk that fills up during this save or the next cannot keep a finished step from committing.
     // (A record lists every rank's files, ~100 bytes each; an iteration file needs a block.)
     const int64_t record_bytes = (int64_t{8} << 10) + int64_t{256} * world_size_ * static_cast<int64_t>(req.components.size());
-    for (const char* name : {".reserve_weights", ".reserve_complete"}) checkpoint::detail::reserve_space(dir / name, record_bytes);
+    for (const char* name : {".reserve_weights", ".reserve_complete"}) fsdpx::detail::reserve_space(dir / name, record_bytes);
   }
 
   auto shared = std::make_shared<SaveRequest>(std::move(req));
@@ -189,7 +189,7 @@ FSDPX_DECL void CheckpointCoordinator::write_component(const SaveRequest& req, c
                          : c == Component::optim ? checkpoint::save_state_dict(event.path, *req.optim)
                                                  : checkpoint::detail::save_ivalue(event.path, *req.extra);
     event.bytes = written.bytes;
-    checkpoint::detail::write_text_durably(checkpoint::done_marker(dir, c, rank_, run_),
+    fsdpx::detail::write_text_durably(checkpoint::done_marker(dir, c, rank_, run_),
                                            ::fsdpx::detail::str(event.path.filename().string(), " ", written.bytes, " ",
                                                                 written.crc32c, "\n"));
   } catch (const std::exception& e) {
@@ -199,7 +199,7 @@ FSDPX_DECL void CheckpointCoordinator::write_component(const SaveRequest& req, c
     // an empty marker needs no data block.
     const auto marker = checkpoint::failed_marker(dir, rank_, run_);
     try {
-      checkpoint::detail::write_text_durably(marker, event.error);
+      fsdpx::detail::write_text_durably(marker, event.error);
     } catch (...) {
       if (const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644); fd >= 0) ::close(fd);
     }
@@ -253,7 +253,7 @@ FSDPX_DECL bool CheckpointCoordinator::advance_commit(Commit& c) {
   for (int r = 0; r < world_size_; ++r) {
     const auto failed = checkpoint::failed_marker(c.dir, r, run_);
     if (std::filesystem::exists(failed)) {
-      std::string cause = checkpoint::detail::read_text(failed);
+      std::string cause = fsdpx::detail::read_text(failed);
       if (cause.empty()) cause = ::fsdpx::detail::str("rank ", r, " could not save its files (nor describe why: is the disk full?)");
       record_failure(c.step, ::fsdpx::detail::str("fsdpx: checkpoint step ", c.step, " was not committed: ", cause));
       release_reserves(c.dir);
@@ -271,7 +271,7 @@ FSDPX_DECL bool CheckpointCoordinator::advance_commit(Commit& c) {
       char name[256] = {};
       long long bytes = 0;
       unsigned long crc = 0;
-      const std::string text = checkpoint::detail::read_text(marker);
+      const std::string text = fsdpx::detail::read_text(marker);
       FSDPX_CHECK_AS(IoError, std::sscanf(text.c_str(), "%255s %lld %lu", name, &bytes, &crc) == 3,
                      "checkpoint marker '", marker.string(), "' is corrupt");
       files[name] = {{"bytes", int64_t{bytes}}, {"crc32c", static_cast<uint32_t>(crc)}};
@@ -297,7 +297,7 @@ FSDPX_DECL bool CheckpointCoordinator::advance_commit(Commit& c) {
     return true;
   }
   if (weights && !c.weights_committed) {
-    checkpoint::detail::release_space(c.dir / ".reserve_weights");
+    fsdpx::detail::release_space(c.dir / ".reserve_weights");
     write_config(c, done, files, false);
     advance(checkpoint::state_dict_iteration_file, c.step);
     c.weights_committed = true;
@@ -311,7 +311,7 @@ FSDPX_DECL bool CheckpointCoordinator::advance_commit(Commit& c) {
     return false;
   }
   const bool full = c.components.size() == std::size(checkpoint::all_components);
-  checkpoint::detail::release_space(c.dir / ".reserve_complete");
+  fsdpx::detail::release_space(c.dir / ".reserve_complete");
   if (c.components.size() > 1) write_config(c, done, files, full);
   if (full) {
     advance(checkpoint::checkpointed_iteration_file, c.step);
@@ -353,14 +353,14 @@ FSDPX_DECL void CheckpointCoordinator::write_config(const Commit& c, const std::
   config["complete"] = complete;
   config["components"] = done;
   config["files"] = files;
-  checkpoint::detail::write_text_durably(c.dir / checkpoint::config_file, config.dump(2) + "\n");
+  fsdpx::detail::write_text_durably(c.dir / checkpoint::config_file, config.dump(2) + "\n");
 }
 
 FSDPX_DECL void CheckpointCoordinator::advance(const char* file, int64_t step) {
   std::lock_guard lock(iteration_mutex_);
   int64_t& current = iteration_[file];
   if (step <= current) return;
-  checkpoint::detail::write_text_durably(root_ / file, std::to_string(step) + "\n");
+  fsdpx::detail::write_text_durably(root_ / file, std::to_string(step) + "\n");
   std::lock_guard state(mutex_);
   current = step;
 }
@@ -373,14 +373,14 @@ FSDPX_DECL void CheckpointCoordinator::withdraw_earlier_commit(int64_t step, con
     const auto fallback =
         checkpoint::find_committed_before(root_, step, /*weights_only=*/file == checkpoint::state_dict_iteration_file);
     if (fallback) {
-      checkpoint::detail::write_text_durably(root_ / file, std::to_string(*fallback) + "\n");
+      fsdpx::detail::write_text_durably(root_ / file, std::to_string(*fallback) + "\n");
     } else {
-      checkpoint::detail::remove_durably(root_ / file);
+      fsdpx::detail::remove_durably(root_ / file);
     }
     std::lock_guard state(mutex_);
     current = fallback.value_or(-1);
   }
-  checkpoint::detail::remove_durably(dir / checkpoint::config_file);
+  fsdpx::detail::remove_durably(dir / checkpoint::config_file);
 }
 
 }  // namespace fsdpx

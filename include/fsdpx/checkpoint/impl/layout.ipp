@@ -10,7 +10,7 @@ namespace fsdpx::checkpoint {
 FSDPX_DECL std::optional<int64_t> read_iteration_file(const fs::path& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) return std::nullopt;
-  const std::string text = detail::read_text(path);
+  const std::string text = ::fsdpx::detail::read_text(path);
   size_t used = 0;
   int64_t step = -1;
   try {
@@ -28,7 +28,7 @@ FSDPX_DECL CommitRecord parse_commit_record(const fs::path& config) {
   CommitRecord r;
   r.path = config;
   const std::string doc = config.string();
-  const auto j = ::fsdpx::detail::parse_json(detail::read_text(config), doc);
+  const auto j = ::fsdpx::detail::parse_json(::fsdpx::detail::read_text(config), doc);
   FSDPX_CHECK_AS(IoError, j.is_object() && json_find<std::string>(j, "format", doc) == std::string(format_name),
                  "commit record '", doc, "': it is not an fsdpx commit record (no \"format\": \"", format_name, "\")");
   const int64_t version = json_get<int64_t>(j, "format_version", doc);
@@ -113,7 +113,7 @@ FSDPX_DECL bool lease_is_live(const fs::path& lease) {
   long pid = 0;
   std::string text;
   try {
-    text = read_text(lease);
+    text = ::fsdpx::detail::read_text(lease);
   } catch (const IoError&) {
     return young();  // gone (false) or being replaced
   }
@@ -218,7 +218,7 @@ FSDPX_DECL CheckpointLease::CheckpointLease(const fs::path& root, int64_t step) 
   fs::create_directories(dir, ec);
   FSDPX_CHECK_AS(IoError, !ec, "cannot lease step ", step, ": creating '", dir.string(), "': ", ec.message());
   path_ = dir / ::fsdpx::detail::str(detail::host_name(), "-", ::getpid(), "-", counter++);
-  detail::write_text_durably(path_, ::fsdpx::detail::str(detail::host_name(), " ", ::getpid(), "\n"));
+  ::fsdpx::detail::write_text_durably(path_, ::fsdpx::detail::str(detail::host_name(), " ", ::getpid(), "\n"));
   // The step may have been rotated away between the reader's choice and the lease.
   if (!read_commit_record(step_dir(root, step))) {
     fs::remove(path_, ec);

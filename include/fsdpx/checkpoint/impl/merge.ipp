@@ -44,7 +44,7 @@ FSDPX_DECL fs::path huggingface_dir(const fs::path& step_dir) {
 
 namespace fsdpx::checkpoint {
 
-FSDPX_DECL NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOptions& options,
+FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOptions& options,
                                      MergeReport* report) {
   MergeReport local_report;
   MergeReport& rep = report != nullptr ? *report : local_report;
@@ -208,7 +208,7 @@ FSDPX_DECL NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOp
                ") leave parts of parameters uncovered, in no rank's file:", list);
   }
 
-  NamedTensors out;
+  hf::NamedTensors out;
   for (auto& [name, p] : params) {  // a std::map: name order
     at::Tensor t = p.flat.view(p.shape);
     if (options.dtype && at::isFloatingType(t.scalar_type())) t = t.to(*options.dtype);

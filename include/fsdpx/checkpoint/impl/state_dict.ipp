@@ -76,7 +76,7 @@ FSDPX_DECL StateDict sharded_state_dict(const core::ShardedModel& model) {
     const core::Unit& u = model.unit(i);
     const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
     for (const core::ParamInfo& p : u.layout().params()) {
-      const core::FlatRange r = detail::held_range(u, p);
+      const core::FlatRange r = u.held_range(p);
       if (r.begin >= r.end) continue;
       sd.entries.push_back({p.name, p.shape, r.begin - p.offset, r.end - p.offset,
                             {{"data", detail::host_copy(u.shard().narrow(0, r.begin - base, r.size()))}}});
@@ -98,15 +98,6 @@ FSDPX_DECL StateDict local_state_dict(const core::ShardedModel& model) {
 }
 
 }  // namespace fsdpx
-
-namespace fsdpx::detail {
-
-FSDPX_DECL UnitGather unit_gather_buffers(const core::Unit& u) {
-  const at::Device device = u.options().device;  // offloaded shards go through the device for the collective
-  return {at::empty({u.layout().padded_numel()}, u.shard().options().device(device)), u.shard().to(device)};
-}
-
-}  // namespace fsdpx::detail
 
 namespace fsdpx {
 
@@ -139,7 +130,7 @@ FSDPX_DECL void load_model_state_dict(core::ShardedModel& model,
     core::Unit& u = model.unit(i);
     const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
     for (const core::ParamInfo& p : u.layout().params()) {
-      const core::FlatRange r = detail::held_range(u, p);
+      const core::FlatRange r = u.held_range(p);
       if (r.begin < r.end) {
         loader.add_target(p.name, p.shape, r.begin - p.offset, r.end - p.offset, u.shard().narrow(0, r.begin - base, r.size()));
       } else {
@@ -362,11 +353,6 @@ FSDPX_DECL const char* to_string(StateDictKind kind) {
 
 namespace fsdpx::detail {
 
-FSDPX_DECL core::FlatRange held_range(const core::Unit& u, const core::ParamInfo& p) {
-  const core::FlatRange mine = u.layout().shard_range(u.shard_rank());
-  return {std::max(p.offset, mine.begin), std::min(p.offset + p.numel, mine.end)};
-}
-
 FSDPX_DECL StateDict empty_state_dict(const core::ShardedModel& model, StateDictKind kind, const char* component) {
   StateDict sd;
   sd.kind = kind;
@@ -398,7 +384,7 @@ FSDPX_DECL void add_buffers(StateDict& sd, const core::ShardedModel& model) {
 }
 
 FSDPX_DECL at::Tensor gather_unit_shards(core::ShardedModel& model, const core::Unit& u) {
-  UnitGather g = unit_gather_buffers(u);
+  core::Unit::MasterGather g = u.master_gather_buffers();
   model.mesh().shard_group().all_gather(g.full, g.input);
   return g.full;
 }

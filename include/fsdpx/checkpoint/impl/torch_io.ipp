@@ -16,7 +16,7 @@
 
 namespace fsdpx::checkpoint::detail {
 
-FSDPX_DECL WrittenFile save_ivalue(const fs::path& path, const c10::IValue& value, bool compute_record_crc32) {
+FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const c10::IValue& value, bool compute_record_crc32) {
   std::vector<char> pickle_bytes;
   // No type tags: Python's torch.load(weights_only=True) refuses their restore_type_tag global.
   torch::jit::Pickler pickler([&](const char* data, size_t n) { pickle_bytes.insert(pickle_bytes.end(), data, data + n); },
@@ -24,7 +24,7 @@ FSDPX_DECL WrittenFile save_ivalue(const fs::path& path, const c10::IValue& valu
   pickler.protocol();
   pickler.pushIValue(value);
   pickler.stop();
-  return write_file_durably(path, [&](const auto& sink) {
+  return ::fsdpx::detail::write_file_durably(path, [&](const auto& sink) {
     // No exception may cross the zip writer (miniz is C; its destructor writes again): the first
     // failure is kept, the rest of the archive is swallowed, and the failure is thrown after.
     std::exception_ptr failure;
@@ -52,9 +52,9 @@ FSDPX_DECL WrittenFile save_ivalue(const fs::path& path, const c10::IValue& valu
 
 FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> expected_crc32c) {
   FSDPX_CHECK_AS(IoError, fs::exists(path), "checkpoint file '", path.string(), "' does not exist");
-  std::vector<char> data = read_file(path);
+  std::vector<char> data = ::fsdpx::detail::read_file(path);
   if (expected_crc32c) {
-    const uint32_t crc = Crc32c::of(data.data(), data.size());
+    const uint32_t crc = ::fsdpx::detail::Crc32c::of(data.data(), data.size());
     FSDPX_CHECK_AS(IoError, crc == *expected_crc32c, "checkpoint file '", path.string(), "' is corrupt: its CRC-32C is ",
                    crc, " but ", *expected_crc32c, " was committed");
   }

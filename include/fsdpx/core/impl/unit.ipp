@@ -211,6 +211,11 @@ FSDPX_DECL bool Unit::discard_gradients() {
   return dropped;
 }
 
+FSDPX_DECL Unit::MasterGather Unit::master_gather_buffers() const {
+  const at::Device device = options_.device;
+  return {at::empty({layout_.padded_numel()}, shard_.options().device(device)), shard_.to(device)};
+}
+
 FSDPX_DECL std::vector<at::Tensor> Unit::shard_grads() const {
   std::vector<at::Tensor> out;
   for (const auto& p : optim_params_) {

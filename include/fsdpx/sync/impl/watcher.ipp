@@ -86,7 +86,7 @@ FSDPX_DECL WeightVersion CheckpointWatcher::load(int64_t step, const std::filesy
   stage("leased");
   const auto before = detail::stamp_model_files(dir);
   checkpoint::MergeReport report;
-  checkpoint::NamedTensors merged = checkpoint::merge_checkpoint(
+  fsdpx::hf::NamedTensors merged = checkpoint::merge_checkpoint(
       dir, {.verify_checksums = true, .dtype = options_.dtype, .warn = [](const std::string&) {}}, &report);
   FSDPX_CHECK_AS(IoError, report.committed && report.checksums_verified, "'", dir.string(),
                  "' was read without its commit record or without checksums to verify");

@@ -15,10 +15,10 @@
 
 #include <sys/stat.h>
 
-#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/error.hpp>
 
-namespace fsdpx::checkpoint {
+namespace fsdpx::hf {
 
 namespace fs = std::filesystem;
 
@@ -40,11 +40,11 @@ struct ModelFolderCopy {
 /// Copies the top-level regular files of `from` that are not weights into `to` (created), each written
 /// durably under its own name: nothing is written outside `to`, whatever the names or links in `from`.
 /// Returns the files written.
-FSDPX_DECL std::vector<detail::WrittenFile> copy_model_files(const fs::path& from, const fs::path& to,
+FSDPX_DECL std::vector<::fsdpx::detail::WrittenFile> copy_model_files(const fs::path& from, const fs::path& to,
     const ModelFolderCopy& options = {});
 
-}  // namespace fsdpx::checkpoint
+}  // namespace fsdpx::hf
 
 #if defined(FSDPX_HEADER_ONLY)
-#include <fsdpx/checkpoint/impl/model_folder.ipp>
+#include <fsdpx/hf/impl/model_folder.ipp>
 #endif

@@ -1,10 +1,10 @@
-// Out-of-line functions of fsdpx/checkpoint/model_folder.hpp: included by it (header-only) or by fsdpx/impl/src.hpp
+// Out-of-line functions of fsdpx/hf/model_folder.hpp: included by it (header-only) or by fsdpx/impl/src.hpp
 // (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
-#include <fsdpx/checkpoint/model_folder.hpp>
+#include <fsdpx/hf/model_folder.hpp>
 
-namespace fsdpx::checkpoint {
+namespace fsdpx::hf {
 
 FSDPX_DECL bool is_weight_file(std::string_view name) {
   constexpr std::array<std::string_view, 10> suffixes = {".safetensors", ".bin", ".pt", ".pth", ".ckpt",
@@ -14,9 +14,9 @@ FSDPX_DECL bool is_weight_file(std::string_view name) {
   });
 }
 
-FSDPX_DECL std::vector<detail::WrittenFile> copy_model_files(const fs::path& from, const fs::path& to,
+FSDPX_DECL std::vector<::fsdpx::detail::WrittenFile> copy_model_files(const fs::path& from, const fs::path& to,
                                                          const ModelFolderCopy& options) {
-  std::vector<detail::WrittenFile> written;
+  std::vector<::fsdpx::detail::WrittenFile> written;
   std::error_code ec;
   FSDPX_CHECK_AS(IoError, fs::is_directory(from, ec), "model folder '", from.string(), "' is not a directory");
   fs::create_directories(to, ec);
@@ -36,10 +36,10 @@ FSDPX_DECL std::vector<detail::WrittenFile> copy_model_files(const fs::path& fro
     const int64_t size = static_cast<int64_t>(fs::file_size(file, ec));
     FSDPX_CHECK_AS(IoError, !ec && size <= options.max_file_bytes, "model folder file '", file.string(), "' ",
                    ec ? "cannot be read: " + ec.message() : "is larger than " + std::to_string(options.max_file_bytes) + " bytes");
-    const std::vector<char> data = detail::read_file(file);
-    written.push_back(detail::write_file_durably(to / file.filename(), [&](const auto& sink) { sink(data.data(), data.size()); }));
+    const std::vector<char> data = ::fsdpx::detail::read_file(file);
+    written.push_back(::fsdpx::detail::write_file_durably(to / file.filename(), [&](const auto& sink) { sink(data.data(), data.size()); }));
   }
   return written;
 }
 
-}  // namespace fsdpx::checkpoint
+}  // namespace fsdpx::hf

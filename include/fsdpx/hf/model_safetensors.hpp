@@ -27,8 +27,7 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
-#include <fsdpx/checkpoint/safetensors.hpp>
-#include <fsdpx/checkpoint/state_dict.hpp>
+#include <fsdpx/hf/safetensors.hpp>
 #include <fsdpx/core/sharded_model.hpp>
 #include <fsdpx/dist/any.hpp>
 #include <fsdpx/dist/outcome.hpp>
@@ -60,7 +59,7 @@ struct SafetensorsLoadReport {
   bool ok() const { return missing.empty() && unexpected.empty() && mismatched.empty(); }
 };
 
-namespace checkpoint::detail {
+namespace hf::detail {
 
 /// One destination: elements [first, last) of the files' tensor `file_name`, into `dst`.
 struct LoadTarget {
@@ -84,22 +83,22 @@ inline std::optional<std::string> file_name_of(const FileNameFn& fn, const std::
 FSDPX_DECL void add_buffer_targets(torch::nn::Module& module, const SafetensorsLoadOptions& options,
     std::vector<LoadTarget>& targets);
 
-}  // namespace checkpoint::detail
+}  // namespace hf::detail
 
 /// Loads the safetensors folder `dir` into a sharded model: each rank reads the slices of its own
 /// shards (and the module's buffers whole). Every rank calls it; it is not collective.
-inline SafetensorsLoadReport load_model_safetensors(core::ShardedModel& model, checkpoint::SafetensorsDir& dir,
+inline SafetensorsLoadReport load_model_safetensors(core::ShardedModel& model, fsdpx::hf::SafetensorsDir& dir,
                                                     const SafetensorsLoadOptions& options = {}) {
   model.wait_for_shard_readers();  // a background checkpoint copy may still read the shards
   model.reshard_all();         // the next forward gathers the loaded shards
-  std::vector<checkpoint::detail::LoadTarget> targets;
+  std::vector<hf::detail::LoadTarget> targets;
   for (size_t i = 0; i < model.num_units(); ++i) {
     core::Unit& u = model.unit(i);
     const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
     for (const core::ParamInfo& p : u.layout().params()) {
-      const auto file = checkpoint::detail::file_name_of(options.file_name, p.name);
+      const auto file = hf::detail::file_name_of(options.file_name, p.name);
       if (!file) continue;
-      const core::FlatRange r = detail::held_range(u, p);
+      const core::FlatRange r = u.held_range(p);
       if (r.begin < r.end) {
         targets.push_back({*file, p.shape, u.shard().narrow(0, r.begin - base, r.size()), r.begin - p.offset, r.end - p.offset});
       } else {  // this rank holds none of it: its name is still checked
@@ -107,17 +106,17 @@ inline SafetensorsLoadReport load_model_safetensors(core::ShardedModel& model, c
       }
     }
   }
-  checkpoint::detail::add_buffer_targets(model.root_module(), options, targets);
-  return checkpoint::detail::load_targets(dir, targets, options);
+  hf::detail::add_buffer_targets(model.root_module(), options, targets);
+  return hf::detail::load_targets(dir, targets, options);
 }
 
 /// Loads the safetensors folder `dir` into a module that is not sharded (every tensor whole).
-inline SafetensorsLoadReport load_model_safetensors(torch::nn::Module& module, checkpoint::SafetensorsDir& dir,
+inline SafetensorsLoadReport load_model_safetensors(torch::nn::Module& module, fsdpx::hf::SafetensorsDir& dir,
                                                     const SafetensorsLoadOptions& options = {}) {
-  std::vector<checkpoint::detail::LoadTarget> targets;
+  std::vector<hf::detail::LoadTarget> targets;
   std::vector<std::pair<at::Tensor, at::Tensor>> copy_back;  // (parameter, contiguous staging) for odd layouts
   for (const auto& p : module.named_parameters(/*recurse=*/true)) {
-    const auto file = checkpoint::detail::file_name_of(options.file_name, p.key());
+    const auto file = hf::detail::file_name_of(options.file_name, p.key());
     if (!file) continue;
     at::Tensor dst = p.value().is_contiguous() ? p.value().detach().view({-1}) : at::Tensor();
     if (!dst.defined()) {  // a tensor not loaded (not strict) keeps its values through the copy back
@@ -126,8 +125,8 @@ inline SafetensorsLoadReport load_model_safetensors(torch::nn::Module& module, c
     }
     targets.push_back({*file, p.value().sizes().vec(), dst, 0, p.value().numel()});
   }
-  checkpoint::detail::add_buffer_targets(module, options, targets);
-  auto report = checkpoint::detail::load_targets(dir, targets, options);
+  hf::detail::add_buffer_targets(module, options, targets);
+  auto report = hf::detail::load_targets(dir, targets, options);
   at::NoGradGuard no_grad;
   for (auto& [param, staged] : copy_back) param.copy_(staged.view(param.sizes()));
   return report;
@@ -137,7 +136,7 @@ inline SafetensorsLoadReport load_model_safetensors(torch::nn::Module& module, c
 
 struct SafetensorsSaveOptions {
   /// File size limit, metadata and file name stem.
-  checkpoint::SafetensorsOptions files;
+  fsdpx::hf::SafetensorsOptions files;
   /// Floating-point tensors are written in this dtype (e.g. at::kBFloat16); others as they are.
   std::optional<at::ScalarType> dtype;
   /// The files' name for the model's tensor `name`; nullopt: not written. Empty: the same name.
@@ -146,46 +145,46 @@ struct SafetensorsSaveOptions {
   bool buffers = true;
 };
 
-namespace checkpoint::detail {
+namespace hf::detail {
 
 inline at::ScalarType saved_dtype(at::ScalarType t, const SafetensorsSaveOptions& o) {
   return o.dtype && at::isFloatingType(t) ? *o.dtype : t;
 }
 
-}  // namespace checkpoint::detail
+}  // namespace hf::detail
 
 /// Writes a sharded model's full weights (its float32 masters, cast per options.dtype) and buffers to
 /// `dir` in Hugging Face's safetensors layout. Collective: every rank calls it; one unit is gathered at
 /// a time, and world rank 0 writes. Returns what was written on rank 0 (empty elsewhere). A failure on
 /// rank 0 (a full disk) does not stop the gathers the others are in; it is an error on every rank
 /// once they are done. A rank that cannot allocate a unit's gather says so before anyone gathers it.
-inline checkpoint::SavedSafetensors save_model_safetensors(core::ShardedModel& model, const std::filesystem::path& dir,
+inline fsdpx::hf::SavedSafetensors save_model_safetensors(core::ShardedModel& model, const std::filesystem::path& dir,
                                                            const SafetensorsSaveOptions& options = {}) {
   auto& world = model.mesh().world();
   const bool writer = world.rank() == 0;
   // The plan (every tensor's name, dtype and shape, in unit order) is known to all without a gather.
-  std::vector<checkpoint::TensorSpec> specs;
+  std::vector<fsdpx::hf::TensorSpec> specs;
   std::vector<std::vector<std::pair<const core::ParamInfo*, std::string>>> unit_names(model.num_units());
   for (size_t i = 0; i < model.num_units(); ++i) {
     for (const core::ParamInfo& p : model.unit(i).layout().params()) {
-      const auto file = checkpoint::detail::file_name_of(options.file_name, p.name);
+      const auto file = hf::detail::file_name_of(options.file_name, p.name);
       if (!file) continue;
       unit_names[i].emplace_back(&p, *file);
-      specs.push_back({*file, checkpoint::detail::saved_dtype(model.unit(i).options().shard_dtype, options), p.shape});
+      specs.push_back({*file, hf::detail::saved_dtype(model.unit(i).options().shard_dtype, options), p.shape});
     }
   }
   std::vector<std::pair<std::string, at::Tensor>> buffers;
   if (options.buffers) {
     for (const auto& b : model.root_module().named_buffers(/*recurse=*/true)) {
-      const auto file = checkpoint::detail::file_name_of(options.file_name, b.key());
+      const auto file = hf::detail::file_name_of(options.file_name, b.key());
       if (!file) continue;
       buffers.emplace_back(*file, b.value());
-      specs.push_back({*file, checkpoint::detail::saved_dtype(b.value().scalar_type(), options), b.value().sizes().vec()});
+      specs.push_back({*file, hf::detail::saved_dtype(b.value().scalar_type(), options), b.value().sizes().vec()});
     }
   }
   model.wait_for_shard_readers();
-  checkpoint::SavedSafetensors saved;
-  std::optional<checkpoint::SafetensorsWriter> out;
+  fsdpx::hf::SavedSafetensors saved;
+  std::optional<fsdpx::hf::SafetensorsWriter> out;
   std::exception_ptr write_failure;  // rank 0's first; it keeps gathering without writing
   const auto write = [&](auto&& fn) {
     if (writer && !write_failure) write_failure = dist::capture_failure(fn);
@@ -194,20 +193,20 @@ inline checkpoint::SavedSafetensors save_model_safetensors(core::ShardedModel& m
   for (size_t i = 0; i < model.num_units(); ++i) {
     core::Unit& u = model.unit(i);
     if (unit_names[i].empty()) continue;
-    detail::UnitGather gather;
-    dist::agree_on_outcome<Error>(world, dist::capture_failure([&] { gather = detail::unit_gather_buffers(u); }),
+    core::Unit::MasterGather gather;
+    dist::agree_on_outcome<Error>(world, dist::capture_failure([&] { gather = u.master_gather_buffers(); }),
                                   ::fsdpx::detail::str("allocating unit '", u.name(), "' whole to save it"));
     model.mesh().shard_group().all_gather(gather.full, gather.input);
     write([&] {
       const at::Tensor host = gather.full.to(at::kCPU);
       for (const auto& [p, name] : unit_names[i]) {
         const at::Tensor t = host.narrow(0, p->offset, p->numel).view(p->shape);
-        out->write(name, t.to(checkpoint::detail::saved_dtype(t.scalar_type(), options)));
+        out->write(name, t.to(hf::detail::saved_dtype(t.scalar_type(), options)));
       }
     });
   }
   write([&] {
-    for (const auto& [name, b] : buffers) out->write(name, b.to(at::kCPU, checkpoint::detail::saved_dtype(b.scalar_type(), options)));
+    for (const auto& [name, b] : buffers) out->write(name, b.to(at::kCPU, hf::detail::saved_dtype(b.scalar_type(), options)));
     saved = out->finish();
   });
   dist::agree_on_outcome<IoError>(world, write_failure, ::fsdpx::detail::str("writing the model's safetensors to '", dir.string(), "'"));
@@ -215,22 +214,22 @@ inline checkpoint::SavedSafetensors save_model_safetensors(core::ShardedModel& m
 }
 
 /// Writes a module's weights and buffers (not sharded) to `dir` in Hugging Face's safetensors layout.
-inline checkpoint::SavedSafetensors save_model_safetensors(torch::nn::Module& module, const std::filesystem::path& dir,
+inline fsdpx::hf::SavedSafetensors save_model_safetensors(torch::nn::Module& module, const std::filesystem::path& dir,
                                                            const SafetensorsSaveOptions& options = {}) {
-  checkpoint::NamedTensors tensors;
+  fsdpx::hf::NamedTensors tensors;
   const auto add = [&](const std::string& key, const at::Tensor& t) {
-    const auto file = checkpoint::detail::file_name_of(options.file_name, key);
-    if (file) tensors.emplace_back(*file, t.detach().to(checkpoint::detail::saved_dtype(t.scalar_type(), options)));
+    const auto file = hf::detail::file_name_of(options.file_name, key);
+    if (file) tensors.emplace_back(*file, t.detach().to(hf::detail::saved_dtype(t.scalar_type(), options)));
   };
   for (const auto& p : module.named_parameters(/*recurse=*/true)) add(p.key(), p.value());
   if (options.buffers) {
     for (const auto& b : module.named_buffers(/*recurse=*/true)) add(b.key(), b.value());
   }
-  return checkpoint::save_safetensors(dir, tensors, options.files);
+  return fsdpx::hf::save_safetensors(dir, tensors, options.files);
 }
 
 }  // namespace fsdpx
 
 #if defined(FSDPX_HEADER_ONLY)
-#include <fsdpx/checkpoint/impl/model_safetensors.ipp>
+#include <fsdpx/hf/impl/model_safetensors.ipp>
 #endif

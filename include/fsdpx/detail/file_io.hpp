@@ -1,6 +1,8 @@
-// Durable file I/O for checkpoints: every file is written to a temporary name, fsynced, renamed
-// into place and its directory fsynced, so a crash leaves either the old file or the new one,
-// never a torn one. Errors name the file and the cause (a full disk says so).
+// File I/O for every file fsdpx writes or reads (checkpoints, safetensors, model folders). Writes are
+// durable: every file is written to a temporary name, fsynced, renamed into place and its directory
+// fsynced, so a crash leaves either the old file or the new one, never a torn one. Reads of files
+// that are not trusted open them only if they are regular files. Errors name the file and the cause
+// (a full disk says so).
 #pragma once
 
 #include <fsdpx/detail/config.hpp>
@@ -24,11 +26,9 @@
 #include <fsdpx/detail/crc32c.hpp>
 #include <fsdpx/error.hpp>
 
-namespace fsdpx::checkpoint::detail {
+namespace fsdpx::detail {
 
 namespace fs = std::filesystem;
-
-using ::fsdpx::detail::Crc32c;  // the checksum recorded for every file in fsdp_config.json
 
 // ---- fault injection (tests): writes fail with `error` once the process has written `after_bytes`
 // checkpoint bytes, as a full disk or a broken device would. Set from FSDPX_INJECT_WRITE_ERROR=
@@ -48,7 +48,7 @@ FSDPX_DECL void inject_write_error(int error, int64_t after_bytes = 0);
 FSDPX_DECL std::string errno_text(int err);
 
 [[noreturn]] inline void throw_io(std::string_view what, const fs::path& path, int err) {
-  throw IoError(::fsdpx::detail::str("fsdpx: ", what, " '", path.string(), "' failed: ", errno_text(err)));
+  throw IoError(str("fsdpx: ", what, " '", path.string(), "' failed: ", errno_text(err)));
 }
 
 /// An open file descriptor that closes itself.
@@ -139,8 +139,14 @@ inline std::string read_text(const fs::path& path) {
   return {data.begin(), data.end()};
 }
 
-}  // namespace fsdpx::checkpoint::detail
+/// Opens `path` for reading only if it is a regular file (a FIFO or a device would block or never end).
+FSDPX_DECL Fd open_regular_file(const fs::path& path, const char* what);
+
+/// Reads exactly n bytes at `offset`, or an IoError naming the file as truncated.
+FSDPX_DECL void read_exact(int fd, const fs::path& path, int64_t offset, void* out, int64_t n, int64_t file_size);
+
+}  // namespace fsdpx::detail
 
 #if defined(FSDPX_HEADER_ONLY)
-#include <fsdpx/checkpoint/impl/file_io.ipp>
+#include <fsdpx/detail/impl/file_io.ipp>
 #endif

@@ -33,11 +33,11 @@
 
 #include <ATen/ATen.h>
 
-#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/detail/json_fwd.hpp>
 #include <fsdpx/error.hpp>
 
-namespace fsdpx::checkpoint {
+namespace fsdpx::hf {
 
 namespace fs = std::filesystem;
 
@@ -56,8 +56,8 @@ struct SafetensorsOptions {
 
 /// What a safetensors save wrote.
 struct SavedSafetensors {
-  std::vector<detail::WrittenFile> files;         // the .safetensors files, in order
-  std::optional<detail::WrittenFile> index;       // the index, when there is more than one file
+  std::vector<::fsdpx::detail::WrittenFile> files;         // the .safetensors files, in order
+  std::optional<::fsdpx::detail::WrittenFile> index;       // the index, when there is more than one file
   int64_t total_size = 0;                         // bytes of tensor data (the index's total_size)
 };
 
@@ -110,12 +110,6 @@ FSDPX_DECL std::string safetensors_header(const std::vector<TensorSpec>& specs, 
 
 FSDPX_DECL bool is_shard_file_name(const std::string& file, const std::string& stem);
 
-/// Opens `path` for reading only if it is a regular file (a FIFO or a device would block or never end).
-FSDPX_DECL Fd open_regular_file(const fs::path& path, const char* what);
-
-/// Reads exactly n bytes at `offset`, or an IoError naming the file as truncated.
-FSDPX_DECL void read_exact(int fd, const fs::path& path, int64_t offset, void* out, int64_t n, int64_t file_size);
-
 }  // namespace detail
 
 // ---- writing -------------------------------------------------------------------------------------------
@@ -148,7 +142,7 @@ class SafetensorsWriter {
   std::vector<std::vector<TensorSpec>> files_;
   int64_t total_ = 0;
   size_t file_ = 0, next_ = 0;
-  std::unique_ptr<detail::DurableFile> current_;
+  std::unique_ptr<::fsdpx::detail::DurableFile> current_;
   SavedSafetensors saved_;
 };
 
@@ -195,7 +189,7 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
   /// Reads the raw bytes [offset, offset + n) of the file.
-  void read_bytes(int64_t offset, void* out, int64_t n) const { detail::read_exact(fd_.get(), path_, offset, out, n, size_); }
+  void read_bytes(int64_t offset, void* out, int64_t n) const { ::fsdpx::detail::read_exact(fd_.get(), path_, offset, out, n, size_); }
 
  private:
   [[noreturn]] FSDPX_DECL void bad_header(const std::string& why) const;
@@ -203,7 +197,7 @@ class SafetensorsFile {
   FSDPX_DECL SafetensorsEntry parse_entry(const std::string& name, const ::fsdpx::detail::Json& v) const;
 
   fs::path path_;
-  detail::Fd fd_;
+  ::fsdpx::detail::Fd fd_;
   int64_t size_ = 0;
   int64_t data_start_ = 0;
   std::vector<SafetensorsEntry> entries_;
@@ -281,8 +275,8 @@ inline std::map<std::string, std::string> read_safetensors_metadata(const fs::pa
 /// A missing, truncated or malformed file is an IoError naming it.
 FSDPX_DECL NamedTensors load_safetensors(const fs::path& path, const std::string& stem = "model");
 
-}  // namespace fsdpx::checkpoint
+}  // namespace fsdpx::hf
 
 #if defined(FSDPX_HEADER_ONLY)
-#include <fsdpx/checkpoint/impl/safetensors.ipp>
+#include <fsdpx/hf/impl/safetensors.ipp>
 #endif

@@ -1,11 +1,10 @@
-// Out-of-line functions of fsdpx/checkpoint/model_safetensors.hpp: included by it (header-only) or by fsdpx/impl/src.hpp
+// Out-of-line functions of fsdpx/hf/model_safetensors.hpp: included by it (header-only) or by fsdpx/impl/src.hpp
 // (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
-#include <fsdpx/checkpoint/detail/slice_loader.hpp>
-#include <fsdpx/checkpoint/model_safetensors.hpp>
+#include <fsdpx/hf/model_safetensors.hpp>
 
-namespace fsdpx::checkpoint::detail {
+namespace fsdpx::hf::detail {
 
 FSDPX_DECL SafetensorsLoadReport load_targets(SafetensorsDir& dir, std::vector<LoadTarget>& targets,
                                           const SafetensorsLoadOptions& options) {
@@ -88,4 +87,4 @@ FSDPX_DECL void add_buffer_targets(torch::nn::Module& module, const SafetensorsL
   }
 }
 
-}  // namespace fsdpx::checkpoint::detail
+}  // namespace fsdpx::hf::detail

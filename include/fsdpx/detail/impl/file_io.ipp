@@ -1,10 +1,10 @@
-// Out-of-line functions of fsdpx/checkpoint/detail/file_io.hpp: included by it (header-only) or by fsdpx/impl/src.hpp
+// Out-of-line functions of fsdpx/detail/file_io.hpp: included by it (header-only) or by fsdpx/impl/src.hpp
 // (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
-#include <fsdpx/checkpoint/detail/file_io.hpp>
+#include <fsdpx/detail/file_io.hpp>
 
-namespace fsdpx::checkpoint::detail {
+namespace fsdpx::detail {
 
 FSDPX_DECL FaultInjection& fault_injection() {
   static FaultInjection* f = [] {
@@ -113,4 +113,27 @@ FSDPX_DECL WrittenFile DurableFile::commit() {
   return {path_, bytes_, crc_.value()};
 }
 
-}  // namespace fsdpx::checkpoint::detail
+FSDPX_DECL Fd open_regular_file(const fs::path& path, const char* what) {
+  std::error_code ec;
+  FSDPX_CHECK_AS(IoError, fs::exists(path, ec), what, " '", path.string(), "' does not exist");
+  Fd fd(path, O_RDONLY | O_NONBLOCK);
+  struct stat st {};
+  if (::fstat(fd.get(), &st) != 0) throw_io("stat of", path, errno);
+  FSDPX_CHECK_AS(IoError, S_ISREG(st.st_mode), what, " '", path.string(), "' is not a regular file");
+  return fd;
+}
+
+FSDPX_DECL void read_exact(int fd, const fs::path& path, int64_t offset, void* out, int64_t n, int64_t file_size) {
+  auto* p = static_cast<char*>(out);
+  int64_t done = 0;
+  while (done < n) {
+    const ssize_t k = ::pread(fd, p + done, static_cast<size_t>(n - done), static_cast<off_t>(offset + done));
+    if (k < 0 && errno == EINTR) continue;
+    if (k < 0) throw_io("reading", path, errno);
+    FSDPX_CHECK_AS(IoError, k > 0, "safetensors file '", path.string(), "' is truncated: it has ", file_size,
+                   " bytes, its header needs at least ", offset + n);
+    done += k;
+  }
+}
+
+}  // namespace fsdpx::detail

@@ -1,11 +1,11 @@
-// Out-of-line functions of fsdpx/checkpoint/safetensors.hpp: included by it (header-only) or by fsdpx/impl/src.hpp
+// Out-of-line functions of fsdpx/hf/safetensors.hpp: included by it (header-only) or by fsdpx/impl/src.hpp
 // (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
-#include <fsdpx/checkpoint/safetensors.hpp>
+#include <fsdpx/hf/safetensors.hpp>
 #include <fsdpx/detail/json.hpp>
 
-namespace fsdpx::checkpoint::detail {
+namespace fsdpx::hf::detail {
 
 FSDPX_DECL const char* safetensors_dtype_code(at::ScalarType t, const std::string& name) {
   for (const auto& d : safetensors_dtypes) {
@@ -47,32 +47,10 @@ FSDPX_DECL bool is_shard_file_name(const std::string& file, const std::string& s
          std::all_of(mid.begin() + 9, mid.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
-FSDPX_DECL Fd open_regular_file(const fs::path& path, const char* what) {
-  std::error_code ec;
-  FSDPX_CHECK_AS(IoError, fs::exists(path, ec), what, " '", path.string(), "' does not exist");
-  Fd fd(path, O_RDONLY | O_NONBLOCK);
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) throw_io("stat of", path, errno);
-  FSDPX_CHECK_AS(IoError, S_ISREG(st.st_mode), what, " '", path.string(), "' is not a regular file");
-  return fd;
-}
 
-FSDPX_DECL void read_exact(int fd, const fs::path& path, int64_t offset, void* out, int64_t n, int64_t file_size) {
-  auto* p = static_cast<char*>(out);
-  int64_t done = 0;
-  while (done < n) {
-    const ssize_t k = ::pread(fd, p + done, static_cast<size_t>(n - done), static_cast<off_t>(offset + done));
-    if (k < 0 && errno == EINTR) continue;
-    if (k < 0) throw_io("reading", path, errno);
-    FSDPX_CHECK_AS(IoError, k > 0, "safetensors file '", path.string(), "' is truncated: it has ", file_size,
-                   " bytes, its header needs at least ", offset + n);
-    done += k;
-  }
-}
+}  // namespace fsdpx::hf::detail
 
-}  // namespace fsdpx::checkpoint::detail
-
-namespace fsdpx::checkpoint {
+namespace fsdpx::hf {
 
 FSDPX_DECL NamedTensors load_safetensors(const fs::path& path, const std::string& stem) {
   SafetensorsDir dir(path, stem);
@@ -84,20 +62,20 @@ FSDPX_DECL NamedTensors load_safetensors(const fs::path& path, const std::string
 }
 
 FSDPX_DECL SafetensorsFile::SafetensorsFile(const fs::path& path)
-    : path_(path), fd_(detail::open_regular_file(path, "safetensors file")) {
+    : path_(path), fd_(::fsdpx::detail::open_regular_file(path, "safetensors file")) {
   detail::check_little_endian();
   struct stat st {};
-  if (::fstat(fd_.get(), &st) != 0) detail::throw_io("stat of", path_, errno);
+  if (::fstat(fd_.get(), &st) != 0) ::fsdpx::detail::throw_io("stat of", path_, errno);
   size_ = st.st_size;
   FSDPX_CHECK_AS(IoError, size_ >= 8, "safetensors file '", path_.string(), "' is truncated: ", size_,
                  " bytes, less than its 8-byte header length");
   uint64_t length = 0;
-  detail::read_exact(fd_.get(), path_, 0, &length, 8, size_);
+  ::fsdpx::detail::read_exact(fd_.get(), path_, 0, &length, 8, size_);
   FSDPX_CHECK_AS(IoError, length <= detail::max_header_bytes && length <= static_cast<uint64_t>(size_ - 8),
                  "safetensors file '", path_.string(), "' is truncated or not a safetensors file: its header length is ",
                  length, " bytes but the file has ", size_, " bytes");
   std::string text(length, '\0');
-  detail::read_exact(fd_.get(), path_, 8, text.data(), static_cast<int64_t>(length), size_);
+  ::fsdpx::detail::read_exact(fd_.get(), path_, 8, text.data(), static_cast<int64_t>(length), size_);
   data_start_ = 8 + static_cast<int64_t>(length);
   ::fsdpx::detail::Json header;
   try {
@@ -195,13 +173,13 @@ FSDPX_DECL SafetensorsDir::SafetensorsDir(const fs::path& path, const std::strin
   }
   index_ = index_path;
   const std::string doc = index_path.string();
-  detail::Fd index_fd = detail::open_regular_file(index_path, "safetensors index");
+  ::fsdpx::detail::Fd index_fd = ::fsdpx::detail::open_regular_file(index_path, "safetensors index");
   struct stat st {};
-  if (::fstat(index_fd.get(), &st) != 0) detail::throw_io("stat of", index_path, errno);
+  if (::fstat(index_fd.get(), &st) != 0) ::fsdpx::detail::throw_io("stat of", index_path, errno);
   FSDPX_CHECK_AS(IoError, static_cast<uint64_t>(st.st_size) <= detail::max_header_bytes, "safetensors index '", doc,
                  "' has ", st.st_size, " bytes; an index is refused above ", detail::max_header_bytes);
   std::string text(static_cast<size_t>(st.st_size), '\0');  // from the descriptor checked above
-  detail::read_exact(index_fd.get(), index_path, 0, text.data(), st.st_size, st.st_size);
+  ::fsdpx::detail::read_exact(index_fd.get(), index_path, 0, text.data(), st.st_size, st.st_size);
   const auto index = ::fsdpx::detail::parse_json(text, doc);
   const auto& weight_map = ::fsdpx::detail::json_at(index, "weight_map", doc);
   FSDPX_CHECK_AS(IoError, weight_map.is_object(), "safetensors index '", doc, "': \"weight_map\" is not an object");
@@ -338,7 +316,7 @@ FSDPX_DECL SavedSafetensors SafetensorsWriter::finish() {
       for (const TensorSpec& s : files_[i]) weight_map[s.name] = file_name(i);
     }
     const ::fsdpx::detail::Json index = {{"metadata", {{"total_size", total_}}}, {"weight_map", std::move(weight_map)}};
-    saved_.index = detail::write_text_durably(dir_ / index_name, index.dump(2) + "\n");
+    saved_.index = ::fsdpx::detail::write_text_durably(dir_ / index_name, index.dump(2) + "\n");
     written.insert(index_name);
   }
   // Stale files of an earlier save: a reader must not mix them with these.
@@ -361,10 +339,10 @@ FSDPX_DECL std::string SafetensorsWriter::file_name(size_t i) const {
 
 FSDPX_DECL void SafetensorsWriter::open_file() {
   const std::string header = detail::safetensors_header(files_[file_], options_.metadata);
-  current_ = std::make_unique<detail::DurableFile>(dir_ / file_name(file_));
+  current_ = std::make_unique<::fsdpx::detail::DurableFile>(dir_ / file_name(file_));
   const uint64_t length = header.size();  // little-endian: checked in the constructor
   current_->append(&length, sizeof length);
   current_->append(header.data(), header.size());
 }
 
-}  // namespace fsdpx::checkpoint
+}  // namespace fsdpx::hf

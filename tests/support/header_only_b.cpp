@@ -1,0 +1,5 @@
+// The second translation unit of tests/support/header_only_a.cpp's program.
+#include <fsdpx/fsdp.hpp>
+#include <fsdpx/models.hpp>
+
+int header_only_b() { return static_cast<int>(fsdpx::core::detail::PassStage::idle); }
