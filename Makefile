@@ -29,7 +29,9 @@ demo: build
 test: build
 	@cd $(BUILD_DIR) && ctest --output-on-failure -j$(JOBS)
 
+# The benchmarks are built on demand (not by `make build`); each benchmarks/run_*.sh builds its own.
 bench: build
+	@cmake --build $(BUILD_DIR) -j$(JOBS) --target bench_collectives
 	OMP_NUM_THREADS=1 $(MPIEXEC) -n $(NP) $(MPIEXEC_FLAGS) $(BUILD_DIR)/benchmarks/bench_collectives
 
 clean:

@@ -9,6 +9,7 @@ PY=${PYTHON:-.venv/bin/python}
 ARGS=("${STEPS:-6}" "${WARMUP:-2}" "${BATCH:-8}" "${SEQ:-256}" "${DIM:-384}" "${LAYERS:-6}" "${VOCAB:-8192}")
 MPIFLAGS=(--oversubscribe)
 [[ $(id -u) == 0 ]] && MPIFLAGS+=(--allow-run-as-root)
+cmake --build "$BUILD" --target bench_gpt >/dev/null  # benchmarks are built on demand
 out=$(mktemp)
 {
   OMP_NUM_THREADS=1 mpiexec -n 2 "${MPIFLAGS[@]}" "$BUILD/benchmarks/bench_gpt" fsdpx "${ARGS[@]}"

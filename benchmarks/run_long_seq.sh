@@ -16,6 +16,7 @@ STEPS=${STEPS:-2}
 WARMUP=${WARMUP:-1}
 MPIFLAGS=(--oversubscribe)
 [[ $(id -u) == 0 ]] && MPIFLAGS+=(--allow-run-as-root)
+cmake --build "$BUILD" --target bench_long_seq >/dev/null  # benchmarks are built on demand
 [[ -f $MODEL/config.json ]] || "$PY" benchmarks/long_seq.py make "$MODEL"
 available=$(awk '/MemAvailable/ {print $2 * 1024}' /proc/meminfo)
 fits() {  # whole logits: 4 float32 copies of [seq, 152064] per rank, 2 ranks

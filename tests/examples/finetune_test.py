@@ -5,8 +5,9 @@
 (a) 2 ranks fine-tune tests/models' llama_gqa for 12 steps on a learnable token file, saving every 4
     steps; the loss falls, and the exported folder loads in transformers with no missing, unexpected or
     mismatched tensors, its tokenizer too;
-(b) another run stops after step 8 and resumes at 3 ranks: its step-12 loss equals the first run's to
-    1e-4 (another world size only reorders float sums);
+(b) another run stops after step 8 and resumes at 3 ranks with --activation-checkpointing and a loss
+    of 5-token chunks (--chunk-logits): its losses equal the first run's to 1e-4 (another world size
+    and the chunks only reorder float sums; the recomputation changes nothing);
 (c) every checkpoint step carries the model's config and tokenizer files, never its weights, and
     fsdpx-merge turns step 12 into a folder (config.json included) whose tensors equal the export's.
 """
@@ -76,13 +77,15 @@ def main():
     ck_b = os.path.join(work, "ck_b")
     run(mpi(2) + common + ["--out", os.path.join(work, "unused"), "--ckpt-dir", ck_b, "--stop-after", "8"])
     assert not os.path.exists(os.path.join(work, "unused")), "an interrupted run exported"
-    log_b = run(mpi(3) + common + ["--out", os.path.join(work, "out_b"), "--ckpt-dir", ck_b, "--resume"])
+    log_b = run(mpi(3) + common + ["--out", os.path.join(work, "out_b"), "--ckpt-dir", ck_b, "--resume",
+                                   "--activation-checkpointing", "--chunk-logits", "480"])
     assert "resumed from step 8" in log_b
     lb = losses(log_b)
     assert sorted(lb) == list(range(9, 13)), lb
     for step in range(9, 13):
         assert abs(lb[step] - la[step]) <= 1e-4 * la[step], (step, lb[step], la[step])
-    print(f"(b) resumed at 3 ranks from step 8: step-12 loss {lb[12]:.5f} vs {la[12]:.5f} uninterrupted")
+    print(f"(b) resumed at 3 ranks from step 8, layers checkpointed, loss in chunks: step-12 loss {lb[12]:.5f} vs "
+          f"{la[12]:.5f} uninterrupted")
 
     for step in (8, 12):
         hf = os.path.join(ck_a, f"global_step_{step}", "actor", "huggingface")
