@@ -18,7 +18,7 @@ MPIFLAGS=(--oversubscribe)
 [[ $(id -u) == 0 ]] && MPIFLAGS+=(--allow-run-as-root)
 cmake --build "$BUILD" --target bench_long_seq >/dev/null  # benchmarks are built on demand
 [[ -f $MODEL/config.json ]] || "$PY" benchmarks/long_seq.py make "$MODEL"
-available=$(awk '/MemAvailable/ {print $2 * 1024}' /proc/meminfo)
+available=$(( $(awk '/MemAvailable/ {print $2}' /proc/meminfo) * 1024 ))  # bytes
 fits() {  # whole logits: 4 float32 copies of [seq, 152064] per rank, 2 ranks
   (( 4 * $1 * 152064 * 4 * 2 < available * 8 / 10 ))
 }

@@ -19,6 +19,15 @@ using examples::Gpt;
 using examples::GptConfig;
 using examples::GptImpl;
 
+/// The classifiers' forward: a stem in the root, each block a unit, the head and the loss in the root.
+template <class Blocks>
+at::Tensor stem_blocks_head_loss(torch::nn::Linear& stem, Blocks& blocks, torch::nn::Linear& head, const at::Tensor& x,
+                                 const at::Tensor& y) {
+  auto h = stem(x);
+  for (auto& b : blocks) h = fsdpx::forward(b, h);
+  return torch::nn::functional::cross_entropy(head(h), y);
+}
+
 /// Second architecture: a residual MLP classifier. Each block owns a LayerNorm it never uses, so
 /// those parameters get no gradient (a unit with parameters missing gradients).
 struct ResBlockImpl : torch::nn::Module {
@@ -45,11 +54,7 @@ struct ResMlpImpl : torch::nn::Module {
     for (int64_t i = 0; i < blocks_n; ++i) blocks.push_back(register_module("r" + std::to_string(i), ResBlock(dim)));
     head = register_module("head", torch::nn::Linear(dim, classes));
   }
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
-    auto h = stem(x);
-    for (auto& b : blocks) h = fsdpx::forward(b, h);
-    return torch::nn::functional::cross_entropy(head(h), y);
-  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) { return stem_blocks_head_loss(stem, blocks, head, x, y); }
   torch::nn::Linear stem{nullptr}, head{nullptr};
   std::vector<ResBlock> blocks;
 };
@@ -90,11 +95,7 @@ struct LoraNetImpl : torch::nn::Module {
     for (int i = 0; i < 3; ++i) blocks.push_back(register_module("r" + std::to_string(i), LoraBlock(16)));
     head = register_module("head", torch::nn::Linear(16, 5));
   }
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
-    auto h = stem(x);
-    for (auto& b : blocks) h = fsdpx::forward(b, h);
-    return torch::nn::functional::cross_entropy(head(h), y);
-  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) { return stem_blocks_head_loss(stem, blocks, head, x, y); }
   torch::nn::Linear stem{nullptr}, head{nullptr};
   std::vector<LoraBlock> blocks;
 };

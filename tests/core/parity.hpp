@@ -36,6 +36,9 @@ struct ParityRun {
   bool no_sync = false;        // accumulate unsharded gradients until the last micro-step
   std::optional<double> clip;  // global-norm clipping
   double tolerance = 0;        // max |sharded - reference| over every parameter element
+  // Before each micro-step, a forward with gradients on whose loss is read and dropped (an RL
+  // trainer's old log-probs computed without a NoGradGuard): it must change nothing.
+  bool dropped_forward = false;
   // Runs after each step's optimizer update (e.g. an RL trainer's offload / reload).
   std::function<void(core::ShardedModel&, torch::optim::Optimizer&)> after_step;
 };
@@ -103,6 +106,7 @@ void check_parity(Make make, const std::function<Batch(int)>& batch, const Parit
 
       const auto mine = rows(global, W, m, run.micro_steps, r).to(ctx.device);
       sharded.set_requires_gradient_sync(!run.no_sync || m == run.micro_steps - 1);
+      if (run.dropped_forward) (void)sharded(b.x.index_select(0, mine), b.y.index_select(0, mine)).template item<double>();
       auto ls = sharded(b.x.index_select(0, mine), b.y.index_select(0, mine)) / run.micro_steps;
       ls.backward();
       local_loss += ls.item().toDouble();

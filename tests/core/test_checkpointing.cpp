@@ -16,6 +16,7 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <c10/core/CPUAllocator.h>
@@ -57,7 +58,8 @@ struct DropBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(DropBlock);
 
-/// A stem, five blocks (block 1 frozen; block 2 called through fsdpx::call with its argument), a head.
+/// A stem, five blocks (block 1 frozen; blocks 2 and 3 called through fsdpx::call, block 3 with an undefined
+/// argument and result), a head.
 struct DropNetImpl : torch::nn::Module {
   explicit DropNetImpl(double p = 0.2, int64_t dim = 24, int blocks_n = 5) {
     stem = register_module("stem", torch::nn::Linear(20, dim));
@@ -70,6 +72,16 @@ struct DropNetImpl : torch::nn::Module {
     for (size_t i = 0; i < blocks.size(); ++i) {
       if (i == 2) {
         h = fsdpx::call(blocks[i], [](DropBlock& b, const at::Tensor& in) { return b->forward(in); }, h);
+      } else if (i == 3) {
+        // An undefined argument and an undefined result (an optional mask; an entropy not asked for).
+        auto [out, nothing] = fsdpx::call(
+            blocks[i],
+            [](DropBlock& b, const at::Tensor& in, const at::Tensor& mask) {
+              return std::make_tuple(b->forward(mask.defined() ? in * mask : in), at::Tensor());
+            },
+            h, at::Tensor());
+        REQUIRE_FALSE(nothing.defined());
+        h = out;
       } else {
         h = fsdpx::forward(blocks[i], h);
       }

@@ -14,6 +14,7 @@
 
 #include <unistd.h>
 
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/optim.h>
 
 #include <fsdpx/fsdp.hpp>
@@ -267,6 +268,39 @@ TEST_CASE("hf: the chunked loss and log-probs equal the unchunked ones and trans
     const at::Tensor logits = ref(name, "logits").narrow(1, 0, ids.size(1) - 1) / 0.7;
     const at::Tensor want = at::log_softmax(logits, -1).gather(-1, ids.narrow(1, 1, ids.size(1) - 1).unsqueeze(-1)).squeeze(-1);
     CHECK(relative_error(hot.log_probs, want) <= 1e-5);
+  }
+}
+
+TEST_CASE("hf: the chunked loss with a bias, either reduction and no gradients; every label ignored gives NaN and "
+          "zero gradients; a label outside the vocabulary is an error",
+          "[hf]") {
+  at::manual_seed(3);
+  const int64_t vocab = 11;
+  const at::Tensor hidden = at::randn({2, 7, 8}).requires_grad_(), weight = at::randn({vocab, 8}).requires_grad_(),
+                   bias = at::randn({vocab}).requires_grad_();
+  at::Tensor labels = at::randint(vocab, {2, 7}, at::kLong);
+  labels.select(0, 0).select(0, 3).fill_(-100);
+  const auto grads_of = [&](const at::Tensor& loss) { return torch::autograd::grad({loss}, {hidden, weight, bias}); };
+  for (const auto reduction : {models::LossReduction::mean, models::LossReduction::sum}) {
+    const auto loss = [&](int64_t chunk_logits, const at::Tensor& y) {
+      return models::linear_cross_entropy(hidden, weight, y, {.chunk_logits = chunk_logits, .reduction = reduction}, bias);
+    };
+    // 3 tokens per chunk: 14 tokens make 5 chunks, the last one short.
+    const at::Tensor chunked = loss(3 * vocab, labels), whole = loss(0, labels);
+    CHECK(relative_error(chunked, whole) <= 1e-6);
+    const auto g_chunked = grads_of(chunked), g_whole = grads_of(whole);
+    for (size_t i = 0; i < g_whole.size(); ++i) CHECK(relative_error(g_chunked[i], g_whole[i]) <= 1e-5);
+    {
+      at::NoGradGuard no_grad;
+      CHECK(at::equal(loss(3 * vocab, labels), chunked.detach()));
+    }
+    if (reduction == models::LossReduction::mean) {
+      const at::Tensor nothing = loss(3 * vocab, at::full_like(labels, -100));
+      CHECK(at::isnan(nothing).item<bool>());
+      for (const at::Tensor& g : grads_of(nothing)) CHECK(g.abs().max().item<double>() == 0);
+    }
+    CHECK_THROWS_WITH(loss(3 * vocab, labels.masked_fill(labels == labels[1][2], vocab)),
+                      Catch::Contains("every label must be a token id in [0, 11) or the ignore index -100"));
   }
 }
 

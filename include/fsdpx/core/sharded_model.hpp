@@ -300,7 +300,8 @@ class ShardedModel {
     } else {
       struct Call final : detail::Recomputation {
         Call(ShardedModel* model, Unit* unit, Body body, Stored args)
-            : model(model), unit(unit), alive(model->alive_), body(std::move(body)), args(std::move(args)) {}
+            : model(model), unit(unit), alive(model->alive_), device_(unit->options().device), body(std::move(body)),
+              args(std::move(args)) {}
         std::vector<at::Tensor> run(const std::vector<at::Tensor>& tensors) override {
           Stored call_args = args;
           size_t next = 0;
@@ -316,6 +317,7 @@ class ShardedModel {
           }
           return flat;
         }
+        at::Device device() const override { return device_; }
         std::vector<at::Tensor> parameters() const override {
           return *alive ? model->trainable_parameters(*unit) : std::vector<at::Tensor>{};
         }
@@ -325,8 +327,9 @@ class ShardedModel {
         ShardedModel* model;
         Unit* unit;
         std::shared_ptr<bool> alive;
+        at::Device device_;
         Body body;
-        Stored args;
+        Stored args;  // the call's arguments; its tensors are placeholders after forward (run() gets them)
         bool ran = false;              // the forward ran: the next run is the recomputation
         std::optional<Out> first_out;  // the forward's result: its structure, and its non-tensor parts
       };
@@ -334,6 +337,8 @@ class ShardedModel {
       std::vector<at::Tensor> flat;
       detail::collect_tensors(call->args, flat);
       const std::vector<at::Tensor> outputs = detail::run_checkpointed(flat, call, u.trainable());
+      // The node saved the inputs it needs; the copies here would outlive backward with the graph.
+      call->args = detail::map_tensors(std::move(call->args), [](at::Tensor) { return at::Tensor(); });
       Out out = std::move(*call->first_out);
       call->first_out.reset();
       size_t next = 0;

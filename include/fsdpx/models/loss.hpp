@@ -1,7 +1,9 @@
 // Losses over an LM head that never hold the whole logits: the causal-LM cross-entropy and RL's
 // per-token log-probabilities (and entropy) of logits = hidden W^T (+ b), computed chunk by chunk of
-// tokens, with each chunk's logits computed again in backward (as Liger-Kernel's fused linear
-// cross-entropy and verl's fused log-prob kernels do). Peak memory holds one chunk of
+// tokens (as Liger-Kernel's fused linear cross-entropy and verl's fused log-prob kernels do): the
+// loss, a scalar, computes its gradients in forward when gradients are on (backward scales them);
+// the log-probs, whose gradient depends on each token's, compute each chunk's logits again in
+// backward. Peak memory holds one chunk of
 // [tokens, vocabulary] in float32 instead of all of them: for a 152k vocabulary and 16k tokens that is
 // 256 MiB instead of 10 GB (and as much again for its gradient).
 //

@@ -77,6 +77,8 @@ class Recomputation {
   /// Runs the call on `inputs` (its tensors, in the order given to run_checkpointed) and returns its
   /// output tensors in a fixed order: once in forward (gradients off), once inside backward.
   virtual std::vector<at::Tensor> run(const std::vector<at::Tensor>& inputs) = 0;
+  /// Where the call computes: its generator's state is kept besides the CPU's.
+  virtual at::Device device() const = 0;
   /// The parameters whose gradients the recomputation's backward computes.
   virtual std::vector<at::Tensor> parameters() const = 0;
   /// Those gradients, in the same order (undefined for a parameter the call did not use).
@@ -84,9 +86,10 @@ class Recomputation {
 };
 
 /// Runs `call` on `inputs` without keeping its activations and returns its outputs, which carry one
-/// node whose backward sets the random generators (CPU, and the inputs' device) to their states of
+/// node whose backward sets the random generators (CPU, and the call's device) to their states of
 /// this forward, recomputes the call with gradients on and differentiates it for the inputs and the
 /// parameters. With `anchor`, the outputs require grad even when no input does (the parameters do).
+/// Undefined inputs and outputs pass around the node in their places.
 FSDPX_DECL std::vector<at::Tensor> run_checkpointed(const std::vector<at::Tensor>& inputs,
                                                     std::shared_ptr<Recomputation> call, bool anchor);
 

@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -72,6 +73,8 @@ struct UnitRecord {
   bool prefetched_backward = false;  // its backward prefetch was issued
   int tracked_calls = 0;       // calls whose inputs went through a post-backward node
   int finished_calls = 0;      // of those, the calls whose post-backward node ran
+  // Those nodes: a node that expired belongs to a graph dropped without a backward.
+  std::vector<std::weak_ptr<const void>> post_backward_nodes;
   int grads_ready = 0;         // parameter gradients accumulated since its backward began
   bool late_gradient = false;  // a gradient accumulated after its reduction: reduced again at the end
 };
@@ -86,6 +89,21 @@ struct Pass {
   std::vector<Unit*> issued;         // reductions of this pass, in the order they were issued
   size_t replica_next = 0;           // issued[replica_next...] have not started their replica all-reduce
   StepStats stats;
+
+  /// Forgets the calls whose graph was dropped without a backward (a forward with gradients on whose
+  /// result was only read): a unit all of whose tracked calls were dropped is back to idle, as if it
+  /// had not run; the others wait only for their live calls.
+  void forget_dropped_graphs() {
+    for (UnitRecord& r : units) {
+      if (r.post_backward_nodes.empty()) continue;
+      std::erase_if(r.post_backward_nodes, [](const std::weak_ptr<const void>& n) { return n.expired(); });
+      if (r.post_backward_nodes.empty() && r.finished_calls == 0) {
+        r = UnitRecord{};
+      } else {
+        r.tracked_calls = static_cast<int>(r.post_backward_nodes.size());
+      }
+    }
+  }
 
   /// Back to idle, forgetting every unit's part (what every way out of a pass calls).
   void reset(size_t units_n) {

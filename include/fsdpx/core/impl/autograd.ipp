@@ -60,23 +60,35 @@ FSDPX_DECL c10::intrusive_ptr<torch::autograd::Node> add_post_accumulate_hook(co
   return accumulator;
 }
 
-class PostBackwardHolder final : public torch::CustomClassHolder {
+// An autograd Function keeps a C++ object in its context as a capsule (saved_data holds IValues).
+template <class T>
+class SharedHolder final : public torch::CustomClassHolder {
  public:
-  explicit PostBackwardHolder(std::shared_ptr<BackwardHook> hook) : hook(std::move(hook)) {}
-  std::shared_ptr<BackwardHook> hook;
+  explicit SharedHolder(std::shared_ptr<T> value) : value(std::move(value)) {}
+  std::shared_ptr<T> value;
 };
+
+template <class T>
+void save_shared(torch::autograd::AutogradContext* ctx, const std::string& key, std::shared_ptr<T> value) {
+  ctx->saved_data[key] = c10::IValue::make_capsule(c10::make_intrusive<SharedHolder<T>>(std::move(value)));
+}
+
+template <class T>
+std::shared_ptr<T> saved_shared(torch::autograd::AutogradContext* ctx, const std::string& key) {
+  const auto capsule = ctx->saved_data[key].toCapsule();
+  return static_cast<SharedHolder<T>*>(capsule.get())->value;
+}
 
 struct PostBackwardFunction : torch::autograd::Function<PostBackwardFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
                                                 at::TensorList inputs, std::shared_ptr<BackwardHook> hook) {
     ctx->set_materialize_grads(false);  // an input without a gradient passes an undefined one on
-    ctx->saved_data["hook"] = c10::IValue::make_capsule(c10::make_intrusive<PostBackwardHolder>(std::move(hook)));
+    save_shared(ctx, "hook", std::move(hook));
     return inputs.vec();  // autograd returns views of them with this node as their grad_fn
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto holder = ctx->saved_data["hook"].toCapsule();
-    (*static_cast<PostBackwardHolder*>(holder.get())->hook)();
+    (*saved_shared<BackwardHook>(ctx, "hook"))();
     grads.emplace_back();  // no gradient for the hook argument
     return grads;
   }
@@ -100,9 +112,10 @@ struct RngStates {
   std::optional<at::Device> device;
   at::Tensor on_device;
 
-  static RngStates capture(std::optional<at::Device> device) {
+  static RngStates capture(at::Device where) {
     RngStates s;
-    s.device = device;
+    if (!where.is_cpu()) s.device = where;
+    const std::optional<at::Device> device = s.device;
     {
       at::Generator gen = at::detail::getDefaultCPUGenerator();
       std::lock_guard lock(gen.mutex());
@@ -133,7 +146,10 @@ struct RngStates {
 /// recomputation draws what its forward drew and the program's own stream does not move (fork_rng).
 class RngFork {
  public:
-  explicit RngFork(const RngStates& saved) : previous_(RngStates::capture(saved.device)) { saved.restore(); }
+  explicit RngFork(const RngStates& saved)
+      : previous_(RngStates::capture(saved.device.value_or(at::Device(at::kCPU)))) {
+    saved.restore();
+  }
   RngFork(const RngFork&) = delete;
   RngFork& operator=(const RngFork&) = delete;
   ~RngFork() { previous_.restore(); }
@@ -144,67 +160,83 @@ class RngFork {
 
 struct CheckpointState {
   std::shared_ptr<Recomputation> call;
-  size_t inputs_n = 0;   // the call's inputs
-  bool anchored = false;  // an anchor follows them in the node's inputs
+  std::vector<bool> input_defined;   // the call's inputs that are defined: only those enter the node
+  std::vector<bool> output_defined;  // its forward's outputs that are defined: only those leave it
+  bool anchored = false;             // an anchor follows the inputs in the node's inputs
   RngStates rng;
 };
 
-class CheckpointHolder final : public torch::CustomClassHolder {
- public:
-  explicit CheckpointHolder(std::shared_ptr<CheckpointState> state) : state(std::move(state)) {}
-  std::shared_ptr<CheckpointState> state;
-};
+// Autograd's Function records the device of every tensor it takes or returns, so an undefined one
+// (an optional argument, an entropy not asked for) stays outside the node and is put back around it.
+inline std::vector<at::Tensor> with_undefined(const std::vector<at::Tensor>& defined, const std::vector<bool>& mask) {
+  std::vector<at::Tensor> all;
+  all.reserve(mask.size());
+  size_t next = 0;
+  for (const bool d : mask) all.push_back(d ? defined.at(next++) : at::Tensor());
+  return all;
+}
+
+inline std::vector<at::Tensor> defined_only(std::vector<at::Tensor> all, const std::vector<bool>& mask) {
+  std::vector<at::Tensor> defined;
+  for (size_t i = 0; i < all.size(); ++i) {
+    if (mask[i]) defined.push_back(std::move(all[i]));
+  }
+  return defined;
+}
+
+inline std::vector<bool> defined_mask(const std::vector<at::Tensor>& tensors) {
+  std::vector<bool> mask;
+  mask.reserve(tensors.size());
+  for (const at::Tensor& t : tensors) mask.push_back(t.defined());
+  return mask;
+}
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList all,
                                                 std::shared_ptr<CheckpointState> state) {
     ctx->set_materialize_grads(false);  // outputs without a gradient stay undefined: nothing to recompute for
-    const std::vector<at::Tensor> inputs(all.begin(), all.begin() + static_cast<std::ptrdiff_t>(state->inputs_n));
-    std::optional<at::Device> device;
-    for (const at::Tensor& t : inputs) {
-      if (t.defined() && !t.device().is_cpu()) {
-        device = t.device();
-        break;
-      }
-    }
-    state->rng = RngStates::capture(device);
-    std::vector<at::Tensor> outputs = state->call->run(inputs);  // gradients off: nothing saved inside
+    const std::vector<at::Tensor> inputs(all.begin(), all.end() - (state->anchored ? 1 : 0));
+    state->rng = RngStates::capture(state->call->device());
+    std::vector<at::Tensor> outputs = state->call->run(with_undefined(inputs, state->input_defined));  // gradients off
+    state->output_defined = defined_mask(outputs);
+    outputs = defined_only(std::move(outputs), state->output_defined);
     ctx->save_for_backward(inputs);
     for (const at::Tensor& t : outputs) {
-      if (t.defined() && !(t.is_floating_point() || t.is_complex())) ctx->mark_non_differentiable({t});
+      if (!(t.is_floating_point() || t.is_complex())) ctx->mark_non_differentiable({t});
     }
-    ctx->saved_data["state"] = c10::IValue::make_capsule(c10::make_intrusive<CheckpointHolder>(std::move(state)));
+    save_shared(ctx, "state", std::move(state));
     return outputs;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    const auto capsule = ctx->saved_data["state"].toCapsule();
-    const std::shared_ptr<CheckpointState> state = static_cast<CheckpointHolder*>(capsule.get())->state;
+    const std::shared_ptr<CheckpointState> state = saved_shared<CheckpointState>(ctx, "state");
     FSDPX_CHECK(!at::GradMode::is_enabled(), "a checkpointed unit cannot be differentiated twice (backward with "
                 "create_graph): turn activation checkpointing off for this pass (set_activation_checkpointing(false))");
     const std::vector<at::Tensor> saved = ctx->get_saved_variables();
     std::vector<at::Tensor> inputs;
     inputs.reserve(saved.size());
-    for (const at::Tensor& x : saved) inputs.push_back(x.defined() ? x.detach().requires_grad_(x.requires_grad()) : x);
+    for (const at::Tensor& x : saved) inputs.push_back(x.detach().requires_grad_(x.requires_grad()));
     std::vector<at::Tensor> outputs;
     {
       RngFork fork(state->rng);
       at::AutoGradMode grad_on(true);
-      outputs = state->call->run(inputs);
+      outputs = state->call->run(with_undefined(inputs, state->input_defined));
     }
-    FSDPX_CHECK(outputs.size() == grads.size(), "a checkpointed unit's recomputation returned ", outputs.size(),
-                " tensors where its forward returned ", grads.size(), " (the call is not deterministic in its outputs)");
+    FSDPX_CHECK(defined_mask(outputs) == state->output_defined, "a checkpointed unit's recomputation returned ",
+                outputs.size(), " tensors (or undefined ones in other places) where its forward returned ",
+                state->output_defined.size(), " (the call is not deterministic in its outputs)");
+    outputs = defined_only(std::move(outputs), state->output_defined);
     torch::autograd::variable_list roots, root_grads, targets;
     for (size_t i = 0; i < outputs.size(); ++i) {
-      if (outputs[i].defined() && outputs[i].requires_grad() && grads[i].defined()) {
+      if (outputs[i].requires_grad() && grads[i].defined()) {
         roots.push_back(outputs[i]);
         root_grads.push_back(grads[i]);
       }
     }
     std::vector<size_t> input_slots;
     for (size_t i = 0; i < inputs.size(); ++i) {
-      if (inputs[i].defined() && inputs[i].requires_grad()) {
+      if (inputs[i].requires_grad()) {
         input_slots.push_back(i);
         targets.push_back(inputs[i]);
       }
@@ -219,8 +251,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     state->call->accept_parameter_gradients(
         {std::make_move_iterator(result.begin() + static_cast<std::ptrdiff_t>(input_slots.size())),
          std::make_move_iterator(result.end())});
-    // One gradient per tensor of the list (inputs, then the anchor's, undefined), one for the state.
-    torch::autograd::variable_list out(state->inputs_n + (state->anchored ? 1 : 0));
+    // One gradient per tensor of the list (the defined inputs, then the anchor's, undefined), one for the state.
+    torch::autograd::variable_list out(inputs.size() + (state->anchored ? 1 : 0));
     for (size_t k = 0; k < input_slots.size(); ++k) out[input_slots[k]] = std::move(result[k]);
     out.emplace_back();
     return out;
@@ -231,11 +263,13 @@ FSDPX_DECL std::vector<at::Tensor> run_checkpointed(const std::vector<at::Tensor
                                                     std::shared_ptr<Recomputation> call, bool anchor) {
   auto state = std::make_shared<CheckpointState>();
   state->call = std::move(call);
-  state->inputs_n = inputs.size();
-  std::vector<at::Tensor> all = inputs;
+  state->input_defined = defined_mask(inputs);
   state->anchored = anchor;
+  std::vector<at::Tensor> all = defined_only(inputs, state->input_defined);
   if (anchor) all.push_back(at::empty({0}).requires_grad_(true));
-  return CheckpointFunction::apply(at::TensorList(all), std::move(state));
+  const std::shared_ptr<CheckpointState> owner = state;  // without gradients the node is gone after apply
+  std::vector<at::Tensor> outputs = CheckpointFunction::apply(at::TensorList(all), std::move(state));
+  return with_undefined(outputs, owner->output_defined);
 }
 
 FSDPX_DECL void accumulate_grad(const at::Tensor& param, at::Tensor grad) {

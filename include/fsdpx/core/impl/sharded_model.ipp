@@ -19,7 +19,9 @@ FSDPX_DECL void ShardedModel::begin_forward() {
   // Before the forward, as DDP does: after it, the graph may hold the buffers (an eval-mode
   // BatchNorm saves its running statistics), and changing them would break its backward.
   sync_buffers(buffer_sync_);
-  // A second forward before one backward keeps the units' records: its backward ends both graphs.
+  // A second forward before one backward keeps the units' records (its backward ends both graphs),
+  // unless the first one's graph is gone.
+  pass_.forget_dropped_graphs();
   pass_.stage = detail::PassStage::forward;
   pass_.recording.clear();
   pass_.recorded.assign(units_.size(), false);
@@ -86,6 +88,7 @@ FSDPX_DECL void ShardedModel::begin_backward() {
   const int id = detail::current_backward_pass_id();
   if (pass_.stage == detail::PassStage::backward && id == pass_.backward_id) return;
   if (pass_.stage == detail::PassStage::backward) abort_pass("the previous backward pass ended with an exception");
+  pass_.forget_dropped_graphs();  // a forward whose graph was dropped before this one's backward
   pass_.stage = detail::PassStage::backward;
   pass_.backward_id = id;
   detail::at_end_of_backward([alive = alive_, this] {
@@ -155,6 +158,7 @@ FSDPX_DECL void ShardedModel::add_post_backward_node(Unit& u, const std::vector<
   auto hook = std::make_shared<detail::BackwardHook>([alive = alive_, this, &u] {
     if (*alive) post_backward(u);
   });
+  record(u).post_backward_nodes.emplace_back(hook);  // alive as long as the node's graph
   auto outputs = detail::add_post_backward_hook(std::move(inputs), std::move(hook));
   for (size_t i = 0; i < tracked.size(); ++i) *tracked[i] = std::move(outputs[i]);
   ++record(u).tracked_calls;

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -52,12 +53,15 @@ inline at::Tensor chunk_logits_f32(const at::Tensor& hidden, const at::Tensor& w
 struct HeadGrads {
   at::Tensor hidden, weight, bias;
 
-  HeadGrads(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden_in, const at::Tensor& weight_in,
-            const at::Tensor& bias_in) {
-    if (ctx->needs_input_grad(0)) hidden = at::empty_like(hidden_in);
-    if (ctx->needs_input_grad(1)) weight = at::zeros(weight_in.sizes(), weight_in.options().dtype(at::kFloat));
-    if (bias_in.numel() > 0 && ctx->needs_input_grad(2)) bias = at::zeros(bias_in.sizes(), bias_in.options().dtype(at::kFloat));
+  HeadGrads(std::array<bool, 3> wanted, const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::Tensor& bias_in) {
+    if (wanted[0]) hidden = at::empty_like(hidden_in);
+    if (wanted[1]) weight = at::zeros(weight_in.sizes(), weight_in.options().dtype(at::kFloat));
+    if (bias_in.numel() > 0 && wanted[2]) bias = at::zeros(bias_in.sizes(), bias_in.options().dtype(at::kFloat));
   }
+  HeadGrads(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden_in, const at::Tensor& weight_in,
+            const at::Tensor& bias_in)
+      : HeadGrads({ctx->needs_input_grad(0), ctx->needs_input_grad(1), ctx->needs_input_grad(2)}, hidden_in, weight_in,
+                  bias_in) {}
   void add(int64_t begin, const at::Tensor& dlogits_f32, const at::Tensor& h, const at::Tensor& w) {
     const at::Tensor dz = dlogits_f32.to(w.scalar_type());
     if (hidden.defined()) hidden.narrow(0, begin, h.size(0)).copy_(at::mm(dz, w));
@@ -75,49 +79,63 @@ struct HeadGrads {
   }
 };
 
+/// d(cross-entropy)/d(logits) of one chunk, unscaled: softmax(z) - one-hot(label), zero where the
+/// label is ignored. Consumes z.
+inline at::Tensor softmax_minus_one_hot(at::Tensor z, const at::Tensor& lse, const at::Tensor& labels, const at::Tensor& valid) {
+  at::Tensor dz = z.sub_(lse.unsqueeze(1)).exp_();
+  const at::Tensor v = valid.to(at::kFloat).unsqueeze(1);
+  dz.scatter_add_(1, labels.unsqueeze(1), -v);
+  return dz.mul_(v);
+}
+
+// The loss is a scalar, so its gradients are known in forward up to the one factor backward brings:
+// when autograd records the call (gradients on, an input that requires them: exactly when backward
+// can run), forward computes them chunk by chunk right after each chunk's logits (Liger-Kernel's fused
+// linear cross-entropy) and backward only scales them. The head's matrix products run three times per
+// chunk, as without chunks; recomputing the logits in backward would be a fourth. The gradients held
+// between forward and backward are those backward would make at once, and nothing runs in between.
 struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight,
                             const at::Tensor& bias, const at::Tensor& labels, int64_t chunk, int64_t ignore_index,
-                            bool mean) {
+                            bool mean, bool recorded) {
     const int64_t n = hidden.size(0);
     const at::Tensor valid = labels != ignore_index;
     const at::Tensor safe = at::where(valid, labels, at::zeros_like(labels));
-    at::Tensor lse = at::empty({n}, hidden.options().dtype(at::kFloat));
     at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
+    std::optional<HeadGrads> grads;
+    if (recorded) {
+      grads.emplace(std::array<bool, 3>{hidden.requires_grad(), weight.requires_grad(), bias.requires_grad()}, hidden, weight,
+                    bias);
+    }
     for (int64_t begin = 0; begin < n; begin += chunk) {
       const int64_t len = std::min(chunk, n - begin);
-      const at::Tensor z = chunk_logits_f32(hidden.narrow(0, begin, len), weight, bias);
+      const at::Tensor h = hidden.narrow(0, begin, len);
+      at::Tensor z = chunk_logits_f32(h, weight, bias);
       const at::Tensor l = at::logsumexp(z, 1);
-      lse.narrow(0, begin, len).copy_(l);
       const at::Tensor target = z.gather(1, safe.narrow(0, begin, len).unsqueeze(1)).squeeze(1);
       total.add_(((l - target) * valid.narrow(0, begin, len)).sum());
+      if (grads) {
+        grads->add(begin, softmax_minus_one_hot(std::move(z), l, safe.narrow(0, begin, len), valid.narrow(0, begin, len)), h,
+                   weight);
+      }
     }
     const at::Tensor count = valid.sum().to(at::kFloat);
-    ctx->save_for_backward({hidden, weight, bias, safe, valid, lse, count});
-    ctx->saved_data["chunk"] = chunk;
+    if (grads) ctx->save_for_backward({grads->hidden, grads->weight, grads->bias, count, weight, bias});
     ctx->saved_data["mean"] = mean;
     return mean ? total / count : total;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &hidden = saved[0], &weight = saved[1], &bias = saved[2], &safe = saved[3], &valid = saved[4],
-                     &lse = saved[5], &count = saved[6];
-    const int64_t chunk = ctx->saved_data["chunk"].toInt();
-    const at::Tensor scale = ctx->saved_data["mean"].toBool() ? grads[0].to(at::kFloat) / count : grads[0].to(at::kFloat);
-    HeadGrads out(ctx, hidden, weight, bias);
-    const int64_t n = hidden.size(0);
-    for (int64_t begin = 0; begin < n; begin += chunk) {
-      const int64_t len = std::min(chunk, n - begin);
-      const at::Tensor h = hidden.narrow(0, begin, len);
-      at::Tensor dz = chunk_logits_f32(h, weight, bias).sub_(lse.narrow(0, begin, len).unsqueeze(1)).exp_();  // softmax
-      const at::Tensor v = valid.narrow(0, begin, len).to(at::kFloat).unsqueeze(1);
-      dz.scatter_add_(1, safe.narrow(0, begin, len).unsqueeze(1), -v);  // softmax - one-hot
-      dz.mul_(v * scale);
-      out.add(begin, dz, h, weight);
-    }
-    auto g = out.finish(weight, bias);
-    return {g[0], g[1], g[2], at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    const at::Tensor &gh = saved[0], &gw = saved[1], &gb = saved[2], &count = saved[3], &weight = saved[4], &bias = saved[5];
+    // No label counted: the loss is NaN (as torch's) and the gradients zero, not NaN.
+    const at::Tensor scale =
+        ctx->saved_data["mean"].toBool() ? grads[0].to(at::kFloat) / count.clamp_min(1) : grads[0].to(at::kFloat);
+    const at::Tensor none;
+    return {gh.defined() ? gh * scale : none,
+            gw.defined() ? (gw * scale).to(weight.scalar_type()) : none,
+            gb.defined() ? (gb * scale).to(bias.scalar_type()) : none,
+            none, none, none, none, none};
   }
 };
 
@@ -191,13 +209,22 @@ FSDPX_DECL at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::T
                                            const CrossEntropyOptions& options, const at::Tensor& bias) {
   const auto in = detail::head_inputs("linear_cross_entropy", hidden, weight, labels, bias);
   const bool mean = options.reduction == LossReduction::mean;
+  const int64_t vocab = in.weight.size(0);
+  const at::Tensor labels_ok =
+      ((in.targets >= 0).logical_and(in.targets < vocab)).logical_or(in.targets == options.ignore_index).all();
+  FSDPX_CHECK(labels_ok.item<bool>(), "linear_cross_entropy: every label must be a token id in [0, ", vocab,
+              ") or the ignore index ", options.ignore_index);
   if (options.chunk_logits <= 0) {
     const at::Tensor logits = detail::chunk_logits_f32(in.hidden, in.weight, in.bias);
     return at::cross_entropy_loss(logits, in.targets, std::nullopt, mean ? at::Reduction::Mean : at::Reduction::Sum,
                                   options.ignore_index);
   }
   const int64_t chunk = detail::chunk_tokens(options.chunk_logits, in.weight.size(0), in.hidden.size(0));
-  return detail::ChunkedCrossEntropy::apply(in.hidden, in.weight, in.bias, in.targets, chunk, options.ignore_index, mean);
+  // Autograd records the call exactly when this holds (labels never require gradients).
+  const bool recorded = at::GradMode::is_enabled() &&
+                        (in.hidden.requires_grad() || in.weight.requires_grad() || in.bias.requires_grad());
+  return detail::ChunkedCrossEntropy::apply(in.hidden, in.weight, in.bias, in.targets, chunk, options.ignore_index, mean,
+                                            recorded);
 }
 
 FSDPX_DECL TokenLogProbs linear_log_probs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
