@@ -299,6 +299,10 @@ TEST_CASE("hf: the chunked loss with a bias, either reduction and no gradients; 
       CHECK(at::isnan(nothing).item<bool>());
       for (const at::Tensor& g : grads_of(nothing)) CHECK(g.abs().max().item<double>() == 0);
     }
+    // Its gradients are made in forward and handed on in backward: a second backward is refused.
+    const at::Tensor twice = loss(3 * vocab, labels);
+    (void)torch::autograd::grad({twice}, {weight}, {}, /*retain_graph=*/true);
+    CHECK_THROWS_WITH(torch::autograd::grad({twice}, {weight}), Catch::Contains("cannot be differentiated twice"));
     CHECK_THROWS_WITH(loss(3 * vocab, labels.masked_fill(labels == labels[1][2], vocab)),
                       Catch::Contains("every label must be a token id in [0, 11) or the ignore index -100"));
   }

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <array>
+#include <initializer_list>
 #include <optional>
 
 #include <ATen/ATen.h>
@@ -120,22 +121,34 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       }
     }
     const at::Tensor count = valid.sum().to(at::kFloat);
-    if (grads) ctx->save_for_backward({grads->hidden, grads->weight, grads->bias, count, weight, bias});
-    ctx->saved_data["mean"] = mean;
+    if (grads) {
+      // The mean's factor now (no label counted: the loss is NaN, as torch's, and the gradients zero).
+      if (mean) scale_defined({grads->hidden, grads->weight, grads->bias}, 1 / count.clamp_min(1));
+      ctx->save_for_backward({grads->hidden, grads->weight, grads->bias, weight, bias});
+      ctx->saved_data["consumed"] = false;
+    }
     return mean ? total / count : total;
   }
 
+  // Scales the gradients in place and hands them on: autograd releases the saved copies right after
+  // this returns, so the weight's gradient is taken over, not copied (a second weight-sized buffer).
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    FSDPX_CHECK(!ctx->saved_data["consumed"].toBool(), "linear_cross_entropy: a chunked loss cannot be differentiated "
+                "twice (retain_graph): its gradients were made in forward and handed on; use chunk_logits = 0 for that");
+    ctx->saved_data["consumed"] = true;
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &gh = saved[0], &gw = saved[1], &gb = saved[2], &count = saved[3], &weight = saved[4], &bias = saved[5];
-    // No label counted: the loss is NaN (as torch's) and the gradients zero, not NaN.
-    const at::Tensor scale =
-        ctx->saved_data["mean"].toBool() ? grads[0].to(at::kFloat) / count.clamp_min(1) : grads[0].to(at::kFloat);
+    const at::Tensor &gh = saved[0], &gw = saved[1], &gb = saved[2], &weight = saved[3], &bias = saved[4];
+    scale_defined({gh, gw, gb}, grads[0].to(at::kFloat));
     const at::Tensor none;
-    return {gh.defined() ? gh * scale : none,
-            gw.defined() ? (gw * scale).to(weight.scalar_type()) : none,
-            gb.defined() ? (gb * scale).to(bias.scalar_type()) : none,
+    return {gh, gw.defined() ? gw.to(weight.scalar_type()) : none, gb.defined() ? gb.to(bias.scalar_type()) : none,
             none, none, none, none, none};
+  }
+
+ private:
+  static void scale_defined(std::initializer_list<at::Tensor> tensors, const at::Tensor& factor) {
+    for (const at::Tensor& t : tensors) {
+      if (t.defined()) t.mul_(factor);  // ATen's in-place operations are const on the handle
+    }
   }
 };
 
