@@ -80,13 +80,12 @@ struct HeadGrads {
   }
 };
 
-/// d(cross-entropy)/d(logits) of one chunk, unscaled: softmax(z) - one-hot(label), zero where the
-/// label is ignored. Consumes z.
-inline at::Tensor softmax_minus_one_hot(at::Tensor z, const at::Tensor& lse, const at::Tensor& labels, const at::Tensor& valid) {
-  at::Tensor dz = z.sub_(lse.unsqueeze(1)).exp_();
+/// d(cross-entropy)/d(logits) of one chunk, unscaled, from its softmax `p` (overwritten): p - one-hot(label),
+/// zero where the label is ignored.
+inline at::Tensor minus_one_hot(at::Tensor p, const at::Tensor& labels, const at::Tensor& valid) {
   const at::Tensor v = valid.to(at::kFloat).unsqueeze(1);
-  dz.scatter_add_(1, labels.unsqueeze(1), -v);
-  return dz.mul_(v);
+  p.scatter_add_(1, labels.unsqueeze(1), -v);
+  return p.mul_(v);
 }
 
 // The loss is a scalar, so its gradients are known in forward up to the one factor backward brings:
@@ -112,12 +111,15 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       const int64_t len = std::min(chunk, n - begin);
       const at::Tensor h = hidden.narrow(0, begin, len);
       at::Tensor z = chunk_logits_f32(h, weight, bias);
-      const at::Tensor l = at::logsumexp(z, 1);
       const at::Tensor target = z.gather(1, safe.narrow(0, begin, len).unsqueeze(1)).squeeze(1);
+      // log-sum-exp and softmax in place: one chunk-sized buffer (at::logsumexp would make a second).
+      const at::Tensor row_max = at::amax(z, {1}, /*keepdim=*/true);
+      const at::Tensor sum = z.sub_(row_max).exp_().sum(1);
+      const at::Tensor l = sum.log() + row_max.squeeze(1);
       total.add_(((l - target) * valid.narrow(0, begin, len)).sum());
       if (grads) {
-        grads->add(begin, softmax_minus_one_hot(std::move(z), l, safe.narrow(0, begin, len), valid.narrow(0, begin, len)), h,
-                   weight);
+        at::Tensor p = z.div_(sum.unsqueeze(1));
+        grads->add(begin, minus_one_hot(std::move(p), safe.narrow(0, begin, len), valid.narrow(0, begin, len)), h, weight);
       }
     }
     const at::Tensor count = valid.sum().to(at::kFloat);
