@@ -126,7 +126,9 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     if (grads) {
       // The mean's factor now (no label counted: the loss is NaN, as torch's, and the gradients zero).
       if (mean) scale_defined({grads->hidden, grads->weight, grads->bias}, 1 / count.clamp_min(1));
-      ctx->save_for_backward({grads->hidden, grads->weight, grads->bias, weight, bias});
+      ctx->save_for_backward({grads->hidden, grads->weight, grads->bias});
+      ctx->saved_data["weight_dtype"] = weight.scalar_type();  // dtypes only: the head's tensors are not held
+      ctx->saved_data["bias_dtype"] = bias.scalar_type();
       ctx->saved_data["consumed"] = false;
     }
     return mean ? total / count : total;
@@ -139,11 +141,11 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
                 "twice (retain_graph): its gradients were made in forward and handed on; use chunk_logits = 0 for that");
     ctx->saved_data["consumed"] = true;
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &gh = saved[0], &gw = saved[1], &gb = saved[2], &weight = saved[3], &bias = saved[4];
+    const at::Tensor &gh = saved[0], &gw = saved[1], &gb = saved[2];
     scale_defined({gh, gw, gb}, grads[0].to(at::kFloat));
     const at::Tensor none;
-    return {gh, gw.defined() ? gw.to(weight.scalar_type()) : none, gb.defined() ? gb.to(bias.scalar_type()) : none,
-            none, none, none, none, none};
+    return {gh, gw.defined() ? gw.to(ctx->saved_data["weight_dtype"].toScalarType()) : none,
+            gb.defined() ? gb.to(ctx->saved_data["bias_dtype"].toScalarType()) : none, none, none, none, none, none};
   }
 
  private:
