@@ -230,6 +230,12 @@ TEST_CASE("models: bad model folders are errors naming the tensor or the file", 
     fsdpx::detail::write_text_durably(dir / "config.json", config.dump());
     CHECK_THAT(load_error(dir), Catch::Contains("model_type \"gemma3\" is not one fsdpx's decoder implements"));
   }
+  SECTION("a config.json that is a FIFO: refused, not read forever") {
+    const auto dir = plain_copy(tmp, "qwen2_tied");
+    fs::remove(dir / "config.json");
+    REQUIRE(::mkfifo((dir / "config.json").c_str(), 0600) == 0);
+    CHECK_THAT(load_error(dir), Catch::Contains("config.json' is not a regular file"));
+  }
   SECTION("a truncated shard file") {
     const auto dir = plain_copy(tmp, "llama_gqa");
     const fs::path file = dir / "model-00003-of-00017.safetensors";

@@ -67,20 +67,12 @@ FSDPX_DECL WrittenFile write_file_durably(const fs::path& path,
 }
 
 FSDPX_DECL std::vector<char> read_file(const fs::path& path) {
-  Fd fd(path, O_RDONLY);
+  // The one way in: a regular file, opened without blocking (a FIFO or a device would hang or never end).
+  const Fd fd = open_regular_file(path, "file");
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) throw_io("stat of", path, errno);
   std::vector<char> data(static_cast<size_t>(st.st_size));
-  size_t done = 0;
-  while (done < data.size()) {
-    const ssize_t k = ::read(fd.get(), data.data() + done, data.size() - done);
-    if (k < 0 && errno == EINTR) continue;
-    if (k < 0) throw_io("reading", path, errno);
-    if (k == 0) break;
-    done += static_cast<size_t>(k);
-  }
-  FSDPX_CHECK_AS(IoError, done == data.size(), "reading '", path.string(), "': the file shrank while being read (",
-                 done, " of ", data.size(), " bytes)");
+  read_exact(fd.get(), path, 0, data.data(), st.st_size, st.st_size);
   return data;
 }
 
@@ -130,8 +122,8 @@ FSDPX_DECL void read_exact(int fd, const fs::path& path, int64_t offset, void* o
     const ssize_t k = ::pread(fd, p + done, static_cast<size_t>(n - done), static_cast<off_t>(offset + done));
     if (k < 0 && errno == EINTR) continue;
     if (k < 0) throw_io("reading", path, errno);
-    FSDPX_CHECK_AS(IoError, k > 0, "safetensors file '", path.string(), "' is truncated: it has ", file_size,
-                   " bytes, its header needs at least ", offset + n);
+    FSDPX_CHECK_AS(IoError, k > 0, "file '", path.string(), "' is truncated: it has ", file_size,
+                   " bytes, its contents need at least ", offset + n);
     done += k;
   }
 }
