@@ -14,12 +14,11 @@
 // directory; --keep-names writes them as the checkpoint names them.
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <optional>
 #include <regex>
 #include <string>
 
+#include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/checkpoint/merge.hpp>
 #include <fsdpx/hf/safetensors.hpp>
@@ -45,11 +44,6 @@ std::string gpt2_name(const std::string& name, bool& transpose) {
                          : layer == "proj" ? "attn.c_proj" : layer == "fc" ? "mlp.c_fc" : "mlp.c_proj";
   transpose = m[3] == "weight" && layer != "ln1" && layer != "ln2";
   return "transformer.h." + std::string(m[1]) + "." + to + "." + std::string(m[3]);
-}
-
-std::string read_text(const fs::path& p) {
-  std::ifstream in(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
 }  // namespace
@@ -95,7 +89,7 @@ int main(int argc, char** argv) try {
 
   // The step's model description, if the job left one (train_gpt does).
   const fs::path config = ckpt::detail::model_dir(dir) / "huggingface" / "config.json";
-  const bool gpt2 = fs::exists(config) && std::regex_search(read_text(config), std::regex(R"("model_type"\s*:\s*"gpt2")"));
+  const bool gpt2 = fs::exists(config) && std::regex_search(fsdpx::detail::read_text(config, "model configuration"), std::regex(R"("model_type"\s*:\s*"gpt2")"));
   if (gpt2 && !keep_names) {
     for (auto& [name, t] : tensors) {
       bool transpose = false;

@@ -7,6 +7,7 @@
 //                                                   record; exit 1 naming each file that is wrong
 //
 // Reads only; never writes or leases anything. Exit 0, or 1 with the reason.
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <filesystem>
@@ -59,7 +60,7 @@ std::vector<std::string> verify_files(const fs::path& dir, const ckpt::CommitRec
   for (const auto& [name, info] : record.files) {
     const fs::path path = dir / name;
     try {
-      const std::vector<char> data = fsdpx::detail::read_file(path);
+      const std::vector<char> data = fsdpx::detail::read_file(path, "checkpoint file", info.bytes);
       if (static_cast<int64_t>(data.size()) != info.bytes) {
         problems.push_back(fsdpx::detail::str("'", path.string(), "' has ", data.size(), " bytes, the commit record says ", info.bytes));
         continue;
@@ -127,18 +128,29 @@ int run(int argc, char** argv) {
   }
 
   std::cout << "checkpoint root " << root << "\n";
+  const auto steps = ckpt::list_steps(root);
+  std::vector<std::string> problems;
   for (const char* file : {ckpt::checkpointed_iteration_file, ckpt::state_dict_iteration_file}) {
+    const fs::path path = fs::path(root) / file;
     try {
-      const auto s = ckpt::read_iteration_file(fs::path(root) / file);
+      const auto s = ckpt::read_iteration_file(path);
       std::cout << "  " << file << " -> " << (s ? "step " + std::to_string(*s) : std::string("(none)")) << "\n";
+      // A resume follows the iteration file: a step it names must be there, committed.
+      if (verify && s) {
+        const auto named = std::find_if(steps.begin(), steps.end(), [&](const auto& st) { return st.step == *s; });
+        if (named == steps.end()) {
+          problems.push_back(fsdpx::detail::str("'", path.string(), "' names step ", *s, ", which has no global_step_", *s, " directory"));
+        } else if (!commit_state(named->path / "actor").second) {
+          problems.push_back(fsdpx::detail::str("'", path.string(), "' names step ", *s, ", which has no readable commit record"));
+        }
+      }
     } catch (const fsdpx::Error& e) {
       std::cout << "  " << file << ": " << e.what() << "\n";
+      if (verify) problems.push_back(e.what());
     }
   }
-  const auto steps = ckpt::list_steps(root);
   if (steps.empty()) std::cout << "  no global_step_<N> directories\n";
   bool found = !step.has_value();
-  std::vector<std::string> problems;
   for (const auto& s : steps) {
     if (step && s.step != *step) continue;
     found = true;

@@ -18,6 +18,7 @@
 #include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
 #include <fsdpx/checkpoint/format.hpp>
+#include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/checkpoint/merge.hpp>
 #include <fsdpx/hf/safetensors.hpp>
 #include <fsdpx/error.hpp>
@@ -80,19 +81,6 @@ int64_t parse_size(const std::string& text) {
   return bytes;
 }
 
-std::optional<int64_t> read_iteration(const fs::path& file) {
-  if (!fs::exists(file)) return std::nullopt;
-  const std::string text = fsdpx::detail::read_text(file);
-  try {
-    size_t used = 0;
-    const int64_t step = std::stoll(text, &used);
-    FSDPX_CHECK_AS(fsdpx::IoError, text.find_first_not_of(" \t\r\n", used) == std::string::npos, "bad");
-    return step;
-  } catch (...) {
-    throw fsdpx::IoError(str("fsdpx: '", file.string(), "' does not hold a step number: '", text, "'"));
-  }
-}
-
 bool is_step_dir(const fs::path& dir) {
   const fs::path d = ckpt::detail::model_dir(dir);
   std::error_code ec;
@@ -111,8 +99,8 @@ fs::path resolve_step_dir(const fs::path& path, std::optional<int64_t> step) {
     return ckpt::detail::model_dir(path);
   }
   if (!step) {
-    step = read_iteration(path / ckpt::checkpointed_iteration_file);
-    if (!step) step = read_iteration(path / ckpt::state_dict_iteration_file);
+    step = ckpt::read_iteration_file(path / ckpt::checkpointed_iteration_file);
+    if (!step) step = ckpt::read_iteration_file(path / ckpt::state_dict_iteration_file);
   }
   if (!step) {
     std::string found;
@@ -204,8 +192,7 @@ int run(int argc, char** argv) {
                  "model.pt (use --format safetensors for a Hugging Face folder)\n";
   } else if (!hf.empty() && fs::is_regular_file(fs::symlink_status(hf / "config.json"))) {
     const fs::path path = hf / "config.json";
-    FSDPX_CHECK_AS(fsdpx::IoError, fs::file_size(path) <= (int64_t{16} << 20), "'", path.string(), "' is larger than 16 MiB");
-    const std::string text = fsdpx::detail::read_text(path);
+    const std::string text = fsdpx::detail::read_text(path, "model configuration");
     std::string why;
     if (auto renamed = fsdpx::models::rename_for_config(tensors, text, path.string(), why)) {
       tensors = std::move(*renamed);

@@ -28,6 +28,7 @@ import itertools
 import json
 import os
 import socket
+import stat
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -41,7 +42,35 @@ STATE_DICT_ITERATION_FILE = "latest_state_dict_iteration.txt"
 COMMIT_RECORD = "fsdp_config.json"
 FORMAT_VERSION = 1
 MAX_WORLD_SIZE = 1 << 17  # as fsdpx's readers: a record cannot make this one allocate without bound
+MAX_RECORD_FILE_BYTES = 16 << 20  # as fsdpx's readers: the most bytes read from an iteration file or commit record
 _lease_counter = itertools.count()
+
+
+def _read_regular_file(path: str, what: str, max_bytes: int) -> bytes:
+    """The whole file, if it is a regular file of at most `max_bytes`: opened without blocking (a FIFO
+    would hang open() or read()), its size checked before it is read. FileNotFoundError passes through."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as e:  # a directory, no permission, a dangling link loop: named, as fsdpx's own error
+        raise SyncError(f"fsdpx: {what} '{path}' cannot be opened: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise SyncError(f"fsdpx: {what} '{path}' is not a regular file")
+        if st.st_size > max_bytes:
+            raise SyncError(f"fsdpx: {what} '{path}' has {st.st_size} bytes; it may have at most {max_bytes}")
+        chunks, left = [], st.st_size
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def step_dir(root: str, step: int) -> str:
@@ -51,8 +80,7 @@ def step_dir(root: str, step: int) -> str:
 def read_iteration_file(root: str) -> Optional[int]:
     path = os.path.join(root, STATE_DICT_ITERATION_FILE)
     try:
-        with open(path) as f:
-            text = f.read()
+        text = _read_regular_file(path, "iteration file", MAX_RECORD_FILE_BYTES).decode("utf-8", errors="replace")
     except FileNotFoundError:
         return None
     try:
@@ -68,8 +96,7 @@ def read_commit_record(directory: str) -> Optional[dict]:
     """The step's commit record, checked; None when the step is not committed."""
     path = os.path.join(directory, COMMIT_RECORD)
     try:
-        with open(path, "rb") as f:
-            record = json.loads(f.read(16 << 20))
+        record = json.loads(_read_regular_file(path, "commit record", MAX_RECORD_FILE_BYTES))
     except FileNotFoundError:
         return None
     except (ValueError, RecursionError) as e:
@@ -84,6 +111,9 @@ def read_commit_record(directory: str) -> Optional[dict]:
         raise SyncError(f"fsdpx: commit record '{path}': world_size is {world!r}")
     if not isinstance(record.get("files", {}), dict):
         raise SyncError(f"fsdpx: commit record '{path}': \"files\" is not an object")
+    components = record.get("components", [])
+    if not isinstance(components, list) or not all(isinstance(c, str) for c in components):
+        raise SyncError(f"fsdpx: commit record '{path}': \"components\" is not a list of names")
     return record
 
 
@@ -95,14 +125,23 @@ class Lease:
             raise SyncError(f"fsdpx: cannot lease step {step}: it is not (or no longer) committed")
         host = socket.gethostname()
         leases = os.path.join(root, f"global_step_{step}", ".leases")
-        os.makedirs(leases, exist_ok=True)
         self.path = os.path.join(leases, f"{host}-{os.getpid()}-py{next(_lease_counter)}")
         tmp = self.path + ".tmp"
-        with open(tmp, "w") as f:
-            f.write(f"{host} {os.getpid()}\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
+        try:
+            os.makedirs(leases, exist_ok=True)
+            try:
+                os.remove(tmp)  # whatever is there (a crash's leftover, a FIFO) is replaced, never written through
+            except FileNotFoundError:
+                pass
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, f"{host} {os.getpid()}\n".encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self.path)
+        except OSError as e:
+            raise SyncError(f"fsdpx: cannot lease step {step}: writing '{self.path}' failed: {e}") from None
         if read_commit_record(step_dir(root, step)) is None:  # rotated away between the choice and the lease
             self.release()
             raise SyncError(f"fsdpx: cannot lease step {step}: it is not (or no longer) committed")
@@ -120,8 +159,33 @@ class Lease:
         self.release()
 
 
+def _load_rank_file(path: str, info, rank: int, world: int) -> dict:
+    """Rank `rank`'s model file, checked against its commit record's entry `info` on the bytes read."""
+    if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or not isinstance(info.get("crc32c"), int):
+        raise SyncError(f"fsdpx: '{path}' is not listed with its size and CRC-32C in {COMMIT_RECORD}")
+    try:
+        data = _read_regular_file(path, "checkpoint file", info["bytes"])
+    except FileNotFoundError:
+        raise SyncError(f"fsdpx: '{path}' is missing (rotated away while it was read?)") from None
+    if len(data) != info["bytes"]:
+        raise SyncError(f"fsdpx: '{path}' has {len(data)} bytes, its commit record says {info['bytes']}")
+    if crc32c(data) != info["crc32c"]:
+        raise SyncError(f"fsdpx: '{path}' does not match the CRC-32C of its commit record: corrupt or replaced")
+    try:
+        sd = torch.load(io.BytesIO(data), weights_only=True)  # checked bytes, never the file again
+    except Exception as e:  # a crafted file whose record matches it: the unpickler's own error, named
+        raise SyncError(f"fsdpx: '{path}' is not a readable torch.save file: {e}") from None
+    if not isinstance(sd, dict) or sd.get("component") != "model" or sd.get("world_size") != world or sd.get("rank") != rank:
+        raise SyncError(f"fsdpx: '{path}' does not hold rank {rank}'s model state dict of world size {world}")
+    if not isinstance(sd.get("entries", {}), dict):
+        raise SyncError(f"fsdpx: '{path}': \"entries\" is not a dict")
+    return sd
+
+
 def read_step(root: str, step: int, dtype: Optional[torch.dtype] = None) -> WeightVersion:
-    """The committed weights of `step`, merged (the caller holds a Lease); SyncError naming what is wrong."""
+    """The committed weights of `step`, merged (the caller holds a Lease); SyncError naming what is wrong.
+    Every element of every tensor must be in exactly one rank's file; nothing is allocated beyond what
+    the files hold."""
     directory = step_dir(root, step)
     record = read_commit_record(directory)
     if record is None:
@@ -132,49 +196,50 @@ def read_step(root: str, step: int, dtype: Optional[torch.dtype] = None) -> Weig
         raise SyncError(f"fsdpx: step {step} holds \"local\" state dicts, which only the model that saved them can read")
     world = record["world_size"]
     files = record.get("files", {})
-    merged: Dict[str, Tuple[List[int], torch.Tensor, List[Tuple[int, int]]]] = {}
+    # name -> (shape, dtype, [(begin, end, flat slice, path)]): the slices first, the whole tensors after
+    # their coverage is checked, so a crafted shape cannot make this allocate what no file holds.
+    pieces: Dict[str, Tuple[List[int], torch.dtype, List[Tuple[int, int, torch.Tensor, str]]]] = {}
     for rank in range(world):
         name = f"model_world_size_{world}_rank_{rank}.pt"
         path = os.path.join(directory, name)
-        info = files.get(name)
-        if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or not isinstance(info.get("crc32c"), int):
-            raise SyncError(f"fsdpx: '{path}' is not listed with its size and CRC-32C in {COMMIT_RECORD}")
-        try:
-            with open(path, "rb") as f:
-                data = f.read(info["bytes"] + 1)
-        except FileNotFoundError:
-            raise SyncError(f"fsdpx: '{path}' is missing (rotated away while it was read?)") from None
-        if len(data) != info["bytes"]:
-            raise SyncError(f"fsdpx: '{path}' has {len(data)} bytes, its commit record says {info['bytes']}")
-        if crc32c(data) != info["crc32c"]:
-            raise SyncError(f"fsdpx: '{path}' does not match the CRC-32C of its commit record: corrupt or replaced")
-        sd = torch.load(io.BytesIO(data), weights_only=True)  # checked bytes, never the file again
-        if not isinstance(sd, dict) or sd.get("component") != "model" or sd.get("world_size") != world or sd.get("rank") != rank:
-            raise SyncError(f"fsdpx: '{path}' does not hold rank {rank}'s model state dict of world size {world}")
+        sd = _load_rank_file(path, files.get(name), rank, world)
         for tname, e in sd.get("entries", {}).items():
-            shape, begin, end, t = list(e["shape"]), int(e["begin"]), int(e["end"]), e["data"]
+            try:
+                shape, begin, end, t = [int(d) for d in e["shape"]], int(e["begin"]), int(e["end"]), e["data"]
+                if not isinstance(t, torch.Tensor) or any(d < 0 for d in shape):
+                    raise TypeError("not a tensor slice")
+            except (KeyError, TypeError, ValueError) as err:
+                raise SyncError(f"fsdpx: '{path}': entry '{tname}' is malformed ({err})") from None
             numel = 1
             for d in shape:
-                numel *= int(d)
+                numel *= d
             if not 0 <= begin <= end <= numel or t.numel() != end - begin:
                 raise SyncError(f"fsdpx: '{path}': entry '{tname}' holds {t.numel()} elements for [{begin}, {end}) of {numel}")
-            if tname not in merged:
-                merged[tname] = (shape, torch.empty(numel, dtype=t.dtype), [])
-            known, flat, filled = merged[tname]
-            if known != shape or flat.dtype != t.dtype:
-                raise SyncError(f"fsdpx: '{path}': '{tname}' is {t.dtype} {shape} here, {flat.dtype} {known} in a lower rank's file")
-            flat[begin:end] = t.reshape(-1)
-            filled.append((begin, end))
+            known = pieces.setdefault(tname, (shape, t.dtype, []))
+            if known[0] != shape or known[1] != t.dtype:
+                raise SyncError(f"fsdpx: '{path}': '{tname}' is {t.dtype} {shape} here, {known[1]} {known[0]} in a lower rank's file")
+            known[2].append((begin, end, t.reshape(-1), path))
     tensors = []
-    for tname in sorted(merged):  # name order, as fsdpx's merge
-        shape, flat, filled = merged[tname]
+    for tname in sorted(pieces):  # name order, as fsdpx's merge
+        shape, tdtype, slices = pieces[tname]
+        numel = 1
+        for d in shape:
+            numel *= d
         covered = 0
-        for begin, end in sorted(filled):
+        for begin, end, _, path in sorted(slices, key=lambda p: (p[0], p[1])):
+            if begin == end:
+                continue  # a rank that holds none of this tensor
+            if begin < covered:
+                raise SyncError(f"fsdpx: step {step}: '{path}' holds elements [{begin}, {end}) of '{tname}', "
+                                f"some of which another rank's file holds too")
             if begin > covered:
                 break
-            covered = max(covered, end)
-        if covered < flat.numel():
-            raise SyncError(f"fsdpx: step {step}: elements [{covered}, {flat.numel()}) of '{tname}' are in no rank's file")
+            covered = end
+        if covered < numel:
+            raise SyncError(f"fsdpx: step {step}: elements [{covered}, {numel}) of '{tname}' are in no rank's file")
+        flat = torch.empty(numel, dtype=tdtype)
+        for begin, end, data, _ in slices:
+            flat[begin:end] = data
         t = flat.view(shape)
         if dtype is not None and t.is_floating_point():
             t = t.to(dtype)

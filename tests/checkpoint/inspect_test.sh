@@ -39,4 +39,15 @@ if "$inspect" "$root" --verify --step 5 > bad.txt 2> bad.err; then fail "--verif
 grep -q "optim_world_size_2_rank_0.pt" bad.err || fail "the missing file is not named: $(cat bad.err)"
 if "$inspect" "$root" --step 99 2> bad.err; then fail "a missing step was inspected"; fi
 grep -q "has no step 99" bad.err || fail "a missing step is not said so"
+# An iteration file that names a step which is not there, or is a FIFO: --verify fails naming it, at once.
+"$fixture" write "$work/fixture2" >/dev/null
+root2=$work/fixture2/ckpt
+"$inspect" "$root2" --verify > /dev/null || fail "--verify of a second intact root exited $?"
+echo 77 > "$root2/latest_checkpointed_iteration.txt"
+if "$inspect" "$root2" --verify > bad.txt 2> bad.err; then fail "--verify passed an iteration file naming a missing step"; fi
+grep -q "latest_checkpointed_iteration.txt' names step 77, which has no global_step_77 directory" bad.err ||
+  fail "the dangling iteration file is not named: $(cat bad.err)"
+rm "$root2/latest_checkpointed_iteration.txt" && mkfifo "$root2/latest_checkpointed_iteration.txt"
+if timeout 20 "$inspect" "$root2" --verify > bad.txt 2> bad.err; then fail "--verify passed a FIFO iteration file"; fi
+grep -q "latest_checkpointed_iteration.txt' is not a regular file" bad.err || fail "the FIFO is not named: $(cat bad.err)"
 echo "fsdpx-inspect test passed"

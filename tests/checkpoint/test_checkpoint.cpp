@@ -14,6 +14,7 @@
 #include <thread>
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "../support/mpi_world.hpp"
@@ -592,7 +593,16 @@ TEST_CASE("a lease a crashed reader left unreadable or empty pins its step only 
       CHECK(checkpoint::is_leased(step));  // young: it may be being written
       fs::last_write_time(lease, fs::file_time_type::clock::now() - checkpoint::detail::lease_write_grace - std::chrono::seconds(1));
       CHECK_FALSE(checkpoint::is_leased(step));  // old: debris
+      fs::remove(lease);
     }
+    // A FIFO as a lease is not opened for a blocking read (rotation on rank 0's commit thread would
+    // hang in open()): it is unreadable, so it pins only briefly too.
+    const fs::path fifo = leases / "vm-123-2";
+    REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
+    CHECK(checkpoint::is_leased(step));
+    fs::last_write_time(fifo, fs::file_time_type::clock::now() - checkpoint::detail::lease_write_grace - std::chrono::seconds(1));
+    CHECK_FALSE(checkpoint::is_leased(step));
+    fs::remove(fifo);
     // A readable lease of a live process of this host pins the step however old it is.
     const fs::path live = leases / "live";
     fsdpx::detail::write_text_durably(live, ::fsdpx::detail::str(checkpoint::detail::host_name(), " ", ::getpid(), "\n"));
@@ -757,4 +767,112 @@ TEST_CASE("buffers (BatchNorm statistics, a counter, a router bias) are in every
     std::erase_if(sd.entries, [](const auto& e) { return e.name == "b1.bn.running_var"; });
     REQUIRE_THROWS_WITH(load_model_state_dict(b.sharded(), sd), Catch::Matchers::Contains("missing: b1.bn.running_var"));
   }
+}
+
+namespace {
+
+/// A ResMlp seeded alike everywhere, with the parameters whose names start with one of `frozen` frozen.
+ResMlp frozen_mlp(uint64_t seed, const std::vector<std::string>& frozen) {
+  torch::manual_seed(seed);
+  ResMlp m;
+  for (auto& p : m->named_parameters()) {
+    for (const auto& prefix : frozen) {
+      if (p.key().rfind(prefix, 0) == 0) p.value().set_requires_grad(false);
+    }
+  }
+  return m;
+}
+
+/// Resumes `dir`'s model and optimizer files (saved by `saved_world` ranks) into a model over `comm`
+/// with `frozen` frozen, trains one step, and returns the model's full state dict.
+StateDict resume_and_step(const fs::path& dir, int saved_world, dist::AnyCommunicator& comm, const std::vector<std::string>& frozen) {
+  CkptModel<> model(frozen_mlp(5, frozen), comm);
+  auto opt = make_adamw(model, adamw_options());
+  load_files(model, dir, "m", saved_world);
+  load_optimizer_state_dict(opt, model.sharded(), [&](const auto& fn) {
+    for (int r = 0; r < saved_world; ++r) fn(checkpoint::load_state_dict_file(dir / ("o" + std::to_string(r) + ".pt")));
+  });
+  torch::manual_seed(6);
+  train_step(model, opt, comm);
+  return full_state_dict(model.sharded(), true);
+}
+
+}  // namespace
+
+TEST_CASE("resuming with other parameters frozen restores the optimizer exactly at every world size, or says what changed",
+          "[checkpoint][reshard][errors]") {
+  auto world = any_world();
+  // Saved with the block r1 and the head frozen; each resume trains one step.
+  const fs::path dir = fresh_dir("refreeze");
+  {
+    CkptModel<> model(frozen_mlp(4, {"r1.", "head."}), world);
+    auto opt = make_adamw(model, adamw_options());
+    torch::manual_seed(5);
+    for (int i = 0; i < 2; ++i) train_step(model, opt, world);
+    checkpoint::save_state_dict(dir / ("m" + std::to_string(world.rank()) + ".pt"), sharded_state_dict(model.sharded()));
+    checkpoint::save_state_dict(dir / ("o" + std::to_string(world.rank()) + ".pt"), optimizer_state_dict(model.sharded(), opt));
+  }
+  world.barrier();
+  auto pair = world.split(world.rank() < 2 ? 0 : dist::no_color, world.rank(), "pair");
+  SECTION("a whole unit trained now that was frozen: it starts afresh, alike at every world size") {
+    // r1 trained now (its unit had no state); the head still frozen.
+    const StateDict here = resume_and_step(dir, world.size(), world, {"head."});
+    if (pair) {
+      const StateDict two = resume_and_step(dir, world.size(), *pair, {"head."});
+      REQUIRE(two.entries.size() == here.entries.size());
+      for (size_t i = 0; i < here.entries.size(); ++i) {
+        INFO(here.entries[i].name);
+        // A fresh Adam state's first step (about lr times the gradient's sign) amplifies the float
+        // noise of another reduction order where a gradient is near eps: a tolerance of lr / 1000.
+        CHECK(at::allclose(two.entries[i].data(), here.entries[i].data(), 1e-4, 1e-5));
+      }
+    }
+  }
+  SECTION("parameters frozen now that had state: their state is dropped, alike at every world size") {
+    const StateDict here = resume_and_step(dir, world.size(), world, {"r1.", "head.", "r2."});
+    if (pair) {
+      const StateDict two = resume_and_step(dir, world.size(), *pair, {"r1.", "head.", "r2."});
+      for (size_t i = 0; i < here.entries.size(); ++i) {
+        INFO(here.entries[i].name);
+        CHECK(at::allclose(two.entries[i].data(), here.entries[i].data(), 1e-4, 1e-5));
+      }
+    }
+  }
+  SECTION("a parameter trained now beside others that had state (one optimizer state for both): refused, naming it") {
+    // The head joins the root unit's trained parameters (the stem), whose state was saved without it.
+    for (auto* comm : {&world, pair ? &*pair : nullptr}) {
+      if (comm == nullptr) continue;
+      try {
+        resume_and_step(dir, world.size(), *comm, {"r1."});
+        FAIL("the optimizer state loaded");
+      } catch (const Error& e) {
+        CHECK_THAT(e.what(), Catch::Contains("head.weight") && Catch::Contains("stem.weight") &&
+                                 Catch::Contains("frozen when the optimizer state was saved"));
+      }
+    }
+  }
+  world.barrier();
+}
+
+TEST_CASE("resuming another model's checkpoint root names the model, not a part it happens to lack", "[checkpoint][errors]") {
+  auto world = any_world();
+  const fs::path root = fresh_dir("other_model");
+  {  // saved by "another program": 3 blocks, no scheduler
+    torch::manual_seed(9);
+    CkptModel<> model(ResMlp(20, 24, 3), world);
+    auto opt = make_adamw(model, adamw_options());
+    train_step(model, opt, world);
+    CheckpointCoordinator ckpt(root, model);
+    ExtraState extra;
+    ckpt.save(1, model, opt, extra);
+    ckpt.wait();
+  }
+  world.barrier();
+  CkptModel<> other(ResMlp(20, 24, 2), world);  // this program's model: 2 blocks, and a scheduler
+  auto opt = make_adamw(other, adamw_options());
+  LrScheduler scheduler(opt, LrSchedule::constant());
+  CHECK_THROWS_WITH(load_checkpoint(root, other, opt, scheduler),
+                    Catch::Contains("holds another model than this one") && Catch::Contains("r2.") &&
+                        !Catch::Contains("has no scheduler"));
+  world.barrier();
 }

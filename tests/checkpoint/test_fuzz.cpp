@@ -5,6 +5,7 @@
 // count and time; the seed is printed, and FSDPX_FUZZ_SEED replays a run.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
@@ -13,6 +14,9 @@
 #include <string>
 #include <vector>
 
+#include <sys/stat.h>
+
+#include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/checkpoint/merge.hpp>
 #include <fsdpx/hf/model_safetensors.hpp>
 #include <fsdpx/hf/safetensors.hpp>
@@ -178,4 +182,84 @@ TEST_CASE("fuzz: crafted safetensors files and indexes end in an error naming th
   CHECK(done >= 50);
   CHECK(fsdpx::hf::load_safetensors(dir).size() == tensors.size());
   CHECK_FALSE(fs::exists(tmp.path / "escape.safetensors"));
+}
+
+namespace {
+
+/// The IoError `fn` throws (any other outcome fails the test), within a few seconds: never a hang.
+template <class Fn>
+std::string io_error(Fn&& fn) {
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    fn();
+  } catch (const fsdpx::IoError& e) {
+    CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(10));
+    return e.what();
+  }
+  FAIL("no IoError");
+  return {};
+}
+
+void make_fifo(const fs::path& p) {
+  fs::remove(p);
+  REQUIRE(::mkfifo(p.c_str(), 0600) == 0);
+}
+
+}  // namespace
+
+TEST_CASE("special files, huge files and records that contradict their files are refused at once, naming them",
+          "[security][checkpoint]") {
+  merge_fixture::TempDir tmp;
+  const auto fresh = [&](const std::string& name, std::vector<fsdpx::StateDict> sds = merge_fixture::shard(merge_fixture::originals(), 2)) {
+    const fs::path root = tmp.path / name;
+    return std::pair{root, merge_fixture::write_checkpoint(root, 12, sds)};
+  };
+  SECTION("FIFOs where the iteration file, the commit record or a shard file should be") {
+    auto [root, dir] = fresh("fifo");
+    make_fifo(root / ckpt::checkpointed_iteration_file);
+    CHECK_THAT(io_error([&] { ckpt::find_latest_checkpoint(root, false); }), Catch::Contains("is not a regular file"));
+    make_fifo(dir / ckpt::config_file);
+    CHECK_THAT(io_error([&] { ckpt::read_commit_record(dir); }),
+               Catch::Contains("commit record '" + (dir / ckpt::config_file).string() + "' is not a regular file"));
+    auto [root2, dir2] = fresh("fifo_shard");
+    make_fifo(dir2 / "model_world_size_2_rank_1.pt");
+    CHECK_THAT(io_error([&] { ckpt::merge_checkpoint(dir2, {.warn = [](const std::string&) {}}); }),
+               Catch::Contains("model_world_size_2_rank_1.pt' is not a regular file"));
+  }
+  SECTION("a 2 GiB commit record or shard file (NUL-padded, sparse) is refused by its size, not read") {
+    auto [root, dir] = fresh("huge");
+    fs::resize_file(dir / "model_world_size_2_rank_0.pt", int64_t{2} << 30);
+    CHECK_THAT(io_error([&] { ckpt::merge_checkpoint(dir, {.warn = [](const std::string&) {}}); }),
+               Catch::Contains("has 2147483648 bytes but fsdp_config.json records"));
+    fs::resize_file(dir / ckpt::config_file, int64_t{2} << 30);
+    CHECK_THAT(io_error([&] { ckpt::read_commit_record(dir); }), Catch::Contains("has 2147483648 bytes; it may have at most 16777216"));
+  }
+  SECTION("a commit record whose world size is not that of its files; one that is not complete") {
+    auto [root, dir] = fresh("world");
+    auto record = fsdpx::detail::parse_json(fsdpx::detail::read_text(dir / ckpt::config_file), "record");
+    for (const int world : {1, 3}) {
+      record["world_size"] = world;
+      fsdpx::detail::write_text_durably(dir / ckpt::config_file, record.dump());
+      CHECK_THAT(io_error([&] { ckpt::read_commit_record(dir); }),
+                 Catch::Contains("world_size is " + std::to_string(world) + " but it lists '") && Catch::Contains("of a world of 2"));
+    }
+    record["world_size"] = 2;
+    record["complete"] = false;
+    fsdpx::detail::write_text_durably(dir / ckpt::config_file, record.dump());
+    CHECK_THAT(io_error([&] { ckpt::find_latest_checkpoint(root, false); }), Catch::Contains("is not complete"));
+    CHECK(ckpt::find_latest_checkpoint(root, true) == 12);  // its weights are committed
+  }
+  SECTION("slices of one tensor in two ranks' files are refused, not merged with the later one winning") {
+    auto sds = merge_fixture::shard(merge_fixture::originals(), 2);
+    // A slice of rank 0's that rank 1's file does not name (a file holds one entry per name).
+    const auto twice = std::find_if(sds[0].entries.begin(), sds[0].entries.end(), [&](const fsdpx::TensorSlice& s) {
+      return std::none_of(sds[1].entries.begin(), sds[1].entries.end(), [&](const fsdpx::TensorSlice& o) { return o.name == s.name; });
+    });
+    REQUIRE(twice != sds[0].entries.end());
+    sds[1].entries.push_back(*twice);
+    auto [root, dir] = fresh("twice", sds);
+    CHECK_THAT(io_error([&] { ckpt::merge_checkpoint(dir, {.warn = [](const std::string&) {}}); }),
+               Catch::Contains("hold parts of parameters in more than one rank's file: '" + twice->name + "' elements [" +
+                               std::to_string(twice->begin) + ", " + std::to_string(twice->end) + ")"));
+  }
 }

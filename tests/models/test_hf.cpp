@@ -373,3 +373,49 @@ TEST_CASE("hf: layers checkpointed, embedding and head as units, the chunked los
     CHECK(worst <= 5e-5);
   }
 }
+
+TEST_CASE("hf: a config.json that does not describe its weights is refused on every rank before anything is built",
+          "[hf][errors][security]") {
+  auto& world = fsdpx::test::world();
+  const char* tmp = std::getenv("FSDPX_TEST_TMP");
+  const fs::path dir = fs::path(tmp != nullptr ? tmp : "fsdpx_test_tmp") / ("bad_config_rank" + std::to_string(world.rank()));
+  fs::remove_all(dir);
+  fs::create_directories(dir.parent_path());
+  fs::copy(fixtures() / "qwen2_tied", dir, fs::copy_options::recursive);
+  const auto config = fsdpx::detail::parse_json(fsdpx::detail::read_text(dir / "config.json"), "config");
+  const auto error = [&] {
+    try {
+      models::from_pretrained<Sharded>(dir, world);
+    } catch (const fsdpx::Error& e) {
+      return std::string(e.what());
+    }
+    FAIL("from_pretrained succeeded");
+    return std::string();
+  };
+  const auto with = [&](const char* field, const fsdpx::detail::Json& value) {
+    auto c = config;
+    c[field] = value;
+    if (std::string(field) == "num_hidden_layers") c.erase("layer_types");  // one per layer: its own error
+    fsdpx::detail::write_text_durably(dir / "config.json", c.dump());
+    return error();
+  };
+  // Sizes beyond any model of these families: refused by their bounds, before the files are opened.
+  CHECK_THAT(with("num_hidden_layers", 1000000), Catch::Contains("\"num_hidden_layers\" is 1000000; it must be in [1, 4096]"));
+  CHECK_THAT(with("vocab_size", int64_t{1} << 31), Catch::Contains("\"vocab_size\" is 2147483648; it must be in [1, 4194304]"));
+  CHECK_THAT(with("num_attention_heads", int64_t{1} << 31), Catch::Contains("\"num_attention_heads\" is 2147483648"));
+  // Within the bounds but not what the files hold: refused against the files' declared tensors.
+  CHECK_THAT(with("num_hidden_layers", 4000), Catch::Contains("\"num_hidden_layers\" is 4000 but the weight files in") &&
+                                                  Catch::Contains("hold 2 layers"));
+  CHECK_THAT(with("vocab_size", 4000), Catch::Contains("does not describe the weights") &&
+                                           Catch::Contains("model.embed_tokens.weight: [96, 64] in the files, [4000, 64] by config.json"));
+  CHECK_THAT(with("intermediate_size", 1 << 19), Catch::Contains("mlp.up_proj.weight: [") && Catch::Contains("[524288, 64] by config.json"));
+  // Values that would train to NaN.
+  CHECK_THAT(with("rope_theta", -1.0), Catch::Contains("\"rope_theta\" is -1; it must be a finite number > 0"));
+  CHECK_THAT(with("rms_norm_eps", -1e-6), Catch::Contains("\"rms_norm_eps\" is -1e-06; it must be a finite number > 0"));
+  CHECK_THAT(with("max_position_embeddings", 0), Catch::Contains("\"max_position_embeddings\" is 0; it must be in [1, "));
+  // A 2 GiB config.json (NUL-padded, sparse on disk) is refused by its size, not read.
+  fsdpx::detail::write_text_durably(dir / "config.json", config.dump());
+  fs::resize_file(dir / "config.json", int64_t{2} << 30);
+  CHECK_THAT(error(), Catch::Contains("config.json' has 2147483648 bytes; it may have at most 16777216"));
+  fs::remove_all(dir);
+}

@@ -91,8 +91,83 @@ def main() -> int:
     except SyncError as e:
         assert "not (or no longer) committed" in str(e), e
     print("python watcher: a corrupted, a missing and an uncommitted step are refused, naming the cause")
+    hostile_steps(args, src, torch)
     print("PASSED")
     return 0
+
+
+def hostile_steps(args, src, torch):
+    """Files a hostile or unlucky writer leaves: special files, huge files, rank files whose slices
+    overlap, are malformed or declare a tensor no file holds. Each is a SyncError naming the cause,
+    at once (no hang) and without allocating what the files claim."""
+    import json
+    import time
+
+    from fsdpx_sync import CheckpointWatcher, SyncError
+    from fsdpx_sync.checkpoint import read_iteration_file, read_step
+    from fsdpx_sync.checksum import crc32c
+
+    n = 0
+
+    def fresh():
+        nonlocal n
+        n += 1
+        root = os.path.join(args.work, f"hostile{n}")
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.copytree(src, os.path.join(root, f"global_step_{STEPS}"), ignore=shutil.ignore_patterns(".leases"))
+        return root, os.path.join(root, f"global_step_{STEPS}", "actor")
+
+    def refused(fn, fragment):
+        start = time.monotonic()
+        try:
+            fn()
+        except SyncError as e:
+            assert fragment in str(e), (fragment, str(e))
+            assert time.monotonic() - start < 10, "refused, but slowly"
+            return
+        raise AssertionError(f"accepted: {fragment}")
+
+    # A FIFO as the iteration file or the commit record: refused at once, never opened for a blocking read.
+    root, actor = fresh()
+    os.mkfifo(os.path.join(root, "latest_state_dict_iteration.txt"))
+    refused(lambda: read_iteration_file(root), "is not a regular file")
+    refused(lambda: CheckpointWatcher(root).poll(), "is not a regular file")
+    os.remove(os.path.join(actor, "fsdp_config.json"))
+    os.mkfifo(os.path.join(actor, "fsdp_config.json"))
+    refused(lambda: read_step(root, STEPS), "is not a regular file")
+    # A 2 GiB commit record (NUL-padded, sparse): refused by its size, not read.
+    root, actor = fresh()
+    os.truncate(os.path.join(actor, "fsdp_config.json"), 2 << 30)
+    refused(lambda: read_step(root, STEPS), "has 2147483648 bytes; it may have at most 16777216")
+
+    def crafted(edit, fragment):
+        """Rank 1's file rewritten by `edit(state dict of rank 0, state dict of rank 1)` with a record that matches it."""
+        root, actor = fresh()
+        files = [os.path.join(actor, f"model_world_size_2_rank_{r}.pt") for r in range(2)]
+        sds = [torch.load(f, weights_only=True) for f in files]
+        edit(sds[0], sds[1])
+        torch.save(sds[1], files[1])
+        record_path = os.path.join(actor, "fsdp_config.json")
+        record = json.load(open(record_path))
+        data = open(files[1], "rb").read()
+        record["files"][os.path.basename(files[1])] = {"bytes": len(data), "crc32c": crc32c(data)}
+        json.dump(record, open(record_path, "w"))
+        refused(lambda: read_step(root, STEPS), fragment)
+
+    def overlap(sd0, sd1):  # rank 1 also holds rank 0's first slice of a tensor
+        name = next(k for k, e in sd0["entries"].items() if e["end"] > e["begin"])
+        sd1["entries"][name] = sd0["entries"][name]
+    crafted(overlap, "some of which another rank's file holds too")
+
+    def malformed(sd0, sd1):
+        name = next(iter(sd1["entries"]))
+        del sd1["entries"][name]["data"]
+    crafted(malformed, "is malformed")
+
+    def huge(sd0, sd1):  # a tensor of 2^40 elements that no file holds: named, never allocated
+        sd1["entries"]["crafted.weight"] = {"shape": [1 << 20, 1 << 20], "begin": 0, "end": 0, "data": torch.zeros(0)}
+    crafted(huge, "elements [0, 1099511627776) of 'crafted.weight' are in no rank's file")
+    print("python watcher: FIFOs, a 2 GiB record, overlapping, malformed and oversized slices are refused, naming the cause")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -79,7 +80,30 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
   ResumeInfo info;
   info.step = *step;
   info.saved_world_size = record->world_size;
+  // A part missing from another model's checkpoint (another program's root) is not the cause to
+  // report: its model is. Checked only on this error path (it reads this rank's model file).
+  const auto check_same_model = [&] {
+    if (record->kind == "local") return;  // its entries are units, checked by the model load itself
+    const auto& mesh = model.sharded().mesh();
+    const std::string name = checkpoint::shard_file_name(Component::model, info.saved_world_size,
+                                                         record->kind == "full" ? 0 : mesh.world().rank() % info.saved_world_size);
+    if (record->files.count(name) == 0) return;
+    const StateDict saved = checkpoint::load_shard_file(dir, name, record->file(dir, name, options.verify_checksums));
+    std::set<std::string> ours;
+    for (size_t i = 0; i < model.sharded().num_units(); ++i) {
+      for (const auto& p : model.sharded().unit(i).layout().params()) ours.insert(p.name);
+    }
+    for (const auto& [buffer, b] : model.sharded().named_buffers()) ours.insert(buffer);
+    std::vector<std::string> foreign;
+    for (const TensorSlice& e : saved.entries) {
+      if (ours.count(e.name) == 0) foreign.push_back(e.name);
+    }
+    FSDPX_CHECK_AS(IoError, foreign.empty(), "checkpoint step ", *step, " in '", root.string(), "' holds another model than "
+                   "this one (another program's checkpoint root?): ", ::fsdpx::detail::join_names(foreign, 8),
+                   " are not parameters or buffers of this model");
+  };
   const auto lacks = [&](const std::string& part, const std::string& why) {
+    check_same_model();
     FSDPX_CHECK_AS(IoError, options.allow_missing, "checkpoint step ", *step, " in '", root.string(), "' has no ", part, " (",
                    why, "); pass LoadOptions{.load_", part == "client state" ? "client_state" : part,
                    " = false} to resume without it, or .allow_missing = true to be warned instead");
@@ -118,14 +142,28 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
   const std::optional<int> own_file = same_topology ? std::optional<int>(mesh.shard_group().rank()) : std::nullopt;
   const bool local = record->kind == "local";
   const bool full = record->kind == "full";
-  load_model_state_dict(sharded, [&](const auto& fn) {
-    // A full checkpoint is rank 0's file; a local one is each rank's own.
-    const std::optional<int> only = full ? std::optional<int>(0) : local ? std::optional<int>(mesh.world().rank()) : own_file;
-    checkpoint::detail::for_each_saved_file(dir, *record, Component::model, only, options.verify_checksums, fn);
-  }, options.strict);
+  // Its own file is enough only when the flat layout is the saving job's too: with other parameters
+  // frozen or other units, this rank's shards are other ranges, and every saving rank's file is read.
+  const auto with_own_file_first = [&](const auto& load) {
+    if (!own_file) return load(std::nullopt);
+    try {
+      load(own_file);
+    } catch (const Error&) {
+      load(std::nullopt);  // every file: what does not match the model now is named from the whole checkpoint
+    }
+  };
+  with_own_file_first([&](std::optional<int> own) {
+    load_model_state_dict(sharded, [&](const auto& fn) {
+      // A full checkpoint is rank 0's file; a local one is each rank's own.
+      const std::optional<int> only = full ? std::optional<int>(0) : local ? std::optional<int>(mesh.world().rank()) : own;
+      checkpoint::detail::for_each_saved_file(dir, *record, Component::model, only, options.verify_checksums, fn);
+    }, options.strict);
+  });
   if (load_optimizer) {
-    load_optimizer_state_dict(*optimizer, sharded, [&](const auto& fn) {
-      checkpoint::detail::for_each_saved_file(dir, *record, Component::optim, own_file, options.verify_checksums, fn);
+    with_own_file_first([&](std::optional<int> own) {
+      load_optimizer_state_dict(*optimizer, sharded, [&](const auto& fn) {
+        checkpoint::detail::for_each_saved_file(dir, *record, Component::optim, own, options.verify_checksums, fn);
+      });
     });
   }
   if (load_scheduler) {

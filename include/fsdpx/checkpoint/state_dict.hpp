@@ -67,6 +67,9 @@ struct StateDict {
   std::vector<TensorSlice> entries;
   /// Optimizer: one entry per parameter group (its hyperparameters, e.g. "lr", "betas").
   std::vector<std::map<std::string, std::vector<double>>> param_groups;
+  /// Optimizer: the names of every parameter the saving job trained, on all its ranks (each rank's file
+  /// holds the whole list, so one file tells which parameters had state; empty in files of older fsdpx).
+  std::vector<std::string> trained;
 };
 
 FSDPX_DECL const char* to_string(StateDictKind kind);

@@ -54,7 +54,9 @@ FSDPX_DECL std::string errno_text(int err);
 /// An open file descriptor that closes itself.
 class Fd {
  public:
-  Fd(const fs::path& path, int flags, mode_t mode = 0644) : fd_(::open(path.c_str(), flags | O_CLOEXEC, mode)) {
+  // Never blocking: a FIFO put where a file is expected would hang open() (for writing, until a reader
+  // comes); with O_NONBLOCK it opens or fails at once, and regular files behave as without it.
+  Fd(const fs::path& path, int flags, mode_t mode = 0644) : fd_(::open(path.c_str(), flags | O_CLOEXEC | O_NONBLOCK, mode)) {
     if (fd_ < 0) throw_io("opening", path, errno);
   }
   Fd(const Fd&) = delete;
@@ -100,7 +102,7 @@ struct WrittenFile {
 /// temporary file is removed and `path` is left as it was.
 class DurableFile {
  public:
-  explicit DurableFile(fs::path path) : path_(std::move(path)), tmp_(path_.string() + ".tmp"), fd_(tmp_, O_WRONLY | O_CREAT | O_TRUNC) {}
+  explicit DurableFile(fs::path path) : path_(std::move(path)), tmp_(path_.string() + ".tmp"), fd_(create_fresh(tmp_)) {}
   DurableFile(const DurableFile&) = delete;
   DurableFile& operator=(const DurableFile&) = delete;
   ~DurableFile() {
@@ -115,6 +117,13 @@ class DurableFile {
   FSDPX_DECL WrittenFile commit();
 
  private:
+  // Whatever is at the temporary name (a crash's leftover, a FIFO, a link) is replaced, never written through.
+  static Fd create_fresh(const fs::path& tmp) {
+    std::error_code ignored;
+    fs::remove(tmp, ignored);
+    return Fd(tmp, O_WRONLY | O_CREAT | O_EXCL);
+  }
+
   fs::path path_;
   fs::path tmp_;
   Fd fd_;
@@ -131,11 +140,16 @@ inline WrittenFile write_text_durably(const fs::path& path, std::string_view tex
   return write_file_durably(path, [&](const auto& sink) { sink(text.data(), text.size()); });
 }
 
-/// The whole file, or an IoError naming it.
-FSDPX_DECL std::vector<char> read_file(const fs::path& path);
+/// The most bytes fsdpx reads whole from a file that describes data rather than holding it (config.json,
+/// a commit record, an iteration file, a marker, a lease): a 2 GiB config.json is refused, not parsed.
+inline constexpr int64_t max_record_file_bytes = int64_t{16} << 20;
 
-inline std::string read_text(const fs::path& path) {
-  const auto data = read_file(path);
+/// The whole file, if it is a regular file of at most `max_bytes` (checked before anything is
+/// allocated); an IoError naming it (`what`) otherwise.
+FSDPX_DECL std::vector<char> read_file(const fs::path& path, const char* what, int64_t max_bytes);
+
+inline std::string read_text(const fs::path& path, const char* what = "file", int64_t max_bytes = max_record_file_bytes) {
+  const auto data = read_file(path, what, max_bytes);
   return {data.begin(), data.end()};
 }
 

@@ -69,6 +69,19 @@ struct DecoderConfig {
   }
 };
 
+/// The largest sizes a config.json may declare (each well above every released model of these
+/// families; docs/models.md): a config is untrusted, and these bound what it can make a rank build
+/// before the weight files' own shapes are checked against it.
+struct DecoderConfigBounds {
+  int64_t vocab_size = int64_t{1} << 22;
+  int64_t hidden_size = int64_t{1} << 16;
+  int64_t intermediate_size = int64_t{1} << 20;
+  int64_t num_hidden_layers = 4096;
+  int64_t num_attention_heads = 4096;
+  int64_t head_dim = 4096;
+  int64_t max_position_embeddings = int64_t{1} << 26;
+};
+
 /// The architectures (config.json "architectures") that fsdpx's decoder reproduces, by model_type.
 inline const char* causal_lm_architecture(const std::string& model_type) {
   if (model_type == "llama") return "LlamaForCausalLM";
@@ -99,6 +112,11 @@ inline const char* torch_dtype_name(c10::ScalarType t) {
   throw ConfigError(::fsdpx::detail::str("fsdpx: a Hugging Face model's weights are float32, bfloat16, float16 or float64, not ", t));
 }
 
+/// A field that must be a finite number > 0 (an eps, a RoPE base or factor): anything else trains to NaN.
+inline void check_positive(double v, const char* name, const std::string& doc) {
+  FSDPX_CHECK_AS(IoError, std::isfinite(v) && v > 0, "'", doc, "': \"", name, "\" is ", v, "; it must be a finite number > 0");
+}
+
 [[noreturn]] inline void unsupported(const std::string& doc, const std::string& what) {
   throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "': ", what,
                                          "; fsdpx's decoder does not reproduce it, and would train a different model"));
@@ -118,6 +136,7 @@ inline RopeConfig parse_rope(const ::fsdpx::detail::Json& j, const std::string& 
     where = "rope_parameters";
   }
   r.theta = json_find<double>(j, "rope_theta", doc).value_or(r.theta);
+  check_positive(r.theta, "rope_theta", doc);
   if (const auto f = json_find<double>(j, "partial_rotary_factor", doc); f && *f != 1.0) {
     unsupported(doc, ::fsdpx::detail::str("\"partial_rotary_factor\" is ", *f, " (RoPE on part of each head)"));
   }
@@ -129,6 +148,7 @@ inline RopeConfig parse_rope(const ::fsdpx::detail::Json& j, const std::string& 
   }
   r.type = json_find<std::string>(*params, "rope_type", pdoc).value_or(json_find<std::string>(*params, "type", pdoc).value_or("default"));
   r.theta = json_find<double>(*params, "rope_theta", pdoc).value_or(r.theta);
+  check_positive(r.theta, "rope_theta", pdoc);
   if (const auto f = json_find<double>(*params, "partial_rotary_factor", pdoc); f && *f != 1.0) {
     unsupported(doc, ::fsdpx::detail::str("\"partial_rotary_factor\" is ", *f, " (RoPE on part of each head)"));
   }
@@ -137,16 +157,20 @@ inline RopeConfig parse_rope(const ::fsdpx::detail::Json& j, const std::string& 
     unsupported(doc, "the RoPE type \"" + r.type + "\" (supported: default, linear, llama3)");
   }
   r.factor = json_find<double>(*params, "factor", pdoc).value_or(1.0);
-  FSDPX_CHECK(r.factor > 0, "'", doc, "': the RoPE factor must be positive, not ", r.factor);
+  check_positive(r.factor, "factor", pdoc);
   if (r.type == "llama3") {
     r.low_freq_factor = ::fsdpx::detail::json_get<double>(*params, "low_freq_factor", pdoc);
     r.high_freq_factor = ::fsdpx::detail::json_get<double>(*params, "high_freq_factor", pdoc);
+    check_positive(r.low_freq_factor, "low_freq_factor", pdoc);
+    check_positive(r.high_freq_factor, "high_freq_factor", pdoc);
     FSDPX_CHECK(r.high_freq_factor != r.low_freq_factor, "'", doc, "': llama3 RoPE needs high_freq_factor != low_freq_factor");
     // A top-level original_max_position_embeddings wins, as in transformers (Phi-3 writes it there).
     const auto top = json_find<int64_t>(j, "original_max_position_embeddings", doc);
     r.original_max_position_embeddings =
         top.value_or(json_find<int64_t>(*params, "original_max_position_embeddings", pdoc)
                          .value_or(json_find<int64_t>(j, "max_position_embeddings", doc).value_or(8192)));
+    FSDPX_CHECK_AS(IoError, r.original_max_position_embeddings > 0, "'", doc, "': \"original_max_position_embeddings\" is ",
+                   r.original_max_position_embeddings, "; it must be positive");
   }
   return r;
 }
@@ -184,19 +208,28 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   c.num_key_value_heads = j.contains("num_key_value_heads") || llama
                               ? json_find<int64_t>(j, "num_key_value_heads", doc).value_or(c.num_attention_heads)
                               : 32;
-  for (const auto& [name, v] : {std::pair{"vocab_size", c.vocab_size}, {"hidden_size", c.hidden_size},
-                                {"intermediate_size", c.intermediate_size}, {"num_hidden_layers", c.num_hidden_layers},
-                                {"num_attention_heads", c.num_attention_heads}, {"num_key_value_heads", c.num_key_value_heads}}) {
-    FSDPX_CHECK_AS(IoError, v > 0 && v <= (int64_t{1} << 31), "'", doc, "': \"", name, "\" is ", v, "; it must be in [1, 2^31]");
-  }
+  // Checked before anything is sized by them: a config.json is untrusted, and a field of 10^6 layers or
+  // 2^31 rows would otherwise build until memory runs out, naming nothing.
+  const DecoderConfigBounds bounds;
+  const auto in_range = [&](const char* name, int64_t v, int64_t max) {
+    FSDPX_CHECK_AS(IoError, v > 0 && v <= max, "'", doc, "': \"", name, "\" is ", v, "; it must be in [1, ", max, "]");
+  };
+  in_range("vocab_size", c.vocab_size, bounds.vocab_size);
+  in_range("hidden_size", c.hidden_size, bounds.hidden_size);
+  in_range("intermediate_size", c.intermediate_size, bounds.intermediate_size);
+  in_range("num_hidden_layers", c.num_hidden_layers, bounds.num_hidden_layers);
+  in_range("num_attention_heads", c.num_attention_heads, bounds.num_attention_heads);
+  in_range("num_key_value_heads", c.num_key_value_heads, c.num_attention_heads);
   FSDPX_CHECK_AS(IoError, c.num_attention_heads % c.num_key_value_heads == 0, "'", doc, "': ", c.num_attention_heads,
                  " attention heads cannot be grouped over ", c.num_key_value_heads, " key/value heads");
   // Qwen3's class defaults head_dim to 128; Llama's and Qwen2's derive it.
   c.head_dim = json_find<int64_t>(j, "head_dim", doc).value_or(qwen3 ? 128 : c.hidden_size / c.num_attention_heads);
-  FSDPX_CHECK_AS(IoError, c.head_dim > 0 && c.head_dim % 2 == 0 && c.head_dim <= 65536, "'", doc, "': \"head_dim\" is ",
-                 c.head_dim, "; RoPE needs a positive even head dimension");
+  in_range("head_dim", c.head_dim, bounds.head_dim);
+  FSDPX_CHECK_AS(IoError, c.head_dim % 2 == 0, "'", doc, "': \"head_dim\" is ", c.head_dim, "; RoPE needs an even head dimension");
   c.rms_norm_eps = json_find<double>(j, "rms_norm_eps", doc).value_or(1e-6);
+  detail::check_positive(c.rms_norm_eps, "rms_norm_eps", doc);
   c.max_position_embeddings = json_find<int64_t>(j, "max_position_embeddings", doc).value_or(llama ? 2048 : 32768);
+  in_range("max_position_embeddings", c.max_position_embeddings, bounds.max_position_embeddings);
   c.rope = detail::parse_rope(j, doc);
   const std::string act = json_find<std::string>(j, "hidden_act", doc).value_or("silu");
   if (act != "silu") detail::unsupported(doc, "\"hidden_act\" is \"" + act + "\" (fsdpx's SwiGLU MLP uses silu)");
@@ -213,6 +246,8 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   FSDPX_CHECK_AS(IoError, c.attention_dropout >= 0 && c.attention_dropout < 1, "'", doc, "': \"attention_dropout\" is ",
                  c.attention_dropout);
   c.initializer_range = json_find<double>(j, "initializer_range", doc).value_or(0.02);
+  FSDPX_CHECK_AS(IoError, std::isfinite(c.initializer_range) && c.initializer_range >= 0, "'", doc,
+                 "': \"initializer_range\" is ", c.initializer_range, "; it must be a finite number >= 0");
   if (const auto d = json_find<std::string>(j, "dtype", doc).value_or(json_find<std::string>(j, "torch_dtype", doc).value_or(""));
       !d.empty()) {
     c.dtype = detail::parse_torch_dtype(d, doc);
@@ -224,7 +259,7 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
     const bool use = json_find<bool>(j, "use_sliding_window", doc).value_or(false);
     const std::optional<int64_t> window =
         !use ? std::nullopt : j.contains("sliding_window") ? json_find<int64_t>(j, "sliding_window", doc) : std::optional<int64_t>(4096);
-    if (window) FSDPX_CHECK_AS(IoError, *window > 0, "'", doc, "': \"sliding_window\" is ", *window);
+    if (window) in_range("sliding_window", *window, int64_t{1} << 31);
     if (const auto types = j.find("layer_types"); types != j.end() && !types->is_null()) {
       FSDPX_CHECK_AS(IoError, types->is_array() && static_cast<int64_t>(types->size()) == c.num_hidden_layers, "'", doc,
                      "': \"layer_types\" must list one type for each of the ", c.num_hidden_layers, " layers");
@@ -238,6 +273,7 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
       }
     } else if (window) {
       const int64_t from = json_find<int64_t>(j, "max_window_layers", doc).value_or(28);
+      FSDPX_CHECK_AS(IoError, from >= 0, "'", doc, "': \"max_window_layers\" is ", from, "; it must be >= 0");
       for (int64_t i = from; i < c.num_hidden_layers; ++i) c.sliding_layers[static_cast<size_t>(i)] = true;
     }
     c.sliding_window = window.value_or(0);
@@ -258,7 +294,7 @@ inline DecoderConfig read_decoder_config(const std::filesystem::path& path) {
   const std::filesystem::path file = std::filesystem::is_directory(path) ? path / "config.json" : path;
   FSDPX_CHECK_AS(IoError, std::filesystem::exists(file), "'", file.string(), "' does not exist: a Hugging Face model folder "
                  "holds its configuration in config.json");
-  return parse_decoder_config(::fsdpx::detail::parse_json(fsdpx::detail::read_text(file), file.string()), file.string());
+  return parse_decoder_config(::fsdpx::detail::parse_json(fsdpx::detail::read_text(file, "model configuration"), file.string()), file.string());
 }
 
 /// Whether `c` is a model its model_type's transformers class builds; ConfigError naming what is not.

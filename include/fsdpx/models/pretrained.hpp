@@ -141,6 +141,43 @@ inline void check_same_architecture(const DecoderConfig& model, const DecoderCon
 
 }  // namespace detail
 
+/// Before anything is built from `c` (a folder's config.json, untrusted): the layers and the tensors it
+/// implies against those the folder's files declare, so a config that does not describe its weights
+/// (10^6 layers, a vocabulary of 2^31) is an error naming its field, not an allocation of what it says.
+/// Strict, every tensor of the name table must be in the files with its shape; not strict, the layer
+/// count and the shapes of the tensors that are there.
+inline void check_config_against_files(const DecoderConfig& c, const fsdpx::hf::SafetensorsDir& files, const fs::path& dir,
+                                       bool strict) {
+  const std::string doc = (dir / "config.json").string();
+  int64_t layers = 0;  // 1 + the highest index of a "model.layers.<i>." tensor in the files
+  const std::string prefix = "model.layers.";
+  for (const std::string& name : files.names()) {
+    if (name.compare(0, prefix.size(), prefix) != 0) continue;
+    const size_t end = name.find('.', prefix.size());
+    const std::string index = name.substr(prefix.size(), end == std::string::npos ? std::string::npos : end - prefix.size());
+    if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos) continue;
+    layers = std::max<int64_t>(layers, std::stoll(index) + 1);
+  }
+  FSDPX_CHECK_AS(ConfigError, layers == 0 ? !strict : layers == c.num_hidden_layers, "'", doc, "': \"num_hidden_layers\" is ",
+                 c.num_hidden_layers, " but the weight files in '", dir.string(), "' hold ", layers, " layers");
+  std::vector<std::string> missing, mismatched;
+  for (const HfTensor& t : hf_tensors(c)) {
+    const fsdpx::hf::SafetensorsEntry* e = files.find(t.hf_name);
+    if (e == nullptr) {
+      if (strict) missing.push_back(t.hf_name);
+    } else if (e->shape != t.shape) {
+      mismatched.push_back(::fsdpx::detail::str(t.hf_name, ": ", c10::IntArrayRef(e->shape), " in the files, ",
+                                                c10::IntArrayRef(t.shape), " by config.json"));
+    }
+  }
+  if (missing.empty() && mismatched.empty()) return;
+  std::string msg;
+  if (!mismatched.empty()) msg += "\n  shapes that differ (vocab_size, hidden_size, intermediate_size, heads or head_dim): " +
+                                  ::fsdpx::detail::join_names(mismatched);
+  if (!missing.empty()) msg += "\n  tensors it implies that the files lack: " + ::fsdpx::detail::join_names(missing);
+  throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "' does not describe the weights in '", dir.string(), "':", msg));
+}
+
 /// An Fsdp<CausalLM, ...>.
 template <class T>
 concept ShardedCausalLM = requires { typename T::ModelType; } && std::is_same_v<typename T::ModelType, CausalLM>;
@@ -149,8 +186,7 @@ namespace detail {
 /// The folder's weights into a model whose config is the folder's (its config.json read once, by the
 /// caller).
 template <class Sharded>
-SafetensorsLoadReport load_weights(Sharded& model, const fs::path& dir, const LoadPretrainedOptions& options) {
-  fsdpx::hf::SafetensorsDir files(dir);
+SafetensorsLoadReport load_weights(Sharded& model, fsdpx::hf::SafetensorsDir& files, const LoadPretrainedOptions& options) {
   return load_model_safetensors(model.sharded(), files, load_options(model->config, options));
 }
 }  // namespace detail
@@ -161,7 +197,8 @@ template <class Sharded>
   requires ShardedCausalLM<Sharded>
 SafetensorsLoadReport load_pretrained(Sharded& model, const fs::path& dir, const LoadPretrainedOptions& options = {}) {
   detail::check_same_architecture(model->config, read_decoder_config(dir), dir);
-  return detail::load_weights(model, dir, options);
+  fsdpx::hf::SafetensorsDir files(dir);
+  return detail::load_weights(model, files, options);
 }
 
 /// Loads the weights of the Hugging Face folder `dir` into a CausalLM that is not sharded.
@@ -179,14 +216,23 @@ template <class Sharded>
   requires ShardedCausalLM<Sharded>
 Sharded from_pretrained(const fs::path& dir, dist::AnyCommunicator world, FsdpOptions options = {},
                         const LoadPretrainedOptions& load = {}, SafetensorsLoadReport* report = nullptr) {
-  const DecoderConfig config = read_decoder_config(dir);
+  // config.json and the files' headers are read, and checked against each other, before anything is
+  // built; every rank learns whether any failed (a flaky mount may fail one) before the first collective.
+  DecoderConfig config;
+  std::optional<fsdpx::hf::SafetensorsDir> files;
+  dist::agree_on_outcome<IoError>(world, dist::capture_failure([&] {
+                                    config = read_decoder_config(dir);
+                                    files.emplace(dir);
+                                    check_config_against_files(config, *files, dir, load.strict);
+                                  }),
+                                  "reading '" + dir.string() + "'");
   if (!options.init_module) options.init_module = load.strict ? ModuleInit(skip_init) : init_module(config);
   Sharded model(deferred_init<CausalLM>(config), std::move(world), std::move(options));
   SafetensorsLoadReport r;
   // A rank whose read fails (the same files fail alike everywhere; a flaky mount may not) must not
   // leave the others waiting in the first gather of training.
   // The model was built from this folder's config.json: the weights are read without reading it again.
-  dist::agree_on_outcome<IoError>(model.sharded().mesh().world(), dist::capture_failure([&] { r = detail::load_weights(model, dir, load); }),
+  dist::agree_on_outcome<IoError>(model.sharded().mesh().world(), dist::capture_failure([&] { r = detail::load_weights(model, *files, load); }),
                                   "loading '" + dir.string() + "'");
   if (report != nullptr) *report = r;
   return model;

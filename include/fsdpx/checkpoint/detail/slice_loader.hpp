@@ -48,6 +48,10 @@ class SliceLoader {
   FSDPX_DECL void finish(bool strict = true, bool absent_is_missing = true);
 
   std::map<std::string, std::vector<Target>>& targets() { return targets_; }
+  /// Whether any saved state dict loaded so far has a slice of `name`.
+  bool seen(const std::string& name) const { return seen_.count(name) != 0; }
+  /// Whether every saved rank's state dict was loaded (or a full one).
+  bool complete() const { return complete_; }
 
  private:
   static std::string shape_text(const std::vector<int64_t>& shape) {

@@ -12,6 +12,8 @@
 
 #include <ATen/core/ivalue.h>
 
+#include <limits>
+
 #include <fsdpx/detail/file_io.hpp>
 
 namespace fsdpx::checkpoint::detail {
@@ -22,8 +24,10 @@ namespace fs = std::filesystem;
 FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const c10::IValue& value, bool compute_record_crc32 = false);
 
 /// Reads a file written by save_ivalue or Python's torch.save; a missing, truncated or corrupt file
-/// (or one whose CRC-32C differs from `expected_crc32c`) is an IoError that names it.
-FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> expected_crc32c = std::nullopt);
+/// (or one whose CRC-32C differs from `expected_crc32c`, or larger than `max_bytes`: a commit record's
+/// size) is an IoError that names it.
+FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> expected_crc32c = std::nullopt,
+                                   int64_t max_bytes = std::numeric_limits<int64_t>::max());
 
 }  // namespace fsdpx::checkpoint::detail
 

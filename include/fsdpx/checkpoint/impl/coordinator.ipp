@@ -201,7 +201,7 @@ FSDPX_DECL void CheckpointCoordinator::write_component(const SaveRequest& req, c
     try {
       fsdpx::detail::write_text_durably(marker, event.error);
     } catch (...) {
-      if (const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC, 0644); fd >= 0) ::close(fd);
+      if (const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644); fd >= 0) ::close(fd);
     }
     record_failure(req.step, event.error);
   }
@@ -253,7 +253,7 @@ FSDPX_DECL bool CheckpointCoordinator::advance_commit(Commit& c) {
   for (int r = 0; r < world_size_; ++r) {
     const auto failed = checkpoint::failed_marker(c.dir, r, run_);
     if (std::filesystem::exists(failed)) {
-      std::string cause = fsdpx::detail::read_text(failed);
+      std::string cause = fsdpx::detail::read_text(failed, "checkpoint failure marker");
       if (cause.empty()) cause = ::fsdpx::detail::str("rank ", r, " could not save its files (nor describe why: is the disk full?)");
       record_failure(c.step, ::fsdpx::detail::str("fsdpx: checkpoint step ", c.step, " was not committed: ", cause));
       release_reserves(c.dir);
@@ -271,7 +271,7 @@ FSDPX_DECL bool CheckpointCoordinator::advance_commit(Commit& c) {
       char name[256] = {};
       long long bytes = 0;
       unsigned long crc = 0;
-      const std::string text = fsdpx::detail::read_text(marker);
+      const std::string text = fsdpx::detail::read_text(marker, "checkpoint marker");
       FSDPX_CHECK_AS(IoError, std::sscanf(text.c_str(), "%255s %lld %lu", name, &bytes, &crc) == 3,
                      "checkpoint marker '", marker.string(), "' is corrupt");
       files[name] = {{"bytes", int64_t{bytes}}, {"crc32c", static_cast<uint32_t>(crc)}};

@@ -46,6 +46,11 @@ FSDPX_DECL c10::IValue to_ivalue(const StateDict& sd) {
     groups.push_back(gd);
   }
   d.insert("param_groups", groups);
+  if (!sd.trained.empty()) {
+    c10::impl::GenericList trained(c10::StringType::get());
+    for (const auto& name : sd.trained) trained.push_back(name);
+    d.insert("trained", trained);
+  }
   return d;
 }
 
@@ -127,6 +132,14 @@ FSDPX_DECL StateDict parse_state_dict(const c10::IValue& v, const fs::path& path
       sd.param_groups.push_back(std::move(values));
     }
   }
+  if (f.has("trained")) {
+    const c10::IValue& trained = f.get("trained");
+    FSDPX_CHECK_AS(IoError, trained.isList(), "'", path.string(), "': 'trained' is not a list");
+    for (const c10::IValue& x : trained.toListRef()) {
+      FSDPX_CHECK_AS(IoError, x.isString(), "'", path.string(), "': 'trained' holds something other than names");
+      sd.trained.push_back(x.toStringRef());
+    }
+  }
   return sd;
 }
 
@@ -146,13 +159,14 @@ FSDPX_DECL StateDict state_dict_from_ivalue(const c10::IValue& v, const fs::path
 FSDPX_DECL c10::IValue load_committed_ivalue(const fs::path& path, const std::optional<CommittedFile>& committed) {
   if (committed) {
     std::error_code ec;
-    FSDPX_CHECK_AS(IoError, fs::exists(path, ec), "checkpoint file '", path.string(), "' is missing (listed in ",
-                   config_file, ")");
+    const fs::file_status status = fs::status(path, ec);
+    FSDPX_CHECK_AS(IoError, fs::exists(status), "checkpoint file '", path.string(), "' is missing (listed in ", config_file, ")");
+    FSDPX_CHECK_AS(IoError, fs::is_regular_file(status), "checkpoint file '", path.string(), "' is not a regular file");
     const auto size = static_cast<int64_t>(fs::file_size(path, ec));
     FSDPX_CHECK_AS(IoError, !ec && size == committed->bytes, "'", path.string(), "' has ", size, " bytes but ",
                    config_file, " records ", committed->bytes, ": the file is truncated or was replaced");
   }
-  return detail::load_ivalue(path, committed ? committed->crc32c : std::nullopt);
+  return committed ? detail::load_ivalue(path, committed->crc32c, committed->bytes) : detail::load_ivalue(path);
 }
 
 FSDPX_DECL StateDict load_shard_file(const fs::path& dir, const std::string& name,

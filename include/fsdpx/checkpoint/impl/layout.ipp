@@ -10,7 +10,7 @@ namespace fsdpx::checkpoint {
 FSDPX_DECL std::optional<int64_t> read_iteration_file(const fs::path& path) {
   std::error_code ec;
   if (!fs::exists(path, ec)) return std::nullopt;
-  const std::string text = ::fsdpx::detail::read_text(path);
+  const std::string text = ::fsdpx::detail::read_text(path, "iteration file");
   size_t used = 0;
   int64_t step = -1;
   try {
@@ -28,7 +28,7 @@ FSDPX_DECL CommitRecord parse_commit_record(const fs::path& config) {
   CommitRecord r;
   r.path = config;
   const std::string doc = config.string();
-  const auto j = ::fsdpx::detail::parse_json(::fsdpx::detail::read_text(config), doc);
+  const auto j = ::fsdpx::detail::parse_json(::fsdpx::detail::read_text(config, "commit record"), doc);
   FSDPX_CHECK_AS(IoError, j.is_object() && json_find<std::string>(j, "format", doc) == std::string(format_name),
                  "commit record '", doc, "': it is not an fsdpx commit record (no \"format\": \"", format_name, "\")");
   const int64_t version = json_get<int64_t>(j, "format_version", doc);
@@ -53,6 +53,13 @@ FSDPX_DECL CommitRecord parse_commit_record(const fs::path& config) {
     for (const auto& [name, f] : files->items()) {
       const std::string what = doc + "\": \"files\": \"" + name;
       r.files[name] = {json_get<int64_t>(f, "bytes", what), json_get<uint32_t>(f, "crc32c", what)};
+      // Readers look files up by the record's world size: a record that disagrees with its own files
+      // would otherwise read as a checkpoint that lacks them.
+      if (const auto parsed = parse_shard_file_name(name)) {
+        FSDPX_CHECK_AS(IoError, parsed->world_size == r.world_size && parsed->rank < r.world_size, "commit record '", doc,
+                       "': world_size is ", r.world_size, " but it lists '", name, "', a file of rank ", parsed->rank,
+                       " of a world of ", parsed->world_size, ": the record is corrupt or from another checkpoint");
+      }
     }
   }
   return r;
@@ -91,9 +98,12 @@ FSDPX_DECL std::optional<int64_t> find_latest_checkpoint(const fs::path& root, b
   const fs::path file = root / (weights_only ? state_dict_iteration_file : checkpointed_iteration_file);
   if (const auto step = read_iteration_file(file)) {
     const auto record = read_commit_record(step_dir(root, *step));
-    FSDPX_CHECK_AS(IoError, record && is_committed(*record, weights_only), "'", file.string(), "' names step ", *step,
-                   ", but ", step_dir(root, *step).string(), " has no commit record (", config_file,
-                   "): the checkpoint root was modified by hand");
+    FSDPX_CHECK_AS(IoError, record, "'", file.string(), "' names step ", *step, ", but ", step_dir(root, *step).string(),
+                   " has no commit record (", config_file, "): the checkpoint root was modified by hand");
+    FSDPX_CHECK_AS(IoError, is_committed(*record, weights_only), "'", file.string(), "' names step ", *step, ", but its commit record '",
+                   record->path.string(), "' ", weights_only ? "does not commit the model (\"components\" lacks \"model\")"
+                                                             : "is not complete (\"complete\" is not true)",
+                   ": the checkpoint root was modified by hand");
     return step;
   }
   return find_committed_before(root, std::numeric_limits<int64_t>::max(), weights_only);
@@ -113,7 +123,7 @@ FSDPX_DECL bool lease_is_live(const fs::path& lease) {
   long pid = 0;
   std::string text;
   try {
-    text = ::fsdpx::detail::read_text(lease);
+    text = ::fsdpx::detail::read_text(lease, "lease");
   } catch (const IoError&) {
     return young();  // gone (false) or being replaced
   }

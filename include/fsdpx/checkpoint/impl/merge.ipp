@@ -189,16 +189,23 @@ FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const Mer
   }
 
   // ---- coverage -------------------------------------------------------------------------------------
-  std::vector<std::string> gaps;
+  // Every element in exactly one rank's file (only replica 0 of a shard group writes): a range in two
+  // files would let the later one win silently.
+  std::vector<std::string> gaps, twice;
   for (auto& [name, p] : params) {
     std::sort(p.filled.begin(), p.filled.end());
     int64_t covered = 0;
     const int64_t numel = p.flat.numel();
     for (const auto& [lo, hi] : p.filled) {
       if (lo > covered) gaps.push_back(::fsdpx::detail::str("'", name, "' elements [", covered, ", ", lo, ")"));
+      if (lo < covered) twice.push_back(::fsdpx::detail::str("'", name, "' elements [", lo, ", ", std::min(hi, covered), ")"));
       covered = std::max(covered, hi);
     }
     if (covered < numel) gaps.push_back(::fsdpx::detail::str("'", name, "' elements [", covered, ", ", numel, ")"));
+  }
+  if (!twice.empty()) {
+    FSDPX_FAIL(IoError, "the model files in '", dir.string(), "' (world size ", world,
+               ") hold parts of parameters in more than one rank's file: ", ::fsdpx::detail::join_names(twice));
   }
   if (!gaps.empty()) {
     std::string list;

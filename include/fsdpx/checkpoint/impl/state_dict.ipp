@@ -168,6 +168,13 @@ FSDPX_DECL void load_model_state_dict(core::ShardedModel& model,
 FSDPX_DECL StateDict optimizer_state_dict(const core::ShardedModel& model, torch::optim::Optimizer& optimizer) {
   StateDict sd = detail::empty_state_dict(model, StateDictKind::sharded, "optim");
   for (auto& group : optimizer.param_groups()) sd.param_groups.push_back(detail::group_hyperparameters(group.options()));
+  if (!optimizer.state().empty()) {  // every rank steps together: the trained units' parameters all have state
+    for (size_t i = 0; i < model.num_units(); ++i) {
+      const core::Unit& u = model.unit(i);
+      if (!u.trainable()) continue;
+      for (const core::ParamInfo& p : u.layout().params()) sd.trained.push_back(p.name);
+    }
+  }
   if (!detail::writes_slices(model)) return sd;
   for (size_t i = 0; i < model.num_units(); ++i) {
     const core::Unit& u = model.unit(i);
@@ -193,6 +200,7 @@ FSDPX_DECL StateDict optimizer_state_dict(const core::ShardedModel& model, torch
 FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::ShardedModel& model,
                                       const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved) {
   struct Pending {
+    const core::Unit* unit;
     const core::Unit::OptimParam* op;
     std::map<std::string, at::Tensor> tensors;
     std::vector<std::string> targets;  // its entries in the loader
@@ -202,9 +210,11 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
   int64_t step = 0;
   bool first = true;
   std::vector<std::string> keys;
+  std::optional<std::set<std::string>> trained;  // the saving job's trained parameters, from its files
   model.wait_for_shard_readers();
   for_each_saved([&](const StateDict& sd) {
     FSDPX_CHECK(sd.component == "optim", "loading optimizer state from a '", sd.component, "' state dict");
+    if (!trained && !sd.trained.empty()) trained.emplace(sd.trained.begin(), sd.trained.end());
     if (first) {
       first = false;
       if (sd.param_groups.size() == optimizer.param_groups().size()) {
@@ -223,7 +233,7 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
         core::Unit& u = model.unit(i);
         const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
         for (const auto& op : u.optim_params()) {
-          Pending pend{&op, {}, {}};
+          Pending pend{&u, &op, {}, {}};
           for (const auto& key : keys) pend.tensors[key] = at::zeros_like(op.tensor);
           const int64_t op_begin = base + op.range.begin, op_end = base + op.range.end;
           for (const core::ParamInfo& p : u.layout().params()) {
@@ -250,17 +260,56 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
     loader.load(split, "v");
   });
   if (keys.empty()) return;  // saved before the first step: nothing to restore
-  // Parameters the model lacks were named by the model load already; tensors the optimizer never
-  // stepped (a frozen unit, or one frozen when saved and trained now) have no saved state and get none.
+  // One optimizer state, with one step count, covers each group of a unit's trained parameters (its
+  // decayed ones, its others). It is restored when the checkpoint has state for every parameter of
+  // the group, and left to start afresh when it has none (a unit frozen when saved, trained now);
+  // decided from the saving job's list of trained parameters (or, in older files, from the names in
+  // every rank's file), not from this rank's shard, so alike at every world size. A group with state
+  // for some parameters only (the frozen parameters changed within it) cannot be restored.
+  const bool global = trained.has_value() || loader.complete();
+  const auto had_state = [&](const std::string& name) {
+    return trained ? trained->count(name) != 0 : loader.seen(name + " [" + keys.front() + "]");
+  };
+  const auto saved = [&](const core::Unit& u, bool decay, std::vector<std::string>* with, std::vector<std::string>* without) {
+    bool any = false;
+    for (const core::ParamInfo& p : u.layout().params()) {
+      if (p.decay != decay) continue;
+      const bool has = had_state(p.name);
+      any = any || has;
+      if (with != nullptr) (has ? *with : *without).push_back(p.name);
+    }
+    return any;
+  };
+  std::string changed;
+  for (size_t i = 0; i < model.num_units() && global; ++i) {
+    const core::Unit& u = model.unit(i);
+    if (!u.trainable()) continue;
+    for (const bool decay : {true, false}) {
+      std::vector<std::string> with, without;
+      saved(u, decay, &with, &without);
+      if (with.empty() || without.empty()) continue;
+      changed += ::fsdpx::detail::str("\n  unit '", u.name(), "': ", ::fsdpx::detail::join_names(without),
+                                      " (frozen when the optimizer state was saved) would share one state with ",
+                                      ::fsdpx::detail::join_names(with));
+    }
+  }
+  FSDPX_CHECK(changed.empty(), "loading the optimizer state dict: the parameters frozen when it was saved differ from those "
+              "frozen now, within one optimizer state:", changed, "\n  Resume with the same parameters frozen, or load the "
+              "model only and start a new optimizer.");
+  // Parameters the model lacks were named by the model load already; a state saved for a parameter
+  // frozen now is left out.
   loader.finish(/*strict=*/false, /*absent_is_missing=*/false);
-  for (auto& pend : pending) {
-    const bool saved = std::any_of(pend.targets.begin(), pend.targets.end(), [&](const std::string& t) {
+  // Older files read at the saving topology (this rank's file only): what this rank's shard got.
+  const auto filled_here = [&](const Pending& pend) {
+    return std::any_of(pend.targets.begin(), pend.targets.end(), [&](const std::string& t) {
       for (const auto& target : loader.targets()[t]) {
         if (!target.filled.empty()) return true;
       }
       return false;
     });
-    if (!saved) continue;
+  };
+  for (auto& pend : pending) {
+    if (!(global ? saved(*pend.unit, pend.op->decay, nullptr, nullptr) : filled_here(pend))) continue;
     optimizer.state()[pend.op->tensor.unsafeGetTensorImpl()] = detail::make_optimizer_state(optimizer, std::move(pend.tensors), step);
   }
 }

@@ -50,9 +50,8 @@ FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const 
   });
 }
 
-FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> expected_crc32c) {
-  FSDPX_CHECK_AS(IoError, fs::exists(path), "checkpoint file '", path.string(), "' does not exist");
-  std::vector<char> data = ::fsdpx::detail::read_file(path);
+FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> expected_crc32c, int64_t max_bytes) {
+  std::vector<char> data = ::fsdpx::detail::read_file(path, "checkpoint file", max_bytes);
   if (expected_crc32c) {
     const uint32_t crc = ::fsdpx::detail::Crc32c::of(data.data(), data.size());
     FSDPX_CHECK_AS(IoError, crc == *expected_crc32c, "checkpoint file '", path.string(), "' is corrupt: its CRC-32C is ",

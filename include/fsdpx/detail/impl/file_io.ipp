@@ -66,11 +66,13 @@ FSDPX_DECL WrittenFile write_file_durably(const fs::path& path,
   return file.commit();
 }
 
-FSDPX_DECL std::vector<char> read_file(const fs::path& path) {
+FSDPX_DECL std::vector<char> read_file(const fs::path& path, const char* what, int64_t max_bytes) {
   // The one way in: a regular file, opened without blocking (a FIFO or a device would hang or never end).
-  const Fd fd = open_regular_file(path, "file");
+  const Fd fd = open_regular_file(path, what);
   struct stat st {};
   if (::fstat(fd.get(), &st) != 0) throw_io("stat of", path, errno);
+  FSDPX_CHECK_AS(IoError, st.st_size <= max_bytes, what, " '", path.string(), "' has ", int64_t{st.st_size},
+                 " bytes; it may have at most ", max_bytes);
   std::vector<char> data(static_cast<size_t>(st.st_size));
   read_exact(fd.get(), path, 0, data.data(), st.st_size, st.st_size);
   return data;

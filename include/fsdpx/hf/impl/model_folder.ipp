@@ -33,10 +33,7 @@ FSDPX_DECL std::vector<::fsdpx::detail::WrittenFile> copy_model_files(const fs::
   FSDPX_CHECK_AS(IoError, !ec, "listing '", from.string(), "' failed: ", ec.message());
   std::sort(files.begin(), files.end());
   for (const fs::path& file : files) {
-    const int64_t size = static_cast<int64_t>(fs::file_size(file, ec));
-    FSDPX_CHECK_AS(IoError, !ec && size <= options.max_file_bytes, "model folder file '", file.string(), "' ",
-                   ec ? "cannot be read: " + ec.message() : "is larger than " + std::to_string(options.max_file_bytes) + " bytes");
-    const std::vector<char> data = ::fsdpx::detail::read_file(file);
+    const std::vector<char> data = ::fsdpx::detail::read_file(file, "model folder file", options.max_file_bytes);
     written.push_back(::fsdpx::detail::write_file_durably(to / file.filename(), [&](const auto& sink) { sink(data.data(), data.size()); }));
   }
   return written;
