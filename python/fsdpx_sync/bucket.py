@@ -5,8 +5,10 @@ numel) of the tensor flattened row-major, at byte_offset from the bucket's start
 from __future__ import annotations
 
 import struct
+from array import array
+from bisect import bisect_left
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -30,134 +32,215 @@ DTYPES = {
 }
 
 
-@dataclass
-class Entry:
+ESIZE = {code: torch.empty(0, dtype=dt).element_size() for code, dt in DTYPES.items()}
+# Bytes an entry takes in a header at the least: a count the header cannot hold is refused at once.
+MIN_ENTRY_BYTES = 2 + 1 + 1 + 3 * 8
+# What a tensor costs in Python beyond its bytes (the tensor object, its storage, the dict entries):
+# counted against max_version_bytes, so that a version of many tiny tensors is not free.
+TENSOR_BOOKKEEPING = 1024
+RANGE_BOOKKEEPING = 64  # a range of received elements (chunks out of order)
+
+_NAME_LEN = struct.Struct("<H")
+_DTYPE_NDIM = struct.Struct("<BB")
+_PLACE = struct.Struct("<qqQ")  # element offset, element count, byte offset
+_PREFIX = struct.Struct("<IHHIIQqII")
+
+
+class Entry(NamedTuple):
     name: str
     dtype: torch.dtype
     shape: Tuple[int, ...]
     element_offset: int
     numel: int
     byte_offset: int
-
-    @property
-    def tensor_numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+    tensor_numel: int
+    nbytes: int
 
 
 @dataclass
 class Bucket:
+    """A bucket's prefix, checked; its entries are parsed one at a time by entries() (never all held:
+    a header of many entries costs what one entry costs)."""
+
     last: bool
     header_bytes: int
     total_bytes: int
     version: int
     index: int
     count: int
-    entries: List[Entry]
-
-
-class _Reader:
-    def __init__(self, data: memoryview, limit: int, where: str):
-        self.data, self.pos, self.limit, self.where = data, 0, limit, where
+    entry_count: int
+    view: memoryview
+    where: str
 
     def fail(self, why: str):
         raise SyncError(f"fsdpx: a corrupt weight bucket from {self.where}: {why}")
 
-    def get(self, fmt: str, what: str):
-        size = struct.calcsize(fmt)
-        if self.pos + size > self.limit:
-            self.fail(f"it ends inside {what}")
-        (value,) = struct.unpack_from(fmt, self.data, self.pos)
-        self.pos += size
-        return value
+    def entries(self) -> Iterator[Entry]:
+        """Each entry, bounds-checked before it is yielded."""
+        view, limit, pos = self.view, self.header_bytes, PREFIX_BYTES
 
-    def get_bytes(self, n: int, what: str) -> bytes:
-        if self.pos + n > self.limit:
-            self.fail(f"it ends inside {what}")
-        out = bytes(self.data[self.pos : self.pos + n])
-        self.pos += n
-        return out
+        def need(n: int, what: str):
+            if pos + n > limit:
+                self.fail(f"the header ends inside {what} ({limit} header bytes)")
+
+        for _ in range(self.entry_count):
+            need(2, "an entry's name length")
+            (length,) = _NAME_LEN.unpack_from(view, pos)
+            pos += 2
+            need(length, "an entry's name")
+            name = str(view[pos : pos + length], "utf-8", "replace")
+            pos += length
+            need(2, "an entry's dtype and rank")
+            code, ndim = _DTYPE_NDIM.unpack_from(view, pos)
+            pos += 2
+            if code not in DTYPES:
+                self.fail(f"entry '{name}' has unknown dtype code {code}")
+            if ndim > MAX_NDIM:
+                self.fail(f"entry '{name}' has {ndim} dimensions")
+            need(8 * ndim + _PLACE.size, "an entry's shape and place")
+            shape = struct.unpack_from(f"<{ndim}q", view, pos)
+            pos += 8 * ndim
+            element_offset, numel, byte_offset = _PLACE.unpack_from(view, pos)
+            pos += _PLACE.size
+            if any(d < 0 for d in shape):
+                self.fail(f"entry '{name}' has a negative dimension")
+            tensor_numel = 1
+            for d in shape:
+                tensor_numel *= d
+            esize = ESIZE[code]
+            if (numel < 0 or element_offset < 0 or element_offset + numel > tensor_numel or byte_offset < self.header_bytes
+                    or byte_offset % esize or byte_offset + numel * esize > self.total_bytes):
+                self.fail(f"entry '{name}' (elements {element_offset}+{numel} of {tensor_numel} at byte {byte_offset}) "
+                          f"lies outside the bucket of {self.total_bytes} bytes")
+            yield Entry(name, DTYPES[code], shape, element_offset, numel, byte_offset, tensor_numel, tensor_numel * esize)
 
 
 def decode_bucket(data, where: str) -> Bucket:
-    """Parses and checks a bucket's header; every field is bounds-checked before it is used."""
+    """Parses and checks a bucket's prefix; its entries come from Bucket.entries(), each checked."""
     view = memoryview(data).cast("B")
-    r = _Reader(view, len(view), where)
-    if r.get("<I", "the magic number") != BUCKET_MAGIC:
-        r.fail("bad magic number (not a weight bucket)")
-    fmt = r.get("<H", "the format")
+    if len(view) < PREFIX_BYTES:
+        raise SyncError(f"fsdpx: a corrupt weight bucket from {where}: it ends inside its prefix ({len(view)} bytes)")
+    magic, fmt, flags, count_entries, header_bytes, total_bytes, version, index, count = _PREFIX.unpack_from(view, 0)
+    b = Bucket(bool(flags & 1), header_bytes, total_bytes, version, index, count, count_entries, view, where)
+    if magic != BUCKET_MAGIC:
+        b.fail("bad magic number (not a weight bucket)")
     if fmt != BUCKET_FORMAT:
-        r.fail(f"format {fmt}, this receiver reads format {BUCKET_FORMAT}")
-    last = bool(r.get("<H", "the flags") & 1)
-    count_entries = r.get("<I", "the entry count")
-    header_bytes = r.get("<I", "the header size")
-    total_bytes = r.get("<Q", "the total size")
-    version = r.get("<q", "the version")
-    index = r.get("<I", "the bucket index")
-    count = r.get("<I", "the bucket count")
+        b.fail(f"format {fmt}, this receiver reads format {BUCKET_FORMAT}")
     if header_bytes > len(view) or header_bytes < PREFIX_BYTES or total_bytes < header_bytes:
-        r.fail(f"header size {header_bytes} / total size {total_bytes} inconsistent with {len(view)} bytes available")
+        b.fail(f"header size {header_bytes} / total size {total_bytes} inconsistent with {len(view)} bytes available")
     if index >= count:
-        r.fail(f"bucket index {index} of {count}")
-    body = _Reader(view, header_bytes, where)
-    body.pos = PREFIX_BYTES
-    entries = []
-    for _ in range(count_entries):  # each entry takes bytes of the header: a lying count runs out
-        name = body.get_bytes(body.get("<H", "an entry's name length"), "an entry's name").decode("utf-8", "replace")
-        code = body.get("<B", "an entry's dtype")
-        if code not in DTYPES:
-            body.fail(f"entry '{name}' has unknown dtype code {code}")
-        ndim = body.get("<B", "an entry's rank")
-        if ndim > MAX_NDIM:
-            body.fail(f"entry '{name}' has {ndim} dimensions")
-        shape = tuple(body.get("<q", "an entry's shape") for _ in range(ndim))
-        if any(d < 0 for d in shape):
-            body.fail(f"entry '{name}' has a negative dimension")
-        e = Entry(name, DTYPES[code], shape, body.get("<q", "an entry's element offset"),
-                  body.get("<q", "an entry's element count"), body.get("<Q", "an entry's byte offset"))
-        esize = torch.empty(0, dtype=e.dtype).element_size()
-        if (e.numel < 0 or e.element_offset < 0 or e.element_offset + e.numel > e.tensor_numel
-                or e.byte_offset < header_bytes or e.byte_offset % esize or e.byte_offset + e.numel * esize > total_bytes):
-            body.fail(f"entry '{name}' (elements {e.element_offset}+{e.numel} of {e.tensor_numel} at byte "
-                      f"{e.byte_offset}) lies outside the bucket of {total_bytes} bytes")
-        entries.append(e)
-    return Bucket(last, header_bytes, total_bytes, version, index, count, entries)
+        b.fail(f"bucket index {index} of {count}")
+    if count_entries > (header_bytes - PREFIX_BYTES) // MIN_ENTRY_BYTES:
+        b.fail(f"{count_entries} entries cannot fit in a header of {header_bytes} bytes")
+    return b
+
+
+class Coverage:
+    """Which elements of one tensor have arrived: disjoint [start, end) ranges in two compact arrays,
+    merged where they touch (chunks in order keep one range). A tensor is whole only when every
+    element arrived exactly once: counting elements alone would take the first half sent twice for
+    the whole tensor, with its other half uninitialised."""
+
+    __slots__ = ("starts", "ends", "covered", "empty_seen")
+
+    def __init__(self):
+        self.starts, self.ends = array("q"), array("q")
+        self.covered, self.empty_seen = 0, False
+
+    def add(self, begin: int, n: int, numel: int) -> Optional[str]:
+        """Records elements [begin, begin + n); the reason it cannot (recording nothing), or None."""
+        end = begin + n
+        if begin < 0 or n < 0 or end > numel:
+            return f"elements [{begin}, {begin}+{n}) lie outside its {numel} elements"
+        if n == 0:
+            if numel != 0:
+                return f"an empty chunk at element {begin} of a tensor of {numel} elements"
+            if self.empty_seen:
+                return "the empty tensor arrived twice"
+            self.empty_seen = True
+            return None
+        starts, ends = self.starts, self.ends
+        i = bisect_left(starts, begin)
+        for j in (i, i - 1):
+            if 0 <= j < len(starts) and starts[j] < end and ends[j] > begin:
+                return (f"elements [{max(begin, starts[j])}, {min(end, ends[j])}) arrived twice (a chunk [{begin}, "
+                        f"{end}) overlaps elements already received)")
+        merge_prev = i > 0 and ends[i - 1] == begin
+        merge_next = i < len(starts) and starts[i] == end
+        if merge_prev and merge_next:
+            ends[i - 1] = ends[i]
+            del starts[i]
+            del ends[i]
+        elif merge_prev:
+            ends[i - 1] = end
+        elif merge_next:
+            starts[i] = begin
+        else:
+            starts.insert(i, begin)
+            ends.insert(i, end)
+        self.covered += n
+        return None
+
+    def gap(self, numel: int) -> Optional[str]:
+        """None when all ``numel`` elements arrived; else the first range that did not."""
+        if numel == 0:
+            return None if self.empty_seen else "it never arrived"
+        if self.covered == numel:
+            return None
+        at, until = 0, numel
+        for b, e in zip(self.starts, self.ends):
+            if b > at:
+                until = b
+                break
+            at = e
+        return f"{self.covered} of {numel} elements arrived; elements [{at}, {until}) never did"
 
 
 class Collector:
-    """Assembles whole tensors from chunks; every tensor must arrive whole, each element once."""
+    """Assembles whole tensors from chunks; every element of every tensor must arrive exactly once."""
 
     def __init__(self, max_bytes: int):
         self.tensors: Dict[str, torch.Tensor] = {}
-        self.received: Dict[str, int] = {}
+        self.flat: Dict[str, torch.Tensor] = {}
+        self.received: Dict[str, Coverage] = {}
         self.max_bytes, self.allocated = max_bytes, 0
 
-    def accept(self, e: Entry, bucket: bytearray):
+    def _charge(self, cost: int, what: str):
+        if self.allocated + cost > self.max_bytes:
+            raise SyncError(f"fsdpx: received weights: {what} would take the version beyond max_version_bytes "
+                            f"({self.max_bytes}, bookkeeping included)")
+        self.allocated += cost
+
+    def accept(self, e: Entry, bucket):
         t = self.tensors.get(e.name)
         if t is None:
-            nbytes = e.tensor_numel * torch.empty(0, dtype=e.dtype).element_size()
-            cost = nbytes + 256 + len(e.name)  # bookkeeping too: many empty tensors are not free
-            if self.allocated + cost > self.max_bytes:
-                raise SyncError(f"fsdpx: received tensor '{e.name}' of {nbytes} bytes exceeds max_version_bytes "
-                                f"({self.max_bytes})")
-            self.allocated += cost
+            self._charge(e.nbytes + TENSOR_BOOKKEEPING + len(e.name), f"tensor '{e.name}' of {e.nbytes} bytes")
             try:
                 t = self.tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
             except RuntimeError as err:
                 raise SyncError(f"fsdpx: received tensor '{e.name}' has an impossible shape {e.shape}: {err}") from err
-            self.received[e.name] = 0
+            self.received[e.name] = Coverage()
+            self.flat[e.name] = t.view(-1)
         if tuple(t.shape) != e.shape or t.dtype != e.dtype:
-            raise SyncError(f"fsdpx: '{e.name}' arrived with two different shapes or dtypes")
+            raise SyncError(f"fsdpx: received weights: '{e.name}' arrived with two different shapes or dtypes")
+        coverage = self.received[e.name]
+        ranges = len(coverage.starts)
+        problem = coverage.add(e.element_offset, e.numel, t.numel())
+        if problem is not None:
+            raise SyncError(f"fsdpx: received weights are not whole: '{e.name}': {problem}")
+        if len(coverage.starts) > ranges:
+            self._charge(RANGE_BOOKKEEPING, f"the scattered chunks of '{e.name}'")
         if e.numel:
             chunk = torch.frombuffer(bucket, dtype=e.dtype, count=e.numel, offset=e.byte_offset)
-            t.view(-1)[e.element_offset : e.element_offset + e.numel].copy_(chunk)
-        self.received[e.name] += e.numel
+            self.flat[e.name][e.element_offset : e.element_offset + e.numel].copy_(chunk)
 
     def finish(self) -> List[Tuple[str, torch.Tensor]]:
-        missing = [f"'{n}' arrived with {self.received[n]} of {t.numel()} elements"
-                   for n, t in self.tensors.items() if self.received[n] != t.numel()]
+        missing = []
+        for n, t in self.tensors.items():
+            gap = self.received[n].gap(t.numel())
+            if gap is not None:
+                missing.append(f"'{n}': {gap}")
         if missing:
-            raise SyncError("fsdpx: received weights are incomplete: " + "; ".join(missing[:8]))
+            raise SyncError("fsdpx: received weights are not whole (every element of every tensor must arrive exactly "
+                            "once): " + "; ".join(missing[:8]) + (f"; and {len(missing) - 8} more" if len(missing) > 8 else ""))
         return list(self.tensors.items())

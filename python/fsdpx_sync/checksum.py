@@ -15,6 +15,7 @@ from typing import Callable, List, Optional
 import torch
 
 _POLY = 0x82F63B78  # reflected Castagnoli polynomial
+_PIECE = 64 << 10
 
 
 def _make_table() -> List[int]:
@@ -34,7 +35,18 @@ def _native() -> Optional[Callable[[bytes], int]]:
     try:
         import google_crc32c  # type: ignore
 
-        return lambda data: google_crc32c.value(bytes(data))
+        def value(data) -> int:
+            # It reads only immutable bytes: a frame is copied a piece at a time, never whole at once
+            # (a bucket's copy would double the receiver's memory).
+            view = memoryview(data).cast("B")
+            if view.readonly:
+                return google_crc32c.value(view.obj if isinstance(view.obj, bytes) else bytes(view))
+            crc = 0
+            for at in range(0, len(view), _PIECE):
+                crc = google_crc32c.extend(crc, bytes(view[at : at + _PIECE]))
+            return crc
+
+        return value
     except ImportError:
         pass
     try:

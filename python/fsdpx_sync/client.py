@@ -33,10 +33,14 @@ from .checksum import crc32c
 from .errors import SyncError
 
 FRAME_MAGIC = 0x32535846  # "FXS2"
-PROTOCOL = 2
+PROTOCOL = 3
 HEADER = struct.Struct("<IHHqQQQ")  # magic, kind, flags, version, length, checksum, aux
 MAX_TEXT = 64 << 10
+MAX_RUN = 256  # a run's identity, or its label
+REFUSED_BUSY = 1  # an error frame's aux: refused at accept for a limit, try again later
 NONCE = 32
+GROW = 1 << 20  # a payload's buffer grows as its bytes arrive, from this much
+_ZEROS = bytes(GROW)
 CLIENT_LABEL = b"fsdpx-sync-2 client"
 SERVER_LABEL = b"fsdpx-sync-2 server"
 ROLE_PUBLISH, ROLE_FETCH = 1, 2
@@ -51,12 +55,19 @@ def handshake_mac(secret: bytes, label: bytes, role: int, first: bytes, second: 
     return hmac.new(secret, label + struct.pack("<Q", role) + first + second, hashlib.sha256).digest()
 
 
+class _Busy(Exception):
+    """The server refused the connection at accept for one of its limits: try again later."""
+
+
 @dataclass
 class WeightVersion:
-    """All tensors of one version, in the order they were published; iterating yields (name, tensor)."""
+    """All tensors of one version, in the order they were published; iterating yields (name, tensor).
+    ``run`` labels the trainer run that published it (a new run's versions are newer whatever their
+    numbers)."""
 
     version: int
     tensors: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
+    run: str = ""
 
     def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
         return iter(self.tensors)
@@ -120,12 +131,32 @@ class SyncClient:
         self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
         self.max_bucket_bytes, self.max_version_bytes = max_bucket_bytes, max_version_bytes
         self._sock: Optional[socket.socket] = None
+        self._last: Tuple[int, str] = (-1, "")  # the version fetched last, and its run's label
+        self._deadline: Optional[float] = None  # while fetching: when the whole fetch must end
+        self._timeout, self._progress = 0.0, ""
 
     # ---- connection ------------------------------------------------------------------------------
 
-    def _connect(self):
-        self.close()
+    def _connect(self, what: str):
+        """Connects and authenticates. A server that refuses the connection for a limit (too many
+        connections waiting to authenticate) is asked again until connect_timeout; then the error says
+        which limit."""
         deadline = time.monotonic() + self.connect_timeout
+        while True:
+            try:
+                return self._connect_once(deadline)
+            except _Busy as busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise SyncError(
+                        f"fsdpx: {what} from the synchronizer at {self.where}: {busy}; asked again for "
+                        f"{self.connect_timeout} s (connect_timeout). Too many connections wait to authenticate: many "
+                        "clients connecting at once, or a peer holding connections open (the server's max_handshakes "
+                        "and max_handshakes_per_address)") from None
+                time.sleep(min(left, 0.1))
+
+    def _connect_once(self, deadline: float):
+        self.close()
         last = "no attempt"
         while True:
             try:
@@ -163,6 +194,12 @@ class SyncClient:
     def _handshake(self):
         what = "the handshake"
         hello, nonce = self._read_frame(self.io_timeout, what, text=True)
+        if hello[1] == ERROR:
+            self.close()
+            text = nonce.decode("utf-8", "replace")
+            if hello[6] == REFUSED_BUSY:
+                raise _Busy(text)
+            raise SyncError(f"fsdpx: the synchronizer at {self.where} refused the connection: {text}")
         if hello[1] != HELLO or hello[6] != PROTOCOL or len(nonce) != NONCE:
             self._fail(f"the server did not start with a protocol {PROTOCOL} hello", what)
         mine = _secrets.token_bytes(NONCE)
@@ -200,15 +237,31 @@ class SyncClient:
         self.close()
         raise SyncError(f"fsdpx: {what} from the synchronizer at {self.where}: {why}")
 
-    def _recv_into(self, view: memoryview, timeout: float, what: str):
-        assert self._sock is not None
+    def _frame_deadline(self, timeout: float) -> Tuple[float, bool]:
+        """When a frame must have arrived: within ``timeout``, and within the fetch's deadline (True when
+        that comes first)."""
         deadline = time.monotonic() + timeout
+        if self._deadline is not None and self._deadline < deadline:
+            return self._deadline, True
+        return deadline, False
+
+    def _late(self, timeout: float, by_fetch: bool, what: str):
+        if by_fetch:
+            progress = f" ({self._progress})" if self._progress else ""
+            self._fail(f"it did not finish within the fetch's timeout of {self._timeout} s{progress}: the server or the "
+                       "network is slow or stalled, or the version is too large to arrive in that time (the timeout "
+                       "covers the transfer: pass a longer one)", what)
+        self._fail(f"it did not answer within {timeout} s (the server or the trainer behind it is stalled or "
+                   "unreachable)", what)
+
+    def _recv_into(self, view: memoryview, deadline: Tuple[float, bool], timeout: float, what: str) -> int:
+        """Fills ``view`` by ``deadline`` (from _frame_deadline)."""
+        assert self._sock is not None
         got = 0
         while got < len(view):
-            left = deadline - time.monotonic()
+            left = deadline[0] - time.monotonic()
             if left <= 0:
-                self._fail(f"it did not answer within {timeout} s (the server or the trainer behind it is stalled "
-                           "or unreachable)", what)
+                self._late(timeout, deadline[1], what)
             self._sock.settimeout(left)
             try:
                 n = self._sock.recv_into(view[got:])
@@ -219,32 +272,48 @@ class SyncClient:
             if n == 0:
                 self._fail("the server closed the connection (it exited, crashed or was stopped)", what)
             got += n
+        return got
+
+    def _recv_payload(self, length: int, deadline: Tuple[float, bool], what: str) -> bytearray:
+        """``length`` bytes. The buffer grows as they arrive (doubling from 1 MiB): a header that
+        announces a large frame makes the client hold only what was actually sent."""
+        buf = bytearray(min(length, GROW))
+        got = 0
+        while True:
+            got += self._recv_into(memoryview(buf)[got:], deadline, self.io_timeout, what)
+            if got == length:
+                return buf
+            target = min(length, 2 * len(buf))
+            while len(buf) < target:  # zeros from a shared block: no buffer of the whole size at once
+                buf += _ZEROS[: target - len(buf)]
 
     def _write_frame(self, kind: int, version: int, aux: int, payload: bytes, what: str):
         assert self._sock is not None
         header = HEADER.pack(FRAME_MAGIC, kind, 0, version, len(payload), crc32c(payload) if payload else 0, aux)
-        self._sock.settimeout(self.io_timeout)
+        deadline, _ = self._frame_deadline(self.io_timeout)
+        self._sock.settimeout(max(0.001, deadline - time.monotonic()))
         try:
             self._sock.sendall(header + payload)
         except OSError as e:
             self._fail(f"the connection failed: {e}", what)
 
     def _read_frame(self, timeout: float, what: str, text: bool = False):
-        """(header fields, payload as a bytearray). Sizes are checked before anything is allocated."""
+        """(header fields, payload as a bytearray). Sizes are checked before anything is allocated, and
+        the payload's buffer grows only as its bytes arrive. The header comes within ``timeout``, the
+        payload within io_timeout, both within the fetch's deadline."""
         raw = bytearray(HEADER.size)
-        self._recv_into(memoryview(raw), timeout, what)
+        self._recv_into(memoryview(raw), self._frame_deadline(timeout), timeout, what)
         h = HEADER.unpack(raw)
         magic, kind, _flags, _version, length, checksum, _aux = h
         if magic != FRAME_MAGIC:
-            self._fail("a frame without the synchronizer's magic number (protocol 2)", what)
+            self._fail("a frame without the synchronizer's magic number (FXS2)", what)
         if kind not in KIND_NAMES:
             self._fail(f"a frame of unknown kind {kind}", what)
-        limit = MAX_TEXT if (text or kind == ERROR) else self.max_bucket_bytes if kind == BUCKET else 0
+        limit = (MAX_RUN if kind == SNAPSHOT_BEGIN else MAX_TEXT if (text or kind == ERROR)
+                 else self.max_bucket_bytes if kind == BUCKET else 0)
         if length > limit:
             self._fail(f"a {KIND_NAMES[kind]} frame of {length} bytes (at most {limit} allowed here)", what)
-        payload = bytearray(length)
-        if length:
-            self._recv_into(memoryview(payload), self.io_timeout, what)
+        payload = self._recv_payload(length, self._frame_deadline(self.io_timeout), what) if length else bytearray()
         if (crc32c(payload) if length else 0) != checksum:
             self._fail("a frame whose checksum does not match its payload (corrupted in transit)", what)
         return h, payload
@@ -253,12 +322,16 @@ class SyncClient:
 
     def fetch_newer(self, have: int = -1, timeout: float = 60.0) -> WeightVersion:
         """The newest version once it is newer than ``have`` (-1: any), waiting up to ``timeout``
-        seconds. All of one version, every frame's CRC-32C checked, or a SyncError."""
+        seconds. ``timeout`` is the deadline of the whole fetch, the version's transfer included:
+        whatever the server sends, this returns or raises within it (a large version needs a timeout
+        that covers its transfer). All of one version (every frame's CRC-32C checked, every element of
+        every tensor exactly once), or a SyncError. A version of another trainer run than the one
+        ``have`` came from (this client's last fetch) is newer whatever its number: a new run took over."""
         if have < -1:
             raise SyncError(f"fsdpx: fetching a version newer than {have}: versions are >= 0 (-1: any)")
         what = f"fetching a version newer than {have}"
         if self._sock is None or self._closed_by_server():
-            self._connect()
+            self._connect(what)
         return self._fetch_once(have, timeout, what)
 
     def _closed_by_server(self) -> bool:
@@ -279,43 +352,70 @@ class SyncClient:
         return True
 
     def _fetch_once(self, have: int, timeout: float, what: str) -> WeightVersion:
+        timeout = min(max(timeout, 0.0), 365 * 24 * 3600.0)
+        # The whole fetch ends by this deadline, whatever the server sends: a server trickling frames,
+        # each within io_timeout, cannot keep it longer.
+        self._deadline, self._timeout, self._progress = time.monotonic() + timeout, timeout, ""
         try:
-            return self._fetch_stream(have, timeout, what)
+            return self._fetch_stream(have, what)
         except BaseException:
             self.close()  # mid-stream, the connection is out of step: the next fetch opens a fresh one
             raise
+        finally:
+            self._deadline = None
 
-    def _fetch_stream(self, have: int, timeout: float, what: str) -> WeightVersion:
-        timeout = min(max(timeout, 0.0), 365 * 24 * 3600.0)
-        deadline = time.monotonic() + timeout
+    def _fetch_stream(self, have: int, what: str) -> WeightVersion:
+        deadline = self._deadline
+        # The run of the version this client fetched last: a version of another run is newer.
+        have_run = self._last[1] if have != -1 and have == self._last[0] else ""
         while True:
-            # The server may answer `timeout` early (it caps a wait at its idle_timeout): ask again.
-            left = max(0.0, deadline - time.monotonic())
-            self._write_frame(FETCH, have, int(left * 1000), b"", what)
+            # The server answers `timeout` a little before this fetch's deadline, so that the answer
+            # arrives in time; it may answer earlier (it caps a wait at its idle_timeout): ask again.
+            now = time.monotonic()
+            left = max(0.0, deadline - now)
+            server_wait = left - min(left / 4, 0.25)
+            self._write_frame(FETCH, have, int(server_wait * 1000), have_run.encode(), what)
             begin, text = self._read_frame(left + self.io_timeout, what)
-            if begin[1] != TIMEOUT or time.monotonic() >= deadline:
+            if begin[1] != TIMEOUT or time.monotonic() + 0.01 >= now + server_wait:
                 break
         kind, version, count = begin[1], begin[3], begin[6]
         if kind == TIMEOUT:
-            raise SyncError(f"fsdpx: no weight version newer than {have} was published within {timeout} s (the "
+            raise SyncError(f"fsdpx: no weight version newer than {have} was published within {self._timeout} s (the "
                             f"synchronizer at {self.where} has version {version}); the trainer may be slow, stopped or dead")
         if kind == ERROR:
             raise SyncError(f"fsdpx: the synchronizer at {self.where} answered: {text.decode('utf-8', 'replace')}")
         if kind != SNAPSHOT_BEGIN:
             self._fail(f"an unexpected {KIND_NAMES.get(kind, kind)} frame", what)
-        if version <= have:
-            self._fail(f"it sent version {version} for a request newer than {have}", what)
+        run = text.decode("utf-8", "replace")
+        if version <= have and (not have_run or run == have_run):
+            self._fail(f"it sent version {version} of run '{run}' for a request newer than {have}", what)
         if count == 0 or count > self.max_version_bytes // PREFIX_BYTES:
             self._fail(f"a version of {count} buckets", what)
         collector = Collector(self.max_version_bytes)
         for k in range(count):
+            self._progress = f"version {version}: {k} of {count} buckets received"
             frame, payload = self._read_frame(self.io_timeout, what)
             if frame[1] != BUCKET:
                 self._fail("a bucket frame was expected", what)
-            b = decode_bucket(payload, f"synchronizer {self.where}")
-            if b.version != version or b.index != k or b.count != count or b.total_bytes != len(payload):
-                self._fail(f"bucket {b.index} of {b.count} of version {b.version} ({b.total_bytes} bytes) arrived "
-                           f"where bucket {k} of {count} of version {version} ({len(payload)} bytes) was expected", what)
-            for e in b.entries:
-                collector.accept(e, payload)
-        return WeightVersion(version, collector.finish())
+            try:
+                b = decode_bucket(payload, f"synchronizer {self.where}")
+                if b.version != version or b.index != k or b.count != count or b.total_bytes != len(payload):
+                    self._fail(f"bucket {b.index} of {b.count} of version {b.version} ({b.total_bytes} bytes) arrived "
+                               f"where bucket {k} of {count} of version {version} ({len(payload)} bytes) was expected",
+                               what)
+                for e in b.entries():  # one at a time: a header of many entries holds none of them
+                    collector.accept(e, payload)
+            except SyncError as e:
+                self._fail(f"version {version}: {_unprefixed(e)}", what)
+            del b, payload
+        try:
+            tensors = collector.finish()  # every element of every tensor exactly once
+        except SyncError as e:
+            self._fail(f"version {version}: {_unprefixed(e)}", what)
+        self._last = (version, run)
+        return WeightVersion(version, tensors, run)
+
+
+def _unprefixed(e: Exception) -> str:
+    text = str(e)
+    return text[len("fsdpx: "):] if text.startswith("fsdpx: ") else text

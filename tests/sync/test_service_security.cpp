@@ -7,7 +7,9 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <limits>
+#include <map>
 #include <random>
 #include <string>
 #include <thread>
@@ -21,6 +23,7 @@
 #include <sys/time.h>
 #include <sys/wait.h>
 #include <fcntl.h>
+#include <poll.h>
 #include <csignal>
 #include <cstdlib>
 #include <unistd.h>
@@ -38,12 +41,21 @@ namespace {
 /// A blocking loopback socket with receive and send timeouts: the attacker's side.
 class RawConnection {
  public:
-  explicit RawConnection(uint16_t port, std::chrono::milliseconds timeout = 3000ms) {
+  /// `source`: the local address to connect from (any of 127/8 reaches the loopback server).
+  explicit RawConnection(uint16_t port, std::chrono::milliseconds timeout = 3000ms, const char* source = nullptr) {
     fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
     if (fd_ < 0) return;
-    timeval tv{static_cast<time_t>(timeout.count() / 1000), static_cast<suseconds_t>((timeout.count() % 1000) * 1000)};
-    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    set_timeout(timeout);
+    if (source != nullptr) {
+      sockaddr_in local{};
+      local.sin_family = AF_INET;
+      ::inet_pton(AF_INET, source, &local.sin_addr);
+      if (::bind(fd_, reinterpret_cast<sockaddr*>(&local), sizeof(local)) != 0) {
+        ::close(fd_);
+        fd_ = -1;
+        return;
+      }
+    }
     sockaddr_in addr{};
     addr.sin_family = AF_INET;
     addr.sin_port = htons(port);
@@ -53,12 +65,31 @@ class RawConnection {
       fd_ = -1;
     }
   }
+  /// A connection accepted by a fake server.
+  static RawConnection adopt(int fd, std::chrono::milliseconds timeout = 3000ms) {
+    RawConnection c;
+    c.fd_ = fd;
+    c.set_timeout(timeout);
+    return c;
+  }
   RawConnection(const RawConnection&) = delete;
   RawConnection(RawConnection&& o) noexcept : fd_(std::exchange(o.fd_, -1)) {}
+  RawConnection& operator=(RawConnection&& o) noexcept {
+    if (this != &o) {
+      if (fd_ >= 0) ::close(fd_);
+      fd_ = std::exchange(o.fd_, -1);
+    }
+    return *this;
+  }
   ~RawConnection() {
     if (fd_ >= 0) ::close(fd_);
   }
   bool ok() const { return fd_ >= 0; }
+  void set_timeout(std::chrono::milliseconds timeout) {
+    timeval tv{static_cast<time_t>(timeout.count() / 1000), static_cast<suseconds_t>((timeout.count() % 1000) * 1000)};
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  }
 
   bool send_bytes(const void* data, size_t n) {
     const auto* p = static_cast<const char*>(data);
@@ -72,6 +103,22 @@ class RawConnection {
   }
   bool send_frame(sd::FrameHeader h, const std::string& payload = {}) {
     return send_bytes(&h, sizeof(h)) && (payload.empty() || send_bytes(payload.data(), payload.size()));
+  }
+  /// A frame of `kind` with `payload` (its length and checksum set).
+  bool send_payload(sd::FrameKind kind, int64_t version, uint64_t aux, const std::string& payload) {
+    return send_frame(sd::make_frame(kind, version, aux, payload.data(), payload.size()), payload);
+  }
+  bool send_bucket(int64_t version, uint64_t index, const at::Tensor& bucket) {
+    return send_payload(sd::FrameKind::bucket, version, index,
+                        std::string(static_cast<const char*>(bucket.const_data_ptr()), bucket.nbytes()));
+  }
+  /// A whole publish of `buckets` as `version` of `run`; the server's answer (ack or error, with its text).
+  std::optional<std::pair<sd::FrameHeader, std::string>> publish(int64_t version, const std::string& run,
+                                                                 const std::vector<at::Tensor>& buckets) {
+    send_payload(sd::FrameKind::publish_begin, version, buckets.size(), run);
+    for (size_t i = 0; i < buckets.size(); ++i) send_bucket(version, i, buckets[i]);
+    send_frame(sd::make_frame(sd::FrameKind::publish_end, version));
+    return recv_frame();
   }
   bool recv_bytes(void* data, size_t n) {
     auto* p = static_cast<char*>(data);
@@ -90,6 +137,11 @@ class RawConnection {
     std::string payload(h.length, '\0');
     if (h.length > 0 && !recv_bytes(payload.data(), payload.size())) return std::nullopt;
     return std::pair{h, payload};
+  }
+  /// Something (a frame, or the close) can be read without waiting.
+  bool readable() const {
+    pollfd p{fd_, POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0;
   }
   /// True when the server closed the connection (after its error frame, if any).
   bool closed_by_server() {
@@ -113,6 +165,15 @@ class RawConnection {
     if (welcomed) *welcomed = reply && reply->first.kind == static_cast<uint16_t>(sd::FrameKind::welcome);
     return server_nonce;
   }
+  /// The server's side of the handshake, as a fake server without a secret: hello, the client's auth,
+  /// a welcome with a zero MAC (a client without a secret does not check it).
+  bool serve_handshake() {
+    const std::string nonce(sd::nonce_bytes, '\0');
+    if (!send_payload(sd::FrameKind::hello, fxs::no_version, sd::protocol_version, nonce)) return false;
+    auto auth = recv_frame();
+    if (!auth || auth->first.kind != static_cast<uint16_t>(sd::FrameKind::auth)) return false;
+    return send_payload(sd::FrameKind::welcome, fxs::no_version, auth->first.aux, std::string(sd::mac_bytes, '\0'));
+  }
   static std::string auth_payload(fxs::Role role, const std::string& secret, const sd::Nonce& server_nonce) {
     const sd::Nonce mine = sd::fresh_nonce();
     sd::Mac mac{};
@@ -123,8 +184,92 @@ class RawConnection {
   }
 
  private:
+  RawConnection() = default;
   int fd_ = -1;
 };
+
+/// A fake synchronizer on loopback, for what a hostile server may send a client: it accepts one
+/// connection, passes the handshake, then runs `script` on it.
+class FakeServer {
+ public:
+  explicit FakeServer(std::function<void(RawConnection&)> script) {
+    fd_ = ::socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    REQUIRE(::bind(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+    REQUIRE(::listen(fd_, 4) == 0);
+    socklen_t len = sizeof(addr);
+    ::getsockname(fd_, reinterpret_cast<sockaddr*>(&addr), &len);
+    port_ = ntohs(addr.sin_port);
+    thread_ = std::thread([this, script = std::move(script)] {
+      const int fd = ::accept(fd_, nullptr, nullptr);
+      if (fd < 0) return;
+      RawConnection c = RawConnection::adopt(fd, 10000ms);
+      if (c.serve_handshake()) script(c);
+    });
+  }
+  ~FakeServer() {
+    ::shutdown(fd_, SHUT_RDWR);  // wakes an accept that never got a connection
+    thread_.join();
+    ::close(fd_);
+  }
+  uint16_t port() const { return port_; }
+
+ private:
+  int fd_ = -1;
+  uint16_t port_ = 0;
+  std::thread thread_;
+};
+
+/// One chunk of a crafted bucket: elements [offset, offset + numel) of `source` under `name` (the
+/// entry says `shape`, the source's unless given). Chunks outside the source travel as zeros.
+struct Chunk {
+  std::string name;
+  at::Tensor source;
+  int64_t offset = 0;
+  int64_t numel = 0;
+  std::vector<int64_t> shape = {};
+};
+
+/// A bucket laid out as plan_buckets would, but holding exactly the chunks given, right or wrong.
+at::Tensor craft_bucket(int64_t version, uint32_t index, uint32_t count, const std::vector<Chunk>& chunks) {
+  fxs::BucketLayout b;
+  b.version = version;
+  b.index = index;
+  b.count = count;
+  b.last = index + 1 == count;
+  int64_t header = fxs::bucket_prefix_bytes;
+  for (const auto& c : chunks) header += sd::entry_header_bytes(c.name, c.shape.empty() ? c.source.dim() : c.shape.size());
+  int64_t offset = sd::align_up(header);
+  b.header_bytes = offset;
+  for (const auto& c : chunks) {
+    const auto shape = c.shape.empty() ? c.source.sizes().vec() : c.shape;
+    b.entries.push_back({c.name, c.source.scalar_type(), shape, c.offset, c.numel, offset});
+    offset += sd::align_up(b.entries.back().nbytes());
+  }
+  b.total_bytes = offset;
+  at::Tensor bucket = at::zeros({offset}, at::kByte);
+  fxs::write_header(bucket, b);
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const auto& c = chunks[i];
+    if (c.offset >= 0 && c.numel > 0 && c.offset + c.numel <= c.source.numel()) fxs::pack_entry(bucket, b.entries[i], c.source);
+  }
+  return bucket;
+}
+
+std::vector<at::Tensor> craft_version(int64_t version, const std::vector<std::vector<Chunk>>& buckets) {
+  std::vector<at::Tensor> out;
+  for (size_t i = 0; i < buckets.size(); ++i) {
+    out.push_back(craft_bucket(version, static_cast<uint32_t>(i), static_cast<uint32_t>(buckets.size()), buckets[i]));
+  }
+  return out;
+}
+
+bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() &&
+         std::memcmp(a.const_data_ptr(), b.contiguous().const_data_ptr(), a.nbytes()) == 0;
+}
 
 /// The weights of version `v`: values derived from v, so a reader can check them bit for bit.
 std::vector<fxs::NamedTensor> weights_of(int64_t v) {
@@ -249,14 +394,73 @@ TEST_CASE("security: wrong secret, no secret and a replayed handshake are refuse
   CHECK(server.stats().failed_auth >= 4);
 }
 
-TEST_CASE("security: versions cannot be hijacked, and a publish that never completes holds nobody back", "[security]") {
-  fxs::SynchronizerServer server({.secret = "s", .max_version_jump = 1000, .io_timeout = 1500ms});
+TEST_CASE("security: a version far ahead locks no trainer out: another run takes over, whatever its versions",
+          "[security]") {
+  // The documented default: loopback, no secret, so any local process may publish.
+  fxs::SynchronizerServer server;
   const auto port = server.port();
-  {
-    // Even the first version is bounded: nothing can be published before the trainer's first.
-    fxs::SynchronizerClient rogue("127.0.0.1", port, {.secret = "s"});
-    CHECK_THROWS_WITH(rogue.publish(int64_t{1} << 62, weights_of(1)), Catch::Contains("max_version_jump (1000)"));
-  }
+  fxs::SynchronizerClient trainer("127.0.0.1", port);  // this process's own run
+  trainer.publish(1, weights_of(1));
+  fxs::SynchronizerClient reader("127.0.0.1", port);
+  CHECK(reader.fetch_newer(fxs::no_version, 5s).version == 1);
+  // Another local process publishes a version far ahead...
+  const int64_t far = (int64_t{1} << 30) + 1;
+  fxs::SynchronizerClient("127.0.0.1", port, {.run = "someone else"}).publish(far, weights_of(7));
+  const auto hijacked = reader.fetch_newer(1, 5s);
+  CHECK(hijacked.version == far);
+  // ...and the trainer's next version is not refused: it takes over (before: "version 2 is not newer
+  // than ... 1073741825"), and a reader holding the far version gets it whole.
+  trainer.publish(2, weights_of(2));
+  CHECK(server.latest_version() == 2);
+  const auto back = reader.fetch_newer(far, 5s);
+  CHECK(back.version == 2);
+  CHECK(bit_equal(back, weights_of(2)));
+  CHECK(back.run != hijacked.run);
+  // Readers see a label of the run, never the run's identity: no one can publish as the trainer's run.
+  CHECK(back.run.size() == 32);
+  CHECK(back.run.find("pid") == std::string::npos);
+  CHECK(server.stats().runs_taken_over == 2);
+}
+
+TEST_CASE("security: a restarted trainer takes over from its earlier run, versions of one run only increase, and "
+          "a refusal says why", "[security]") {
+  fxs::SynchronizerServer server({.secret = "s"});
+  const auto port = server.port();
+  fxs::SynchronizerClient first("127.0.0.1", port, {.secret = "s", .run = "job 7, attempt 1"});
+  first.publish(10, weights_of(10));
+  first.publish(11, weights_of(11));
+  // Within a run, versions only increase: refused with the reason and what to do.
+  CHECK_THROWS_WITH(first.publish(11, weights_of(11)),
+                    Catch::Contains("refused version 11") && Catch::Contains("not newer than 11") &&
+                        Catch::Contains("latest version this trainer run published") &&
+                        Catch::Contains("takes over as a new run"));
+  fxs::SynchronizerClient reader("127.0.0.1", port, {.secret = "s"});
+  CHECK(reader.fetch_newer(fxs::no_version, 5s).version == 11);
+  // The trainer restarts from the checkpoint of step 5: a new run, older versions, taken at once.
+  fxs::SynchronizerClient resumed("127.0.0.1", port, {.secret = "s", .run = "job 7, attempt 2"});
+  resumed.publish(6, weights_of(6));
+  CHECK(server.latest_version() == 6);
+  const auto s = reader.fetch_newer(11, 5s);
+  CHECK(s.version == 6);
+  CHECK(bit_equal(s, weights_of(6)));
+  resumed.publish(7, weights_of(7));
+  CHECK(reader.fetch_newer(6, 5s).version == 7);
+  // With a secret, only those who hold it publish, new run or not.
+  CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", port, {.run = "a stranger"}).publish(int64_t{1} << 40, weights_of(1)),
+                    Catch::Contains("refused to let this client publish"));
+  CHECK(server.latest_version() == 7);
+  // A run identity is bounded text.
+  CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", port, {.run = std::string(300, 'r')}),
+                    Catch::Contains("ClientOptions::run is a run identity of 300 bytes"));
+  // A tensor listed twice is said plainly, before anything is sent.
+  auto twice = weights_of(8);
+  twice.push_back(twice.front());
+  CHECK_THROWS_WITH(resumed.publish(8, twice), Catch::Contains("tensor 'embed.weight' is listed twice"));
+}
+
+TEST_CASE("security: a publish that never completes holds nobody back", "[security]") {
+  fxs::SynchronizerServer server({.secret = "s", .io_timeout = 1500ms});
+  const auto port = server.port();
   {
     // A fetch for versions newer than -2 (or INT64_MIN) before anything is published is refused.
     RawConnection c(port);
@@ -270,12 +474,6 @@ TEST_CASE("security: versions cannot be hijacked, and a publish that never compl
   }
   fxs::SynchronizerClient trainer("127.0.0.1", port, {.secret = "s"});
   trainer.publish(10, weights_of(10));
-  {
-    fxs::SynchronizerClient rogue("127.0.0.1", port, {.secret = "s"});
-    CHECK_THROWS_WITH(rogue.publish(int64_t{1} << 62, weights_of(1)),
-                      Catch::Contains("more than max_version_jump (1000) above the latest, 10"));
-  }
-  CHECK(server.latest_version() == 10);
 
   // A publisher begins version 11, sends one bucket of two, and stalls.
   RawConnection stalled(port);
@@ -597,4 +795,286 @@ TEST_CASE("security: TLS: versions travel encrypted, the server's certificate is
   CHECK_THROWS_WITH(fxs::SynchronizerServer({.tls_certificate_file = cert, .tls_private_key_file = "/nonexistent/key.pem"}),
                     Catch::Contains("the TLS private key '/nonexistent/key.pem' cannot be used"));
   CHECK(bit_equal(reader.fetch_newer(fxs::no_version, 5s), weights_of(2)));  // the honest ones were served throughout
+}
+
+TEST_CASE("security: a version is committed only when every element of every tensor arrived exactly once",
+          "[security]") {
+  fxs::SynchronizerServer server;  // the loopback default: any local process may publish
+  const auto port = server.port();
+  server.publish(1, weights_of(1));
+  RawConnection publisher(port);
+  bool welcomed = false;
+  REQUIRE(publisher.handshake(fxs::Role::publish, "", &welcomed));
+  REQUIRE(welcomed);
+  const at::Tensor embed = at::arange(40000, at::kFloat).view({200, 200});
+  const at::Tensor empty = at::empty({0, 4}, at::kFloat);
+  const std::string name = "embed.weight";
+  struct Case {
+    const char* what;
+    std::vector<std::vector<Chunk>> buckets;
+    const char* expected;
+  };
+  const std::vector<Case> cases = {
+      {"the first half twice", {{{name, embed, 0, 20000}}, {{name, embed, 0, 20000}}}, "elements [0, 20000) arrived twice"},
+      {"a gap", {{{name, embed, 0, 20000}}, {{name, embed, 30000, 10000}}}, "elements [20000, 30000) never did"},
+      {"overlapping chunks in one bucket", {{{name, embed, 0, 30000}, {name, embed, 20000, 20000}}},
+       "elements [20000, 30000) arrived twice"},
+      {"the same chunk twice", {{{name, embed, 0, 40000}}, {{name, embed, 39999, 1}}}, "elements [39999, 40000) arrived twice"},
+      {"the last element missing", {{{name, embed, 0, 39999}}}, "elements [39999, 40000) never did"},
+      {"a chunk beyond the tensor", {{{name, embed, 30000, 20000}}}, "lies outside"},
+      {"two shapes", {{{name, embed, 0, 20000}}, {{name, embed, 20000, 20000, {40000}}}}, "two shapes or dtypes"},
+      {"an empty tensor twice", {{{name, embed, 0, 40000}, {"empty", empty, 0, 0}}, {{"empty", empty, 0, 0}}},
+       "tensor 'empty': the empty tensor arrived twice"},
+  };
+  int64_t version = 2;
+  for (const Case& c : cases) {
+    INFO(c.what);
+    const auto reply = publisher.publish(version, "raw", craft_version(version, c.buckets));
+    REQUIRE(reply);
+    CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
+    CHECK_THAT(reply->second, Catch::Contains(c.expected));
+    CHECK_THAT(reply->second, Catch::Contains(c.buckets.front().back().name == "empty" ? "'empty'" : "'embed.weight'"));
+    CHECK(server.latest_version() == 1);  // nothing of it is served
+    ++version;
+  }
+  // The same connection then publishes a whole version, in chunks out of order: committed, bit-exact.
+  const auto reply = publisher.publish(version, "raw", craft_version(version, {{{name, embed, 25000, 15000}, {"empty", empty, 0, 0}},
+                                                                             {{name, embed, 0, 25000}}}));
+  REQUIRE(reply);
+  CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::ack));
+  fxs::SynchronizerClient reader("127.0.0.1", port);
+  const auto s = reader.fetch_newer(1, 5s);
+  CHECK(s.version == version);
+  CHECK(same_bytes(s.at(name), embed));
+  CHECK(s.at("empty").sizes() == empty.sizes());
+}
+
+TEST_CASE("security: fuzzed chunk layouts (overlaps, gaps, duplicates, out-of-range chunks): exactly the whole versions "
+          "are committed, and readers get them bit-exact", "[security]") {
+  fxs::SynchronizerServer server({.secret = "s"});
+  const auto port = server.port();
+  RawConnection publisher(port);
+  bool welcomed = false;
+  REQUIRE(publisher.handshake(fxs::Role::publish, "s", &welcomed));
+  REQUIRE(welcomed);
+  fxs::SynchronizerClient reader("127.0.0.1", port, {.secret = "s"});
+  std::mt19937_64 rng(20261201);
+  const auto pick = [&](int64_t n) { return static_cast<int64_t>(rng() % static_cast<uint64_t>(n)); };
+  const at::ScalarType dtypes[] = {at::kFloat, at::kBFloat16, at::kLong, at::kByte};
+  int64_t committed = fxs::no_version, refused = 0;
+  std::map<std::string, int> refusals;  // by kind of damage
+  for (int64_t version = 0; version < 100; ++version) {
+    // 1-3 tensors, each cut into 1-6 chunks at random places (an empty tensor is one empty chunk).
+    std::vector<Chunk> chunks;
+    std::map<std::string, at::Tensor> sources;
+    const int64_t count = 1 + pick(3);
+    for (int64_t t = 0; t < count; ++t) {
+      const std::string tname = "layer" + std::to_string(t) + ".w";
+      const int64_t numel = pick(10) == 0 ? 0 : 1 + pick(3000);
+      at::Tensor src = at::randint(0, 200, {numel}, at::kLong).to(dtypes[pick(4)]);
+      if (numel > 0 && pick(2) == 0 && numel % 2 == 0) src = src.view({2, numel / 2});
+      sources[tname] = src;
+      std::vector<int64_t> cuts{0, numel};
+      for (int64_t k = pick(6); k > 0 && numel > 1; --k) cuts.push_back(1 + pick(numel - 1));
+      std::sort(cuts.begin(), cuts.end());
+      cuts.erase(std::unique(cuts.begin(), cuts.end()), cuts.end());
+      if (numel == 0) cuts = {0, 0};
+      for (size_t k = 0; k + 1 < cuts.size(); ++k) chunks.push_back({tname, src, cuts[k], cuts[k + 1] - cuts[k]});
+    }
+    // Damage one tensor's chunks, or not.
+    std::string damage = "none";
+    const size_t i = static_cast<size_t>(pick(static_cast<int64_t>(chunks.size())));
+    Chunk& c = chunks[i];
+    const std::string damaged = c.name;
+    const int64_t numel = c.source.numel();
+    switch (pick(6)) {
+      case 0: {  // a chunk sent twice
+        chunks.push_back(Chunk(c));
+        damage = "duplicate";
+        break;
+      }
+      case 1: {  // a chunk dropped: a gap (unless it is the tensor's only chunk: then the tensor is not sent)
+        const auto same = std::count_if(chunks.begin(), chunks.end(), [&](const Chunk& o) { return o.name == damaged; });
+        if (same > 1) {
+          chunks.erase(chunks.begin() + static_cast<std::ptrdiff_t>(i));
+          damage = "gap";
+        }
+        break;
+      }
+      case 2: {  // a chunk grown into its neighbour, or shrunk (a gap)
+        if (c.offset + c.numel < numel) {
+          c.numel += 1 + pick(numel - c.offset - c.numel);
+          damage = "overlap";
+        } else if (c.numel > 1) {
+          c.numel -= 1 + pick(c.numel - 1);
+          damage = "gap";
+        }
+        break;
+      }
+      case 3: {  // a chunk moved beyond the tensor's end
+        c.offset = numel - c.numel + 1 + pick(5);
+        damage = "out of range";
+        break;
+      }
+      default: break;
+    }
+    // Out of order, over 1-4 buckets.
+    std::shuffle(chunks.begin(), chunks.end(), rng);
+    const size_t buckets_n = std::min<size_t>(chunks.size(), static_cast<size_t>(1 + pick(4)));
+    std::vector<std::vector<Chunk>> buckets(buckets_n);
+    for (size_t k = 0; k < chunks.size(); ++k) buckets[k < buckets_n ? k : static_cast<size_t>(pick(buckets_n))].push_back(chunks[k]);
+    INFO("version " << version << ", damage: " << damage << " of '" << damaged << "'");
+    const auto reply = publisher.publish(version, "fuzz", craft_version(version, buckets));
+    REQUIRE(reply);
+    if (damage == "none") {
+      REQUIRE(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::ack));
+      const auto s = reader.fetch_newer(committed, 5s);
+      REQUIRE(s.version == version);
+      for (const auto& source : sources) {
+        CHECK(same_bytes(s.at(source.first), source.second));
+      }
+      committed = version;
+    } else {
+      REQUIRE(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
+      CHECK_THAT(reply->second, Catch::Contains("'" + damaged + "'"));
+      CHECK(server.latest_version() == committed);
+      ++refused;
+      ++refusals[damage];
+    }
+  }
+  INFO("refused " << refused << " of 100");
+  CHECK(refusals["duplicate"] >= 3);
+  CHECK(refusals["gap"] >= 3);
+  CHECK(refusals["overlap"] >= 3);
+  CHECK(refusals["out of range"] >= 3);
+  CHECK(committed > 0);
+}
+
+TEST_CASE("security: a reader refuses a version whose chunks overlap, leave gaps or lie outside, whatever the server "
+          "sends", "[security]") {
+  const at::Tensor embed = at::arange(40000, at::kFloat).view({200, 200});
+  const std::string name = "embed.weight";
+  struct Case {
+    const char* what;
+    std::vector<std::vector<Chunk>> buckets;
+    const char* expected;
+  };
+  const std::vector<Case> cases = {
+      {"the first half twice", {{{name, embed, 0, 20000}}, {{name, embed, 0, 20000}}}, "elements [0, 20000) arrived twice"},
+      {"a gap", {{{name, embed, 0, 20000}}, {{name, embed, 30000, 10000}}}, "elements [20000, 30000) never did"},
+      {"a chunk beyond the tensor", {{{name, embed, 0, 20000}}, {{name, embed, 30000, 20000}}}, "lies outside"},
+  };
+  for (const Case& c : cases) {
+    INFO(c.what);
+    FakeServer hostile([&](RawConnection& conn) {
+      if (!conn.recv_frame()) return;  // the fetch
+      const auto buckets = craft_version(5, c.buckets);
+      conn.send_payload(sd::FrameKind::snapshot_begin, 5, buckets.size(), "hostile");
+      for (size_t i = 0; i < buckets.size(); ++i) conn.send_bucket(5, i, buckets[i]);
+      conn.closed_by_server();  // until the client hangs up
+    });
+    fxs::SynchronizerClient reader("127.0.0.1", hostile.port());
+    CHECK_THROWS_WITH(reader.fetch_newer(fxs::no_version, 5s),
+                      Catch::Contains("from the synchronizer at 127.0.0.1:" + std::to_string(hostile.port())) &&
+                          Catch::Contains("'embed.weight'") && Catch::Contains(c.expected));
+  }
+}
+
+TEST_CASE("security: a server that trickles a version cannot keep a fetch beyond its wait", "[security]") {
+  const at::Tensor w = at::arange(100, at::kFloat);
+  FakeServer trickler([&](RawConnection& conn) {
+    if (!conn.recv_frame()) return;
+    conn.send_payload(sd::FrameKind::snapshot_begin, 3, 100, "slow");
+    for (uint32_t k = 0; k < 100; ++k) {  // each bucket well within io_timeout, 30 s in all
+      std::this_thread::sleep_for(300ms);
+      if (!conn.send_bucket(3, k, craft_bucket(3, k, 100, {{"w", w, k, 1}}))) return;
+    }
+  });
+  fxs::SynchronizerClient reader("127.0.0.1", trickler.port(), {.io_timeout = 5000ms});
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(reader.fetch_newer(fxs::no_version, 1000ms),
+                    Catch::Contains("did not finish within the fetch's wait of 1000 ms") &&
+                        Catch::Contains("version 3: ") && Catch::Contains("of 100 buckets received"));
+  const auto took = std::chrono::steady_clock::now() - start;
+  CHECK(took < 2500ms);
+  CHECK(took > 900ms);
+}
+
+TEST_CASE("security: connections waiting to authenticate are bounded per address, and a refused client is told why",
+          "[security]") {
+  fxs::SynchronizerServer server({.max_handshakes = 64, .max_handshakes_per_address = 8, .handshake_timeout = 500ms});
+  const auto port = server.port();
+  server.publish(1, weights_of(1));
+  // 64 silent connections from 127.0.0.2, renewed as the server closes them (its handshake deadline).
+  std::atomic<bool> stop{false};
+  std::atomic<int> told{0};
+  std::string told_text;
+  std::thread attacker([&] {
+    std::vector<RawConnection> held;
+    while (!stop) {
+      while (held.size() < 64 && !stop) {
+        RawConnection c(port, 100ms, "127.0.0.2");
+        if (!c.ok()) break;
+        held.push_back(std::move(c));
+      }
+      for (auto it = held.begin(); it != held.end();) {
+        if (!it->readable()) {
+          ++it;
+          continue;
+        }
+        // A refused one is told why in an error frame; a served one gets the hello, then is closed at
+        // the handshake deadline: both are renewed.
+        auto frame = it->recv_frame();
+        if (frame && frame->first.kind == static_cast<uint16_t>(sd::FrameKind::hello)) {
+          ++it;
+          continue;
+        }
+        if (frame && frame->first.kind == static_cast<uint16_t>(sd::FrameKind::error) && frame->first.aux == sd::refused_busy) {
+          if (told++ == 0) told_text = frame->second;
+        }
+        it = held.erase(it);
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+  });
+  const auto attacked_by = std::chrono::steady_clock::now() + 10s;
+  while (told < 20 && std::chrono::steady_clock::now() < attacked_by) std::this_thread::sleep_for(10ms);
+  if (told < 20) {
+    stop = true;
+    attacker.join();
+    FAIL("refused connections were not told why (" << told << " error frames)");
+  }
+  // Readers from other addresses are served throughout (before: "the server closed the connection").
+  for (int i = 0; i < 3; ++i) {
+    fxs::SynchronizerClient reader("127.0.0.1", port, {.connect_timeout = 2000ms});
+    CHECK(bit_equal(reader.fetch_newer(fxs::no_version, 5s), weights_of(1)));
+    std::this_thread::sleep_for(300ms);
+  }
+  stop = true;
+  attacker.join();
+  CHECK_THAT(told_text, Catch::Contains("the server refused the connection: too many unauthenticated connections from "
+                                        "127.0.0.2 (8; max_handshakes_per_address 8)"));
+  const auto stats = server.stats();
+  CHECK(stats.refused_over_limit >= 20);
+  CHECK(stats.timed_out >= 8);  // the held ones, at the handshake deadline
+
+  // From the client's own address, the slots cannot be told apart: the client asks again until its
+  // connect_timeout, then says which limit refused it.
+  fxs::SynchronizerServer local({.max_handshakes_per_address = 8, .handshake_timeout = 5000ms});
+  local.publish(1, weights_of(1));
+  const auto port2 = local.port();
+  std::vector<RawConnection> silent;
+  for (int i = 0; i < 8; ++i) silent.emplace_back(port2);
+  std::this_thread::sleep_for(100ms);
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", port2, {.connect_timeout = 300ms}).fetch_newer(fxs::no_version, 1s),
+                    Catch::Contains("from the synchronizer at 127.0.0.1:" + std::to_string(port2) +
+                                    ": the server refused the connection: too many unauthenticated connections from "
+                                    "127.0.0.1") &&
+                        Catch::Contains("asked again for 300 ms"));
+  CHECK(std::chrono::steady_clock::now() - start < 2s);
+  silent.clear();
+  // Once they are gone, the client is served.
+  fxs::SynchronizerClient reader("127.0.0.1", port2);
+  CHECK(reader.fetch_newer(fxs::no_version, 5s).version == 1);
 }

@@ -56,6 +56,8 @@ struct NamedTensor {
 struct WeightSnapshot {
   int64_t version = no_version;
   std::vector<NamedTensor> tensors;
+  /// The trainer run that published it (the TCP service: ClientOptions::run); empty in process.
+  std::string run = {};
 
   /// The tensor named `name`; a SyncError naming it when absent.
   const at::Tensor& at(std::string_view name) const {
@@ -178,6 +180,53 @@ class Reader {
   std::string_view where_;
 };
 
+/// Which elements of one tensor have arrived: disjoint [begin, end) ranges, merged where they touch,
+/// so chunks that arrive in order take one range. Readers and the server count a tensor whole only
+/// when every element arrived exactly once: counting elements alone would take the first half sent
+/// twice for the whole tensor, and hand out the other half uninitialised.
+class Coverage {
+ public:
+  /// Records elements [begin, begin + n) of a tensor of `numel` elements; the reason it cannot (out of
+  /// range, arrived before, an empty chunk of a non-empty tensor), recording nothing; empty when done.
+  FSDPX_DECL std::string add(int64_t begin, int64_t n, int64_t numel);
+  /// Elements recorded so far (each once).
+  int64_t covered() const { return covered_; }
+  /// Disjoint ranges held: what the bookkeeping costs.
+  size_t ranges() const { return ranges_.size(); }
+  /// Empty when all `numel` elements arrived; else the first range that did not, in words.
+  FSDPX_DECL std::string gap(int64_t numel) const;
+
+ private:
+  std::map<int64_t, int64_t> ranges_;  // begin -> end
+  int64_t covered_ = 0;
+  bool empty_seen_ = false;  // the one entry of an empty tensor
+};
+
+/// A version's chunks as its buckets arrive (the server, before it commits a publish): each tensor
+/// has one dtype and shape, and every element of every tensor arrives exactly once.
+class VersionCoverage {
+ public:
+  /// Records entry `e` of bucket `bucket`; why it cannot belong to the version (naming the tensor),
+  /// or empty.
+  FSDPX_DECL std::string add(const BucketEntry& e, uint32_t bucket);
+  /// Empty when every tensor arrived whole; else the tensors that did not (named, with their gaps).
+  FSDPX_DECL std::string missing() const;
+  /// What this bookkeeping holds, in bytes (so that a limit on a version can count it).
+  int64_t bookkeeping_bytes() const { return bookkeeping_; }
+
+ private:
+  struct Tensor {
+    std::string name;
+    at::ScalarType dtype;
+    std::vector<int64_t> shape;
+    int64_t numel = 0;
+    Coverage coverage;
+  };
+  std::unordered_map<std::string, size_t> index_;
+  std::vector<Tensor> tensors_;
+  int64_t bookkeeping_ = 0;
+};
+
 }  // namespace detail
 
 /// Splits tensors, in order, into buckets of at most `capacity` bytes (header included). A tensor that
@@ -227,9 +276,9 @@ class TensorCollector {
   /// undefined tensor when it cannot (then accept() is called with the chunk and says why).
   FSDPX_DECL at::Tensor destination(const BucketEntry& e);
   /// Entry `e` was received into destination(e).
-  void accepted(const BucketEntry& e) { received_[index_.at(e.name)] += e.numel; }
+  FSDPX_DECL void accepted(const BucketEntry& e);
 
-  /// Checks every tensor arrived whole and hands them out, in arrival order.
+  /// Checks every tensor arrived whole, each element exactly once, and hands them out, in arrival order.
   FSDPX_DECL std::vector<NamedTensor> finish();
 
   FSDPX_DECL static std::string join(const std::vector<std::string>& items, size_t max = 8);
@@ -237,13 +286,15 @@ class TensorCollector {
  private:
   /// The tensor for `e`'s name, allocated on first sight (host ones through memory::empty_buffer).
   FSDPX_DECL std::unordered_map<std::string, size_t>::iterator add(const BucketEntry& e);
+  /// Records `e` in its tensor's coverage; false (a problem noted) when it overlaps or lies outside.
+  FSDPX_DECL bool cover(size_t index, const BucketEntry& e);
 
   at::Device device_;
   int64_t max_bytes_;
   int64_t allocated_ = 0;
   std::unordered_map<std::string, size_t> index_;
   std::vector<NamedTensor> tensors_;
-  std::vector<int64_t> received_;
+  std::vector<detail::Coverage> received_;
   std::vector<std::string> problems_;
 };
 
@@ -262,7 +313,7 @@ class ModuleLoader {
   /// called with the chunk, and casts or reports).
   FSDPX_DECL at::Tensor destination(const BucketEntry& e) const;
   /// Entry `e` was received into destination(e).
-  void accepted(const BucketEntry& e) { targets_[by_name_.at(e.name)].received += e.numel; }
+  FSDPX_DECL void accepted(const BucketEntry& e);
 
   FSDPX_DECL void finish();
 
@@ -270,9 +321,11 @@ class ModuleLoader {
   struct Target {
     std::string name;
     at::Tensor param;
-    int64_t received = 0;
+    detail::Coverage received;
     bool reported = false;  // a mismatch was already recorded
   };
+  /// Records `e` in its target's coverage; false (a problem noted) when it overlaps or lies outside.
+  FSDPX_DECL bool cover(Target& t, const BucketEntry& e);
   std::vector<Target> targets_;
   std::map<std::string, size_t> by_name_;
   std::vector<std::string> unknown_;

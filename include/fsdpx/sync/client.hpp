@@ -21,15 +21,21 @@
 namespace fsdpx::sync {
 
 struct ClientOptions {
-  /// How long to keep trying to connect (the server may start after the client).
+  /// How long to keep trying to connect (the server may start after the client, or refuse it for a
+  /// while when too many connections wait to authenticate).
   std::chrono::milliseconds connect_timeout{10000};
-  /// Deadline for sending or receiving one frame (one bucket).
+  /// Deadline for sending or receiving one frame (one bucket). A fetch also ends by its own `wait`.
   std::chrono::milliseconds io_timeout{60000};
   /// Bucket capacity for publish(); the server refuses buckets above its max_bucket_bytes.
   int64_t bucket_bytes = int64_t{16} << 20;
   /// The secret of the role this client uses (publish or fetch); empty: the environment
   /// (FSDPX_SYNC_PUBLISH_SECRET / FSDPX_SYNC_FETCH_SECRET, then FSDPX_SYNC_SECRET), else none.
   std::string secret;
+  /// The publisher's run: versions of one run must increase; a version of a new run takes over from
+  /// the previous run's, whatever their numbers (a restarted trainer, or one resumed from an earlier
+  /// checkpoint). Empty: this process's own run, fresh per process. Text of at most 256 bytes; give
+  /// one (a job and attempt id, say) only if it changes whenever the trainer restarts.
+  std::string run;
   /// Limits on what the server may send: one bucket, one version.
   int64_t max_bucket_bytes = int64_t{1} << 30;
   int64_t max_version_bytes = int64_t{64} << 30;
@@ -62,8 +68,12 @@ class SynchronizerClient {
   FSDPX_DECL void publish(int64_t version, const std::vector<NamedTensor>& tensors);
 
   /// The newest version once it is newer than `have` (no_version: any), waiting up to `wait` for one.
-  /// All of one version or a SyncError: on a timeout, when the trainer disconnected, when the server
-  /// is gone, on a corrupt frame. A connection the server closed while it was idle is opened again.
+  /// `wait` is the deadline of the whole fetch, the version's transfer included: whatever the server
+  /// sends, it returns or throws within `wait` (a large version needs a wait that covers its transfer).
+  /// All of one version (every element of every tensor exactly once) or a SyncError: on a timeout, when
+  /// the trainer disconnected, when the server is gone, on a corrupt frame. A connection the server
+  /// closed while it was idle is opened again. A version of another trainer run than the one `have`
+  /// came from (this client's last fetch) is newer whatever its number: a new run took over.
   FSDPX_DECL WeightSnapshot fetch_newer(int64_t have, std::chrono::milliseconds wait);
 
   /// fetch_newer, then loads the whole version into `module` by name; returns the version. The module is

@@ -1,13 +1,14 @@
 // The synchronizer server (Boost.Asio, one I/O thread): a trainer publishes versions to it, rollout
 // processes fetch a version newer than theirs. Same guarantees as the in-process Synchronizer:
-// versions only increase, a version becomes visible only once complete, a reader gets a whole version
-// or an error.
+// versions of one trainer run only increase (a new run takes over), a version becomes visible only
+// once every element of every tensor arrived exactly once, a reader gets a whole version or an error.
 //
 // Nothing a network peer sends can end or wedge it: a connection proves it holds the role's secret
 // (detail/auth.hpp) before it may send anything but the 64-byte handshake; every frame is checked
 // against the limits of ServerOptions before anything is allocated for it; every wait has a deadline;
-// an exception in a handler closes that connection only; the number of connections is capped, and an
-// accept that fails (out of descriptors) is retried after a pause, never in a spin.
+// an exception in a handler closes that connection only; the number of connections is capped (those
+// not yet authenticated in all and per peer address; a refused client is told why), and an accept
+// that fails (out of descriptors) is retried after a pause, never in a spin.
 //
 // Declarations only: the server (Boost.Asio, OpenSSL) is in sync/impl/server.ipp, compiled here unless
 // FSDPX_SEPARATE_COMPILATION (fsdpx/detail/config.hpp).
@@ -44,13 +45,17 @@ struct ServerOptions {
   std::string tls_certificate_file;
   std::string tls_private_key_file;
 
+  /// The run of versions published in this process (publish()); empty: the process's own, fresh per
+  /// process (as ClientOptions::run). A version of a new run takes over from the previous run's.
+  std::string run;
+
   // Limits: what one peer, and all of them together, can make the server hold.
   int64_t max_bucket_bytes = int64_t{256} << 20;   // one bucket frame; clients' bucket_bytes must fit
-  int64_t max_version_bytes = int64_t{64} << 30;   // one version (one publish is staged at a time)
-  int64_t max_version_jump = int64_t{1} << 30;     // a version at most this far above the latest
+  int64_t max_version_bytes = int64_t{64} << 30;   // one version (one publish is staged at a time), bookkeeping included
   int max_connections = 512;
   int max_handshakes = 64;  // of those, at most this many before their handshake ends
-  std::chrono::milliseconds handshake_timeout{10000};  // from accept to a proven secret
+  int max_handshakes_per_address = 16;  // and at most this many of those from one peer address
+  std::chrono::milliseconds handshake_timeout{3000};  // from accept to a proven secret
   std::chrono::milliseconds idle_timeout{std::chrono::minutes(30)};  // between requests
   std::chrono::milliseconds io_timeout{60000};  // within a frame, between a publish's frames, per bucket sent
 };
@@ -60,7 +65,8 @@ struct ServerStats {
   int64_t accepted = 0;
   int64_t live = 0;
   int64_t handshaking = 0;         // live, not yet authenticated
-  int64_t refused_over_limit = 0;  // closed at once: max_connections reached
+  int64_t refused_over_limit = 0;  // refused at once (told why): max_connections, max_handshakes or per address
+  int64_t runs_taken_over = 0;     // versions of a new run that superseded the previous run's
   int64_t failed_auth = 0;         // wrong or missing secret, a malformed handshake, a failed TLS handshake
   int64_t protocol_errors = 0;     // frames refused after the handshake
   int64_t timed_out = 0;           // handshake, idle or I/O deadlines

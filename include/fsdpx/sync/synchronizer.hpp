@@ -54,6 +54,19 @@ class VersionedSlot {
     cv_.notify_all();
   }
 
+  /// Makes `value` the newest version whatever its number: the TCP server's new trainer run taking
+  /// over from the previous run's versions (it decides when; in-process versions only increase).
+  void replace(int64_t version, std::shared_ptr<const T> value) {
+    {
+      std::lock_guard lock(mutex_);
+      FSDPX_CHECK_AS(SyncError, !closed_, "cannot publish version ", version, ": the synchronizer is closed (",
+                     close_reason_, ")");
+      version_ = version;
+      value_ = std::move(value);
+    }
+    cv_.notify_all();
+  }
+
   int64_t version() const {
     std::lock_guard lock(mutex_);
     return version_;

@@ -7,9 +7,16 @@
 // frame before it allocates anything for it.
 #pragma once
 
+#include <unistd.h>
+
 #include <cstdint>
+#include <cstdio>
+#include <random>
+#include <string>
 #include <string_view>
 #include <type_traits>
+#include <unordered_set>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -20,14 +27,14 @@
 namespace fsdpx::sync::detail {
 
 enum class FrameKind : uint16_t {
-  publish_begin = 1,   // version; aux = bucket count
+  publish_begin = 1,   // version; aux = bucket count; payload = the publisher's run
   bucket = 2,          // aux = bucket index; payload = one weight bucket
   publish_end = 3,     // version
   ack = 4,             // version committed
-  fetch = 5,           // version = the reader's; aux = how long the server may wait, ms
-  snapshot_begin = 6,  // version; aux = bucket count; bucket frames follow
+  fetch = 5,           // version = the reader's; aux = how long the server may wait, ms; payload = its run
+  snapshot_begin = 6,  // version; aux = bucket count; payload = its run; bucket frames follow
   timeout = 7,         // version = the server's latest
-  error = 8,           // payload = message (server to client only)
+  error = 8,           // payload = message (server to client only); aux = refused_busy: try again later
   goodbye = 9,         // a publisher leaves on purpose
   hello = 10,          // server's first frame: aux = protocol; payload = server nonce
   auth = 11,           // aux = role; payload = client nonce, client MAC
@@ -53,9 +60,61 @@ inline const char* to_string(FrameKind k) {
 }
 
 inline constexpr uint32_t frame_magic = 0x32535846;  // "FXS2"
-inline constexpr uint64_t protocol_version = 2;
+/// 3: runs (publish_begin, fetch and snapshot_begin carry one) and refusals at accept.
+inline constexpr uint64_t protocol_version = 3;
 /// Error texts are short; a longer one is refused, not allocated.
 inline constexpr uint64_t max_error_bytes = 64 << 10;
+/// A run's identity: text of at most this many bytes.
+inline constexpr uint64_t max_run_bytes = 256;
+/// An error frame's aux when the server refused a connection at accept for a limit (too many
+/// connections, or unauthenticated ones): the client may try again until its connect_timeout.
+inline constexpr uint64_t refused_busy = 1;
+
+/// This process's run: what a publisher sends when it is given none (ClientOptions::run,
+/// ServerOptions::run). Fresh per process, so a trainer that restarts (or resumes from a checkpoint)
+/// is a new run and takes over from its previous one, whatever their versions.
+/// Random (128 bits), since what a run is must not be guessed: readers see only its label (run_label).
+inline const std::string& process_run() {
+  static const std::string run = [] {
+    std::random_device device;  // the system's entropy source (Linux: getrandom)
+    std::string r = ::fsdpx::detail::str("pid ", ::getpid(), " ");
+    char hex[9];
+    for (int i = 0; i < 4; ++i) {
+      std::snprintf(hex, sizeof(hex), "%08x", static_cast<unsigned>(device()));
+      r += hex;
+    }
+    return r;
+  }();
+  return run;
+}
+
+/// An error's text without the "fsdpx: " that starts every message, to quote it inside another.
+inline std::string_view unprefixed(std::string_view text) {
+  return text.starts_with("fsdpx: ") ? text.substr(7) : text;
+}
+
+/// Why `run` cannot name a run; empty when it can.
+inline std::string run_problem(std::string_view run) {
+  if (run.size() > max_run_bytes) {
+    return ::fsdpx::detail::str("a run identity of ", run.size(), " bytes (at most ", max_run_bytes, ")");
+  }
+  return {};
+}
+
+/// A run's label as errors quote it.
+inline std::string quoted_run(std::string_view run) {
+  return run.empty() ? std::string("(none)") : ::fsdpx::detail::str("'", run, "'");
+}
+
+/// A version must not list a tensor twice: its chunks would cover the same elements twice, and the
+/// server would refuse the whole version for it. Said first, and plainly.
+inline void check_unique_names(const std::vector<NamedTensor>& tensors, int64_t version) {
+  std::unordered_set<std::string_view> seen;
+  for (const auto& t : tensors) {
+    FSDPX_CHECK_AS(SyncError, seen.insert(t.name).second, "cannot publish version ", version, ": tensor '", t.name,
+                   "' is listed twice");
+  }
+}
 
 struct FrameHeader {
   uint32_t magic = frame_magic;
@@ -104,17 +163,20 @@ inline std::string frame_problem(const FrameHeader& h, uint64_t max_payload) {
 /// A version ready to serve: its buckets and their frame headers (checksums computed once).
 struct EncodedSnapshot {
   int64_t version = no_version;
+  std::string run;    // the snapshot_begin frame's payload
   FrameHeader begin;
   std::vector<FrameHeader> headers;
   std::vector<at::Tensor> buckets;  // uint8, CPU
   int64_t bytes = 0;
 };
 
-inline std::shared_ptr<const EncodedSnapshot> encode_snapshot(int64_t version, std::vector<at::Tensor> buckets,
+inline std::shared_ptr<const EncodedSnapshot> encode_snapshot(int64_t version, std::string run,
+                                                              std::vector<at::Tensor> buckets,
                                                               std::vector<FrameHeader> headers = {}) {
   auto s = std::make_shared<EncodedSnapshot>();
   s->version = version;
-  s->begin = make_frame(FrameKind::snapshot_begin, version, buckets.size());
+  s->run = std::move(run);
+  s->begin = make_frame(FrameKind::snapshot_begin, version, buckets.size(), s->run.data(), s->run.size());
   if (headers.empty()) {
     for (size_t i = 0; i < buckets.size(); ++i) {
       headers.push_back(make_frame(FrameKind::bucket, version, i, buckets[i].const_data_ptr(), buckets[i].nbytes()));

@@ -56,6 +56,25 @@ inline Mac handshake_mac(std::string_view secret, std::string_view label, Role r
 inline constexpr std::string_view client_label = "fsdpx-sync-2 client";
 inline constexpr std::string_view server_label = "fsdpx-sync-2 server";
 
+/// What readers (and errors) see of a publisher's run identity: 32 hex digits of SHA-256 over it. The
+/// identity itself stays with the publisher and the server, so a peer that reads versions cannot
+/// publish as the trainer's run (and lock it out with a version far ahead).
+inline std::string run_label(std::string_view run) {
+  std::string message = "fsdpx-sync run ";
+  message.append(run);
+  unsigned char digest[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  FSDPX_CHECK_AS(SyncError, EVP_Digest(message.data(), message.size(), digest, &len, EVP_sha256(), nullptr) == 1 && len >= 16,
+                 "the synchronizer's SHA-256 failed (OpenSSL)");
+  static constexpr char hex[] = "0123456789abcdef";
+  std::string label;
+  for (unsigned int i = 0; i < 16; ++i) {
+    label.push_back(hex[digest[i] >> 4]);
+    label.push_back(hex[digest[i] & 15]);
+  }
+  return label;
+}
+
 /// Constant-time: the comparison's duration says nothing about where the MACs differ.
 inline bool same_mac(const Mac& a, const uint8_t* b) { return CRYPTO_memcmp(a.data(), b, a.size()) == 0; }
 

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -61,6 +62,8 @@ class ClientConnection {
     const auto address = detail::asio::ip::make_address(host, ec);
     FSDPX_CHECK_AS(SyncError, !ec, "synchronizer client: '", host, "' is not an IP address: ", ec.message());
     endpoint_ = detail::tcp::endpoint(address, port);
+    const std::string run_problem = detail::run_problem(options_.run);
+    FSDPX_CHECK_AS(SyncError, run_problem.empty(), "synchronizer client: ClientOptions::run is ", run_problem);
     if (options_.tls) {
       if (options_.tls_server_name.empty()) options_.tls_server_name = host;
       tls_.emplace(detail::client_tls_context(options_.tls_ca_file, options_.tls_server_name));
@@ -81,13 +84,16 @@ class ClientConnection {
   void publish(int64_t version, const std::vector<NamedTensor>& tensors) {
     FSDPX_CHECK_AS(SyncError, version >= 0, "cannot publish version ", version, ": versions are >= 0");
     FSDPX_CHECK_AS(SyncError, !tensors.empty(), "cannot publish version ", version, ": it has no tensors");
+    detail::check_unique_names(tensors, version);
     const std::string what = ::fsdpx::detail::str("publishing version ", version);
+    const std::string& run = options_.run.empty() ? detail::process_run() : options_.run;
     reconnect_if_closed();
     authenticate(Role::publish, what);
     std::vector<TensorSpec> specs;
     for (const auto& t : tensors) specs.push_back({t.name, t.tensor.sizes().vec(), t.tensor.scalar_type()});
     const auto plan = plan_buckets(specs, options_.bucket_bytes, version);
-    write_frame(detail::make_frame(detail::FrameKind::publish_begin, version, plan.size()), nullptr, what);
+    write_frame(detail::make_frame(detail::FrameKind::publish_begin, version, plan.size(), run.data(), run.size()),
+                run.data(), what);
     at::Tensor bucket;
     size_t next = 0;
     for (const BucketLayout& b : plan) {
@@ -205,24 +211,50 @@ class ClientConnection {
     }
   }
 
+  /// The server refused the connection at accept for one of its limits (its reason): try again later.
+  struct Busy {
+    std::string reason;
+  };
+
   /// The handshake for `role` (once per connection; a connection that fetches reconnects to publish).
   /// A connection opened long before its first use was closed by the server's handshake_timeout: a
-  /// fresh one is tried once.
+  /// fresh one is tried once. A server that refused the connection for a limit (too many waiting to
+  /// authenticate) is asked again until connect_timeout, then the error says which limit.
   void authenticate(Role role, const std::string& what) {
     if (role_ == role || role_ == Role::publish) return;
     if (role_) connect(options_.connect_timeout);
-    try {
-      handshake(role, what);
-    } catch (const SyncError&) {
-      if (!peer_closed_) throw;
-      connect(options_.connect_timeout);
-      handshake(role, what);
+    const auto deadline = dist::deadline_after(options_.connect_timeout);
+    bool reopened = false;
+    while (true) {
+      try {
+        return handshake(role, what);
+      } catch (const Busy& busy) {
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        if (left <= std::chrono::milliseconds(0)) {
+          throw SyncError(::fsdpx::detail::str(
+              "fsdpx: ", what, " from the synchronizer at ", where_, ": ", busy.reason, "; asked again for ",
+              options_.connect_timeout.count(), " ms (ClientOptions::connect_timeout). Too many connections wait to "
+              "authenticate: many clients connecting at once, or a peer holding connections open (the server's "
+              "max_handshakes and max_handshakes_per_address)"));
+        }
+        std::this_thread::sleep_for(std::min(left, std::chrono::milliseconds(100)));
+        connect(std::max(left, std::chrono::milliseconds(1)));
+      } catch (const SyncError&) {
+        if (!peer_closed_ || reopened) throw;
+        reopened = true;
+        connect(options_.connect_timeout);
+      }
     }
   }
 
   void handshake(Role role, const std::string& what) {
     if (!hello_) {
       const auto [hello, payload] = read_frame(options_.io_timeout, what + " (the server's hello)", /*small=*/true);
+      if (hello.kind == static_cast<uint16_t>(detail::FrameKind::error)) {
+        close_socket();
+        if (hello.aux == detail::refused_busy) throw Busy{payload};
+        throw SyncError(::fsdpx::detail::str("fsdpx: ", what, ": the synchronizer at ", where_, " refused the connection: ", payload));
+      }
       if (hello.kind != static_cast<uint16_t>(detail::FrameKind::hello) || hello.aux != detail::protocol_version ||
           payload.size() != detail::nonce_bytes) {
         fail(::fsdpx::detail::str("the server did not start with a protocol ", detail::protocol_version, " hello"), what);
@@ -263,24 +295,49 @@ class ClientConnection {
     role_ = role;
   }
 
+  /// The fetch's deadline for the duration of fetch_once: every read and write ends by it.
+  struct FetchDeadline {
+    ClientConnection& c;
+    FetchDeadline(ClientConnection& connection, std::chrono::steady_clock::time_point at,
+                  std::chrono::milliseconds wait)
+        : c(connection) {
+      c.fetch_deadline_ = at;
+      c.fetch_wait_ = wait;
+      c.fetch_progress_.clear();
+    }
+    ~FetchDeadline() { c.fetch_deadline_.reset(); }
+  };
+
   WeightSnapshot fetch_once(int64_t have, std::chrono::milliseconds wait, const std::string& what) {
     wait = std::clamp(wait, std::chrono::milliseconds(0), std::chrono::milliseconds(std::chrono::hours(24 * 365)));
     const auto deadline = dist::deadline_after(wait);
+    // The whole fetch ends by `deadline`, whatever the server sends (a server trickling frames, each
+    // within io_timeout, cannot keep it longer).
+    const FetchDeadline scope(*this, deadline, wait);
+    // The run of the version this client fetched last: a version of another run is newer.
+    const std::string have_run = have != no_version && have == last_version_ ? last_run_ : std::string();
     detail::FrameHeader begin;
+    std::string run;
     while (true) {
-      // The server may answer `timeout` before `wait` (it caps a wait at its idle_timeout): ask again
-      // for what is left.
-      const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
+      const auto now = std::chrono::steady_clock::now();
+      const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now),
                                  std::chrono::milliseconds(0));
-      write_frame(detail::make_frame(detail::FrameKind::fetch, have, static_cast<uint64_t>(left.count())), nullptr, what);
-      const auto [reply, text] = read_frame(left + options_.io_timeout, what);
-      if (reply.kind == static_cast<uint16_t>(detail::FrameKind::timeout) && std::chrono::steady_clock::now() < deadline) {
+      // The server answers `timeout` a little before this fetch's deadline, so that the answer arrives
+      // in time; it may answer earlier (it caps a wait at its idle_timeout): then ask again.
+      const auto server_wait = left - std::min(left / 4, std::chrono::milliseconds(250));
+      write_frame(detail::make_frame(detail::FrameKind::fetch, have, static_cast<uint64_t>(server_wait.count()),
+                                     have_run.data(), have_run.size()),
+                  have_run.data(), what);
+      auto [reply, text] = read_frame(left + options_.io_timeout, what);
+      if (reply.kind == static_cast<uint16_t>(detail::FrameKind::timeout) &&
+          std::chrono::steady_clock::now() + std::chrono::milliseconds(10) < now + server_wait) {
         continue;
       }
       begin = reply;
       if (reply.kind == static_cast<uint16_t>(detail::FrameKind::error)) {
         throw SyncError(::fsdpx::detail::str("fsdpx: the synchronizer at ", where_, " answered: ", text));
       }
+      run = std::move(text);
       break;
     }
     switch (detail::FrameKind(begin.kind)) {
@@ -292,21 +349,38 @@ class ClientConnection {
       default:
         fail(::fsdpx::detail::str("an unexpected ", detail::to_string(detail::FrameKind(begin.kind)), " frame"), what);
     }
-    if (begin.version <= have) {
-      fail(::fsdpx::detail::str("it sent version ", begin.version, " for a request newer than ", have), what);
+    if (begin.version <= have && (have_run.empty() || run == have_run)) {
+      fail(::fsdpx::detail::str("it sent version ", begin.version, " of run ", detail::quoted_run(run),
+                                " for a request newer than ", have),
+           what);
     }
     if (begin.aux == 0 || begin.aux > static_cast<uint64_t>(options_.max_version_bytes / bucket_prefix_bytes)) {
       fail(::fsdpx::detail::str("a version of ", begin.aux, " buckets"), what);
     }
     TensorCollector collector(at::kCPU, options_.max_version_bytes);
+    std::vector<NamedTensor> tensors;
     for (uint64_t k = 0; k < begin.aux; ++k) {
+      fetch_progress_ = ::fsdpx::detail::str("version ", begin.version, ": ", k, " of ", begin.aux, " buckets received");
       const detail::FrameHeader frame = read_frame(options_.io_timeout, what, /*small=*/false, /*keep_payload=*/true).first;
       if (frame.kind != static_cast<uint16_t>(detail::FrameKind::bucket)) fail("a bucket frame was expected", what);
-      const BucketLayout b = detail::check_bucket(payload_, begin.version, k, begin.aux, "synchronizer " + where_);
-      for (const auto& e : b.entries) collector.accept(e, entry_view(payload_, e));
+      try {
+        const BucketLayout b = detail::check_bucket(payload_, begin.version, k, begin.aux, "synchronizer " + where_);
+        for (const auto& e : b.entries) collector.accept(e, entry_view(payload_, e));
+      } catch (const SyncError& e) {
+        fail(::fsdpx::detail::str("version ", begin.version, ": ", detail::unprefixed(e.what())), what);
+      }
     }
     payload_ = at::Tensor();
-    return {begin.version, collector.finish()};
+    try {
+      // Every element of every tensor exactly once: a version covered twice in part is refused, never
+      // handed out with its other part uninitialised.
+      tensors = collector.finish();
+    } catch (const SyncError& e) {
+      fail(::fsdpx::detail::str("version ", begin.version, ": ", detail::unprefixed(e.what())), what);
+    }
+    last_version_ = begin.version;
+    last_run_ = run;
+    return {begin.version, std::move(tensors), std::move(run)};
   }
 
   [[noreturn]] void fail(const std::string& why, const std::string& what) {
@@ -319,6 +393,16 @@ class ClientConnection {
   void run(Start&& start, std::chrono::milliseconds timeout, const std::string& what) {
     FSDPX_CHECK_AS(SyncError, is_open(), what, ": the connection to the synchronizer at ", where_,
                    " is closed after an earlier error");
+    bool by_deadline = false;  // the fetch's deadline comes first
+    if (fetch_deadline_) {
+      const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(*fetch_deadline_ -
+                                                                                        std::chrono::steady_clock::now()),
+                                 std::chrono::milliseconds(0));
+      if (left < timeout) {
+        timeout = left;
+        by_deadline = true;
+      }
+    }
     std::optional<boost::system::error_code> result;
     start([&](const boost::system::error_code& ec, size_t) { result = ec; });
     io_.restart();
@@ -327,6 +411,13 @@ class ClientConnection {
       close_socket();
       io_.restart();
       io_.run();
+      if (by_deadline) {
+        throw SyncError(::fsdpx::detail::str(
+            "fsdpx: ", what, ": the synchronizer at ", where_, " did not finish within the fetch's wait of ",
+            fetch_wait_.count(), " ms", fetch_progress_.empty() ? std::string() : " (" + fetch_progress_ + ")",
+            ": the server or the network is slow or stalled, or the version is too large to arrive in that time "
+            "(the wait covers the transfer: pass a longer one)"));
+      }
       throw SyncError(::fsdpx::detail::str("fsdpx: ", what, ": the synchronizer at ", where_, " did not answer within ",
                                            timeout.count(), " ms (the server or the trainer behind it is stalled or "
                                            "unreachable)"));
@@ -344,18 +435,21 @@ class ClientConnection {
     run([&](auto handler) { stream_->async_write(buffers, handler); }, options_.io_timeout, what);
   }
 
-  /// Reads one frame. The payload of an error, hello or welcome frame comes back as the string (at most
-  /// max_error_bytes); a bucket payload (keep_payload) stays in payload_. Sizes are checked first.
+  /// Reads one frame. The payload of an error, hello or welcome frame (at most max_error_bytes), or of a
+  /// snapshot_begin (its run), comes back as the string; a bucket payload (keep_payload) stays in
+  /// payload_. Sizes are checked first.
   std::pair<detail::FrameHeader, std::string> read_frame(std::chrono::milliseconds timeout, const std::string& what,
                                                          bool small = false, bool keep_payload = false) {
     detail::FrameHeader h;
     run([&](auto handler) { stream_->async_read(detail::asio::buffer(&h, sizeof(h)), handler); }, timeout,
         what);
-    const bool text = h.kind == static_cast<uint16_t>(detail::FrameKind::error) || small;
-    const uint64_t allowed = text ? detail::max_error_bytes
-                                  : h.kind == static_cast<uint16_t>(detail::FrameKind::bucket)
-                                        ? static_cast<uint64_t>(options_.max_bucket_bytes)
-                                        : 0;
+    const bool begin = h.kind == static_cast<uint16_t>(detail::FrameKind::snapshot_begin);
+    const bool text = h.kind == static_cast<uint16_t>(detail::FrameKind::error) || small || begin;
+    const uint64_t allowed = begin  ? detail::max_run_bytes
+                             : text ? detail::max_error_bytes
+                             : h.kind == static_cast<uint16_t>(detail::FrameKind::bucket)
+                                 ? static_cast<uint64_t>(options_.max_bucket_bytes)
+                                 : 0;
     if (const std::string problem = detail::frame_problem(h, allowed); !problem.empty()) fail(problem, what);
     at::Tensor payload = at::empty({static_cast<int64_t>(h.length)}, at::kByte);
     if (h.length > 0) {
@@ -384,6 +478,13 @@ class ClientConnection {
   std::optional<Role> role_;
   bool published_ = false;
   bool peer_closed_ = false;  // the last failure was the server closing the connection
+  // The version this client fetched last, and its run (sent with the next fetch).
+  int64_t last_version_ = no_version;
+  std::string last_run_;
+  // While a fetch runs: its deadline, its wait and how far it got (for the error).
+  std::optional<std::chrono::steady_clock::time_point> fetch_deadline_;
+  std::chrono::milliseconds fetch_wait_{0};
+  std::string fetch_progress_;
 };
 
 }  // namespace detail

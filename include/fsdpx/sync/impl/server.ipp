@@ -13,6 +13,7 @@
 #include <boost/asio/write.hpp>
 #include <boost/asio/io_context.hpp>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -20,9 +21,11 @@
 #include <cstdio>
 #include <future>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -57,10 +60,12 @@ class Session : public std::enable_shared_from_this<Session> {
   struct Pending {
     int64_t version = no_version;
     uint64_t count = 0;
-    int64_t bytes = 0;
+    std::string run;
+    int64_t bytes = 0;     // frames received, kept or not: what allowed_payload bounds
+    uint64_t received = 0;  // buckets received, kept or not
     std::vector<at::Tensor> buckets;
-    std::vector<FrameHeader> headers;
-    std::string rejected;  // why the publish will not commit (told at its end frame)
+    VersionCoverage coverage;  // every element of every tensor exactly once, or no commit
+    std::string rejected;  // why the publish will not commit (told at its end frame); its buckets are dropped
   };
 
   template <class Fn>
@@ -72,6 +77,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void handle();
   void on_auth();
   void begin_publish();
+  void on_bucket();
   void end_publish();
   void check_fetch();
   void send(FrameHeader frame, std::string text = {}, bool then_close = false);
@@ -81,12 +87,14 @@ class Session : public std::enable_shared_from_this<Session> {
   uint64_t allowed_payload(FrameKind kind) const;
 
   void send_hello();
+  std::string small_text() const { return std::string(reinterpret_cast<const char*>(small_.data()), in_.length); }
 
   ServerCore* core_;
   Stream stream_;
   std::string peer_;
+  std::string address_;  // the peer's address, as counted in core_->handshaking_from
   FrameHeader in_;
-  std::array<uint8_t, 2 * nonce_bytes> small_{};  // handshake payloads
+  std::array<uint8_t, std::max<size_t>(2 * nonce_bytes, max_run_bytes)> small_{};  // handshakes, runs
   at::Tensor payload_;
   Nonce server_nonce_{};
   std::optional<Role> role_;
@@ -100,6 +108,7 @@ class Session : public std::enable_shared_from_this<Session> {
   uint64_t watch_generation_ = 0;
   // fetch
   int64_t have_ = no_version;
+  std::string have_run_;  // the run of the reader's version (empty: unknown; compared by number only)
   std::chrono::steady_clock::time_point deadline_;
   asio::steady_timer fetch_timer_;
   bool waiting_ = false;
@@ -117,7 +126,12 @@ struct ServerCore {
   std::string publisher_lost;  // why readers should stop waiting; cleared by the next publish
   std::vector<std::weak_ptr<Session>> waiters;
   Session* publishing = nullptr;  // the one connection staging a version, if any
+  std::unordered_map<std::string, int> handshaking_from;  // unauthenticated connections per peer address
   ServerStats stats;                    // written on the io thread; read through post()
+  // Runs (the io thread and publish() in process): the label of the run whose versions are served.
+  std::mutex runs_mutex;
+  std::string current_run;
+  std::atomic<int64_t> runs_taken_over{0};
   std::optional<asio::ssl::context> tls;  // set: every connection speaks TLS
   asio::io_context io;
   tcp::acceptor acceptor{io};
@@ -125,6 +139,50 @@ struct ServerCore {
 
   const Secret& secret(Role r) const { return r == Role::publish ? publish_secret : fetch_secret; }
 
+  /// Why version `version` of the run labelled `run` (run_label) cannot be published now; empty when
+  /// it can. Versions of one run only increase; a version of another run takes over whatever its number:
+  /// a trainer that restarted, or resumed from an earlier checkpoint, is never locked out, nor is a
+  /// trainer whose versions someone else published over (without a secret, anyone local may publish;
+  /// no one learns a run's identity from what readers see, so no one can publish as that run).
+  /// Caller holds runs_mutex.
+  std::string admission(const std::string& run, int64_t version) const {
+    if (version < 0) return ::fsdpx::detail::str("version ", version, " is negative");
+    const int64_t latest = slot.version();
+    if (latest == no_version || run != current_run || version > latest) return {};
+    return ::fsdpx::detail::str(
+        "version ", version, " is not newer than ", latest, ", the latest version this trainer run published (the "
+        "versions of one run only increase). A trainer that restarted, or resumed from an earlier checkpoint, takes "
+        "over as a new run: each process is a new run by default; a run identity given in ClientOptions::run must "
+        "change when the trainer restarts");
+  }
+
+  /// Makes `snapshot` the version served, when admission() allows; else returns why not.
+  std::string commit(const std::string& run, int64_t version, std::shared_ptr<const EncodedSnapshot> snapshot) {
+    std::lock_guard lock(runs_mutex);
+    if (std::string why = admission(run, version); !why.empty()) return why;
+    if (slot.version() != no_version && run != current_run) ++runs_taken_over;
+    current_run = run;
+    slot.replace(version, std::move(snapshot));
+    return {};
+  }
+
+  /// Refuses a connection at accept, saying why in an error frame (the client may try again later).
+  /// Plain TCP only: a TLS client would need a TLS handshake first, the work the limit saves.
+  void refuse_at_accept(tcp::socket& socket, const std::string& why) {
+    ++stats.refused_over_limit;
+    boost::system::error_code ignored;
+    if (!tls) {
+      const std::string text = "the server refused the connection: " + why;
+      FrameHeader h = make_frame(FrameKind::error, no_version, refused_busy, text.data(), text.size());
+      std::string frame(reinterpret_cast<const char*>(&h), sizeof(h));
+      frame += text;
+      // A fresh connection's send buffer is empty: one non-blocking write never waits.
+      socket.non_blocking(true, ignored);
+      socket.write_some(asio::buffer(frame), ignored);
+      socket.shutdown(tcp::socket::shutdown_send, ignored);
+    }
+    socket.close(ignored);
+  }
   void wake_waiters() {
     auto list = std::move(waiters);
     waiters.clear();
@@ -165,12 +223,24 @@ struct ServerCore {
         return pause_accepting();
       }
       ++stats.accepted;
-      // Connections still proving a secret have a cap of their own: peers without a secret cannot take
-      // the slots of authenticated ones.
-      if (stats.live >= options.max_connections || stats.handshaking >= options.max_handshakes) {
-        ++stats.refused_over_limit;
-        boost::system::error_code ignored;
-        socket.close(ignored);
+      // Connections still proving a secret have caps of their own, in all and per peer address: peers
+      // without a secret cannot take the slots of authenticated ones, and one address cannot take all
+      // the slots of the others. A refused client is told which limit it met.
+      boost::system::error_code aec;
+      const auto remote = socket.remote_endpoint(aec);
+      const std::string address = aec ? std::string("?") : remote.address().to_string();
+      const auto from = handshaking_from.find(address);
+      const int from_address = from == handshaking_from.end() ? 0 : from->second;
+      if (stats.live >= options.max_connections) {
+        refuse_at_accept(socket, ::fsdpx::detail::str("too many connections (", stats.live, "; max_connections ",
+                                                      options.max_connections, ")"));
+      } else if (stats.handshaking >= options.max_handshakes) {
+        refuse_at_accept(socket, ::fsdpx::detail::str("too many unauthenticated connections (", stats.handshaking,
+                                                      "; max_handshakes ", options.max_handshakes, ")"));
+      } else if (from_address >= options.max_handshakes_per_address) {
+        refuse_at_accept(socket, ::fsdpx::detail::str("too many unauthenticated connections from ", address, " (",
+                                                      from_address, "; max_handshakes_per_address ",
+                                                      options.max_handshakes_per_address, ")"));
       } else {
         try {
           boost::system::error_code ignored;
@@ -190,14 +260,21 @@ inline Session::Session(ServerCore* core, tcp::socket socket)
     : core_(core), stream_(std::move(socket), core->tls ? &*core->tls : nullptr), watchdog_(core->io), fetch_timer_(core->io) {
   boost::system::error_code ec;
   const auto ep = stream_.socket().remote_endpoint(ec);
-  peer_ = ec ? std::string("?") : ep.address().to_string() + ":" + std::to_string(ep.port());
+  address_ = ec ? std::string("?") : ep.address().to_string();
+  peer_ = ec ? std::string("?") : address_ + ":" + std::to_string(ep.port());
   ++core_->stats.live;
   ++core_->stats.handshaking;
+  ++core_->handshaking_from[address_];
 }
 
 inline Session::~Session() {
   --core_->stats.live;
-  if (!role_) --core_->stats.handshaking;
+  if (!role_) {
+    --core_->stats.handshaking;
+    if (auto it = core_->handshaking_from.find(address_); it != core_->handshaking_from.end() && --it->second <= 0) {
+      core_->handshaking_from.erase(it);
+    }
+  }
   if (core_->publishing == this) core_->publishing = nullptr;
 }
 
@@ -264,8 +341,9 @@ inline void Session::read_header() {
 
 inline uint64_t Session::allowed_payload(FrameKind kind) const {
   if (!role_) return kind == FrameKind::auth ? 2 * nonce_bytes : 0;
+  if (kind == FrameKind::publish_begin || kind == FrameKind::fetch) return max_run_bytes;
   if (kind == FrameKind::bucket && pending_) {
-    const int64_t room = core_->options.max_version_bytes - pending_->bytes;
+    const int64_t room = core_->options.max_version_bytes - pending_->bytes - pending_->coverage.bookkeeping_bytes();
     return static_cast<uint64_t>(std::max<int64_t>(0, std::min(core_->options.max_bucket_bytes, room)));
   }
   return 0;
@@ -326,18 +404,7 @@ inline void Session::handle() {
   }
   switch (kind) {
     case FrameKind::publish_begin: return begin_publish();
-    case FrameKind::bucket: {
-      if (!pending_) return refuse("a bucket outside a publish", &ServerStats::protocol_errors);
-      try {
-        check_bucket(payload_, pending_->version, pending_->buckets.size(), pending_->count, "publisher " + peer_);
-      } catch (const SyncError& e) {
-        return refuse(e.what(), &ServerStats::protocol_errors);
-      }
-      pending_->bytes += static_cast<int64_t>(in_.length);
-      pending_->buckets.push_back(std::move(payload_));
-      pending_->headers.push_back(in_);
-      return read_header();
-    }
+    case FrameKind::bucket: return on_bucket();
     case FrameKind::publish_end: return end_publish();
     case FrameKind::fetch: {
       if (in_.version < no_version) {
@@ -345,6 +412,7 @@ inline void Session::handle() {
                       &ServerStats::protocol_errors);
       }
       have_ = in_.version;
+      have_run_ = small_text();
       // A wait is capped by idle_timeout: a reader that crashed while waiting frees its slot then.
       const auto cap = static_cast<uint64_t>(std::max<int64_t>(0, core_->options.idle_timeout.count()));
       deadline_ = dist::deadline_after(std::chrono::milliseconds(std::min(in_.aux, cap)));
@@ -381,6 +449,9 @@ inline void Session::on_auth() {
   }
   role_ = role;
   --core_->stats.handshaking;
+  if (auto it = core_->handshaking_from.find(address_); it != core_->handshaking_from.end() && --it->second <= 0) {
+    core_->handshaking_from.erase(it);
+  }
   ++watch_generation_;  // the handshake's deadline no longer applies
   send(make_frame(FrameKind::welcome, no_version, static_cast<uint64_t>(role), proof.data(), proof.size()),
        std::string(reinterpret_cast<const char*>(proof.data()), proof.size()));
@@ -395,16 +466,15 @@ inline void Session::begin_publish() {
     other->refuse("a publish from another connection superseded this unfinished one", &ServerStats::protocol_errors);
   }
   const auto& o = core_->options;
-  Pending p{in_.version, in_.aux, 0, {}, {}, {}};
-  const int64_t latest = core_->slot.version();
-  if (p.version < 0) {
-    p.rejected = ::fsdpx::detail::str("version ", p.version, " is negative");
-  } else if (p.version <= latest) {
-    p.rejected = ::fsdpx::detail::str("version ", p.version, " is not newer than the latest published version, ", latest,
-                                      " (versions never go backwards)");
-  } else if (p.version - std::max<int64_t>(latest, 0) > o.max_version_jump) {
-    p.rejected = ::fsdpx::detail::str("version ", p.version, " is more than max_version_jump (", o.max_version_jump,
-                                      ") above the latest, ", latest, latest == no_version ? " (none yet: 0 counts)" : "");
+  Pending p;
+  p.version = in_.version;
+  p.count = in_.aux;
+  p.run = run_label(small_text());  // readers see the label, never the identity
+  {
+    // Said now, so the publisher learns it at its end frame without the server keeping its buckets;
+    // checked again at the commit (another publisher may commit meanwhile).
+    std::lock_guard lock(core_->runs_mutex);
+    p.rejected = core_->admission(p.run, p.version);
   }
   // Every bucket holds at least a header; a count no version could fill is refused at once.
   if (p.count == 0 || p.count > static_cast<uint64_t>(o.max_version_bytes / bucket_prefix_bytes)) {
@@ -418,22 +488,62 @@ inline void Session::begin_publish() {
   read_header();
 }
 
+/// A bucket of the publish: checked (its place in the version, its header, and that its chunks cover
+/// elements no other chunk did) and kept; or, once the publish is rejected, counted and dropped.
+inline void Session::on_bucket() {
+  if (!pending_) return refuse("a bucket outside a publish", &ServerStats::protocol_errors);
+  Pending& p = *pending_;
+  p.bytes += static_cast<int64_t>(in_.length);
+  const uint64_t index = p.received++;
+  if (p.rejected.empty()) {
+    try {
+      const BucketLayout b = check_bucket(payload_, p.version, index, p.count, "publisher " + peer_);
+      const int64_t limit = core_->options.max_version_bytes;
+      for (const BucketEntry& e : b.entries) {
+        if (std::string problem = p.coverage.add(e, b.index); !problem.empty()) {
+          p.rejected = ::fsdpx::detail::str("version ", p.version, " is not whole: ", problem);
+          break;
+        }
+        // Many tiny tensors, or scattered chunks, cost bookkeeping beyond their bytes: counted too.
+        if (p.coverage.bookkeeping_bytes() > limit - p.bytes) {
+          p.rejected = ::fsdpx::detail::str("version ", p.version, " takes more than max_version_bytes (", limit,
+                                            ") with the bookkeeping of its ", b.entries.size(), "-entry buckets");
+          break;
+        }
+      }
+    } catch (const SyncError& e) {
+      p.rejected = std::string(unprefixed(e.what()));
+    }
+  }
+  if (p.rejected.empty()) {
+    p.buckets.push_back(std::move(payload_));
+  } else {
+    p.buckets.clear();  // it will not commit: nothing more is held for it
+    p.coverage = VersionCoverage();
+  }
+  payload_ = at::Tensor();
+  read_header();
+}
+
 inline void Session::end_publish() {
   if (!pending_ || in_.version != pending_->version) return refuse("an end frame outside its publish", &ServerStats::protocol_errors);
   Pending p = std::move(*pending_);
   pending_.reset();
   core_->publishing = nullptr;
-  if (p.rejected.empty() && p.buckets.size() != p.count) {
-    p.rejected = ::fsdpx::detail::str("version ", p.version, " ended after ", p.buckets.size(), " of ", p.count, " buckets");
+  if (p.rejected.empty() && p.received != p.count) {
+    p.rejected = ::fsdpx::detail::str("version ", p.version, " ended after ", p.received, " of ", p.count, " buckets");
   }
   if (p.rejected.empty()) {
-    try {
-      // Frame headers are made anew: a reader gets the server's, never fields a publisher chose.
-      core_->slot.publish(p.version, encode_snapshot(p.version, std::move(p.buckets)));
+    if (std::string missing = p.coverage.missing(); !missing.empty()) {
+      p.rejected = ::fsdpx::detail::str("version ", p.version, " is not whole: ", missing);
+    }
+  }
+  if (p.rejected.empty()) {
+    // Frame headers are made anew: a reader gets the server's, never fields a publisher chose.
+    p.rejected = core_->commit(p.run, p.version, encode_snapshot(p.version, p.run, std::move(p.buckets)));
+    if (p.rejected.empty()) {
       last_published_ = p.version;
       core_->wake_waiters();
-    } catch (const SyncError& e) {
-      p.rejected = e.what();
     }
   }
   if (!p.rejected.empty()) return send(make_frame(FrameKind::error, p.version), p.rejected);
@@ -443,13 +553,14 @@ inline void Session::end_publish() {
 inline void Session::check_fetch() {
   if (closed_ || closing_) return;
   auto [version, snapshot] = core_->slot.latest();
-  if (version > have_ && snapshot != nullptr) {
-    const FrameHeader begin = snapshot->begin;
+  // Newer: a higher version, or any version of another run than the reader's (a new run took over,
+  // maybe with lower versions: the reader gets a whole version of it).
+  if (snapshot != nullptr && (version > have_ || (!have_run_.empty() && snapshot->run != have_run_))) {
     ++watch_generation_;
-    auto owned = std::make_shared<FrameHeader>(begin);
     arm(core_->options.io_timeout);
-    stream_.async_write(asio::buffer(owned.get(), sizeof(FrameHeader)),
-                      [self = shared_from_this(), owned, snapshot](const boost::system::error_code& ec, size_t) {
+    std::array<asio::const_buffer, 2> begin{asio::buffer(&snapshot->begin, sizeof(FrameHeader)), asio::buffer(snapshot->run)};
+    stream_.async_write(begin,
+                      [self = shared_from_this(), snapshot](const boost::system::error_code& ec, size_t) {
                         if (ec) return self->on_closed(ec);
                         self->guarded([&] { self->send_bucket(snapshot, 0); });
                       });
@@ -567,10 +678,12 @@ FSDPX_DECL SynchronizerServer::SynchronizerServer(ServerOptions options)
   core.options = std::move(options);
   const ServerOptions& o = core.options;
   FSDPX_CHECK_AS(SyncError, o.max_bucket_bytes >= bucket_prefix_bytes && o.max_version_bytes >= o.max_bucket_bytes &&
-                                o.max_version_jump >= 1 && o.max_connections >= 1 && o.max_handshakes >= 1,
+                                o.max_connections >= 1 && o.max_handshakes >= 1 && o.max_handshakes_per_address >= 1,
                  "synchronizer server: inconsistent limits (max_bucket_bytes ", o.max_bucket_bytes,
-                 ", max_version_bytes ", o.max_version_bytes, ", max_version_jump ", o.max_version_jump,
-                 ", max_connections ", o.max_connections, ")");
+                 ", max_version_bytes ", o.max_version_bytes, ", max_connections ", o.max_connections,
+                 ", max_handshakes ", o.max_handshakes, ", max_handshakes_per_address ", o.max_handshakes_per_address, ")");
+  const std::string run_problem = detail::run_problem(o.run);
+  FSDPX_CHECK_AS(SyncError, run_problem.empty(), "synchronizer server: ServerOptions::run is ", run_problem);
   FSDPX_CHECK_AS(SyncError, o.tls_certificate_file.empty() == o.tls_private_key_file.empty(),
                  "synchronizer server: TLS needs both tls_certificate_file and tls_private_key_file");
   if (!o.tls_certificate_file.empty()) core.tls.emplace(detail::server_tls_context(o.tls_certificate_file, o.tls_private_key_file));
@@ -621,15 +734,20 @@ FSDPX_DECL ServerStats SynchronizerServer::stats() const {
   std::promise<ServerStats> taken;
   auto future = taken.get_future();
   detail::asio::post(core_->io, [&] { taken.set_value(core_->stats); });
-  return future.get();
+  ServerStats s = future.get();
+  s.runs_taken_over = core_->runs_taken_over;
+  return s;
 }
 
 FSDPX_DECL void SynchronizerServer::publish(int64_t version, const std::vector<NamedTensor>& tensors) {
   FSDPX_CHECK_AS(SyncError, core_ != nullptr, "cannot publish version ", version, ": the server was stopped");
   FSDPX_CHECK_AS(SyncError, version >= 0, "cannot publish version ", version, ": versions are >= 0");
   FSDPX_CHECK_AS(SyncError, !tensors.empty(), "cannot publish version ", version, ": it has no tensors");
-  auto snapshot = detail::encode_snapshot(version, pack_buckets(tensors, core_->options.bucket_bytes, version));
-  core_->slot.publish(version, std::move(snapshot));
+  detail::check_unique_names(tensors, version);
+  const std::string run = detail::run_label(core_->options.run.empty() ? detail::process_run() : core_->options.run);
+  auto snapshot = detail::encode_snapshot(version, run, pack_buckets(tensors, core_->options.bucket_bytes, version));
+  const std::string refused = core_->commit(run, version, std::move(snapshot));
+  FSDPX_CHECK_AS(SyncError, refused.empty(), "cannot publish version ", version, ": ", refused);
   detail::asio::post(core_->io, [core = core_.get()] {
     core->publisher_lost.clear();
     core->wake_waiters();

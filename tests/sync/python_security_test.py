@@ -1,0 +1,373 @@
+"""The Python receiver under attack (labels "security" and "python"): what a hostile synchronizer, or a
+local peer of a real one, can make fsdpx_sync do. Each case would pass on a receiver that trusted the
+server; each must end in a SyncError that names the cause, within bounds of memory and time.
+
+- a frame header announcing a 1 GiB bucket commits only the bytes that arrive;
+- a bucket of many entries costs about its own size, not several times it;
+- versions whose chunks overlap, leave gaps, repeat or lie outside their tensor are refused, naming the
+  tensor (fixed cases, then a fuzz of random layouts against their expected outcome);
+- a server trickling frames cannot keep a fetch beyond its timeout;
+- against the real C++ server (sync_server_program): a client refused for too many unauthenticated
+  connections from its address is told so; a new trainer run with lower versions reaches a reader that
+  holds a version far ahead.
+
+    python_security_test.py --package <python/> --server <sync_server_program>
+"""
+
+import argparse
+import os
+import random
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import tracemalloc
+
+HEADER = struct.Struct("<IHHqQQQ")
+MAGIC, PROTOCOL = 0x32535846, 3
+HELLO, WELCOME, FETCH, SNAPSHOT_BEGIN, BUCKET = 10, 12, 5, 6, 2
+CODES = {"float32": 1, "bfloat16": 3, "int64": 8, "uint8": 6}
+
+
+def frame(kind, version, aux, payload=b""):
+    from fsdpx_sync import crc32c
+    return HEADER.pack(MAGIC, kind, 0, version, len(payload), crc32c(payload) if payload else 0, aux) + bytes(payload)
+
+
+def recv_exact(conn, n):
+    out = bytearray()
+    while len(out) < n:
+        chunk = conn.recv(n - len(out))
+        if not chunk:
+            return None
+        out += chunk
+    return out
+
+
+def recv_frame(conn):
+    raw = recv_exact(conn, HEADER.size)
+    if raw is None:
+        return None
+    h = HEADER.unpack(raw)
+    payload = recv_exact(conn, h[4]) if h[4] else bytearray()
+    return None if payload is None else (h, payload)
+
+
+class FakeServer:
+    """A fake synchronizer without a secret: for each connection, the handshake, then for each fetch
+    the next of `serve(conn)` (a function that sends a version, or anything else)."""
+
+    def __init__(self, serve):
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.sock.settimeout(0.2)
+        self.port = self.sock.getsockname()[1]
+        self.serve, self.stop, self.conn = serve, False, None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        while not self.stop:
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                continue
+            self.conn = conn
+            with conn:
+                conn.settimeout(30)
+                try:
+                    conn.sendall(frame(HELLO, -1, PROTOCOL, bytes(32)))
+                    auth = recv_frame(conn)
+                    conn.sendall(frame(WELCOME, -1, auth[0][6], bytes(32)))
+                    while recv_frame(conn) is not None:  # a fetch
+                        self.serve(conn)
+                except OSError:
+                    pass
+
+    def close(self):
+        self.stop = True
+        if self.conn is not None:
+            try:
+                self.conn.shutdown(socket.SHUT_RDWR)  # a client that stays connected ends its session
+            except OSError:
+                pass
+        self.thread.join()
+        self.sock.close()
+
+
+def align(n):
+    return (n + 63) // 64 * 64
+
+
+def craft_bucket(torch, version, index, count, chunks, tight=False):
+    """A bucket holding exactly `chunks` [(name, source, offset, numel)], right or wrong; chunks outside
+    their source travel as zeros. `tight`: payloads packed without alignment (many tiny entries)."""
+    entries, header = [], 40
+    for name, src, _, _ in chunks:
+        header += 2 + len(name.encode()) + 2 + 8 * src.dim() + 24
+    offset = align(header)
+    header_bytes = offset
+    places = []
+    for name, src, off, n in chunks:
+        places.append(offset)
+        nbytes = max(n, 0) * src.element_size()
+        offset += nbytes if tight else align(nbytes)
+    total = offset
+    head = bytearray(struct.pack("<IHHIIQqII", 0x42535846, 1, int(index + 1 == count), len(chunks), header_bytes, total,
+                                 version, index, count))
+    for (name, src, off, n), place in zip(chunks, places):
+        code = CODES[str(src.dtype).replace("torch.", "")]
+        head += struct.pack("<H", len(name.encode())) + name.encode() + struct.pack("<BB", code, src.dim())
+        head += struct.pack(f"<{src.dim()}q", *src.shape) + struct.pack("<qqQ", off, n, place)
+    out = bytearray(total)
+    data = torch.frombuffer(out, dtype=torch.uint8)
+    data[: len(head)] = torch.frombuffer(head, dtype=torch.uint8)
+    for (name, src, off, n), place in zip(chunks, places):
+        if n > 0 and off >= 0 and off + n <= src.numel():
+            piece = src.reshape(-1)[off: off + n].contiguous().view(torch.uint8)
+            data[place: place + piece.numel()] = piece
+    return out
+
+
+def send_version(torch, conn, version, buckets, run="fake"):
+    crafted = [craft_bucket(torch, version, i, len(buckets), b) for i, b in enumerate(buckets)]
+    conn.sendall(frame(SNAPSHOT_BEGIN, version, len(crafted), run.encode()))
+    for i, b in enumerate(crafted):
+        conn.sendall(frame(BUCKET, version, i, b))
+
+
+def expect_error(fn, *needles):
+    from fsdpx_sync import SyncError
+    try:
+        fn()
+    except SyncError as e:
+        for n in needles:
+            assert n in str(e), f"{n!r} not in: {e}"
+        return str(e)
+    raise AssertionError(f"no SyncError (expected one with {needles})")
+
+
+def test_large_frame_header(torch, SyncClient):
+    """One header announcing a 1 GiB bucket (within max_bucket_bytes) makes the client hold only what
+    arrives (before: a 1 GiB buffer, zeroed, at once)."""
+    def serve(conn):
+        conn.sendall(frame(SNAPSHOT_BEGIN, 1, 1, b"r"))
+        conn.sendall(HEADER.pack(MAGIC, BUCKET, 0, 1, (1 << 30), 0, 0) + bytes(64 << 10))
+        conn.shutdown(socket.SHUT_RDWR)
+    server = FakeServer(serve)
+    try:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        expect_error(lambda: SyncClient("127.0.0.1", server.port).fetch_newer(-1, timeout=10),
+                     "the server closed the connection")
+        grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - peak
+        assert grew < 128 << 20, f"a 1 GiB frame header made the receiver's peak memory grow by {grew >> 20} MiB"
+    finally:
+        server.close()
+
+
+def test_many_entries(torch, SyncClient):
+    """A bucket of 20,000 one-element entries: the receiver's own memory stays about the bucket's size
+    (before: every entry parsed into an object first, about 8 times the bucket)."""
+    n = 20000
+    w = torch.arange(n, dtype=torch.float32)
+    bucket = craft_bucket(torch, 4, 0, 1, [("w", w, k, 1) for k in range(n)], tight=True)
+    frames = frame(SNAPSHOT_BEGIN, 4, 1, b"r") + frame(BUCKET, 4, 0, bucket)  # made before the measurement
+
+    def serve(conn):
+        conn.sendall(frames)
+    server = FakeServer(serve)
+    try:
+        client = SyncClient("127.0.0.1", server.port)
+        tracemalloc.start()
+        got = client.fetch_newer(-1, timeout=60)
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        assert torch.equal(got.named()["w"], w)
+        assert peak < 1.5 * len(bucket), f"{peak} bytes of Python memory for a bucket of {len(bucket)} bytes"
+        print(f"many entries: {n} entries, bucket {len(bucket)} bytes, peak Python memory {peak} bytes")
+    finally:
+        server.close()
+
+
+def test_coverage_cases(torch, SyncClient):
+    embed = torch.arange(40000, dtype=torch.float32).view(200, 200)
+    empty = torch.empty(0, 4)
+    cases = [
+        ("the first half twice", [[("embed.weight", embed, 0, 20000)], [("embed.weight", embed, 0, 20000)]],
+         ["'embed.weight'", "elements [0, 20000) arrived twice"]),
+        ("a gap", [[("embed.weight", embed, 0, 20000)], [("embed.weight", embed, 30000, 10000)]],
+         ["'embed.weight'", "elements [20000, 30000) never did"]),
+        ("a chunk beyond the tensor", [[("embed.weight", embed, 0, 20000), ("embed.weight", embed, 30000, 20000)]],
+         ["'embed.weight'", "lies outside"]),
+        ("an empty tensor twice", [[("embed.weight", embed, 0, 40000), ("empty", empty, 0, 0)], [("empty", empty, 0, 0)]],
+         ["'empty'", "the empty tensor arrived twice"]),
+    ]
+    queue = []
+    server = FakeServer(lambda conn: send_version(torch, conn, 5, queue.pop(0)))
+    try:
+        for what, buckets, needles in cases:
+            queue.append(buckets)
+            text = expect_error(lambda: SyncClient("127.0.0.1", server.port).fetch_newer(-1, timeout=10),
+                                f"from the synchronizer at 127.0.0.1:{server.port}", "version 5", *needles)
+            print(f"refused, {what}: {text}")
+        queue.append([[("embed.weight", embed, 25000, 15000), ("empty", empty, 0, 0)], [("embed.weight", embed, 0, 25000)]])
+        got = SyncClient("127.0.0.1", server.port).fetch_newer(-1, timeout=10).named()
+        assert torch.equal(got["embed.weight"], embed) and got["empty"].shape == (0, 4)
+    finally:
+        server.close()
+
+
+def test_coverage_fuzz(torch, SyncClient, SyncError, versions=80):
+    """Random layouts (chunks cut at random, shuffled over 1-4 buckets), damaged or not: a duplicate
+    chunk, a dropped one (a gap), one grown into its neighbour, one moved beyond its tensor. A damaged
+    version is refused naming the damaged tensor; a whole one arrives bit-exact."""
+    rng = random.Random(20261201)
+    queue = []
+    server = FakeServer(lambda conn: send_version(torch, conn, 7, queue.pop(0)))
+    client = SyncClient("127.0.0.1", server.port)
+    outcomes = {}
+    try:
+        for v in range(versions):
+            chunks, sources = [], {}
+            for t in range(rng.randint(1, 3)):
+                name = f"layer{t}.w"
+                numel = 0 if rng.random() < 0.1 else rng.randint(1, 3000)
+                dtype = rng.choice([torch.float32, torch.bfloat16, torch.int64, torch.uint8])
+                src = sources[name] = torch.randint(0, 200, (numel,)).to(dtype)
+                cuts = sorted({0, numel, *(rng.randint(1, numel - 1) for _ in range(rng.randint(0, 5)) if numel > 1)})
+                if numel == 0:
+                    cuts = [0, 0]
+                chunks += [[name, src, a, b - a] for a, b in zip(cuts, cuts[1:])]
+            i = rng.randrange(len(chunks))
+            c = chunks[i]
+            name, numel, damage = c[0], c[1].numel(), None
+            kind = rng.randrange(6)
+            if kind == 0:
+                chunks.append(list(c))
+                damage = "duplicate"
+            elif kind == 1 and sum(o[0] == name for o in chunks) > 1:
+                del chunks[i]
+                damage = "gap"
+            elif kind == 2 and c[2] + c[3] < numel:
+                c[3] += rng.randint(1, numel - c[2] - c[3])
+                damage = "overlap"
+            elif kind == 2 and c[3] > 1:
+                c[3] -= rng.randint(1, c[3] - 1)
+                damage = "gap"
+            elif kind == 3:
+                c[2] = numel - c[3] + rng.randint(1, 5)
+                damage = "out of range"
+            rng.shuffle(chunks)
+            nb = min(len(chunks), rng.randint(1, 4))
+            buckets = [[] for _ in range(nb)]
+            for k, ch in enumerate(chunks):
+                buckets[k if k < nb else rng.randrange(nb)].append(tuple(ch))
+            queue.append(buckets)
+            if damage is None:
+                got = client.fetch_newer(-1, timeout=10).named()
+                for n, src in sources.items():
+                    assert torch.equal(got[n].view(torch.uint8), src.view(torch.uint8)), (v, n)
+            else:
+                try:
+                    client.fetch_newer(-1, timeout=10)
+                    raise AssertionError(f"version {v}: a {damage} of '{name}' was accepted")
+                except SyncError as e:
+                    assert f"'{name}'" in str(e), (v, damage, str(e))
+            outcomes[damage] = outcomes.get(damage, 0) + 1
+    finally:
+        client.close()
+        server.close()
+    print(f"coverage fuzz: {outcomes}")
+    assert all(outcomes.get(d, 0) >= 3 for d in ("duplicate", "gap", "overlap", "out of range", None)), outcomes
+
+
+def test_trickle(torch, SyncClient):
+    """Each bucket well within io_timeout, 100 of them 0.3 s apart: the fetch ends at its 1 s timeout
+    (before: 30 s)."""
+    w = torch.arange(100, dtype=torch.float32)
+
+    def serve(conn):
+        conn.sendall(frame(SNAPSHOT_BEGIN, 3, 100, b"slow"))
+        for k in range(100):
+            time.sleep(0.3)
+            conn.sendall(frame(BUCKET, 3, k, craft_bucket(torch, 3, k, 100, [("w", w, k, 1)])))
+    server = FakeServer(serve)
+    try:
+        start = time.monotonic()
+        expect_error(lambda: SyncClient("127.0.0.1", server.port, io_timeout=5).fetch_newer(-1, timeout=1.0),
+                     "did not finish within the fetch's timeout of 1.0 s", "of 100 buckets received")
+        took = time.monotonic() - start
+        assert 0.9 < took < 2.5, took
+    finally:
+        server.close()
+
+
+def test_real_server(torch, SyncClient, server_program):
+    proc = subprocess.Popen([server_program, "4"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(proc.stdout.readline().split()[1])
+
+        def command(line):
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+            return proc.stdout.readline().strip()
+
+        assert command("publish 1 first") == "ok"
+        # Four connections from 127.0.0.1 that never authenticate fill max_handshakes_per_address (4):
+        # the client is refused, and told why (before: "the server closed the connection").
+        silent = [socket.create_connection(("127.0.0.1", port)) for _ in range(4)]
+        time.sleep(0.2)
+        expect_error(lambda: SyncClient("127.0.0.1", port, connect_timeout=0.3).fetch_newer(-1, timeout=5),
+                     "the server refused the connection: too many unauthenticated connections from 127.0.0.1",
+                     "asked again for 0.3 s")
+        for s in silent:
+            s.close()
+        time.sleep(0.2)
+        reader = SyncClient("127.0.0.1", port)
+        assert reader.fetch_newer(-1, timeout=5).version == 1
+        # A run far ahead, then a new run with small versions: the reader holding the far one gets it.
+        far = (1 << 30) + 1
+        assert command(f"publish {far} someone-else") == "ok"
+        got = reader.fetch_newer(1, timeout=5)
+        assert got.version == far
+        assert command("publish 2 restarted") == "ok"
+        back = reader.fetch_newer(far, timeout=5)
+        assert back.version == 2 and back.run != got.run and len(back.run) == 32, (back.version, back.run, got.run)
+        w = back.named()["w"]
+        assert torch.equal(w, torch.arange(1000, dtype=torch.float32).mul(0.5).add(2).view(10, 100))
+        assert torch.equal(back.named()["b"], torch.full((7,), 2.0, dtype=torch.bfloat16))
+        answer = command("publish 2 restarted")
+        assert answer.startswith("error") and "not newer than 2" in answer and "new run" in answer, answer
+        command("quit")
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--package", required=True)
+    ap.add_argument("--server", required=True)
+    args = ap.parse_args()
+    sys.path.insert(0, args.package)
+    import torch
+    from fsdpx_sync import SyncClient, SyncError
+    for key in ("FSDPX_SYNC_SECRET", "FSDPX_SYNC_FETCH_SECRET", "FSDPX_SYNC_PUBLISH_SECRET"):
+        os.environ.pop(key, None)
+    test_large_frame_header(torch, SyncClient)  # first: it reads the process's peak memory
+    test_many_entries(torch, SyncClient)
+    test_coverage_cases(torch, SyncClient)
+    test_coverage_fuzz(torch, SyncClient, SyncError)
+    test_trickle(torch, SyncClient)
+    test_real_server(torch, SyncClient, args.server)
+    print("PASSED")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
