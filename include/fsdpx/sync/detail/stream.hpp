@@ -77,6 +77,8 @@ class Stream {
 
   tcp::socket& socket() { return tls_ ? tls_->next_layer() : *plain_; }
   bool is_tls() const { return tls_.has_value(); }
+  /// TLS, and no handshake message has arrived yet (the peer sent nothing TLS understands).
+  bool tls_not_started() { return tls_ && SSL_get_state(tls_->native_handle()) == TLS_ST_BEFORE; }
   /// Names the server in the TLS hello (SNI), for servers that pick a certificate by name.
   void set_server_name(const std::string& name) {
     if (tls_ && !name.empty()) SSL_set_tlsext_host_name(tls_->native_handle(), name.c_str());

@@ -170,18 +170,20 @@ struct ServerCore {
   /// Plain TCP only: a TLS client would need a TLS handshake first, the work the limit saves.
   void refuse_at_accept(tcp::socket& socket, const std::string& why) {
     ++stats.refused_over_limit;
+    if (!tls) write_plain_error(socket, "the server refused the connection: " + why, refused_busy);
     boost::system::error_code ignored;
-    if (!tls) {
-      const std::string text = "the server refused the connection: " + why;
-      FrameHeader h = make_frame(FrameKind::error, no_version, refused_busy, text.data(), text.size());
-      std::string frame(reinterpret_cast<const char*>(&h), sizeof(h));
-      frame += text;
-      // A fresh connection's send buffer is empty: one non-blocking write never waits.
-      socket.non_blocking(true, ignored);
-      socket.write_some(asio::buffer(frame), ignored);
-      socket.shutdown(tcp::socket::shutdown_send, ignored);
-    }
     socket.close(ignored);
+  }
+  /// One error frame in plain TCP, then the sending side shut: what a plain client reads as the reason.
+  static void write_plain_error(tcp::socket& socket, const std::string& text, uint64_t aux) {
+    boost::system::error_code ignored;
+    FrameHeader h = make_frame(FrameKind::error, no_version, aux, text.data(), text.size());
+    std::string frame(reinterpret_cast<const char*>(&h), sizeof(h));
+    frame += text;
+    // Nothing was sent on the connection yet: one non-blocking write into its empty buffer never waits.
+    socket.non_blocking(true, ignored);
+    socket.write_some(asio::buffer(frame), ignored);
+    socket.shutdown(tcp::socket::shutdown_send, ignored);
   }
   void wake_waiters() {
     auto list = std::move(waiters);
@@ -327,6 +329,14 @@ inline void Session::arm(std::chrono::milliseconds after) {
     // The server ending an idle connection is no sign that the trainer is gone (it reconnects for its
     // next publish); a publish that stalls midway is.
     if (!self->pending_) self->said_goodbye_ = true;
+    // A TLS client starts the TLS handshake at once; a peer that sent nothing by the deadline is most
+    // likely a client without TLS, waiting for a plain hello: it is told so, in plain, not just dropped.
+    if (self->stream_.tls_not_started()) {
+      ServerCore::write_plain_error(self->stream_.socket(), ::fsdpx::detail::str(
+          "this synchronizer speaks TLS, and no TLS handshake began within its handshake_timeout of ",
+          self->core_->options.handshake_timeout.count(), " ms: set TLS on the client (ClientOptions::tls and tls_ca_file; "
+          "Python: tls=True, tls_ca_file=...)"), 0);
+    }
     self->on_closed(asio::error::timed_out);
   });
 }
