@@ -1,8 +1,10 @@
 // Crafted checkpoints and model folders (label "security"): random and targeted mutations of a commit
-// record, shard files, safetensors files and their index, fed to merge, the commit-record reader, the
-// shard reader and the safetensors loader. Each must end in the result or an fsdpx::Error (which names
-// the file): never another exception, an allocation beyond the input, a hang or a crash. Bounded in
-// count and time; the seed is printed, and FSDPX_FUZZ_SEED replays a run.
+// record, shard files, safetensors files and their index, and a model folder's config.json, fed to
+// merge, the commit-record reader, the shard reader, the safetensors loader and the config reader.
+// Each must end in the result or an fsdpx::Error (which names the file): never another exception, an
+// allocation beyond the input, a hang or a crash. Bounded in count and time; the seed is printed, and
+// FSDPX_FUZZ_SEED replays a run. Special and huge files, and records that contradict their files, are
+// targeted cases at the end.
 #include <catch2/catch.hpp>
 
 #include <algorithm>
@@ -20,6 +22,7 @@
 #include <fsdpx/checkpoint/merge.hpp>
 #include <fsdpx/hf/model_safetensors.hpp>
 #include <fsdpx/hf/safetensors.hpp>
+#include <fsdpx/models/pretrained.hpp>
 
 #include "merge_fixture.hpp"
 
@@ -262,4 +265,38 @@ TEST_CASE("special files, huge files and records that contradict their files are
                Catch::Contains("hold parts of parameters in more than one rank's file: '" + twice->name + "' elements [" +
                                std::to_string(twice->begin) + ", " + std::to_string(twice->end) + ")"));
   }
+}
+
+TEST_CASE("fuzz: a crafted config.json is refused naming its field, or describes the weights: never a crash or an "
+          "allocation beyond the files", "[security][hf]") {
+  merge_fixture::TempDir tmp;
+  // A tiny Qwen2 folder: its config.json and weights of the shapes it implies.
+  fsdpx::models::DecoderConfig c;
+  c.model_type = "qwen2";
+  c.vocab_size = 16, c.hidden_size = 8, c.intermediate_size = 12, c.num_hidden_layers = 2;
+  c.num_attention_heads = 2, c.num_key_value_heads = 1, c.head_dim = 4, c.qkv_bias = true;
+  c.max_position_embeddings = 64;
+  const fs::path dir = tmp.path / "model";
+  fs::create_directories(dir);
+  fsdpx::hf::NamedTensors weights;
+  for (const auto& t : fsdpx::models::hf_tensors(c)) weights.emplace_back(t.hf_name, at::randn(t.shape));
+  fsdpx::hf::save_safetensors(dir, weights);
+  fsdpx::detail::write_text_durably(dir / "config.json", fsdpx::models::to_hf_config(c, at::kFloat).dump(2));
+  // Found by this fuzz: a number beyond a double's range was nlohmann's out_of_range, not an fsdpx::Error.
+  CHECK_THROWS_AS(fsdpx::detail::parse_json("{\"rope_theta\": 10000.1e308}", "config.json"), fsdpx::IoError);
+  int built = 0;
+  const int done = fuzz_files(dir, {"config.json"}, [&](const std::string& what) {
+    expect_clean("read_decoder_config + check_config_against_files + load_pretrained", what, [&] {
+      const auto config = fsdpx::models::read_decoder_config(dir);
+      fsdpx::hf::SafetensorsDir files(dir);
+      fsdpx::models::check_config_against_files(config, files, dir, /*strict=*/true);
+      // What passes describes the files: the model it builds is theirs, and loads.
+      fsdpx::models::CausalLM model(config);
+      fsdpx::models::load_pretrained(model, dir);
+      ++built;
+    });
+  });
+  std::printf("fuzz: %d crafted config.json files, %d of them built and loaded\n", done, built);
+  CHECK(done >= 50);
+  CHECK(built > 0);  // mutations that keep the model's shapes still load
 }

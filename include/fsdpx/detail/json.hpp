@@ -34,6 +34,8 @@ inline Json parse_json(std::string_view text, std::string_view what, int max_dep
     return Json::parse(text.begin(), text.end(), depth_limit);
   } catch (const Json::parse_error& e) {
     throw IoError(str("fsdpx: '", what, "' is not valid JSON at byte ", e.byte, ": ", e.what()));
+  } catch (const Json::exception& e) {  // not a syntax error: a number beyond a double's range (1e400)
+    throw IoError(str("fsdpx: '", what, "' is not valid JSON: ", e.what()));
   }
 }
 
