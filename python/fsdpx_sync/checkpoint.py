@@ -205,6 +205,8 @@ def read_step(root: str, step: int, dtype: Optional[torch.dtype] = None) -> Weig
         sd = _load_rank_file(path, files.get(name), rank, world)
         for tname, e in sd.get("entries", {}).items():
             try:
+                if not isinstance(e, dict):
+                    raise TypeError(f"{type(e).__name__}, not a dict")
                 shape, begin, end, t = [int(d) for d in e["shape"]], int(e["begin"]), int(e["end"]), e["data"]
                 if not isinstance(t, torch.Tensor) or any(d < 0 for d in shape):
                     raise TypeError("not a tensor slice")

@@ -876,3 +876,49 @@ TEST_CASE("resuming another model's checkpoint root names the model, not a part 
                         !Catch::Contains("has no scheduler"));
   world.barrier();
 }
+
+TEST_CASE("at the saving topology, a layout changed by freezing restores the optimizer from every file, never zeros",
+          "[checkpoint][reshard]") {
+  auto world = any_world();
+  const fs::path root = fresh_dir("relayout");
+  {  // saved with everything trained: the root unit's flat holds the stem and the head
+    CkptModel<> model(frozen_mlp(4, {}), world);
+    auto opt = make_adamw(model, adamw_options());
+    torch::manual_seed(5);
+    for (int i = 0; i < 2; ++i) train_step(model, opt, world);
+    CheckpointCoordinator ckpt(root, model);
+    ExtraState extra;
+    ckpt.save(2, model, opt, extra);
+    ckpt.wait();
+  }
+  world.barrier();
+  // The head frozen now: the root's trained flat is the stem alone, so each rank's shard covers other
+  // ranges than its saved file. load_checkpoint (its own file first) must equal reading every file.
+  const auto next_step = [&](bool through_load_checkpoint) {
+    CkptModel<> model(frozen_mlp(9, {"head."}), world);
+    auto opt = make_adamw(model, adamw_options());
+    if (through_load_checkpoint) {
+      REQUIRE(load_checkpoint(root, model, opt, {.restore_rng = false})->step == 2);
+    } else {
+      const fs::path dir = checkpoint::step_dir(root, 2);
+      const auto record = checkpoint::read_commit_record(dir);
+      REQUIRE(record);
+      load_model_state_dict(model.sharded(), [&](const auto& fn) {
+        checkpoint::detail::for_each_saved_file(dir, *record, checkpoint::Component::model, std::nullopt, true, fn);
+      });
+      load_optimizer_state_dict(opt, model.sharded(), [&](const auto& fn) {
+        checkpoint::detail::for_each_saved_file(dir, *record, checkpoint::Component::optim, std::nullopt, true, fn);
+      });
+    }
+    torch::manual_seed(6);
+    train_step(model, opt, world);
+    return full_state_dict(model.sharded(), true);
+  };
+  const StateDict own = next_step(true), every = next_step(false);
+  REQUIRE(own.entries.size() == every.entries.size());
+  for (size_t i = 0; i < own.entries.size(); ++i) {
+    INFO(own.entries[i].name);
+    CHECK(at::equal(own.entries[i].data(), every.entries[i].data()));
+  }
+  world.barrier();
+}

@@ -81,9 +81,13 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
   info.step = *step;
   info.saved_world_size = record->world_size;
   // A part missing from another model's checkpoint (another program's root) is not the cause to
-  // report: its model is. Checked only on this error path (it reads this rank's model file).
+  // report: its model is. Checked only on this error path, once (it reads this rank's model file);
+  // not for full state dicts (rank 0's file is the whole model) nor local ones (their entries are
+  // units), and not when loading is not strict (extra names are then allowed).
+  bool model_checked = false;
   const auto check_same_model = [&] {
-    if (record->kind == "local") return;  // its entries are units, checked by the model load itself
+    if (model_checked || record->kind == "local" || record->kind == "full" || !options.strict) return;
+    model_checked = true;
     const auto& mesh = model.sharded().mesh();
     const std::string name = checkpoint::shard_file_name(Component::model, info.saved_world_size,
                                                          record->kind == "full" ? 0 : mesh.world().rank() % info.saved_world_size);
@@ -103,7 +107,7 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
                    " are not parameters or buffers of this model");
   };
   const auto lacks = [&](const std::string& part, const std::string& why) {
-    check_same_model();
+    if (!options.allow_missing) check_same_model();
     FSDPX_CHECK_AS(IoError, options.allow_missing, "checkpoint step ", *step, " in '", root.string(), "' has no ", part, " (",
                    why, "); pass LoadOptions{.load_", part == "client state" ? "client_state" : part,
                    " = false} to resume without it, or .allow_missing = true to be warned instead");

@@ -253,6 +253,8 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
     // One loader keyed by (name, state key): each saved slice contributes each of its tensors.
     StateDict split;
     split.component = "optim";
+    split.kind = sd.kind;
+    split.world_size = sd.world_size;  // so the loader knows when every saving rank's file was read
     split.rank = sd.rank;
     for (const TensorSlice& s : sd.entries) {
       for (const auto& [key, t] : s.tensors) split.entries.push_back({s.name + " [" + key + "]", s.shape, s.begin, s.end, {{"v", t}}, s.step});
@@ -308,8 +310,31 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
       return false;
     });
   };
-  for (auto& pend : pending) {
-    if (!(global ? saved(*pend.unit, pend.op->decay, nullptr, nullptr) : filled_here(pend))) continue;
+  // A state restored must be in the files read, whole: this rank's own file holds other ranges once
+  // the units' layout changed (then the caller reads every file), and zeros in its place would be wrong.
+  const auto whole = [&](const Pending& pend) {
+    for (const std::string& t : pend.targets) {
+      for (auto& target : loader.targets()[t]) {
+        std::sort(target.filled.begin(), target.filled.end());
+        int64_t to = target.begin;
+        for (const auto& [lo, hi] : target.filled) {
+          if (lo > to) break;
+          to = std::max(to, hi);
+        }
+        FSDPX_CHECK(to >= target.end, "loading the optimizer state dict: the state of '", t, "' elements [", to, ", ",
+                    target.end, ") is not in the files read (this rank's shard is not the saving rank's: the units' "
+                    "layout differs)");
+      }
+    }
+  };
+  std::vector<bool> restore(pending.size());
+  for (size_t i = 0; i < pending.size(); ++i) {  // every check before the optimizer is changed
+    restore[i] = global ? saved(*pending[i].unit, pending[i].op->decay, nullptr, nullptr) : filled_here(pending[i]);
+    if (restore[i] && global) whole(pending[i]);
+  }
+  for (size_t i = 0; i < pending.size(); ++i) {
+    auto& pend = pending[i];
+    if (!restore[i]) continue;
     optimizer.state()[pend.op->tensor.unsafeGetTensorImpl()] = detail::make_optimizer_state(optimizer, std::move(pend.tensors), step);
   }
 }
