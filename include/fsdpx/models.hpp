@@ -5,4 +5,5 @@
 #include <fsdpx/models/config.hpp>
 #include <fsdpx/models/decoder.hpp>
 #include <fsdpx/models/loss.hpp>
+#include <fsdpx/models/packing.hpp>
 #include <fsdpx/models/pretrained.hpp>

@@ -9,7 +9,12 @@ OUT_DIR/<name>.ref.safetensors
     left-padded), and transformers' logits: logits (float32 compute), logits_masked and logits_left
     (with those masks), logits_bf16 (bfloat16 compute, for bfloat16 files), inv_freq (the rotary
     inverse frequencies); its causal-LM loss: loss (labels = input_ids), loss_masked (padding labelled
-    -100); and RL's per-token values of the next tokens: log_probs and entropy [2, 11] (float32)
+    -100); and RL's per-token values of the next tokens: log_probs and entropy [2, 11] (float32);
+    packed samples: packed_ids and packed_position_ids [2, 12] (samples of 5, 3, 4 and 7, 5 tokens,
+    positions restarting at 0) and packed_logits, each sample's logits run alone;
+    generation: gen_prompt [2, 9] with gen_prompt_mask (row 0 left-padded to 5 tokens), gen_greedy
+    (generate, do_sample=False, 8 new tokens, no EOS) and gen_logits [2, 8, vocab] (each step's raw logits), gen_eos (a token row 0 generates third) and
+    gen_greedy_eos (the same with that EOS, pad 0)
 --big: also OUT_DIR/llama_big, ~97M parameters in bfloat16 (the loading-memory test).
 """
 import json
@@ -91,10 +96,48 @@ def reference(out, name, bf16):
         logp = torch.log_softmax(ref["logits"][:, :-1].float(), dim=-1)
         ref["log_probs"] = logp.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1).contiguous()
         ref["entropy"] = -(logp.exp() * logp).sum(-1).contiguous()
+        packed(model, ref)
+        generation(model, ref)
         if bf16:
             m16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
             ref["logits_bf16"] = m16(input_ids).logits.float().contiguous()
     save_file(ref, os.path.join(out, name + ".ref.safetensors"))
+
+
+PACKED_ROWS = [[5, 3, 4], [7, 5]]
+
+
+def packed(model, ref):
+    """Samples packed into rows, and each sample's logits run alone: what a packed forward must equal."""
+    g = torch.Generator().manual_seed(11)
+    ids, positions, logits = [], [], []
+    for lengths in PACKED_ROWS:
+        samples = [torch.randint(1, 96, (n,), generator=g) for n in lengths]
+        ids.append(torch.cat(samples))
+        positions.append(torch.cat([torch.arange(n) for n in lengths]))
+        logits.append(torch.cat([model(s.unsqueeze(0)).logits[0] for s in samples]))
+    ref["packed_ids"] = torch.stack(ids).contiguous()
+    ref["packed_position_ids"] = torch.stack(positions).contiguous()
+    ref["packed_logits"] = torch.stack(logits).contiguous()
+
+
+def generation(model, ref):
+    """transformers' greedy generate on left-padded prompts of 5 and 9 tokens, without and with an EOS."""
+    from transformers import GenerationConfig
+    g = torch.Generator().manual_seed(12)
+    prompt = torch.randint(1, 96, (2, 9), generator=g)
+    mask = torch.ones(2, 9, dtype=torch.long)
+    mask[0, :4] = 0
+    prompt[0, :4] = 0
+    config = dict(do_sample=False, max_new_tokens=8, pad_token_id=0, bos_token_id=None)
+    out = model.generate(prompt, attention_mask=mask, generation_config=GenerationConfig(
+        **config, eos_token_id=None, return_dict_in_generate=True, output_logits=True))
+    greedy = out.sequences
+    ref["gen_logits"] = torch.stack(out.logits, 1).float().contiguous()
+    eos = int(greedy[0, 9 + 2])
+    with_eos = model.generate(prompt, attention_mask=mask, generation_config=GenerationConfig(**config, eos_token_id=eos))
+    ref.update(gen_prompt=prompt, gen_prompt_mask=mask, gen_greedy=greedy.contiguous(), gen_eos=torch.tensor([eos]),
+               gen_greedy_eos=with_eos.contiguous())
 
 
 def main():

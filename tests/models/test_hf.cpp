@@ -420,3 +420,201 @@ TEST_CASE("hf: a config.json that does not describe its weights is refused on ev
   CHECK_THAT(error(), Catch::Contains("config.json' has 2147483648 bytes; it may have at most 16777216"));
   fs::remove_all(dir);
 }
+
+// ---- packed samples and generation (issue: the decoder as RL trainers drive it) -------------------------
+
+namespace {
+
+/// The padded batch of a packed batch's samples: one sample per row, right-padded with 0; labels -100
+/// on the padding.
+struct PaddedSamples {
+  at::Tensor ids, mask, labels;
+};
+PaddedSamples pad_samples(const at::Tensor& packed, const models::PackedSamples& samples) {
+  const int64_t n = static_cast<int64_t>(samples.spans().size()), longest = samples.max_length();
+  PaddedSamples p{at::zeros({n, longest}, at::kLong), at::zeros({n, longest}, at::kLong), {}};
+  for (int64_t i = 0; i < n; ++i) {
+    const auto& s = samples.spans()[static_cast<size_t>(i)];
+    p.ids[i].narrow(0, 0, s.length).copy_(packed[s.row].narrow(0, s.start, s.length));
+    p.mask[i].narrow(0, 0, s.length).fill_(1);
+  }
+  p.labels = p.ids.masked_fill(p.mask == 0, -100);
+  return p;
+}
+
+/// New tokens of each row up to and including the first `eos` (all of them without one).
+at::Tensor lengths_until(const at::Tensor& sequences, int64_t prompt, int64_t eos) {
+  const at::Tensor fresh = sequences.narrow(1, prompt, sequences.size(1) - prompt);
+  at::Tensor out = at::full({sequences.size(0)}, fresh.size(1), at::kLong);
+  for (int64_t r = 0; r < fresh.size(0); ++r) {
+    for (int64_t t = 0; t < fresh.size(1); ++t) {
+      if (fresh[r][t].item<int64_t>() == eos) {
+        out[r] = t + 1;
+        break;
+      }
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("hf: packed samples: each sample's logits equal transformers' of that sample run alone", "[hf][packed]") {
+  auto& world = fsdpx::test::world();
+  for (const char* name : float32_models) {
+    INFO(name << " at world size " << world.size());
+    auto model = models::from_pretrained<Sharded>(fixtures() / name, world);
+    const at::Tensor ids = ref(name, "packed_ids"), positions = ref(name, "packed_position_ids");
+    const at::Tensor want = ref(name, "packed_logits");
+    at::NoGradGuard no_grad;
+    const auto samples = models::PackedSamples::from_position_ids(positions, ids.size(0));
+    CHECK(at::equal(samples.cu_seqlens(), at::tensor(std::vector<int32_t>{0, 5, 8, 12, 19, 24})));
+    CHECK(at::equal(samples.position_ids(), positions));
+    const double by_positions = relative_error(model(ids, at::Tensor(), positions), want);  // transformers' way
+    const double by_samples = relative_error(model.call(&models::CausalLMImpl::forward_packed, ids, samples), want);
+    const double by_cu = relative_error(model.call(&models::CausalLMImpl::forward_packed, ids, models::PackedSamples::from_cu_seqlens(samples.cu_seqlens(), 2, 12)), want);
+    const double unpacked = relative_error(model(ids), want);  // the samples attending to each other
+    if (world.rank() == 0) {
+      std::printf("hf packed: %s, %d ranks: relative error %.2e (position ids), %.2e (samples), %.2e (cu_seqlens); "
+                  "not packed %.2e\n", name, world.size(), by_positions, by_samples, by_cu, unpacked);
+    }
+    CHECK(by_positions <= 1e-5);
+    CHECK(by_samples <= 1e-5);
+    CHECK(by_cu <= 1e-5);
+    CHECK(unpacked > 1e-3);
+  }
+}
+
+TEST_CASE("hf: a packed batch trains as its samples padded: loss, log-probs and gradients", "[hf][packed]") {
+  auto& world = fsdpx::test::world();
+  for (const char* name : {"llama_gqa", "qwen2_tied"}) {
+    INFO(name << " at world size " << world.size());
+    auto model = models::from_pretrained<ShardedUnits>(fixtures() / name, world);
+    model->chunk_logits = 5 * model->config.vocab_size;  // several chunks
+    const at::Tensor ids = ref(name, "packed_ids");
+    const auto samples = models::PackedSamples::from_position_ids(ref(name, "packed_position_ids"), ids.size(0));
+    const PaddedSamples padded = pad_samples(ids, samples);
+    const auto gradients = [&](auto&& loss_of) {
+      for (auto& p : model.parameters()) p.mutable_grad() = at::Tensor();
+      const at::Tensor loss = model.call([&](models::CausalLM& m) { return loss_of(m); });
+      loss.backward();
+      std::vector<at::Tensor> grads{loss.detach()};
+      for (const auto& p : model.parameters()) grads.push_back(p.grad().clone());
+      return grads;
+    };
+    const auto packed = gradients([&](models::CausalLM& m) { return m->loss_packed(ids, ids, samples); });
+    const auto alone = gradients([&](models::CausalLM& m) { return m->loss(padded.ids, padded.labels, padded.mask); });
+    double worst = 0;
+    for (size_t i = 0; i < packed.size(); ++i) worst = std::max(worst, relative_error(packed[i], alone[i]));
+    if (world.rank() == 0) std::printf("hf packed training: %s, %d ranks: loss and gradients, relative error %.2e\n", name, world.size(), worst);
+    CHECK(worst <= 1e-5);
+
+    // Per-token log-probs: each sample's equal its padded row's; the boundaries hold 0.
+    at::NoGradGuard no_grad;
+    const auto lp = model.call(&models::CausalLMImpl::log_probs_packed, ids, samples, models::LogProbOptions{.entropy = true});
+    const auto lp_padded = model.call(&models::CausalLMImpl::log_probs, padded.ids, padded.mask, models::LogProbOptions{.entropy = true});
+    const at::Tensor inside = samples.next_token_mask();
+    CHECK(lp.log_probs.masked_select(inside.logical_not()).abs().max().item<double>() == 0.0);
+    for (size_t i = 0; i < samples.spans().size(); ++i) {
+      const auto& s = samples.spans()[i];
+      const auto row = [&](const at::Tensor& t) { return t[s.row].narrow(0, s.start, s.length - 1); };
+      const auto own = [&](const at::Tensor& t) { return t[static_cast<int64_t>(i)].narrow(0, 0, s.length - 1); };
+      CHECK(relative_error(row(lp.log_probs), own(lp_padded.log_probs)) <= 1e-5);
+      CHECK(relative_error(row(lp.entropy), own(lp_padded.entropy)) <= 1e-5);
+    }
+  }
+}
+
+TEST_CASE("hf: greedy generate with a KV cache yields transformers' tokens and logits, sharded and not", "[hf][generate]") {
+  auto& world = fsdpx::test::world();
+  for (const char* name : float32_models) {
+    INFO(name << " at world size " << world.size());
+    auto sharded = models::from_pretrained<ShardedUnits>(fixtures() / name, world);
+    models::CausalLM plain(models::read_decoder_config(fixtures() / name));
+    models::load_pretrained(plain, fixtures() / name);
+    const at::Tensor prompt = ref(name, "gen_prompt"), mask = ref(name, "gen_prompt_mask");
+    const at::Tensor want = ref(name, "gen_greedy");
+    const int64_t steps = want.size(1) - prompt.size(1);
+    const models::GenerateOptions greedy{.max_new_tokens = steps, .pad_token_id = 0, .output_logits = true};
+    // Without a NoGradGuard: generate runs without gradients by itself, and training goes on after it.
+    const auto mine = sharded.call(&models::CausalLMImpl::generate, prompt, mask, greedy);
+    CHECK(at::equal(mine.sequences, want));
+    CHECK(at::equal(mine.generated_lengths, at::full({2}, steps, at::kLong)));
+    const double err = relative_error(mine.logits, ref(name, "gen_logits"));
+    if (world.rank() == 0) std::printf("hf generate: %s, %d ranks: step logits relative error %.2e\n", name, world.size(), err);
+    CHECK(err <= 1e-5);
+    CHECK(at::equal(plain->generate(prompt, mask, greedy).sequences, want));
+
+    const int64_t eos = ref(name, "gen_eos").item<int64_t>();
+    models::GenerateOptions stop = greedy;
+    stop.eos_token_ids = {eos};
+    const at::Tensor want_eos = ref(name, "gen_greedy_eos");
+    const auto ended = sharded.call(&models::CausalLMImpl::generate, prompt, mask, stop);
+    CHECK(at::equal(ended.sequences, want_eos));
+    CHECK(at::equal(ended.generated_lengths, lengths_until(want_eos, prompt.size(1), eos)));
+    CHECK(at::equal(plain->generate(prompt, mask, stop).sequences, want_eos));
+
+    // A step of training after generation.
+    const at::Tensor ids = ref(name, "input_ids");
+    sharded.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()).backward();
+    CHECK(sharded.sharded().stage() == fsdpx::core::detail::PassStage::idle);
+  }
+}
+
+TEST_CASE("hf: generation's ranks agree when to stop: a rank whose rows ended keeps stepping with the others", "[hf][generate]") {
+  auto& world = fsdpx::test::world();
+  const char* name = "llama_gqa";
+  auto sharded = models::from_pretrained<Sharded>(fixtures() / name, world);
+  models::CausalLM plain(models::read_decoder_config(fixtures() / name));
+  models::load_pretrained(plain, fixtures() / name);
+  const at::Tensor prompt = ref(name, "gen_prompt"), mask = ref(name, "gen_prompt_mask");
+  const int64_t eos = ref(name, "gen_eos").item<int64_t>();
+  const models::GenerateOptions stop{.max_new_tokens = 8, .eos_token_ids = {eos}, .pad_token_id = 0};
+  // Rank 0 generates row 0 (which ends at its EOS), the others row 1 (which runs all 8 steps).
+  const int64_t row = world.rank() == 0 ? 0 : 1;
+  const at::Tensor mine = prompt.narrow(0, row, 1), mine_mask = mask.narrow(0, row, 1);
+  const auto out = sharded.call(&models::CausalLMImpl::generate, mine, mine_mask, stop);
+  const auto alone = plain->generate(mine, mine_mask, stop);
+  REQUIRE(out.sequences.size(1) >= alone.sequences.size(1));
+  CHECK(at::equal(out.sequences.narrow(1, 0, alone.sequences.size(1)), alone.sequences));
+  CHECK(out.sequences.narrow(1, alone.sequences.size(1), out.sequences.size(1) - alone.sequences.size(1)).eq(0).all().item<bool>());
+  CHECK(at::equal(out.generated_lengths, alone.generated_lengths));
+}
+
+TEST_CASE("hf: sampling with a seed gives the same tokens sharded as unsharded (so on every world size)", "[hf][generate]") {
+  auto& world = fsdpx::test::world();
+  for (const char* name : {"llama_gqa", "qwen3_qknorm"}) {
+    INFO(name << " at world size " << world.size());
+    auto sharded = models::from_pretrained<Sharded>(fixtures() / name, world);
+    models::CausalLM plain(models::read_decoder_config(fixtures() / name));
+    models::load_pretrained(plain, fixtures() / name);
+    const at::Tensor prompt = ref(name, "gen_prompt"), mask = ref(name, "gen_prompt_mask");
+    const models::GenerateOptions sample{.max_new_tokens = 12, .do_sample = true, .temperature = 1.5, .top_k = 30,
+                                         .top_p = 0.95, .seed = 1234};
+    at::NoGradGuard no_grad;
+    const at::Tensor a = sharded.call(&models::CausalLMImpl::generate, prompt, mask, sample).sequences;
+    const at::Tensor b = plain->generate(prompt, mask, sample).sequences;
+    CHECK(at::equal(a, b));
+    CHECK(at::equal(plain->generate(prompt, mask, sample).sequences, b));
+    models::GenerateOptions other = sample;
+    other.seed = 4321;
+    CHECK(!at::equal(plain->generate(prompt, mask, other).sequences, b));  // 24 draws at temperature 1.5
+  }
+}
+
+TEST_CASE("hf: an inference-only bfloat16 copy generates as a plain bfloat16 model", "[hf][generate]") {
+  auto& world = fsdpx::test::world();
+  for (const char* name : bf16_models) {
+    INFO(name);
+    auto frozen = models::from_pretrained<ShardedBf16>(fixtures() / name, world, {.inference_only = true});
+    models::CausalLM plain(models::read_decoder_config(fixtures() / name));
+    models::load_pretrained(plain, fixtures() / name);
+    plain->to(at::kBFloat16);
+    const at::Tensor prompt = ref(name, "gen_prompt"), mask = ref(name, "gen_prompt_mask");
+    const models::GenerateOptions greedy{.max_new_tokens = 6, .output_logits = true};
+    const auto a = frozen.call(&models::CausalLMImpl::generate, prompt, mask, greedy);
+    const auto b = plain->generate(prompt, mask, greedy);
+    CHECK(at::equal(a.sequences, b.sequences));
+    CHECK(relative_error(a.logits, b.logits) <= 1.0 / 64);
+  }
+}

@@ -322,3 +322,106 @@ TEST_CASE("models: a merge writes the names its config implies, or refuses the c
   CHECK_FALSE(models::rename_for_config(gpt, gpt2, "config.json", why).has_value());
   CHECK_THAT(why, Catch::Contains("model_type \"gpt2\""));
 }
+
+namespace {
+
+template <class Fn>
+std::string error_of(Fn&& fn) {
+  try {
+    fn();
+  } catch (const fsdpx::Error& e) {
+    return e.what();
+  }
+  FAIL("no error");
+  return {};
+}
+
+at::Tensor longs(std::vector<int64_t> v, std::vector<int64_t> shape) { return at::tensor(v, at::kLong).view(shape).clone(); }
+
+}  // namespace
+
+TEST_CASE("models: packed samples from position ids and cumulative lengths; bad descriptions name the argument",
+          "[hf][unit][packed][errors]") {
+  const auto samples = models::PackedSamples::from_position_ids(longs({0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 4, 5}, {2, 6}), 2);
+  CHECK(samples.spans() == std::vector<models::SampleSpan>{{0, 0, 3}, {0, 3, 2}, {0, 5, 1}, {1, 0, 6}});
+  CHECK(samples.max_length() == 6);
+  CHECK(at::equal(samples.cu_seqlens(), at::tensor(std::vector<int32_t>{0, 3, 5, 6, 12})));
+  CHECK(at::equal(samples.next_token_mask(), at::tensor(std::vector<uint8_t>{1, 1, 0, 1, 0, 1, 1, 1, 1, 1}).to(at::kBool).view({2, 5})));
+  const auto again = models::PackedSamples::from_cu_seqlens(samples.cu_seqlens(), 2, 6);
+  CHECK(again.spans() == samples.spans());
+  CHECK(at::equal(again.position_ids(), samples.position_ids()));
+  // One run per row, wherever it starts: not packed (an offset, as a continuation's positions are).
+  CHECK(models::PackedSamples::detect(longs({5, 6, 7, 0, 1, 2}, {2, 3}), 2).empty());
+  CHECK_FALSE(models::PackedSamples::detect(longs({0, 1, 0}, {1, 3}), 2).empty());  // [1, seq]: every row
+
+  CHECK_THAT(error_of([] { models::PackedSamples::from_position_ids(longs({0, 1, 2, 0, 2, 3}, {1, 6}), 1); }),
+             Catch::Contains("position_ids do not describe packed samples: in row 0 a sample starts at token 4 with position 2"));
+  CHECK_THAT(error_of([] { models::PackedSamples::detect(longs({0, 1, 5, 6}, {1, 4}), 1); }),
+             Catch::Contains("starts at token 2 with position 5"));
+  CHECK_THAT(error_of([] { models::PackedSamples::from_position_ids(at::zeros({2, 3}, at::kInt), 2); }),
+             Catch::Contains("position_ids must be int64 [batch, seq]"));
+  CHECK_THAT(error_of([] { models::PackedSamples::from_cu_seqlens(longs({0, 3, 5}, {3}), 1, 6); }),
+             Catch::Contains("cu_seqlens end at 5 but the batch holds 1 x 6 = 6 tokens"));
+  CHECK_THAT(error_of([] { models::PackedSamples::from_cu_seqlens(longs({0, 3, 3, 6}, {4}), 1, 6); }),
+             Catch::Contains("sample 1 is empty"));
+  CHECK_NOTHROW(models::PackedSamples::from_cu_seqlens(longs({0, 4, 8}, {3}), 2, 4));
+  CHECK_THAT(error_of([] { models::PackedSamples::from_cu_seqlens(longs({0, 3, 6, 8}, {4}), 2, 4); }),
+             Catch::Contains("sample 1 (tokens 3 to 6) crosses the end of row 0"));
+  CHECK_THAT(error_of([] { models::PackedSamples::from_cu_seqlens(longs({1, 6}, {2}), 1, 6); }),
+             Catch::Contains("cu_seqlens must start at 0"));
+
+  models::DecoderConfig c = models::parse_decoder_config(llama_config(), "config.json");
+  models::CausalLM model(c);
+  at::NoGradGuard no_grad;
+  CHECK_THAT(error_of([&] { model->forward_packed(at::zeros({1, 6}, at::kLong), samples); }),
+             Catch::Contains("the packed samples describe a [2, 6] batch, but the input is [1, 6]"));
+}
+
+TEST_CASE("models: pack_sequences fills rows first-fit decreasing, pads the tails as samples of their own, and unpacks",
+          "[hf][unit][packed]") {
+  std::vector<at::Tensor> seqs;
+  for (int64_t n : {3, 7, 2, 5, 4}) seqs.push_back(at::arange(1, n + 1, at::kLong) + 10 * n);
+  const auto batch = models::pack_sequences(seqs, {.token_budget = 8, .pad_token_id = 0});
+  // 7 -> row 0; 5 -> row 1; 4 -> row 2; 3 -> row 1 (5 + 3 = 8); 2 -> row 2 (4 + 2 = 6)
+  CHECK(batch.input_ids.sizes() == at::IntArrayRef({3, 8}));
+  CHECK(batch.placement == std::vector<models::SampleSpan>{{1, 5, 3}, {0, 0, 7}, {2, 4, 2}, {1, 0, 5}, {2, 0, 4}});
+  CHECK(batch.token_mask.sum().item<int64_t>() == 21);
+  CHECK(batch.labels.eq(-100).sum().item<int64_t>() == 3);
+  const auto parts = batch.unpack(batch.input_ids);
+  for (size_t i = 0; i < seqs.size(); ++i) CHECK(at::equal(parts[i], seqs[i]));
+  const auto trimmed = batch.unpack(batch.input_ids.narrow(1, 0, 7), 1);
+  for (size_t i = 0; i < seqs.size(); ++i) CHECK(at::equal(trimmed[i], seqs[i].narrow(0, 0, seqs[i].size(0) - 1)));
+  CHECK(at::equal(models::PackedSamples::from_position_ids(batch.position_ids, 3).cu_seqlens(), batch.samples.cu_seqlens()));
+
+  CHECK_THAT(error_of([&] { models::pack_sequences(seqs, {.token_budget = 6}); }),
+             Catch::Contains("sequence 1 holds 7 tokens, more than the token_budget of 6"));
+  CHECK_THAT(error_of([] { models::pack_sequences({at::arange(3, at::kLong), at::empty({0}, at::kLong)}); }),
+             Catch::Contains("sequence 1 is empty"));
+  CHECK_THAT(error_of([] { models::pack_sequences({at::zeros({2, 2}, at::kLong)}); }), Catch::Contains("sequence 0 must be a 1-D int64"));
+}
+
+TEST_CASE("models: generate's bad options are errors naming the argument", "[hf][unit][generate][errors]") {
+  models::CausalLM model(models::parse_decoder_config(llama_config(), "config.json"));
+  const at::Tensor prompt = at::ones({2, 5}, at::kLong);
+  const auto error = [&](models::GenerateOptions o, at::Tensor mask = {}) {
+    return error_of([&] { model->generate(prompt, mask, o); });
+  };
+  const int64_t max_positions = model->config.max_position_embeddings;
+  CHECK_THAT(error({.max_new_tokens = max_positions}), Catch::Contains("max_new_tokens = " + std::to_string(max_positions) +
+                                                                       " after a prompt of 5 tokens exceeds the model's max_position_embeddings"));
+  CHECK_THAT(error({.max_new_tokens = -1}), Catch::Contains("max_new_tokens must be >= 0"));
+  CHECK_THAT(error({.do_sample = true, .temperature = 0}), Catch::Contains("temperature must be finite and > 0"));
+  CHECK_THAT(error({.do_sample = true, .top_k = -2}), Catch::Contains("top_k must be >= 0"));
+  CHECK_THAT(error({.do_sample = true, .top_p = 1.5}), Catch::Contains("top_p must be in (0, 1]"));
+  CHECK_THAT(error({}, at::ones({2, 4}, at::kLong)), Catch::Contains("attention_mask must be [batch, prompt]"));
+  CHECK_THAT(error_of([&] { model->generate(at::ones({2, 5}, at::kInt)); }), Catch::Contains("input_ids must be int64"));
+  // Greedy with and without the cache: the cache's tokens equal re-running the whole sequence each step.
+  const auto out = model->generate(at::randint(1, 96, {2, 5}, at::kLong), {}, {.max_new_tokens = 6});
+  at::Tensor seq = out.sequences.narrow(1, 0, 5);
+  at::NoGradGuard no_grad;
+  for (int step = 0; step < 6; ++step) {
+    const at::Tensor next = model(seq).select(1, seq.size(1) - 1).argmax(-1, true);
+    seq = at::cat({seq, next}, 1);
+  }
+  CHECK(at::equal(seq, out.sequences));
+}

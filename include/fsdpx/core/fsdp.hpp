@@ -213,4 +213,17 @@ auto call(Holder& module, Fn&& fn, Arg&& arg, Args&&... args) {
       std::forward<Arg>(arg), std::forward<Args>(args)...);
 }
 
+/// Whether `value` holds on every rank of the Fsdp model `module` belongs to (its root or a unit): a
+/// collective over that model's ranks, which must all call it, in the same order. For a module that
+/// is not sharded, `value` itself. Lets a loop whose length depends on the data (generation stopping at
+/// EOS) run as many unit calls on every rank.
+inline bool on_every_rank(const torch::nn::Module& module, bool value) {
+  const auto [owner, unit] = core::detail::UnitRegistry::instance().find(&module);
+  if (owner == nullptr) return value;
+  dist::AnyCommunicator world = owner->mesh().world();
+  at::Tensor flag = at::full({1}, value ? 1.0 : 0.0, at::TensorOptions().dtype(at::kFloat).device(owner->options().device));
+  world.all_reduce(flag, dist::ReduceOp::min);
+  return flag.item<float>() > 0.5f;
+}
+
 }  // namespace fsdpx

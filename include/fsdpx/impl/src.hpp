@@ -36,6 +36,7 @@
 #include <fsdpx/sync/impl/synchronizer.ipp>
 #include <fsdpx/sync/impl/watcher.ipp>
 #include <fsdpx/models/impl/loss.ipp>
+#include <fsdpx/models/impl/packing.ipp>
 #if defined(FSDPX_WITH_BOOST)  // the checkpoint coordinator's threads
 #include <fsdpx/checkpoint/impl/worker_pool.ipp>
 #include <fsdpx/checkpoint/impl/coordinator.ipp>

@@ -18,12 +18,17 @@
 // loss() and log_probs() never hold the whole logits: they run the head chunk by chunk of tokens
 // (models/loss.hpp), inside the head's unit.
 //
+// Packed batches (models/packing.hpp): forward, loss and log_probs take a PackedSamples, or position
+// ids that restart at 0 for each sample; attention stays inside each sample. generate() samples with a
+// KV cache (models/generation.hpp), plainly or under Fsdp::call.
+//
 // The projections and the embedding are this header's own small modules rather than torch::nn's:
 // torch::nn::Linear initializes its weights in its constructor, which for a model built only to be
 // loaded (or built under deferred_init) is a wasted pass over every parameter.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <memory>
@@ -40,7 +45,9 @@
 #include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/fsdp.hpp>
 #include <fsdpx/models/config.hpp>
+#include <fsdpx/models/generation.hpp>
 #include <fsdpx/models/loss.hpp>
+#include <fsdpx/models/packing.hpp>
 
 namespace fsdpx::models {
 
@@ -160,11 +167,16 @@ class Rotary {
   std::shared_ptr<Cache> cache_ = std::make_shared<Cache>();  // copies share it
 };
 
-/// The attention masks of one forward: undefined means "causal" (SDPA's is_causal), else a boolean
-/// mask [batch or 1, 1, seq, seq] where true attends.
-struct AttentionMasks {
+/// What the attention of one forward needs besides its tokens. Masks: undefined means "causal"
+/// (SDPA's is_causal), else boolean [batch or 1, 1, queries, keys] where true attends. With packed
+/// samples, each sample attends causally within itself (masks undefined). With a cache, the keys are
+/// the cached ones and the new.
+struct AttentionInputs {
   at::Tensor full;
   at::Tensor sliding;
+  std::shared_ptr<const PackedSamples> samples;  // shared: a checkpointed layer's recomputation reads it
+  int64_t sliding_window = 0;                    // of the sliding layers, with packed samples
+  KvCache* cache = nullptr;                      // generation only (no gradients, so no recomputation)
 };
 
 inline at::Tensor rotate_half(const at::Tensor& x) {
@@ -184,8 +196,10 @@ struct AttentionImpl : torch::nn::Module {
       k_norm = register_module("k_norm", RMSNorm(head_dim, c.rms_norm_eps));
     }
   }
-  /// x [batch, seq, hidden]; cos/sin [batch or 1, seq, head_dim]; mask undefined (causal) or boolean.
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& mask) {
+  /// x [batch, seq, hidden]; cos/sin [batch or 1, seq, head_dim]; `cache` this layer's keys and values
+  /// of earlier tokens (generation), or null.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const AttentionInputs& in,
+                     bool sliding, KvCacheLayer* cache = nullptr) {
     const int64_t batch = x.size(0), seq = x.size(1);
     at::Tensor q = q_proj(x).view({batch, seq, heads, head_dim});
     at::Tensor k = k_proj(x).view({batch, seq, kv_heads, head_dim});
@@ -199,20 +213,106 @@ struct AttentionImpl : torch::nn::Module {
     const at::Tensor c = cos.unsqueeze(1), s = sin.unsqueeze(1);
     q = q * c + rotate_half(q) * s;
     k = k * c + rotate_half(k) * s;
-    at::Tensor keys = k, values = v;
+    at::Tensor y;
+    if (in.samples) {
+      y = packed_attention(q, k, v, *in.samples, sliding ? in.sliding_window : 0);
+    } else if (cache != nullptr) {
+      const int64_t past = in.cache->length;
+      append_to_cache(*cache, k, v, past, in.cache->capacity);
+      y = attend(q, cache->keys.narrow(2, 0, past + seq), cache->values.narrow(2, 0, past + seq),
+                 sliding ? in.sliding : in.full);
+    } else {
+      y = attend(q, k, v, sliding ? in.sliding : in.full);
+    }
+    return o_proj(y.transpose(1, 2).reshape({batch, seq, heads * head_dim}));
+  }
+
+  /// SDPA of q [b, heads, n, d] over k, v [b, kv_heads, m, d]: causal (aligned at the start) when `mask`
+  /// is undefined and n > 1, else as the mask says.
+  at::Tensor attend(const at::Tensor& q, at::Tensor k, at::Tensor v, const at::Tensor& mask) const {
     // With a mask, the kernels that take one (memory-efficient) do not group heads: expand the key and
     // value heads as transformers' repeat_kv does, rather than fall back to the math kernel.
     const bool grouped = kv_heads != heads;
     if (mask.defined() && grouped) {
-      const int64_t groups = heads / kv_heads;
-      keys = k.unsqueeze(2).expand({batch, kv_heads, groups, seq, head_dim}).reshape({batch, heads, seq, head_dim});
-      values = v.unsqueeze(2).expand({batch, kv_heads, groups, seq, head_dim}).reshape({batch, heads, seq, head_dim});
+      const int64_t b = k.size(0), m = k.size(2), groups = heads / kv_heads;
+      k = k.unsqueeze(2).expand({b, kv_heads, groups, m, head_dim}).reshape({b, heads, m, head_dim});
+      v = v.unsqueeze(2).expand({b, kv_heads, groups, m, head_dim}).reshape({b, heads, m, head_dim});
     }
-    const at::Tensor y = at::scaled_dot_product_attention(
-        q, keys, values, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, is_training() ? dropout : 0.0,
-        /*is_causal=*/!mask.defined() && seq > 1, std::pow(static_cast<double>(head_dim), -0.5),
+    return at::scaled_dot_product_attention(
+        q, k, v, mask.defined() ? std::optional<at::Tensor>(mask) : std::nullopt, is_training() ? dropout : 0.0,
+        /*is_causal=*/!mask.defined() && q.size(2) > 1, std::pow(static_cast<double>(head_dim), -0.5),
         /*enable_gqa=*/grouped && !mask.defined());
-    return o_proj(y.transpose(1, 2).reshape({batch, seq, heads * head_dim}));
+  }
+
+  /// Writes the new keys and values at [past, past + n) of the layer's cache (allocated at its first use).
+  static void append_to_cache(KvCacheLayer& cache, const at::Tensor& k, const at::Tensor& v, int64_t past,
+                                    int64_t capacity) {
+    const int64_t n = k.size(2);
+    FSDPX_CHECK(past + n <= capacity, "KV cache: ", past, " cached tokens and ", n, " new exceed its capacity of ", capacity);
+    if (!cache.keys.defined()) {
+      cache.keys = at::empty({k.size(0), k.size(1), capacity, k.size(3)}, k.options());
+      cache.values = at::empty({v.size(0), v.size(1), capacity, v.size(3)}, v.options());
+    }
+    cache.keys.narrow(2, past, n).copy_(k);
+    cache.values.narrow(2, past, n).copy_(v);
+  }
+
+  /// Attention within each packed sample: flash-attention's variable-length kernel on CUDA where the
+  /// build has it, else each sample's own causal SDPA (the work of the samples' lengths squared, not
+  /// the row's). `window` > 0: a sliding-window layer's window.
+  at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const PackedSamples& samples,
+                              int64_t window) const {
+    if (q.is_cuda()) {
+      if (auto y = flash_varlen_attention(q, k, v, samples, window)) return *y;
+    }
+    std::vector<at::Tensor> rows, pieces;
+    int64_t row = 0;
+    for (const SampleSpan& s : samples.spans()) {
+      if (s.row != row) {
+        rows.push_back(at::cat(pieces, 2));
+        pieces.clear();
+        row = s.row;
+      }
+      const auto part = [&](const at::Tensor& t) { return t.narrow(0, s.row, 1).narrow(2, s.start, s.length); };
+      at::Tensor mask;
+      if (window > 0 && s.length > window) {
+        const at::Tensor idx = at::arange(s.length, at::TensorOptions().dtype(at::kLong).device(q.device()));
+        const at::Tensor qi = idx.unsqueeze(1), ki = idx.unsqueeze(0);
+        mask = ((ki <= qi) & (ki > qi - window)).view({1, 1, s.length, s.length});
+      }
+      pieces.push_back(attend(part(q), part(k), part(v), mask));
+    }
+    rows.push_back(at::cat(pieces, 2));
+    return rows.size() == 1 ? rows.front() : at::cat(rows, 0);
+  }
+
+  /// ATen's variable-length flash attention over the packed tokens, or nullopt where it cannot run
+  /// (dtype, head size, a build without it): the caller then attends sample by sample.
+  std::optional<at::Tensor> flash_varlen_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const PackedSamples& samples, int64_t window) const {
+    const auto dtype = q.scalar_type();
+    if ((dtype != at::kHalf && dtype != at::kBFloat16) || head_dim % 8 != 0 || head_dim > 256 || !flash_varlen_usable()) {
+      return std::nullopt;
+    }
+    const int64_t batch = q.size(0), seq = q.size(2);
+    const auto tokens = [&](const at::Tensor& t) { return t.transpose(1, 2).reshape({batch * seq, t.size(1), head_dim}); };
+    const at::Tensor cu = samples.cu_seqlens(q.device());
+    try {
+      const at::Tensor out = std::get<0>(at::_flash_attention_forward(
+          tokens(q), tokens(k), tokens(v), cu, cu, samples.max_length(), samples.max_length(), is_training() ? dropout : 0.0,
+          /*is_causal=*/true, /*return_debug_mask=*/false, std::pow(static_cast<double>(head_dim), -0.5),
+          window > 0 ? std::optional<int64_t>(window - 1) : std::nullopt, window > 0 ? std::optional<int64_t>(0) : std::nullopt));
+      return out.view({batch, seq, heads, head_dim}).transpose(1, 2);
+    } catch (const c10::Error& e) {
+      TORCH_WARN("fsdpx: variable-length flash attention failed (", e.what_without_backtrace(),
+                 "); packed samples attend one by one from now on");
+      flash_varlen_usable() = false;
+      return std::nullopt;
+    }
+  }
+  static std::atomic<bool>& flash_varlen_usable() {
+    static std::atomic<bool> usable{true};
+    return usable;
   }
   int64_t heads, kv_heads, head_dim;
   double dropout;
@@ -235,16 +335,18 @@ TORCH_MODULE(Mlp);
 
 /// One transformer layer: the FSDP unit (WrapModules<DecoderLayerImpl>).
 struct DecoderLayerImpl : torch::nn::Module {
-  DecoderLayerImpl(const DecoderConfig& c, int64_t index) : sliding(c.is_sliding(index)) {
+  DecoderLayerImpl(const DecoderConfig& c, int64_t index) : index(index), sliding(c.is_sliding(index)) {
     input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
     self_attn = register_module("self_attn", Attention(c));
     post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
     mlp = register_module("mlp", Mlp(c));
   }
-  at::Tensor forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const AttentionMasks& masks) {
-    const at::Tensor x = h + self_attn(input_layernorm(h), cos, sin, sliding ? masks.sliding : masks.full);
+  at::Tensor forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const AttentionInputs& in) {
+    KvCacheLayer* cache = in.cache != nullptr ? &in.cache->layers.at(static_cast<size_t>(index)) : nullptr;
+    const at::Tensor x = h + self_attn(input_layernorm(h), cos, sin, in, sliding, cache);
     return x + mlp(post_attention_layernorm(x));
   }
+  int64_t index;
   bool sliding;
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};
@@ -265,31 +367,108 @@ struct DecoderModelImpl : torch::nn::Module {
   }
 
   /// input_ids [batch, seq] (int64). attention_mask [batch, seq]: 1 for tokens, 0 for padding
-  /// (undefined: no padding). position_ids [batch or 1, seq] (undefined: 0, 1, ..., seq - 1).
+  /// (undefined: no padding). position_ids [batch or 1, seq] (undefined: 0, 1, ..., seq - 1); without
+  /// padding, position ids that restart at 0 describe packed samples (transformers' padding-free
+  /// path): attention then stays inside each sample.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {}, const at::Tensor& position_ids = {}) {
-    FSDPX_CHECK(input_ids.dim() == 2 && input_ids.scalar_type() == at::kLong, "DecoderModel: input_ids must be int64 "
-                "[batch, seq], not ", input_ids.scalar_type(), " ", input_ids.sizes());
+    check_input_ids(input_ids);
     const int64_t seq = input_ids.size(1);
     const auto device = input_ids.device();
-    at::Tensor h = fsdpx::forward(embed_tokens, input_ids);
+    const at::Tensor mask = without_all_ones(attention_mask, seq);
+    if (position_ids.defined() && !mask.defined()) {
+      const PackedSamples samples = PackedSamples::detect(position_ids, input_ids.size(0));
+      if (!samples.empty()) return forward_packed(input_ids, samples);
+    }
     const at::Tensor positions =
         position_ids.defined() ? position_ids : at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
+    return run_layers(input_ids, positions, make_masks(mask, seq, device));
+  }
+
+  /// Packed samples (models/packing.hpp) in the rows of input_ids [batch, seq]: RoPE positions restart
+  /// at each sample and attention stays inside it. (Not a forward overload: a module holder's call
+  /// needs one forward.)
+  at::Tensor forward_packed(const at::Tensor& input_ids, const PackedSamples& samples) {
+    check_input_ids(input_ids);
+    const int64_t batch = input_ids.size(0), seq = input_ids.size(1);
+    samples.check_shape("DecoderModel", batch, seq);
+    const at::Tensor positions = samples.position_ids(input_ids.device());
+    if (static_cast<int64_t>(samples.spans().size()) == batch) {  // one sample per row: plain causal attention
+      return run_layers(input_ids, positions, make_masks({}, seq, input_ids.device()));
+    }
+    AttentionInputs in;
+    in.samples = std::make_shared<const PackedSamples>(samples);
+    in.sliding_window = any_sliding_layer() ? config.sliding_window : 0;
+    return run_layers(input_ids, positions, in);
+  }
+
+  /// Generation: hidden states of the new tokens input_ids [batch, n] after the `cache.length` tokens
+  /// `cache` holds, whose keys and values it then holds too. key_mask [batch, cache.length + n]: 1 for
+  /// tokens, 0 for padding (undefined: none); position_ids [batch, n].
+  at::Tensor forward_cached(const at::Tensor& input_ids, KvCache& cache, const at::Tensor& key_mask,
+                            const at::Tensor& position_ids) {
+    check_input_ids(input_ids);
+    FSDPX_CHECK(cache.layers.size() == layers.size(), "DecoderModel: a KV cache of ", cache.layers.size(),
+                " layers for a model of ", layers.size());
+    AttentionInputs in = cached_masks(key_mask, cache.length, input_ids.size(1), input_ids.device());
+    in.cache = &cache;
+    at::Tensor h = run_layers(input_ids, position_ids, in);
+    cache.length += input_ids.size(1);
+    return h;
+  }
+
+  at::Tensor run_layers(const at::Tensor& input_ids, const at::Tensor& positions, const AttentionInputs& in) {
+    at::Tensor h = fsdpx::forward(embed_tokens, input_ids);
     const auto [cos, sin] = rotary.cos_sin(positions, h.scalar_type());
-    const AttentionMasks masks = make_masks(attention_mask, seq, device);
-    for (auto& layer : layers) h = fsdpx::forward(layer, h, cos, sin, masks);
+    for (auto& layer : layers) h = fsdpx::forward(layer, h, cos, sin, in);
     return norm(h);
   }
 
-  /// Causal masks, with padding and sliding windows where they change anything; undefined when causal
-  /// suffices (SDPA's is_causal, and its fastest kernels). As transformers, a padding mask of all ones
-  /// is no mask (one look at it), and a window at least as long as the sequence is no window.
-  AttentionMasks make_masks(at::Tensor attention_mask, int64_t seq, at::Device device) const {
-    const bool any_sliding = seq > config.sliding_window &&
-                             std::any_of(config.sliding_layers.begin(), config.sliding_layers.end(), [](bool b) { return b; });
+  static void check_input_ids(const at::Tensor& input_ids) {
+    FSDPX_CHECK(input_ids.defined() && input_ids.dim() == 2 && input_ids.scalar_type() == at::kLong,
+                "DecoderModel: input_ids must be int64 [batch, seq], not ",
+                input_ids.defined() ? input_ids.toString() : "undefined", " ",
+                input_ids.defined() ? input_ids.sizes() : at::IntArrayRef{});
+  }
+
+  bool any_sliding_layer() const {
+    return std::any_of(config.sliding_layers.begin(), config.sliding_layers.end(), [](bool b) { return b; });
+  }
+
+  /// As transformers, a padding mask of all ones is no mask (one look at it).
+  static at::Tensor without_all_ones(const at::Tensor& attention_mask, int64_t seq) {
     if (attention_mask.defined() && attention_mask.dim() == 2 && attention_mask.size(1) == seq &&
         attention_mask.all().item<bool>()) {
-      attention_mask = at::Tensor();
+      return {};
     }
+    return attention_mask;
+  }
+
+  /// The masks of `n` new tokens after `past` cached ones: each attends to the tokens up to itself that
+  /// key_mask keeps (and always to itself, so a padding query's softmax is over something), within
+  /// the window on sliding layers. Undefined where SDPA's causal flag says the same.
+  AttentionInputs cached_masks(const at::Tensor& key_mask, int64_t past, int64_t n, at::Device device) const {
+    const int64_t total = past + n;
+    const bool window = any_sliding_layer() && total > config.sliding_window;
+    if (!key_mask.defined() && !window && (n == 1 || past == 0)) return {};
+    FSDPX_CHECK(!key_mask.defined() || (key_mask.dim() == 2 && key_mask.size(1) == total), "DecoderModel: the key mask "
+                "must be [batch, ", total, "] (cached and new tokens), not ", key_mask.sizes());
+    const at::Tensor q = at::arange(past, total, at::TensorOptions().dtype(at::kLong).device(device)).view({1, 1, n, 1});
+    const at::Tensor k = at::arange(total, at::TensorOptions().dtype(at::kLong).device(device)).view({1, 1, 1, total});
+    at::Tensor allowed = k <= q;
+    if (key_mask.defined()) {
+      allowed = (allowed & key_mask.to(device).to(at::kBool).view({key_mask.size(0), 1, 1, total})) | (k == q);
+    }
+    AttentionInputs in;
+    in.full = allowed;
+    in.sliding = window ? allowed & (k > q - config.sliding_window) : allowed;
+    return in;
+  }
+
+  /// Causal masks, with padding and sliding windows where they change anything; undefined when causal
+  /// suffices (SDPA's is_causal, and its fastest kernels). A window at least as long as the sequence
+  /// is no window.
+  AttentionInputs make_masks(const at::Tensor& attention_mask, int64_t seq, at::Device device) const {
+    const bool any_sliding = seq > config.sliding_window && any_sliding_layer();
     if (!attention_mask.defined() && !any_sliding) return {};
     const auto idx = at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device));
     const at::Tensor q = idx.unsqueeze(1), k = idx.unsqueeze(0);
@@ -299,7 +478,7 @@ struct DecoderModelImpl : torch::nn::Module {
                   "[batch, seq] with seq = ", seq, ", not ", attention_mask.sizes());
       causal = causal & attention_mask.to(device).to(at::kBool).view({attention_mask.size(0), 1, 1, seq});
     }
-    AttentionMasks masks;
+    AttentionInputs masks;
     masks.full = attention_mask.defined() ? causal : at::Tensor();
     masks.sliding = any_sliding ? causal & (k > q - config.sliding_window).view({1, 1, seq, seq}) : masks.full;
     return masks;
@@ -361,6 +540,10 @@ struct CausalLMImpl : torch::nn::Module {
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {}, const at::Tensor& position_ids = {}) {
     return head(model->forward(input_ids, attention_mask, position_ids));
   }
+  /// Logits of packed samples (models/packing.hpp).
+  at::Tensor forward_packed(const at::Tensor& input_ids, const PackedSamples& samples) {
+    return head(model->forward_packed(input_ids, samples));
+  }
 
   /// The LM head over hidden states (the embedding's weight when tied), under the head's unit.
   at::Tensor head(const at::Tensor& hidden) {
@@ -370,8 +553,19 @@ struct CausalLMImpl : torch::nn::Module {
   /// Mean next-token cross-entropy as transformers' causal LM loss: labels [batch, seq] are the input
   /// ids (shifted inside), -100 ignored, computed in float32 chunk by chunk of tokens (chunk_logits).
   at::Tensor loss(const at::Tensor& input_ids, const at::Tensor& labels, const at::Tensor& attention_mask = {}) {
-    const at::Tensor hidden = model->forward(input_ids, attention_mask);
-    const at::Tensor shifted = shift_labels(labels).to(hidden.device());
+    return head_loss(model->forward(input_ids, attention_mask), shift_labels(labels));
+  }
+  /// loss() over packed samples: no sample's last token is trained to predict the next sample's first.
+  /// (A name of its own, so that &CausalLMImpl::loss names one function for Fsdp::call.)
+  at::Tensor loss_packed(const at::Tensor& input_ids, const at::Tensor& labels, const PackedSamples& samples) {
+    const at::Tensor hidden = model->forward_packed(input_ids, samples);
+    const at::Tensor within = at::constant_pad_nd(samples.next_token_mask(labels.device()), {0, 1}, 0);
+    return head_loss(hidden, shift_labels(labels).masked_fill(within.logical_not(), -100));
+  }
+
+  /// Mean cross-entropy of the head over hidden states against already-shifted labels (-100 ignored).
+  at::Tensor head_loss(const at::Tensor& hidden, const at::Tensor& shifted_labels) {
+    const at::Tensor shifted = shifted_labels.to(hidden.device());
     const CrossEntropyOptions ce{.chunk_logits = chunk_logits};
     return with_head([ce](const at::Tensor& weight, const at::Tensor& h, const at::Tensor& y) {
       return linear_cross_entropy(h, weight, y, ce);
@@ -385,7 +579,23 @@ struct CausalLMImpl : torch::nn::Module {
                           const LogProbOptions& options = {}) {
     FSDPX_CHECK(input_ids.dim() == 2 && input_ids.size(1) >= 2, "CausalLM::log_probs: input_ids must be [batch, seq] "
                 "with seq >= 2 (each position's next token is its target), not ", input_ids.sizes());
-    const at::Tensor hidden = model->forward(input_ids, attention_mask);
+    return head_log_probs(model->forward(input_ids, attention_mask), input_ids, options);
+  }
+  /// log_probs() over packed samples; a sample's last position (whose next token is another sample's)
+  /// holds 0: mask with samples.next_token_mask().
+  TokenLogProbs log_probs_packed(const at::Tensor& input_ids, const PackedSamples& samples,
+                                 const LogProbOptions& options = {}) {
+    FSDPX_CHECK(input_ids.dim() == 2 && input_ids.size(1) >= 2, "CausalLM::log_probs: input_ids must be [batch, seq] "
+                "with seq >= 2 (each position's next token is its target), not ", input_ids.sizes());
+    TokenLogProbs r = head_log_probs(model->forward_packed(input_ids, samples), input_ids, options);
+    const at::Tensor outside = samples.next_token_mask(r.log_probs.device()).logical_not();
+    r.log_probs = r.log_probs.masked_fill(outside, 0.0);
+    if (r.entropy.defined()) r.entropy = r.entropy.masked_fill(outside, 0.0);
+    return r;
+  }
+
+  /// log-probs (and entropy) of input_ids[:, 1:] from hidden states [batch, seq, hidden].
+  TokenLogProbs head_log_probs(const at::Tensor& hidden, const at::Tensor& input_ids, const LogProbOptions& options) {
     const int64_t seq = input_ids.size(1);
     const at::Tensor h = hidden.narrow(1, 0, seq - 1);
     const at::Tensor targets = input_ids.narrow(1, 1, seq - 1).to(hidden.device());
@@ -394,6 +604,61 @@ struct CausalLMImpl : torch::nn::Module {
       return std::make_tuple(r.log_probs, r.entropy);
     }, h, targets);
     return {std::get<0>(both), std::get<1>(both)};
+  }
+
+  /// New tokens after each prompt, with a KV cache (models/generation.hpp). input_ids [batch, prompt]
+  /// int64, left-padded where prompts differ in length, attention_mask [batch, prompt] 1 on tokens and 0
+  /// on padding (undefined: none). Runs without gradients. Under Fsdp::call every rank runs it (each
+  /// with its own prompts and the same options): each step gathers every unit, and the ranks agree
+  /// when all of them are done.
+  GenerateOutput generate(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
+                          const GenerateOptions& options = {}) {
+    DecoderModelImpl::check_input_ids(input_ids);
+    const int64_t batch = input_ids.size(0), prompt = input_ids.size(1);
+    FSDPX_CHECK(batch > 0 && prompt > 0, "generate: input_ids must hold at least one token per row, not ", input_ids.sizes());
+    FSDPX_CHECK(!attention_mask.defined() || attention_mask.sizes() == input_ids.sizes(), "generate: attention_mask must "
+                "be [batch, prompt] = ", input_ids.sizes(), ", not ", attention_mask.sizes());
+    detail::check_generate_options(options, prompt, config.max_position_embeddings);
+    at::NoGradGuard no_grad;
+    const auto device = input_ids.device();
+    const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
+    const int64_t pad = options.pad_token_id.value_or(
+        config.pad_token_id.value_or(options.eos_token_ids.empty() ? 0 : options.eos_token_ids.front()));
+    const at::Tensor prompt_mask = attention_mask.defined() ? attention_mask.to(longs) : at::ones({batch, prompt}, longs);
+    // Positions as transformers counts them for left padding: from 0 at each row's first token.
+    at::Tensor positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1);
+    const bool padded = !prompt_mask.all().item<bool>();
+    at::Tensor key_mask;
+    if (padded) {
+      key_mask = at::ones({batch, prompt + options.max_new_tokens}, longs);
+      key_mask.narrow(1, 0, prompt).copy_(prompt_mask);
+    }
+    const at::Tensor eos = at::tensor(options.eos_token_ids, at::TensorOptions().dtype(at::kLong));
+    at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(options.seed);
+    KvCache cache(config.num_hidden_layers, prompt + options.max_new_tokens);
+    at::Tensor finished = at::zeros({batch}, at::TensorOptions().dtype(at::kBool));
+    at::Tensor lengths = at::zeros({batch}, at::TensorOptions().dtype(at::kLong));
+    std::vector<at::Tensor> new_tokens, step_logits;
+    at::Tensor step = input_ids;
+    for (int64_t i = 0; i < options.max_new_tokens; ++i) {
+      if (on_every_rank(*this, finished.all().item<bool>())) break;
+      const int64_t n = step.size(1);
+      const at::Tensor mask = padded ? key_mask.narrow(1, 0, cache.length + n) : at::Tensor();
+      const at::Tensor hidden = model->forward_cached(step, cache, mask, positions);
+      const at::Tensor logits = head(hidden.narrow(1, n - 1, 1)).squeeze(1).to(at::kFloat).to(at::kCPU);
+      if (options.output_logits) step_logits.push_back(logits);
+      at::Tensor next = detail::select_next_tokens(logits, options, generator).masked_fill(finished, pad);
+      lengths += finished.logical_not().to(at::kLong);
+      if (eos.numel() > 0) finished = finished | at::isin(next, eos);
+      new_tokens.push_back(next);
+      positions = positions.narrow(1, n - 1, 1) + 1;
+      step = next.to(device).unsqueeze(1);
+    }
+    GenerateOutput out;
+    out.sequences = new_tokens.empty() ? input_ids : at::cat({input_ids, at::stack(new_tokens, 1).to(device)}, 1);
+    out.generated_lengths = lengths.to(device);
+    if (options.output_logits && !step_logits.empty()) out.logits = at::stack(step_logits, 1).to(device);
+    return out;
   }
 
   /// labels [batch, seq] -> the next token's label at each position, ignore_index at the last.
