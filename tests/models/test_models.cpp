@@ -392,6 +392,12 @@ TEST_CASE("models: pack_sequences fills rows first-fit decreasing, pads the tail
   const auto trimmed = batch.unpack(batch.input_ids.narrow(1, 0, 7), 1);
   for (size_t i = 0; i < seqs.size(); ++i) CHECK(at::equal(trimmed[i], seqs[i].narrow(0, 0, seqs[i].size(0) - 1)));
   CHECK(at::equal(models::PackedSamples::from_position_ids(batch.position_ids, 3).cu_seqlens(), batch.samples.cu_seqlens()));
+  CHECK(batch.row_tokens == std::vector<int64_t>{7, 8, 6});
+  const auto last = batch.row(2);  // 4 + 2 tokens, no tail padding
+  CHECK(at::equal(last.input_ids, at::cat({seqs[4], seqs[2]}).unsqueeze(0)));
+  CHECK(last.placement == std::vector<models::SampleSpan>{{0, 4, 2}, {0, 0, 4}});
+  CHECK(last.samples.spans().size() == 2);
+  CHECK(last.token_mask.all().item<bool>());
 
   CHECK_THAT(error_of([&] { models::pack_sequences(seqs, {.token_budget = 6}); }),
              Catch::Contains("sequence 1 holds 7 tokens, more than the token_budget of 6"));

@@ -368,14 +368,14 @@ struct DecoderModelImpl : torch::nn::Module {
 
   /// input_ids [batch, seq] (int64). attention_mask [batch, seq]: 1 for tokens, 0 for padding
   /// (undefined: no padding). position_ids [batch or 1, seq] (undefined: 0, 1, ..., seq - 1); without
-  /// padding, position ids that restart at 0 describe packed samples (transformers' padding-free
-  /// path): attention then stays inside each sample.
+  /// an attention mask, position ids that restart at 0 describe packed samples (transformers'
+  /// padding-free path): attention then stays inside each sample.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {}, const at::Tensor& position_ids = {}) {
     check_input_ids(input_ids);
     const int64_t seq = input_ids.size(1);
     const auto device = input_ids.device();
     const at::Tensor mask = without_all_ones(attention_mask, seq);
-    if (position_ids.defined() && !mask.defined()) {
+    if (position_ids.defined() && !attention_mask.defined()) {  // as transformers: only without a mask
       const PackedSamples samples = PackedSamples::detect(position_ids, input_ids.size(0));
       if (!samples.empty()) return forward_packed(input_ids, samples);
     }

@@ -92,6 +92,11 @@ struct PackedBatch {
   at::Tensor token_mask;    // [rows, seq] bool: true on the sequences' tokens, false on the padding
   PackedSamples samples;    // every sample, the tail padding of a row included
   std::vector<SampleSpan> placement;  // placement[i]: where sequences[i] lies
+  std::vector<int64_t> row_tokens;    // the tokens of sequences in each row (the rest is its tail padding)
+
+  /// Row `row` alone, without its tail padding: [1, row_tokens[row]] (a micro-batch of one row, so
+  /// that no padding is computed at all); its placement lists that row's sequences in the order given.
+  FSDPX_DECL PackedBatch row(int64_t row) const;
 
   /// Per-token values of the batch ([rows, seq - trim_last, ...], e.g. log-probs with trim_last = 1)
   /// split back into one tensor per sequence, in the order given: sequence i gets its length -

@@ -138,6 +138,23 @@ FSDPX_DECL std::vector<at::Tensor> PackedBatch::unpack(const at::Tensor& values,
   return out;
 }
 
+FSDPX_DECL PackedBatch PackedBatch::row(int64_t r) const {
+  FSDPX_CHECK(r >= 0 && r < static_cast<int64_t>(row_tokens.size()), "PackedBatch::row: row ", r, " of a batch of ",
+              row_tokens.size(), " rows");
+  const int64_t n = row_tokens[static_cast<size_t>(r)];
+  PackedBatch out;
+  out.input_ids = input_ids.narrow(0, r, 1).narrow(1, 0, n);
+  out.position_ids = position_ids.narrow(0, r, 1).narrow(1, 0, n);
+  out.labels = labels.narrow(0, r, 1).narrow(1, 0, n);
+  out.token_mask = token_mask.narrow(0, r, 1).narrow(1, 0, n);
+  out.samples = PackedSamples::from_position_ids(out.position_ids, 1);
+  out.row_tokens = {n};
+  for (const SampleSpan& s : placement) {
+    if (s.row == r) out.placement.push_back({0, s.start, s.length});
+  }
+  return out;
+}
+
 FSDPX_DECL PackedBatch pack_sequences(const std::vector<at::Tensor>& sequences, const PackOptions& options) {
   FSDPX_CHECK(options.token_budget > 0, "pack_sequences: token_budget must be positive, not ", options.token_budget);
   FSDPX_CHECK(!sequences.empty(), "pack_sequences: no sequences to pack");
@@ -165,6 +182,7 @@ FSDPX_DECL PackedBatch pack_sequences(const std::vector<at::Tensor>& sequences, 
     used[row] += length;
   }
   const int64_t rows = static_cast<int64_t>(used.size()), seq = *std::max_element(used.begin(), used.end());
+  batch.row_tokens = used;
   const auto device = sequences.front().device();
   batch.input_ids = at::full({rows, seq}, options.pad_token_id, at::TensorOptions().dtype(at::kLong).device(device));
   batch.token_mask = at::zeros({rows, seq}, at::TensorOptions().dtype(at::kBool).device(device));
