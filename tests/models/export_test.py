@@ -59,6 +59,11 @@ def main():
     os.makedirs(work, exist_ok=True)
     check(program, fixtures, work, mpiexec, "llama_gqa", 20_000)          # untied, an index and several files
     check(program, fixtures, work, mpiexec, "qwen2_tied", 5_000_000_000)  # tied head, biases, a sliding layer
+    # Mixtures of experts: the experts written with the hub's per-expert names, which transformers 5 stacks as
+    # it loads; from the hub's layout and from transformers' own stacked layout
+    check(program, fixtures, work, mpiexec, "qwen3_moe", 5_000_000_000)
+    check(program, fixtures, work, mpiexec, "qwen3_moe_stacked", 5_000_000_000)
+    check(program, fixtures, work, mpiexec, "qwen2_moe", 5_000_000_000)  # a shared expert, a tied head
     # Written back in bfloat16, as it came: transformers computes with the weights rounded to bfloat16 and
     # fsdpx with its float32 masters, so they agree to the rounding of the weights (2^-8), not to 1e-5.
     check(program, fixtures, work, mpiexec, "qwen3_qknorm_bf16", 5_000_000_000, tolerance=1 / 64)

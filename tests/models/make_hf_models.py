@@ -5,6 +5,8 @@ and transformers' own outputs on them, which the C++ tests compare against.
 
 OUT_DIR/<name>/              a model folder as save_pretrained writes it (config.json, safetensors)
 OUT_DIR/<name>.ref.safetensors
+    (qwen3_moe, qwen2_moe: mixtures of experts; qwen3_moe_stacked: qwen3_moe's weights with the experts
+    stacked, as save_pretrained(save_original_format=False) writes them)
     input_ids [2, 12], attention_mask [2, 12] (row 1 right-padded), attention_mask_left (row 0
     left-padded), and transformers' logits: logits (float32 compute), logits_masked and logits_left
     (with those masks), logits_bf16 (bfloat16 compute, for bfloat16 files), inv_freq (the rotary
@@ -14,7 +16,9 @@ OUT_DIR/<name>.ref.safetensors
     positions restarting at 0) and packed_logits, each sample's logits run alone;
     generation: gen_prompt [2, 9] with gen_prompt_mask (row 0 left-padded to 5 tokens), gen_greedy
     (generate, do_sample=False, 8 new tokens, no EOS) and gen_logits [2, 8, vocab] (each step's raw logits), gen_eos (a token row 0 generates third) and
-    gen_greedy_eos (the same with that EOS, pad 0)
+    gen_greedy_eos (the same with that EOS, pad 0); mixtures of experts: aux_loss (the load-balancing loss,
+    output_router_logits=True), aux_loss_masked (with attention_mask), loss_aux (loss with labels = input_ids
+    and the aux loss added, router_aux_loss_coef x aux_loss)
 --big: also OUT_DIR/llama_big, ~97M parameters in bfloat16 (the loading-memory test).
 """
 import json
@@ -24,7 +28,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 from transformers import (AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3Config, Qwen3ForCausalLM)
+                          Qwen2MoeConfig, Qwen2MoeForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig,
+                          Qwen3MoeForCausalLM)
 
 SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=112, max_position_embeddings=128)
 
@@ -45,12 +50,25 @@ MODELS = {
         **SMALL, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=24, attention_bias=True,
         rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}, tie_word_embeddings=False),
         torch.float32, None),
+    # mixtures of experts: 4 experts, top-2 renormalized, layer 1 dense (mlp_only_layers); written with the
+    # hub's per-expert names (save_pretrained's default)
+    "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(
+        **SMALL, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], tie_word_embeddings=False), torch.float32, None),
+    # a shared expert with its sigmoid gate, top-2 not renormalized, layer 0 dense, a tied head, q/k/v biases
+    "qwen2_moe": (Qwen2MoeForCausalLM, Qwen2MoeConfig(
+        **SMALL, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=40, norm_topk_prob=False, mlp_only_layers=[0],
+        tie_word_embeddings=True), torch.float32, None),
     # bfloat16 files
     "llama_gqa_bf16": (LlamaForCausalLM, None, torch.bfloat16, "40KB"),
     "qwen3_qknorm_bf16": (Qwen3ForCausalLM, None, torch.bfloat16, None),
 }
 BIG = LlamaConfig(vocab_size=4096, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
                   num_key_value_heads=4, max_position_embeddings=256, tie_word_embeddings=False)
+
+
+MOE = ("qwen3_moe", "qwen2_moe")
 
 
 def make(out, name, cls, config, dtype, shard_size):
@@ -60,9 +78,16 @@ def make(out, name, cls, config, dtype, shard_size):
         for pname, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
+            # Routers far from uniform (transformers initializes them near it): a near tie between two
+            # experts would flip on float32 rounding, and a test comparing two ways of computing the same
+            # steps would see a different expert, not a different rounding.
+            if pname.endswith("mlp.gate.weight"):
+                p.mul_(50)
     model = model.to(dtype)
     kwargs = {"max_shard_size": shard_size} if shard_size else {}
     model.save_pretrained(os.path.join(out, name), **kwargs)
+    if name == "qwen3_moe":  # the same weights in transformers' in-memory layout: experts stacked
+        model.save_pretrained(os.path.join(out, name + "_stacked"), save_original_format=False)
     return model
 
 
@@ -98,6 +123,11 @@ def reference(out, name, bf16):
         ref["entropy"] = -(logp.exp() * logp).sum(-1).contiguous()
         packed(model, ref)
         generation(model, ref)
+        if name in MOE:  # the load-balancing loss, as transformers adds it with output_router_logits
+            moe = model(input_ids, labels=input_ids, output_router_logits=True)
+            ref["aux_loss"] = moe.aux_loss.reshape(1)
+            ref["loss_aux"] = moe.loss.reshape(1)
+            ref["aux_loss_masked"] = model(input_ids, attention_mask=mask, output_router_logits=True).aux_loss.reshape(1)
         if bf16:
             m16 = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
             ref["logits_bf16"] = m16(input_ids).logits.float().contiguous()

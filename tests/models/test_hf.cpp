@@ -8,6 +8,7 @@
 #include <cerrno>
 #include <fstream>
 #include <functional>
+#include <iostream>
 #include <map>
 #include <string>
 #include <vector>
@@ -49,7 +50,8 @@ at::Tensor ref(const std::string& model, const std::string& name) {
   return dir.read(name);
 }
 
-const char* const float32_models[] = {"llama_gqa", "qwen2_tied", "qwen3_qknorm"};
+const char* const float32_models[] = {"llama_gqa", "qwen2_tied", "qwen3_qknorm", "qwen3_moe", "qwen2_moe"};
+const char* const moe_models[] = {"qwen3_moe", "qwen2_moe"};
 const char* const bf16_models[] = {"llama_gqa_bf16", "qwen3_qknorm_bf16"};
 
 }  // namespace
@@ -487,7 +489,7 @@ TEST_CASE("hf: packed samples: each sample's logits equal transformers' of that 
 
 TEST_CASE("hf: a packed batch trains as its samples padded: loss, log-probs and gradients", "[hf][packed]") {
   auto& world = fsdpx::test::world();
-  for (const char* name : {"llama_gqa", "qwen2_tied"}) {
+  for (const char* name : {"llama_gqa", "qwen2_tied", "qwen2_moe"}) {
     INFO(name << " at world size " << world.size());
     auto model = models::from_pretrained<ShardedUnits>(fixtures() / name, world);
     model->chunk_logits = 5 * model->config.vocab_size;  // several chunks
@@ -617,4 +619,159 @@ TEST_CASE("hf: an inference-only bfloat16 copy generates as a plain bfloat16 mod
     CHECK(at::equal(a.sequences, b.sequences));
     CHECK(relative_error(a.logits, b.logits) <= 1.0 / 64);
   }
+}
+
+// ---- mixtures of experts (issue: Qwen3-MoE and Qwen2-MoE) -----------------------------------------------
+
+TEST_CASE("hf: mixtures of experts: the load-balancing loss and the loss with it equal transformers'", "[hf][moe]") {
+  auto& world = fsdpx::test::world();
+  for (const char* name : moe_models) {
+    INFO(name << " at world size " << world.size());
+    auto model = models::from_pretrained<ShardedUnits>(fixtures() / name, world);
+    const at::Tensor ids = ref(name, "input_ids"), mask = ref(name, "attention_mask");
+    at::NoGradGuard no_grad;
+    const auto out = model.call(&models::CausalLMImpl::forward_with_aux_loss, ids, at::Tensor());
+    const auto masked = model.call(&models::CausalLMImpl::forward_with_aux_loss, ids, mask);
+    CHECK(relative_error(out.logits, ref(name, "logits")) <= 1e-5);
+    const double aux = relative_error(out.aux_loss.reshape({1}), ref(name, "aux_loss"));
+    const double aux_masked = relative_error(masked.aux_loss.reshape({1}), ref(name, "aux_loss_masked"));
+    // Without output_router_logits the loss is the cross-entropy alone (transformers' default); with it,
+    // router_aux_loss_coef x the aux loss is added.
+    const double plain = relative_error(model.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()), ref(name, "loss"));
+    model->config.moe.output_router_logits = true;
+    const double with_aux = relative_error(model.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()), ref(name, "loss_aux"));
+    if (world.rank() == 0) {
+      std::printf("hf moe: %s, %d ranks: aux loss %.2e, masked %.2e; loss %.2e, with the aux loss %.2e (relative errors)\n",
+                  name, world.size(), aux, aux_masked, plain, with_aux);
+    }
+    CHECK(aux <= 1e-5);
+    CHECK(aux_masked <= 1e-5);
+    CHECK(plain <= 1e-5);
+    CHECK(with_aux <= 1e-5);
+  }
+}
+
+TEST_CASE("hf: mixtures of experts: 5 AdamW steps with the aux loss train sharded as unsharded", "[hf][moe]") {
+  // Step by step: after each step the unsharded model takes the sharded one's weights, so each step is
+  // compared from the same weights. Across steps, float32 rounding (a reduction's order) can tip a
+  // token whose top-k experts are nearly tied to another expert, and from there the runs are two
+  // different trainings, equally right; within a step the routing is the same.
+  auto& world = fsdpx::test::world();
+  const int W = world.size(), rank = world.rank();
+  for (const char* name : moe_models) {
+    INFO(name << " at world size " << W);
+    auto model = models::from_pretrained<ShardedUnits>(fixtures() / name, world);
+    model->config.moe.output_router_logits = true;
+    models::CausalLM reference(models::read_decoder_config(fixtures() / name));
+    models::load_pretrained(reference, fixtures() / name);
+    reference->config.moe.output_router_logits = true;
+    const auto options = torch::optim::AdamWOptions(1e-2).weight_decay(0.0).eps(1e-6);
+    auto optimizer = fsdpx::make_adamw(model, options);
+    torch::optim::AdamW ref_optimizer(reference->parameters(), options);
+    auto want = reference->named_parameters();
+    double worst = 0;
+    std::string where;
+    for (int step = 0; step < 5; ++step) {
+      at::manual_seed(700 + step);
+      const at::Tensor ids = at::randint(1, model->config.vocab_size, {W, 10}, at::kLong);
+      const at::Tensor mine = ids.narrow(0, rank, 1);
+      optimizer.zero_grad();
+      model.call(&models::CausalLMImpl::loss, mine, mine, at::Tensor()).backward();
+      optimizer.step();
+      // The sharded ranks average their gradients: the reference averages the ranks' losses.
+      ref_optimizer.zero_grad();
+      at::Tensor total = at::zeros({});
+      for (int r = 0; r < W; ++r) total = total + reference->loss(ids.narrow(0, r, 1), ids.narrow(0, r, 1));
+      (total / W).backward();
+      // An expert no token chose has a zero gradient in a unit that ran, so AdamW's momentum moves it
+      // (docs/core.md, unused parameters); the unsharded model would skip it: give it the zero too.
+      for (auto& p : reference->parameters()) {
+        if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      }
+      ref_optimizer.step();
+      auto scope = model.full_parameters();
+      at::NoGradGuard no_grad;
+      for (const auto& p : model->named_parameters()) {
+        const double d = (p.value().detach() - want[p.key()].detach()).abs().max().item<double>();
+        if (d > worst) worst = d, where = p.key() + " at step " + std::to_string(step + 1);
+        want[p.key()].copy_(p.value());
+      }
+    }
+    if (rank == 0) {
+      std::printf("hf moe training: %s, %d ranks, 5 AdamW steps: max |sharded - unsharded| = %.2e %s\n", name, W, worst,
+                  where.c_str());
+    }
+    CHECK(worst <= 5e-5);
+  }
+}
+
+TEST_CASE("hf: mixtures of experts: an expert no token chose gets no update, and the step completes on every rank",
+          "[hf][moe]") {
+  auto& world = fsdpx::test::world();
+  const char* name = "qwen3_moe";
+  auto model = models::from_pretrained<ShardedUnits>(fixtures() / name, world);
+  models::CausalLM plain(models::read_decoder_config(fixtures() / name));
+  models::load_pretrained(plain, fixtures() / name);
+  // Two tokens (one next-token target), the same on every rank, that leave some of layer 0's 4 experts
+  // unchosen: those get no gradient anywhere.
+  at::Tensor ids;
+  std::vector<int64_t> idle;
+  for (int64_t token = 1; token < 96 && idle.empty(); ++token) {
+    ids = at::full({1, 2}, token, at::kLong);
+    std::vector<at::Tensor> router_logits;
+    at::NoGradGuard no_grad;
+    plain->model->forward(ids, {}, {}, &router_logits);
+    REQUIRE(!router_logits.empty());
+    const at::Tensor chosen = std::get<1>(router_logits[0].topk(2, -1)).reshape({-1});
+    for (int64_t e = 0; e < 4; ++e) {
+      if (!chosen.eq(e).any().item<bool>()) idle.push_back(e);
+    }
+  }
+  REQUIRE(!idle.empty());
+  std::map<std::string, at::Tensor> before;
+  {
+    auto scope = model.full_parameters();
+    for (const auto& p : model->named_parameters()) before[p.key()] = p.value().detach().clone();
+  }
+  auto optimizer = fsdpx::make_adamw(model, torch::optim::AdamWOptions(1e-2).weight_decay(0.0));
+  optimizer.zero_grad();
+  model.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()).backward();
+  optimizer.step();
+  CHECK(model.sharded().stage() == fsdpx::core::detail::PassStage::idle);
+  int changed_idle = 0, changed_chosen = 0;
+  {
+    auto scope = model.full_parameters();
+    for (const auto& p : model->named_parameters()) {
+      const std::string prefix = "model.layers.0.mlp.experts.";
+      if (p.key().rfind(prefix, 0) != 0) continue;
+      const int64_t e = std::stoll(p.key().substr(prefix.size()));
+      const bool same = at::equal(p.value().detach(), before[p.key()]);
+      if (std::find(idle.begin(), idle.end(), e) != idle.end()) {
+        changed_idle += same ? 0 : 1;
+      } else {
+        changed_chosen += same ? 0 : 1;
+      }
+    }
+  }
+  CHECK(changed_idle == 0);
+  CHECK(changed_chosen == 3 * (4 - static_cast<int>(idle.size())));  // gate, up and down of each chosen expert
+  // And training goes on: a step on a batch of each rank's own.
+  at::manual_seed(31 + world.rank());
+  const at::Tensor more = at::randint(1, 96, {2, 8}, at::kLong);
+  optimizer.zero_grad();
+  model.call(&models::CausalLMImpl::loss, more, more, at::Tensor()).backward();
+  optimizer.step();
+  CHECK(model.sharded().stage() == fsdpx::core::detail::PassStage::idle);
+}
+
+TEST_CASE("hf: mixtures of experts: experts stacked in the files (transformers' own layout) load as the hub's", "[hf][moe]") {
+  auto& world = fsdpx::test::world();
+  auto hub = models::from_pretrained<Sharded>(fixtures() / "qwen3_moe", world);
+  auto stacked = models::from_pretrained<Sharded>(fixtures() / "qwen3_moe_stacked", world);
+  const at::Tensor ids = ref("qwen3_moe", "input_ids");
+  at::NoGradGuard no_grad;
+  CHECK(at::equal(stacked(ids), hub(ids)));
+  models::CausalLM plain(models::read_decoder_config(fixtures() / "qwen3_moe_stacked"));
+  CHECK(models::load_pretrained(plain, fixtures() / "qwen3_moe_stacked").ok());
+  CHECK(relative_error(plain(ids), ref("qwen3_moe", "logits")) <= 1e-5);
 }

@@ -431,3 +431,79 @@ TEST_CASE("models: generate's bad options are errors naming the argument", "[hf]
   }
   CHECK(at::equal(seq, out.sequences));
 }
+
+TEST_CASE("models: mixture-of-experts configs: the families' defaults, their layers, and bad fields named", "[hf][unit][moe][errors]") {
+  Json q3 = {{"model_type", "qwen3_moe"}, {"architectures", {"Qwen3MoeForCausalLM"}}, {"vocab_size", 96}, {"hidden_size", 64},
+             {"num_hidden_layers", 4}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"num_local_experts", 8},
+             {"num_experts_per_tok", 2}, {"moe_intermediate_size", 32}, {"decoder_sparse_step", 2}, {"mlp_only_layers", {3}}};
+  const auto c = models::parse_decoder_config(q3, "config.json");
+  CHECK(c.moe.num_experts == 8);  // transformers 5's spelling of Qwen3-MoE's count
+  CHECK(c.sparse_layers == std::vector<bool>{false, true, false, false});  // (i + 1) % 2 == 0, but not layer 3
+  CHECK(c.intermediate_size == 6144);  // the class's default, for the dense layers
+  CHECK(c.head_dim == 16);             // derived (not Qwen3's 128)
+  CHECK(c.qk_norm);
+  CHECK_FALSE(c.moe.norm_topk_prob);
+  CHECK(c.moe.shared_expert_intermediate_size == 0);
+  check_table(c);
+  Json q2 = q3;
+  q2["model_type"] = "qwen2_moe";
+  q2["architectures"] = {"Qwen2MoeForCausalLM"};
+  q2.erase("num_local_experts");
+  q2["num_experts"] = 4;
+  q2["shared_expert_intermediate_size"] = 40;
+  q2["attention_bias"] = true;  // not read by Qwen2-MoE
+  const auto c2 = models::parse_decoder_config(q2, "config.json");
+  CHECK(c2.qkv_bias);
+  CHECK_FALSE(c2.o_bias);
+  CHECK_FALSE(c2.qk_norm);
+  CHECK(c2.moe.shared_expert_intermediate_size == 40);
+  check_table(c2);
+  // The export's config reads back as the same model.
+  const auto back = models::parse_decoder_config(models::to_hf_config(c2, at::kFloat), "exported");
+  CHECK(back.sparse_layers == c2.sparse_layers);
+  CHECK(back.moe.num_experts == 4);
+  CHECK(back.moe.shared_expert_intermediate_size == 40);
+
+  Json bad = q3;
+  bad["num_experts_per_tok"] = 9;
+  CHECK_THAT(config_error(bad), Catch::Contains("\"num_experts_per_tok\" is 9; it must be in [1, num_experts = 8]"));
+  bad = q3;
+  bad["mlp_only_layers"] = {7};
+  CHECK_THAT(config_error(bad), Catch::Contains("\"mlp_only_layers\" names layer 7 of 4"));
+  bad = q3;
+  bad["decoder_sparse_step"] = 0;
+  CHECK_THAT(config_error(bad), Catch::Contains("\"decoder_sparse_step\" is 0"));
+  bad = q3;
+  bad["use_sliding_window"] = true;
+  CHECK_THAT(config_error(bad), Catch::Contains("\"use_sliding_window\" is true in a mixture of experts"));
+  bad = q3;
+  bad["num_local_experts"] = 100000;
+  CHECK_THAT(config_error(bad), Catch::Contains("\"num_experts\" is 100000"));
+  bad = q3;
+  bad["router_aux_loss_coef"] = -1;
+  CHECK_THAT(config_error(bad), Catch::Contains("\"router_aux_loss_coef\" is -1"));
+}
+
+TEST_CASE("models: a mixture of experts whose config does not count the files' experts is refused, naming the field",
+          "[hf][moe][errors]") {
+  TempDir tmp;
+  for (const char* name : {"qwen3_moe", "qwen3_moe_stacked"}) {
+    INFO(name);
+    const fs::path dir = plain_copy(tmp, name);
+    Json config = fsdpx::detail::parse_json(fsdpx::detail::read_text(dir / "config.json"), "config");
+    config["num_local_experts"] = 3;
+    std::ofstream(dir / "config.json") << config.dump();
+    const auto error = [&] {
+      try {
+        const auto c = models::read_decoder_config(dir);
+        fsdpx::hf::SafetensorsDir files = models::open_model_files(c, dir);
+        models::check_config_against_files(c, files, dir, /*strict=*/true);
+      } catch (const fsdpx::Error& e) {
+        return std::string(e.what());
+      }
+      FAIL("accepted");
+      return std::string();
+    }();
+    CHECK_THAT(error, Catch::Contains("num_experts"));
+  }
+}

@@ -218,20 +218,31 @@ class SafetensorsDir {
   const std::vector<std::unique_ptr<SafetensorsFile>>& files() const { return files_; }
 
   const SafetensorsEntry* find(const std::string& name) const {
+    if (const auto v = views_.find(name); v != views_.end()) return &v->second.entry;
     const auto it = where_.find(name);
     return it == where_.end() ? nullptr : files_[it->second]->find(name);
   }
   const SafetensorsFile& file_of(const std::string& name) const {
+    if (const auto v = views_.find(name); v != views_.end()) return *files_[v->second.file];
     const auto it = where_.find(name);
     FSDPX_CHECK_AS(IoError, it != where_.end(), "'", path_.string(), "' holds no tensor '", name, "'");
     return *files_[it->second];
   }
-  /// Every tensor name, sorted.
+  /// Every tensor name, sorted: the files' own, but those seen through views, and the views'.
   std::vector<std::string> names() const {
     std::vector<std::string> out;
-    for (const auto& [name, i] : where_) out.push_back(name);
+    for (const auto& [name, i] : where_) {
+      if (viewed_.count(name) == 0) out.push_back(name);
+    }
+    for (const auto& [name, v] : views_) out.push_back(name);
+    std::sort(out.begin(), out.end());
     return out;
   }
+
+  /// Makes `name` a tensor of its own: elements [first, first + numel(shape)) of the files' tensor `of`,
+  /// in its dtype. For a family whose files hold in one tensor what its modules hold apart (a mixture
+  /// of experts' experts stacked); `of` is then listed by names() only through its views.
+  FSDPX_DECL void add_view(const std::string& name, const std::string& of, int64_t first, std::vector<int64_t> shape);
   /// Bytes of tensor data in all files.
   int64_t total_bytes() const {
     int64_t n = 0;
@@ -261,6 +272,12 @@ class SafetensorsDir {
   std::optional<fs::path> index_;
   std::vector<std::unique_ptr<SafetensorsFile>> files_;
   std::map<std::string, size_t> where_;
+  struct View {
+    size_t file;
+    SafetensorsEntry entry;
+  };
+  std::map<std::string, View> views_;
+  std::set<std::string> viewed_;
   at::Tensor staging_;
   int64_t bytes_read_ = 0;
 };

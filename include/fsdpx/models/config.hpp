@@ -1,7 +1,9 @@
 // The configuration of a decoder-only causal language model of the Llama family, read from a Hugging
-// Face config.json: LlamaForCausalLM ("llama"), Qwen2ForCausalLM ("qwen2") and Qwen3ForCausalLM
-// ("qwen3"). They share one architecture and differ in switches this struct names: which projections
-// have biases, whether q and k are normalized per head, RoPE scaling, sliding-window layers, a tied head.
+// Face config.json: LlamaForCausalLM ("llama"), Qwen2ForCausalLM ("qwen2"), Qwen3ForCausalLM ("qwen3")
+// and their mixtures of experts Qwen2MoeForCausalLM ("qwen2_moe") and Qwen3MoeForCausalLM
+// ("qwen3_moe"). They share one architecture and differ in switches this struct names: which
+// projections have biases, whether q and k are normalized per head, RoPE scaling, sliding-window
+// layers, a tied head, and which layers route each token to a few of many experts (MoeConfig).
 //
 // A field that changes the math and that this implementation does not reproduce (another model_type,
 // activation, RoPE type, quantization, ...) is an error naming it: never a silently different model.
@@ -35,8 +37,23 @@ struct RopeConfig {
   int64_t original_max_position_embeddings = 8192;     // llama3
 };
 
+/// The sparse layers of a mixture of experts (Qwen2-MoE, Qwen3-MoE): a router (a linear map to one logit
+/// per expert), softmax in float32, the top num_experts_per_tok experts of each token, their weights
+/// renormalized to sum 1 when norm_topk_prob, and each chosen expert a SwiGLU MLP of
+/// moe_intermediate_size; Qwen2-MoE adds a shared expert on every token, gated by a sigmoid.
+struct MoeConfig {
+  int64_t num_experts = 0;  // 0: no sparse layers
+  int64_t num_experts_per_tok = 1;
+  int64_t moe_intermediate_size = 0;
+  int64_t shared_expert_intermediate_size = 0;  // 0: no shared expert (Qwen3-MoE)
+  bool norm_topk_prob = false;
+  double router_aux_loss_coef = 0.001;
+  /// transformers adds router_aux_loss_coef x the load-balancing loss to the loss only when this is set.
+  bool output_router_logits = false;
+};
+
 struct DecoderConfig {
-  std::string model_type = "llama";  // "llama", "qwen2" or "qwen3"
+  std::string model_type = "llama";  // "llama", "qwen2", "qwen3", "qwen2_moe" or "qwen3_moe"
   int64_t vocab_size = 32000;
   int64_t hidden_size = 4096;
   int64_t intermediate_size = 11008;
@@ -57,6 +74,10 @@ struct DecoderConfig {
   /// Per layer: attends within the last `sliding_window` positions only (Qwen2/Qwen3 layer_types).
   std::vector<bool> sliding_layers;
   int64_t sliding_window = 0;
+  MoeConfig moe;
+  /// Per layer: a sparse (mixture-of-experts) MLP instead of the dense one (decoder_sparse_step,
+  /// mlp_only_layers).
+  std::vector<bool> sparse_layers;
   double initializer_range = 0.02;      // std of the normal initialization of new weights
   /// The dtype the weights were saved in ("dtype" / "torch_dtype"): what an export writes by default.
   c10::ScalarType dtype = c10::kFloat;
@@ -67,6 +88,10 @@ struct DecoderConfig {
   bool is_sliding(int64_t layer) const {
     return layer < static_cast<int64_t>(sliding_layers.size()) && sliding_layers[static_cast<size_t>(layer)];
   }
+  bool is_sparse(int64_t layer) const {
+    return layer < static_cast<int64_t>(sparse_layers.size()) && sparse_layers[static_cast<size_t>(layer)];
+  }
+  bool is_moe() const { return model_type == "qwen2_moe" || model_type == "qwen3_moe"; }
 };
 
 /// The largest sizes a config.json may declare (each well above every released model of these
@@ -80,6 +105,7 @@ struct DecoderConfigBounds {
   int64_t num_attention_heads = 4096;
   int64_t head_dim = 4096;
   int64_t max_position_embeddings = int64_t{1} << 26;
+  int64_t num_experts = 4096;
 };
 
 /// The architectures (config.json "architectures") that fsdpx's decoder reproduces, by model_type.
@@ -87,6 +113,8 @@ inline const char* causal_lm_architecture(const std::string& model_type) {
   if (model_type == "llama") return "LlamaForCausalLM";
   if (model_type == "qwen2") return "Qwen2ForCausalLM";
   if (model_type == "qwen3") return "Qwen3ForCausalLM";
+  if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
+  if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
   return nullptr;
 }
 
@@ -175,6 +203,52 @@ inline RopeConfig parse_rope(const ::fsdpx::detail::Json& j, const std::string& 
   return r;
 }
 
+/// The sparse layers of qwen2_moe and qwen3_moe, with their classes' defaults.
+inline void parse_moe(const ::fsdpx::detail::Json& j, const std::string& doc, DecoderConfig& c) {
+  using ::fsdpx::detail::json_find;
+  const bool qwen2_moe = c.model_type == "qwen2_moe";
+  const DecoderConfigBounds bounds;
+  MoeConfig& m = c.moe;
+  // transformers 5 saves Qwen3-MoE's count as "num_local_experts" (its attribute_map); the hub's files say "num_experts".
+  m.num_experts = json_find<int64_t>(j, "num_experts", doc).value_or(
+      json_find<int64_t>(j, "num_local_experts", doc).value_or(qwen2_moe ? 60 : 128));
+  FSDPX_CHECK_AS(IoError, m.num_experts >= 0 && m.num_experts <= bounds.num_experts, "'", doc, "': \"num_experts\" is ",
+                 m.num_experts, "; it must be in [0, ", bounds.num_experts, "]");
+  m.num_experts_per_tok = json_find<int64_t>(j, "num_experts_per_tok", doc).value_or(qwen2_moe ? 4 : 8);
+  m.moe_intermediate_size = json_find<int64_t>(j, "moe_intermediate_size", doc).value_or(qwen2_moe ? 1408 : 768);
+  m.shared_expert_intermediate_size =
+      qwen2_moe ? json_find<int64_t>(j, "shared_expert_intermediate_size", doc).value_or(5632) : 0;
+  m.norm_topk_prob = json_find<bool>(j, "norm_topk_prob", doc).value_or(false);
+  m.router_aux_loss_coef = json_find<double>(j, "router_aux_loss_coef", doc).value_or(0.001);
+  FSDPX_CHECK_AS(IoError, std::isfinite(m.router_aux_loss_coef) && m.router_aux_loss_coef >= 0, "'", doc,
+                 "': \"router_aux_loss_coef\" is ", m.router_aux_loss_coef, "; it must be a finite number >= 0");
+  m.output_router_logits = json_find<bool>(j, "output_router_logits", doc).value_or(false);
+  if (m.num_experts == 0) return;  // every layer dense, as transformers builds it
+  FSDPX_CHECK_AS(IoError, m.num_experts_per_tok >= 1 && m.num_experts_per_tok <= m.num_experts, "'", doc,
+                 "': \"num_experts_per_tok\" is ", m.num_experts_per_tok, "; it must be in [1, num_experts = ", m.num_experts, "]");
+  FSDPX_CHECK_AS(IoError, m.moe_intermediate_size > 0 && m.moe_intermediate_size <= bounds.intermediate_size, "'", doc,
+                 "': \"moe_intermediate_size\" is ", m.moe_intermediate_size, "; it must be in [1, ", bounds.intermediate_size, "]");
+  FSDPX_CHECK_AS(IoError, m.shared_expert_intermediate_size >= 0 && m.shared_expert_intermediate_size <= bounds.intermediate_size,
+                 "'", doc, "': \"shared_expert_intermediate_size\" is ", m.shared_expert_intermediate_size, "; it must be in [0, ",
+                 bounds.intermediate_size, "]");
+  const int64_t step = json_find<int64_t>(j, "decoder_sparse_step", doc).value_or(1);
+  FSDPX_CHECK_AS(IoError, step >= 1, "'", doc, "': \"decoder_sparse_step\" is ", step, "; it must be >= 1");
+  std::vector<bool> dense(static_cast<size_t>(c.num_hidden_layers), false);
+  if (const auto it = j.find("mlp_only_layers"); it != j.end() && !it->is_null()) {
+    FSDPX_CHECK_AS(IoError, it->is_array(), "'", doc, "': \"mlp_only_layers\" must be a list of layer indices");
+    for (const auto& v : *it) {
+      const auto layer = ::fsdpx::detail::json_as<int64_t>(v, "'" + doc + "': an entry of \"mlp_only_layers\"");
+      FSDPX_CHECK_AS(IoError, layer >= 0 && layer < c.num_hidden_layers, "'", doc, "': \"mlp_only_layers\" names layer ", layer,
+                     " of ", c.num_hidden_layers);
+      dense[static_cast<size_t>(layer)] = true;
+    }
+  }
+  // As transformers: layer i is sparse unless listed in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0.
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    c.sparse_layers[static_cast<size_t>(i)] = !dense[static_cast<size_t>(i)] && (i + 1) % step == 0;
+  }
+}
+
 }  // namespace detail
 
 /// Reads a config.json document (`doc` names it in errors).
@@ -187,9 +261,10 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   c.model_type = json_get<std::string>(j, "model_type", doc);
   if (causal_lm_architecture(c.model_type) == nullptr) {
     throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "': model_type \"", c.model_type,
-                                           "\" is not one fsdpx's decoder implements (llama, qwen2, qwen3)"));
+                                           "\" is not one fsdpx's decoder implements (llama, qwen2, qwen3, qwen2_moe, qwen3_moe)"));
   }
   const bool llama = c.model_type == "llama", qwen2 = c.model_type == "qwen2", qwen3 = c.model_type == "qwen3";
+  const bool qwen2_moe = c.model_type == "qwen2_moe", qwen3_moe = c.model_type == "qwen3_moe";
   if (const auto arch = j.find("architectures"); arch != j.end() && arch->is_array()) {
     for (const auto& a : *arch) {
       const std::string name = ::fsdpx::detail::json_as<std::string>(a, "'" + doc + "': an architecture");
@@ -201,7 +276,10 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   }
   c.vocab_size = json_get<int64_t>(j, "vocab_size", doc);
   c.hidden_size = json_get<int64_t>(j, "hidden_size", doc);
-  c.intermediate_size = json_get<int64_t>(j, "intermediate_size", doc);
+  // The MoE classes default the dense layers' size (a config of only sparse layers may leave it out).
+  c.intermediate_size = qwen2_moe   ? json_find<int64_t>(j, "intermediate_size", doc).value_or(5632)
+                        : qwen3_moe ? json_find<int64_t>(j, "intermediate_size", doc).value_or(6144)
+                                    : json_get<int64_t>(j, "intermediate_size", doc);
   c.num_hidden_layers = json_get<int64_t>(j, "num_hidden_layers", doc);
   c.num_attention_heads = json_get<int64_t>(j, "num_attention_heads", doc);
   // Absent, Llama's class takes the attention heads, Qwen2's and Qwen3's their default of 32; null, all take the heads.
@@ -222,7 +300,7 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   in_range("num_key_value_heads", c.num_key_value_heads, c.num_attention_heads);
   FSDPX_CHECK_AS(IoError, c.num_attention_heads % c.num_key_value_heads == 0, "'", doc, "': ", c.num_attention_heads,
                  " attention heads cannot be grouped over ", c.num_key_value_heads, " key/value heads");
-  // Qwen3's class defaults head_dim to 128; Llama's and Qwen2's derive it.
+  // Qwen3's class defaults head_dim to 128; the others derive it.
   c.head_dim = json_find<int64_t>(j, "head_dim", doc).value_or(qwen3 ? 128 : c.hidden_size / c.num_attention_heads);
   in_range("head_dim", c.head_dim, bounds.head_dim);
   FSDPX_CHECK_AS(IoError, c.head_dim % 2 == 0, "'", doc, "': \"head_dim\" is ", c.head_dim, "; RoPE needs an even head dimension");
@@ -234,10 +312,11 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   const std::string act = json_find<std::string>(j, "hidden_act", doc).value_or("silu");
   if (act != "silu") detail::unsupported(doc, "\"hidden_act\" is \"" + act + "\" (fsdpx's SwiGLU MLP uses silu)");
   const bool attention_bias = json_find<bool>(j, "attention_bias", doc).value_or(false);
-  c.qkv_bias = qwen2 || attention_bias;
-  c.o_bias = !qwen2 && attention_bias;
+  // Qwen2-MoE reads qkv_bias (default true) and never attention_bias; Qwen2 always has q/k/v biases.
+  c.qkv_bias = qwen2 || (qwen2_moe ? json_find<bool>(j, "qkv_bias", doc).value_or(true) : attention_bias);
+  c.o_bias = !qwen2 && !qwen2_moe && attention_bias;
   c.mlp_bias = llama && json_find<bool>(j, "mlp_bias", doc).value_or(false);
-  c.qk_norm = qwen3;
+  c.qk_norm = qwen3 || qwen3_moe;
   c.tie_word_embeddings = json_find<bool>(j, "tie_word_embeddings", doc).value_or(false);
   c.pad_token_id = json_find<int64_t>(j, "pad_token_id", doc);
   FSDPX_CHECK_AS(IoError, !c.pad_token_id || (*c.pad_token_id >= -c.vocab_size && *c.pad_token_id < c.vocab_size), "'", doc,
@@ -252,8 +331,14 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
       !d.empty()) {
     c.dtype = detail::parse_torch_dtype(d, doc);
   }
+  c.sparse_layers.assign(static_cast<size_t>(c.num_hidden_layers), false);
+  if (qwen2_moe || qwen3_moe) detail::parse_moe(j, doc, c);
   // Sliding-window layers (Qwen2/Qwen3): "sliding_window" counts only with "use_sliding_window".
   c.sliding_layers.assign(static_cast<size_t>(c.num_hidden_layers), false);
+  if ((qwen2_moe || qwen3_moe) && json_find<bool>(j, "use_sliding_window", doc).value_or(false)) {
+    detail::unsupported(doc, "\"use_sliding_window\" is true in a mixture of experts (whose classes choose the sliding "
+                             "layers by rules of their own)");
+  }
   if (qwen2 || qwen3) {
     // Absent, the window is the classes' default of 4096; null, there is none.
     const bool use = json_find<bool>(j, "use_sliding_window", doc).value_or(false);
@@ -310,13 +395,20 @@ inline void check_expressible(const DecoderConfig& c) {
     need(c.qkv_bias && !c.o_bias, "Qwen2 has q/k/v biases and no o_proj bias, always");
     need(!c.mlp_bias, "MLP biases (Llama's mlp_bias)");
     need(!c.qk_norm, "q/k norms (Qwen3's)");
-  } else if (c.model_type == "qwen3") {
+  } else if (c.model_type == "qwen3" || c.model_type == "qwen3_moe") {
     need(c.qkv_bias == c.o_bias, "q/k/v and o_proj biases differ (Qwen3's attention_bias sets all four)");
     need(c.qk_norm, "no q/k norms (Qwen3 always has them)");
     need(!c.mlp_bias, "MLP biases (Llama's mlp_bias)");
+  } else if (c.model_type == "qwen2_moe") {
+    need(!c.o_bias, "an o_proj bias (Qwen2-MoE has none)");
+    need(!c.mlp_bias, "MLP biases (Llama's mlp_bias)");
+    need(!c.qk_norm, "q/k norms (Qwen3's)");
   } else {
     why.push_back("model_type \"" + c.model_type + "\"");
   }
+  if (c.model_type != "qwen2_moe") need(c.moe.shared_expert_intermediate_size == 0, "a shared expert (Qwen2-MoE's)");
+  if (!c.is_moe()) need(std::none_of(c.sparse_layers.begin(), c.sparse_layers.end(), [](bool b) { return b; }), "sparse layers (the MoE families')");
+  if (c.is_moe()) need(std::none_of(c.sliding_layers.begin(), c.sliding_layers.end(), [](bool b) { return b; }), "sliding-window layers in a mixture of experts");
   if (c.model_type == "llama") need(c.sliding_layers.empty() || std::none_of(c.sliding_layers.begin(), c.sliding_layers.end(), [](bool b) { return b; }), "sliding-window layers (Qwen's)");
   need(c.rope.type == "default" || c.rope.type == "linear" || c.rope.type == "llama3", "a RoPE type other than default, linear, llama3");
   if (why.empty()) return;
@@ -349,7 +441,8 @@ inline ::fsdpx::detail::Json to_hf_config(const DecoderConfig& c, c10::ScalarTyp
   j["attention_dropout"] = c.attention_dropout;
   j["initializer_range"] = c.initializer_range;
   j["pad_token_id"] = c.pad_token_id ? ::fsdpx::detail::Json(*c.pad_token_id) : ::fsdpx::detail::Json(nullptr);
-  if (c.model_type != "qwen2") j["attention_bias"] = c.o_bias;
+  if (c.model_type != "qwen2" && c.model_type != "qwen2_moe") j["attention_bias"] = c.o_bias;
+  if (c.model_type == "qwen2_moe") j["qkv_bias"] = c.qkv_bias;
   if (c.model_type == "llama") j["mlp_bias"] = c.mlp_bias;
   ::fsdpx::detail::Json rope = {{"rope_type", c.rope.type}, {"rope_theta", c.rope.theta}};
   if (c.rope.type != "default") rope["factor"] = c.rope.factor;
@@ -363,7 +456,24 @@ inline ::fsdpx::detail::Json to_hf_config(const DecoderConfig& c, c10::ScalarTyp
   if (j.contains("rope_theta")) j["rope_theta"] = c.rope.theta;
   if (j.contains("rope_scaling")) j["rope_scaling"] = c.rope.type == "default" ? ::fsdpx::detail::Json(nullptr) : rope;
   j.erase("original_max_position_embeddings");  // it would win over rope_parameters' (see parse_rope)
-  if (c.model_type != "llama") {
+  if (c.is_moe()) {
+    // decoder_sparse_step 1 and the dense layers listed: the same layers, whatever the source said.
+    j["num_experts"] = c.moe.num_experts;
+    j.erase("num_local_experts");
+    j["num_experts_per_tok"] = c.moe.num_experts_per_tok;
+    j["moe_intermediate_size"] = c.moe.moe_intermediate_size;
+    if (c.model_type == "qwen2_moe") j["shared_expert_intermediate_size"] = c.moe.shared_expert_intermediate_size;
+    j["norm_topk_prob"] = c.moe.norm_topk_prob;
+    j["router_aux_loss_coef"] = c.moe.router_aux_loss_coef;
+    j["output_router_logits"] = c.moe.output_router_logits;
+    j["decoder_sparse_step"] = 1;
+    ::fsdpx::detail::Json dense = ::fsdpx::detail::Json::array();
+    for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+      if (!c.is_sparse(i)) dense.push_back(i);
+    }
+    j["mlp_only_layers"] = dense;
+    j["use_sliding_window"] = false;
+  } else if (c.model_type != "llama") {
     bool any = false;
     ::fsdpx::detail::Json types = ::fsdpx::detail::Json::array();
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {

@@ -1,8 +1,9 @@
 // A decoder-only causal language model of the Llama family in LibTorch: LlamaForCausalLM,
-// Qwen2ForCausalLM and Qwen3ForCausalLM as transformers computes them (models/config.hpp names what
-// differs between them). Token embedding, DecoderLayer x N (grouped-query attention with RoPE through
-// at::scaled_dot_product_attention, SwiGLU MLP, pre-RMSNorm residuals), a final RMSNorm and an LM head,
-// tied to the embedding or not.
+// Qwen2ForCausalLM, Qwen3ForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM as transformers
+// computes them (models/config.hpp names what differs between them). Token embedding, DecoderLayer x N
+// (grouped-query attention with RoPE through at::scaled_dot_product_attention, a SwiGLU MLP or a
+// mixture of SwiGLU experts, pre-RMSNorm residuals), a final RMSNorm and an LM head, tied to the
+// embedding or not.
 //
 //   auto config = fsdpx::models::read_decoder_config(dir);
 //   fsdpx::models::CausalLM model(config);                         // random weights (transformers' init)
@@ -323,34 +324,151 @@ TORCH_MODULE(Attention);
 
 /// SwiGLU: down(silu(gate(x)) * up(x)).
 struct MlpImpl : torch::nn::Module {
-  explicit MlpImpl(const DecoderConfig& c) {
-    gate_proj = register_module("gate_proj", Linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
-    up_proj = register_module("up_proj", Linear(c.hidden_size, c.intermediate_size, c.mlp_bias));
-    down_proj = register_module("down_proj", Linear(c.intermediate_size, c.hidden_size, c.mlp_bias));
+  explicit MlpImpl(const DecoderConfig& c) : MlpImpl(c.hidden_size, c.intermediate_size, c.mlp_bias) {}
+  MlpImpl(int64_t hidden, int64_t intermediate, bool bias) {
+    gate_proj = register_module("gate_proj", Linear(hidden, intermediate, bias));
+    up_proj = register_module("up_proj", Linear(hidden, intermediate, bias));
+    down_proj = register_module("down_proj", Linear(intermediate, hidden, bias));
   }
   at::Tensor forward(const at::Tensor& x) { return down_proj(at::silu(gate_proj(x)) * up_proj(x)); }
   Linear gate_proj{nullptr}, up_proj{nullptr}, down_proj{nullptr};
 };
 TORCH_MODULE(Mlp);
 
-/// One transformer layer: the FSDP unit (WrapModules<DecoderLayerImpl>).
+/// A mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE; models/config.hpp's MoeConfig). Each expert is a
+/// module of its own, named as the Hugging Face files name it ("mlp.experts.3.gate_proj.weight").
+/// Tokens are grouped by expert and each expert that received tokens runs once on all of them: the
+/// work of the tokens times num_experts_per_tok, whatever the number of experts. An expert that no
+/// token chose runs nothing and gets no gradient (the unit protocol reduces it as unused).
+struct SparseMoeBlockImpl : torch::nn::Module {
+  explicit SparseMoeBlockImpl(const DecoderConfig& c) : top_k(c.moe.num_experts_per_tok), norm_topk_prob(c.moe.norm_topk_prob) {
+    gate = register_module("gate", Linear(c.hidden_size, c.moe.num_experts, /*bias=*/false));
+    auto list = register_module("experts", torch::nn::ModuleList());
+    for (int64_t e = 0; e < c.moe.num_experts; ++e) {
+      experts.emplace_back(c.hidden_size, c.moe.moe_intermediate_size, /*bias=*/false);
+      list->push_back(experts.back());
+    }
+    if (c.moe.shared_expert_intermediate_size > 0) {
+      shared_expert = register_module("shared_expert", Mlp(c.hidden_size, c.moe.shared_expert_intermediate_size, false));
+      shared_expert_gate = register_module("shared_expert_gate", Linear(c.hidden_size, 1, /*bias=*/false));
+    }
+  }
+
+  /// x [..., hidden] -> the mixture's output (x's shape) and the router's logits [tokens, experts].
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x) {
+    const at::Tensor h = x.reshape({-1, x.size(-1)});
+    const at::Tensor logits = gate(h);
+    // As transformers: softmax over all experts in float32, the top k, optionally renormalized, then
+    // the weights in the activations' dtype.
+    auto [weights, chosen] = at::softmax(logits, -1, at::kFloat).topk(top_k, -1);
+    if (norm_topk_prob) weights = weights / weights.sum(-1, /*keepdim=*/true);
+    weights = weights.to(h.scalar_type());
+    // The (token, slot) pairs sorted by expert: each expert's tokens are one contiguous run.
+    const at::Tensor expert_of = chosen.reshape({-1});
+    const at::Tensor order = std::get<1>(expert_of.sort(/*stable=*/true, 0, /*descending=*/false));
+    const at::Tensor counts = at::bincount(expert_of, {}, static_cast<int64_t>(experts.size())).to(at::kCPU);
+    const at::Tensor token_of = order.div(top_k, "floor");
+    const at::Tensor weight_of = weights.reshape({-1}).index_select(0, order).unsqueeze(1);
+    const int64_t* count = counts.data_ptr<int64_t>();
+    std::vector<at::Tensor> outputs;
+    int64_t start = 0;
+    for (size_t e = 0; e < experts.size(); ++e) {
+      const int64_t n = count[e];
+      if (n == 0) continue;
+      const at::Tensor tokens = token_of.narrow(0, start, n);
+      outputs.push_back(experts[e](h.index_select(0, tokens)) * weight_of.narrow(0, start, n));
+      start += n;
+    }
+    at::Tensor out = outputs.empty() ? at::zeros_like(h) : at::zeros_like(h).index_add(0, token_of, at::cat(outputs, 0));
+    if (shared_expert) out = out + at::sigmoid(shared_expert_gate(h)) * shared_expert(h);
+    return {out.view(x.sizes()), logits};
+  }
+
+  int64_t top_k;
+  bool norm_topk_prob;
+  Linear gate{nullptr};
+  std::vector<Mlp> experts;
+  Mlp shared_expert{nullptr};
+  Linear shared_expert_gate{nullptr};
+};
+TORCH_MODULE(SparseMoeBlock);
+
+/// transformers' load_balancing_loss_func over the router logits of every sparse layer ([tokens,
+/// experts] each, tokens in [batch, seq] order): E x sum over experts of (the share of top-k slots
+/// routed to it) x (its mean router probability), pooled over the layers and the tokens that
+/// attention_mask [batch, seq] keeps (undefined: all). Undefined when there are no router logits.
+inline at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int64_t num_experts, int64_t top_k,
+                                      const at::Tensor& attention_mask = {}) {
+  if (router_logits.empty()) return {};
+  const at::Tensor logits = at::cat(router_logits, 0);
+  const at::Tensor probs = at::softmax(logits, -1);
+  const at::Tensor chosen = at::one_hot(std::get<1>(probs.topk(top_k, -1)), num_experts).to(probs.scalar_type());  // [n, k, E]
+  if (!attention_mask.defined()) {
+    return (chosen.mean(0) * probs.mean(0).unsqueeze(0)).sum() * static_cast<double>(num_experts);
+  }
+  const auto layers = static_cast<int64_t>(router_logits.size());
+  const at::Tensor keep = attention_mask.to(logits.device()).to(probs.scalar_type()).reshape({1, -1}).expand({layers, -1}).reshape({-1, 1});
+  const at::Tensor kept = keep.sum();
+  const at::Tensor tokens_per_expert = (chosen * keep.unsqueeze(2)).sum(0) / kept;
+  const at::Tensor prob_per_expert = (probs * keep).sum(0) / kept;
+  return (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * static_cast<double>(num_experts);
+}
+
+/// What a layer returns: its hidden states, and a sparse layer's router logits [tokens, experts]
+/// (undefined for a dense layer).
+struct DecoderLayerOutput {
+  at::Tensor hidden;
+  at::Tensor router_logits;
+
+  /// Its tensors for a unit's call (fsdpx::forward hooks and casts them).
+  template <class Fn>
+  void transform_tensors(Fn&& fn) {
+    hidden = fn(std::move(hidden));
+    router_logits = fn(std::move(router_logits));
+  }
+};
+
+/// A causal LM's logits and, for a mixture of experts, its load-balancing loss (undefined otherwise).
+struct CausalLMOutput {
+  at::Tensor logits;
+  at::Tensor aux_loss;
+
+  template <class Fn>
+  void transform_tensors(Fn&& fn) {
+    logits = fn(std::move(logits));
+    aux_loss = fn(std::move(aux_loss));
+  }
+};
+
+/// One transformer layer: the FSDP unit (WrapModules<DecoderLayerImpl>). Its MLP is dense, or a
+/// mixture of experts on the config's sparse layers (registered as "mlp" either way, as transformers
+/// names both).
 struct DecoderLayerImpl : torch::nn::Module {
   DecoderLayerImpl(const DecoderConfig& c, int64_t index) : index(index), sliding(c.is_sliding(index)) {
     input_layernorm = register_module("input_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
     self_attn = register_module("self_attn", Attention(c));
     post_attention_layernorm = register_module("post_attention_layernorm", RMSNorm(c.hidden_size, c.rms_norm_eps));
-    mlp = register_module("mlp", Mlp(c));
+    if (c.is_sparse(index)) {
+      moe = register_module("mlp", SparseMoeBlock(c));
+    } else {
+      mlp = register_module("mlp", Mlp(c));
+    }
   }
-  at::Tensor forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const AttentionInputs& in) {
+  DecoderLayerOutput forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const AttentionInputs& in) {
     KvCacheLayer* cache = in.cache != nullptr ? &in.cache->layers.at(static_cast<size_t>(index)) : nullptr;
     const at::Tensor x = h + self_attn(input_layernorm(h), cos, sin, in, sliding, cache);
-    return x + mlp(post_attention_layernorm(x));
+    if (moe) {
+      auto [y, router_logits] = moe(post_attention_layernorm(x));
+      return {x + y, router_logits};
+    }
+    return {x + mlp(post_attention_layernorm(x)), {}};
   }
   int64_t index;
   bool sliding;
   RMSNorm input_layernorm{nullptr}, post_attention_layernorm{nullptr};
   Attention self_attn{nullptr};
-  Mlp mlp{nullptr};
+  Mlp mlp{nullptr};             // a dense layer's
+  SparseMoeBlock moe{nullptr};  // a sparse layer's
 };
 TORCH_MODULE(DecoderLayer);
 
@@ -370,35 +488,38 @@ struct DecoderModelImpl : torch::nn::Module {
   /// (undefined: no padding). position_ids [batch or 1, seq] (undefined: 0, 1, ..., seq - 1); without
   /// an attention mask, position ids that restart at 0 describe packed samples (transformers'
   /// padding-free path): attention then stays inside each sample.
-  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {}, const at::Tensor& position_ids = {}) {
+  /// With `router_logits`, a mixture of experts' sparse layers append their router logits to it.
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {}, const at::Tensor& position_ids = {},
+                     std::vector<at::Tensor>* router_logits = nullptr) {
     check_input_ids(input_ids);
     const int64_t seq = input_ids.size(1);
     const auto device = input_ids.device();
     const at::Tensor mask = without_all_ones(attention_mask, seq);
     if (position_ids.defined() && !attention_mask.defined()) {  // as transformers: only without a mask
       const PackedSamples samples = PackedSamples::detect(position_ids, input_ids.size(0));
-      if (!samples.empty()) return forward_packed(input_ids, samples);
+      if (!samples.empty()) return forward_packed(input_ids, samples, router_logits);
     }
     const at::Tensor positions =
         position_ids.defined() ? position_ids : at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
-    return run_layers(input_ids, positions, make_masks(mask, seq, device));
+    return run_layers(input_ids, positions, make_masks(mask, seq, device), router_logits);
   }
 
   /// Packed samples (models/packing.hpp) in the rows of input_ids [batch, seq]: RoPE positions restart
   /// at each sample and attention stays inside it. (Not a forward overload: a module holder's call
   /// needs one forward.)
-  at::Tensor forward_packed(const at::Tensor& input_ids, const PackedSamples& samples) {
+  at::Tensor forward_packed(const at::Tensor& input_ids, const PackedSamples& samples,
+                            std::vector<at::Tensor>* router_logits = nullptr) {
     check_input_ids(input_ids);
     const int64_t batch = input_ids.size(0), seq = input_ids.size(1);
     samples.check_shape("DecoderModel", batch, seq);
     const at::Tensor positions = samples.position_ids(input_ids.device());
     if (static_cast<int64_t>(samples.spans().size()) == batch) {  // one sample per row: plain causal attention
-      return run_layers(input_ids, positions, make_masks({}, seq, input_ids.device()));
+      return run_layers(input_ids, positions, make_masks({}, seq, input_ids.device()), router_logits);
     }
     AttentionInputs in;
     in.samples = std::make_shared<const PackedSamples>(samples);
     in.sliding_window = any_sliding_layer() ? config.sliding_window : 0;
-    return run_layers(input_ids, positions, in);
+    return run_layers(input_ids, positions, in, router_logits);
   }
 
   /// Generation: hidden states of the new tokens input_ids [batch, n] after the `cache.length` tokens
@@ -416,10 +537,15 @@ struct DecoderModelImpl : torch::nn::Module {
     return h;
   }
 
-  at::Tensor run_layers(const at::Tensor& input_ids, const at::Tensor& positions, const AttentionInputs& in) {
+  at::Tensor run_layers(const at::Tensor& input_ids, const at::Tensor& positions, const AttentionInputs& in,
+                        std::vector<at::Tensor>* router_logits = nullptr) {
     at::Tensor h = fsdpx::forward(embed_tokens, input_ids);
     const auto [cos, sin] = rotary.cos_sin(positions, h.scalar_type());
-    for (auto& layer : layers) h = fsdpx::forward(layer, h, cos, sin, in);
+    for (auto& layer : layers) {
+      DecoderLayerOutput out = fsdpx::forward(layer, h, cos, sin, in);
+      h = std::move(out.hidden);
+      if (router_logits != nullptr && out.router_logits.defined()) router_logits->push_back(std::move(out.router_logits));
+    }
     return norm(h);
   }
 
@@ -552,15 +678,35 @@ struct CausalLMImpl : torch::nn::Module {
 
   /// Mean next-token cross-entropy as transformers' causal LM loss: labels [batch, seq] are the input
   /// ids (shifted inside), -100 ignored, computed in float32 chunk by chunk of tokens (chunk_logits).
+  /// A mixture of experts with output_router_logits adds router_aux_loss_coef x the load-balancing loss
+  /// (over the tokens attention_mask keeps), as transformers does.
   at::Tensor loss(const at::Tensor& input_ids, const at::Tensor& labels, const at::Tensor& attention_mask = {}) {
-    return head_loss(model->forward(input_ids, attention_mask), shift_labels(labels));
+    std::vector<at::Tensor> router_logits;
+    const at::Tensor hidden = model->forward(input_ids, attention_mask, {}, aux_wanted() ? &router_logits : nullptr);
+    return with_aux(head_loss(hidden, shift_labels(labels)), router_logits, attention_mask);
   }
   /// loss() over packed samples: no sample's last token is trained to predict the next sample's first.
   /// (A name of its own, so that &CausalLMImpl::loss names one function for Fsdp::call.)
   at::Tensor loss_packed(const at::Tensor& input_ids, const at::Tensor& labels, const PackedSamples& samples) {
-    const at::Tensor hidden = model->forward_packed(input_ids, samples);
+    std::vector<at::Tensor> router_logits;
+    const at::Tensor hidden = model->forward_packed(input_ids, samples, aux_wanted() ? &router_logits : nullptr);
     const at::Tensor within = at::constant_pad_nd(samples.next_token_mask(labels.device()), {0, 1}, 0);
-    return head_loss(hidden, shift_labels(labels).masked_fill(within.logical_not(), -100));
+    return with_aux(head_loss(hidden, shift_labels(labels).masked_fill(within.logical_not(), -100)), router_logits, {});
+  }
+
+  /// Logits and, for a mixture of experts, the load-balancing loss of this forward (undefined for a
+  /// dense model): transformers' output.logits and output.aux_loss with output_router_logits=True.
+  CausalLMOutput forward_with_aux_loss(const at::Tensor& input_ids, const at::Tensor& attention_mask = {}) {
+    std::vector<at::Tensor> router_logits;
+    const at::Tensor logits = head(model->forward(input_ids, attention_mask, {}, &router_logits));
+    return {logits, load_balancing_loss(router_logits, config.moe.num_experts, config.moe.num_experts_per_tok, attention_mask)};
+  }
+
+  bool aux_wanted() const { return config.moe.output_router_logits && config.moe.num_experts > 0; }
+  at::Tensor with_aux(const at::Tensor& loss, const std::vector<at::Tensor>& router_logits, const at::Tensor& attention_mask) const {
+    if (router_logits.empty()) return loss;
+    return loss + config.moe.router_aux_loss_coef *
+                      load_balancing_loss(router_logits, config.moe.num_experts, config.moe.num_experts_per_tok, attention_mask);
   }
 
   /// Mean cross-entropy of the head over hidden states against already-shifted labels (-100 ignored).

@@ -46,7 +46,9 @@ struct HfTensor {
   std::vector<int64_t> shape;
 };
 
-/// The declared name table of the Llama family (llama, qwen2, qwen3): every tensor a config implies.
+/// The declared name table of the Llama family (llama, qwen2, qwen3, qwen2_moe, qwen3_moe): every tensor
+/// a config implies. A mixture of experts' experts are named as the hub's files name them, one tensor
+/// per expert and projection (transformers 5 holds them stacked in memory and writes them so).
 /// fsdpx's modules are named as transformers names them, so the two names agree; a family whose
 /// module names differ declares its pairs here, and loading, saving and merging follow it.
 inline std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
@@ -69,9 +71,21 @@ inline std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
       add(l + "self_attn.k_norm.weight", {c.head_dim});
     }
     add(l + "post_attention_layernorm.weight", {h});
-    for (const auto& [proj, shape] : {std::pair{"gate_proj", std::vector<int64_t>{m, h}}, {"up_proj", {m, h}}, {"down_proj", {h, m}}}) {
-      add(l + "mlp." + proj + ".weight", shape);
-      if (c.mlp_bias) add(l + "mlp." + proj + ".bias", {shape[0]});
+    const auto mlp = [&](const std::string& prefix, int64_t inner, bool bias) {
+      for (const auto& [proj, shape] : {std::pair{"gate_proj", std::vector<int64_t>{inner, h}}, {"up_proj", {inner, h}}, {"down_proj", {h, inner}}}) {
+        add(prefix + proj + ".weight", shape);
+        if (bias) add(prefix + proj + ".bias", {shape[0]});
+      }
+    };
+    if (!c.is_sparse(i)) {
+      mlp(l + "mlp.", m, c.mlp_bias);
+      continue;
+    }
+    add(l + "mlp.gate.weight", {c.moe.num_experts, h});
+    for (int64_t e = 0; e < c.moe.num_experts; ++e) mlp(l + "mlp.experts." + std::to_string(e) + ".", c.moe.moe_intermediate_size, false);
+    if (c.moe.shared_expert_intermediate_size > 0) {
+      mlp(l + "mlp.shared_expert.", c.moe.shared_expert_intermediate_size, false);
+      add(l + "mlp.shared_expert_gate.weight", {1, h});
     }
   }
   add("model.norm.weight", {h});
@@ -85,6 +99,45 @@ inline bool ignored_on_load(const std::string& hf_name, const DecoderConfig& c) 
   const std::string rotary = ".self_attn.rotary_emb.inv_freq";
   if (hf_name.size() > rotary.size() && hf_name.compare(hf_name.size() - rotary.size(), rotary.size(), rotary) == 0) return true;
   return c.tie_word_embeddings && hf_name == "lm_head.weight";
+}
+
+/// A mixture of experts saved with transformers' in-memory layout (save_pretrained(...,
+/// save_original_format=False)): each sparse layer's experts stacked in "mlp.experts.gate_up_proj"
+/// [experts, 2 x moe_intermediate, hidden] (each expert's gate rows, then its up rows) and
+/// "mlp.experts.down_proj" [experts, hidden, moe_intermediate]. Each expert's projection is a
+/// contiguous run of those, so it is read as a view of its own under the hub's per-expert name.
+/// Files in the hub's layout are left as they are.
+inline void view_stacked_experts(const DecoderConfig& c, fsdpx::hf::SafetensorsDir& files, const fs::path& dir) {
+  const int64_t h = c.hidden_size, inner = c.moe.moe_intermediate_size, experts = c.moe.num_experts;
+  const std::string doc = (dir / "config.json").string();
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    const std::string l = "model.layers." + std::to_string(i) + ".mlp.experts.";
+    const fsdpx::hf::SafetensorsEntry* gate_up = files.find(l + "gate_up_proj");
+    const fsdpx::hf::SafetensorsEntry* down = files.find(l + "down_proj");
+    if (gate_up == nullptr && down == nullptr) continue;
+    FSDPX_CHECK_AS(ConfigError, c.is_sparse(i), "'", dir.string(), "' holds stacked experts for layer ", i, ", which '", doc,
+                   "' makes a dense layer (num_experts, decoder_sparse_step, mlp_only_layers)");
+    FSDPX_CHECK_AS(ConfigError, gate_up != nullptr && down != nullptr, "'", dir.string(), "' holds only one of ", l,
+                   "gate_up_proj and ", l, "down_proj");
+    FSDPX_CHECK_AS(ConfigError, gate_up->shape == std::vector<int64_t>({experts, 2 * inner, h}) &&
+                                    down->shape == std::vector<int64_t>({experts, h, inner}),
+                   "'", doc, "' (\"num_experts\" ", experts, ", \"moe_intermediate_size\" ", inner, ", \"hidden_size\" ", h,
+                   ") does not describe the stacked experts of layer ", i, " in '", dir.string(), "': gate_up_proj ",
+                   c10::IntArrayRef(gate_up->shape), ", down_proj ", c10::IntArrayRef(down->shape));
+    for (int64_t e = 0; e < experts; ++e) {
+      const std::string name = l + std::to_string(e) + ".";
+      files.add_view(name + "gate_proj.weight", l + "gate_up_proj", e * 2 * inner * h, {inner, h});
+      files.add_view(name + "up_proj.weight", l + "gate_up_proj", (e * 2 + 1) * inner * h, {inner, h});
+      files.add_view(name + "down_proj.weight", l + "down_proj", e * h * inner, {h, inner});
+    }
+  }
+}
+
+/// The folder's safetensors files as `c`'s name table reads them.
+inline fsdpx::hf::SafetensorsDir open_model_files(const DecoderConfig& c, const fs::path& dir) {
+  fsdpx::hf::SafetensorsDir files(dir);
+  if (c.is_moe()) view_stacked_experts(c, files, dir);
+  return files;
 }
 
 /// Module name -> file name through the table (names outside the table keep their own).
@@ -119,6 +172,14 @@ inline SafetensorsLoadOptions load_options(const DecoderConfig& c, const LoadPre
           .ignore = [c](const std::string& n) { return ignored_on_load(n, c); }};
 }
 
+inline std::vector<int64_t> sparse_indices(const DecoderConfig& c) {
+  std::vector<int64_t> out;
+  for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    if (c.is_sparse(i)) out.push_back(i);
+  }
+  return out;
+}
+
 /// The folder's config must describe the model it is loaded into (same shapes and switches).
 inline void check_same_architecture(const DecoderConfig& model, const DecoderConfig& files, const fs::path& dir) {
   std::vector<std::string> diff;
@@ -132,6 +193,9 @@ inline void check_same_architecture(const DecoderConfig& model, const DecoderCon
   same("num_key_value_heads", model.num_key_value_heads, files.num_key_value_heads);
   same("head_dim", model.head_dim, files.head_dim);
   same("tie_word_embeddings", model.tie_word_embeddings, files.tie_word_embeddings);
+  same("num_experts", model.moe.num_experts, files.moe.num_experts);
+  same("moe_intermediate_size", model.moe.moe_intermediate_size, files.moe.moe_intermediate_size);
+  same("sparse layers", ::fsdpx::detail::str(c10::IntArrayRef(sparse_indices(model))), ::fsdpx::detail::str(c10::IntArrayRef(sparse_indices(files))));
   if (diff.empty()) return;
   std::string msg;
   for (const auto& d : diff) msg += "\n  " + d;
@@ -160,6 +224,22 @@ inline void check_config_against_files(const DecoderConfig& c, const fsdpx::hf::
   }
   FSDPX_CHECK_AS(ConfigError, layers == 0 ? !strict : layers == c.num_hidden_layers, "'", doc, "': \"num_hidden_layers\" is ",
                  c.num_hidden_layers, " but the weight files in '", dir.string(), "' hold ", layers, " layers");
+  // A mixture of experts: the files' experts per layer against num_experts (more would be unexpected
+  // tensors, fewer missing ones; say which field).
+  for (int64_t i = 0; i < c.num_hidden_layers && c.is_moe(); ++i) {
+    const std::string experts = prefix + std::to_string(i) + ".mlp.experts.";
+    int64_t count = 0;
+    for (const std::string& name : files.names()) {
+      if (name.compare(0, experts.size(), experts) != 0) continue;
+      const std::string index = name.substr(experts.size(), name.find('.', experts.size()) - experts.size());
+      if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos) continue;
+      count = std::max<int64_t>(count, std::stoll(index) + 1);
+    }
+    const int64_t want = c.is_sparse(i) ? c.moe.num_experts : 0;
+    FSDPX_CHECK_AS(ConfigError, count == want || (count == 0 && !strict), "'", doc, "': layer ", i, " has ", want,
+                   " experts by \"num_experts\" (", c.moe.num_experts, "), \"decoder_sparse_step\" and \"mlp_only_layers\", "
+                   "but the weight files in '", dir.string(), "' hold ", count);
+  }
   std::vector<std::string> missing, mismatched;
   for (const HfTensor& t : hf_tensors(c)) {
     const fsdpx::hf::SafetensorsEntry* e = files.find(t.hf_name);
@@ -172,7 +252,7 @@ inline void check_config_against_files(const DecoderConfig& c, const fsdpx::hf::
   }
   if (missing.empty() && mismatched.empty()) return;
   std::string msg;
-  if (!mismatched.empty()) msg += "\n  shapes that differ (vocab_size, hidden_size, intermediate_size, heads or head_dim): " +
+  if (!mismatched.empty()) msg += "\n  shapes that differ (vocab_size, hidden_size, intermediate_size, moe_intermediate_size, heads or head_dim): " +
                                   ::fsdpx::detail::join_names(mismatched);
   if (!missing.empty()) msg += "\n  tensors it implies that the files lack: " + ::fsdpx::detail::join_names(missing);
   throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "' does not describe the weights in '", dir.string(), "':", msg));
@@ -197,14 +277,14 @@ template <class Sharded>
   requires ShardedCausalLM<Sharded>
 SafetensorsLoadReport load_pretrained(Sharded& model, const fs::path& dir, const LoadPretrainedOptions& options = {}) {
   detail::check_same_architecture(model->config, read_decoder_config(dir), dir);
-  fsdpx::hf::SafetensorsDir files(dir);
+  fsdpx::hf::SafetensorsDir files = open_model_files(model->config, dir);
   return detail::load_weights(model, files, options);
 }
 
 /// Loads the weights of the Hugging Face folder `dir` into a CausalLM that is not sharded.
 inline SafetensorsLoadReport load_pretrained(CausalLM& model, const fs::path& dir, const LoadPretrainedOptions& options = {}) {
   detail::check_same_architecture(model->config, read_decoder_config(dir), dir);
-  fsdpx::hf::SafetensorsDir files(dir);
+  fsdpx::hf::SafetensorsDir files = open_model_files(model->config, dir);
   return load_model_safetensors(*model, files, detail::load_options(model->config, options));
 }
 
@@ -222,7 +302,7 @@ Sharded from_pretrained(const fs::path& dir, dist::AnyCommunicator world, FsdpOp
   std::optional<fsdpx::hf::SafetensorsDir> files;
   dist::agree_on_outcome<IoError>(world, dist::capture_failure([&] {
                                     config = read_decoder_config(dir);
-                                    files.emplace(dir);
+                                    files.emplace(open_model_files(config, dir));
                                     check_config_against_files(config, *files, dir, load.strict);
                                   }),
                                   "reading '" + dir.string() + "'");

@@ -210,6 +210,25 @@ FSDPX_DECL SafetensorsDir::SafetensorsDir(const fs::path& path, const std::strin
   }
 }
 
+FSDPX_DECL void SafetensorsDir::add_view(const std::string& name, const std::string& of, int64_t first,
+                                         std::vector<int64_t> shape) {
+  const SafetensorsEntry* source = find(of);
+  FSDPX_CHECK_AS(IoError, source != nullptr && views_.count(of) == 0, "'", path_.string(), "' holds no tensor '", of, "'");
+  FSDPX_CHECK(views_.count(name) == 0 && (where_.count(name) == 0 || viewed_.count(name) != 0), "safetensors: a view '", name,
+              "' would hide a tensor of that name in '", path_.string(), "'");
+  int64_t numel = 1;
+  for (const int64_t d : shape) {
+    FSDPX_CHECK(d >= 0, "safetensors: a view's shape has a negative dimension");
+    numel *= d;
+  }
+  FSDPX_CHECK(first >= 0 && numel <= source->numel - first, "safetensors: a view of elements [", first, ", ", first + numel,
+              ") of '", of, "', which holds ", source->numel);
+  const auto esize = static_cast<int64_t>(c10::elementSize(source->dtype));
+  SafetensorsEntry e{name, source->dtype, std::move(shape), numel, source->begin + first * esize, source->begin + (first + numel) * esize};
+  views_.emplace(name, View{where_.at(of), std::move(e)});
+  viewed_.insert(of);
+}
+
 FSDPX_DECL void SafetensorsDir::read(const std::string& name, int64_t first, int64_t last, const at::Tensor& out) {
   const SafetensorsEntry* e = find(name);
   FSDPX_CHECK_AS(IoError, e != nullptr, "'", path_.string(), "' holds no tensor '", name, "'");
