@@ -54,6 +54,11 @@ int main(int argc, char** argv) {
       ref_optimizer.zero_grad();
       const at::Tensor loss = reference->loss(ids, ids);
       loss.backward();
+      // A mixture of experts' expert that no token chose: fsdpx's unit gives it a zero gradient (AdamW's
+      // decay and momentum still apply, docs/core.md), where this unsharded AdamW would skip it.
+      for (auto& p : reference->parameters()) {
+        if (!p.grad().defined()) p.mutable_grad() = at::zeros_like(p);
+      }
       ref_optimizer.step();
       if (rank == 0) std::printf("step %d: reference loss %.5f\n", step, loss.item<double>());
     }
