@@ -507,3 +507,41 @@ TEST_CASE("models: a mixture of experts whose config does not count the files' e
     CHECK_THAT(error, Catch::Contains("num_experts"));
   }
 }
+
+TEST_CASE("models: the experts as grouped products (at::_grouped_mm) equal one product per expert, with gradients",
+          "[hf][moe]") {
+  // The kernel a GPU uses in bfloat16, checked here in float32 on the CPU (ATen has it on both).
+  for (const char* name : {"qwen3_moe", "qwen2_moe"}) {
+    INFO(name);
+    models::CausalLM model(models::read_decoder_config(fixtures() / name));
+    REQUIRE(models::load_pretrained(model, fixtures() / name).ok());
+    at::manual_seed(4);
+    const at::Tensor ids = at::randint(1, 96, {3, 11}, at::kLong);
+    const auto run = [&](models::ExpertKernel kernel) {
+      for (auto& layer : model->model->layers) {
+        if (layer->moe) layer->moe->kernel = kernel;
+      }
+      model->zero_grad();
+      const at::Tensor logits = model(ids);
+      model->loss(ids, ids).backward();
+      std::vector<at::Tensor> out{logits.detach()};
+      for (const auto& p : model->parameters()) out.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
+      return out;
+    };
+    const auto per_expert = run(models::ExpertKernel::per_expert);
+    const auto grouped = run(models::ExpertKernel::grouped);
+    double worst = 0;
+    for (size_t i = 0; i < per_expert.size(); ++i) {
+      const double scale = std::max(per_expert[i].abs().max().item<double>(), 1e-12);
+      worst = std::max(worst, (per_expert[i] - grouped[i]).abs().max().item<double>() / scale);
+    }
+    CHECK(worst <= 1e-5);
+  }
+  // Sizes the grouped product cannot take are an error naming them when asked for.
+  Json c = {{"model_type", "qwen3_moe"}, {"vocab_size", 96}, {"hidden_size", 30}, {"num_hidden_layers", 1},
+            {"num_attention_heads", 3}, {"num_key_value_heads", 3}, {"num_experts", 4}, {"num_experts_per_tok", 2},
+            {"moe_intermediate_size", 6}};
+  models::CausalLM odd(models::parse_decoder_config(c, "config.json"));
+  odd->model->layers[0]->moe->kernel = models::ExpertKernel::grouped;
+  CHECK_THAT(error_of([&] { odd(at::ones({1, 4}, at::kLong)); }), Catch::Contains("ExpertKernel::grouped needs the hidden size (30)"));
+}

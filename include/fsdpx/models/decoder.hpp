@@ -335,6 +335,13 @@ struct MlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(Mlp);
 
+/// How a sparse layer runs its experts over the tokens grouped by expert.
+enum class ExpertKernel {
+  automatic,   // grouped on CUDA in bfloat16/float16 where the sizes allow, per_expert elsewhere
+  per_expert,  // each expert that received tokens: its own three products
+  grouped,     // at::_grouped_mm over the experts' weights stacked for the call: two grouped products
+};
+
 /// A mixture-of-experts MLP (Qwen2-MoE, Qwen3-MoE; models/config.hpp's MoeConfig). Each expert is a
 /// module of its own, named as the Hugging Face files name it ("mlp.experts.3.gate_proj.weight").
 /// Tokens are grouped by expert and each expert that received tokens runs once on all of them: the
@@ -369,23 +376,61 @@ struct SparseMoeBlockImpl : torch::nn::Module {
     const at::Tensor counts = at::bincount(expert_of, {}, static_cast<int64_t>(experts.size())).to(at::kCPU);
     const at::Tensor token_of = order.div(top_k, "floor");
     const at::Tensor weight_of = weights.reshape({-1}).index_select(0, order).unsqueeze(1);
-    const int64_t* count = counts.data_ptr<int64_t>();
-    std::vector<at::Tensor> outputs;
-    int64_t start = 0;
-    for (size_t e = 0; e < experts.size(); ++e) {
-      const int64_t n = count[e];
-      if (n == 0) continue;
-      const at::Tensor tokens = token_of.narrow(0, start, n);
-      outputs.push_back(experts[e](h.index_select(0, tokens)) * weight_of.narrow(0, start, n));
-      start += n;
+    at::Tensor out;
+    if (use_grouped(h)) {
+      out = at::zeros_like(h).index_add(0, token_of, grouped_experts(h.index_select(0, token_of), counts) * weight_of);
+    } else {
+      const int64_t* count = counts.data_ptr<int64_t>();
+      std::vector<at::Tensor> outputs;
+      int64_t start = 0;
+      for (size_t e = 0; e < experts.size(); ++e) {
+        const int64_t n = count[e];
+        if (n == 0) continue;
+        const at::Tensor tokens = token_of.narrow(0, start, n);
+        outputs.push_back(experts[e](h.index_select(0, tokens)) * weight_of.narrow(0, start, n));
+        start += n;
+      }
+      out = outputs.empty() ? at::zeros_like(h) : at::zeros_like(h).index_add(0, token_of, at::cat(outputs, 0));
     }
-    at::Tensor out = outputs.empty() ? at::zeros_like(h) : at::zeros_like(h).index_add(0, token_of, at::cat(outputs, 0));
     if (shared_expert) out = out + at::sigmoid(shared_expert_gate(h)) * shared_expert(h);
     return {out.view(x.sizes()), logits};
   }
 
+  /// at::_grouped_mm needs each operand's rows 16-byte aligned: the hidden and expert sizes a multiple
+  /// of 16 bytes' worth of elements.
+  bool groupable(const at::Tensor& h) const {
+    const auto align = static_cast<int64_t>(16 / h.element_size());
+    const int64_t inner = experts.empty() ? 0 : experts.front()->down_proj->weight.size(1);
+    return h.size(1) % align == 0 && inner % align == 0;
+  }
+  bool use_grouped(const at::Tensor& h) const {
+    if (kernel == ExpertKernel::per_expert || experts.empty()) return false;
+    if (kernel == ExpertKernel::grouped) {
+      FSDPX_CHECK(groupable(h), "SparseMoeBlock: ExpertKernel::grouped needs the hidden size (", h.size(1), ") and the "
+                  "experts' intermediate size to be multiples of ", 16 / h.element_size(), " ", h.scalar_type(), " elements");
+      return true;
+    }
+    return h.is_cuda() && (h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kHalf) && groupable(h);
+  }
+
+  /// The experts over tokens sorted by expert (counts: tokens per expert, on the host) as two grouped
+  /// products. The weights are stacked for the call (a copy of the layer's experts, as large as its
+  /// gather); the gradients flow back through the stack to each expert's own parameters.
+  at::Tensor grouped_experts(const at::Tensor& sorted, const at::Tensor& counts) const {
+    std::vector<at::Tensor> gate_up, down;
+    for (const auto& e : experts) {
+      gate_up.push_back(at::cat({e->gate_proj->weight, e->up_proj->weight}, 0));
+      down.push_back(e->down_proj->weight);
+    }
+    const at::Tensor offsets = counts.cumsum(0).to(at::kInt).to(sorted.device());
+    const at::Tensor both = at::_grouped_mm(sorted, at::stack(gate_up).transpose(-2, -1), offsets);
+    const auto halves = both.chunk(2, -1);
+    return at::_grouped_mm(at::silu(halves[0]) * halves[1], at::stack(down).transpose(-2, -1), offsets);
+  }
+
   int64_t top_k;
   bool norm_topk_prob;
+  ExpertKernel kernel = ExpertKernel::automatic;
   Linear gate{nullptr};
   std::vector<Mlp> experts;
   Mlp shared_expert{nullptr};
