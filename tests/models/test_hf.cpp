@@ -583,6 +583,24 @@ TEST_CASE("hf: generation's ranks agree when to stop: a rank whose rows ended ke
   CHECK(at::equal(out.generated_lengths, alone.generated_lengths));
 }
 
+TEST_CASE("hf: generate refused on one rank is refused on every rank, before any unit is gathered", "[hf][generate][errors]") {
+  auto& world = fsdpx::test::world();
+  auto sharded = models::from_pretrained<Sharded>(fixtures() / "llama_gqa", world);
+  const at::Tensor prompt = ref("llama_gqa", "gen_prompt"), mask = ref("llama_gqa", "gen_prompt_mask");
+  // Rank 0 asks for more tokens than the model has positions; the others ask for 4.
+  const models::GenerateOptions options{.max_new_tokens = world.rank() == 0 ? 1000 : 4};
+  std::string error;
+  try {
+    sharded.call(&models::CausalLMImpl::generate, prompt, mask, options);
+  } catch (const fsdpx::Error& e) {
+    error = e.what();
+  }
+  CHECK_THAT(error, Catch::Contains(world.rank() == 0 ? "max_new_tokens = 1000" : "another rank's inputs were refused"));
+  // And the model goes on: a generation every rank agrees on.
+  const auto out = sharded.call(&models::CausalLMImpl::generate, prompt, mask, models::GenerateOptions{.max_new_tokens = 3});
+  CHECK(out.sequences.size(1) == prompt.size(1) + 3);
+}
+
 TEST_CASE("hf: sampling with a seed gives the same tokens sharded as unsharded (so on every world size)", "[hf][generate]") {
   auto& world = fsdpx::test::world();
   for (const char* name : {"llama_gqa", "qwen3_qknorm"}) {

@@ -421,6 +421,11 @@ TEST_CASE("models: generate's bad options are errors naming the argument", "[hf]
   CHECK_THAT(error({.do_sample = true, .top_p = 1.5}), Catch::Contains("top_p must be in (0, 1]"));
   CHECK_THAT(error({}, at::ones({2, 4}, at::kLong)), Catch::Contains("attention_mask must be [batch, prompt]"));
   CHECK_THAT(error_of([&] { model->generate(at::ones({2, 5}, at::kInt)); }), Catch::Contains("input_ids must be int64"));
+  at::Tensor right = at::ones({2, 5}, at::kLong);
+  right[1][4] = 0;
+  CHECK_THAT(error({}, right), Catch::Contains("the prompts must be left-padded (attention_mask's last column is 0 in row 1)"));
+  CHECK_THAT(error({.eos_token_ids = {96}}), Catch::Contains("eos_token_ids holds 96 is outside the vocabulary of 96"));
+  CHECK_THAT(error_of([&] { model->generate(at::full({1, 3}, 200, at::kLong)); }), Catch::Contains("outside the vocabulary"));
   // Greedy with and without the cache: the cache's tokens equal re-running the whole sequence each step.
   const auto out = model->generate(at::randint(1, 96, {2, 5}, at::kLong), {}, {.max_new_tokens = 6});
   at::Tensor seq = out.sequences.narrow(1, 0, 5);
@@ -479,6 +484,15 @@ TEST_CASE("models: mixture-of-experts configs: the families' defaults, their lay
   bad = q3;
   bad["num_local_experts"] = 100000;
   CHECK_THAT(config_error(bad), Catch::Contains("\"num_experts\" is 100000"));
+  bad = q3;
+  bad["num_local_experts"] = 4096;
+  bad["num_hidden_layers"] = 64;
+  bad["decoder_sparse_step"] = 1;
+  bad["mlp_only_layers"] = Json::array();
+  CHECK_THAT(config_error(bad), Catch::Contains("\"num_experts\" 4096 in each of 64 sparse layers makes 262144 experts"));
+  Json defaults = q3;
+  defaults.erase("num_key_value_heads");
+  CHECK(models::parse_decoder_config(defaults, "config.json").num_key_value_heads == 4);  // Qwen3-MoE's class default
   bad = q3;
   bad["router_aux_loss_coef"] = -1;
   CHECK_THAT(config_error(bad), Catch::Contains("\"router_aux_loss_coef\" is -1"));

@@ -106,6 +106,7 @@ struct DecoderConfigBounds {
   int64_t head_dim = 4096;
   int64_t max_position_embeddings = int64_t{1} << 26;
   int64_t num_experts = 4096;
+  int64_t experts_in_model = int64_t{1} << 17;  // num_experts x the sparse layers
 };
 
 /// The architectures (config.json "architectures") that fsdpx's decoder reproduces, by model_type.
@@ -244,9 +245,15 @@ inline void parse_moe(const ::fsdpx::detail::Json& j, const std::string& doc, De
     }
   }
   // As transformers: layer i is sparse unless listed in mlp_only_layers, when (i + 1) % decoder_sparse_step == 0.
+  int64_t sparse = 0;
   for (int64_t i = 0; i < c.num_hidden_layers; ++i) {
     c.sparse_layers[static_cast<size_t>(i)] = !dense[static_cast<size_t>(i)] && (i + 1) % step == 0;
+    sparse += c.sparse_layers[static_cast<size_t>(i)] ? 1 : 0;
   }
+  // Each expert is a module and a line of the name table: bounded before any is built.
+  FSDPX_CHECK_AS(IoError, m.num_experts * sparse <= bounds.experts_in_model, "'", doc, "': \"num_experts\" ", m.num_experts,
+                 " in each of ", sparse, " sparse layers makes ", m.num_experts * sparse, " experts; at most ",
+                 bounds.experts_in_model, " are built");
 }
 
 }  // namespace detail
@@ -282,10 +289,13 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
                                     : json_get<int64_t>(j, "intermediate_size", doc);
   c.num_hidden_layers = json_get<int64_t>(j, "num_hidden_layers", doc);
   c.num_attention_heads = json_get<int64_t>(j, "num_attention_heads", doc);
-  // Absent, Llama's class takes the attention heads, Qwen2's and Qwen3's their default of 32; null, all take the heads.
+  // Absent, Llama's class takes the attention heads, Qwen2's and Qwen3's their default of 32 (Qwen2-MoE's
+  // 16, Qwen3-MoE's 4); null, all take the heads.
   c.num_key_value_heads = j.contains("num_key_value_heads") || llama
                               ? json_find<int64_t>(j, "num_key_value_heads", doc).value_or(c.num_attention_heads)
-                              : 32;
+                          : qwen2_moe ? 16
+                          : qwen3_moe ? 4
+                                      : 32;
   // Checked before anything is sized by them: a config.json is untrusted, and a field of 10^6 layers or
   // 2^31 rows would otherwise build until memory runs out, naming nothing.
   const DecoderConfigBounds bounds;

@@ -573,6 +573,9 @@ struct DecoderModelImpl : torch::nn::Module {
   at::Tensor forward_cached(const at::Tensor& input_ids, KvCache& cache, const at::Tensor& key_mask,
                             const at::Tensor& position_ids) {
     check_input_ids(input_ids);
+    // A recomputation in backward (activation checkpointing) would append to the cache again.
+    FSDPX_CHECK(!at::GradMode::is_enabled(), "DecoderModel::forward_cached runs without gradients (at::NoGradGuard): "
+                "the cache is written in place");
     FSDPX_CHECK(cache.layers.size() == layers.size(), "DecoderModel: a KV cache of ", cache.layers.size(),
                 " layers for a model of ", layers.size());
     AttentionInputs in = cached_masks(key_mask, cache.length, input_ids.size(1), input_ids.device());
@@ -804,13 +807,27 @@ struct CausalLMImpl : torch::nn::Module {
   /// when all of them are done.
   GenerateOutput generate(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
                           const GenerateOptions& options = {}) {
-    DecoderModelImpl::check_input_ids(input_ids);
+    // Checked on every rank, and agreed, before the first unit call: a rank that threw here while the
+    // others gathered units would leave them waiting.
+    std::string refused;
+    try {
+      check_generate_inputs(input_ids, attention_mask, options);
+    } catch (const Error& e) {
+      refused = e.what();
+    }
+    if (!on_every_rank(*this, refused.empty())) {
+      FSDPX_CHECK(!refused.empty(), "generate: another rank's inputs were refused (its error says why); no rank generated");
+      throw ConfigError(refused);
+    }
     const int64_t batch = input_ids.size(0), prompt = input_ids.size(1);
-    FSDPX_CHECK(batch > 0 && prompt > 0, "generate: input_ids must hold at least one token per row, not ", input_ids.sizes());
-    FSDPX_CHECK(!attention_mask.defined() || attention_mask.sizes() == input_ids.sizes(), "generate: attention_mask must "
-                "be [batch, prompt] = ", input_ids.sizes(), ", not ", attention_mask.sizes());
-    detail::check_generate_options(options, prompt, config.max_position_embeddings);
     at::NoGradGuard no_grad;
+    // Dropout off while generating, as transformers' generate runs in eval mode; the mode is restored.
+    struct EvalScope {
+      torch::nn::Module& m;
+      bool was_training;
+      ~EvalScope() { m.train(was_training); }
+    } eval_scope{*this, is_training()};
+    eval();
     const auto device = input_ids.device();
     const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
     const int64_t pad = options.pad_token_id.value_or(
@@ -850,6 +867,29 @@ struct CausalLMImpl : torch::nn::Module {
     out.generated_lengths = lengths.to(device);
     if (options.output_logits && !step_logits.empty()) out.logits = at::stack(step_logits, 1).to(device);
     return out;
+  }
+
+  /// generate()'s checks of its inputs against the model (ConfigError naming the argument).
+  void check_generate_inputs(const at::Tensor& input_ids, const at::Tensor& attention_mask, const GenerateOptions& o) const {
+    DecoderModelImpl::check_input_ids(input_ids);
+    FSDPX_CHECK(input_ids.size(0) > 0 && input_ids.size(1) > 0, "generate: input_ids must hold at least one token per row, not ",
+                input_ids.sizes());
+    FSDPX_CHECK(!attention_mask.defined() || attention_mask.sizes() == input_ids.sizes(), "generate: attention_mask must "
+                "be [batch, prompt] = ", input_ids.sizes(), ", not ", attention_mask.sizes());
+    detail::check_generate_options(o, input_ids.size(1), config.max_position_embeddings);
+    const auto in_vocabulary = [&](int64_t id, const char* what) {
+      FSDPX_CHECK(id >= 0 && id < config.vocab_size, "generate: ", what, " ", id, " is outside the vocabulary of ", config.vocab_size);
+    };
+    for (const int64_t id : o.eos_token_ids) in_vocabulary(id, "eos_token_ids holds");
+    if (o.pad_token_id) in_vocabulary(*o.pad_token_id, "pad_token_id");
+    FSDPX_CHECK(input_ids.min().item<int64_t>() >= 0 && input_ids.max().item<int64_t>() < config.vocab_size,
+                "generate: input_ids hold a token outside the vocabulary of ", config.vocab_size);
+    if (attention_mask.defined()) {
+      // The next token follows the last column: a right-padded prompt would continue from padding.
+      const at::Tensor last = attention_mask.select(1, attention_mask.size(1) - 1);
+      FSDPX_CHECK(last.ne(0).all().item<bool>(), "generate: the prompts must be left-padded (attention_mask's last column "
+                  "is 0 in row ", last.eq(0).nonzero().select(1, 0)[0].item<int64_t>(), ")");
+    }
   }
 
   /// labels [batch, seq] -> the next token's label at each position, ignore_index at the last.

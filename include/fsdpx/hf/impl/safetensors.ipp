@@ -218,7 +218,8 @@ FSDPX_DECL void SafetensorsDir::add_view(const std::string& name, const std::str
               "' would hide a tensor of that name in '", path_.string(), "'");
   int64_t numel = 1;
   for (const int64_t d : shape) {
-    FSDPX_CHECK(d >= 0, "safetensors: a view's shape has a negative dimension");
+    FSDPX_CHECK(d >= 0 && (d == 0 || numel <= source->numel / d), "safetensors: a view ", c10::IntArrayRef(shape), " of '", of,
+                "' is larger than it (", source->numel, " elements)");
     numel *= d;
   }
   FSDPX_CHECK(first >= 0 && numel <= source->numel - first, "safetensors: a view of elements [", first, ", ", first + numel,

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 #include <ATen/ATen.h>
@@ -107,6 +108,8 @@ FSDPX_DECL at::Tensor PackedSamples::position_ids(c10::Device device) const {
 }
 
 FSDPX_DECL at::Tensor PackedSamples::cu_seqlens(c10::Device device) const {
+  FSDPX_CHECK(batch_ * seq_ <= std::numeric_limits<int32_t>::max(), "PackedSamples::cu_seqlens: ", batch_, " x ", seq_,
+              " tokens do not fit flash-attention's int32 offsets");
   at::Tensor out = at::empty({static_cast<int64_t>(spans_.size()) + 1}, at::TensorOptions().dtype(at::kInt));
   int32_t* c = out.data_ptr<int32_t>();
   c[0] = 0;
