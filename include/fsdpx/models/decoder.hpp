@@ -855,7 +855,18 @@ struct CausalLMImpl : torch::nn::Module {
       const at::Tensor hidden = model->forward_cached(step, cache, mask, positions);
       const at::Tensor logits = head(hidden.narrow(1, n - 1, 1)).squeeze(1).to(at::kFloat).to(at::kCPU);
       if (options.output_logits) step_logits.push_back(logits);
-      at::Tensor next = detail::select_next_tokens(logits, options, generator).masked_fill(finished, pad);
+      // A draw can fail on one rank alone (its logits turned NaN): every rank learns it before the next step.
+      at::Tensor next;
+      std::string failed;
+      try {
+        next = detail::select_next_tokens(logits, options, generator).masked_fill(finished, pad);
+      } catch (const std::exception& e) {
+        failed = e.what();
+      }
+      if (!on_every_rank(*this, failed.empty())) {
+        throw Error(failed.empty() ? std::string("fsdpx: generate: sampling failed on another rank; no rank goes on")
+                                   : "fsdpx: generate: sampling step " + std::to_string(i) + " failed: " + failed);
+      }
       lengths += finished.logical_not().to(at::kLong);
       if (eos.numel() > 0) finished = finished | at::isin(next, eos);
       new_tokens.push_back(next);
