@@ -213,28 +213,35 @@ inline void check_same_architecture(const DecoderConfig& model, const DecoderCon
 inline void check_config_against_files(const DecoderConfig& c, const fsdpx::hf::SafetensorsDir& files, const fs::path& dir,
                                        bool strict) {
   const std::string doc = (dir / "config.json").string();
-  int64_t layers = 0;  // 1 + the highest index of a "model.layers.<i>." tensor in the files
-  const std::string prefix = "model.layers.";
+  // One pass over the files' names: 1 + the highest layer index of a "model.layers.<i>." tensor, and per
+  // layer 1 + the highest expert index of a "model.layers.<i>.mlp.experts.<e>." tensor.
+  const auto index_at = [](const std::string& name, size_t from) -> std::optional<int64_t> {
+    const size_t end = name.find('.', from);
+    const std::string index = name.substr(from, end == std::string::npos ? std::string::npos : end - from);
+    if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+    return std::stoll(index);
+  };
+  const std::string prefix = "model.layers.", experts_infix = ".mlp.experts.";
+  int64_t layers = 0;
+  std::map<int64_t, int64_t> experts_in_files;
   for (const std::string& name : files.names()) {
     if (name.compare(0, prefix.size(), prefix) != 0) continue;
-    const size_t end = name.find('.', prefix.size());
-    const std::string index = name.substr(prefix.size(), end == std::string::npos ? std::string::npos : end - prefix.size());
-    if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos) continue;
-    layers = std::max<int64_t>(layers, std::stoll(index) + 1);
+    const auto layer = index_at(name, prefix.size());
+    if (!layer) continue;
+    layers = std::max<int64_t>(layers, *layer + 1);
+    const size_t at = name.find('.', prefix.size());  // index_at found the index's end there
+    if (name.compare(at, experts_infix.size(), experts_infix) != 0) continue;
+    if (const auto expert = index_at(name, at + experts_infix.size())) {
+      experts_in_files[*layer] = std::max(experts_in_files[*layer], *expert + 1);
+    }
   }
   FSDPX_CHECK_AS(ConfigError, layers == 0 ? !strict : layers == c.num_hidden_layers, "'", doc, "': \"num_hidden_layers\" is ",
                  c.num_hidden_layers, " but the weight files in '", dir.string(), "' hold ", layers, " layers");
   // A mixture of experts: the files' experts per layer against num_experts (more would be unexpected
   // tensors, fewer missing ones; say which field).
   for (int64_t i = 0; i < c.num_hidden_layers && c.is_moe(); ++i) {
-    const std::string experts = prefix + std::to_string(i) + ".mlp.experts.";
-    int64_t count = 0;
-    for (const std::string& name : files.names()) {
-      if (name.compare(0, experts.size(), experts) != 0) continue;
-      const std::string index = name.substr(experts.size(), name.find('.', experts.size()) - experts.size());
-      if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos) continue;
-      count = std::max<int64_t>(count, std::stoll(index) + 1);
-    }
+    const auto it = experts_in_files.find(i);
+    const int64_t count = it == experts_in_files.end() ? 0 : it->second;
     const int64_t want = c.is_sparse(i) ? c.moe.num_experts : 0;
     FSDPX_CHECK_AS(ConfigError, count == want || (count == 0 && !strict), "'", doc, "': layer ", i, " has ", want,
                    " experts by \"num_experts\" (", c.moe.num_experts, "), \"decoder_sparse_step\" and \"mlp_only_layers\", "
