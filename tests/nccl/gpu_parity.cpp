@@ -130,7 +130,9 @@ TEST_CASE("GPU: packed samples: variable-length flash attention equals attention
 TEST_CASE("GPU: mixture of experts in bfloat16: grouped products equal one product per expert", "[gpu][moe]") {
   const auto device = parity_context().device;
   const fsdpx::detail::Json config = {
-      {"model_type", "qwen3_moe"}, {"vocab_size", 4096}, {"hidden_size", 1024}, {"num_hidden_layers", 2},
+      // One layer: its routing sees the same inputs under both kernels (with two, bfloat16 rounding in the
+      // first can flip a near tie in the second's top-k, and a token then trains another expert).
+      {"model_type", "qwen3_moe"}, {"vocab_size", 4096}, {"hidden_size", 1024}, {"num_hidden_layers", 1},
       {"num_attention_heads", 8}, {"num_key_value_heads", 4}, {"num_experts", 32}, {"num_experts_per_tok", 4},
       {"moe_intermediate_size", 512}, {"norm_topk_prob", true}, {"max_position_embeddings", 4096}};
   at::manual_seed(5);

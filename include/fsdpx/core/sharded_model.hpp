@@ -386,7 +386,7 @@ class ShardedModel {
   BufferSync buffer_sync_;
   std::vector<std::unique_ptr<Unit>> units_;  // [0] is the root
   std::vector<const torch::nn::Module*> modules_;
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> accumulators_;  // keep the hooks' nodes alive
+  std::vector<detail::NodePtr> accumulators_;  // keep the hooks' nodes alive
   std::unordered_set<const torch::nn::Module*> in_units_;  // every module inside a non-root unit
   std::vector<bool> is_companion_;  // a module's frozen parameters, moving with the unit before it
   std::vector<size_t> companion_;   // the index of a unit's frozen companion, or 0 (none)

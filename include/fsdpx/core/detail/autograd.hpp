@@ -12,11 +12,13 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include <c10/core/Allocator.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/variable.h>
 
 namespace fsdpx::core::detail {
 
@@ -41,10 +43,13 @@ FSDPX_DECL void add_pre_backward_hook(const at::Tensor& x, std::shared_ptr<Backw
 
 // ---- post-backward: after a parameter's gradient is accumulated -----------------------------------
 
+/// What LibTorch hands out for a gradient accumulator: std::shared_ptr<Node> up to 2.11, an intrusive
+/// pointer in later releases; the hooks' owners keep whichever it is.
+using NodePtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
 /// Runs `fn` each time autograd has accumulated `param`'s gradient (as PyTorch's C++ DDP reducer does).
 /// The returned node must be kept alive: the parameter only holds it weakly.
-FSDPX_DECL c10::intrusive_ptr<torch::autograd::Node> add_post_accumulate_hook(const at::Tensor& param,
-                                                                              std::function<void()> fn);
+FSDPX_DECL NodePtr add_post_accumulate_hook(const at::Tensor& param, std::function<void()> fn);
 
 // ---- post-backward: after the backward of one unit call has reached the call's inputs --------------
 // FSDP2's RegisterPostBackwardFunction in C++: one identity node over every input of a unit call that

@@ -53,8 +53,7 @@ class PostAccumulateHook final : public torch::autograd::FunctionPostHook {
   std::function<void()> fn_;
 };
 
-FSDPX_DECL c10::intrusive_ptr<torch::autograd::Node> add_post_accumulate_hook(const at::Tensor& param,
-                                                                              std::function<void()> fn) {
+FSDPX_DECL NodePtr add_post_accumulate_hook(const at::Tensor& param, std::function<void()> fn) {
   auto accumulator = torch::autograd::impl::grad_accumulator(param);
   accumulator->add_post_hook(std::make_unique<PostAccumulateHook>(std::move(fn)));
   return accumulator;

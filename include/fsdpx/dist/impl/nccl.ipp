@@ -12,6 +12,8 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <fsdpx/dist/impl/nccl_state.ipp>
+#include <atomic>
+
 #include <fsdpx/dist/nccl.hpp>
 
 namespace fsdpx::dist {
@@ -181,16 +183,32 @@ FSDPX_DECL std::optional<NcclCommunicator> NcclCommunicator::split(int color, in
   FSDPX_CHECK(color >= 0 || color == no_color, ctx, ": color ", color, " must be >= 0 or fsdpx::dist::no_color");
   state_->health()->check(ctx);
   c10::cuda::CUDAGuard guard(device());
+  // NCCL writes the child's handle only once the split completed (in the background: the parent is
+  // nonblocking), so the handle itself is polled, then the child's state; the parent's state alone said
+  // "done" too early on the first H100 run, and its next call was refused.
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclComm_t child = nullptr;
   const auto calls = state_->lock_calls(ctx);
   state_->settle(ncclCommSplit(native_handle(), color == no_color ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config),
                  ctx);
+  const auto deadline = deadline_after(state_->options().timeout);
+  const std::atomic_ref<ncclComm_t> handle(child);
+  ncclResult_t parent_rc = ncclInProgress;
+  while (handle.load() == nullptr) {
+    ncclCommGetAsyncError(native_handle(), &parent_rc);
+    if (parent_rc != ncclSuccess && parent_rc != ncclInProgress) break;
+    if (color == no_color && parent_rc == ncclSuccess) break;  // no child is made for this rank
+    if (std::chrono::steady_clock::now() > deadline) {
+      state_->fail(::fsdpx::detail::str("fsdpx: ", ctx, " did not complete within ", state_->options().timeout.count(), " ms"));
+      throw TimeoutError(state_->health()->cause());
+    }
+    std::this_thread::yield();
+  }
+  FSDPX_CHECK_AS(CommError, parent_rc == ncclSuccess || parent_rc == ncclInProgress, ctx, " failed: ",
+                 ncclGetErrorString(parent_rc), " (", ncclGetLastError(native_handle()), ")");
   if (child != nullptr) {
     ncclResult_t rc = ncclInProgress;
-    ncclCommGetAsyncError(child, &rc);
-    const auto deadline = deadline_after(state_->options().timeout);
     while (rc == ncclInProgress && std::chrono::steady_clock::now() < deadline) ncclCommGetAsyncError(child, &rc);
     FSDPX_CHECK_AS(CommError, rc == ncclSuccess, ctx, " failed: ", ncclGetErrorString(rc));
   }
