@@ -52,6 +52,7 @@ class FsdpxConan(ConanFile):
         self.requires("openmpi/[>=4.1 <6]", transitive_headers=True)
         self.requires("boost/[>=1.74 <2]", transitive_headers=True)
         self.requires("openssl/[>=1.1.1 <4]", transitive_headers=True)  # the sync service's HMAC handshake and TLS
+        self.requires("zlib/[>=1.2.11 <2]", transitive_headers=True)  # weight sync's XOR-and-compress deltas
 
     # C++20 as fsdpx uses it (concepts, designated initializers, std::erase_if, <bit>): the oldest
     # compilers known to build it.
@@ -83,6 +84,7 @@ class FsdpxConan(ConanFile):
         tc.cache_variables["FSDPX_WITH_MPI"] = True
         tc.cache_variables["FSDPX_WITH_BOOST"] = True
         tc.cache_variables["FSDPX_WITH_OPENSSL"] = True
+        tc.cache_variables["FSDPX_WITH_ZLIB"] = True
         tc.cache_variables["FSDPX_WITH_NCCL"] = False
         tc.cache_variables["Torch_DIR"] = self._torch_dir()
         tc.generate()
@@ -133,4 +135,4 @@ class FsdpxConan(ConanFile):
         self.cpp_info.includedirs = ["include"]
         self.cpp_info.bindirs = []
         self.cpp_info.libdirs = []
-        self.cpp_info.defines = ["FSDPX_WITH_MPI=1", "FSDPX_WITH_BOOST=1", "FSDPX_WITH_OPENSSL=1"]  # for non-CMake generators
+        self.cpp_info.defines = ["FSDPX_WITH_MPI=1", "FSDPX_WITH_BOOST=1", "FSDPX_WITH_OPENSSL=1", "FSDPX_WITH_ZLIB=1"]  # for non-CMake generators

@@ -7,6 +7,17 @@ list(APPEND CMAKE_MODULE_PATH "${CMAKE_CURRENT_LIST_DIR}")
 find_dependency(Torch HINTS ${FSDPX_TORCH_DIR_HINT})  # (the hint: the installed config's, see fsdpxConfig.cmake.in)
 # JSON (commit records, safetensors headers, Hugging Face configs): header-only nlohmann/json.
 find_dependency(nlohmann_json 3.10)
+# zlib: weight sync's XOR-and-compress delta encoding (fsdpx/sync/delta.hpp); without it deltas travel
+# sparse or whole, and a receiver refuses an XOR one saying why.
+if(NOT DEFINED FSDPX_WITH_ZLIB)
+  find_package(ZLIB QUIET)
+  set(FSDPX_WITH_ZLIB OFF)
+  if(ZLIB_FOUND)
+    set(FSDPX_WITH_ZLIB ON)
+  endif()
+elseif(FSDPX_WITH_ZLIB)
+  find_dependency(ZLIB)
+endif()
 
 # MPI: CPU collectives (mpirun/srun). The C API only: skip the deprecated C++ bindings.
 set(MPI_CXX_SKIP_MPICXX ON CACHE BOOL "fsdpx uses the MPI C API only")

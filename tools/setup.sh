@@ -11,7 +11,7 @@ TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 say() { printf 'fsdpx setup: %s\n' "$*"; }
 
 # ---- system packages ---------------------------------------------------------------------------
-packages=(g++ make cmake libopenmpi-dev openmpi-bin catch2 libboost-dev libssl-dev openssl nlohmann-json3-dev libcli11-dev python3)
+packages=(g++ make cmake libopenmpi-dev openmpi-bin catch2 libboost-dev libssl-dev openssl nlohmann-json3-dev zlib1g-dev libcli11-dev python3)
 if command -v dpkg-query >/dev/null; then
   missing=()
   for p in "${packages[@]}"; do

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/delta.hpp>
 #include <fsdpx/sync/broadcast.hpp>
 #include <fsdpx/sync/synchronizer.hpp>
 #include <fsdpx/sync/watcher.hpp>

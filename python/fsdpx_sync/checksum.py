@@ -10,6 +10,7 @@ fixed 32x32 bit matrix).
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable, List, Optional
 
 import torch
@@ -31,16 +32,32 @@ def _make_table() -> List[int]:
 _TABLE = _make_table()
 
 
+def _readonly_array(view: memoryview):
+    """A read-only numpy view of ``view`` (no copy), or None without numpy: the C CRC-32C reads
+    read-only buffers only, and a writable buffer would otherwise be copied."""
+    try:
+        import numpy
+    except ImportError:
+        return None
+    array = numpy.frombuffer(view, dtype=numpy.uint8)
+    array.flags.writeable = False
+    return array
+
+
 def _native() -> Optional[Callable[[bytes], int]]:
     try:
         import google_crc32c  # type: ignore
 
         def value(data) -> int:
-            # It reads only immutable bytes: a frame is copied a piece at a time, never whole at once
-            # (a bucket's copy would double the receiver's memory).
+            # It reads only read-only buffers: a writable one is read through a read-only numpy view,
+            # or (without numpy) copied a piece at a time, never whole at once (a bucket's copy would
+            # double the receiver's memory).
             view = memoryview(data).cast("B")
             if view.readonly:
                 return google_crc32c.value(view.obj if isinstance(view.obj, bytes) else bytes(view))
+            array = _readonly_array(view)
+            if array is not None:
+                return google_crc32c.value(array)
             crc = 0
             for at in range(0, len(view), _PIECE):
                 crc = google_crc32c.extend(crc, bytes(view[at : at + _PIECE]))
@@ -164,12 +181,46 @@ def crc32c_torch(data, value: int = 0) -> int:
     """The same, always computed with torch (the fallback; tested against the native one)."""
     if not isinstance(data, torch.Tensor):
         view = memoryview(data).cast("B")
-        data = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():  # read, never written: a read-only buffer (bytes) is fine
+            warnings.simplefilter("ignore", UserWarning)
+            data = torch.frombuffer(view, dtype=torch.uint8) if view.nbytes else torch.empty(0, dtype=torch.uint8)
     tensor = data.reshape(-1)
     if tensor.dtype != torch.uint8:
         tensor = tensor.view(torch.uint8)
     init = (value ^ 0xFFFFFFFF) & 0xFFFFFFFF
     return _apply(list(_zeros_map(tensor.numel())), init) ^ _raw(tensor.contiguous()) ^ 0xFFFFFFFF
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a CPU tensor, row-major, as a memoryview without a copy (``t`` is made contiguous
+    first, which copies only a tensor that is not). The tensor must stay alive while the view is used;
+    the view keeps a reference to the array it reads through."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    flat = flat.view(torch.uint8)
+    try:
+        return memoryview(flat.numpy())
+    except (ImportError, RuntimeError, TypeError):  # no numpy: the memory itself, the tensor kept alive by the array
+        import ctypes
+
+        array = (ctypes.c_uint8 * flat.numel()).from_address(flat.data_ptr())
+        array._fsdpx_owner = flat  # type: ignore[attr-defined]
+        return memoryview(array).cast("B")
+
+
+def tensor_crc32c(t: torch.Tensor) -> int:
+    """CRC-32C of a tensor's bytes (row-major, little-endian, in its own dtype), on any device: what a
+    version's manifest records for it. With google-crc32c, at memory speed (no copy of a contiguous CPU
+    tensor)."""
+    if t.numel() == 0:
+        return 0
+    if _NATIVE is not None:
+        return _NATIVE(tensor_bytes(t))
+    return crc32c_torch(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8))
 
 
 def implementation() -> str:

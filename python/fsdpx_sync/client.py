@@ -9,7 +9,13 @@
         # or: weights.load_into(hf_model)                     # transformers: by name, strict
         version = weights.version
 
-The wire protocol is specified in docs/sync.md ("Frames" and "Authentication").
+Deltas: the client keeps the version it returned last (``keep_base``), tells the server it holds it,
+and the server sends only what changed; the client applies it (copy-on-write, or in place into a
+module with ``fetch_newer_into``), checks every tensor against the version's manifest (CRC-32C), and
+undoes everything on any failure. ``verify`` proves a module holds a version exactly.
+
+The wire protocol is specified in docs/sync.md ("Frames", "Authentication", "Delta versions and proof
+of arrival").
 """
 
 from __future__ import annotations
@@ -23,17 +29,21 @@ import socket
 import ssl
 import struct
 import time
+import weakref
 from dataclasses import dataclass, field
-from typing import Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from .bucket import PREFIX_BYTES, Collector, decode_bucket
 from .checksum import crc32c
+from .delta import MANIFEST_NAME, Manifest, VersionStore, full_manifest, verify as _verify
+from .engines import flatten_buckets
 from .errors import SyncError
 
 FRAME_MAGIC = 0x32535846  # "FXS2"
-PROTOCOL = 3
+PROTOCOL = 4
+FETCH_HOLDS_BASE = 1  # a fetch's flags: the reader holds version `have` exactly, of the digest that follows
 HEADER = struct.Struct("<IHHqQQQ")  # magic, kind, flags, version, length, checksum, aux
 MAX_TEXT = 64 << 10
 MAX_RUN = 256  # a run's identity, or its label
@@ -61,13 +71,22 @@ class _Busy(Exception):
 
 @dataclass
 class WeightVersion:
-    """All tensors of one version, in the order they were published; iterating yields (name, tensor).
-    ``run`` labels the trainer run that published it (a new run's versions are newer whatever their
-    numbers)."""
+    """All tensors of one version, in the order they were published (its manifest not among them);
+    iterating yields (name, tensor). ``run`` labels the trainer run that published it (a new run's
+    versions are newer whatever their numbers). ``manifest`` says what the version is (each tensor's
+    CRC-32C, the version's digest); ``is_delta``: it arrived as a delta from the version before, and
+    ``changed_names`` are the tensors it changed (every name for a full version).
+
+    The tensors of a version returned by ``fetch_newer`` may be shared with later versions (those a
+    delta did not touch) and are the client's base for the next delta: read them, copy them, but do
+    not modify them in place (clone first)."""
 
     version: int
     tensors: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
     run: str = ""
+    manifest: Optional[Manifest] = None
+    is_delta: bool = False
+    changed_names: Optional[List[str]] = None
 
     def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
         return iter(self.tensors)
@@ -77,6 +96,48 @@ class WeightVersion:
 
     def named(self) -> dict:
         return dict(self.tensors)
+
+    def _manifest(self) -> Manifest:
+        if self.manifest is None:  # a checkpoint's step, say: the manifest of its tensors as they are
+            self.manifest = full_manifest(self.version, self.tensors)
+        return self.manifest
+
+    @property
+    def digest(self) -> int:
+        """The version's digest: CRC-32C over every tensor's name, dtype, shape and CRC-32C."""
+        return self._manifest().digest
+
+    @property
+    def checksums(self) -> Dict[str, int]:
+        """name -> CRC-32C of the tensor's bytes in this version."""
+        return self._manifest().checksums
+
+    def changed(self) -> List[Tuple[str, torch.Tensor]]:
+        """(name, tensor) of the tensors this version changed (all of them for a full version)."""
+        if not self.is_delta or self.changed_names is None:
+            return list(self.tensors)
+        wanted = set(self.changed_names)
+        return [(n, t) for n, t in self.tensors if n in wanted]
+
+    def verify(self, target) -> bool:
+        """True when ``target`` (a module, a WeightVersion, a mapping or (name, tensor) pairs) holds
+        this version exactly: every tensor's CRC-32C (of its bytes in the version's dtype) is the
+        manifest's, none is missing, none is extra. Otherwise a SyncError naming the tensors."""
+        return _verify(target, self._manifest())
+
+    def for_vllm(self, changed_only: bool = True) -> List[Tuple[str, torch.Tensor]]:
+        """What vLLM's ``model.load_weights(weights)`` takes: (name, whole tensor) pairs; of a delta,
+        only the tensors it changed (``changed_only``), else every tensor."""
+        return self.changed() if changed_only else list(self.tensors)
+
+    def for_sglang(self, bucket_bytes: int = 512 << 20, changed_only: bool = True,
+                   metadata_class=None) -> List[Dict[str, Any]]:
+        """SGLang's "flattened_bucket" payloads (``engines.flatten_buckets``): one dict per bucket,
+        ``{"flattened_tensor": ..., "metadata": [FlattenedTensorMetadata, ...]}``, tensors grouped by
+        dtype, at most ``bucket_bytes`` each (a larger tensor alone); of a delta only the changed
+        tensors (``changed_only``). Each goes to ``update_weights_from_tensor(...,
+        load_format="flattened_bucket")``; ``metadata_class=dict`` gives plain dicts."""
+        return flatten_buckets(self.changed() if changed_only else self.tensors, bucket_bytes, metadata_class)
 
     def load_into(self, module: torch.nn.Module, strict: bool = True) -> Tuple[List[str], List[str]]:
         """Copies every tensor into the module's parameter or persistent buffer of the same name (cast
@@ -115,9 +176,14 @@ class SyncClient:
 
     def __init__(self, host: str, port: int, *, secret: Optional[str] = None, connect_timeout: float = 10.0,
                  io_timeout: float = 60.0, max_bucket_bytes: int = 1 << 30, max_version_bytes: int = 64 << 30,
-                 tls: bool = False, tls_ca_file: Optional[str] = None, tls_server_name: Optional[str] = None):
+                 tls: bool = False, tls_ca_file: Optional[str] = None, tls_server_name: Optional[str] = None,
+                 keep_base: bool = True):
         """tls: speak TLS to a server that does; its certificate must be signed by an authority of
-        ``tls_ca_file`` (PEM; None: the system's) and name ``tls_server_name`` (default: ``host``)."""
+        ``tls_ca_file`` (PEM; None: the system's) and name ``tls_server_name`` (default: ``host``).
+
+        keep_base: remember the version returned last (fetch_newer: its tensors, shared with the
+        WeightVersion, no copy; fetch_newer_into: the module's own tensors) so that the next fetch of a
+        version newer than it may arrive as a delta. False: every fetch asks for a full version."""
         self.where = f"{host}:{port}"
         self.address = (host, port)
         self._tls = None
@@ -132,6 +198,12 @@ class SyncClient:
         self.max_bucket_bytes, self.max_version_bytes = max_bucket_bytes, max_version_bytes
         self._sock: Optional[socket.socket] = None
         self._last: Tuple[int, str] = (-1, "")  # the version fetched last, and its run's label
+        self._last_manifest: Optional[Manifest] = None
+        self.keep_base = keep_base
+        # The version the next delta may be applied to: the tensors fetch_newer returned last (copy-on-
+        # write), or a module's (in place) when _base_module is set (a weak reference to it).
+        self._base: Optional[VersionStore] = None
+        self._base_module: Optional[weakref.ref] = None
         self._deadline: Optional[float] = None  # while fetching: when the whole fetch must end
         self._timeout, self._progress = 0.0, ""
 
@@ -320,19 +392,137 @@ class SyncClient:
 
     # ---- fetching --------------------------------------------------------------------------------
 
+    @property
+    def base_version(self) -> int:
+        """The version a delta may be applied to (-1: none; the next fetch asks for a full version)."""
+        return -1 if self._base is None else self._base.version
+
+    def forget_base(self):
+        """The next fetch asks for a full version."""
+        self._base, self._base_module = None, None
+
     def fetch_newer(self, have: int = -1, timeout: float = 60.0) -> WeightVersion:
         """The newest version once it is newer than ``have`` (-1: any), waiting up to ``timeout``
         seconds. ``timeout`` is the deadline of the whole fetch, the version's transfer included:
         whatever the server sends, this returns or raises within it (a large version needs a timeout
         that covers its transfer). All of one version (every frame's CRC-32C checked, every element of
-        every tensor exactly once), or a SyncError. A version of another trainer run than the one
-        ``have`` came from (this client's last fetch) is newer whatever its number: a new run took over."""
+        every tensor exactly once, every tensor's CRC-32C the manifest's), or a SyncError. A version of
+        another trainer run than the one ``have`` came from (this client's last fetch) is newer whatever
+        its number: a new run took over.
+
+        With ``keep_base`` and ``have`` the version this client returned last, the server may send a
+        delta: it is applied copy-on-write (the tensors it touches are new; the others are shared with
+        the version before, whose tensors never change). Any failure keeps the version before intact
+        and makes the next fetch ask for a full version."""
+        self._check_have(have)
+        base = self._base if (self.keep_base and self._base is not None and self._base_module is None
+                              and have != -1 and self._base.version == have) else None
+        version, run, received = self._fetch(have, timeout, base)
+        store = base if base is not None else VersionStore()
+        try:
+            changed = store.accept(received, in_place=False, where=f"the synchronizer at {self.where}")
+        except SyncError as e:
+            self.forget_base()
+            raise SyncError(f"{e}; {_KEPT}") from None
+        del received
+        m = store.manifest
+        if self.keep_base:
+            self._base, self._base_module = store, None
+        else:
+            self.forget_base()
+        self._last, self._last_manifest = (version, run), m
+        return WeightVersion(version, store.named(), run, m, m.is_delta, changed)
+
+    def fetch_newer_into(self, module: torch.nn.Module, have: int = -1, timeout: float = 60.0) -> WeightVersion:
+        """fetch_newer, loaded into ``module`` (its ``state_dict()`` names: parameters and persistent
+        buffers, strict, as ``WeightVersion.load_into``). A delta is asked for, and applied in place,
+        when this client's last version was loaded into this same module, ``have`` is that version, and
+        every tensor of it in the module is contiguous, of the version's dtype and shape (any device);
+        otherwise a full version is fetched, checked, then copied by name (cast to the module's
+        dtypes). Either way a failure leaves the module's weights as they were, bit for bit, and the
+        next fetch asks for a full version. Returns the version: its tensors are the module's own
+        where the module holds the version's dtypes.
+
+        Between fetches the module's weights must not change otherwise (``verify(module)`` proves they
+        did not): a delta writes only what changed."""
+        self._check_have(have)
+        where = f"the synchronizer at {self.where}"
+        base = None
+        if (self.keep_base and self._base is not None and self._base_module is not None
+                and self._base_module() is module and have != -1 and self._base.version == have):
+            targets = self._adoptable(module, self._base.manifest)
+            if targets is not None:
+                base = VersionStore()
+                base.adopt(targets, self._base.manifest)  # the module's tensors now (a .to() replaces them)
+        version, run, received = self._fetch(have, timeout, base)
+        store = base if base is not None else VersionStore()
+        try:
+            with torch.no_grad():
+                changed = store.accept(received, in_place=True, where=where)  # a delta: into the module, undone on failure
+                del received
+                m = store.manifest
+                adopted = True
+                if not m.is_delta:
+                    WeightVersion(version, store.named(), run, m).load_into(module, strict=True)
+                    targets = self._adoptable(module, m)
+                    adopted = targets is not None
+                    if adopted:
+                        store.adopt(targets, m)
+        except SyncError as e:
+            self.forget_base()
+            raise SyncError(f"{e}; {_KEPT}") from None
+        if self.keep_base and adopted:
+            self._base, self._base_module = store, weakref.ref(module)
+        else:
+            self.forget_base()
+        self._last, self._last_manifest = (version, run), m
+        return WeightVersion(version, store.named(), run, m, m.is_delta, changed)
+
+    @staticmethod
+    def _adoptable(module: torch.nn.Module, manifest: Manifest) -> Optional[List[Tuple[str, torch.Tensor]]]:
+        """The module's tensors of the version's names, in its order, when a delta can land in them in
+        place: each contiguous, of the version's dtype and shape, no two sharing memory. Else None."""
+        state = module.state_dict(keep_vars=True)
+        out, spans = [], []
+        for e in manifest.entries:
+            t = state.get(e.name)
+            if t is None or t.dtype != e.dtype or tuple(t.shape) != e.shape or not t.is_contiguous():
+                return None
+            if t.numel():
+                spans.append((str(t.device), t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()))
+            out.append((e.name, t.detach()))
+        spans.sort()
+        for a, b in zip(spans, spans[1:]):
+            if a[0] == b[0] and b[1] < a[2]:
+                return None  # one tensor under two names the trainer both sent: a delta would land twice
+        return out
+
+    def verify(self, target, version: Union[None, WeightVersion, Manifest] = None) -> bool:
+        """"Do I hold version V exactly": True when ``target`` (a module, a WeightVersion, a mapping or
+        (name, tensor) pairs) holds ``version`` (default: the version this client returned last), every
+        tensor's CRC-32C of its bytes in the version's dtype the manifest's, none missing, none extra;
+        otherwise a SyncError naming the tensors that differ, are missing or unexpected."""
+        if version is None:
+            if self._last_manifest is None:
+                raise SyncError("fsdpx: verify: this client has fetched no version yet (pass version=)")
+            manifest = self._last_manifest
+        elif isinstance(version, WeightVersion):
+            manifest = version._manifest()
+        else:
+            manifest = version
+        return _verify(target, manifest)
+
+    @staticmethod
+    def _check_have(have: int):
         if have < -1:
             raise SyncError(f"fsdpx: fetching a version newer than {have}: versions are >= 0 (-1: any)")
+
+    def _fetch(self, have: int, timeout: float, base: Optional[VersionStore]):
+        """(version, run label, received tensors, the manifest first), asking for a delta from ``base``."""
         what = f"fetching a version newer than {have}"
         if self._sock is None or self._closed_by_server():
             self._connect(what)
-        return self._fetch_once(have, timeout, what)
+        return self._fetch_once(have, timeout, what, base)
 
     def _closed_by_server(self) -> bool:
         """Between requests nothing may wait on the connection: a hang-up (the server's idle_timeout)
@@ -351,30 +541,32 @@ class SyncClient:
             return True
         return True
 
-    def _fetch_once(self, have: int, timeout: float, what: str) -> WeightVersion:
+    def _fetch_once(self, have: int, timeout: float, what: str, base: Optional[VersionStore]):
         timeout = min(max(timeout, 0.0), 365 * 24 * 3600.0)
         # The whole fetch ends by this deadline, whatever the server sends: a server trickling frames,
         # each within io_timeout, cannot keep it longer.
         self._deadline, self._timeout, self._progress = time.monotonic() + timeout, timeout, ""
         try:
-            return self._fetch_stream(have, what)
+            return self._fetch_stream(have, what, base)
         except BaseException:
             self.close()  # mid-stream, the connection is out of step: the next fetch opens a fresh one
             raise
         finally:
             self._deadline = None
 
-    def _fetch_stream(self, have: int, what: str) -> WeightVersion:
+    def _fetch_stream(self, have: int, what: str, base: Optional[VersionStore]):
         deadline = self._deadline
         # The run of the version this client fetched last: a version of another run is newer.
         have_run = self._last[1] if have != -1 and have == self._last[0] else ""
+        # flags, digest: whether this client holds `have` exactly (then a delta from it may come).
+        holds = struct.pack("<II", FETCH_HOLDS_BASE, base.digest) if base is not None else struct.pack("<II", 0, 0)
         while True:
             # The server answers `timeout` a little before this fetch's deadline, so that the answer
             # arrives in time; it may answer earlier (it caps a wait at its idle_timeout): ask again.
             now = time.monotonic()
             left = max(0.0, deadline - now)
             server_wait = left - min(left / 4, 0.25)
-            self._write_frame(FETCH, have, int(server_wait * 1000), have_run.encode(), what)
+            self._write_frame(FETCH, have, int(server_wait * 1000), holds + have_run.encode(), what)
             begin, text = self._read_frame(left + self.io_timeout, what)
             if begin[1] != TIMEOUT or time.monotonic() + 0.01 >= now + server_wait:
                 break
@@ -412,8 +604,13 @@ class SyncClient:
             tensors = collector.finish()  # every element of every tensor exactly once
         except SyncError as e:
             self._fail(f"version {version}: {_unprefixed(e)}", what)
-        self._last = (version, run)
-        return WeightVersion(version, tensors, run)
+        if not tensors or tensors[0][0] != MANIFEST_NAME:
+            self._fail(f"version {version} does not start with its manifest ('{MANIFEST_NAME}'): the server speaks an "
+                       "older protocol (update it), or the version is corrupt", what)
+        return version, run, tensors
+
+
+_KEPT = "the weights held before are kept, bit for bit, and the next fetch asks for a full version"
 
 
 def _unprefixed(e: Exception) -> str:

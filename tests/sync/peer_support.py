@@ -2,6 +2,7 @@
 their command line, a fresh work folder, and a module with a tensor at every dotted name."""
 
 import argparse
+import struct
 import os
 import shutil
 
@@ -39,3 +40,33 @@ def build_module(torch, tensors, buffers=(), fill=-1.0):
         else:
             m.register_parameter(leaf, torch.nn.Parameter(torch.full_like(t, fill)))
     return root
+
+
+# ---- frames, for the tests' fake synchronizers (docs/sync.md, "Frames") -------------------------------
+
+HEADER = struct.Struct("<IHHqQQQ")  # magic, kind, flags, version, length, checksum, aux
+MAGIC, PROTOCOL = 0x32535846, 4
+
+
+def frame(kind, version, aux, payload=b""):
+    from fsdpx_sync import crc32c  # after the test put the package on the path
+    return HEADER.pack(MAGIC, kind, 0, version, len(payload), crc32c(payload) if payload else 0, aux) + bytes(payload)
+
+
+def recv_exact(conn, n):
+    out = bytearray()
+    while len(out) < n:
+        chunk = conn.recv(n - len(out))
+        if not chunk:
+            return None
+        out += chunk
+    return out
+
+
+def recv_frame(conn):
+    raw = recv_exact(conn, HEADER.size)
+    if raw is None:
+        return None
+    h = HEADER.unpack(raw)
+    payload = recv_exact(conn, h[4]) if h[4] else bytearray()
+    return None if payload is None else (h, payload)

@@ -26,34 +26,11 @@ import threading
 import time
 import tracemalloc
 
-HEADER = struct.Struct("<IHHqQQQ")
-MAGIC, PROTOCOL = 0x32535846, 3
+from peer_support import HEADER, MAGIC, PROTOCOL, frame, recv_exact, recv_frame  # noqa: E402,F401
 HELLO, WELCOME, FETCH, SNAPSHOT_BEGIN, BUCKET = 10, 12, 5, 6, 2
 CODES = {"float32": 1, "bfloat16": 3, "int64": 8, "uint8": 6}
 
 
-def frame(kind, version, aux, payload=b""):
-    from fsdpx_sync import crc32c
-    return HEADER.pack(MAGIC, kind, 0, version, len(payload), crc32c(payload) if payload else 0, aux) + bytes(payload)
-
-
-def recv_exact(conn, n):
-    out = bytearray()
-    while len(out) < n:
-        chunk = conn.recv(n - len(out))
-        if not chunk:
-            return None
-        out += chunk
-    return out
-
-
-def recv_frame(conn):
-    raw = recv_exact(conn, HEADER.size)
-    if raw is None:
-        return None
-    h = HEADER.unpack(raw)
-    payload = recv_exact(conn, h[4]) if h[4] else bytearray()
-    return None if payload is None else (h, payload)
 
 
 class FakeServer:
@@ -105,7 +82,8 @@ def align(n):
 
 def craft_bucket(torch, version, index, count, chunks, tight=False):
     """A bucket holding exactly `chunks` [(name, source, offset, numel)], right or wrong; chunks outside
-    their source travel as zeros. `tight`: payloads packed without alignment (many tiny entries)."""
+    their source travel as zeros. `tight`: payloads packed without padding beyond each element's size
+    (many tiny entries)."""
     entries, header = [], 40
     for name, src, _, _ in chunks:
         header += 2 + len(name.encode()) + 2 + 8 * src.dim() + 24
@@ -113,6 +91,7 @@ def craft_bucket(torch, version, index, count, chunks, tight=False):
     header_bytes = offset
     places = []
     for name, src, off, n in chunks:
+        offset = -(-offset // src.element_size()) * src.element_size()
         places.append(offset)
         nbytes = max(n, 0) * src.element_size()
         offset += nbytes if tight else align(nbytes)
@@ -138,6 +117,13 @@ def send_version(torch, conn, version, buckets, run="fake"):
     conn.sendall(frame(SNAPSHOT_BEGIN, version, len(crafted), run.encode()))
     for i, b in enumerate(crafted):
         conn.sendall(frame(BUCKET, version, i, b))
+
+
+def manifest_chunk(version, sources):
+    """The chunk of a version's manifest (protocol 4: every version starts with it) for these tensors."""
+    from fsdpx_sync.delta import MANIFEST_NAME, full_manifest
+    m = full_manifest(version, list(sources.items())).encode()
+    return (MANIFEST_NAME, m, 0, m.numel())
 
 
 def expect_error(fn, *needles):
@@ -174,7 +160,7 @@ def test_many_entries(torch, SyncClient):
     (before: every entry parsed into an object first, about 8 times the bucket)."""
     n = 20000
     w = torch.arange(n, dtype=torch.float32)
-    bucket = craft_bucket(torch, 4, 0, 1, [("w", w, k, 1) for k in range(n)], tight=True)
+    bucket = craft_bucket(torch, 4, 0, 1, [manifest_chunk(4, {"w": w})] + [("w", w, k, 1) for k in range(n)], tight=True)
     frames = frame(SNAPSHOT_BEGIN, 4, 1, b"r") + frame(BUCKET, 4, 0, bucket)  # made before the measurement
 
     def serve(conn):
@@ -214,7 +200,8 @@ def test_coverage_cases(torch, SyncClient):
             text = expect_error(lambda: SyncClient("127.0.0.1", server.port).fetch_newer(-1, timeout=10),
                                 f"from the synchronizer at 127.0.0.1:{server.port}", "version 5", *needles)
             print(f"refused, {what}: {text}")
-        queue.append([[("embed.weight", embed, 25000, 15000), ("empty", empty, 0, 0)], [("embed.weight", embed, 0, 25000)]])
+        queue.append([[manifest_chunk(5, {"embed.weight": embed, "empty": empty}), ("embed.weight", embed, 25000, 15000),
+                       ("empty", empty, 0, 0)], [("embed.weight", embed, 0, 25000)]])
         got = SyncClient("127.0.0.1", server.port).fetch_newer(-1, timeout=10).named()
         assert torch.equal(got["embed.weight"], embed) and got["empty"].shape == (0, 4)
     finally:
@@ -266,6 +253,7 @@ def test_coverage_fuzz(torch, SyncClient, SyncError, versions=80):
             buckets = [[] for _ in range(nb)]
             for k, ch in enumerate(chunks):
                 buckets[k if k < nb else rng.randrange(nb)].append(tuple(ch))
+            buckets[0].insert(0, manifest_chunk(7, sources))  # first, as protocol 4 has it
             queue.append(buckets)
             if damage is None:
                 got = client.fetch_newer(-1, timeout=10).named()

@@ -258,7 +258,14 @@ at::Tensor craft_bucket(int64_t version, uint32_t index, uint32_t count, const s
   return bucket;
 }
 
-std::vector<at::Tensor> craft_version(int64_t version, const std::vector<std::vector<Chunk>>& buckets) {
+/// The buckets of a crafted version; with `whole`, the first bucket also carries the manifest of a
+/// full version of those tensors (what every version carries since protocol 4).
+std::vector<at::Tensor> craft_version(int64_t version, std::vector<std::vector<Chunk>> buckets,
+                                      const std::vector<fxs::NamedTensor>& whole = {}) {
+  if (!whole.empty()) {
+    const at::Tensor manifest = fxs::full_manifest(version, whole).encode();
+    buckets.front().insert(buckets.front().begin(), Chunk{std::string(fxs::manifest_name), manifest, 0, manifest.numel()});
+  }
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < buckets.size(); ++i) {
     out.push_back(craft_bucket(version, static_cast<uint32_t>(i), static_cast<uint32_t>(buckets.size()), buckets[i]));
@@ -836,7 +843,7 @@ TEST_CASE("security: a version is committed only when every element of every ten
   int64_t version = 2;
   for (const Case& c : cases) {
     INFO(c.what);
-    const auto reply = publisher.publish(version, "raw", craft_version(version, c.buckets));
+    const auto reply = publisher.publish(version, "raw", craft_version(version, c.buckets, {{name, embed}, {"empty", empty}}));
     REQUIRE(reply);
     CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
     CHECK_THAT(reply->second, Catch::Contains(c.expected));
@@ -846,7 +853,8 @@ TEST_CASE("security: a version is committed only when every element of every ten
   }
   // The same connection then publishes a whole version, in chunks out of order: committed, bit-exact.
   const auto reply = publisher.publish(version, "raw", craft_version(version, {{{name, embed, 25000, 15000}, {"empty", empty, 0, 0}},
-                                                                             {{name, embed, 0, 25000}}}));
+                                                                             {{name, embed, 0, 25000}}},
+                                                                     {{name, embed}, {"empty", empty}}));
   REQUIRE(reply);
   CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::ack));
   fxs::SynchronizerClient reader("127.0.0.1", port);
@@ -931,7 +939,9 @@ TEST_CASE("security: fuzzed chunk layouts (overlaps, gaps, duplicates, out-of-ra
     std::vector<std::vector<Chunk>> buckets(buckets_n);
     for (size_t k = 0; k < chunks.size(); ++k) buckets[k < buckets_n ? k : static_cast<size_t>(pick(buckets_n))].push_back(chunks[k]);
     INFO("version " << version << ", damage: " << damage << " of '" << damaged << "'");
-    const auto reply = publisher.publish(version, "fuzz", craft_version(version, buckets));
+    std::vector<fxs::NamedTensor> whole;
+    for (const auto& [tname, src] : sources) whole.push_back({tname, src});
+    const auto reply = publisher.publish(version, "fuzz", craft_version(version, buckets, whole));
     REQUIRE(reply);
     if (damage == "none") {
       REQUIRE(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::ack));

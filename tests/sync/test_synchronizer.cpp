@@ -402,8 +402,11 @@ TEST_CASE("service under load: many readers, repeated publishes, a reader leavin
       asio::ip::tcp::socket sock(io);
       sock.connect({asio::ip::make_address("127.0.0.1"), server.port()});
       test::handshake_without_secret(sock);
-      const auto fetch = sync::detail::make_frame(sync::detail::FrameKind::fetch, no_version, 1000);
+      const sync::detail::FetchBase holds_nothing;
+      const auto fetch = sync::detail::make_frame(sync::detail::FrameKind::fetch, no_version, 1000, &holds_nothing,
+                                                  sizeof(holds_nothing));
       asio::write(sock, asio::buffer(&fetch, sizeof(fetch)));
+      asio::write(sock, asio::buffer(&holds_nothing, sizeof(holds_nothing)));
       std::vector<char> some(4096);
       asio::read(sock, asio::buffer(some));
       sock.close();

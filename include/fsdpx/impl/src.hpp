@@ -32,6 +32,7 @@
 #include <fsdpx/checkpoint/impl/merge.ipp>
 #include <fsdpx/checkpoint/impl/resume.ipp>
 #include <fsdpx/sync/impl/bucket.ipp>
+#include <fsdpx/sync/impl/delta.ipp>
 #include <fsdpx/sync/impl/broadcast.ipp>
 #include <fsdpx/sync/impl/synchronizer.ipp>
 #include <fsdpx/sync/impl/watcher.ipp>

@@ -24,6 +24,7 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -46,6 +47,8 @@ static_assert(std::endian::native == std::endian::little,
 /// "No version yet": what a reader that holds nothing passes to wait for the first version.
 inline constexpr int64_t no_version = -1;
 
+struct Manifest;  // sync/delta.hpp
+
 /// A tensor with its fully qualified parameter name ("blocks.3.mlp.fc.weight").
 struct NamedTensor {
   std::string name;
@@ -58,6 +61,9 @@ struct WeightSnapshot {
   std::vector<NamedTensor> tensors;
   /// The trainer run that published it (the TCP service: ClientOptions::run); empty in process.
   std::string run = {};
+  /// What the version must be (each tensor's CRC-32C, the digest): sync::verify(tensors, *manifest)
+  /// says whether weights are exactly it. Set by the TCP client and the Synchronizer.
+  std::shared_ptr<const Manifest> manifest = {};
 
   /// The tensor named `name`; a SyncError naming it when absent.
   const at::Tensor& at(std::string_view name) const {

@@ -16,6 +16,7 @@
 
 #include <fsdpx/detail/config.hpp>
 #include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/delta.hpp>
 #include <fsdpx/sync/detail/auth.hpp>  // Role, secrets (public API in both modes)
 
 namespace fsdpx::sync {
@@ -28,6 +29,9 @@ struct ClientOptions {
   std::chrono::milliseconds io_timeout{60000};
   /// Bucket capacity for publish(); the server refuses buckets above its max_bucket_bytes.
   int64_t bucket_bytes = int64_t{16} << 20;
+  /// How publish() cuts a version against the one it published before (docs/sync.md, "Delta
+  /// versions"). The publisher keeps a copy of what it last published, in the published dtypes.
+  DeltaOptions delta;
   /// The secret of the role this client uses (publish or fetch); empty: the environment
   /// (FSDPX_SYNC_PUBLISH_SECRET / FSDPX_SYNC_FETCH_SECRET, then FSDPX_SYNC_SECRET), else none.
   std::string secret;
@@ -76,13 +80,27 @@ class SynchronizerClient {
   /// came from (this client's last fetch) is newer whatever its number: a new run took over.
   FSDPX_DECL WeightSnapshot fetch_newer(int64_t have, std::chrono::milliseconds wait);
 
-  /// fetch_newer, then loads the whole version into `module` by name; returns the version. The module is
-  /// untouched when the fetch fails (the version is staged first).
-  int64_t fetch_newer_into(torch::nn::Module& module, int64_t have, std::chrono::milliseconds wait) {
-    const WeightSnapshot s = fetch_newer(have, wait);
-    load_into(module, s.tensors);
-    return s.version;
-  }
+  /// fetch_newer, into `module`'s parameters and buffers by name; returns the version. When the last
+  /// version this client fetched went into this module and `have` is it, a delta lands in place (only
+  /// the changed elements are written); otherwise the whole version is staged, checked, then loaded.
+  /// Either way every written tensor is checked against the version's CRC-32C, and on any failure the
+  /// module keeps its previous weights, bit for bit (the next fetch then asks for a full version).
+  /// Deltas need the module's tensors contiguous and of the sent dtypes; otherwise versions come full.
+  FSDPX_DECL int64_t fetch_newer_into(torch::nn::Module& module, int64_t have, std::chrono::milliseconds wait);
+
+  /// "Do I hold the version fetched last, exactly?": every tensor's CRC-32C against its manifest. A
+  /// SyncError naming what differs, or nothing. (Any version: sync::verify(tensors, *snapshot.manifest).)
+  FSDPX_DECL void verify(torch::nn::Module& module) const;
+  FSDPX_DECL void verify(const std::vector<NamedTensor>& tensors) const;
+
+  /// What the last publish() or fetch sent or received: bytes on the wire, and a full version's bytes.
+  struct Transfer {
+    int64_t version = no_version;
+    bool delta = false;
+    int64_t bytes = 0;
+    int64_t full_bytes = 0;
+  };
+  FSDPX_DECL Transfer last_transfer() const;
 
   /// Leaves: a publisher says goodbye first, so readers are not told that the trainer was lost.
   FSDPX_DECL void close();

@@ -23,6 +23,7 @@
 
 #include <fsdpx/detail/config.hpp>
 #include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/delta.hpp>
 #include <fsdpx/sync/detail/auth.hpp>  // Role, secrets (public API in both modes)
 #include <fsdpx/sync/synchronizer.hpp>
 
@@ -31,7 +32,9 @@ namespace fsdpx::sync {
 struct ServerOptions {
   std::string host = "127.0.0.1";
   uint16_t port = 0;  // 0: the system picks one; see port()
-  int64_t bucket_bytes = int64_t{16} << 20;  // for versions published in-process
+  int64_t bucket_bytes = int64_t{16} << 20;  // for versions published in-process, and full versions built from deltas
+  /// How versions published in-process are cut against the one before (docs/sync.md, "Delta versions").
+  DeltaOptions delta;
 
   /// Secrets (see resolve_secret): `secret` for both roles, or one per role. Empty: the environment
   /// (FSDPX_SYNC_SECRET, FSDPX_SYNC_PUBLISH_SECRET, FSDPX_SYNC_FETCH_SECRET), else none.
@@ -72,6 +75,8 @@ struct ServerStats {
   int64_t timed_out = 0;           // handshake, idle or I/O deadlines
   int64_t accept_errors = 0;       // accept() failures (e.g. out of file descriptors), retried after a pause
   int64_t handler_errors = 0;      // exceptions contained to their connection
+  int64_t served_full = 0;         // versions sent to readers whole
+  int64_t served_delta = 0;        // versions sent to readers as a delta from the one they held
 };
 
 namespace detail {

@@ -31,7 +31,7 @@ enum class FrameKind : uint16_t {
   bucket = 2,          // aux = bucket index; payload = one weight bucket
   publish_end = 3,     // version
   ack = 4,             // version committed
-  fetch = 5,           // version = the reader's; aux = how long the server may wait, ms; payload = its run
+  fetch = 5,           // version = the reader's; aux = how long the server may wait, ms; payload = FetchBase, its run
   snapshot_begin = 6,  // version; aux = bucket count; payload = its run; bucket frames follow
   timeout = 7,         // version = the server's latest
   error = 8,           // payload = message (server to client only); aux = refused_busy: try again later
@@ -61,7 +61,9 @@ inline const char* to_string(FrameKind k) {
 
 inline constexpr uint32_t frame_magic = 0x32535846;  // "FXS2"
 /// 3: runs (publish_begin, fetch and snapshot_begin carry one) and refusals at accept.
-inline constexpr uint64_t protocol_version = 3;
+/// 4: every version carries its manifest (sync/delta.hpp); versions may travel as deltas, and a fetch
+/// says which version (and digest) the reader holds.
+inline constexpr uint64_t protocol_version = 4;
 /// Error texts are short; a longer one is refused, not allocated.
 inline constexpr uint64_t max_error_bytes = 64 << 10;
 /// A run's identity: text of at most this many bytes.
@@ -69,6 +71,19 @@ inline constexpr uint64_t max_run_bytes = 256;
 /// An error frame's aux when the server refused a connection at accept for a limit (too many
 /// connections, or unauthenticated ones): the client may try again until its connect_timeout.
 inline constexpr uint64_t refused_busy = 1;
+/// An error frame's aux when the server refused a delta publish because it does not hold the delta's
+/// base (another publisher's version came between): the publisher sends the version full.
+inline constexpr uint64_t refused_base = 2;
+
+/// What a fetch's payload starts with: whether the reader holds version `have` (the frame's version)
+/// exactly, and its digest; the label of its run follows.
+struct FetchBase {
+  uint32_t flags = 0;  // bit 0: the reader holds the base
+  uint32_t digest = 0;
+  bool holds() const { return (flags & 1u) != 0; }
+};
+static_assert(sizeof(FetchBase) == 8 && std::is_trivially_copyable_v<FetchBase>);
+inline constexpr uint64_t max_fetch_bytes = sizeof(FetchBase) + max_run_bytes;
 
 /// This process's run: what a publisher sends when it is given none (ClientOptions::run,
 /// ServerOptions::run). Fresh per process, so a trainer that restarts (or resumes from a checkpoint)

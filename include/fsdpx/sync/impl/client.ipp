@@ -24,6 +24,8 @@
 #include <string>
 #include <string_view>
 #include <thread>
+#include <unordered_map>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -33,6 +35,7 @@
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/delta.hpp>
 #include <fsdpx/sync/detail/handshake.hpp>
 #include <fsdpx/sync/detail/frame.hpp>
 #include <fsdpx/sync/detail/stream.hpp>
@@ -89,31 +92,19 @@ class ClientConnection {
     const std::string& run = options_.run.empty() ? detail::process_run() : options_.run;
     reconnect_if_closed();
     authenticate(Role::publish, what);
-    std::vector<TensorSpec> specs;
-    for (const auto& t : tensors) specs.push_back({t.name, t.tensor.sizes().vec(), t.tensor.scalar_type()});
-    const auto plan = plan_buckets(specs, options_.bucket_bytes, version);
-    write_frame(detail::make_frame(detail::FrameKind::publish_begin, version, plan.size(), run.data(), run.size()),
-                run.data(), what);
-    at::Tensor bucket;
-    size_t next = 0;
-    for (const BucketLayout& b : plan) {
-      if (!bucket.defined() || bucket.numel() < b.total_bytes) bucket = at::empty({b.total_bytes}, at::kByte);
-      const at::Tensor view = bucket.narrow(0, 0, b.total_bytes);
-      write_header(view, b);
-      for (const auto& e : b.entries) {
-        while (tensors[next].name != e.name) ++next;  // the plan follows the tensors' order
-        pack_entry(view, e, tensors[next].tensor.to(at::kCPU));
-      }
-      write_frame(detail::make_frame(detail::FrameKind::bucket, version, b.index, view.const_data_ptr(), b.total_bytes),
-                  view.const_data_ptr(), what);
+    // A delta from what this client published last, when the server still holds that; else, or when
+    // the server says it holds another version (another publisher came between), the version full.
+    EncodedVersion v = published_store_.cut(version, tensors, options_.delta);
+    if (const std::string refused = send_version(version, v.tensors, run, what); !refused.empty()) {
+      FSDPX_CHECK_AS(SyncError, v.manifest.is_delta() && last_error_aux_ == detail::refused_base, "the synchronizer at ",
+                     where_, " refused version ", version, ": ", refused);
+      published_store_.clear();
+      v = published_store_.cut(version, tensors, options_.delta);
+      const std::string again = send_version(version, v.tensors, run, what);
+      FSDPX_CHECK_AS(SyncError, again.empty(), "the synchronizer at ", where_, " refused version ", version, ": ", again);
     }
-    write_frame(detail::make_frame(detail::FrameKind::publish_end, version), nullptr, what);
-    const auto [reply, text] = read_frame(options_.io_timeout, what);
-    FSDPX_CHECK_AS(SyncError, reply.kind != static_cast<uint16_t>(detail::FrameKind::error), "the synchronizer at ",
-                   where_, " refused version ", version, ": ", text);
-    FSDPX_CHECK_AS(SyncError, reply.kind == static_cast<uint16_t>(detail::FrameKind::ack) && reply.version == version,
-                   "the synchronizer at ", where_, " answered a publish with a ",
-                   detail::to_string(detail::FrameKind(reply.kind)), " frame");
+    last_transfer_ = {version, v.manifest.is_delta(), v.bytes, v.full_bytes};
+    if (options_.delta.enabled) published_store_.commit(std::move(v));  // the base of the next delta
     published_ = true;
   }
 
@@ -122,10 +113,60 @@ class ClientConnection {
   /// is gone, on a corrupt frame. A connection the server closed while it was idle is opened again.
   WeightSnapshot fetch_newer(int64_t have, std::chrono::milliseconds wait) {
     const std::string what = ::fsdpx::detail::str("fetching a version newer than ", have);
+    if (target_ != nullptr) forget();
     reconnect_if_closed();
     authenticate(Role::fetch, what);
-    return fetch_once(have, wait, what);
+    Received r = fetch_once(have, base_for(have), wait, what);
+    try {
+      // Copy-on-write: the tensors of snapshots returned before never change.
+      store_.accept(std::move(r.tensors), VersionStore::Apply::copy_on_write, "the synchronizer at " + where_);
+    } catch (const SyncError&) {
+      forget();
+      throw;
+    }
+    last_version_ = r.version;
+    last_run_ = r.run;
+    return {r.version, store_.tensors(), std::move(r.run), std::make_shared<const Manifest>(store_.manifest())};
   }
+
+  int64_t fetch_newer_into(torch::nn::Module& module, int64_t have, std::chrono::milliseconds wait) {
+    const std::string what = ::fsdpx::detail::str("fetching a version newer than ", have, " into a module");
+    if (target_ != &module || !still_adopted(module)) forget();
+    reconnect_if_closed();
+    authenticate(Role::fetch, what);
+    Received r = fetch_once(have, base_for(have), wait, what);
+    const std::string from = "the synchronizer at " + where_;
+    try {
+      if (Manifest::decode(r.tensors.front().tensor, from).is_delta()) {
+        store_.accept(std::move(r.tensors), VersionStore::Apply::in_place, from);  // into the module's tensors
+      } else {
+        forget();
+        VersionStore staged;  // checked whole, and against the module, before anything is loaded
+        staged.accept(std::move(r.tensors), VersionStore::Apply::copy_on_write, from);
+        check_loadable(module, staged.tensors());
+        load_into(module, staged.tensors());
+        adopt(module, staged.manifest());
+      }
+    } catch (const SyncError&) {
+      forget();
+      throw;
+    }
+    last_version_ = r.version;
+    last_run_ = r.run;
+    return r.version;
+  }
+
+  void verify(torch::nn::Module& module) const {
+    FSDPX_CHECK_AS(SyncError, !store_.empty() || last_manifest_, "fsdpx: nothing to verify against: this client has "
+                   "fetched no version yet");
+    ::fsdpx::sync::verify(module, store_.empty() ? *last_manifest_ : store_.manifest());
+  }
+  void verify(const std::vector<NamedTensor>& tensors) const {
+    FSDPX_CHECK_AS(SyncError, !store_.empty() || last_manifest_, "fsdpx: nothing to verify against: this client has "
+                   "fetched no version yet");
+    ::fsdpx::sync::verify(tensors, store_.empty() ? *last_manifest_ : store_.manifest());
+  }
+  SynchronizerClient::Transfer last_transfer() const { return last_transfer_; }
 
 
   /// Leaves: a publisher says goodbye first, so readers are not told that the trainer was lost.
@@ -308,7 +349,113 @@ class ClientConnection {
     ~FetchDeadline() { c.fetch_deadline_.reset(); }
   };
 
-  WeightSnapshot fetch_once(int64_t have, std::chrono::milliseconds wait, const std::string& what) {
+  /// A fetched version as it arrived (the manifest first), not yet applied.
+  struct Received {
+    int64_t version;
+    std::string run;
+    std::vector<NamedTensor> tensors;
+  };
+
+  /// What the next fetch says it holds: the version in the store, when it is `have`.
+  detail::FetchBase base_for(int64_t have) const {
+    detail::FetchBase base;
+    if (!store_.empty() && store_.version() == have) {
+      base.flags = 1;
+      base.digest = store_.digest();
+    }
+    return base;
+  }
+
+  /// Nothing held any more: the next fetch gets a full version.
+  void forget() {
+    if (!store_.empty()) last_manifest_ = std::make_shared<const Manifest>(store_.manifest());
+    store_.clear();
+    target_ = nullptr;
+  }
+
+  /// After a full version was loaded into `module`: its tensors become the store (deltas land in them),
+  /// when each is contiguous and of the sent dtype; otherwise versions keep coming full.
+  void adopt(torch::nn::Module& module, const Manifest& manifest) {
+    std::unordered_map<std::string, at::Tensor> by_name;
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) by_name.emplace(item.key(), item.value().detach());
+    for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+      if (item.value().defined()) by_name.emplace(item.key(), item.value().detach());
+    }
+    std::vector<NamedTensor> aliases;
+    std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // a delta must never land twice in one place
+    for (const ManifestEntry& e : manifest.entries) {
+      const auto it = by_name.find(e.name);
+      if (it == by_name.end() || it->second.scalar_type() != e.dtype || !it->second.is_contiguous()) {
+        last_manifest_ = std::make_shared<const Manifest>(manifest);
+        return;
+      }
+      const auto begin = reinterpret_cast<uintptr_t>(it->second.const_data_ptr());
+      spans.emplace_back(begin, begin + it->second.nbytes());
+      aliases.push_back({e.name, it->second});
+    }
+    std::sort(spans.begin(), spans.end());
+    for (size_t i = 1; i < spans.size(); ++i) {
+      if (spans[i].first < spans[i - 1].second) {  // one tensor sent under two names (a tied one): full versions
+        last_manifest_ = std::make_shared<const Manifest>(manifest);
+        return;
+      }
+    }
+    store_.adopt(std::move(aliases), manifest);
+    target_ = &module;
+  }
+
+  /// The module's tensors are still the ones adopted: the same memory, dtype and shape (Module::to, or
+  /// place_on_huge_pages, moves parameters to new memory; a delta must land where the module reads).
+  bool still_adopted(torch::nn::Module& module) const {
+    if (store_.empty()) return false;
+    std::unordered_map<std::string, at::Tensor> by_name;
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) by_name.emplace(item.key(), item.value());
+    for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+      if (item.value().defined()) by_name.emplace(item.key(), item.value());
+    }
+    for (const NamedTensor& held : store_.tensors()) {
+      const auto it = by_name.find(held.name);
+      if (it == by_name.end() || it->second.const_data_ptr() != held.tensor.const_data_ptr() ||
+          it->second.scalar_type() != held.tensor.scalar_type() || it->second.sizes() != held.tensor.sizes() ||
+          !it->second.is_contiguous()) {
+        return false;
+      }
+    }
+    return true;
+  }
+
+  /// Names and shapes of a full version against the module's, before anything is copied: a mismatch
+  /// leaves the module as it was (load_into reports after copying what it could).
+  static void check_loadable(torch::nn::Module& module, const std::vector<NamedTensor>& tensors) {
+    std::unordered_map<std::string, at::Tensor> by_name;
+    for (const auto& item : module.named_parameters(/*recurse=*/true)) by_name.emplace(item.key(), item.value());
+    for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+      if (item.value().defined()) by_name.emplace(item.key(), item.value());
+    }
+    std::unordered_set<const c10::TensorImpl*> filled;
+    std::vector<std::string> problems;
+    for (const NamedTensor& t : tensors) {
+      const auto it = by_name.find(t.name);
+      if (it == by_name.end()) {
+        problems.push_back(::fsdpx::detail::str("'", t.name, "' is not a parameter or buffer of the module"));
+      } else if (it->second.sizes() != t.tensor.sizes()) {
+        problems.push_back(::fsdpx::detail::str("'", t.name, "' has shape ", it->second.sizes(), " in the module but ",
+                                                t.tensor.sizes(), " was sent"));
+      } else {
+        filled.insert(it->second.unsafeGetTensorImpl());
+      }
+    }
+    for (const auto& [name, t] : by_name) {
+      if (!filled.contains(t.unsafeGetTensorImpl()) && t.numel() > 0) {
+        problems.push_back(::fsdpx::detail::str("'", name, "' was not sent"));
+      }
+    }
+    std::sort(problems.begin(), problems.end());
+    FSDPX_CHECK_AS(SyncError, problems.empty(), "fsdpx: the received weights do not match the module (nothing was "
+                   "loaded): ", TensorCollector::join(problems));
+  }
+
+  Received fetch_once(int64_t have, detail::FetchBase base, std::chrono::milliseconds wait, const std::string& what) {
     wait = std::clamp(wait, std::chrono::milliseconds(0), std::chrono::milliseconds(std::chrono::hours(24 * 365)));
     const auto deadline = dist::deadline_after(wait);
     // The whole fetch ends by `deadline`, whatever the server sends (a server trickling frames, each
@@ -325,9 +472,11 @@ class ClientConnection {
       // The server answers `timeout` a little before this fetch's deadline, so that the answer arrives
       // in time; it may answer earlier (it caps a wait at its idle_timeout): then ask again.
       const auto server_wait = left - std::min(left / 4, std::chrono::milliseconds(250));
+      std::string payload(reinterpret_cast<const char*>(&base), sizeof(base));
+      payload += have_run;
       write_frame(detail::make_frame(detail::FrameKind::fetch, have, static_cast<uint64_t>(server_wait.count()),
-                                     have_run.data(), have_run.size()),
-                  have_run.data(), what);
+                                     payload.data(), payload.size()),
+                  payload.data(), what);
       auto [reply, text] = read_frame(left + options_.io_timeout, what);
       if (reply.kind == static_cast<uint16_t>(detail::FrameKind::timeout) &&
           std::chrono::steady_clock::now() + std::chrono::milliseconds(10) < now + server_wait) {
@@ -378,9 +527,26 @@ class ClientConnection {
     } catch (const SyncError& e) {
       fail(::fsdpx::detail::str("version ", begin.version, ": ", detail::unprefixed(e.what())), what);
     }
-    last_version_ = begin.version;
-    last_run_ = run;
-    return {begin.version, std::move(tensors), std::move(run)};
+    int64_t bytes = 0;
+    for (const auto& t : tensors) bytes += static_cast<int64_t>(t.tensor.nbytes());
+    last_transfer_ = {begin.version, false, bytes, 0};
+    // Its manifest first, and of this version: what the caller applies is checked against it.
+    if (tensors.empty() || tensors.front().name != manifest_name) {
+      fail(::fsdpx::detail::str("version ", begin.version, " does not start with its manifest ('", manifest_name,
+                                "'): the server speaks another protocol, or the version is corrupt"),
+           what);
+    }
+    try {
+      const Manifest m = Manifest::decode(tensors.front().tensor, "the synchronizer at " + where_);
+      if (m.version != begin.version) {
+        fail(::fsdpx::detail::str("version ", begin.version, " carries the manifest of version ", m.version), what);
+      }
+      last_transfer_.delta = m.is_delta();
+      for (const auto& e : m.entries) last_transfer_.full_bytes += e.nbytes();
+    } catch (const SyncError& e) {
+      fail(::fsdpx::detail::str("version ", begin.version, ": ", detail::unprefixed(e.what())), what);
+    }
+    return {begin.version, std::move(run), std::move(tensors)};
   }
 
   [[noreturn]] void fail(const std::string& why, const std::string& what) {
@@ -467,6 +633,40 @@ class ClientConnection {
     return {h, body};
   }
 
+  /// Sends `tensors` as `version` and waits for the answer: empty when committed, else the server's reason
+  /// (its error frame's aux in last_error_aux_).
+  std::string send_version(int64_t version, const std::vector<NamedTensor>& tensors, const std::string& run,
+                           const std::string& what) {
+    std::vector<TensorSpec> specs;
+    for (const auto& t : tensors) specs.push_back({t.name, t.tensor.sizes().vec(), t.tensor.scalar_type()});
+    const auto plan = plan_buckets(specs, options_.bucket_bytes, version);
+    write_frame(detail::make_frame(detail::FrameKind::publish_begin, version, plan.size(), run.data(), run.size()),
+                run.data(), what);
+    at::Tensor bucket;
+    size_t next = 0;
+    for (const BucketLayout& b : plan) {
+      if (!bucket.defined() || bucket.numel() < b.total_bytes) bucket = at::empty({b.total_bytes}, at::kByte);
+      const at::Tensor view = bucket.narrow(0, 0, b.total_bytes);
+      write_header(view, b);
+      for (const auto& e : b.entries) {
+        while (tensors[next].name != e.name) ++next;  // the plan follows the tensors' order
+        pack_entry(view, e, tensors[next].tensor.to(at::kCPU));
+      }
+      write_frame(detail::make_frame(detail::FrameKind::bucket, version, b.index, view.const_data_ptr(), b.total_bytes),
+                  view.const_data_ptr(), what);
+    }
+    write_frame(detail::make_frame(detail::FrameKind::publish_end, version), nullptr, what);
+    const auto [reply, text] = read_frame(options_.io_timeout, what);
+    if (reply.kind == static_cast<uint16_t>(detail::FrameKind::error)) {
+      last_error_aux_ = reply.aux;
+      return text.empty() ? std::string("(no reason given)") : text;
+    }
+    FSDPX_CHECK_AS(SyncError, reply.kind == static_cast<uint16_t>(detail::FrameKind::ack) && reply.version == version,
+                   "the synchronizer at ", where_, " answered a publish with a ",
+                   detail::to_string(detail::FrameKind(reply.kind)), " frame");
+    return {};
+  }
+
   ClientOptions options_;
   std::string where_;
   detail::tcp::endpoint endpoint_;
@@ -481,6 +681,15 @@ class ClientConnection {
   // The version this client fetched last, and its run (sent with the next fetch).
   int64_t last_version_ = no_version;
   std::string last_run_;
+  // The version fetched last, as held: the client's own copy (fetch_newer) or a module's tensors
+  // (fetch_newer_into, target_); deltas are applied to it. Its manifest once forgotten, for verify().
+  VersionStore store_;
+  torch::nn::Module* target_ = nullptr;
+  std::shared_ptr<const Manifest> last_manifest_;
+  // What this client published last (the base of its next delta).
+  VersionStore published_store_;
+  uint64_t last_error_aux_ = 0;
+  SynchronizerClient::Transfer last_transfer_;
   // While a fetch runs: its deadline, its wait and how far it got (for the error).
   std::optional<std::chrono::steady_clock::time_point> fetch_deadline_;
   std::chrono::milliseconds fetch_wait_{0};
@@ -503,6 +712,26 @@ FSDPX_DECL void SynchronizerClient::publish(int64_t version, const std::vector<N
 FSDPX_DECL WeightSnapshot SynchronizerClient::fetch_newer(int64_t have, std::chrono::milliseconds wait) {
   FSDPX_CHECK_AS(SyncError, connection_ != nullptr, "cannot fetch: this client was moved from");
   return connection_->fetch_newer(have, wait);
+}
+
+FSDPX_DECL int64_t SynchronizerClient::fetch_newer_into(torch::nn::Module& module, int64_t have,
+                                                       std::chrono::milliseconds wait) {
+  FSDPX_CHECK_AS(SyncError, connection_ != nullptr, "cannot fetch: this client was moved from");
+  return connection_->fetch_newer_into(module, have, wait);
+}
+
+FSDPX_DECL void SynchronizerClient::verify(torch::nn::Module& module) const {
+  FSDPX_CHECK_AS(SyncError, connection_ != nullptr, "cannot verify: this client was moved from");
+  connection_->verify(module);
+}
+
+FSDPX_DECL void SynchronizerClient::verify(const std::vector<NamedTensor>& tensors) const {
+  FSDPX_CHECK_AS(SyncError, connection_ != nullptr, "cannot verify: this client was moved from");
+  connection_->verify(tensors);
+}
+
+FSDPX_DECL SynchronizerClient::Transfer SynchronizerClient::last_transfer() const {
+  return connection_ ? connection_->last_transfer() : Transfer{};
 }
 
 FSDPX_DECL void SynchronizerClient::close() {

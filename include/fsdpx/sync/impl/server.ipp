@@ -34,6 +34,7 @@
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/delta.hpp>
 #include <fsdpx/sync/detail/handshake.hpp>
 #include <fsdpx/sync/detail/frame.hpp>
 #include <fsdpx/sync/detail/stream.hpp>
@@ -48,6 +49,18 @@ namespace asio = boost::asio;
 using tcp = asio::ip::tcp;
 
 struct ServerCore;
+
+/// The newest version as the server serves it: a delta from the version before (when it has one) for
+/// readers that hold that one, the full version for everyone else (built on first demand when the
+/// version arrived as a delta: most readers then never need it).
+struct ServedVersion {
+  std::string run;
+  uint32_t digest = 0;
+  int64_t base_version = no_version;
+  uint32_t base_digest = 0;
+  std::shared_ptr<const EncodedSnapshot> delta;
+  mutable std::shared_ptr<const EncodedSnapshot> full;  // guarded by ServerCore::store_mutex
+};
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
@@ -94,7 +107,7 @@ class Session : public std::enable_shared_from_this<Session> {
   std::string peer_;
   std::string address_;  // the peer's address, as counted in core_->handshaking_from
   FrameHeader in_;
-  std::array<uint8_t, std::max<size_t>(2 * nonce_bytes, max_run_bytes)> small_{};  // handshakes, runs
+  std::array<uint8_t, std::max<size_t>(2 * nonce_bytes, max_fetch_bytes)> small_{};  // handshakes, runs, fetches
   at::Tensor payload_;
   Nonce server_nonce_{};
   std::optional<Role> role_;
@@ -109,6 +122,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // fetch
   int64_t have_ = no_version;
   std::string have_run_;  // the run of the reader's version (empty: unknown; compared by number only)
+  FetchBase have_base_;   // whether the reader holds version have_ exactly, and its digest
   std::chrono::steady_clock::time_point deadline_;
   asio::steady_timer fetch_timer_;
   bool waiting_ = false;
@@ -121,7 +135,12 @@ struct ServerCore {
   // handlers hold (they update the counters as they go).
   ServerOptions options;
   Secret publish_secret, fetch_secret;
-  VersionedSlot<EncodedSnapshot> slot;
+  VersionedSlot<ServedVersion> slot;
+  // The newest version's tensors (deltas are applied to them, in place; the full version is built from
+  // them on demand). Lock order: store_mutex, then runs_mutex.
+  std::mutex store_mutex;
+  VersionStore store;
+  int64_t served_full = 0, served_delta = 0;  // io thread
   // Touched on the io thread only.
   std::string publisher_lost;  // why readers should stop waiting; cleared by the next publish
   std::vector<std::weak_ptr<Session>> waiters;
@@ -156,14 +175,50 @@ struct ServerCore {
         "change when the trainer restarts");
   }
 
-  /// Makes `snapshot` the version served, when admission() allows; else returns why not.
-  std::string commit(const std::string& run, int64_t version, std::shared_ptr<const EncodedSnapshot> snapshot) {
-    std::lock_guard lock(runs_mutex);
+  /// Makes the version `make()` builds (it updates `store`) the version served, when admission()
+  /// allows; else returns why not, `store` untouched. make() throws when the version cannot be taken.
+  template <class Make>
+  std::string commit(const std::string& run, int64_t version, Make&& make) {
+    std::scoped_lock lock(store_mutex, runs_mutex);
     if (std::string why = admission(run, version); !why.empty()) return why;
+    std::shared_ptr<ServedVersion> served = make();
+    served->run = run;
     if (slot.version() != no_version && run != current_run) ++runs_taken_over;
     current_run = run;
-    slot.replace(version, std::move(snapshot));
+    slot.replace(version, std::move(served));
     return {};
+  }
+
+  /// The snapshot for a reader of `latest` that holds `have` (per `base`); the full one is built now
+  /// if it was not yet. Caller holds store_mutex; `latest` is the newest version.
+  std::shared_ptr<const EncodedSnapshot> snapshot_for(const ServedVersion& latest, int64_t version, int64_t have,
+                                                      FetchBase base) {
+    if (latest.delta && base.holds() && have == latest.base_version && base.digest == latest.base_digest) {
+      ++served_delta;
+      return latest.delta;
+    }
+    if (!latest.full) {
+      FSDPX_CHECK_AS(SyncError, store.version() == version && store.digest() == latest.digest,
+                     "synchronizer server: internal error: the held weights are not the newest version");
+      latest.full = encode_snapshot(version, latest.run, pack_full(store, options.bucket_bytes));
+    }
+    ++served_full;
+    return latest.full;
+  }
+
+  /// The buckets of the full version `store` holds (its manifest first).
+  static std::vector<at::Tensor> pack_full(const VersionStore& store, int64_t bucket_bytes) {
+    Manifest m = store.manifest();
+    m.base_version = no_version;
+    m.base_digest = 0;
+    for (auto& e : m.entries) {
+      e.encoding = DeltaEncoding::full;
+      e.index_bytes = 0;
+      e.changed = -1;
+    }
+    std::vector<NamedTensor> tensors{{std::string(manifest_name), m.encode()}};
+    tensors.insert(tensors.end(), store.tensors().begin(), store.tensors().end());
+    return pack_buckets(tensors, bucket_bytes, m.version);
   }
 
   /// Refuses a connection at accept, saying why in an error frame (the client may try again later).
@@ -351,7 +406,8 @@ inline void Session::read_header() {
 
 inline uint64_t Session::allowed_payload(FrameKind kind) const {
   if (!role_) return kind == FrameKind::auth ? 2 * nonce_bytes : 0;
-  if (kind == FrameKind::publish_begin || kind == FrameKind::fetch) return max_run_bytes;
+  if (kind == FrameKind::publish_begin) return max_run_bytes;
+  if (kind == FrameKind::fetch) return max_fetch_bytes;
   if (kind == FrameKind::bucket && pending_) {
     const int64_t room = core_->options.max_version_bytes - pending_->bytes - pending_->coverage.bookkeeping_bytes();
     return static_cast<uint64_t>(std::max<int64_t>(0, std::min(core_->options.max_bucket_bytes, room)));
@@ -421,8 +477,14 @@ inline void Session::handle() {
         return refuse(::fsdpx::detail::str("a fetch for versions newer than ", in_.version, " (versions are >= 0)"),
                       &ServerStats::protocol_errors);
       }
+      if (in_.length < sizeof(FetchBase)) {
+        return refuse(::fsdpx::detail::str("a fetch of ", in_.length, " bytes (protocol ", protocol_version,
+                                           " starts it with the reader's base: 8 bytes)"),
+                      &ServerStats::protocol_errors);
+      }
       have_ = in_.version;
-      have_run_ = small_text();
+      std::memcpy(&have_base_, small_.data(), sizeof(FetchBase));
+      have_run_ = small_text().substr(sizeof(FetchBase));
       // A wait is capped by idle_timeout: a reader that crashed while waiting frees its slot then.
       const auto cap = static_cast<uint64_t>(std::max<int64_t>(0, core_->options.idle_timeout.count()));
       deadline_ = dist::deadline_after(std::chrono::milliseconds(std::min(in_.aux, cap)));
@@ -548,24 +610,66 @@ inline void Session::end_publish() {
       p.rejected = ::fsdpx::detail::str("version ", p.version, " is not whole: ", missing);
     }
   }
+  uint64_t refusal = 0;
   if (p.rejected.empty()) {
-    // Frame headers are made anew: a reader gets the server's, never fields a publisher chose.
-    p.rejected = core_->commit(p.run, p.version, encode_snapshot(p.version, p.run, std::move(p.buckets)));
+    try {
+      // The version's tensors (a copy of its chunks) go to the store: a full version replaces the held
+      // one, a delta is applied to it; every CRC-32C is checked. The buckets as they came are served.
+      TensorCollector collector(at::kCPU, core_->options.max_version_bytes);
+      for (const at::Tensor& bucket : p.buckets) {
+        const BucketLayout b = decode_header(bucket.const_data_ptr<uint8_t>(), bucket.numel(), "publisher " + peer_);
+        for (const auto& e : b.entries) collector.accept(e, entry_view(bucket, e));
+      }
+      std::vector<NamedTensor> tensors = collector.finish();
+      const std::string where = "publisher " + peer_;
+      const Manifest manifest = split_manifest(tensors, where).first;
+      FSDPX_CHECK_AS(SyncError, manifest.version == p.version, "fsdpx: version ", p.version,
+                     " carries the manifest of version ", manifest.version);
+      p.rejected = core_->commit(p.run, p.version, [&] {
+        if (manifest.is_delta() && !core_->store.holds(manifest.base_version, manifest.base_digest)) {
+          refusal = refused_base;
+          throw SyncError(::fsdpx::detail::str(
+              "fsdpx: version ", p.version, " is a delta from version ", manifest.base_version, " (digest ",
+              manifest.base_digest, "), which this server does not hold (it holds ",
+              core_->store.empty() ? std::string("none") : ::fsdpx::detail::str("version ", core_->store.version()),
+              "): send it full"));
+        }
+        // Frame headers are made anew: a reader gets the server's, never fields a publisher chose. Made
+        // before the store changes, so that nothing after it can fail and leave store and slot apart.
+        auto snapshot = encode_snapshot(p.version, p.run, std::move(p.buckets));
+        auto served = std::make_shared<ServedVersion>();
+        served->digest = manifest.digest;
+        core_->store.accept(std::move(tensors), VersionStore::Apply::owned, where);
+        if (manifest.is_delta()) {
+          served->base_version = manifest.base_version;
+          served->base_digest = manifest.base_digest;
+          served->delta = std::move(snapshot);
+        } else {
+          served->full = std::move(snapshot);
+        }
+        return served;
+      });
+    } catch (const SyncError& e) {
+      p.rejected = std::string(unprefixed(e.what()));
+    }
     if (p.rejected.empty()) {
       last_published_ = p.version;
       core_->wake_waiters();
     }
   }
-  if (!p.rejected.empty()) return send(make_frame(FrameKind::error, p.version), p.rejected);
+  if (!p.rejected.empty()) return send(make_frame(FrameKind::error, p.version, refusal), p.rejected);
   send(make_frame(FrameKind::ack, p.version));
 }
 
 inline void Session::check_fetch() {
   if (closed_ || closing_) return;
-  auto [version, snapshot] = core_->slot.latest();
+  std::unique_lock store_lock(core_->store_mutex);
+  auto [version, latest] = core_->slot.latest();
   // Newer: a higher version, or any version of another run than the reader's (a new run took over,
   // maybe with lower versions: the reader gets a whole version of it).
-  if (snapshot != nullptr && (version > have_ || (!have_run_.empty() && snapshot->run != have_run_))) {
+  if (latest != nullptr && (version > have_ || (!have_run_.empty() && latest->run != have_run_))) {
+    std::shared_ptr<const EncodedSnapshot> snapshot = core_->snapshot_for(*latest, version, have_, have_base_);
+    store_lock.unlock();
     ++watch_generation_;
     arm(core_->options.io_timeout);
     std::array<asio::const_buffer, 2> begin{asio::buffer(&snapshot->begin, sizeof(FrameHeader)), asio::buffer(snapshot->run)};
@@ -576,6 +680,7 @@ inline void Session::check_fetch() {
                       });
     return;
   }
+  store_lock.unlock();
   if (!core_->publisher_lost.empty()) {
     return send(make_frame(FrameKind::error, version),
                 ::fsdpx::detail::str("no weight version newer than ", have_, " will come (latest: ", version,
@@ -743,7 +848,12 @@ FSDPX_DECL ServerStats SynchronizerServer::stats() const {
   if (!core_) return last_stats_;
   std::promise<ServerStats> taken;
   auto future = taken.get_future();
-  detail::asio::post(core_->io, [&] { taken.set_value(core_->stats); });
+  detail::asio::post(core_->io, [&] {
+    ServerStats s = core_->stats;
+    s.served_full = core_->served_full;
+    s.served_delta = core_->served_delta;
+    taken.set_value(s);
+  });
   ServerStats s = future.get();
   s.runs_taken_over = core_->runs_taken_over;
   return s;
@@ -755,8 +865,24 @@ FSDPX_DECL void SynchronizerServer::publish(int64_t version, const std::vector<N
   FSDPX_CHECK_AS(SyncError, !tensors.empty(), "cannot publish version ", version, ": it has no tensors");
   detail::check_unique_names(tensors, version);
   const std::string run = detail::run_label(core_->options.run.empty() ? detail::process_run() : core_->options.run);
-  auto snapshot = detail::encode_snapshot(version, run, pack_buckets(tensors, core_->options.bucket_bytes, version));
-  const std::string refused = core_->commit(run, version, std::move(snapshot));
+  auto& core = *core_;
+  const std::string refused = core.commit(run, version, [&] {
+    // Cut against the version held: readers that hold it get the delta; the full version is built from
+    // the store when a reader needs it (or now, when there is no delta).
+    EncodedVersion cut = core.store.cut(version, tensors, core.options.delta);
+    auto served = std::make_shared<detail::ServedVersion>();
+    served->digest = cut.manifest.digest;
+    auto snapshot = detail::encode_snapshot(version, run, pack_buckets(cut.tensors, core.options.bucket_bytes, version));
+    if (cut.manifest.is_delta()) {
+      served->base_version = cut.manifest.base_version;
+      served->base_digest = cut.manifest.base_digest;
+      served->delta = std::move(snapshot);
+    } else {
+      served->full = std::move(snapshot);
+    }
+    core.store.commit(std::move(cut));
+    return served;
+  });
   FSDPX_CHECK_AS(SyncError, refused.empty(), "cannot publish version ", version, ": ", refused);
   detail::asio::post(core_->io, [core = core_.get()] {
     core->publisher_lost.clear();
