@@ -967,6 +967,68 @@ TEST_CASE("security: fuzzed chunk layouts (overlaps, gaps, duplicates, out-of-ra
   CHECK(committed > 0);
 }
 
+TEST_CASE("security: a crafted delta is refused naming the tensor, and the server keeps serving the version before",
+          "[security]") {
+  fxs::SynchronizerServer server;
+  const auto port = server.port();
+  const auto v1 = weights_of(1);
+  fxs::SynchronizerClient("127.0.0.1", port).publish(1, v1);
+  // The publisher's side of version 1, as the server holds it (the same manifest: names, shapes, CRCs).
+  fxs::VersionStore base;
+  base.commit(base.cut(1, v1));
+  auto v2 = weights_of(1);
+  for (auto& t : v2) t.tensor = t.tensor.clone();
+  v2[0].tensor.view({-1}).narrow(0, 10, 3).add_(1.0);  // a few elements: a sparse delta
+  RawConnection publisher(port);
+  bool welcomed = false;
+  REQUIRE(publisher.handshake(fxs::Role::publish, "", &welcomed));
+  REQUIRE(welcomed);
+  fxs::SynchronizerClient reader("127.0.0.1", port);
+  const auto refused = [&](std::vector<fxs::NamedTensor> tensors, const std::string& why, uint64_t aux = 0) {
+    INFO(why);
+    const auto reply = publisher.publish(2, "raw", fxs::pack_buckets(tensors, 64 << 10, 2));
+    REQUIRE(reply);
+    CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
+    CHECK(reply->first.aux == aux);
+    CHECK_THAT(reply->second, Catch::Contains(why));
+    CHECK(server.latest_version() == 1);
+    CHECK(bit_equal(reader.fetch_newer(fxs::no_version, 5s), v1));  // whole, as it was
+  };
+  auto delta = base.cut(2, v2);
+  REQUIRE(delta.manifest.is_delta());
+  REQUIRE(delta.manifest.entries[0].encoding == fxs::DeltaEncoding::sparse);
+  const auto with_payload = [&](const std::function<void(at::Tensor&)>& damage) {
+    auto tensors = delta.tensors;
+    at::Tensor& p = tensors.at(1).tensor;  // embed.weight's indices and values
+    p = p.clone();
+    damage(p);
+    return tensors;
+  };
+  refused(with_payload([](at::Tensor& p) {
+            const uint32_t far = 40000;
+            std::memcpy(p.data_ptr(), &far, 4);
+          }),
+          "tensor 'embed.weight' (sparse): index 40000 lies outside its 40000 elements");
+  refused(with_payload([](at::Tensor& p) { p[p.numel() - 1] = p[p.numel() - 1].item<uint8_t>() ^ 0x10; }),
+          "tensor 'embed.weight' (sparse): the result does not match its checksum");
+  refused(with_payload([](at::Tensor& p) { p = p.narrow(0, 0, p.numel() - 2).clone(); }),
+          "tensor 'embed.weight' (sparse): 22 bytes where 3 changes take 24");
+  // Cut from a version the server does not hold: refused for that alone (aux 2: send it full).
+  auto other = weights_of(1);
+  for (auto& t : other) t.tensor = t.tensor.clone();
+  other[3].tensor.add_(1);  // another version 1: one element apart
+  fxs::VersionStore elsewhere;
+  elsewhere.commit(elsewhere.cut(1, other));
+  refused(elsewhere.cut(2, v2).tensors, "which this server does not hold", sd::refused_base);
+  // The intact delta is taken, and a reader holding version 1 gets it as a delta, exact.
+  const auto reply = publisher.publish(2, "raw", fxs::pack_buckets(delta.tensors, 64 << 10, 2));
+  REQUIRE(reply);
+  CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::ack));
+  const auto s = reader.fetch_newer(1, 5s);
+  CHECK(reader.last_transfer().delta);
+  CHECK(bit_equal(s, v2));
+}
+
 TEST_CASE("security: a reader refuses a version whose chunks overlap, leave gaps or lie outside, whatever the server "
           "sends", "[security]") {
   const at::Tensor embed = at::arange(40000, at::kFloat).view({200, 200});
