@@ -78,6 +78,10 @@ class SynchronizerClient {
   /// the trainer disconnected, when the server is gone, on a corrupt frame. A connection the server
   /// closed while it was idle is opened again. A version of another trainer run than the one `have`
   /// came from (this client's last fetch) is newer whatever its number: a new run took over.
+  /// When `have` is the version this client returned last, the server may send a delta from it: it is
+  /// applied to fresh copies of the tensors it touches (snapshots returned before never change), and
+  /// every tensor written is checked against the version's CRC-32C. The returned tensors are the base of
+  /// the next delta: treat them as read-only (clone one to change it).
   FSDPX_DECL WeightSnapshot fetch_newer(int64_t have, std::chrono::milliseconds wait);
 
   /// fetch_newer, into `module`'s parameters and buffers by name; returns the version. When the last
