@@ -373,14 +373,20 @@ class ClientConnection {
     target_ = nullptr;
   }
 
-  /// After a full version was loaded into `module`: its tensors become the store (deltas land in them),
-  /// when each is contiguous and of the sent dtype; otherwise versions keep coming full.
-  void adopt(torch::nn::Module& module, const Manifest& manifest) {
+  /// The module's parameters and buffers by name, detached (aliases of their memory).
+  static std::unordered_map<std::string, at::Tensor> module_tensors(torch::nn::Module& module) {
     std::unordered_map<std::string, at::Tensor> by_name;
     for (const auto& item : module.named_parameters(/*recurse=*/true)) by_name.emplace(item.key(), item.value().detach());
     for (const auto& item : module.named_buffers(/*recurse=*/true)) {
       if (item.value().defined()) by_name.emplace(item.key(), item.value().detach());
     }
+    return by_name;
+  }
+
+  /// After a full version was loaded into `module`: its tensors become the store (deltas land in them),
+  /// when each is contiguous and of the sent dtype; otherwise versions keep coming full.
+  void adopt(torch::nn::Module& module, const Manifest& manifest) {
+    const auto by_name = module_tensors(module);
     std::vector<NamedTensor> aliases;
     std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // a delta must never land twice in one place
     for (const ManifestEntry& e : manifest.entries) {
@@ -408,11 +414,7 @@ class ClientConnection {
   /// place_on_huge_pages, moves parameters to new memory; a delta must land where the module reads).
   bool still_adopted(torch::nn::Module& module) const {
     if (store_.empty()) return false;
-    std::unordered_map<std::string, at::Tensor> by_name;
-    for (const auto& item : module.named_parameters(/*recurse=*/true)) by_name.emplace(item.key(), item.value());
-    for (const auto& item : module.named_buffers(/*recurse=*/true)) {
-      if (item.value().defined()) by_name.emplace(item.key(), item.value());
-    }
+    const auto by_name = module_tensors(module);
     for (const NamedTensor& held : store_.tensors()) {
       const auto it = by_name.find(held.name);
       if (it == by_name.end() || it->second.const_data_ptr() != held.tensor.const_data_ptr() ||
@@ -427,12 +429,8 @@ class ClientConnection {
   /// Names and shapes of a full version against the module's, before anything is copied: a mismatch
   /// leaves the module as it was (load_into reports after copying what it could).
   static void check_loadable(torch::nn::Module& module, const std::vector<NamedTensor>& tensors) {
-    std::unordered_map<std::string, at::Tensor> by_name;
-    for (const auto& item : module.named_parameters(/*recurse=*/true)) by_name.emplace(item.key(), item.value());
-    for (const auto& item : module.named_buffers(/*recurse=*/true)) {
-      if (item.value().defined()) by_name.emplace(item.key(), item.value());
-    }
-    std::unordered_set<const c10::TensorImpl*> filled;
+    const auto by_name = module_tensors(module);
+    std::unordered_set<const void*> filled;  // by memory: a tied parameter is filled under either name
     std::vector<std::string> problems;
     for (const NamedTensor& t : tensors) {
       const auto it = by_name.find(t.name);
@@ -442,11 +440,11 @@ class ClientConnection {
         problems.push_back(::fsdpx::detail::str("'", t.name, "' has shape ", it->second.sizes(), " in the module but ",
                                                 t.tensor.sizes(), " was sent"));
       } else {
-        filled.insert(it->second.unsafeGetTensorImpl());
+        filled.insert(it->second.const_data_ptr());
       }
     }
     for (const auto& [name, t] : by_name) {
-      if (!filled.contains(t.unsafeGetTensorImpl()) && t.numel() > 0) {
+      if (t.numel() > 0 && !filled.contains(t.const_data_ptr())) {
         problems.push_back(::fsdpx::detail::str("'", name, "' was not sent"));
       }
     }
