@@ -93,7 +93,7 @@ int main(int argc, char** argv) {
       in >> how >> version;
       auto& client = how == "delta" ? delta_publisher : full_publisher;
       const double t0 = monotonic();
-      client.publish(version, weights);
+      client.publish(version, std::vector<fxs::NamedTensor>(weights));  // handed over: kept as the base as is
       const double t1 = monotonic();
       const auto t = client.last_transfer();
       std::printf("published %.6f %.6f %lld %lld\n", t0, t1, static_cast<long long>(t.bytes),

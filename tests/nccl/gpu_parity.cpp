@@ -2,6 +2,9 @@
 // ranks with MPI): float32, pinned CPU offload and bfloat16, with the same harness and tolerances as
 // tests/core/test_parity.cpp. Bootstraps NCCL from torchrun-style variables through the TCP store.
 #define CATCH_CONFIG_RUNNER
+// LibTorch first: c10/util/logging defines its own CHECK (abort on failure, never counted); Catch's,
+// defined after it, must be the one these tests use.
+#include <torch/torch.h>
 #include <catch2/catch.hpp>
 
 #include <chrono>
@@ -12,6 +15,7 @@
 
 #include <fsdpx/dist/nccl.hpp>
 #include <fsdpx/models.hpp>
+#include <fsdpx/sync/synchronizer.hpp>
 
 #include "../core/parity.hpp"
 
@@ -166,6 +170,70 @@ TEST_CASE("GPU: mixture of experts in bfloat16: grouped products equal one produ
   std::printf("  MoE bf16 (32 experts, top-4, 4 x 1024 tokens): grouped vs per expert relative error %.2e; forward+backward "
               "%.1f ms grouped, %.1f ms per expert (%.2fx)\n", worst, grouped_s * 1e3, per_expert_s * 1e3, per_expert_s / grouped_s);
   CHECK(worst <= 1.0 / 32);
+}
+
+// Issue 35 on CUDA: versions published from host tensors (after real AdamW steps at an RL learning
+// rate, in bfloat16) land in a CUDA rollout module, deltas in place on the device, every written tensor
+// checked; a delta that does not check out there is undone on the device.
+TEST_CASE("GPU: weight sync deltas land in a CUDA module bit for bit, and a damaged one is undone there", "[gpu][sync]") {
+  const auto device = parity_context().device;
+  const fsdpx::detail::Json config = {{"model_type", "qwen2"}, {"vocab_size", 512}, {"hidden_size", 128},
+                                      {"intermediate_size", 256}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
+                                      {"num_key_value_heads", 2}, {"tie_word_embeddings", false}};
+  at::manual_seed(7);
+  models::CausalLM trainer(models::parse_decoder_config(config, "config.json"));
+  models::CausalLM rollout(models::parse_decoder_config(config, "config.json"));
+  rollout->to(device, at::kBFloat16);
+  torch::optim::AdamW opt(trainer->parameters(), torch::optim::AdamWOptions(1e-5));
+  fsdpx::sync::Synchronizer sync;
+  fsdpx::sync::SynchronizerReader reader(sync);
+  const auto bf16_weights = [&] {
+    std::vector<fsdpx::sync::NamedTensor> out;
+    for (const auto& p : trainer->named_parameters()) out.push_back({p.key(), p.value().detach().to(at::kBFloat16)});
+    return out;
+  };
+  const auto rollout_equals = [&](const std::vector<fsdpx::sync::NamedTensor>& w) {
+    auto params = rollout->named_parameters();
+    for (const auto& t : w) {
+      if (!at::equal(params[t.name].detach().cpu().view(at::kShort), t.tensor.view(at::kShort))) return false;
+    }
+    return true;
+  };
+  const auto step = [&](int s) {
+    at::manual_seed(100 + s);
+    const auto ids = at::randint(0, 512, {2, 32}, at::kLong);
+    opt.zero_grad();
+    trainer->loss(ids, ids).backward();
+    opt.step();
+  };
+  for (int s = 1; s <= 4; ++s) {
+    INFO("step " << s);
+    step(s);
+    const auto w = bf16_weights();
+    sync.publish(s, w);
+    CHECK(reader.load_newer_into(*rollout, std::chrono::seconds(5)) == s);
+    CHECK(reader.last_was_delta() == (s > 1));
+    CHECK(rollout_equals(w));
+    reader.verify(*rollout);
+  }
+  // Every parameter changed on the device behind the reader's back, straight in memory: the next delta does not check out
+  // (naming a tensor) and is undone there; the same version then comes whole.
+  std::vector<at::Tensor> before;
+  for (const auto& p : rollout->parameters()) {
+    const at::Tensor t = p.detach();  // straight in memory, as a stray kernel would (no version counter moves)
+    at::from_blob(t.data_ptr(), t.sizes(), t.options()).view({-1})[0].add_(1.0);
+    before.push_back(t.clone());
+  }
+  step(5);
+  const auto w = bf16_weights();
+  sync.publish(5, w);
+  CHECK_THROWS_WITH(reader.load_newer_into(*rollout, std::chrono::seconds(5)),
+                    Catch::Contains("does not match its checksum") && Catch::Contains("tensor '"));
+  const auto after = rollout->parameters();
+  for (size_t i = 0; i < after.size(); ++i) CHECK(at::equal(after[i].detach(), before[i]));
+  CHECK(reader.load_newer_into(*rollout, std::chrono::seconds(5)) == 5);
+  CHECK_FALSE(reader.last_was_delta());
+  CHECK(rollout_equals(w));
 }
 
 int main(int argc, char** argv) {

@@ -3,6 +3,9 @@
 // FSDPX_TEST_BOOTSTRAP=mpi:   started by mpiexec -n 1, unique id broadcast over MPI.
 // Built and run when fsdpx has NCCL; on CPU-only CI this file is compiled, not run.
 #define CATCH_CONFIG_RUNNER
+// LibTorch first: c10/util/logging defines its own CHECK (abort on failure, never counted); Catch's,
+// defined after it, must be the one these tests use.
+#include <ATen/ATen.h>
 #include <catch2/catch.hpp>
 
 #include <cstdio>

@@ -7,6 +7,12 @@
 //                   is told at once
 //   killed_server   (no mpiexec) the synchronizer server lives in a forked trainer process that is
 //                   SIGKILLed; the reader's fetch ends in a SyncError naming the server
+//   hostile_broadcast (mpiexec -n 2: a raw sender, 1 rollout) the broadcast's own frames, crafted: a
+//                   wrong announcement, a corrupt one, a version announced then aborted, an oversized manifest,
+//                   a streamed version whose manifest disagrees with its data, a cut delta writing out
+//                   of its tensor, a delta from a base the receiver does not hold: each a SyncError
+//                   naming the cause, the receiver's weights intact, and the group still in step
+//                   (the last, honest version arrives exactly)
 #include <signal.h>
 #include <sys/types.h>
 #include <sys/wait.h>
@@ -15,6 +21,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <thread>
 
@@ -63,6 +70,152 @@ int trainer_exits() {
                                   "may have exited or crashed", "world rank 0 left the job (its program ended)"});
 }
 
+/// What WeightBroadcaster sends after a version's announcement, by hand: the preamble, the header sizes
+/// and each bucket of `tensors` (its header, then its payload in one broadcast per run).
+void send_buckets(dist::AnyCommunicator& g, int64_t version, const std::vector<NamedTensor>& tensors) {
+  std::vector<TensorSpec> specs;
+  for (const auto& t : tensors) specs.push_back({t.name, t.tensor.sizes().vec(), t.tensor.scalar_type()});
+  const auto plan = plan_buckets(specs, 64 << 10, version);
+  constexpr int64_t staged = std::numeric_limits<int64_t>::max();
+  int64_t largest = 0, largest_header = 0;
+  std::vector<int64_t> header_sizes;
+  for (const auto& b : plan) {
+    header_sizes.push_back(b.header_bytes);
+    largest = std::max(largest, b.total_bytes);
+    largest_header = std::max(largest_header, b.header_bytes);
+  }
+  g.broadcast(at::tensor({sync::detail::preamble_magic, version, static_cast<int64_t>(plan.size()), largest_header, staged,
+                          largest}, at::kLong), 0);
+  g.broadcast(at::tensor(header_sizes, at::kLong), 0);
+  for (const auto& b : plan) {
+    auto bucket = at::zeros({b.total_bytes}, at::kByte);
+    write_header(bucket, b);
+    for (const auto& e : b.entries) {
+      for (const auto& t : tensors) {
+        if (t.name == e.name && e.numel > 0) pack_entry(bucket, e, t.tensor);
+      }
+    }
+    g.broadcast(bucket.narrow(0, 0, b.header_bytes), 0);
+    for (const auto& sg : sync::detail::segments_of(b, staged)) g.broadcast(bucket.narrow(0, sg.begin, sg.end - sg.begin), 0);
+  }
+}
+
+int hostile_broadcast() {
+  dist::AnyCommunicator world(dist::MpiCommunicator::world());
+  auto groups = split_trainer_rollout(world, 1);
+  auto& g = *groups.model_update;
+  constexpr int64_t streamed = sync::detail::Announcement::streamed, cut = sync::detail::Announcement::cut;
+  const std::vector<NamedTensor> v1 = weights(1);
+  std::vector<NamedTensor> v2 = {{"a.weight", v1[0].tensor.clone()}, {"b.weight", v1[1].tensor.clone()}};
+  v2[0].tensor[3][5] = 2.5;  // one element of one tensor: sparse deltas
+  std::vector<NamedTensor> v3 = {{"a.weight", v2[0].tensor.clone()}, {"b.weight", v2[1].tensor.clone()}};
+  v3[1].tensor[0][0] = 9.0;
+
+  if (groups.is_trainer()) {
+    const auto announce = [&](int64_t version, int64_t kind, int64_t base, int64_t digest, int64_t flags) {
+      g.broadcast(at::tensor(std::vector<int64_t>{sync::detail::announce_magic, version, kind, base, digest, flags}, at::kLong), 0);
+    };
+    const auto vote = [&] {
+      auto hold = at::ones({1}, at::kLong);
+      g.all_reduce(hold, dist::ReduceOp::min);
+      return hold.item<int64_t>();
+    };
+    const auto send_manifest = [&](int64_t size, const at::Tensor& bytes) {
+      g.broadcast(at::tensor(std::vector<int64_t>{size}, at::kLong), 0);
+      if (bytes.defined()) g.broadcast(bytes, 0);
+    };
+    g.broadcast(at::tensor(std::vector<int64_t>{0x1234, 1, streamed, no_version, 0, 1}, at::kLong), 0);  // not an announcement
+    announce(1, 7, no_version, 0, 1);                                                           // a kind that is none
+    announce(5, streamed, no_version, 0, 1);  // an honest streamed version
+    send_buckets(g, 5, v1);
+    send_manifest(full_manifest(5, v1).encode().numel(), full_manifest(5, v1).encode());
+    announce(4, streamed, no_version, 0, 1);  // lower: a restarted trainer's broadcaster, taken
+    send_buckets(g, 4, v2);
+    send_manifest(full_manifest(4, v2).encode().numel(), full_manifest(4, v2).encode());
+    announce(5, cut, no_version, 0, 0);  // announced, then the sender fails: an aborted preamble
+    g.broadcast(at::tensor(std::vector<int64_t>{sync::detail::preamble_magic, 5, sync::detail::aborted_version, 0, 1, 0}, at::kLong), 0);
+    announce(6, streamed, no_version, 0, 1);  // a manifest of 1 TiB
+    send_buckets(g, 6, v1);
+    send_manifest(int64_t{1} << 40, at::Tensor());
+    Manifest lying = full_manifest(7, v1);  // a streamed version whose manifest disagrees with a tensor
+    lying.entries[0].crc ^= 1u;
+    lying.digest = lying.compute_digest();
+    announce(7, streamed, no_version, 0, 1);
+    send_buckets(g, 7, v1);
+    send_manifest(lying.encode().numel(), lying.encode());
+
+    VersionStore store;  // cut versions: 8 whole, then a delta from it that writes outside its tensor
+    EncodedVersion e8 = store.cut(8, v1);
+    announce(8, cut, no_version, 0, 0);
+    send_buckets(g, 8, e8.tensors);
+    store.commit(std::move(e8));
+    EncodedVersion d9 = store.cut(9, v2);
+    for (auto& t : d9.tensors) {
+      if (t.name == "a.weight") {
+        const uint32_t outside = 1u << 30;
+        std::memcpy(t.tensor.data_ptr(), &outside, sizeof(outside));
+      }
+    }
+    announce(9, cut, 8, int64_t{store.digest()}, 0);
+    if (vote() != 1 || !d9.manifest.is_delta()) return 10;
+    send_buckets(g, 9, d9.tensors);
+    announce(10, cut, 8, int64_t{store.digest()}, 0);  // the receiver dropped version 8 when 9 failed
+    if (vote() != 0) return 11;
+    store.clear();
+    EncodedVersion e10 = store.cut(10, v2);
+    send_buckets(g, 10, e10.tensors);
+    store.commit(std::move(e10));
+    announce(11, cut, 10, int64_t{store.digest()}, 0);  // an honest delta
+    if (vote() != 1) return 12;
+    EncodedVersion d11 = store.cut(11, v3);
+    if (!d11.manifest.is_delta()) return 13;
+    send_buckets(g, 11, d11.tensors);
+    store.commit(std::move(d11));
+    VersionStore other;  // a delta cut from a version the receiver never held, announced as from 11
+    other.commit(other.cut(3, v1));
+    announce(12, cut, 11, int64_t{store.digest()}, 0);
+    if (vote() != 1) return 14;
+    send_buckets(g, 12, other.cut(12, v3).tensors);
+    announce(13, cut, 11, int64_t{store.digest()}, 0);  // whole again, and exact
+    if (vote() != 0) return 15;
+    store.clear();
+    send_buckets(g, 13, store.cut(13, v3).tensors);
+    world.barrier();
+    return 0;
+  }
+
+  WeightReceiver receiver(g);
+  int rc = 0;
+  const auto expect = [&](std::initializer_list<std::string_view> needles) {
+    if (rc == 0) rc = expect_error<SyncError>([&] { receiver.receive(); }, needles);
+  };
+  const auto expect_exact = [&](int64_t version, const std::vector<NamedTensor>& want, bool delta) {
+    const WeightSnapshot s = receiver.receive();
+    bool ok = s.version == version && s.tensors.size() == want.size() && s.manifest && receiver.last_was_delta() == delta;
+    for (size_t i = 0; ok && i < want.size(); ++i) ok = s.tensors[i].name == want[i].name && at::equal(s.tensors[i].tensor, want[i].tensor);
+    if (!ok && rc == 0) {
+      std::fprintf(stderr, "WRONG-VERSION: version %lld is not what was sent\n", static_cast<long long>(version));
+      rc = 20;
+    }
+  };
+  expect({"is not a weight-sync announcement"});
+  expect({"corrupt weight-sync announcement of version 1: kind 7"});
+  expect_exact(5, v1, false);
+  expect_exact(4, v2, false);
+  expect({"the trainer could not send version 5", "nothing was received"});
+  expect({"the manifest of version 6", "would take 1099511627776 bytes"});
+  expect({"version 7 from the trainer over 'model_update' did not arrive intact", "'a.weight' does not match its checksum"});
+  expect_exact(8, v1, false);
+  expect({"tensor 'a.weight' (sparse): index 1073741824 lies outside its 262144 elements"});
+  expect_exact(10, v2, false);
+  expect_exact(11, v3, true);
+  expect({"it is a delta from version 3", "this receiver holds version 11"});
+  expect_exact(13, v3, false);
+  world.barrier();
+  if (rc == 0) std::printf("HOSTILE-BROADCAST-REFUSED: every crafted frame was refused naming its cause\n");
+  return rc;
+}
+
 // The child: a trainer process. Its exit status is irrelevant; it is killed.
 [[noreturn]] void run_trainer_child(uint16_t port, bool host_server) {
   try {
@@ -106,6 +259,7 @@ int trainer_exits() {
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "trainer_exits") return trainer_exits();
+  if (mode == "hostile_broadcast") return hostile_broadcast();
   if (mode == "killed_trainer") {
     // Fork before any thread exists; the parent then starts the server and tells the child its port.
     int fds[2];

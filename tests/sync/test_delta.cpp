@@ -319,6 +319,20 @@ void train_step(fsdpx::models::CausalLM& model, torch::optim::Optimizer& opt, in
   opt.step();
 }
 
+/// A version that does not fit a module (another intermediate size): `load(module)` must fail saying so,
+/// and load nothing of it.
+template <class Load>
+void check_misfit_loads_nothing(Load&& load) {
+  auto other_config = tiny_qwen2();
+  other_config.intermediate_size = 96;
+  fsdpx::models::CausalLM other(other_config);
+  other->to(torch::kBFloat16);
+  std::vector<NamedTensor> before;
+  for (const auto& p : other->named_parameters()) before.push_back({p.key(), p.value().detach().clone()});
+  CHECK_THROWS_WITH(load(*other), Catch::Contains("nothing was loaded") && Catch::Contains("mlp.up_proj.weight' has shape"));
+  for (const auto& t : before) CHECK(same_bits(other->named_parameters()[t.name], t.tensor));
+}
+
 bool module_equals(torch::nn::Module& m, const std::vector<NamedTensor>& w) {
   const auto params = m.named_parameters();
   for (const auto& t : w) {
@@ -420,15 +434,8 @@ TEST_CASE("delta service: after real AdamW steps every reader holds the trainer'
   CHECK(module_equals(*rollout, wire_weights(*trainer_model)));
 
   // A version that does not fit the module (another shape): nothing of it is loaded.
-  auto other_config = tiny_qwen2();
-  other_config.intermediate_size = 96;
-  fsdpx::models::CausalLM other(other_config);
-  other->to(torch::kBFloat16);
-  const auto before = wire_weights(*other);
   fxs::SynchronizerClient mismatched("127.0.0.1", server.port());
-  CHECK_THROWS_WITH(mismatched.fetch_newer_into(*other, fxs::no_version, 5s),
-                    Catch::Contains("nothing was loaded") && Catch::Contains("mlp.up_proj.weight' has shape"));
-  CHECK(module_equals(*other, before));
+  check_misfit_loads_nothing([&](torch::nn::Module& m) { mismatched.fetch_newer_into(m, fxs::no_version, 5s); });
 }
 
 TEST_CASE("delta service: a trainer hosting the server cuts deltas too, and a publisher whose base the server no longer "
@@ -468,3 +475,93 @@ TEST_CASE("delta service: a trainer hosting the server cuts deltas too, and a pu
 }
 
 #endif  // FSDPX_WITH_BOOST && FSDPX_WITH_OPENSSL
+
+TEST_CASE("delta in process: a SynchronizerReader's module holds the trainer's weights bit for bit after real AdamW "
+          "steps, deltas when it holds the version before, whole versions otherwise", "[sync][delta][synchronizer]") {
+  const double lr = GENERATE(1e-5, 1e-3);
+  const bool enabled = GENERATE(true, false);
+  INFO("lr " << lr << ", deltas " << (enabled ? "on" : "off"));
+  fxs::SynchronizerOptions options;
+  options.delta.enabled = enabled;
+  fxs::Synchronizer sync(options);
+  fsdpx::models::CausalLM trainer_model(tiny_qwen2());
+  torch::optim::AdamW opt(trainer_model->parameters(), torch::optim::AdamWOptions(lr));
+  fsdpx::models::CausalLM rollout(tiny_qwen2()), skipped(tiny_qwen2());
+  rollout->to(torch::kBFloat16);
+  skipped->to(torch::kBFloat16);
+  fxs::SynchronizerReader reader(sync), skipper(sync);
+  // At lr 1e-3 nearly every bfloat16 element moves: the version would be as large as whole, so it is.
+  const bool deltas = enabled && lr < 1e-4;
+  std::shared_ptr<const fxs::WeightSnapshot> previous;
+  std::vector<NamedTensor> previous_weights;
+  for (int step = 1; step <= 5; ++step) {
+    INFO("step " << step);
+    train_step(trainer_model, opt, step);
+    const auto weights = wire_weights(*trainer_model);
+    sync.publish(step, copy(weights));
+    const auto snapshot = sync.latest();
+    REQUIRE(snapshot->manifest);
+    CHECK_FALSE(snapshot->manifest->is_delta());
+    fxs::verify(snapshot->tensors, *snapshot->manifest);
+    if (previous) require_same(previous->tensors, previous_weights);  // a snapshot never changes
+    previous = snapshot;
+    previous_weights = weights;
+
+    CHECK(reader.load_newer_into(*rollout, 5s) == step);
+    CHECK(reader.last_was_delta() == (deltas && step > 1));
+    CHECK(module_equals(*rollout, weights));
+    reader.verify(*rollout);
+    if (step % 2 == 1) {  // it missed the version before (from step 3): the delta is not for it
+      CHECK(skipper.load_newer_into(*skipped, 5s) == step);
+      CHECK_FALSE(skipper.last_was_delta());
+      CHECK(module_equals(*skipped, weights));
+    }
+  }
+  CHECK_THROWS_WITH(reader.load_newer_into(*rollout, 10ms), Catch::Contains("no weight version newer than 5"));
+
+  // A module changed behind the reader's back, straight in memory (no version counter moves, as a stray
+  // kernel would): verify() names the tensor; the next delta does not check out (the module keeps its
+  // weights, the error names the tensor) and the same version then comes whole, exact.
+  auto params = rollout->named_parameters();
+  {
+    const at::Tensor embed = params["model.embed_tokens.weight"].detach();
+    at::from_blob(embed.data_ptr(), embed.sizes(), embed.options())[0][0] = 7.0;
+  }
+  const auto tampered = params["model.embed_tokens.weight"].detach().clone();
+  CHECK_THROWS_WITH(reader.verify(*rollout), Catch::Contains("'model.embed_tokens.weight' differs"));
+  train_step(trainer_model, opt, 6);
+  sync.publish(6, wire_weights(*trainer_model));
+  if (deltas) {
+    CHECK_THROWS_WITH(reader.load_newer_into(*rollout, 5s), Catch::Contains("tensor 'model.embed_tokens.weight'") &&
+                                                               Catch::Contains("does not match its checksum"));
+    CHECK(same_bits(params["model.embed_tokens.weight"], tampered));
+    CHECK(reader.last_version() == 5);
+    CHECK_FALSE(reader.last_was_delta());
+  }
+  CHECK(reader.load_newer_into(*rollout, 5s) == 6);
+  CHECK_FALSE(reader.last_was_delta());
+  CHECK(module_equals(*rollout, wire_weights(*trainer_model)));
+  reader.verify(*rollout);
+
+  // Written in place through the tensors (their version counters move, as load_state_dict's would): it
+  // no longer holds the version before, so the next comes whole, exact.
+  train_step(trainer_model, opt, 7);
+  sync.publish(7, wire_weights(*trainer_model));
+  params["model.norm.weight"].detach().add_(1.0);
+  CHECK(reader.load_newer_into(*rollout, 5s) == 7);
+  CHECK_FALSE(reader.last_was_delta());
+  CHECK(module_equals(*rollout, wire_weights(*trainer_model)));
+
+  // Parameters moved to new memory (Module::to round trip): the next version comes whole, and exact.
+  rollout->to(torch::kFloat);
+  rollout->to(torch::kBFloat16);
+  train_step(trainer_model, opt, 8);
+  sync.publish(8, wire_weights(*trainer_model));
+  CHECK(reader.load_newer_into(*rollout, 5s) == 8);
+  CHECK_FALSE(reader.last_was_delta());
+  CHECK(module_equals(*rollout, wire_weights(*trainer_model)));
+
+  // A version that does not fit the module: nothing of it is loaded.
+  fxs::SynchronizerReader mismatched(sync);
+  check_misfit_loads_nothing([&](torch::nn::Module& m) { mismatched.load_newer_into(m, 5s); });
+}

@@ -65,6 +65,18 @@ std::vector<std::pair<std::string, at::Tensor>> params_and_buffers(test::Gpt& mo
   return out;
 }
 
+/// One AdamW step on this trainer rank's share of a fixed batch, then the counter buffer moves.
+template <class Sharded, class Optimizer>
+void train_step(Sharded& fsdp, test::Gpt& model, Optimizer& optimizer, const dist::AnyCommunicator& trainer, int step) {
+  const auto c = config();
+  at::manual_seed(100 + step);
+  auto tokens = at::randint(c.vocab, {4 * trainer.size(), c.seq + 1}, at::kLong).narrow(0, 4 * trainer.rank(), 4);
+  optimizer.zero_grad();
+  fsdp(tokens.narrow(1, 0, c.seq).contiguous(), tokens.narrow(1, 1, c.seq).contiguous()).backward();
+  optimizer.step();
+  model->named_buffers()[counter_buffer].fill_(step + 0.3);
+}
+
 /// One scenario: `steps` training steps of the trainer, each followed by both kinds of weight sync.
 template <class Sharded>
 void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_dtype, FsdpOptions options = {},
@@ -94,13 +106,7 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
     s.world.broadcast(port, 0);
 
     for (int step = 0; step < steps; ++step) {
-      at::manual_seed(100 + step);
-      auto tokens = at::randint(c.vocab, {4 * trainer.size(), c.seq + 1}, at::kLong).narrow(0, 4 * trainer.rank(), 4);
-      optimizer.zero_grad();
-      fsdp(tokens.narrow(1, 0, c.seq).contiguous(), tokens.narrow(1, 1, c.seq).contiguous()).backward();
-      optimizer.step();
-      model->named_buffers()[counter_buffer].fill_(step + 0.3);
-
+      train_step(fsdp, model, optimizer, trainer, step);
       sender.broadcast(version_of(step));
       if (sender.is_sender()) {
         CHECK(sender.last_stats().buckets > 3);  // small buckets: several, with split tensors
@@ -148,7 +154,11 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
       for (const auto& [name, t] : params_and_buffers(rollout)) received.tensors.push_back({name, t});
     } else {
       received = receiver.receive();
+      REQUIRE(received.manifest);  // checked on arrival; the proof stays with the snapshot
+      verify(received.tensors, *received.manifest);
+      receiver.verify(received.tensors);
     }
+    CHECK_FALSE(receiver.last_was_delta());
     CHECK(received.version == version_of(step));
     CHECK(receiver.last_version() == version_of(step));
     CHECK((receiver.last_bytes_in_place() > 0) == (direct_bytes <= 1024));  // received into place, no unpacking
@@ -200,7 +210,124 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
   s.world.barrier();
 }
 
+/// Cut versions (BroadcastOptions::delta) after AdamW steps at a small learning rate, in bfloat16: from
+/// the second version on, deltas while every receiver holds the version before. At `write_step` rollout
+/// 0 writes its module in place (through the tensors: their version counters move): it no longer holds
+/// the base, says so, and the version goes whole to everyone. At `tamper_step` it changes every
+/// parameter straight in memory (no counter moves, as a stray kernel would): the delta does not check out
+/// there (an error naming a tensor, the module as it was), the other rollouts take it, and the next
+/// version goes whole to everyone. With several rollouts, the last one restarts its receiver (holding
+/// nothing) at step 1.
+template <class Sharded>
+void run_delta_sync(bool keep_gather_buffers, FsdpOptions options = {}) {
+  auto& s = setup();
+  const int steps = 5, write_step = 2, tamper_step = 3;
+  const auto c = config();
+  const at::ScalarType wire = at::kBFloat16;
+  const bool restarts = s.rollouts > 1;
+  const auto expect_delta = [&](int step) {
+    return step > 0 && step != write_step && step != tamper_step + 1 && !(restarts && step == 1);
+  };
+
+  if (s.groups.is_trainer()) {
+    auto& trainer = *s.groups.trainer;
+    at::manual_seed(1);
+    test::Gpt model(c);
+    add_counter(model, 0.0);
+    Sharded fsdp(model, trainer, options);
+    auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-5));
+    WeightBroadcaster sender(fsdp, s.groups.model_update,
+                             {.bucket_bytes = 8 << 10, .dtype = wire, .keep_gather_buffers = keep_gather_buffers,
+                              .delta = DeltaOptions{}});
+    for (int step = 0; step < steps; ++step) {
+      train_step(fsdp, model, optimizer, trainer, step);
+      sender.broadcast(step + 1);
+      if (sender.is_sender()) {
+        INFO("step " << step);
+        CHECK(sender.last_stats().delta == expect_delta(step));
+        if (expect_delta(step)) CHECK(sender.last_stats().bytes < sender.last_stats().full_bytes / 4);
+      }
+      auto full = fsdp.full_parameters();
+      if (s.groups.model_update) {
+        for (const auto& [name, t] : params_and_buffers(model)) {
+          s.groups.model_update->broadcast(name == counter_buffer ? t.contiguous() : t.to(wire).contiguous(), 0);
+        }
+      }
+      s.world.barrier();
+    }
+    s.world.barrier();
+    return;
+  }
+
+  at::manual_seed(1000 + s.rollout_index);
+  test::Gpt rollout(c);
+  rollout->to(wire);
+  add_counter(rollout, -1.0);  // float32, as it travels: the module's tensors can hold the version
+  std::optional<WeightReceiver> receiver(std::in_place, *s.groups.model_update);
+  for (int step = 0; step < steps; ++step) {
+    INFO("rollout " << s.rollout_index << ", step " << step);
+    if (restarts && s.rollout_index == s.rollouts - 1 && step == 1) receiver.emplace(*s.groups.model_update);
+    std::map<std::string, at::Tensor> before;
+    if (s.rollout_index == 0 && step == write_step) rollout->parameters()[0].detach().view({-1})[0].add_(1.0);
+    if (s.rollout_index == 0 && step == tamper_step) {
+      for (const auto& p : rollout->named_parameters()) {
+        const at::Tensor t = p.value().detach();
+        at::from_blob(t.data_ptr(), t.sizes(), t.options()).view({-1})[0].add_(1.0);  // behind the counter
+        before[p.key()] = t.clone();
+      }
+    }
+    WeightSnapshot received;
+    bool failed = false;
+    if (s.rollout_index == 0) {
+      try {
+        received.version = receiver->receive_into(*rollout);
+      } catch (const SyncError& e) {
+        failed = true;
+        CHECK(step == tamper_step);
+        CHECK_THAT(e.what(), Catch::Contains("does not match its checksum") && Catch::Contains("tensor '"));
+        for (const auto& p : rollout->named_parameters()) CHECK(at::equal(bits(p.value()), bits(before.at(p.key()))));
+      }
+      for (const auto& [name, t] : params_and_buffers(rollout)) received.tensors.push_back({name, t});
+    } else {
+      received = receiver->receive();
+      REQUIRE(received.manifest);
+      verify(received.tensors, *received.manifest);
+    }
+    CHECK(failed == (s.rollout_index == 0 && step == tamper_step));
+    if (!failed) {
+      CHECK(received.version == step + 1);
+      CHECK(receiver->last_was_delta() == expect_delta(step));
+    }
+    std::map<std::string, at::Tensor> reference;
+    for (const auto& [name, t] : params_and_buffers(rollout)) {
+      auto ref = at::empty(t.sizes(), at::TensorOptions().dtype(name == counter_buffer ? at::kFloat : wire));
+      s.groups.model_update->broadcast(ref, 0);
+      reference[name] = ref;
+    }
+    s.world.barrier();
+    if (failed) continue;
+    REQUIRE(received.tensors.size() == reference.size());
+    for (const auto& t : received.tensors) {
+      INFO(t.name);
+      CHECK(at::equal(bits(t.tensor), bits(reference.at(t.name))));
+    }
+    if (s.rollout_index == 0) receiver->verify(*rollout);
+  }
+  s.world.barrier();
+}
+
 }  // namespace
+
+TEST_CASE("weight sync: cut versions: deltas while every rollout holds the version before, whole otherwise, bit for bit",
+          "[sync][delta]") {
+  run_delta_sync<Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>>>(true);
+}
+
+TEST_CASE("weight sync: cut versions through the units' own unshard(), HybridShard with CpuOffload", "[sync][delta]") {
+  const int T = trainers();
+  run_delta_sync<Fsdp<test::Gpt, HybridShard<>, CpuOffload<>, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>>>(
+      false, {.shard_size = T % 2 == 0 && T > 2 ? 2 : 1});
+}
 
 TEST_CASE("weight sync: FullShard, float32 trainer, bfloat16 rollout", "[sync]") {
   run_sync<Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>>>(

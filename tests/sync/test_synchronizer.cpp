@@ -310,6 +310,21 @@ TEST_CASE("CRC-32C matches the reference values, in one piece and in parts", "[s
   parts.update("12345", 5);
   parts.update("6789", 4);
   CHECK(parts.value() == 0xE3069283u);
+  // Joined from the checksums of two pieces, wherever the cut (blocks checksummed on several threads).
+  at::manual_seed(3);
+  const at::Tensor bytes = at::randint(0, 256, {100003}, at::kByte);
+  const auto* p = bytes.const_data_ptr<uint8_t>();
+  for (const size_t cut : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{4096}, size_t{65537}, size_t{100002}, size_t{100003}}) {
+    INFO("cut at " << cut);
+    CHECK(Crc32c::combine(Crc32c::of(p, cut), Crc32c::of(p + cut, 100003 - cut), 100003 - cut) == Crc32c::of(p, 100003));
+  }
+  // A tensor's checksum in 4 MiB blocks on two threads is the one-piece checksum.
+  const at::Tensor big = at::randint(0, 256, {(int64_t{9} << 20) + 5}, at::kByte);
+  const int threads = at::get_num_threads();
+  at::set_num_threads(2);
+  const uint32_t in_blocks = fsdpx::sync::tensor_crc32c(big);
+  at::set_num_threads(threads);
+  CHECK(in_blocks == Crc32c::of(big.const_data_ptr(), big.nbytes()));
 }
 
 // ---- the TCP service --------------------------------------------------------------------------------

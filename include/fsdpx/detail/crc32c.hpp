@@ -30,13 +30,40 @@ class Crc32c {
     return c.value();
   }
 
+  /// The CRC-32C of A followed by B, from crc_a = of(A), crc_b = of(B) and B's length: blocks of one
+  /// buffer checksummed on several threads, then joined. (crc_a times x^(8 len_b), modulo the
+  /// polynomial, plus crc_b; the pre- and post-inversions cancel.)
+  static uint32_t combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b) {
+    if (len_b == 0) return crc_a;
+    // x^(8 len_b) mod P, by squaring: x^(2^k) for the bits of 8 len_b.
+    uint32_t power = 1u << 30;  // x^1
+    uint32_t shift = 1u << 31;  // x^0
+    for (uint64_t bits = len_b * 8; bits != 0; bits >>= 1) {
+      if (bits & 1u) shift = multiply(power, shift);
+      power = multiply(power, power);
+    }
+    return multiply(shift, crc_a) ^ crc_b;
+  }
+
  private:
+  static constexpr uint32_t polynomial = 0x82f63b78u;  // reflected
+
+  /// a * b modulo the polynomial, both reflected (bit 31 is x^0).
+  static uint32_t multiply(uint32_t a, uint32_t b) {
+    uint32_t product = 0;
+    for (uint32_t m = 1u << 31; m != 0; m >>= 1) {
+      if (a & m) product ^= b;
+      b = (b & 1u) ? (b >> 1) ^ polynomial : b >> 1;
+    }
+    return product;
+  }
+
   static const uint32_t* table() {
     static const auto t = [] {
       std::vector<uint32_t> v(256);
       for (uint32_t i = 0; i < 256; ++i) {
         uint32_t c = i;
-        for (int k = 0; k < 8; ++k) c = (c & 1u) ? 0x82f63b78u ^ (c >> 1) : c >> 1;
+        for (int k = 0; k < 8; ++k) c = (c & 1u) ? polynomial ^ (c >> 1) : c >> 1;
         v[i] = c;
       }
       return v;

@@ -18,20 +18,32 @@
 // each cast by its owner (a gather to that rank, not an all-gather; other replicas sit out); only
 // trainer rank 0 broadcasts.
 //
-// On the wire, per version: a preamble {magic, version, bucket count, largest header, direct_bytes,
-// largest bucket} and the header sizes (two small broadcasts); then, per bucket, its self-describing
-// header (a small broadcast of its own) and its payload in segments: a chunk of at least direct_bytes
-// alone, runs of smaller chunks together (detail::segments_of, derived from the header on both sides).
-// A lone chunk is sent straight from where it lies (the gather buffer, or the sending rank's own shard)
-// when no cast is needed, and received straight into the destination parameter (or tensor) when the
-// dtypes match; the rest goes through two staging buckets on each side, so that packing and unpacking
-// overlap the broadcasts.
+// On the wire, per version: an announcement {magic, version, kind, base version, base digest, flags}
+// (a small broadcast), and, when it names a base, one all-reduce (minimum) in which each receiver says
+// whether it holds that base. Then a preamble {magic, version, bucket count, largest header,
+// direct_bytes, largest bucket} and the header sizes (two small broadcasts); then, per bucket, its
+// self-describing header (a small broadcast of its own) and its payload in segments: a chunk of at
+// least direct_bytes alone, runs of smaller chunks together (detail::segments_of, derived from the
+// header on both sides). A lone chunk is sent straight from where it lies (the gather buffer, or the
+// sending rank's own shard) when no cast is needed, and received straight into the destination
+// parameter (or tensor) when the dtypes match; the rest goes through two staging buckets on each side,
+// so that packing and unpacking overlap the broadcasts.
+//
+// Two kinds of version (docs/sync.md, "Delta versions and proof of arrival"):
+// - streamed (the default): the units' parameters as above, then the version's manifest (a CRC-32C per
+//   tensor, BroadcastOptions::checksums), which receivers check against what arrived. Received in place,
+//   so a mismatch (a corrupted transport) is an error after the module was written.
+// - cut (BroadcastOptions::delta): the sending rank keeps a host copy of what it sent last; the version
+//   is the delta from it when every receiver holds it (the all-reduce), else whole: the manifest first,
+//   then what travels (sync/delta.hpp). Receivers stage it, check every tensor, then apply it: on any
+//   failure the module keeps its previous weights.
 #pragma once
 
 #include <fsdpx/detail/config.hpp>
 
 #include <array>
 #include <chrono>
+#include <map>
 #include <optional>
 #include <string>
 #include <utility>
@@ -44,8 +56,10 @@
 #include <fsdpx/memory/host.hpp>
 #include <fsdpx/core/sharded_model.hpp>
 #include <fsdpx/dist/any.hpp>
+#include <fsdpx/detail/crc32c.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/delta.hpp>
 
 namespace fsdpx::sync {
 
@@ -129,11 +143,95 @@ struct BroadcastOptions {
   /// rollout's parameter (or tensor) when its dtype matches. Smaller ones
   /// are packed together, in one broadcast per run. Only the sender sets it (it travels in the preamble).
   int64_t direct_bytes = int64_t{64} << 10;
+  /// Each version's manifest travels (a CRC-32C per tensor, computed by the sending rank; on a GPU
+  /// through host copies of each unit), and receivers check what arrived against it.
+  bool checksums = true;
+  /// Cut versions: the sending rank keeps a host copy of the version it sent last (the model's size in
+  /// the wire dtype) and sends the next as the delta from it, when every receiver holds it. Off
+  /// (std::nullopt): every version streamed whole from the gather buffers, which is faster where the
+  /// link moves bytes faster than a pass over the host copies compares them (NVLink, InfiniBand,
+  /// shared memory); deltas pay off over slow links. Only the sending rank's value matters.
+  std::optional<DeltaOptions> delta;
 };
 
 namespace detail {
-inline constexpr int64_t preamble_magic = 0x46585357'50524532;  // "FXSWPRE2"
+inline constexpr int64_t preamble_magic = 0x46585357'50524533;  // "FXSWPRE3"
 inline constexpr int64_t preamble_longs = 6;
+inline constexpr int64_t announce_magic = 0x46585357'414e4e31;  // "FXSWANN1"
+/// A preamble's bucket count saying the sender failed after announcing the version: nothing follows.
+inline constexpr int64_t aborted_version = -1;
+inline constexpr int64_t announce_longs = 6;
+/// The most bytes a version's manifest may take on the wire (checked before the allocation).
+inline constexpr int64_t max_manifest_bytes = int64_t{1} << 30;
+
+/// A version, as announced before it travels (the first broadcast of every version).
+struct Announcement {
+  enum Kind : int64_t { streamed = 0, cut = 1 };
+  int64_t version = no_version;
+  Kind kind = streamed;
+  int64_t base_version = no_version;  // cut: the version a delta would come from (no_version: none)
+  uint32_t base_digest = 0;
+  bool checksums = false;  // streamed: the manifest follows the buckets
+};
+
+/// Wraps a bucket sink (TensorCollector, ModuleLoader) and computes each tensor's CRC-32C from its
+/// chunks as they arrive, in the dtype they travel in (before a module casts them), to check against
+/// the version's manifest. Chunks of one tensor must come in order (the receiver hands them over so).
+template <class Sink>
+class ChecksumSink {
+ public:
+  explicit ChecksumSink(Sink& sink) : sink_(sink) {}
+  void accept(const BucketEntry& e, const at::Tensor& chunk) {
+    add(e, chunk);
+    sink_.accept(e, chunk);
+  }
+  at::Tensor destination(const BucketEntry& e) {
+    at::Tensor d = sink_.destination(e);
+    if (d.defined()) direct_[{e.name, e.element_offset}] = d;
+    return d;
+  }
+  void accepted(const BucketEntry& e) {
+    const auto it = direct_.find({e.name, e.element_offset});
+    if (it != direct_.end()) {
+      add(e, it->second);
+      direct_.erase(it);
+    }
+    sink_.accepted(e);
+  }
+  /// The size of the manifest of exactly the tensors that arrived (what the sender's must be).
+  int64_t manifest_bytes() const { return manifest_bytes_; }
+  /// Every tensor of `manifest` arrived with its CRC-32C, and nothing else did: a SyncError naming the
+  /// tensors that differ otherwise.
+  void check(const Manifest& manifest, std::string_view where) const {
+    std::vector<std::string> problems;
+    for (const ManifestEntry& m : manifest.entries) {
+      const auto it = crcs_.find(m.name);
+      if (it == crcs_.end()) {
+        problems.push_back(::fsdpx::detail::str("'", m.name, "' never arrived"));
+      } else if (it->second.value() != m.crc) {
+        problems.push_back(::fsdpx::detail::str("'", m.name, "' does not match its checksum (CRC-32C)"));
+      }
+    }
+    for (const auto& [name, crc] : crcs_) {
+      if (manifest.find(name) == nullptr) problems.push_back(::fsdpx::detail::str("'", name, "' is not in the manifest"));
+    }
+    FSDPX_CHECK_AS(SyncError, problems.empty(), "version ", manifest.version, " from ", where,
+                   " did not arrive intact (the transport corrupted it, or the sender is not fsdpx): ",
+                   TensorCollector::join(problems));
+  }
+
+ private:
+  void add(const BucketEntry& e, const at::Tensor& chunk) {
+    auto [it, fresh] = crcs_.try_emplace(e.name);
+    if (fresh) manifest_bytes_ += 20 + static_cast<int64_t>(e.name.size() + 8 * e.shape.size());  // its entry
+    const at::Tensor host = chunk.is_cpu() ? chunk.contiguous() : chunk.cpu();
+    it->second.update(host.const_data_ptr(), host.nbytes());
+  }
+  Sink& sink_;
+  int64_t manifest_bytes_ = 48;  // the manifest's prefix
+  std::map<std::pair<std::string, int64_t>, at::Tensor> direct_;  // received in place, not yet accepted
+  std::unordered_map<std::string, ::fsdpx::detail::Crc32c> crcs_;
+};
 
 /// One broadcast of a bucket's payload: entries [first, last] of the bucket, bytes [begin, end) of it.
 struct Segment {
@@ -170,6 +268,8 @@ class WeightBroadcaster {
     double seconds = 0;            // the whole broadcast(), gathers included
     double send_wait_seconds = 0;  // waiting for broadcasts before refilling a staging bucket or gather buffer
     int64_t bytes_in_place = 0;    // payload sent straight from the gather buffers, without a copy
+    bool delta = false;            // cut versions: sent as the delta from the version before
+    int64_t full_bytes = 0;        // cut versions: the bytes of the version's tensors (what whole sends)
   };
   const Stats& last_stats() const { return stats_; }
 
@@ -184,6 +284,21 @@ class WeightBroadcaster {
   // data already lies in the gather buffer in the rollout dtype is broadcast from there (no copy);
   // everything else is cast/packed into one of two staging buckets first.
   FSDPX_DECL void send(int64_t version);
+  /// A streamed version: the units' parameters as they are gathered, then its manifest.
+  FSDPX_DECL void send_streamed(int64_t version);
+  /// A cut version: every unit's parameters (and the buffers) to host copies in the wire dtype, cut
+  /// against base_ (a delta when `receivers_hold` it), sent as tensors, then base_ holds it.
+  FSDPX_DECL void send_cut(int64_t version, bool receivers_hold);
+  /// Plans `specs` into buckets, encodes their headers (on the device), and sends the preamble (with
+  /// `direct_min`) and the header sizes; the staging buckets then fit the largest bucket.
+  struct Planned {
+    std::vector<BucketLayout> plan;
+    std::vector<at::Tensor> headers;  // each bucket's, kept until the version is sent
+  };
+  FSDPX_DECL Planned plan_and_send_preamble(const std::vector<TensorSpec>& specs, int64_t version, int64_t direct_min);
+  /// Sends whole tensors (host or device) through the two staging buckets: the preamble, the header
+  /// sizes, then per bucket its header and payload.
+  FSDPX_DECL void send_tensors(int64_t version, const std::vector<NamedTensor>& tensors);
 
   /// Where a unit's full flat parameters (in the wire dtype) lie on the sending rank during its turn.
   struct UnitData {
@@ -281,6 +396,20 @@ class WeightBroadcaster {
     }
   }
 
+  /// Calls fn(piece) for consecutive pieces of parameter `p`'s elements in the wire dtype, in order,
+  /// from where they lie during the unit's turn (the gather buffer, this rank's own shard or, without
+  /// gather buffers, the parameter itself, cast).
+  template <class Fn>
+  void for_each_piece(const core::Unit& u, const core::ParamInfo& p, const UnitData& data, Fn&& fn) const {
+    if (!data.lasting) return fn(p.param.detach().reshape({-1}).to(wire_dtype(u)));
+    std::array<int64_t, 4> cuts{p.offset, std::clamp(data.own_begin, p.offset, p.offset + p.numel),
+                                std::clamp(data.own_end, p.offset, p.offset + p.numel), p.offset + p.numel};
+    if (data.own_end <= data.own_begin) cuts[1] = cuts[2] = p.offset;
+    for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+      if (cuts[i + 1] > cuts[i]) fn(data.range(cuts[i], cuts[i + 1] - cuts[i]).first);
+    }
+  }
+
   FSDPX_DECL void ensure_buffers(int64_t bytes, c10::Device device);
 
   static constexpr int lasting_tag = 2, gather_tag = 3;
@@ -293,6 +422,8 @@ class WeightBroadcaster {
   int gather_root_ = -1;                         // the sending rank in gather_; -1: not in this group
   std::array<at::Tensor, 2> gathered_;           // root: full units; others: cast shards (wire dtype)
   std::array<at::Tensor, 2> buffers_;            // buckets (sender only)
+  VersionStore base_;                            // cut versions: what was sent last (sender only)
+  bool preamble_sent_ = false;                   // this version's preamble went out (no abort possible)
   Stats stats_;
 };
 
@@ -322,21 +453,32 @@ class WeightReceiver {
   }
 
   /// Receives the next version into `module`'s parameters by name (names and shapes must match; what
-  /// does not is reported, after the whole version was received). Returns the version.
+  /// does not is reported, after the whole version was received). Returns the version. Every tensor is
+  /// checked against the version's manifest (when the sender sends one). A streamed version lands in
+  /// the module as it arrives; a cut version is staged and checked first, and a delta lands in place
+  /// when the module holds the version before (the module keeps its weights on any failure).
   FSDPX_DECL int64_t receive_into(torch::nn::Module& module);
 
-  /// Receives the next version as tensors (on ReceiveOptions::device).
+  /// Receives the next version as tensors (on ReceiveOptions::device), with its manifest. A delta is
+  /// applied to fresh copies of the tensors it touches (snapshots returned before never change).
   FSDPX_DECL WeightSnapshot receive();
+
+  /// "Do I hold the version received last, exactly?": every tensor's CRC-32C against its manifest.
+  void verify(torch::nn::Module& module) const { held_.verify(module); }
+  void verify(const std::vector<NamedTensor>& tensors) const { held_.verify(tensors); }
 
   int64_t last_version() const { return last_version_; }
   /// Payload bytes of the last version received straight into their destination (no unpacking copy).
   int64_t last_bytes_in_place() const { return bytes_in_place_; }
+  /// Whether the last version came as a delta.
+  bool last_was_delta() const { return last_was_delta_; }
 
  private:
-  template <class Sink>
-  int64_t receive_with(Sink& sink) {
+  /// Runs fn (one version's reception), turning a transport's failure into a SyncError with context.
+  template <class Fn>
+  auto translating(Fn&& fn) {
     try {
-      return receive_buckets(sink);
+      return fn();
     } catch (const SyncError&) {
       throw;
     } catch (const Error& e) {
@@ -347,21 +489,32 @@ class WeightReceiver {
     }
   }
 
+  /// The next version's announcement (the first broadcast of every version), checked.
+  FSDPX_DECL detail::Announcement read_announcement();
+  /// A cut version naming a base: says whether this receiver holds it (an all-reduce with the sender).
+  FSDPX_DECL void vote(const detail::Announcement& a);
+  /// A cut version as collected, its manifest first (the order the rest of it keeps does not matter).
+  FSDPX_DECL std::vector<NamedTensor> in_wire_order(std::vector<NamedTensor> collected) const;
+  /// A streamed version's manifest, after its buckets: `expected_bytes` long (its tensors arrived).
+  FSDPX_DECL Manifest receive_manifest(int64_t version, int64_t expected_bytes);
+  std::string where() const { return ::fsdpx::detail::str("the trainer over '", group_.name(), "'"); }
+
+  /// The buckets of `version` (announced), each chunk handed to `sink`: in order within each tensor.
   template <class Sink>
-  int64_t receive_buckets(Sink& sink) {
+  void receive_buckets(Sink& sink, int64_t version) {
     const auto longs = at::TensorOptions().dtype(at::kLong).device(options_.device);
     auto pre = at::zeros({detail::preamble_longs}, longs);
     group_.broadcast(pre, options_.root);
     pre = pre.cpu();
     const int64_t* p = pre.data_ptr<int64_t>();
-    FSDPX_CHECK_AS(SyncError, p[0] == detail::preamble_magic, "the model-update group '", group_.name(),
-                   "' delivered something that is not a weight-sync preamble: its ranks disagree about what is "
-                   "being sent (is every rollout rank calling receive while trainer rank 0 calls broadcast? "
-                   "are both sides built from the same fsdpx?)");
-    const int64_t version = p[1], n = p[2], largest_header = p[3], direct_min = p[4], largest = p[5];
+    FSDPX_CHECK_AS(SyncError, p[0] == detail::preamble_magic && p[1] == version, "the model-update group '",
+                   group_.name(), "' delivered something that is not the preamble of version ", version,
+                   ": its ranks disagree about what is being sent (are both sides built from the same fsdpx?)");
+    FSDPX_CHECK_AS(SyncError, p[2] != detail::aborted_version, "the trainer could not send version ", version,
+                   " (it failed after announcing it, before sending any of it; its own error says why): nothing "
+                   "was received");
+    const int64_t n = p[2], largest_header = p[3], direct_min = p[4], largest = p[5];
     bytes_in_place_ = 0;
-    FSDPX_CHECK_AS(SyncError, version > last_version_, "the trainer sent version ", version,
-                   " after version ", last_version_, "; versions must increase");
     FSDPX_CHECK_AS(SyncError, n >= 0 && direct_min > 0 && largest >= largest_header &&
                                   (n == 0 || largest_header >= bucket_prefix_bytes),
                    "corrupt weight-sync preamble: ", n, " buckets of at most ", largest, " bytes, headers of at most ",
@@ -391,8 +544,16 @@ class WeightReceiver {
       if (k < 0 || k >= n) return;
       InFlight& f = flight[k % 2];
       for (auto& w : f.works) w.wait_stream();
-      for (const size_t i : f.direct) sink.accepted(f.layout.entries[i]);
-      for (const size_t i : f.staged) sink.accept(f.layout.entries[i], entry_view(buffers_[k % 2], f.layout.entries[i]));
+      // In entry order (both lists ascend): a tensor's chunks reach the sink in order.
+      size_t d = 0, st = 0;
+      while (d < f.direct.size() || st < f.staged.size()) {
+        if (st == f.staged.size() || (d < f.direct.size() && f.direct[d] < f.staged[st])) {
+          sink.accepted(f.layout.entries[f.direct[d++]]);
+        } else {
+          const BucketEntry& e = f.layout.entries[f.staged[st++]];
+          sink.accept(e, entry_view(buffers_[k % 2], e));
+        }
+      }
       f = InFlight{};
     };
     const auto post_header = [&](int64_t k) {
@@ -430,8 +591,6 @@ class WeightReceiver {
     }
     finish(n - 2);
     finish(n - 1);
-    last_version_ = version;
-    return version;
   }
 
   FSDPX_DECL static BucketLayout read_header(const at::Tensor& bucket, const std::string& where);
@@ -442,6 +601,8 @@ class WeightReceiver {
   std::array<at::Tensor, 2> buffers_;  // staging buckets
   std::array<at::Tensor, 2> headers_;
   int64_t bytes_in_place_ = 0;
+  bool last_was_delta_ = false;
+  detail::HeldVersion held_;  // the version received last (a delta's base), or its manifest
 };
 
 }  // namespace fsdpx::sync

@@ -70,6 +70,11 @@ class SynchronizerClient {
   /// Publishes `tensors` as `version`; returns once the server committed it (readers can see it).
   /// Bucket by bucket, so the trainer holds one bucket beyond the tensors.
   FSDPX_DECL void publish(int64_t version, const std::vector<NamedTensor>& tensors);
+  /// The same, handing the tensors over (gather_full_state_dict's fresh ones): host, contiguous tensors
+  /// are kept as the base of the next delta as they are, instead of a copy of the version. They must
+  /// not change afterwards (a tensor that is still the base's memory at the next publish sends that
+  /// version whole).
+  FSDPX_DECL void publish(int64_t version, std::vector<NamedTensor>&& tensors);
 
   /// The newest version once it is newer than `have` (no_version: any), waiting up to `wait` for one.
   /// `wait` is the deadline of the whole fetch, the version's transfer included: whatever the server

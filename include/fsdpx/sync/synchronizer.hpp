@@ -5,16 +5,22 @@
 //   // trainer (every trainer rank gathers; rank 0 publishes):
 //   auto weights = fsdpx::sync::gather_full_state_dict(model, rank == 0, {.dtype = at::kBFloat16});
 //   if (rank == 0) sync.publish(step, std::move(weights));
-//   // a rollout thread:
-//   auto snapshot = sync.wait_newer(have, std::chrono::seconds(30));   // shared, immutable
-//   fsdpx::sync::load_into(*rollout_model, snapshot->tensors);
-//   have = snapshot->version;
+//   // a rollout thread, into its module (only what changed is written once the module holds a version):
+//   fsdpx::sync::SynchronizerReader reader(sync);
+//   const int64_t version = reader.load_newer_into(*rollout_model, std::chrono::seconds(30));
+//   // or the shared, immutable snapshot itself:
+//   auto snapshot = sync.wait_newer(have, std::chrono::seconds(30));
+//   fsdpx::sync::verify(snapshot->tensors, *snapshot->manifest);   // proof: CRC-32C per tensor
 //
 // Guarantees: versions only increase (publishing an older or equal one is an error); a reader gets
 // either the whole of one published version or an error, never a mixture, because a version becomes
 // visible in one step, as one immutable shared snapshot, after it is complete. Readers asking for a
 // version newer than theirs always get the newest one (a late reader skips the ones it missed).
-// Across processes, fsdpx/sync/service.hpp serves the same guarantees over TCP.
+// Every version carries its manifest (each tensor's CRC-32C). Host tensors published in a row with the
+// same names, dtypes and shapes are also cut into a delta against the version before (sync/delta.hpp):
+// a SynchronizerReader whose module holds that version writes only the changed elements, checked
+// against the manifest; any other reader loads the version whole. Across processes,
+// fsdpx/sync/service.hpp serves the same guarantees over TCP.
 #pragma once
 
 #include <fsdpx/detail/config.hpp>
@@ -30,6 +36,7 @@
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/delta.hpp>
 
 namespace fsdpx::sync {
 namespace detail {
@@ -110,26 +117,76 @@ class VersionedSlot {
 
 }  // namespace detail
 
+struct SynchronizerOptions {
+  /// How each version is cut against the one before it, for readers whose module holds that one
+  /// (SynchronizerReader). Deltas are cut between host tensors (contiguous, in place); device tensors
+  /// are handed over whole. enabled = false: every version whole.
+  DeltaOptions delta;
+};
+
 class Synchronizer {
  public:
+  explicit Synchronizer(SynchronizerOptions options = {}) : options_(options) {}
+
   /// Publishes `tensors` as `version`. The synchronizer takes them as they are, without copying: the
-  /// caller must not modify them afterwards (gather_full_state_dict returns fresh tensors).
+  /// caller must not modify them afterwards (gather_full_state_dict returns fresh tensors). Computes
+  /// the version's manifest (a CRC-32C per tensor: device tensors are read through a host copy) and,
+  /// with deltas on, the delta from the version before (a pass comparing the two), before it becomes
+  /// visible.
   FSDPX_DECL void publish(int64_t version, std::vector<NamedTensor> tensors);
 
   /// The newest snapshot, or nullptr before the first publish.
-  std::shared_ptr<const WeightSnapshot> latest() const { return slot_.latest().second; }
+  std::shared_ptr<const WeightSnapshot> latest() const { return snapshot_of(slot_.latest().second); }
   int64_t latest_version() const { return slot_.version(); }
 
   /// The newest snapshot once its version exceeds `have` (no_version: any); SyncError after `timeout`.
   std::shared_ptr<const WeightSnapshot> wait_newer(int64_t have, std::chrono::milliseconds timeout) const {
-    return slot_.wait_newer(have, timeout).second;
+    return snapshot_of(slot_.wait_newer(have, timeout).second);
   }
 
   /// Ends the hand-off: waiting and later readers that need a newer version get a SyncError with `reason`.
   void close(std::string reason = "closed by its owner") { slot_.close(std::move(reason)); }
 
  private:
-  detail::VersionedSlot<WeightSnapshot> slot_;
+  friend class SynchronizerReader;
+  /// A version as readers get it: the snapshot, and the delta from the version before (empty: none).
+  struct Published {
+    WeightSnapshot snapshot;
+    std::vector<NamedTensor> delta;  // as it would travel: its manifest first
+  };
+  static std::shared_ptr<const WeightSnapshot> snapshot_of(const std::shared_ptr<const Published>& p) {
+    return p ? std::shared_ptr<const WeightSnapshot>(p, &p->snapshot) : nullptr;
+  }
+
+  SynchronizerOptions options_;
+  detail::VersionedSlot<Published> slot_;
+  std::mutex publish_mutex_;  // one publish at a time: the delta base is the version before
+  VersionStore base_;         // the newest version's tensors (aliases), when they can be a delta's base
+};
+
+/// One rollout's reader of a Synchronizer: loads each newer version into a module, in place. Once the
+/// module holds a version, the next one's delta lands in it (only changed elements are written); every
+/// written tensor is checked against the version's CRC-32C, and on any failure the module keeps its
+/// previous weights, bit for bit. Not thread-safe: one reader per rollout thread.
+class SynchronizerReader {
+ public:
+  explicit SynchronizerReader(const Synchronizer& source) : source_(&source) {}
+
+  /// The newest version once it is newer than the one this reader loaded last, into `module`'s
+  /// parameters and buffers by name; SyncError after `timeout`. Returns the version.
+  FSDPX_DECL int64_t load_newer_into(torch::nn::Module& module, std::chrono::milliseconds timeout);
+
+  /// "Does `module` hold the version loaded last, exactly?": every tensor's CRC-32C against its manifest.
+  void verify(torch::nn::Module& module) const { held_.verify(module); }
+  int64_t last_version() const { return last_version_; }
+  /// Whether the last load applied a delta (else it copied the whole version).
+  bool last_was_delta() const { return last_was_delta_; }
+
+ private:
+  const Synchronizer* source_;
+  detail::HeldVersion held_;
+  int64_t last_version_ = no_version;
+  bool last_was_delta_ = false;
 };
 
 }  // namespace fsdpx::sync

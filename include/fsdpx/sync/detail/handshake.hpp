@@ -33,7 +33,7 @@ using Mac = std::array<uint8_t, mac_bytes>;
 inline Nonce fresh_nonce() {
   Nonce n;
   FSDPX_CHECK_AS(SyncError, RAND_bytes(n.data(), static_cast<int>(n.size())) == 1,
-                 "fsdpx: the synchronizer could not draw a random nonce (OpenSSL RAND_bytes failed)");
+                 "the synchronizer could not draw a random nonce (OpenSSL RAND_bytes failed)");
   return n;
 }
 
@@ -49,7 +49,7 @@ inline Mac handshake_mac(std::string_view secret, std::string_view label, Role r
   unsigned int len = 0;
   const auto* out = HMAC(EVP_sha256(), secret.data(), static_cast<int>(secret.size()),
                          reinterpret_cast<const unsigned char*>(message.data()), message.size(), mac.data(), &len);
-  FSDPX_CHECK_AS(SyncError, out != nullptr && len == mac.size(), "fsdpx: the synchronizer's HMAC-SHA256 failed (OpenSSL)");
+  FSDPX_CHECK_AS(SyncError, out != nullptr && len == mac.size(), "the synchronizer's HMAC-SHA256 failed (OpenSSL)");
   return mac;
 }
 

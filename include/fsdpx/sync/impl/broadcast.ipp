@@ -4,6 +4,11 @@
 
 #include <fsdpx/sync/broadcast.hpp>
 
+#include <algorithm>
+#include <limits>
+#include <string_view>
+#include <unordered_map>
+
 namespace fsdpx::sync {
 
 FSDPX_DECL TrainerRolloutGroups split_trainer_rollout(const dist::AnyCommunicator& world, int trainers) {
@@ -96,6 +101,93 @@ FSDPX_DECL void WeightBroadcaster::broadcast(int64_t version) {
 }
 
 FSDPX_DECL void WeightBroadcaster::send(int64_t version) {
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(model_->unit(0).options().device);
+  const bool cut = options_.delta.has_value();
+  const Manifest* base = cut && !base_.empty() ? &base_.manifest() : nullptr;
+  group_->broadcast(at::tensor({detail::announce_magic, version,
+                                int64_t{cut ? detail::Announcement::cut : detail::Announcement::streamed},
+                                base ? base->version : no_version, int64_t{base ? base->digest : 0u},
+                                int64_t{options_.checksums ? 1 : 0}},
+                               at::kLong).to(longs), 0);
+  preamble_sent_ = false;
+  try {
+    if (!cut) return send_streamed(version);
+    bool receivers_hold = false;
+    if (base != nullptr) {
+      auto hold = at::ones({1}, longs);
+      group_->all_reduce(hold, dist::ReduceOp::min);
+      receivers_hold = hold.item<int64_t>() == 1;
+    }
+    send_cut(version, receivers_hold);
+  } catch (...) {
+    // Failed after the announcement, before the preamble: the receivers are told, and stay in step.
+    if (!preamble_sent_) {
+      group_->broadcast(
+          at::tensor(std::vector<int64_t>{detail::preamble_magic, version, detail::aborted_version, 0, 1, 0}, at::kLong)
+              .to(longs), 0);
+    }
+    throw;
+  }
+}
+
+FSDPX_DECL void WeightBroadcaster::send_cut(int64_t version, bool receivers_hold) {
+  std::vector<NamedTensor> current;
+  walk_units([](int) {}, [&](int, core::Unit& u, const UnitData& data) {
+    for (const auto& p : u.layout().params()) {
+      at::Tensor host = at::empty(p.shape, at::TensorOptions().dtype(wire_dtype(u)));
+      at::Tensor flat = host.view({-1});
+      int64_t filled = 0;
+      for_each_piece(u, p, data, [&](const at::Tensor& piece) {
+        flat.narrow(0, filled, piece.numel()).copy_(piece);
+        filled += piece.numel();
+      });
+      current.push_back({p.name, std::move(host)});
+    }
+  });
+  for (auto& b : module_buffers(*model_)) {
+    current.push_back({std::move(b.name), b.tensor.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous()});
+  }
+  if (!receivers_hold) base_.clear();  // some receiver lacks the base: the version goes whole
+  EncodedVersion v = base_.cut(version, current, *options_.delta);
+  stats_.delta = v.manifest.is_delta();
+  stats_.full_bytes = v.full_bytes;
+  send_tensors(version, v.tensors);
+  base_.commit(std::move(v));
+}
+
+FSDPX_DECL void WeightBroadcaster::send_tensors(int64_t version, const std::vector<NamedTensor>& tensors) {
+  std::vector<TensorSpec> specs;
+  std::unordered_map<std::string_view, const at::Tensor*> by_name;
+  for (const auto& t : tensors) {
+    specs.push_back({t.name, t.tensor.sizes().vec(), t.tensor.scalar_type()});
+    by_name.emplace(t.name, &t.tensor);
+  }
+  // The tensors lie on the host: every chunk goes through a staging bucket (one broadcast per run).
+  constexpr int64_t staged_only = std::numeric_limits<int64_t>::max();
+  const Planned planned = plan_and_send_preamble(specs, version, staged_only);
+  const auto& plan = planned.plan;
+  const auto& headers = planned.headers;
+  const int64_t n = static_cast<int64_t>(plan.size());
+  std::array<std::vector<dist::Work>, 2> pending;  // per staging bucket
+  std::vector<dist::Work> sent_headers;
+  for (int64_t k = 0; k < n; ++k) {
+    for (auto& w : pending[k % 2]) w.wait_stream();  // the staging bucket is free again
+    pending[k % 2].clear();
+    sent_headers.push_back(group_->broadcast_async(headers[k], 0));
+    for (const BucketEntry& e : plan[k].entries) {
+      if (e.numel > 0) pack_entry(buffers_[k % 2], e, *by_name.at(e.name));
+    }
+    for (const detail::Segment& sg : detail::segments_of(plan[k], staged_only)) {
+      pending[k % 2].push_back(group_->broadcast_async(buffers_[k % 2].narrow(0, sg.begin, sg.end - sg.begin), 0));
+    }
+  }
+  for (auto& slot : pending) {
+    for (auto& w : slot) w.wait_stream();
+  }
+  for (auto& w : sent_headers) w.wait_stream();
+}
+
+FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
   using Clock = std::chrono::steady_clock;
   std::vector<TensorSpec> specs;
   for (size_t i = 0; i < model_->num_units(); ++i) {
@@ -112,28 +204,14 @@ FSDPX_DECL void WeightBroadcaster::send(int64_t version) {
   }
   const std::vector<NamedTensor> buffers = module_buffers(*model_);
   for (const auto& b : buffers) specs.push_back({b.name, b.tensor.sizes().vec(), b.tensor.scalar_type()});
-  const auto plan = plan_buckets(specs, options_.bucket_bytes, version);
+  const Planned planned = plan_and_send_preamble(specs, version, options_.direct_bytes);
+  const auto& plan = planned.plan;
+  const auto& headers = planned.headers;
   const int64_t n = static_cast<int64_t>(plan.size());
   const c10::Device device = model_->unit(0).options().device;
-  int64_t largest = 0, largest_header = 0;
-  std::vector<int64_t> header_sizes;
-  std::vector<at::Tensor> headers;  // kept until the version is sent
-  std::vector<std::vector<detail::Segment>> segments;
-  for (const auto& b : plan) {
-    header_sizes.push_back(b.header_bytes);
-    largest = std::max(largest, b.total_bytes);
-    largest_header = std::max(largest_header, b.header_bytes);
-    stats_.bytes += b.total_bytes;
-    auto bytes = encode_header(b);
-    headers.push_back(at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte).to(device, false, true));
-    segments.push_back(detail::segments_of(b, options_.direct_bytes));
-  }
-  stats_.buckets = n;
   const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
-  group_->broadcast(at::tensor({detail::preamble_magic, version, n, largest_header, options_.direct_bytes, largest},
-                               at::kLong).to(longs), 0);
-  if (n > 0) group_->broadcast(at::tensor(header_sizes, at::kLong).to(longs), 0);
-  ensure_buffers(largest, device);
+  std::vector<std::vector<detail::Segment>> segments;
+  for (const auto& b : plan) segments.push_back(detail::segments_of(b, options_.direct_bytes));
 
   // Broadcasts in flight, each tagged with the memory it reads: staging bucket 0/1, memory that stays
   // (lasting_tag: headers, the rank's own shard), or gather slot s (gather_tag + s).
@@ -188,10 +266,22 @@ FSDPX_DECL void WeightBroadcaster::send(int64_t version) {
     }
   };
   begin_bucket();
+  Manifest manifest;  // what the receivers must end with: each tensor's CRC-32C as it travels
+  manifest.version = version;
+  const auto record = [&](const std::string& name, const std::vector<int64_t>& shape, at::ScalarType dtype, auto&& each) {
+    if (!options_.checksums) return;
+    ::fsdpx::detail::Crc32c crc;
+    each([&](const at::Tensor& piece) {
+      const at::Tensor host = piece.is_cpu() ? piece.contiguous() : piece.cpu();
+      crc.update(host.const_data_ptr(), host.nbytes());
+    });
+    manifest.entries.push_back({name, dtype, shape, DeltaEncoding::full, 0, crc.value(), -1});
+  };
   walk_units(
       [&](int slot) { release(gather_tag + slot); },
       [&](int slot, core::Unit& u, const UnitData& data) {
         for (const auto& p : u.layout().params()) {
+          record(p.name, p.shape, wire_dtype(u), [&](auto&& update) { for_each_piece(u, p, data, update); });
           send_tensor(p.name, [&](const BucketEntry& entry) {
             const auto [chunk, in_gather_buffer] = data.lasting
                 ? data.range(p.offset + entry.element_offset, entry.numel)
@@ -203,12 +293,44 @@ FSDPX_DECL void WeightBroadcaster::send(int64_t version) {
         }
       });
   for (const auto& b : buffers) {
+    record(b.name, b.tensor.sizes().vec(), b.tensor.scalar_type(), [&](auto&& update) { update(b.tensor); });
     send_tensor(b.name, [&](const BucketEntry& entry) {
       return std::tuple{b.tensor.reshape({-1}).narrow(0, entry.element_offset, entry.numel), false, lasting_tag};
     });
   }
   FSDPX_CHECK_AS(SyncError, k == n, "weight sync: internal error: ", k, " of ", n, " buckets were filled");
   for (auto& [t, w] : pending) w.wait_stream();
+  if (options_.checksums) {
+    manifest.digest = manifest.compute_digest();
+    const at::Tensor bytes = manifest.encode().to(device);
+    group_->broadcast(at::tensor({bytes.numel()}, at::kLong).to(longs), 0);
+    group_->broadcast(bytes, 0);
+  }
+}
+
+FSDPX_DECL WeightBroadcaster::Planned WeightBroadcaster::plan_and_send_preamble(const std::vector<TensorSpec>& specs,
+                                                                                 int64_t version, int64_t direct_min) {
+  Planned out;
+  out.plan = plan_buckets(specs, options_.bucket_bytes, version);
+  const int64_t n = static_cast<int64_t>(out.plan.size());
+  const c10::Device device = model_->unit(0).options().device;
+  int64_t largest = 0, largest_header = 0;
+  std::vector<int64_t> header_sizes;
+  for (const auto& b : out.plan) {
+    header_sizes.push_back(b.header_bytes);
+    largest = std::max(largest, b.total_bytes);
+    largest_header = std::max(largest_header, b.header_bytes);
+    stats_.bytes += b.total_bytes;
+    auto bytes = encode_header(b);
+    out.headers.push_back(at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte).to(device, false, true));
+  }
+  stats_.buckets = n;
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
+  preamble_sent_ = true;
+  group_->broadcast(at::tensor({detail::preamble_magic, version, n, largest_header, direct_min, largest}, at::kLong).to(longs), 0);
+  if (n > 0) group_->broadcast(at::tensor(header_sizes, at::kLong).to(longs), 0);
+  ensure_buffers(largest, device);
+  return out;
 }
 
 FSDPX_DECL std::pair<int64_t, int64_t> WeightBroadcaster::own_range(const core::Unit& u) const {
@@ -236,16 +358,120 @@ FSDPX_DECL void WeightBroadcaster::ensure_buffers(int64_t bytes, c10::Device dev
 }
 
 FSDPX_DECL int64_t WeightReceiver::receive_into(torch::nn::Module& module) {
-  ModuleLoader loader(module);
-  const int64_t version = receive_with(loader);
-  loader.finish();
-  return version;
+  return translating([&] {
+    const detail::Announcement a = read_announcement();
+    last_was_delta_ = false;
+    if (a.kind == detail::Announcement::cut) {
+      held_.prepare(&module);
+      vote(a);
+      TensorCollector collector(options_.device);
+      receive_buckets(collector, a.version);
+      std::vector<NamedTensor> received = in_wire_order(collector.finish());
+      const bool delta = Manifest::decode(received.front().tensor, where()).is_delta();
+      held_.take_into(module, std::move(received), where());  // staged and checked, then applied
+      last_was_delta_ = delta;
+    } else {
+      held_ = detail::HeldVersion{};  // the module is written as the version arrives
+      ModuleLoader loader(module);
+      if (a.checksums) {
+        detail::ChecksumSink<ModuleLoader> checked(loader);
+        receive_buckets(checked, a.version);
+        const Manifest manifest = receive_manifest(a.version, checked.manifest_bytes());  // before any error
+        loader.finish();
+        checked.check(manifest, where());
+        held_.taken(manifest);
+      } else {
+        receive_buckets(loader, a.version);
+        loader.finish();
+      }
+    }
+    last_version_ = a.version;
+    return a.version;
+  });
 }
 
 FSDPX_DECL WeightSnapshot WeightReceiver::receive() {
-  TensorCollector collector(options_.device);
-  const int64_t version = receive_with(collector);
-  return {version, collector.finish()};
+  return translating([&] {
+    const detail::Announcement a = read_announcement();
+    last_was_delta_ = false;
+    WeightSnapshot out;
+    out.version = a.version;
+    TensorCollector collector(options_.device);
+    if (a.kind == detail::Announcement::cut) {
+      held_.prepare(nullptr);
+      vote(a);
+      receive_buckets(collector, a.version);
+      std::vector<NamedTensor> received = in_wire_order(collector.finish());
+      const bool delta = Manifest::decode(received.front().tensor, where()).is_delta();
+      std::tie(out.tensors, out.manifest) = held_.take(std::move(received), where());
+      last_was_delta_ = delta;
+    } else {
+      held_ = detail::HeldVersion{};
+      if (a.checksums) {
+        detail::ChecksumSink<TensorCollector> checked(collector);
+        receive_buckets(checked, a.version);
+        const Manifest manifest = receive_manifest(a.version, checked.manifest_bytes());
+        out.tensors = collector.finish();
+        checked.check(manifest, where());
+        held_.taken(manifest);
+        out.manifest = std::make_shared<const Manifest>(manifest);
+      } else {
+        receive_buckets(collector, a.version);
+        out.tensors = collector.finish();
+      }
+    }
+    last_version_ = a.version;
+    return out;
+  });
+}
+
+FSDPX_DECL std::vector<NamedTensor> WeightReceiver::in_wire_order(std::vector<NamedTensor> collected) const {
+  // A collector lists tensors as first received, and a lone chunk of a later bucket may be received
+  // (in place) before an earlier bucket is unpacked: the manifest goes back to the front.
+  const auto it = std::find_if(collected.begin(), collected.end(), [](const NamedTensor& t) { return t.name == manifest_name; });
+  FSDPX_CHECK_AS(SyncError, it != collected.end(), "a cut version from ", where(), " has no manifest ('", manifest_name,
+                 "'): the sender is not fsdpx, or the version is corrupt");
+  std::rotate(collected.begin(), it, it + 1);
+  return collected;
+}
+
+FSDPX_DECL detail::Announcement WeightReceiver::read_announcement() {
+  auto a = at::zeros({detail::announce_longs}, at::TensorOptions().dtype(at::kLong).device(options_.device));
+  group_.broadcast(a, options_.root);
+  a = a.cpu();
+  const int64_t* p = a.const_data_ptr<int64_t>();
+  FSDPX_CHECK_AS(SyncError, p[0] == detail::announce_magic, "the model-update group '", group_.name(),
+                 "' delivered something that is not a weight-sync announcement: its ranks disagree about what is "
+                 "being sent (is every rollout rank calling receive while trainer rank 0 calls broadcast? "
+                 "are both sides built from the same fsdpx?)");
+  FSDPX_CHECK_AS(SyncError, (p[2] == detail::Announcement::streamed || p[2] == detail::Announcement::cut) &&
+                                p[3] >= no_version && p[4] >= 0 && p[4] <= std::numeric_limits<uint32_t>::max() &&
+                                (p[5] == 0 || p[5] == 1),
+                 "corrupt weight-sync announcement of version ", p[1], ": kind ", p[2], ", base ", p[3], " (digest ",
+                 p[4], "), flags ", p[5]);
+  return {p[1], static_cast<detail::Announcement::Kind>(p[2]), p[3], static_cast<uint32_t>(p[4]), p[5] == 1};
+}
+
+FSDPX_DECL void WeightReceiver::vote(const detail::Announcement& a) {
+  if (a.base_version == no_version) return;  // the sender holds no base: no vote
+  auto hold = at::full({1}, held_.holds(a.base_version, a.base_digest) ? 1 : 0,
+                       at::TensorOptions().dtype(at::kLong).device(options_.device));
+  group_.all_reduce(hold, dist::ReduceOp::min);
+}
+
+FSDPX_DECL Manifest WeightReceiver::receive_manifest(int64_t version, int64_t expected_bytes) {
+  auto size = at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(options_.device));
+  group_.broadcast(size, options_.root);
+  const int64_t n = size.cpu().item<int64_t>();
+  FSDPX_CHECK_AS(SyncError, n == expected_bytes && n <= detail::max_manifest_bytes, "the manifest of version ", version,
+                 " from ", where(), " would take ", n, " bytes, but that of the tensors that arrived takes ", expected_bytes,
+                 " (the sender is not fsdpx, or the version is corrupt)");
+  auto bytes = at::empty({n}, at::TensorOptions().dtype(at::kByte).device(options_.device));
+  group_.broadcast(bytes, options_.root);
+  Manifest m = Manifest::decode(bytes, where());
+  FSDPX_CHECK_AS(SyncError, m.version == version && !m.is_delta(), "the manifest from ", where(), " is of version ",
+                 m.version, m.is_delta() ? " (a delta)" : "", " but version ", version, " was sent");
+  return m;
 }
 
 FSDPX_DECL BucketLayout WeightReceiver::read_header(const at::Tensor& bucket, const std::string& where) {

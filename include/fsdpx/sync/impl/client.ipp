@@ -84,7 +84,9 @@ class ClientConnection {
 
   /// Publishes `tensors` as `version`; returns once the server committed it (readers can see it).
   /// Bucket by bucket, so the trainer holds one bucket beyond the tensors.
-  void publish(int64_t version, const std::vector<NamedTensor>& tensors) {
+  /// `handed_over`: the caller gave up `tensors` (publish(version, std::vector&&)): host, contiguous
+  /// ones become the base of the next delta as they are, instead of a copy.
+  void publish(int64_t version, const std::vector<NamedTensor>& tensors, bool handed_over) {
     FSDPX_CHECK_AS(SyncError, version >= 0, "cannot publish version ", version, ": versions are >= 0");
     FSDPX_CHECK_AS(SyncError, !tensors.empty(), "cannot publish version ", version, ": it has no tensors");
     detail::check_unique_names(tensors, version);
@@ -99,12 +101,29 @@ class ClientConnection {
       FSDPX_CHECK_AS(SyncError, v.manifest.is_delta() && last_error_aux_ == detail::refused_base, "the synchronizer at ",
                      where_, " refused version ", version, ": ", refused);
       published_store_.clear();
+      base_is_callers_ = false;
       v = published_store_.cut(version, tensors, options_.delta);
       const std::string again = send_version(version, v.tensors, run, what);
       FSDPX_CHECK_AS(SyncError, again.empty(), "the synchronizer at ", where_, " refused version ", version, ": ", again);
     }
     last_transfer_ = {version, v.manifest.is_delta(), v.bytes, v.full_bytes};
-    if (options_.delta.enabled) published_store_.commit(std::move(v));  // the base of the next delta
+    if (options_.delta.enabled) {  // the base of the next delta
+      const bool keep_as_is = handed_over && std::all_of(tensors.begin(), tensors.end(), [](const NamedTensor& t) {
+        return t.tensor.is_cpu() && t.tensor.is_contiguous();
+      });
+      if (keep_as_is) {
+        published_store_.adopt(tensors, v.manifest.whole());
+      } else if (base_is_callers_) {
+        // The base is tensors handed over before: a delta must not be applied to them (the caller may
+        // still share them); the version is kept as a copy instead.
+        std::vector<NamedTensor> copies;
+        for (const NamedTensor& t : tensors) copies.push_back({t.name, t.tensor.detach().to(at::kCPU, false, true).contiguous()});
+        published_store_.adopt(std::move(copies), v.manifest.whole());
+      } else {
+        published_store_.commit(std::move(v));
+      }
+      base_is_callers_ = keep_as_is;
+    }
     published_ = true;
   }
 
@@ -113,59 +132,31 @@ class ClientConnection {
   /// is gone, on a corrupt frame. A connection the server closed while it was idle is opened again.
   WeightSnapshot fetch_newer(int64_t have, std::chrono::milliseconds wait) {
     const std::string what = ::fsdpx::detail::str("fetching a version newer than ", have);
-    if (target_ != nullptr) forget();
+    held_.prepare(nullptr);
     reconnect_if_closed();
     authenticate(Role::fetch, what);
     Received r = fetch_once(have, base_for(have), wait, what);
-    try {
-      // Copy-on-write: the tensors of snapshots returned before never change.
-      store_.accept(std::move(r.tensors), VersionStore::Apply::copy_on_write, "the synchronizer at " + where_);
-    } catch (const SyncError&) {
-      forget();
-      throw;
-    }
+    // Copy-on-write: the tensors of snapshots returned before never change.
+    auto [tensors, manifest] = held_.take(std::move(r.tensors), "the synchronizer at " + where_);
     last_version_ = r.version;
     last_run_ = r.run;
-    return {r.version, store_.tensors(), std::move(r.run), std::make_shared<const Manifest>(store_.manifest())};
+    return {r.version, std::move(tensors), std::move(r.run), std::move(manifest)};
   }
 
   int64_t fetch_newer_into(torch::nn::Module& module, int64_t have, std::chrono::milliseconds wait) {
     const std::string what = ::fsdpx::detail::str("fetching a version newer than ", have, " into a module");
-    if (target_ != &module || !still_adopted(module)) forget();
+    held_.prepare(&module);
     reconnect_if_closed();
     authenticate(Role::fetch, what);
     Received r = fetch_once(have, base_for(have), wait, what);
-    const std::string from = "the synchronizer at " + where_;
-    try {
-      if (Manifest::decode(r.tensors.front().tensor, from).is_delta()) {
-        store_.accept(std::move(r.tensors), VersionStore::Apply::in_place, from);  // into the module's tensors
-      } else {
-        forget();
-        VersionStore staged;  // checked whole, and against the module, before anything is loaded
-        staged.accept(std::move(r.tensors), VersionStore::Apply::copy_on_write, from);
-        check_loadable(module, staged.tensors());
-        load_into(module, staged.tensors());
-        adopt(module, staged.manifest());
-      }
-    } catch (const SyncError&) {
-      forget();
-      throw;
-    }
+    held_.take_into(module, std::move(r.tensors), "the synchronizer at " + where_);
     last_version_ = r.version;
     last_run_ = r.run;
     return r.version;
   }
 
-  void verify(torch::nn::Module& module) const {
-    FSDPX_CHECK_AS(SyncError, !store_.empty() || last_manifest_, "fsdpx: nothing to verify against: this client has "
-                   "fetched no version yet");
-    ::fsdpx::sync::verify(module, store_.empty() ? *last_manifest_ : store_.manifest());
-  }
-  void verify(const std::vector<NamedTensor>& tensors) const {
-    FSDPX_CHECK_AS(SyncError, !store_.empty() || last_manifest_, "fsdpx: nothing to verify against: this client has "
-                   "fetched no version yet");
-    ::fsdpx::sync::verify(tensors, store_.empty() ? *last_manifest_ : store_.manifest());
-  }
+  void verify(torch::nn::Module& module) const { held_.verify(module); }
+  void verify(const std::vector<NamedTensor>& tensors) const { held_.verify(tensors); }
   SynchronizerClient::Transfer last_transfer() const { return last_transfer_; }
 
 
@@ -359,98 +350,11 @@ class ClientConnection {
   /// What the next fetch says it holds: the version in the store, when it is `have`.
   detail::FetchBase base_for(int64_t have) const {
     detail::FetchBase base;
-    if (!store_.empty() && store_.version() == have) {
+    if (const Manifest* held = held_.base(); held != nullptr && held->version == have) {
       base.flags = 1;
-      base.digest = store_.digest();
+      base.digest = held->digest;
     }
     return base;
-  }
-
-  /// Nothing held any more: the next fetch gets a full version.
-  void forget() {
-    if (!store_.empty()) last_manifest_ = std::make_shared<const Manifest>(store_.manifest());
-    store_.clear();
-    target_ = nullptr;
-  }
-
-  /// The module's parameters and buffers by name, detached (aliases of their memory).
-  static std::unordered_map<std::string, at::Tensor> module_tensors(torch::nn::Module& module) {
-    std::unordered_map<std::string, at::Tensor> by_name;
-    for (const auto& item : module.named_parameters(/*recurse=*/true)) by_name.emplace(item.key(), item.value().detach());
-    for (const auto& item : module.named_buffers(/*recurse=*/true)) {
-      if (item.value().defined()) by_name.emplace(item.key(), item.value().detach());
-    }
-    return by_name;
-  }
-
-  /// After a full version was loaded into `module`: its tensors become the store (deltas land in them),
-  /// when each is contiguous and of the sent dtype; otherwise versions keep coming full.
-  void adopt(torch::nn::Module& module, const Manifest& manifest) {
-    const auto by_name = module_tensors(module);
-    std::vector<NamedTensor> aliases;
-    std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // a delta must never land twice in one place
-    for (const ManifestEntry& e : manifest.entries) {
-      const auto it = by_name.find(e.name);
-      if (it == by_name.end() || it->second.scalar_type() != e.dtype || !it->second.is_contiguous()) {
-        last_manifest_ = std::make_shared<const Manifest>(manifest);
-        return;
-      }
-      const auto begin = reinterpret_cast<uintptr_t>(it->second.const_data_ptr());
-      spans.emplace_back(begin, begin + it->second.nbytes());
-      aliases.push_back({e.name, it->second});
-    }
-    std::sort(spans.begin(), spans.end());
-    for (size_t i = 1; i < spans.size(); ++i) {
-      if (spans[i].first < spans[i - 1].second) {  // one tensor sent under two names (a tied one): full versions
-        last_manifest_ = std::make_shared<const Manifest>(manifest);
-        return;
-      }
-    }
-    store_.adopt(std::move(aliases), manifest);
-    target_ = &module;
-  }
-
-  /// The module's tensors are still the ones adopted: the same memory, dtype and shape (Module::to, or
-  /// place_on_huge_pages, moves parameters to new memory; a delta must land where the module reads).
-  bool still_adopted(torch::nn::Module& module) const {
-    if (store_.empty()) return false;
-    const auto by_name = module_tensors(module);
-    for (const NamedTensor& held : store_.tensors()) {
-      const auto it = by_name.find(held.name);
-      if (it == by_name.end() || it->second.const_data_ptr() != held.tensor.const_data_ptr() ||
-          it->second.scalar_type() != held.tensor.scalar_type() || it->second.sizes() != held.tensor.sizes() ||
-          !it->second.is_contiguous()) {
-        return false;
-      }
-    }
-    return true;
-  }
-
-  /// Names and shapes of a full version against the module's, before anything is copied: a mismatch
-  /// leaves the module as it was (load_into reports after copying what it could).
-  static void check_loadable(torch::nn::Module& module, const std::vector<NamedTensor>& tensors) {
-    const auto by_name = module_tensors(module);
-    std::unordered_set<const void*> filled;  // by memory: a tied parameter is filled under either name
-    std::vector<std::string> problems;
-    for (const NamedTensor& t : tensors) {
-      const auto it = by_name.find(t.name);
-      if (it == by_name.end()) {
-        problems.push_back(::fsdpx::detail::str("'", t.name, "' is not a parameter or buffer of the module"));
-      } else if (it->second.sizes() != t.tensor.sizes()) {
-        problems.push_back(::fsdpx::detail::str("'", t.name, "' has shape ", it->second.sizes(), " in the module but ",
-                                                t.tensor.sizes(), " was sent"));
-      } else {
-        filled.insert(it->second.const_data_ptr());
-      }
-    }
-    for (const auto& [name, t] : by_name) {
-      if (t.numel() > 0 && !filled.contains(t.const_data_ptr())) {
-        problems.push_back(::fsdpx::detail::str("'", name, "' was not sent"));
-      }
-    }
-    std::sort(problems.begin(), problems.end());
-    FSDPX_CHECK_AS(SyncError, problems.empty(), "fsdpx: the received weights do not match the module (nothing was "
-                   "loaded): ", TensorCollector::join(problems));
   }
 
   Received fetch_once(int64_t have, detail::FetchBase base, std::chrono::milliseconds wait, const std::string& what) {
@@ -680,12 +584,12 @@ class ClientConnection {
   int64_t last_version_ = no_version;
   std::string last_run_;
   // The version fetched last, as held: the client's own copy (fetch_newer) or a module's tensors
-  // (fetch_newer_into, target_); deltas are applied to it. Its manifest once forgotten, for verify().
-  VersionStore store_;
-  torch::nn::Module* target_ = nullptr;
-  std::shared_ptr<const Manifest> last_manifest_;
-  // What this client published last (the base of its next delta).
+  // (fetch_newer_into); deltas are applied to it.
+  detail::HeldVersion held_;
+  // What this client published last (the base of its next delta), and whether its tensors are the
+  // caller's (handed over: never written).
   VersionStore published_store_;
+  bool base_is_callers_ = false;
   uint64_t last_error_aux_ = 0;
   SynchronizerClient::Transfer last_transfer_;
   // While a fetch runs: its deadline, its wait and how far it got (for the error).
@@ -704,7 +608,13 @@ FSDPX_DECL SynchronizerClient::~SynchronizerClient() = default;
 
 FSDPX_DECL void SynchronizerClient::publish(int64_t version, const std::vector<NamedTensor>& tensors) {
   FSDPX_CHECK_AS(SyncError, connection_ != nullptr, "cannot publish version ", version, ": this client was moved from");
-  connection_->publish(version, tensors);
+  connection_->publish(version, tensors, /*handed_over=*/false);
+}
+
+FSDPX_DECL void SynchronizerClient::publish(int64_t version, std::vector<NamedTensor>&& tensors) {
+  FSDPX_CHECK_AS(SyncError, connection_ != nullptr, "cannot publish version ", version, ": this client was moved from");
+  const std::vector<NamedTensor> mine = std::move(tensors);
+  connection_->publish(version, mine, /*handed_over=*/true);
 }
 
 FSDPX_DECL WeightSnapshot SynchronizerClient::fetch_newer(int64_t have, std::chrono::milliseconds wait) {

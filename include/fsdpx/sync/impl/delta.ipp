@@ -246,6 +246,75 @@ inline std::string inflate_exactly(const uint8_t*, int64_t, uint8_t*, int64_t) {
 }
 #endif
 
+/// Whether, by a sample, the delta of `fresh` from `held` would carry 90% or more of the version's bytes
+/// (what cut() then sends whole): every 64th run of 4 KiB of every tensor is compared, and the XOR of up
+/// to 32 of those runs compressed and timed; each tensor's encoding is then chosen as cut() would, on
+/// these estimates. True spares a version where (nearly) everything changed the full comparison pass.
+/// Tensors not on the host, or not contiguous, leave it to the pass (false).
+inline bool delta_cannot_pay(const std::vector<NamedTensor>& fresh, const std::vector<NamedTensor>& held,
+                             const DeltaOptions& options) {
+  constexpr int64_t run = 4096, stride = 64 * run;
+  constexpr size_t xor_runs = 32;
+  struct Sampled {
+    int64_t bytes = 0, sampled = 0, changed = 0, esize = 1, numel = 0;
+  };
+  std::vector<Sampled> per_tensor(fresh.size());
+  int64_t total_runs = 0;
+  for (size_t i = 0; i < fresh.size(); ++i) {
+    const at::Tensor& t = fresh[i].tensor;
+    const at::Tensor& h = held[i].tensor;
+    if (!t.is_cpu() || !t.is_contiguous() || !h.is_cpu() || !h.is_contiguous()) return false;
+    total_runs += (static_cast<int64_t>(t.nbytes()) + stride - 1) / stride;
+  }
+  const int64_t xor_every = std::max<int64_t>(1, total_runs / static_cast<int64_t>(xor_runs));
+  std::vector<uint8_t> xored;
+  int64_t run_index = 0;
+  for (size_t i = 0; i < fresh.size(); ++i) {
+    const at::Tensor& t = fresh[i].tensor;
+    Sampled& s = per_tensor[i];
+    s.esize = static_cast<int64_t>(t.element_size());
+    s.bytes = static_cast<int64_t>(t.nbytes());
+    s.numel = t.numel();
+    for (int64_t offset = 0; offset < s.bytes; offset += stride, ++run_index) {
+      const int64_t len = std::min(run, s.bytes - offset);
+      for_each_change(bytes_of(t) + offset, bytes_of(held[i].tensor) + offset, s.esize, 0, len / s.esize,
+                      [&](int64_t) { ++s.changed; });
+      s.sampled += len / s.esize;
+      if (has_zlib && run_index % xor_every == 0 && xored.size() < xor_runs * run) {
+        const size_t at_end = xored.size();
+        xored.resize(at_end + static_cast<size_t>(len));
+        xor_into(bytes_of(t) + offset, bytes_of(held[i].tensor) + offset, len, xored.data() + at_end);
+      }
+    }
+  }
+  // The XOR's compressed size and time per byte, from its sample.
+  double xor_ratio = 1, xor_seconds_per_byte = 0;
+  if (!xored.empty()) {
+    const auto start = std::chrono::steady_clock::now();
+    const auto z = deflate_bytes(xored.data(), static_cast<int64_t>(xored.size()), options.zlib_level);
+    xor_seconds_per_byte = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
+                           static_cast<double>(xored.size());
+    xor_ratio = static_cast<double>(z.size()) / static_cast<double>(xored.size());
+  }
+  const double rate = options.link_bytes_per_second;
+  const auto cost = [&](double bytes, double seconds) { return rate > 0 ? bytes / rate + seconds : bytes; };
+  double sent = 0, whole = 0;
+  for (const Sampled& s : per_tensor) {
+    const double full = static_cast<double>(s.bytes);
+    whole += full;
+    if (s.sampled == 0 || s.changed == 0) continue;  // unchanged, by the sample: nothing sent
+    const double changed = static_cast<double>(s.changed) / static_cast<double>(s.sampled) * static_cast<double>(s.numel);
+    const double sparse = changed * static_cast<double>((s.numel > (int64_t{1} << 32) ? 8 : 4) + s.esize);
+    double best = std::min(cost(sparse, 0), cost(full, 0)), bytes = sparse < full ? sparse : full;
+    if (!xored.empty() && changed >= static_cast<double>(options.xor_min_changed) &&
+        cost(xor_ratio * full, 2 * xor_seconds_per_byte * full) < best) {
+      bytes = xor_ratio * full;
+    }
+    sent += bytes;
+  }
+  return whole > 0 && sent >= 0.9 * whole;
+}
+
 /// The record of one entry that the digest covers (and the manifest carries).
 inline void put_identity(Writer& w, const ManifestEntry& e) {
   w.put<uint16_t>(static_cast<uint16_t>(e.name.size()));
@@ -298,6 +367,18 @@ FSDPX_DECL uint32_t Manifest::compute_digest() const {
   return crc.value();
 }
 
+FSDPX_DECL Manifest Manifest::whole() const {
+  Manifest m = *this;
+  m.base_version = no_version;
+  m.base_digest = 0;
+  for (ManifestEntry& e : m.entries) {
+    e.encoding = DeltaEncoding::full;
+    e.index_bytes = 0;
+    e.changed = -1;
+  }
+  return m;
+}
+
 FSDPX_DECL const ManifestEntry* Manifest::find(std::string_view name) const {
   for (const auto& e : entries) {
     if (e.name == name) return &e;
@@ -336,7 +417,7 @@ FSDPX_DECL at::Tensor Manifest::encode() const {
 
 FSDPX_DECL Manifest Manifest::decode(const at::Tensor& bytes, std::string_view where) {
   FSDPX_CHECK_AS(SyncError, bytes.scalar_type() == at::kByte && bytes.dim() == 1,
-                 "fsdpx: the manifest from ", where, " is not a 1-D uint8 tensor");
+                 "the manifest from ", where, " is not a 1-D uint8 tensor");
   const at::Tensor host = detail::host_contiguous(bytes);
   const std::string context = ::fsdpx::detail::str("the manifest from ", where);
   detail::Reader r(host.const_data_ptr<uint8_t>(), host.numel(), context);
@@ -414,8 +495,24 @@ FSDPX_DECL Manifest Manifest::decode(const at::Tensor& bytes, std::string_view w
 }
 
 FSDPX_DECL uint32_t tensor_crc32c(const at::Tensor& t) {
+  using ::fsdpx::detail::Crc32c;
   const at::Tensor host = detail::host_contiguous(t);
-  return ::fsdpx::detail::Crc32c::of(host.const_data_ptr(), host.nbytes());
+  const uint8_t* p = detail::bytes_of(host);
+  const int64_t n = static_cast<int64_t>(host.nbytes());
+  constexpr int64_t block = int64_t{4} << 20;  // blocks checksummed on the intra-op threads, then joined
+  const int64_t blocks = (n + block - 1) / block;
+  if (blocks <= 1 || at::get_num_threads() <= 1 || at::in_parallel_region()) return Crc32c::of(p, static_cast<size_t>(n));
+  std::vector<uint32_t> crcs(static_cast<size_t>(blocks));
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      crcs[static_cast<size_t>(b)] = Crc32c::of(p + b * block, static_cast<size_t>(std::min(block, n - b * block)));
+    }
+  });
+  uint32_t crc = crcs[0];
+  for (int64_t b = 1; b < blocks; ++b) {
+    crc = Crc32c::combine(crc, crcs[static_cast<size_t>(b)], static_cast<uint64_t>(std::min(block, n - b * block)));
+  }
+  return crc;
 }
 
 FSDPX_DECL Manifest full_manifest(int64_t version, const std::vector<NamedTensor>& tensors) {
@@ -433,12 +530,12 @@ FSDPX_DECL Manifest full_manifest(int64_t version, const std::vector<NamedTensor
 FSDPX_DECL std::pair<Manifest, std::vector<NamedTensor>> split_manifest(std::vector<NamedTensor> received,
                                                                        std::string_view where) {
   FSDPX_CHECK_AS(SyncError, !received.empty() && received.front().name == manifest_name,
-                 "fsdpx: a weight version from ", where, " does not start with its manifest ('", manifest_name,
+                 "a weight version from ", where, " does not start with its manifest ('", manifest_name,
                  "'): the sender speaks an older protocol, or the version is corrupt");
   Manifest m = Manifest::decode(received.front().tensor, where);
   received.erase(received.begin());
   for (const auto& t : received) {
-    FSDPX_CHECK_AS(SyncError, t.name != manifest_name, "fsdpx: weight version ", m.version, " from ", where,
+    FSDPX_CHECK_AS(SyncError, t.name != manifest_name, "weight version ", m.version, " from ", where,
                    " carries two manifests");
   }
   return {std::move(m), std::move(received)};
@@ -453,8 +550,11 @@ FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<N
   for (size_t i = 0; delta && i < tensors.size(); ++i) {
     const ManifestEntry& b = manifest_->entries[i];
     const at::Tensor& t = tensors[i].tensor;
-    delta = b.name == tensors[i].name && b.dtype == t.scalar_type() && b.shape == t.sizes().vec();
+    // A tensor that is the held one (the caller handed over memory it still changes) cannot be compared.
+    delta = b.name == tensors[i].name && b.dtype == t.scalar_type() && b.shape == t.sizes().vec() &&
+            (t.numel() == 0 || t.const_data_ptr() != tensors_[i].tensor.const_data_ptr());
   }
+  if (delta && detail::delta_cannot_pay(tensors, tensors_, options)) delta = false;  // no comparison pass
   if (delta) {
     m.base_version = manifest_->version;
     m.base_digest = manifest_->digest;
@@ -468,13 +568,13 @@ FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<N
     const NamedTensor& nt = tensors[i];
     const at::Tensor t = detail::host_contiguous(nt.tensor);
     detail::dtype_code(t.scalar_type());  // checks the dtype can travel
-    ManifestEntry e{nt.name, t.scalar_type(), t.sizes().vec(), DeltaEncoding::full, 0,
-                    ::fsdpx::detail::Crc32c::of(t.const_data_ptr(), t.nbytes()), -1};
+    ManifestEntry e{nt.name, t.scalar_type(), t.sizes().vec(), DeltaEncoding::full, 0, 0, -1};
     const int64_t esize = static_cast<int64_t>(t.element_size());
     const int64_t full_bytes = static_cast<int64_t>(t.nbytes());
     out.full_bytes += full_bytes;
     hosts.push_back(t);
     if (!delta) {
+      e.crc = tensor_crc32c(t);
       out.tensors.push_back({nt.name, t});
       out.finals[i] = t;
       m.entries.push_back(std::move(e));
@@ -484,10 +584,12 @@ FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<N
     const detail::ChangeCount changes = detail::count_changed(t, base);
     e.changed = changes.total;
     if (e.changed == 0) {
+      e.crc = manifest_->entries[i].crc;  // the same bits as the base's
       e.encoding = DeltaEncoding::unchanged;
       m.entries.push_back(std::move(e));
       continue;
     }
+    e.crc = tensor_crc32c(t);
     // Each candidate's cost: its bytes over the link, plus (xor) compressing and inflating them.
     const double rate = options.link_bytes_per_second;
     const auto cost = [&](double bytes, double seconds) { return rate > 0 ? bytes / rate + seconds : bytes; };
@@ -550,13 +652,9 @@ FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<N
   if (delta && delta_bytes * 10 >= out.full_bytes * 9) {
     // Nearly everything changed: the version goes full (a reader then takes it as any full version, with
     // no base to check and nothing to undo), costing the publisher only the comparison.
-    m.base_version = no_version;
-    m.base_digest = 0;
+    m = m.whole();
     out.tensors.resize(1);
     for (size_t i = 0; i < m.entries.size(); ++i) {
-      m.entries[i].encoding = DeltaEncoding::full;
-      m.entries[i].index_bytes = 0;
-      m.entries[i].changed = -1;
       out.tensors.push_back({m.entries[i].name, hosts[i]});
       out.finals[i] = hosts[i];
     }
@@ -605,14 +703,14 @@ FSDPX_DECL void VersionStore::commit(EncodedVersion v) {
 }
 
 FSDPX_DECL void VersionStore::adopt(std::vector<NamedTensor> tensors, Manifest manifest) {
-  FSDPX_CHECK_AS(SyncError, tensors.size() == manifest.entries.size(), "fsdpx: weight sync: ", tensors.size(),
+  FSDPX_CHECK_AS(SyncError, tensors.size() == manifest.entries.size(), "weight sync: ", tensors.size(),
                  " tensors cannot hold version ", manifest.version, " of ", manifest.entries.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const ManifestEntry& e = manifest.entries[i];
     const at::Tensor& t = tensors[i].tensor;
     FSDPX_CHECK_AS(SyncError, tensors[i].name == e.name && t.scalar_type() == e.dtype && t.sizes().vec() == e.shape &&
                                   t.is_contiguous(),
-                   "fsdpx: weight sync: tensor '", tensors[i].name, "' cannot hold '", e.name, "' of version ",
+                   "weight sync: tensor '", tensors[i].name, "' cannot hold '", e.name, "' of version ",
                    manifest.version, " (", e.dtype, " ", c10::IntArrayRef(e.shape), ", contiguous)");
   }
   tensors_ = std::move(tensors);
@@ -834,7 +932,7 @@ FSDPX_DECL void verify(const std::vector<NamedTensor>& tensors, const Manifest& 
   for (const auto& [name, t] : by_name) {
     problems.push_back(::fsdpx::detail::str("'", name, "' is not in version ", manifest.version));
   }
-  FSDPX_CHECK_AS(SyncError, problems.empty(), "fsdpx: these weights are not version ", manifest.version, " (digest ",
+  FSDPX_CHECK_AS(SyncError, problems.empty(), "these weights are not version ", manifest.version, " (digest ",
                  manifest.digest, "): ", TensorCollector::join(problems));
 }
 
@@ -855,5 +953,156 @@ FSDPX_DECL void verify(torch::nn::Module& module, const Manifest& manifest) {
   for (const auto& item : module.named_buffers(/*recurse=*/true)) add(item.key(), item.value());
   verify(tensors, manifest);
 }
+
+namespace detail {
+
+/// The module's parameters and buffers by name, detached (aliases of their memory).
+inline std::unordered_map<std::string, at::Tensor> module_tensors(torch::nn::Module& module) {
+  std::unordered_map<std::string, at::Tensor> by_name;
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) by_name.emplace(item.key(), item.value().detach());
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) {
+    if (item.value().defined()) by_name.emplace(item.key(), item.value().detach());
+  }
+  return by_name;
+}
+
+FSDPX_DECL void HeldVersion::prepare(torch::nn::Module* module) {
+  if (target_ != module || (module != nullptr && !still_adopted(*module))) forget();
+}
+
+FSDPX_DECL std::pair<std::vector<NamedTensor>, std::shared_ptr<const Manifest>> HeldVersion::take(
+    std::vector<NamedTensor> received, std::string_view where) {
+  prepare(nullptr);
+  try {
+    store_.accept(std::move(received), VersionStore::Apply::copy_on_write, where);
+  } catch (const SyncError&) {
+    forget();
+    throw;
+  }
+  return {store_.tensors(), std::make_shared<const Manifest>(store_.manifest())};
+}
+
+FSDPX_DECL void HeldVersion::take_into(torch::nn::Module& module, std::vector<NamedTensor> received,
+                                       std::string_view where) {
+  prepare(&module);
+  try {
+    FSDPX_CHECK_AS(SyncError, !received.empty(), "an empty version from ", where, " (no manifest)");
+    if (Manifest::decode(received.front().tensor, where).is_delta()) {
+      store_.accept(std::move(received), VersionStore::Apply::in_place, where);  // into the module's tensors
+      note_writes();
+      return;
+    }
+    forget();
+    VersionStore staged;  // checked whole, and against the module, before anything is loaded
+    staged.accept(std::move(received), VersionStore::Apply::copy_on_write, where);
+    check_loadable(module, staged.tensors());
+    load_into(module, staged.tensors());
+    adopt(module, staged.manifest());
+  } catch (const SyncError&) {
+    forget();
+    throw;
+  }
+}
+
+FSDPX_DECL void HeldVersion::loaded_into(torch::nn::Module& module, const Manifest& manifest) {
+  forget();
+  adopt(module, manifest);
+}
+
+FSDPX_DECL void HeldVersion::taken(const Manifest& manifest) {
+  forget();
+  last_manifest_ = std::make_shared<const Manifest>(manifest);
+}
+
+FSDPX_DECL void HeldVersion::forget() {
+  if (!store_.empty()) last_manifest_ = std::make_shared<const Manifest>(store_.manifest());
+  store_.clear();
+  target_ = nullptr;
+  counters_.clear();
+}
+
+FSDPX_DECL std::shared_ptr<const Manifest> HeldVersion::last_manifest() const {
+  return store_.empty() ? last_manifest_ : std::make_shared<const Manifest>(store_.manifest());
+}
+
+FSDPX_DECL void HeldVersion::verify(torch::nn::Module& module) const {
+  const auto m = last_manifest();
+  FSDPX_CHECK_AS(SyncError, m != nullptr, "nothing to verify against: no version was received yet");
+  ::fsdpx::sync::verify(module, *m);
+}
+
+FSDPX_DECL void HeldVersion::verify(const std::vector<NamedTensor>& tensors) const {
+  const auto m = last_manifest();
+  FSDPX_CHECK_AS(SyncError, m != nullptr, "nothing to verify against: no version was received yet");
+  ::fsdpx::sync::verify(tensors, *m);
+}
+
+FSDPX_DECL void HeldVersion::adopt(torch::nn::Module& module, const Manifest& manifest) {
+  last_manifest_ = std::make_shared<const Manifest>(manifest);
+  const auto by_name = module_tensors(module);
+  std::vector<NamedTensor> aliases;
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;  // a delta must never land twice in one place
+  for (const ManifestEntry& e : manifest.entries) {
+    const auto it = by_name.find(e.name);
+    if (it == by_name.end() || it->second.scalar_type() != e.dtype || !it->second.is_contiguous()) return;
+    const auto begin = reinterpret_cast<uintptr_t>(it->second.const_data_ptr());
+    spans.emplace_back(begin, begin + it->second.nbytes());
+    aliases.push_back({e.name, it->second});
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) return;  // one tensor sent under two names (a tied one): full versions
+  }
+  store_.adopt(std::move(aliases), manifest);
+  target_ = &module;
+  note_writes();
+}
+
+FSDPX_DECL void HeldVersion::note_writes() {
+  counters_.clear();
+  for (const NamedTensor& held : store_.tensors()) counters_.push_back(static_cast<int64_t>(held.tensor._version()));
+}
+
+FSDPX_DECL bool HeldVersion::still_adopted(torch::nn::Module& module) const {
+  if (store_.empty() || counters_.size() != store_.tensors().size()) return false;
+  const auto by_name = module_tensors(module);
+  for (size_t i = 0; i < store_.tensors().size(); ++i) {
+    const NamedTensor& held = store_.tensors()[i];
+    const auto it = by_name.find(held.name);
+    if (it == by_name.end() || it->second.const_data_ptr() != held.tensor.const_data_ptr() ||
+        it->second.scalar_type() != held.tensor.scalar_type() || it->second.sizes() != held.tensor.sizes() ||
+        !it->second.is_contiguous() || static_cast<int64_t>(it->second._version()) != counters_[i]) {
+      return false;
+    }
+  }
+  return true;
+}
+
+FSDPX_DECL void HeldVersion::check_loadable(torch::nn::Module& module, const std::vector<NamedTensor>& tensors) {
+  const auto by_name = module_tensors(module);
+  std::unordered_set<const void*> filled;  // by memory: a tied parameter is filled under either name
+  std::vector<std::string> problems;
+  for (const NamedTensor& t : tensors) {
+    const auto it = by_name.find(t.name);
+    if (it == by_name.end()) {
+      problems.push_back(::fsdpx::detail::str("'", t.name, "' is not a parameter or buffer of the module"));
+    } else if (it->second.sizes() != t.tensor.sizes()) {
+      problems.push_back(::fsdpx::detail::str("'", t.name, "' has shape ", it->second.sizes(), " in the module but ",
+                                              t.tensor.sizes(), " was sent"));
+    } else {
+      filled.insert(it->second.const_data_ptr());
+    }
+  }
+  for (const auto& [name, t] : by_name) {
+    if (t.numel() > 0 && !filled.contains(t.const_data_ptr())) {
+      problems.push_back(::fsdpx::detail::str("'", name, "' was not sent"));
+    }
+  }
+  std::sort(problems.begin(), problems.end());
+  FSDPX_CHECK_AS(SyncError, problems.empty(), "the received weights do not match the module (nothing was "
+                 "loaded): ", TensorCollector::join(problems));
+}
+
+}  // namespace detail
 
 }  // namespace fsdpx::sync

@@ -208,14 +208,7 @@ struct ServerCore {
 
   /// The buckets of the full version `store` holds (its manifest first).
   static std::vector<at::Tensor> pack_full(const VersionStore& store, int64_t bucket_bytes) {
-    Manifest m = store.manifest();
-    m.base_version = no_version;
-    m.base_digest = 0;
-    for (auto& e : m.entries) {
-      e.encoding = DeltaEncoding::full;
-      e.index_bytes = 0;
-      e.changed = -1;
-    }
+    Manifest m = store.manifest().whole();
     std::vector<NamedTensor> tensors{{std::string(manifest_name), m.encode()}};
     tensors.insert(tensors.end(), store.tensors().begin(), store.tensors().end());
     return pack_buckets(tensors, bucket_bytes, m.version);
@@ -623,7 +616,7 @@ inline void Session::end_publish() {
       std::vector<NamedTensor> tensors = collector.finish();
       const std::string where = "publisher " + peer_;
       const Manifest manifest = split_manifest(tensors, where).first;
-      FSDPX_CHECK_AS(SyncError, manifest.version == p.version, "fsdpx: version ", p.version,
+      FSDPX_CHECK_AS(SyncError, manifest.version == p.version, "version ", p.version,
                      " carries the manifest of version ", manifest.version);
       p.rejected = core_->commit(p.run, p.version, [&] {
         if (manifest.is_delta() && !core_->store.holds(manifest.base_version, manifest.base_digest)) {
