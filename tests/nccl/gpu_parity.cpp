@@ -185,7 +185,9 @@ TEST_CASE("GPU: weight sync deltas land in a CUDA module bit for bit, and a dama
   models::CausalLM rollout(models::parse_decoder_config(config, "config.json"));
   rollout->to(device, at::kBFloat16);
   torch::optim::AdamW opt(trainer->parameters(), torch::optim::AdamWOptions(1e-5));
-  fsdpx::sync::Synchronizer sync;
+  // Encodings by fewest bytes: the same every run (by time, a tensor sent whole would replace the
+  // damaged one below instead of failing its check).
+  fsdpx::sync::Synchronizer sync({.delta = {.link_bytes_per_second = 0}});
   fsdpx::sync::SynchronizerReader reader(sync);
   const auto bf16_weights = [&] {
     std::vector<fsdpx::sync::NamedTensor> out;

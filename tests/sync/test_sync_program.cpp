@@ -8,6 +8,7 @@
 #include <catch2/catch.hpp>
 
 #include <cstdlib>
+#include <map>
 #include <memory>
 #include <optional>
 #include <string>
@@ -15,6 +16,7 @@
 #include <ATen/ATen.h>
 
 #include <fsdpx/fsdp.hpp>
+#include <fsdpx/models.hpp>
 #include <fsdpx/sync.hpp>
 
 #include "../core/models.hpp"
@@ -58,7 +60,8 @@ constexpr const char* counter_buffer = "sync_counter";
 void add_counter(test::Gpt& model, double value) { model->register_buffer(counter_buffer, at::full({3}, value)); }
 
 /// Parameters, then buffers: the order both sides list their reference tensors in.
-std::vector<std::pair<std::string, at::Tensor>> params_and_buffers(test::Gpt& model) {
+template <class Model>
+std::vector<std::pair<std::string, at::Tensor>> params_and_buffers(Model& model) {
   std::vector<std::pair<std::string, at::Tensor>> out;
   for (const auto& p : model->named_parameters()) out.emplace_back(p.key(), p.value().detach());
   for (const auto& b : model->named_buffers()) out.emplace_back(b.key(), b.value().detach());
@@ -238,7 +241,9 @@ void run_delta_sync(bool keep_gather_buffers, FsdpOptions options = {}) {
     auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-5));
     WeightBroadcaster sender(fsdp, s.groups.model_update,
                              {.bucket_bytes = 8 << 10, .dtype = wire, .keep_gather_buffers = keep_gather_buffers,
-                              .delta = DeltaOptions{}});
+                              // By fewest bytes: the same encodings every run (by time, a loaded machine
+                              // may send a tampered tensor whole, replacing it instead of failing).
+                              .delta = DeltaOptions{.link_bytes_per_second = 0}});
     for (int step = 0; step < steps; ++step) {
       train_step(fsdp, model, optimizer, trainer, step);
       sender.broadcast(step + 1);
@@ -316,7 +321,82 @@ void run_delta_sync(bool keep_gather_buffers, FsdpOptions options = {}) {
   s.world.barrier();
 }
 
+/// Cut versions of a Qwen2-shaped model (tied embedding and head, q/k/v biases, grouped-query
+/// attention; its decoder layers are the units) after AdamW steps at lr 1e-5, sent in bfloat16: every
+/// rollout (into a bfloat16 Qwen2, or through receive()) holds the trainer's parameters bit for bit,
+/// and versions after the first are deltas.
+void run_qwen2_delta_sync() {
+  namespace models = fsdpx::models;
+  using Sharded = Fsdp<models::CausalLM, FullShard, NoOffload, FullPrecision, ShardedStateDict,
+                       WrapModules<models::DecoderLayerImpl>>;
+  auto& s = setup();
+  const fsdpx::detail::Json json = {{"model_type", "qwen2"}, {"architectures", {"Qwen2ForCausalLM"}}, {"vocab_size", 96},
+                                    {"hidden_size", 64}, {"intermediate_size", 112}, {"num_hidden_layers", 2},
+                                    {"num_attention_heads", 8}, {"num_key_value_heads", 2}, {"tie_word_embeddings", true}};
+  const auto config = models::parse_decoder_config(json, "config.json");
+  const int steps = 4;
+  const at::ScalarType wire = at::kBFloat16;
+  if (s.groups.is_trainer()) {
+    auto& trainer = *s.groups.trainer;
+    at::manual_seed(1);
+    models::CausalLM model(config);
+    Sharded fsdp(model, trainer);
+    auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-5));
+    WeightBroadcaster sender(fsdp, s.groups.model_update,
+                             {.bucket_bytes = 16 << 10, .dtype = wire, .delta = DeltaOptions{.link_bytes_per_second = 0}});
+    for (int step = 0; step < steps; ++step) {
+      at::manual_seed(200 + step);
+      const auto ids = at::randint(96, {2 * trainer.size(), 12}, at::kLong).narrow(0, 2 * trainer.rank(), 2);
+      optimizer.zero_grad();
+      fsdp.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()).backward();
+      optimizer.step();
+      sender.broadcast(step + 1);
+      if (sender.is_sender()) CHECK(sender.last_stats().delta == (step > 0));
+      auto full = fsdp.full_parameters();
+      if (s.groups.model_update) {
+        for (const auto& [name, t] : params_and_buffers(model)) s.groups.model_update->broadcast(t.to(wire).contiguous(), 0);
+      }
+      s.world.barrier();
+    }
+    s.world.barrier();
+    return;
+  }
+  at::manual_seed(2000 + s.rollout_index);
+  models::CausalLM rollout(config);
+  rollout->to(wire);
+  WeightReceiver receiver(*s.groups.model_update);
+  for (int step = 0; step < steps; ++step) {
+    INFO("rollout " << s.rollout_index << ", step " << step);
+    std::map<std::string, at::Tensor> received;
+    if (s.rollout_index == 0) {
+      CHECK(receiver.receive_into(*rollout) == step + 1);
+      for (const auto& [name, t] : params_and_buffers(rollout)) received[name] = t;
+    } else {
+      for (auto& t : receiver.receive().tensors) received[t.name] = t.tensor;
+    }
+    CHECK(receiver.last_was_delta() == (step > 0));
+    std::map<std::string, at::Tensor> reference;
+    for (const auto& [name, t] : params_and_buffers(rollout)) {
+      auto ref = at::empty(t.sizes(), at::TensorOptions().dtype(wire));
+      s.groups.model_update->broadcast(ref, 0);
+      reference[name] = ref;
+    }
+    s.world.barrier();
+    for (const auto& [name, ref] : reference) {
+      INFO(name);
+      REQUIRE(received.count(name) == 1);
+      CHECK(at::equal(bits(received.at(name)), bits(ref)));
+    }
+    if (s.rollout_index == 0) receiver.verify(*rollout);
+  }
+  s.world.barrier();
+}
+
 }  // namespace
+
+TEST_CASE("weight sync: cut versions of a Qwen2-shaped model, after AdamW steps, bit for bit", "[sync][delta]") {
+  run_qwen2_delta_sync();
+}
 
 TEST_CASE("weight sync: cut versions: deltas while every rollout holds the version before, whole otherwise, bit for bit",
           "[sync][delta]") {
