@@ -68,6 +68,25 @@ std::vector<std::pair<std::string, at::Tensor>> params_and_buffers(Model& model)
   return out;
 }
 
+/// The reference every rollout checks against: the trainer's own full parameters and buffers (call
+/// inside `full_parameters()`), each cast to `dtype_of(name)`, in params_and_buffers() order.
+template <class Model, class DtypeOf>
+void send_reference(dist::AnyCommunicator& group, Model& model, DtypeOf&& dtype_of) {
+  for (const auto& [name, t] : params_and_buffers(model)) group.broadcast(t.to(dtype_of(name)).contiguous(), 0);
+}
+
+/// A rollout's side of send_reference(), by name; `model` has the trainer's names and shapes.
+template <class Model, class DtypeOf>
+std::map<std::string, at::Tensor> receive_reference(dist::AnyCommunicator& group, Model& model, DtypeOf&& dtype_of) {
+  std::map<std::string, at::Tensor> reference;
+  for (const auto& [name, t] : params_and_buffers(model)) {
+    auto ref = at::empty(t.sizes(), at::TensorOptions().dtype(dtype_of(name)));
+    group.broadcast(ref, 0);
+    reference[name] = ref;
+  }
+  return reference;
+}
+
 /// One AdamW step on this trainer rank's share of a fixed batch, then the counter buffer moves.
 template <class Sharded, class Optimizer>
 void train_step(Sharded& fsdp, test::Gpt& model, Optimizer& optimizer, const dist::AnyCommunicator& trainer, int step) {
@@ -121,11 +140,7 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
       {
         // The reference: the trainer's own full parameters, cast the same way, sent to every rollout.
         auto full = fsdp.full_parameters();
-        if (s.groups.model_update) {
-          for (const auto& [name, t] : params_and_buffers(model)) {
-            s.groups.model_update->broadcast(t.to(rollout_dtype).contiguous(), 0);
-          }
-        }
+        if (s.groups.model_update) send_reference(*s.groups.model_update, model, [&](const std::string&) { return rollout_dtype; });
       }
       s.world.barrier();  // version_of(step) is published
     }
@@ -166,12 +181,7 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
     CHECK(receiver.last_version() == version_of(step));
     CHECK((receiver.last_bytes_in_place() > 0) == (direct_bytes <= 1024));  // received into place, no unpacking
 
-    std::map<std::string, at::Tensor> reference;
-    for (const auto& [name, t] : params_and_buffers(rollout)) {
-      auto ref = at::empty(t.sizes(), at::TensorOptions().dtype(rollout_dtype));
-      s.groups.model_update->broadcast(ref, 0);
-      reference[name] = ref;
-    }
+    auto reference = receive_reference(*s.groups.model_update, rollout, [&](const std::string&) { return rollout_dtype; });
     s.world.barrier();
 
     // The TCP hand-off: rollout 0 fetches every version into a module; the last rollout joins at the
@@ -228,6 +238,8 @@ void run_delta_sync(bool keep_gather_buffers, FsdpOptions options = {}) {
   const auto c = config();
   const at::ScalarType wire = at::kBFloat16;
   const bool restarts = s.rollouts > 1;
+  // Parameters travel in the wire dtype, the counter buffer in its own (float32).
+  const auto dtype_of = [&](const std::string& name) { return name == counter_buffer ? at::kFloat : wire; };
   const auto expect_delta = [&](int step) {
     return step > 0 && step != write_step && step != tamper_step + 1 && !(restarts && step == 1);
   };
@@ -253,11 +265,7 @@ void run_delta_sync(bool keep_gather_buffers, FsdpOptions options = {}) {
         if (expect_delta(step)) CHECK(sender.last_stats().bytes < sender.last_stats().full_bytes / 4);
       }
       auto full = fsdp.full_parameters();
-      if (s.groups.model_update) {
-        for (const auto& [name, t] : params_and_buffers(model)) {
-          s.groups.model_update->broadcast(name == counter_buffer ? t.contiguous() : t.to(wire).contiguous(), 0);
-        }
-      }
+      if (s.groups.model_update) send_reference(*s.groups.model_update, model, dtype_of);
       s.world.barrier();
     }
     s.world.barrier();
@@ -303,12 +311,7 @@ void run_delta_sync(bool keep_gather_buffers, FsdpOptions options = {}) {
       CHECK(received.version == step + 1);
       CHECK(receiver->last_was_delta() == expect_delta(step));
     }
-    std::map<std::string, at::Tensor> reference;
-    for (const auto& [name, t] : params_and_buffers(rollout)) {
-      auto ref = at::empty(t.sizes(), at::TensorOptions().dtype(name == counter_buffer ? at::kFloat : wire));
-      s.groups.model_update->broadcast(ref, 0);
-      reference[name] = ref;
-    }
+    const auto reference = receive_reference(*s.groups.model_update, rollout, dtype_of);
     s.world.barrier();
     if (failed) continue;
     REQUIRE(received.tensors.size() == reference.size());
@@ -353,9 +356,7 @@ void run_qwen2_delta_sync() {
       sender.broadcast(step + 1);
       if (sender.is_sender()) CHECK(sender.last_stats().delta == (step > 0));
       auto full = fsdp.full_parameters();
-      if (s.groups.model_update) {
-        for (const auto& [name, t] : params_and_buffers(model)) s.groups.model_update->broadcast(t.to(wire).contiguous(), 0);
-      }
+      if (s.groups.model_update) send_reference(*s.groups.model_update, model, [&](const std::string&) { return wire; });
       s.world.barrier();
     }
     s.world.barrier();
@@ -375,12 +376,7 @@ void run_qwen2_delta_sync() {
       for (auto& t : receiver.receive().tensors) received[t.name] = t.tensor;
     }
     CHECK(receiver.last_was_delta() == (step > 0));
-    std::map<std::string, at::Tensor> reference;
-    for (const auto& [name, t] : params_and_buffers(rollout)) {
-      auto ref = at::empty(t.sizes(), at::TensorOptions().dtype(wire));
-      s.groups.model_update->broadcast(ref, 0);
-      reference[name] = ref;
-    }
+    const auto reference = receive_reference(*s.groups.model_update, rollout, [&](const std::string&) { return wire; });
     s.world.barrier();
     for (const auto& [name, ref] : reference) {
       INFO(name);
