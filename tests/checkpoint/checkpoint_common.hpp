@@ -13,6 +13,7 @@
 #include <fsdpx/core/optim.hpp>
 
 #include "../core/models.hpp"
+#include "../support/step_parity.hpp"
 
 namespace fsdpx::test {
 
@@ -27,14 +28,26 @@ using CkptModel = Fsdp<ResMlp, Mesh, NoOffload, FullPrecision, ShardedStateDict,
 
 inline torch::optim::AdamWOptions adamw_options() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-6); }
 
-/// One training step on a global batch of 12 drawn from the default generator; each rank takes its
-/// rows of it. Returns the global mean loss.
+/// A step's global batch of 12 rows, drawn from the default generator.
+struct StepBatch {
+  static constexpr int64_t rows = 12;
+  at::Tensor x, y;
+  static StepBatch draw() {
+    at::Tensor x = at::randn({rows, 20});
+    return {x, at::randint(0, 5, {rows})};
+  }
+};
+
+/// The bound on the relative difference of two computations of a step's loss from the same weights (at
+/// other world sizes: tests/support/rounding.hpp).
+inline double step_loss_bound() { return rounding::relative(rounding::loss(res_mlp_path(), StepBatch::rows)); }
+
+/// One training step on a global batch drawn from the default generator; each rank takes its rows of
+/// it. Returns the global mean loss.
 template <class Model>
 double train_step(Model& model, torch::optim::Optimizer& opt, const dist::AnyCommunicator& comm) {
-  const int64_t batch = 12;
-  const at::Tensor x = at::randn({batch, 20});
-  const at::Tensor y = at::randint(0, 5, {batch});
-  const int64_t per = batch / comm.size(), lo = comm.rank() * per;
+  const auto [x, y] = StepBatch::draw();
+  const int64_t per = StepBatch::rows / comm.size(), lo = comm.rank() * per;
   opt.zero_grad();
   at::Tensor loss = model(x.narrow(0, lo, per), y.narrow(0, lo, per));
   loss.backward();

@@ -108,7 +108,10 @@ int train(Model& model, dist::AnyCommunicator world, const Args& args) {
   };
   for (int64_t step = start + 1; step <= args.steps; ++step) {
     const double loss = train_step(model, opt, world);
-    if (world.rank() == 0) std::printf("step %lld loss %.6f\n", static_cast<long long>(step), loss);
+    // The loss to 9 digits and how far another world size's reduction order may move it (resume_test.sh).
+    if (world.rank() == 0) {
+      std::printf("step %lld loss %.9g bound %.3g\n", static_cast<long long>(step), loss, step_loss_bound() * std::abs(loss));
+    }
     if (step == args.throw_step && world.rank() == args.throw_rank) {
       throw std::runtime_error("the injected failure after step " + std::to_string(step));
     }

@@ -2,6 +2,7 @@
 // through fsdpx::forward, so the same model trains unsharded (the reference) and sharded.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -10,6 +11,7 @@
 #include <fsdpx/core/fsdp.hpp>
 
 #include "../../examples/common/gpt.hpp"
+#include "../support/rounding.hpp"
 
 namespace fsdpx::test {
 
@@ -18,6 +20,20 @@ using examples::BlockImpl;
 using examples::Gpt;
 using examples::GptConfig;
 using examples::GptImpl;
+
+/// The GPT's rounding path (tests/support/rounding.hpp): per block two LayerNorms (a mean and a variance
+/// each), qkv, the attention scores (over a head's dimension), the softmax's denominator and the values
+/// (over positions), proj, fc and fc2; then ln_f, the head and the log-softmax over the vocabulary.
+inline rounding::Path gpt_path(const GptConfig& c) {
+  return {.length = std::max({4 * c.dim, c.vocab, c.seq}), .depth = 11 * c.layers + 4};
+}
+
+/// A classifier of residual blocks (ResMlp, LoraNet and the protocol tests' models): the stem, the sums
+/// of each block one after another, the head and the cross-entropy's log-softmax. `widest`: the longest
+/// sum (a layer's input width or the classes).
+inline rounding::Path classifier_path(int64_t widest, int64_t blocks, int64_t sums_per_block) {
+  return {.length = widest, .depth = sums_per_block * blocks + 3};
+}
 
 /// The classifiers' forward: a stem in the root, each block a unit, the head and the loss in the root.
 template <class Blocks>
@@ -59,6 +75,10 @@ struct ResMlpImpl : torch::nn::Module {
   std::vector<ResBlock> blocks;
 };
 TORCH_MODULE(ResMlp);
+/// A ResBlock sums 4 deep: its LayerNorm's mean and variance, a, b.
+inline rounding::Path res_mlp_path(int64_t in = 20, int64_t dim = 24, int64_t blocks_n = 3, int64_t classes = 5) {
+  return classifier_path(std::max({in, 2 * dim, classes}), blocks_n, 4);
+}
 
 /// A frozen base Linear plus a trainable low-rank update (LoRA): frozen and trainable in one module.
 struct LoraLinearImpl : torch::nn::Module {
@@ -100,5 +120,8 @@ struct LoraNetImpl : torch::nn::Module {
   std::vector<LoraBlock> blocks;
 };
 TORCH_MODULE(LoraNet);
+/// A LoraBlock sums 6 deep: its LayerNorm's mean and variance, then in each LoraLinear the low-rank
+/// path's two products (the frozen base beside them).
+inline rounding::Path lora_net_path() { return classifier_path(2 * 16, 3, 6); }
 
 }  // namespace fsdpx::test

@@ -15,6 +15,8 @@
 #include <fsdpx/detail/json.hpp>
 #include <fsdpx/models.hpp>
 
+#include "decoder_path.hpp"
+
 namespace {
 
 namespace fs = std::filesystem;
@@ -340,7 +342,7 @@ at::Tensor longs(std::vector<int64_t> v, std::vector<int64_t> shape) { return at
 
 }  // namespace
 
-TEST_CASE("models: packed samples from position ids and cumulative lengths; bad descriptions name the argument",
+TEST_CASE("models: packed samples from position ids and cumulative lengths, and bad descriptions name the argument",
           "[hf][unit][packed][errors]") {
   const auto samples = models::PackedSamples::from_position_ids(longs({0, 1, 2, 0, 1, 0, 0, 1, 2, 3, 4, 5}, {2, 6}), 2);
   CHECK(samples.spans() == std::vector<models::SampleSpan>{{0, 0, 3}, {0, 3, 2}, {0, 5, 1}, {1, 0, 6}});
@@ -538,18 +540,21 @@ TEST_CASE("models: the experts as grouped products (at::_grouped_mm) equal one p
       model->zero_grad();
       const at::Tensor logits = model(ids);
       model->loss(ids, ids).backward();
-      std::vector<at::Tensor> out{logits.detach()};
-      for (const auto& p : model->parameters()) out.push_back(p.grad().defined() ? p.grad().clone() : at::zeros_like(p));
-      return out;
+      std::map<std::string, at::Tensor> grads;
+      for (const auto& p : model->named_parameters()) {
+        grads[p.key()] = p.value().grad().defined() ? p.value().grad().clone() : at::zeros_like(p.value());
+      }
+      return std::pair{logits.detach(), grads};
     };
-    const auto per_expert = run(models::ExpertKernel::per_expert);
-    const auto grouped = run(models::ExpertKernel::grouped);
-    double worst = 0;
-    for (size_t i = 0; i < per_expert.size(); ++i) {
-      const double scale = std::max(per_expert[i].abs().max().item<double>(), 1e-12);
-      worst = std::max(worst, (per_expert[i] - grouped[i]).abs().max().item<double>() / scale);
-    }
-    CHECK(worst <= 1e-5);
+    const auto [logits, grads] = run(models::ExpertKernel::per_expert);
+    const auto [grouped_logits, grouped_grads] = run(models::ExpertKernel::grouped);
+    // The experts' products summed in another order (one grouped product): the logits, and along the
+    // backward path every gradient (relative to its layer's: fsdpx::test::layer_of).
+    const int64_t positions = ids.size(1);
+    CHECK((grouped_logits - logits).abs().max().item<double>() / logits.abs().max().item<double>() <=
+          fsdpx::test::logits_bound(model->config, positions));
+    CHECK(fsdpx::test::max_gradient_error(grouped_grads, grads) <=
+          fsdpx::test::gradient_bound(model->config, positions, ids.size(0) * (positions - 1)));
   }
   // Sizes the grouped product cannot take are an error naming them when asked for.
   Json c = {{"model_type", "qwen3_moe"}, {"vocab_size", 96}, {"hidden_size", 30}, {"num_hidden_layers", 1},

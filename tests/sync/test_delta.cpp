@@ -348,6 +348,7 @@ TEST_CASE("delta service: after real AdamW steps every reader holds the trainer'
   const double lr = GENERATE(1e-5, 1e-3);
   INFO("lr " << lr);
   fxs::SynchronizerServer server({.bucket_bytes = 256 << 10});
+  torch::manual_seed(13);  // LibTorch seeds its generator anew in each process: the same weights every run
   fsdpx::models::CausalLM trainer_model(tiny_qwen2());
   torch::optim::AdamW opt(trainer_model->parameters(), torch::optim::AdamWOptions(lr));
   fxs::SynchronizerClient trainer("127.0.0.1", server.port(), {.bucket_bytes = 256 << 10});
@@ -441,6 +442,7 @@ TEST_CASE("delta service: after real AdamW steps every reader holds the trainer'
 TEST_CASE("delta service: a trainer hosting the server cuts deltas too, and a publisher whose base the server no longer "
           "holds sends its version full", "[sync][delta][service]") {
   fxs::SynchronizerServer server;
+  torch::manual_seed(13);
   fsdpx::models::CausalLM model(tiny_qwen2());
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-5));
   fxs::SynchronizerClient reader("127.0.0.1", server.port());
@@ -487,6 +489,7 @@ TEST_CASE("delta in process: a SynchronizerReader's module holds the trainer's w
   // which replaces a tampered one instead of failing its check below).
   options.delta.link_bytes_per_second = 0;
   fxs::Synchronizer sync(options);
+  torch::manual_seed(13);  // LibTorch seeds its generator anew in each process: the same weights every run
   fsdpx::models::CausalLM trainer_model(tiny_qwen2());
   torch::optim::AdamW opt(trainer_model->parameters(), torch::optim::AdamWOptions(lr));
   fsdpx::models::CausalLM rollout(tiny_qwen2()), skipped(tiny_qwen2());
@@ -525,16 +528,35 @@ TEST_CASE("delta in process: a SynchronizerReader's module holds the trainer's w
 
   // A module changed behind the reader's back, straight in memory (no version counter moves, as a stray
   // kernel would): verify() names the tensor; the next delta does not check out (the module keeps its
-  // weights, the error names the tensor) and the same version then comes whole, exact.
+  // weights, the error names the tensor) and the same version then comes whole, exact. Whatever the
+  // kernels computed, the damage must stay for the checksum to fail: the element changed is one the next
+  // version leaves as it is, and the tensor never travels whole. By fewest bytes it goes sparse at lr 1e-5
+  // (fewer than a third of its elements change) and as a compressed XOR at 1e-3 (most change, but the
+  // XOR of their bits compresses), and either keeps an element it does not change.
+  train_step(trainer_model, opt, 6);
+  const auto next = wire_weights(*trainer_model);
   auto params = rollout->named_parameters();
   {
+    const auto index = [&](const std::vector<NamedTensor>& w) {
+      for (size_t i = 0; i < w.size(); ++i) {
+        if (w[i].name == "model.embed_tokens.weight") return i;
+      }
+      FAIL("no embedding");
+      return size_t{0};
+    };
+    const at::Tensor before = previous_weights[index(previous_weights)].tensor.reshape({-1}).view(at::kShort);
+    const at::Tensor after = next[index(next)].tensor.reshape({-1}).view(at::kShort);
+    const at::Tensor kept = before.eq(after);
+    REQUIRE(kept.any().item<bool>());
+    if (lr < 1e-4) REQUIRE(3 * (before.numel() - kept.sum().item<int64_t>()) < before.numel());
+    const int64_t element = kept.nonzero()[0][0].item<int64_t>();
     const at::Tensor embed = params["model.embed_tokens.weight"].detach();
-    at::from_blob(embed.data_ptr(), embed.sizes(), embed.options())[0][0] = 7.0;
+    auto raw = at::from_blob(embed.data_ptr(), {embed.numel()}, embed.options());
+    raw[element] = raw[element].item<double>() == 7.0 ? 8.0 : 7.0;
   }
   const auto tampered = params["model.embed_tokens.weight"].detach().clone();
   CHECK_THROWS_WITH(reader.verify(*rollout), Catch::Contains("'model.embed_tokens.weight' differs"));
-  train_step(trainer_model, opt, 6);
-  sync.publish(6, wire_weights(*trainer_model));
+  sync.publish(6, next);
   if (deltas) {
     CHECK_THROWS_WITH(reader.load_newer_into(*rollout, 5s), Catch::Contains("tensor 'model.embed_tokens.weight'") &&
                                                                Catch::Contains("does not match its checksum"));
