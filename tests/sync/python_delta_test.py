@@ -857,7 +857,8 @@ def test_engine_buckets():
 
 def test_speed(mb):
     """A 1%-changed delta of ``mb`` MiB of bfloat16 (8 tensors; 1% of each one's elements get a new
-    value), as the encoder picks it (sparse) and forced xor: applied in place and copy-on-write, then verified."""
+    value), as the encoder picks it (sparse) and forced xor: applied in place and copy-on-write, exact, then
+    verified; the times of each printed."""
     n_tensors = 8
     per = (mb << 20) // 2 // n_tensors
     gen = torch.Generator().manual_seed(1)
@@ -898,9 +899,9 @@ def test_speed(mb):
               f"copy-on-write {copied[0]:.2f}s + verify {copied[1]:.2f}s (torch threads {torch.get_num_threads()})")
         results.append(sum(in_place))
         del pub, full, cow, module, held, enc
-    from fsdpx_sync import checksum
-    if checksum.implementation() == "native":  # the torch CRC-32C (without google-crc32c) is correct, not fast
-        assert max(results) < 2.0 * mb / 1024 + 0.5, results  # a generous bound (2 s per GiB) for a loaded machine
+    # The times are printed, not asserted: a test holds on a loaded machine; how fast the receiver applies a
+    # delta is measured side by side by benchmarks/delta_sync_bench.py (docs/benchmarks.md).
+    return results
 
 
 def main() -> int:

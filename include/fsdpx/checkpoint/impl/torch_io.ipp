@@ -3,12 +3,16 @@
 // headers are included here only, so a separately compiled program's translation units do not parse them.
 #pragma once
 
+#include <algorithm>
+#include <cstring>
 #include <exception>
+#include <memory>
 #include <vector>
 
 #include <caffe2/serialize/inline_container.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/jit/serialization/export.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 
@@ -50,25 +54,47 @@ FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const 
   });
 }
 
+/// A file's bytes as LibTorch's zip reader reads them, every read bounded by the bytes there are. Its own
+/// VectorReader (torch::jit::pickle_load's) copies past the end wherever a crafted record's offset or
+/// size points beyond the file: a crash, where a short read is an error the zip reader reports.
+class BoundedBytesReader final : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit BoundedBytesReader(std::vector<char> bytes) : bytes_(std::move(bytes)) {}
+  size_t size() const override { return bytes_.size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= bytes_.size()) return 0;
+    const size_t count = static_cast<size_t>(std::min<uint64_t>(n, bytes_.size() - pos));
+    std::memcpy(buf, bytes_.data() + pos, count);
+    return count;
+  }
+
+ private:
+  std::vector<char> bytes_;
+};
+
 FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> expected_crc32c, int64_t max_bytes) {
   std::vector<char> data = ::fsdpx::detail::read_file(path, "checkpoint file", max_bytes);
+  const size_t bytes = data.size();
   if (expected_crc32c) {
     const uint32_t crc = ::fsdpx::detail::Crc32c::of(data.data(), data.size());
     FSDPX_CHECK_AS(IoError, crc == *expected_crc32c, "checkpoint file '", path.string(), "' is corrupt: its CRC-32C is ",
                    crc, " but ", *expected_crc32c, " was committed");
   }
   try {
-    return torch::jit::pickle_load(data);
+    // What torch::jit::pickle_load does, through a reader that cannot read past the file.
+    caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BoundedBytesReader>(std::move(data)));
+    return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", std::nullopt, std::nullopt,
+                                             std::nullopt, reader);
   } catch (const c10::Error& e) {
-    throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", data.size(),
+    throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", bytes,
                                        " bytes) is truncated or corrupt: ", e.what_without_backtrace()));
   } catch (const std::bad_alloc&) {
     // LibTorch's unpickler reserves what a length field says before reading it: a corrupt length
     // (reachable only without a checksum to check first) asks for more memory than there is.
-    throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", data.size(),
+    throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", bytes,
                                        " bytes) is corrupt: a length inside it asks for more memory than this machine has"));
   } catch (const std::exception& e) {
-    throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", data.size(), " bytes) is corrupt: ", e.what()));
+    throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", bytes, " bytes) is corrupt: ", e.what()));
   }
 }
 
