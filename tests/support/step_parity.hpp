@@ -102,7 +102,7 @@ struct Closest {
 /// Relative bounds of one model's step (rounding::relative of its paths).
 struct StepBounds {
   double loss = 0;      // the loss, relative to its value
-  double gradient = 0;  // each gradient element, relative to the largest of its tensor's
+  double gradient = 0;  // each gradient element, relative to the largest of its unit's gradients
 };
 
 /// The relative bounds of one step of a model with forward path `forward` on a batch of `tokens`.
