@@ -96,8 +96,8 @@ int packed(fsdpx::dist::MpiCommunicator& world, const std::string& dir, int64_t 
     for (size_t i = 0; i < count; ++i) {
       const MicroBatch& b = batches[std::min(i, batches.size() - 1)];
       model.set_requires_gradient_sync(i + 1 == count);
-      at::Tensor loss = is_packed ? model.call(&models::CausalLMImpl::loss_packed, b.ids, b.labels, b.samples)
-                                  : model.call(&models::CausalLMImpl::loss, b.ids, b.labels, b.mask);
+      const models::BatchLayout layout = is_packed ? models::BatchLayout(b.samples) : models::BatchLayout(b.mask);
+      at::Tensor loss = model.call(&models::CausalLMImpl::loss, b.ids, b.labels, layout);
       if (i >= batches.size()) loss = loss * 0;
       loss.backward();
     }

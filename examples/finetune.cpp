@@ -133,6 +133,7 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count(), W,
                 std::string(world.backend_name()).c_str(), loaded.bytes_read / 1048576.0,
                 fsdpx::examples::memory_line(device).c_str());
+    std::printf("finetune: attention %s\n", model->attention_report().to_string().c_str());
   }
 
   auto optimizer = fsdpx::make_adamw(model, torch::optim::AdamWOptions(args.lr).weight_decay(0.1));

@@ -185,11 +185,11 @@ int main(int argc, char** argv) try {
       at::Tensor ref_logp;
       {
         at::NoGradGuard no_grad;
-        ref_logp = reference.call(&models::CausalLMImpl::log_probs_packed, packed_ids, batch.samples, models::LogProbOptions{})
+        ref_logp = reference.call(&models::CausalLMImpl::log_probs, packed_ids, batch.samples, models::LogProbOptions{})
                        .log_probs.to(at::kFloat);
       }
       const at::Tensor logp =
-          policy.call(&models::CausalLMImpl::log_probs_packed, packed_ids, batch.samples, models::LogProbOptions{}).log_probs;
+          policy.call(&models::CausalLMImpl::log_probs, packed_ids, batch.samples, models::LogProbOptions{}).log_probs;
 
       // 4. the policy-gradient step
       const at::Tensor count = completion.sum().clamp_min(1);
@@ -218,6 +218,7 @@ int main(int argc, char** argv) try {
                     static_cast<long long>(step), mean_reward, means[1].item<double>(), means[2].item<double>(),
                     static_cast<long long>(batch.input_ids.size(0)), static_cast<long long>(batch.input_ids.size(1)),
                     norm.value);
+        if (step == start + 1) std::printf("trainer: attention %s\n", policy->attention_report().to_string().c_str());
         std::fflush(stdout);
       }
     }

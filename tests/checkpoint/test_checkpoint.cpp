@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "../support/bn_block.hpp"
 #include "../support/mpi_world.hpp"
 #include "checkpoint_common.hpp"
 
@@ -652,16 +653,8 @@ TEST_CASE("a real commit record holds exactly the fields of docs/checkpoint.md",
 
 namespace {
 /// Blocks with BatchNorm (running statistics and an int64 counter) and a root buffer (a router bias).
-struct BnBlockImpl : torch::nn::Module {
-  explicit BnBlockImpl(int64_t d) {
-    lin = register_module("lin", torch::nn::Linear(d, d));
-    bn = register_module("bn", torch::nn::BatchNorm1d(d));
-  }
-  at::Tensor forward(const at::Tensor& x) { return x + torch::relu(bn(lin(x))); }
-  torch::nn::Linear lin{nullptr};
-  torch::nn::BatchNorm1d bn{nullptr};
-};
-TORCH_MODULE(BnBlock);
+using fsdpx::test::BnBlock;
+using fsdpx::test::BnBlockImpl;
 
 struct BnNetImpl : torch::nn::Module {
   BnNetImpl() {

@@ -27,6 +27,7 @@
 
 #include <fsdpx/fsdp.hpp>
 
+#include "../support/bn_block.hpp"
 #include "../support/mpi_world.hpp"
 #include "parity.hpp"
 
@@ -103,18 +104,8 @@ int64_t in_flight_bound(const core::ShardedModel& m, size_t n) {
 }
 
 /// Blocks with BatchNorm (running statistics, a batch counter) and a root buffer the model updates.
-struct BnBlockImpl : torch::nn::Module {
-  explicit BnBlockImpl(int64_t dim) {
-    // No bias before the BatchNorm (as conv-BN blocks do): its gradient is analytically zero, and
-    // Adam would turn the rounding noise left in it into steps that differ between any two runs.
-    fc = register_module("fc", torch::nn::Linear(torch::nn::LinearOptions(dim, dim).bias(false)));
-    bn = register_module("bn", torch::nn::BatchNorm1d(dim));
-  }
-  at::Tensor forward(const at::Tensor& x) { return torch::relu(bn(fc(x))) + x; }
-  torch::nn::Linear fc{nullptr};
-  torch::nn::BatchNorm1d bn{nullptr};
-};
-TORCH_MODULE(BnBlock);
+using fsdpx::test::BnBlock;
+using fsdpx::test::BnBlockImpl;
 
 struct BnMlpImpl : torch::nn::Module {
   BnMlpImpl() {
@@ -237,6 +228,47 @@ TEST_CASE("an exception in backward, and one in forward, do not poison the next 
   }
   INFO(parity.summary());
   REQUIRE(parity.holds());
+}
+
+/// A block that, when asked, calls itself through fsdpx::forward inside its own forward.
+struct SelfCallingImpl : torch::nn::Module {
+  SelfCallingImpl() { fc = register_module("fc", torch::nn::Linear(4, 4)); }
+  at::Tensor forward(const at::Tensor& x) {
+    if (call_itself) {
+      call_itself = false;
+      torch::nn::ModuleHolder<SelfCallingImpl> self(std::dynamic_pointer_cast<SelfCallingImpl>(shared_from_this()));
+      return fsdpx::forward(self, x);
+    }
+    return fc(x);
+  }
+  torch::nn::Linear fc{nullptr};
+  bool call_itself = false;
+};
+TORCH_MODULE(SelfCalling);
+struct SelfCallingNetImpl : torch::nn::Module {
+  SelfCallingNetImpl() { block = register_module("block", SelfCalling()); }
+  at::Tensor forward(const at::Tensor& x) { return fsdpx::forward(block, x).sum(); }
+  SelfCalling block{nullptr};
+};
+TORCH_MODULE(SelfCallingNet);
+
+// Issue 47: every unit transition checks where it starts (detail::move_phase). A unit called inside its
+// own forward would gather over itself and free its parameters under its running caller: an error
+// naming the unit and both phases, before anything is gathered, and the next step trains.
+TEST_CASE("a unit called inside its own forward is refused, naming the unit and both phases", "[protocol][errors]") {
+  auto& ctx = parity_context();
+  at::manual_seed(7);  // every rank builds the same weights, whichever tests ran before
+  Fsdp<SelfCallingNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<SelfCallingImpl>> sharded(
+      SelfCallingNet(), ctx.comm);
+  const at::Tensor x = at::ones({2, 4});
+  sharded->block->call_itself = true;
+  REQUIRE_THROWS_WITH(sharded(x), Contains("unit 'block': pre_forward found it in phase \"forward\" but starts only from "
+                                           "idle, after forward, backward, reduced (to forward); a unit cannot be called "
+                                           "inside its own forward"));
+  CHECK(sharded.sharded().stage() == core::PassStage::idle);
+  sharded(x).backward();
+  CHECK(sharded.sharded().stage() == core::PassStage::idle);
+  CHECK(sharded.last_step_stats().forward_order == std::vector<std::string>{"block"});
 }
 
 TEST_CASE("a failed construction leaves the module as it was, usable unsharded", "[protocol][errors]") {
@@ -681,7 +713,7 @@ TEST_CASE("a shard reader that fails at the end of backward: the pass completes,
     sharded.sharded().add_shard_reader([] { throw std::runtime_error("background reader failed"); });
     REQUIRE_THROWS_WITH(loss.backward(), Contains("background reader failed"));
     // Every collective of the pass took place on every rank and its gradients reached the shards.
-    CHECK(sharded.sharded().stage() == core::detail::PassStage::idle);
+    CHECK(sharded.sharded().stage() == core::PassStage::idle);
     CHECK(sharded.sharded_bytes().unsharded == 0);
     CHECK(sharded.last_step_stats().units_run == static_cast<int>(sharded.sharded().num_units()));
     optimizer.step();
@@ -723,7 +755,7 @@ TEST_CASE("a reduction that fails at the end of backward aborts the pass: no sha
     sharded.sharded().add_shard_reader([failure] { failure->armed = true; });
     REQUIRE_THROWS_WITH(loss.backward(), Contains("injected reduce-scatter failure"));
     failure->armed = false;
-    CHECK(sharded.sharded().stage() == core::detail::PassStage::idle);
+    CHECK(sharded.sharded().stage() == core::PassStage::idle);
     CHECK(sharded.sharded_bytes().unsharded == 0);
     for (size_t i = 0; i < sharded.sharded().num_units(); ++i) {
       INFO(sharded.sharded().unit(i).name());

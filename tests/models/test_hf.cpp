@@ -510,8 +510,8 @@ TEST_CASE("hf: packed samples: each sample's logits equal transformers' of that 
     CHECK(at::equal(samples.cu_seqlens(), at::tensor(std::vector<int32_t>{0, 5, 8, 12, 19, 24})));
     CHECK(at::equal(samples.position_ids(), positions));
     const double by_positions = relative_error(model(ids, at::Tensor(), positions), want);  // transformers' way
-    const double by_samples = relative_error(model.call(&models::CausalLMImpl::forward_packed, ids, samples), want);
-    const double by_cu = relative_error(model.call(&models::CausalLMImpl::forward_packed, ids, models::PackedSamples::from_cu_seqlens(samples.cu_seqlens(), 2, 12)), want);
+    const double by_samples = relative_error(model.call(&models::CausalLMImpl::forward, ids, samples, at::Tensor()), want);
+    const double by_cu = relative_error(model.call(&models::CausalLMImpl::forward, ids, models::PackedSamples::from_cu_seqlens(samples.cu_seqlens(), 2, 12), at::Tensor()), want);
     const double unpacked = relative_error(model(ids), want);  // the samples attending to each other
     const double bound = logits_bound(model->config, ids.size(1));
     if (world.rank() == 0) {
@@ -543,7 +543,7 @@ TEST_CASE("hf: a packed batch trains as its samples padded: loss, log-probs and 
       for (const auto& p : model.parameters()) grads.push_back(p.grad().clone());
       return grads;
     };
-    const auto packed = gradients([&](models::CausalLM& m) { return m->loss_packed(ids, ids, samples); });
+    const auto packed = gradients([&](models::CausalLM& m) { return m->loss(ids, ids, samples); });
     const auto alone = gradients([&](models::CausalLM& m) { return m->loss(padded.ids, padded.labels, padded.mask); });
     // The loss over the samples' 19 predicted tokens; the gradients along the backward path.
     const int64_t positions = samples.max_length(), tokens = ids.numel() - static_cast<int64_t>(samples.spans().size());
@@ -560,7 +560,7 @@ TEST_CASE("hf: a packed batch trains as its samples padded: loss, log-probs and 
 
     // Per-token log-probs: each sample's equal its padded row's; the boundaries hold 0.
     at::NoGradGuard no_grad;
-    const auto lp = model.call(&models::CausalLMImpl::log_probs_packed, ids, samples, models::LogProbOptions{.entropy = true});
+    const auto lp = model.call(&models::CausalLMImpl::log_probs, ids, samples, models::LogProbOptions{.entropy = true});
     const auto lp_padded = model.call(&models::CausalLMImpl::log_probs, padded.ids, padded.mask, models::LogProbOptions{.entropy = true});
     const at::Tensor inside = samples.next_token_mask();
     CHECK(lp.log_probs.masked_select(inside.logical_not()).abs().max().item<double>() == 0.0);
@@ -607,7 +607,7 @@ TEST_CASE("hf: greedy generate with a KV cache yields transformers' tokens and l
     // A step of training after generation.
     const at::Tensor ids = ref(name, "input_ids");
     sharded.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()).backward();
-    CHECK(sharded.sharded().stage() == fsdpx::core::detail::PassStage::idle);
+    CHECK(sharded.sharded().stage() == fsdpx::core::PassStage::idle);
   }
 }
 
@@ -796,7 +796,7 @@ TEST_CASE("hf: mixtures of experts: an expert no token chose gets no update, and
   optimizer.zero_grad();
   model.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()).backward();
   optimizer.step();
-  CHECK(model.sharded().stage() == fsdpx::core::detail::PassStage::idle);
+  CHECK(model.sharded().stage() == fsdpx::core::PassStage::idle);
   int changed_idle = 0, changed_chosen = 0;
   {
     auto scope = model.full_parameters();
@@ -820,7 +820,7 @@ TEST_CASE("hf: mixtures of experts: an expert no token chose gets no update, and
   optimizer.zero_grad();
   model.call(&models::CausalLMImpl::loss, more, more, at::Tensor()).backward();
   optimizer.step();
-  CHECK(model.sharded().stage() == fsdpx::core::detail::PassStage::idle);
+  CHECK(model.sharded().stage() == fsdpx::core::PassStage::idle);
 }
 
 TEST_CASE("hf: mixtures of experts: experts stacked in the files (transformers' own layout) load as the hub's", "[hf][moe]") {

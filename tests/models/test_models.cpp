@@ -375,8 +375,71 @@ TEST_CASE("models: packed samples from position ids and cumulative lengths, and 
   models::DecoderConfig c = models::parse_decoder_config(llama_config(), "config.json");
   models::CausalLM model(c);
   at::NoGradGuard no_grad;
-  CHECK_THAT(error_of([&] { model->forward_packed(at::zeros({1, 6}, at::kLong), samples); }),
+  CHECK_THAT(error_of([&] { model->forward(at::zeros({1, 6}, at::kLong), samples); }),
              Catch::Contains("the packed samples describe a [2, 6] batch, but the input is [1, 6]"));
+}
+
+// Issue 47: attention runs on one explicit backend per model, reported; where the one asked for cannot
+// run, the call fails saying why (no silent fallback). On the CPU, flash_varlen cannot run: automatic
+// says so in the report, and every backend gives the same packed logits.
+TEST_CASE("models: attention runs on the backend asked for, reports what ran and why, and refuses what cannot run",
+          "[hf][unit][packed][attention][errors]") {
+  at::manual_seed(5);
+  models::CausalLM model(models::parse_decoder_config(llama_config(), "config.json"));
+  at::NoGradGuard no_grad;
+  const auto samples = models::PackedSamples::from_cu_seqlens(longs({0, 3, 6, 8, 12}, {5}), 2, 6);
+  const at::Tensor ids = at::randint(1, 64, {2, 6}, at::kLong);
+  CHECK(model->attention_report().requested == models::AttentionBackend::automatic);
+  CHECK_FALSE(model->attention_report().packed.has_value());
+  CHECK_THAT(model->attention_report().to_string(), Catch::Contains("packed samples not run yet"));
+
+  const at::Tensor automatic = model->forward(ids, samples);
+  auto report = model->attention_report();
+  CHECK(report.packed == models::AttentionBackend::sdpa);
+  CHECK_THAT(report.reason, Catch::Contains("flash_varlen needs CUDA tensors, not cpu"));
+  CHECK_THAT(report.to_string(), Catch::Contains("automatic: whole rows on sdpa, packed samples on sdpa (flash_varlen needs"));
+
+  model->set_attention_backend(models::AttentionBackend::sdpa);
+  CHECK_FALSE(model->attention_report().packed.has_value());  // a new choice reports afresh
+  CHECK(at::equal(model->forward(ids, samples), automatic));
+  CHECK(model->attention_report().packed == models::AttentionBackend::sdpa);
+  CHECK(model->attention_report().reason.empty());
+
+  model->set_attention_backend(models::AttentionBackend::flash_varlen);
+  CHECK_THAT(error_of([&] { model->forward(ids, samples); }),
+             Catch::Contains("AttentionBackend::flash_varlen was asked for, but flash_varlen needs CUDA tensors, not cpu"));
+  // Whole rows run SDPA under every choice.
+  const at::Tensor rows = model->forward(ids);
+  model->set_attention_backend(models::AttentionBackend::automatic);
+  CHECK(at::equal(model->forward(ids), rows));
+}
+
+// Issue 47: the _packed twins became one layout argument; the old names stay one release as
+// deprecated forwards, and give exactly what the new spellings give.
+TEST_CASE("models: the deprecated _packed names equal forward, loss and log_probs given packed samples",
+          "[hf][unit][packed][deprecated]") {
+  at::manual_seed(6);
+  models::CausalLM model(models::parse_decoder_config(llama_config(), "config.json"));
+  const auto samples = models::PackedSamples::from_cu_seqlens(longs({0, 2, 6, 9, 12}, {5}), 2, 6);
+  const at::Tensor ids = at::randint(1, 64, {2, 6}, at::kLong);
+  at::NoGradGuard no_grad;
+  const models::LogProbOptions entropy{.entropy = true};
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  const at::Tensor old_logits = model->forward_packed(ids, samples);
+  const at::Tensor old_loss = model->loss_packed(ids, ids, samples);
+  const models::TokenLogProbs old_logp = model->log_probs_packed(ids, samples, entropy);
+#pragma GCC diagnostic pop
+  CHECK(at::equal(old_logits, model->forward(ids, samples)));
+  CHECK(at::equal(old_loss, model->loss(ids, ids, samples)));
+  const models::TokenLogProbs logp = model->log_probs(ids, samples, entropy);
+  CHECK(at::equal(old_logp.log_probs, logp.log_probs));
+  CHECK(at::equal(old_logp.entropy, logp.entropy));
+  // Packed, not whole rows: the samples do not attend to each other, and boundaries hold 0.
+  CHECK_FALSE(at::allclose(old_logits, model->forward(ids)));
+  CHECK(logp.log_probs.masked_select(samples.next_token_mask().logical_not()).eq(0).all().item<bool>());
+  CHECK_THAT(error_of([&] { model->forward(ids, samples, samples.position_ids()); }),
+             Catch::Contains("packed samples carry their own positions; pass no position_ids"));
 }
 
 TEST_CASE("models: pack_sequences fills rows first-fit decreasing, pads the tails as samples of their own, and unpacks",

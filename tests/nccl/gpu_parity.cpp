@@ -113,17 +113,22 @@ TEST_CASE("GPU: packed samples: variable-length flash attention equals attention
   const auto samples = models::PackedSamples::from_cu_seqlens(at::tensor({0, 30, 64, 96, 150, 192}, at::kLong), 2, 96);
   const auto run = [&] {
     for (auto& p : model->parameters()) p.mutable_grad() = at::Tensor();
-    const at::Tensor logits = model->forward_packed(ids, samples);
-    model->loss_packed(ids, ids, samples).backward();
+    const at::Tensor logits = model->forward(ids, samples);
+    model->loss(ids, ids, samples).backward();
     std::map<std::string, at::Tensor> grads;
     for (const auto& p : model->named_parameters()) grads[p.key()] = p.value().grad().to(at::kFloat);
     return std::pair{logits.detach().to(at::kFloat), grads};
   };
+  model->set_attention_backend(models::AttentionBackend::flash_varlen);  // an error, not a fallback, if it cannot run
   const auto [flash_logits, flash] = run();
-  REQUIRE(models::AttentionImpl::flash_varlen_usable());  // it ran (a failure would have turned it off)
-  models::AttentionImpl::flash_varlen_usable() = false;
+  REQUIRE(model->attention_report().packed == models::AttentionBackend::flash_varlen);
+  model->set_attention_backend(models::AttentionBackend::sdpa);
   const auto [logits, by_sample] = run();
-  models::AttentionImpl::flash_varlen_usable() = true;
+  REQUIRE(model->attention_report().packed == models::AttentionBackend::sdpa);
+  model->set_attention_backend(models::AttentionBackend::automatic);  // takes flash_varlen where it runs
+  run();
+  CHECK(model->attention_report().packed == models::AttentionBackend::flash_varlen);
+  CHECK(model->attention_report().reason.empty());
   // Attention sums over the longest sample; every token but each sample's last predicts one.
   const int64_t longest = samples.max_length(), tokens = ids.numel() - static_cast<int64_t>(samples.spans().size());
   const double logits_error = (flash_logits - logits).abs().max().item<double>() / logits.abs().max().item<double>();

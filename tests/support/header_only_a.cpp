@@ -6,4 +6,4 @@
 
 int header_only_b();
 
-int main() { return header_only_b() == static_cast<int>(fsdpx::core::detail::PassStage::idle) ? 0 : 1; }
+int main() { return header_only_b() == static_cast<int>(fsdpx::core::PassStage::idle) ? 0 : 1; }

@@ -2,4 +2,4 @@
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/models.hpp>
 
-int header_only_b() { return static_cast<int>(fsdpx::core::detail::PassStage::idle); }
+int header_only_b() { return static_cast<int>(fsdpx::core::PassStage::idle); }

@@ -24,7 +24,7 @@
 
 #include <torch/nn/module.h>
 
-#include <fsdpx/core/detail/autograd.hpp>
+#include <fsdpx/core/detail/storage.hpp>
 #include <fsdpx/error.hpp>
 
 namespace fsdpx {

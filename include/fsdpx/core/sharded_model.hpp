@@ -177,7 +177,7 @@ class ShardedModel {
   /// What the last completed step did (updated at the end of each backward).
   const StepStats& last_step_stats() const { return last_stats_; }
   /// Where the model is now in the protocol (idle between steps).
-  detail::PassStage stage() const { return pass_.stage; }
+  PassStage stage() const { return pass_.stage; }
 
   /// Off: skip gradient reduction and keep unsharded gradients until a step with it on (accumulation).
   void set_requires_gradient_sync(bool on) { sync_ = on; }
@@ -232,10 +232,11 @@ class ShardedModel {
 
   /// The root's forward starts a step: a backward pass that an exception ended is cleaned up first.
   FSDPX_DECL void begin_forward();
-  /// unit: idle | after_forward | reduced -> forward. Gathers u and prefetches what followed it.
+  /// unit: idle | after_forward | backward | reduced -> forward (detail::check_phase refuses the rest,
+  /// before anything is gathered). Gathers u and prefetches what followed it.
   FSDPX_DECL void pre_forward(Unit& u);
 
-  /// unit: forward -> after_forward (with gradients on) or idle; the root's also ends the forward.
+  /// unit: forward | idle -> after_forward (with gradients on) or idle; the root's also ends the forward.
   template <class Out>
   Out post_forward(Unit& u, Out out) {
     end_unit_forward(u);
@@ -253,18 +254,21 @@ class ShardedModel {
   FSDPX_DECL void end_unit_forward(Unit& u);
 
   /// The root's forward threw: every unit reshards and the pass resets, so the next step starts clean.
-  /// (Inside backward a failed recomputation ends that pass instead.)
+  /// (Inside backward a failed recomputation ends that pass instead.) Another unit's forward threw: it
+  /// is back in the phase its forward started from, for a caller that catches the error and goes on.
   FSDPX_DECL void forward_failed(Unit& u) noexcept;
 
   /// stage: forward | after_forward -> backward, at the first unit event of a backward pass: arranges
   /// for its end. A pass that began and never ended (an exception left it) is cleaned up first.
   FSDPX_DECL void begin_backward();
-  /// unit: after_forward -> backward, when its outputs' gradients arrive. Gathers it again.
+  /// unit: idle | after_forward | backward -> backward (reduced stays reduced), when its outputs'
+  /// gradients arrive. Gathers it again.
   FSDPX_DECL void pre_backward(Unit& u);
   /// The post-backward node of one call of `u` ran; the last of u's calls ends its backward.
   FSDPX_DECL void post_backward(Unit& u);
   FSDPX_DECL void on_grad_accumulated(Unit& u);
-  /// unit: backward -> reduced. Its reduction starts now (missing gradients count as zero), it reshards.
+  /// unit: idle | after_forward | backward -> reduced. Its reduction starts now (missing gradients count
+  /// as zero), it reshards.
   FSDPX_DECL void unit_backward_done(Unit& u);
   /// Starts the replica all-reduce of every issued unit whose reduce-scatter is done, in issue order
   /// (the same on every rank), without waiting for any.

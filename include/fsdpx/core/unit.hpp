@@ -24,7 +24,7 @@
 #include <c10/core/Event.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 
-#include <fsdpx/core/detail/autograd.hpp>
+#include <fsdpx/core/detail/storage.hpp>
 #include <fsdpx/core/flat_param.hpp>
 #include <fsdpx/dist/any.hpp>
 #include <fsdpx/error.hpp>

@@ -49,7 +49,7 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
   FSDPX_DECL bool is_broken() const;
 
   /// A ring of W - 1 send/receive stages straight into the output's slots: Open MPI 4's nonblocking
-  /// MPI_Iallgather is up to 5x slower than its blocking form at FSDP's message sizes.
+  /// MPI_Iallgather is much slower than its blocking form at FSDP's message sizes (docs/benchmarks.md).
   FSDPX_DECL Work all_gather_async(at::Tensor output, const at::Tensor& input);
 
   /// Point to point, in pieces of at most gather_piece_bytes, one piece per stage: with shared memory

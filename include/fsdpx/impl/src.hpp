@@ -17,6 +17,7 @@
 #endif
 #include <fsdpx/dist/impl/rendezvous.ipp>
 #include <fsdpx/core/impl/autograd.ipp>
+#include <fsdpx/core/impl/storage.ipp>
 #include <fsdpx/core/impl/deferred_init.ipp>
 #include <fsdpx/core/impl/unit.ipp>
 #include <fsdpx/core/impl/model_plan.ipp>

@@ -5,8 +5,8 @@
 // - Huge pages. Large buffers (from 2 MiB) are 2 MiB-aligned and advised to use transparent huge
 //   pages, as PyTorch's THP_MEM_ALLOC_ENABLE=1 does for every allocation, but for these buffers only
 //   and without an environment variable. Why: a CPU rank's shared-memory transfer (Open MPI's CMA,
-//   process_vm_readv) pins and walks every source page; with 4 KiB pages the sync's copies ran at less
-//   than half the speed of 2 MiB pages (a VM translates every page twice; docs/sync.md, "Measured").
+//   process_vm_readv) pins and walks every source page, so 4 KiB pages make the sync's copies much
+//   slower than 2 MiB pages (a VM translates every page twice; docs/sync.md, "Measured", has the figures).
 //   Where the kernel offers no huge pages (THP "never", not Linux) the advice is ignored.
 //   FSDPX_HUGE_PAGES=0 turns it off.
 //

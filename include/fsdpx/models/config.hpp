@@ -8,14 +8,20 @@
 // A field that changes the math and that this implementation does not reproduce (another model_type,
 // activation, RoPE type, quantization, ...) is an error naming it: never a silently different model.
 // Fields absent from the file take the defaults of the family's transformers config class.
+//
+// model_families is the table of families: one row each, saying how its transformers class reads
+// config.json into these switches and which defaults it takes. Adding a family is a row here plus the
+// module code its math needs (docs/models.md, "Adding a family").
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <c10/core/ScalarType.h>
@@ -91,8 +97,85 @@ struct DecoderConfig {
   bool is_sparse(int64_t layer) const {
     return layer < static_cast<int64_t>(sparse_layers.size()) && sparse_layers[static_cast<size_t>(layer)];
   }
-  bool is_moe() const { return model_type == "qwen2_moe" || model_type == "qwen3_moe"; }
+  /// Whether the family has sparse layers (its row in model_families says so).
+  bool is_moe() const;
 };
+
+/// One family of decoders: how its transformers config class reads config.json into DecoderConfig's
+/// switches, and its defaults for absent fields. A row of model_families.
+struct ModelFamily {
+  /// Where the attention projections' biases come from.
+  enum class Biases {
+    attention_bias,  // "attention_bias" sets q, k, v and o_proj's (Llama, Qwen3)
+    qkv_always,      // q, k and v have biases and o_proj none, always (Qwen2)
+    qkv_bias,        // "qkv_bias" (default true) sets q, k and v's; o_proj has none (Qwen2-MoE)
+  };
+  std::string_view model_type;
+  std::string_view architecture;  // config.json "architectures": what the class is called, and what an export writes
+  std::string_view name;          // the family as errors name it
+  Biases biases = Biases::attention_bias;
+  bool mlp_bias = false;         // reads "mlp_bias" (Llama)
+  bool qk_norm = false;          // RMSNorm over each head of q and k before RoPE (Qwen3)
+  bool sliding_windows = false;  // reads use_sliding_window, sliding_window, layer_types, max_window_layers
+  bool moe = false;              // sparse layers (MoeConfig)
+  bool shared_expert = false;    // a shared expert on every token (Qwen2-MoE)
+  // The class's defaults for absent fields.
+  int64_t intermediate_size = 0;        // 0: the field is required
+  int64_t num_key_value_heads = 0;      // 0: the attention heads (and a null field: the heads, in every family)
+  int64_t head_dim = 0;                 // 0: hidden_size / num_attention_heads
+  int64_t max_position_embeddings = 32768;
+  int64_t num_experts = 0;
+  int64_t num_experts_per_tok = 0;
+  int64_t moe_intermediate_size = 0;
+  int64_t shared_expert_intermediate_size = 0;
+};
+
+/// The families fsdpx's decoder reproduces, as transformers' config classes define them.
+inline constexpr std::array<ModelFamily, 5> model_families{{
+    {.model_type = "llama", .architecture = "LlamaForCausalLM", .name = "Llama", .mlp_bias = true,
+     .max_position_embeddings = 2048},
+    {.model_type = "qwen2", .architecture = "Qwen2ForCausalLM", .name = "Qwen2", .biases = ModelFamily::Biases::qkv_always,
+     .sliding_windows = true, .num_key_value_heads = 32},
+    {.model_type = "qwen3", .architecture = "Qwen3ForCausalLM", .name = "Qwen3", .qk_norm = true, .sliding_windows = true,
+     .num_key_value_heads = 32, .head_dim = 128},
+    {.model_type = "qwen2_moe", .architecture = "Qwen2MoeForCausalLM", .name = "Qwen2-MoE",
+     .biases = ModelFamily::Biases::qkv_bias, .moe = true, .shared_expert = true, .intermediate_size = 5632,
+     .num_key_value_heads = 16, .num_experts = 60, .num_experts_per_tok = 4, .moe_intermediate_size = 1408,
+     .shared_expert_intermediate_size = 5632},
+    {.model_type = "qwen3_moe", .architecture = "Qwen3MoeForCausalLM", .name = "Qwen3-MoE", .qk_norm = true, .moe = true,
+     .intermediate_size = 6144, .num_key_value_heads = 4, .num_experts = 128, .num_experts_per_tok = 8,
+     .moe_intermediate_size = 768},
+}};
+
+/// The row of `model_type`, or null when no family has it.
+inline const ModelFamily* find_model_family(std::string_view model_type) {
+  for (const ModelFamily& f : model_families) {
+    if (f.model_type == model_type) return &f;
+  }
+  return nullptr;
+}
+
+/// "llama, qwen2, ...": the model types there are rows for.
+inline std::string model_family_list() {
+  std::string list;
+  for (const ModelFamily& f : model_families) list += (list.empty() ? "" : ", ") + std::string(f.model_type);
+  return list;
+}
+
+/// The row of a config's model_type; ConfigError naming it when there is none.
+inline const ModelFamily& model_family(const DecoderConfig& c) {
+  const ModelFamily* f = find_model_family(c.model_type);
+  if (f == nullptr) {
+    throw ConfigError(::fsdpx::detail::str("fsdpx: model_type \"", c.model_type, "\" is not one fsdpx's decoder implements (",
+                                           model_family_list(), ")"));
+  }
+  return *f;
+}
+
+inline bool DecoderConfig::is_moe() const {
+  const ModelFamily* f = find_model_family(model_type);
+  return f != nullptr && f->moe;
+}
 
 /// The largest sizes a config.json may declare (each well above every released model of these
 /// families; docs/models.md): a config is untrusted, and these bound what it can make a rank build
@@ -111,12 +194,8 @@ struct DecoderConfigBounds {
 
 /// The architectures (config.json "architectures") that fsdpx's decoder reproduces, by model_type.
 inline const char* causal_lm_architecture(const std::string& model_type) {
-  if (model_type == "llama") return "LlamaForCausalLM";
-  if (model_type == "qwen2") return "Qwen2ForCausalLM";
-  if (model_type == "qwen3") return "Qwen3ForCausalLM";
-  if (model_type == "qwen2_moe") return "Qwen2MoeForCausalLM";
-  if (model_type == "qwen3_moe") return "Qwen3MoeForCausalLM";
-  return nullptr;
+  const ModelFamily* f = find_model_family(model_type);
+  return f == nullptr ? nullptr : f->architecture.data();  // the table's literals end in a NUL
 }
 
 namespace detail {
@@ -204,21 +283,22 @@ inline RopeConfig parse_rope(const ::fsdpx::detail::Json& j, const std::string& 
   return r;
 }
 
-/// The sparse layers of qwen2_moe and qwen3_moe, with their classes' defaults.
-inline void parse_moe(const ::fsdpx::detail::Json& j, const std::string& doc, DecoderConfig& c) {
+/// The sparse layers of a mixture-of-experts family, with its class's defaults.
+inline void parse_moe(const ::fsdpx::detail::Json& j, const std::string& doc, const ModelFamily& family, DecoderConfig& c) {
   using ::fsdpx::detail::json_find;
-  const bool qwen2_moe = c.model_type == "qwen2_moe";
   const DecoderConfigBounds bounds;
   MoeConfig& m = c.moe;
   // transformers 5 saves Qwen3-MoE's count as "num_local_experts" (its attribute_map); the hub's files say "num_experts".
   m.num_experts = json_find<int64_t>(j, "num_experts", doc).value_or(
-      json_find<int64_t>(j, "num_local_experts", doc).value_or(qwen2_moe ? 60 : 128));
+      json_find<int64_t>(j, "num_local_experts", doc).value_or(family.num_experts));
   FSDPX_CHECK_AS(IoError, m.num_experts >= 0 && m.num_experts <= bounds.num_experts, "'", doc, "': \"num_experts\" is ",
                  m.num_experts, "; it must be in [0, ", bounds.num_experts, "]");
-  m.num_experts_per_tok = json_find<int64_t>(j, "num_experts_per_tok", doc).value_or(qwen2_moe ? 4 : 8);
-  m.moe_intermediate_size = json_find<int64_t>(j, "moe_intermediate_size", doc).value_or(qwen2_moe ? 1408 : 768);
+  m.num_experts_per_tok = json_find<int64_t>(j, "num_experts_per_tok", doc).value_or(family.num_experts_per_tok);
+  m.moe_intermediate_size = json_find<int64_t>(j, "moe_intermediate_size", doc).value_or(family.moe_intermediate_size);
   m.shared_expert_intermediate_size =
-      qwen2_moe ? json_find<int64_t>(j, "shared_expert_intermediate_size", doc).value_or(5632) : 0;
+      family.shared_expert
+          ? json_find<int64_t>(j, "shared_expert_intermediate_size", doc).value_or(family.shared_expert_intermediate_size)
+          : 0;
   m.norm_topk_prob = json_find<bool>(j, "norm_topk_prob", doc).value_or(false);
   m.router_aux_loss_coef = json_find<double>(j, "router_aux_loss_coef", doc).value_or(0.001);
   FSDPX_CHECK_AS(IoError, std::isfinite(m.router_aux_loss_coef) && m.router_aux_loss_coef >= 0, "'", doc,
@@ -266,36 +346,33 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   DecoderConfig c;
   c.source = j;
   c.model_type = json_get<std::string>(j, "model_type", doc);
-  if (causal_lm_architecture(c.model_type) == nullptr) {
+  const ModelFamily* found = find_model_family(c.model_type);
+  if (found == nullptr) {
     throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "': model_type \"", c.model_type,
-                                           "\" is not one fsdpx's decoder implements (llama, qwen2, qwen3, qwen2_moe, qwen3_moe)"));
+                                           "\" is not one fsdpx's decoder implements (", model_family_list(), ")"));
   }
-  const bool llama = c.model_type == "llama", qwen2 = c.model_type == "qwen2", qwen3 = c.model_type == "qwen3";
-  const bool qwen2_moe = c.model_type == "qwen2_moe", qwen3_moe = c.model_type == "qwen3_moe";
+  const ModelFamily& family = *found;
   if (const auto arch = j.find("architectures"); arch != j.end() && arch->is_array()) {
     for (const auto& a : *arch) {
       const std::string name = ::fsdpx::detail::json_as<std::string>(a, "'" + doc + "': an architecture");
-      if (name != causal_lm_architecture(c.model_type)) {
+      if (name != family.architecture) {
         throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "': architecture \"", name, "\" (model_type \"", c.model_type,
-                                               "\"): fsdpx's decoder is a ", causal_lm_architecture(c.model_type)));
+                                               "\"): fsdpx's decoder is a ", family.architecture));
       }
     }
   }
   c.vocab_size = json_get<int64_t>(j, "vocab_size", doc);
   c.hidden_size = json_get<int64_t>(j, "hidden_size", doc);
   // The MoE classes default the dense layers' size (a config of only sparse layers may leave it out).
-  c.intermediate_size = qwen2_moe   ? json_find<int64_t>(j, "intermediate_size", doc).value_or(5632)
-                        : qwen3_moe ? json_find<int64_t>(j, "intermediate_size", doc).value_or(6144)
-                                    : json_get<int64_t>(j, "intermediate_size", doc);
+  c.intermediate_size = family.intermediate_size > 0
+                            ? json_find<int64_t>(j, "intermediate_size", doc).value_or(family.intermediate_size)
+                            : json_get<int64_t>(j, "intermediate_size", doc);
   c.num_hidden_layers = json_get<int64_t>(j, "num_hidden_layers", doc);
   c.num_attention_heads = json_get<int64_t>(j, "num_attention_heads", doc);
-  // Absent, Llama's class takes the attention heads, Qwen2's and Qwen3's their default of 32 (Qwen2-MoE's
-  // 16, Qwen3-MoE's 4); null, all take the heads.
-  c.num_key_value_heads = j.contains("num_key_value_heads") || llama
+  // Absent, the family's default (Llama's: the attention heads); null, every class takes the heads.
+  c.num_key_value_heads = j.contains("num_key_value_heads") || family.num_key_value_heads == 0
                               ? json_find<int64_t>(j, "num_key_value_heads", doc).value_or(c.num_attention_heads)
-                          : qwen2_moe ? 16
-                          : qwen3_moe ? 4
-                                      : 32;
+                              : family.num_key_value_heads;
   // Checked before anything is sized by them: a config.json is untrusted, and a field of 10^6 layers or
   // 2^31 rows would otherwise build until memory runs out, naming nothing.
   const DecoderConfigBounds bounds;
@@ -310,23 +387,32 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   in_range("num_key_value_heads", c.num_key_value_heads, c.num_attention_heads);
   FSDPX_CHECK_AS(IoError, c.num_attention_heads % c.num_key_value_heads == 0, "'", doc, "': ", c.num_attention_heads,
                  " attention heads cannot be grouped over ", c.num_key_value_heads, " key/value heads");
-  // Qwen3's class defaults head_dim to 128; the others derive it.
-  c.head_dim = json_find<int64_t>(j, "head_dim", doc).value_or(qwen3 ? 128 : c.hidden_size / c.num_attention_heads);
+  c.head_dim = json_find<int64_t>(j, "head_dim", doc)
+                   .value_or(family.head_dim > 0 ? family.head_dim : c.hidden_size / c.num_attention_heads);
   in_range("head_dim", c.head_dim, bounds.head_dim);
   FSDPX_CHECK_AS(IoError, c.head_dim % 2 == 0, "'", doc, "': \"head_dim\" is ", c.head_dim, "; RoPE needs an even head dimension");
   c.rms_norm_eps = json_find<double>(j, "rms_norm_eps", doc).value_or(1e-6);
   detail::check_positive(c.rms_norm_eps, "rms_norm_eps", doc);
-  c.max_position_embeddings = json_find<int64_t>(j, "max_position_embeddings", doc).value_or(llama ? 2048 : 32768);
+  c.max_position_embeddings = json_find<int64_t>(j, "max_position_embeddings", doc).value_or(family.max_position_embeddings);
   in_range("max_position_embeddings", c.max_position_embeddings, bounds.max_position_embeddings);
   c.rope = detail::parse_rope(j, doc);
   const std::string act = json_find<std::string>(j, "hidden_act", doc).value_or("silu");
   if (act != "silu") detail::unsupported(doc, "\"hidden_act\" is \"" + act + "\" (fsdpx's SwiGLU MLP uses silu)");
+  // Read (and its type checked) in every family, as transformers' classes accept it.
   const bool attention_bias = json_find<bool>(j, "attention_bias", doc).value_or(false);
-  // Qwen2-MoE reads qkv_bias (default true) and never attention_bias; Qwen2 always has q/k/v biases.
-  c.qkv_bias = qwen2 || (qwen2_moe ? json_find<bool>(j, "qkv_bias", doc).value_or(true) : attention_bias);
-  c.o_bias = !qwen2 && !qwen2_moe && attention_bias;
-  c.mlp_bias = llama && json_find<bool>(j, "mlp_bias", doc).value_or(false);
-  c.qk_norm = qwen3 || qwen3_moe;
+  switch (family.biases) {
+    case ModelFamily::Biases::attention_bias:
+      c.qkv_bias = c.o_bias = attention_bias;
+      break;
+    case ModelFamily::Biases::qkv_always:
+      c.qkv_bias = true;
+      break;
+    case ModelFamily::Biases::qkv_bias:
+      c.qkv_bias = json_find<bool>(j, "qkv_bias", doc).value_or(true);
+      break;
+  }
+  c.mlp_bias = family.mlp_bias && json_find<bool>(j, "mlp_bias", doc).value_or(false);
+  c.qk_norm = family.qk_norm;
   c.tie_word_embeddings = json_find<bool>(j, "tie_word_embeddings", doc).value_or(false);
   c.pad_token_id = json_find<int64_t>(j, "pad_token_id", doc);
   FSDPX_CHECK_AS(IoError, !c.pad_token_id || (*c.pad_token_id >= -c.vocab_size && *c.pad_token_id < c.vocab_size), "'", doc,
@@ -342,14 +428,14 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
     c.dtype = detail::parse_torch_dtype(d, doc);
   }
   c.sparse_layers.assign(static_cast<size_t>(c.num_hidden_layers), false);
-  if (qwen2_moe || qwen3_moe) detail::parse_moe(j, doc, c);
+  if (family.moe) detail::parse_moe(j, doc, family, c);
   // Sliding-window layers (Qwen2/Qwen3): "sliding_window" counts only with "use_sliding_window".
   c.sliding_layers.assign(static_cast<size_t>(c.num_hidden_layers), false);
-  if ((qwen2_moe || qwen3_moe) && json_find<bool>(j, "use_sliding_window", doc).value_or(false)) {
+  if (family.moe && json_find<bool>(j, "use_sliding_window", doc).value_or(false)) {
     detail::unsupported(doc, "\"use_sliding_window\" is true in a mixture of experts (whose classes choose the sliding "
                              "layers by rules of their own)");
   }
-  if (qwen2 || qwen3) {
+  if (family.sliding_windows) {
     // Absent, the window is the classes' default of 4096; null, there is none.
     const bool use = json_find<bool>(j, "use_sliding_window", doc).value_or(false);
     const std::optional<int64_t> window =
@@ -394,37 +480,36 @@ inline DecoderConfig read_decoder_config(const std::filesystem::path& path) {
 
 /// Whether `c` is a model its model_type's transformers class builds; ConfigError naming what is not.
 inline void check_expressible(const DecoderConfig& c) {
+  const ModelFamily& family = model_family(c);
+  const std::string name(family.name);
   std::vector<std::string> why;
-  const auto need = [&](bool ok, const char* what) {
+  const auto need = [&](bool ok, const std::string& what) {
     if (!ok) why.push_back(what);
   };
-  if (c.model_type == "llama") {
-    need(c.qkv_bias == c.o_bias, "q/k/v and o_proj biases differ (Llama's attention_bias sets all four)");
-    need(!c.qk_norm, "q/k norms (Qwen3's)");
-  } else if (c.model_type == "qwen2") {
-    need(c.qkv_bias && !c.o_bias, "Qwen2 has q/k/v biases and no o_proj bias, always");
-    need(!c.mlp_bias, "MLP biases (Llama's mlp_bias)");
-    need(!c.qk_norm, "q/k norms (Qwen3's)");
-  } else if (c.model_type == "qwen3" || c.model_type == "qwen3_moe") {
-    need(c.qkv_bias == c.o_bias, "q/k/v and o_proj biases differ (Qwen3's attention_bias sets all four)");
-    need(c.qk_norm, "no q/k norms (Qwen3 always has them)");
-    need(!c.mlp_bias, "MLP biases (Llama's mlp_bias)");
-  } else if (c.model_type == "qwen2_moe") {
-    need(!c.o_bias, "an o_proj bias (Qwen2-MoE has none)");
-    need(!c.mlp_bias, "MLP biases (Llama's mlp_bias)");
-    need(!c.qk_norm, "q/k norms (Qwen3's)");
-  } else {
-    why.push_back("model_type \"" + c.model_type + "\"");
+  const auto none = [](const std::vector<bool>& layers) { return std::none_of(layers.begin(), layers.end(), [](bool b) { return b; }); };
+  switch (family.biases) {
+    case ModelFamily::Biases::attention_bias:
+      need(c.qkv_bias == c.o_bias, "q/k/v and o_proj biases differ (" + name + "'s attention_bias sets all four)");
+      break;
+    case ModelFamily::Biases::qkv_always:
+      need(c.qkv_bias && !c.o_bias, name + " has q/k/v biases and no o_proj bias, always");
+      break;
+    case ModelFamily::Biases::qkv_bias:
+      need(!c.o_bias, "an o_proj bias (" + name + " has none)");
+      break;
   }
-  if (c.model_type != "qwen2_moe") need(c.moe.shared_expert_intermediate_size == 0, "a shared expert (Qwen2-MoE's)");
-  if (!c.is_moe()) need(std::none_of(c.sparse_layers.begin(), c.sparse_layers.end(), [](bool b) { return b; }), "sparse layers (the MoE families')");
-  if (c.is_moe()) need(std::none_of(c.sliding_layers.begin(), c.sliding_layers.end(), [](bool b) { return b; }), "sliding-window layers in a mixture of experts");
-  if (c.model_type == "llama") need(c.sliding_layers.empty() || std::none_of(c.sliding_layers.begin(), c.sliding_layers.end(), [](bool b) { return b; }), "sliding-window layers (Qwen's)");
-  need(c.rope.type == "default" || c.rope.type == "linear" || c.rope.type == "llama3", "a RoPE type other than default, linear, llama3");
+  if (!family.mlp_bias) need(!c.mlp_bias, "MLP biases (Llama's mlp_bias)");
+  need(c.qk_norm == family.qk_norm, family.qk_norm ? "no q/k norms (" + name + " always has them)" : "q/k norms (Qwen3's)");
+  if (!family.shared_expert) need(c.moe.shared_expert_intermediate_size == 0, "a shared expert (Qwen2-MoE's)");
+  if (!family.moe) need(none(c.sparse_layers), "sparse layers (the MoE families')");
+  if (family.moe) need(none(c.sliding_layers), "sliding-window layers in a mixture of experts");
+  if (!family.moe && !family.sliding_windows) need(none(c.sliding_layers), "sliding-window layers (Qwen's)");
+  need(c.rope.type == "default" || c.rope.type == "linear" || c.rope.type == "llama3",
+       "a RoPE type other than default, linear, llama3");
   if (why.empty()) return;
   std::string list;
   for (const auto& w : why) list += "\n  " + w;
-  throw ConfigError(::fsdpx::detail::str("fsdpx: this DecoderConfig has switches transformers' ", causal_lm_architecture(c.model_type) ? causal_lm_architecture(c.model_type) : "classes",
+  throw ConfigError(::fsdpx::detail::str("fsdpx: this DecoderConfig has switches transformers' ", family.architecture,
                                          " cannot express, so no config.json would describe the model:", list));
 }
 
@@ -434,8 +519,9 @@ inline void check_expressible(const DecoderConfig& c) {
 /// ConfigError when `c` is not a model its model_type's class builds.
 inline ::fsdpx::detail::Json to_hf_config(const DecoderConfig& c, c10::ScalarType dtype) {
   check_expressible(c);
+  const ModelFamily& family = model_family(c);
   ::fsdpx::detail::Json j = c.source.is_object() ? c.source : ::fsdpx::detail::Json::object();
-  j["architectures"] = {causal_lm_architecture(c.model_type)};
+  j["architectures"] = {std::string(family.architecture)};
   j["model_type"] = c.model_type;
   j["vocab_size"] = c.vocab_size;
   j["hidden_size"] = c.hidden_size;
@@ -451,9 +537,9 @@ inline ::fsdpx::detail::Json to_hf_config(const DecoderConfig& c, c10::ScalarTyp
   j["attention_dropout"] = c.attention_dropout;
   j["initializer_range"] = c.initializer_range;
   j["pad_token_id"] = c.pad_token_id ? ::fsdpx::detail::Json(*c.pad_token_id) : ::fsdpx::detail::Json(nullptr);
-  if (c.model_type != "qwen2" && c.model_type != "qwen2_moe") j["attention_bias"] = c.o_bias;
-  if (c.model_type == "qwen2_moe") j["qkv_bias"] = c.qkv_bias;
-  if (c.model_type == "llama") j["mlp_bias"] = c.mlp_bias;
+  if (family.biases == ModelFamily::Biases::attention_bias) j["attention_bias"] = c.o_bias;
+  if (family.biases == ModelFamily::Biases::qkv_bias) j["qkv_bias"] = c.qkv_bias;
+  if (family.mlp_bias) j["mlp_bias"] = c.mlp_bias;
   ::fsdpx::detail::Json rope = {{"rope_type", c.rope.type}, {"rope_theta", c.rope.theta}};
   if (c.rope.type != "default") rope["factor"] = c.rope.factor;
   if (c.rope.type == "llama3") {
@@ -466,13 +552,13 @@ inline ::fsdpx::detail::Json to_hf_config(const DecoderConfig& c, c10::ScalarTyp
   if (j.contains("rope_theta")) j["rope_theta"] = c.rope.theta;
   if (j.contains("rope_scaling")) j["rope_scaling"] = c.rope.type == "default" ? ::fsdpx::detail::Json(nullptr) : rope;
   j.erase("original_max_position_embeddings");  // it would win over rope_parameters' (see parse_rope)
-  if (c.is_moe()) {
+  if (family.moe) {
     // decoder_sparse_step 1 and the dense layers listed: the same layers, whatever the source said.
     j["num_experts"] = c.moe.num_experts;
     j.erase("num_local_experts");
     j["num_experts_per_tok"] = c.moe.num_experts_per_tok;
     j["moe_intermediate_size"] = c.moe.moe_intermediate_size;
-    if (c.model_type == "qwen2_moe") j["shared_expert_intermediate_size"] = c.moe.shared_expert_intermediate_size;
+    if (family.shared_expert) j["shared_expert_intermediate_size"] = c.moe.shared_expert_intermediate_size;
     j["norm_topk_prob"] = c.moe.norm_topk_prob;
     j["router_aux_loss_coef"] = c.moe.router_aux_loss_coef;
     j["output_router_logits"] = c.moe.output_router_logits;
@@ -483,7 +569,7 @@ inline ::fsdpx::detail::Json to_hf_config(const DecoderConfig& c, c10::ScalarTyp
     }
     j["mlp_only_layers"] = dense;
     j["use_sliding_window"] = false;
-  } else if (c.model_type != "llama") {
+  } else if (family.sliding_windows) {
     bool any = false;
     ::fsdpx::detail::Json types = ::fsdpx::detail::Json::array();
     for (int64_t i = 0; i < c.num_hidden_layers; ++i) {

@@ -1,6 +1,7 @@
 // Generation with a KV cache for models/decoder.hpp's CausalLM: what CausalLM::generate takes and
-// returns, the cache it grows, and how it picks the next tokens (greedy, or sampled with temperature,
-// top-k and top-p in transformers' order).
+// returns, the cache it grows, how it picks the next tokens (greedy, or sampled with temperature,
+// top-k and top-p in transformers' order), and the loop itself (generate_tokens, as transformers'
+// GenerationMixin stands apart from its models).
 //
 //   models::GenerateOptions options{.max_new_tokens = 64, .do_sample = true, .temperature = 0.7, .top_p = 0.9,
 //                                   .eos_token_ids = {2}, .seed = 1234};
@@ -9,15 +10,20 @@
 //   out.sequences;   // [batch, prompt + new] int64: the prompts, then the new tokens (pad after EOS)
 #pragma once
 
+#include <concepts>
 #include <cstdint>
+#include <exception>
 #include <limits>
 #include <optional>
+#include <string>
 #include <tuple>
 #include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/nn/module.h>
 
+#include <fsdpx/core/fsdp.hpp>
 #include <fsdpx/error.hpp>
 
 namespace fsdpx::models {
@@ -99,5 +105,95 @@ inline at::Tensor select_next_tokens(at::Tensor logits, const GenerateOptions& o
 }
 
 }  // namespace detail
+
+/// What generate_tokens needs of a model: a torch::nn::Module that checks its inputs, and that turns
+/// new tokens after those in a KV cache into next-token logits (models/decoder.hpp's CausalLMImpl).
+template <class M>
+concept GenerativeModel = std::derived_from<M, torch::nn::Module> &&
+    requires(M& m, const M& cm, const at::Tensor& t, KvCache& cache, const GenerateOptions& o) {
+      { cm.check_generate_inputs(t, t, o) };                           // ConfigError naming the argument
+      { m.next_token_logits(t, cache, t, t) } -> std::same_as<at::Tensor>;  // [batch, vocabulary]
+      { cm.num_layers() } -> std::convertible_to<int64_t>;
+      { cm.default_pad_token_id() } -> std::convertible_to<std::optional<int64_t>>;
+    };
+
+/// New tokens after each prompt, with a KV cache: CausalLM::generate's loop (its comment says what the
+/// arguments are). Runs without gradients and in eval mode (restored after). Under Fsdp::call every
+/// rank runs it, and the ranks agree on every decision that changes how many unit calls follow: the
+/// inputs' checks, each step's "all rows finished", each step's sampling failure.
+template <GenerativeModel Model>
+GenerateOutput generate_tokens(Model& model, const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                               const GenerateOptions& options) {
+  // Checked on every rank, and agreed, before the first unit call: a rank that threw here while the
+  // others gathered units would leave them waiting.
+  std::string refused;
+  try {
+    model.check_generate_inputs(input_ids, attention_mask, options);
+  } catch (const Error& e) {
+    refused = e.what();
+  }
+  if (!on_every_rank(model, refused.empty())) {
+    FSDPX_CHECK(!refused.empty(), "generate: another rank's inputs were refused (its error says why); no rank generated");
+    throw ConfigError(refused);
+  }
+  const int64_t batch = input_ids.size(0), prompt = input_ids.size(1);
+  at::NoGradGuard no_grad;
+  // Dropout off while generating, as transformers' generate runs in eval mode; the mode is restored.
+  struct EvalScope {
+    torch::nn::Module& m;
+    bool was_training;
+    ~EvalScope() { m.train(was_training); }
+  } eval_scope{model, model.is_training()};
+  model.eval();
+  const auto device = input_ids.device();
+  const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
+  const int64_t pad = options.pad_token_id.value_or(
+      model.default_pad_token_id().value_or(options.eos_token_ids.empty() ? 0 : options.eos_token_ids.front()));
+  const at::Tensor prompt_mask = attention_mask.defined() ? attention_mask.to(longs) : at::ones({batch, prompt}, longs);
+  // Positions as transformers counts them for left padding: from 0 at each row's first token.
+  at::Tensor positions = (prompt_mask.cumsum(-1) - 1).masked_fill(prompt_mask == 0, 1);
+  const bool padded = !prompt_mask.all().item<bool>();
+  at::Tensor key_mask;
+  if (padded) {
+    key_mask = at::ones({batch, prompt + options.max_new_tokens}, longs);
+    key_mask.narrow(1, 0, prompt).copy_(prompt_mask);
+  }
+  const at::Tensor eos = at::tensor(options.eos_token_ids, at::TensorOptions().dtype(at::kLong));
+  at::Generator generator = at::make_generator<at::CPUGeneratorImpl>(options.seed);
+  KvCache cache(model.num_layers(), prompt + options.max_new_tokens);
+  at::Tensor finished = at::zeros({batch}, at::TensorOptions().dtype(at::kBool));
+  at::Tensor lengths = at::zeros({batch}, at::TensorOptions().dtype(at::kLong));
+  std::vector<at::Tensor> new_tokens, step_logits;
+  at::Tensor step = input_ids;
+  for (int64_t i = 0; i < options.max_new_tokens; ++i) {
+    if (on_every_rank(model, finished.all().item<bool>())) break;
+    const int64_t n = step.size(1);
+    const at::Tensor mask = padded ? key_mask.narrow(1, 0, cache.length + n) : at::Tensor();
+    const at::Tensor logits = model.next_token_logits(step, cache, mask, positions).to(at::kFloat).to(at::kCPU);
+    if (options.output_logits) step_logits.push_back(logits);
+    // A draw can fail on one rank alone (its logits turned NaN): every rank learns it before the next step.
+    at::Tensor next;
+    std::string failed;
+    try {
+      next = detail::select_next_tokens(logits, options, generator).masked_fill(finished, pad);
+    } catch (const std::exception& e) {
+      failed = e.what();
+    }
+    if (!on_every_rank(model, failed.empty())) {
+      throw Error(failed.empty() ? std::string("fsdpx: generate: sampling failed on another rank; no rank goes on")
+                                 : "fsdpx: generate: sampling step " + std::to_string(i) + " failed: " + failed);
+    }
+    lengths += finished.logical_not().to(at::kLong);
+    if (eos.numel() > 0) finished = finished | at::isin(next, eos);
+    new_tokens.push_back(next);
+    positions = positions.narrow(1, n - 1, 1) + 1;
+    step = next.to(device).unsqueeze(1);
+  }
+  GenerateOutput out;
+  out.sequences = new_tokens.empty() ? input_ids : at::cat({input_ids, at::stack(new_tokens, 1).to(device)}, 1);
+  out.generated_lengths = lengths.to(device);
+  if (options.output_logits && !step_logits.empty()) out.logits = at::stack(step_logits, 1).to(device);
+  return out;
+}
 
 }  // namespace fsdpx::models

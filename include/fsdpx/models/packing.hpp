@@ -4,9 +4,9 @@
 // positions restart at each sample, and the loss and log-probs skip the boundaries.
 //
 //   auto batch = models::pack_sequences(rollouts, {.token_budget = 4096});        // rows of <= 4096 tokens
-//   auto logits = model->forward_packed(batch.input_ids, batch.samples);
-//   auto loss = model->loss_packed(batch.input_ids, batch.labels, batch.samples);
-//   auto logp = model->log_probs_packed(batch.input_ids, batch.samples);           // [rows, seq - 1]
+//   auto logits = model->forward(batch.input_ids, batch.samples);
+//   auto loss = model->loss(batch.input_ids, batch.labels, batch.samples);
+//   auto logp = model->log_probs(batch.input_ids, batch.samples);                  // [rows, seq - 1]
 //   std::vector<at::Tensor> per_rollout = batch.unpack(logp.log_probs, /*trim_last=*/1);
 //
 // PackedSamples describes where the samples lie, from the two descriptions in use: position ids that
@@ -17,7 +17,9 @@
 #include <fsdpx/detail/config.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <ostream>
+#include <utility>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -75,6 +77,24 @@ class PackedSamples {
  private:
   int64_t batch_ = 0, seq_ = 0, max_length_ = 0;
   std::vector<SampleSpan> spans_;
+};
+
+/// How the samples of a batch lie in its rows: the one argument CausalLM's forward, loss and log_probs
+/// take besides the tokens. One sample per row, padded where an attention mask [batch, seq] holds 0 (or
+/// unpadded: nothing), or packed samples; it converts from either, so that
+///   model->loss(ids, labels, attention_mask);   model->loss(batch.input_ids, batch.labels, batch.samples);
+/// read alike.
+struct BatchLayout {
+  BatchLayout() = default;
+  BatchLayout(at::Tensor mask) : attention_mask(std::move(mask)) {}  // NOLINT(google-explicit-constructor)
+  BatchLayout(const PackedSamples& packed)                             // NOLINT(google-explicit-constructor)
+      : samples(std::make_shared<const PackedSamples>(packed)) {}
+
+  /// Packed samples given (an empty PackedSamples, as PackedSamples::detect returns for unpacked rows, is not).
+  bool packed() const { return samples != nullptr && !samples->empty(); }
+
+  at::Tensor attention_mask;                     // [batch, seq]: 1 on tokens, 0 on padding; undefined: none
+  std::shared_ptr<const PackedSamples> samples;  // packed samples (then no attention mask); null: none
 };
 
 struct PackOptions {

@@ -344,8 +344,8 @@ FSDPX_DECL void load_into(torch::nn::Module& module, const std::vector<NamedTens
 /// Moves `module`'s CPU parameters of memory::huge_page_bytes or more into memory::empty_host() memory
 /// (2 MiB-aligned, advised to use huge pages), keeping each Parameter object, its values, shape and
 /// requires_grad. For a receiving module (receive_into, load_into, fetch_newer_into): every copy of
-/// a sync lands in its parameters, and on 4 KiB pages the broadcast ran about 10% slower on the VM
-/// (docs/sync.md, "Measured"). Call it once, before anything keeps pointers into the parameters: their
+/// a sync lands in its parameters, and on 4 KiB pages the broadcast runs slower (docs/sync.md,
+/// "Measured", has the figures). Call it once, before anything keeps pointers into the parameters: their
 /// storage changes. Tied parameters move once. Pinned, non-CPU and already 2 MiB-aligned ones stay,
 /// and so do views into a larger storage (a flat buffer some other code owns, e.g. a module fsdpx
 /// shards: moving them would cut them off from it). Returns the bytes moved (0 with

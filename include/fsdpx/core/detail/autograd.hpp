@@ -1,7 +1,7 @@
-// The only place fsdpx touches LibTorch internals (torch/csrc/autograd, c10::StorageImpl). Everything
-// here was checked against LibTorch's sources and is exercised by the parity tests (tests/core): LibTorch
-// modules have no hooks, so the unit protocol runs from a call-site function plus these autograd
-// triggers. docs/core.md ("The unit boundary") explains the design. The definitions are in
+// Where fsdpx reaches into autograd's internals (torch/csrc/autograd); core/detail/storage.hpp is its
+// twin for LibTorch's storage and allocator. Everything here was checked against LibTorch's sources and
+// is exercised by the parity tests (tests/core): LibTorch modules have no hooks, so the unit protocol
+// runs from a call-site function plus these autograd triggers. docs/core.md ("The unit boundary") explains the design. The definitions are in
 // core/impl/autograd.ipp, so a translation unit that includes this header does not compile autograd's
 // custom-function machinery.
 #pragma once
@@ -15,23 +15,11 @@
 #include <utility>
 #include <vector>
 
-#include <c10/core/Allocator.h>
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/variable.h>
 
 namespace fsdpx::core::detail {
-
-// ---- memory: release and refill a buffer's bytes while every view of it stays valid --------------
-// Autograd saves views of parameters (e.g. weight.t() in linear), so dropping tensor references would
-// not free anything; freeing the storage's bytes does, like FSDP's untyped_storage().resize_(0).
-
-FSDPX_DECL bool storage_allocated(const at::Tensor& t);
-
-FSDPX_DECL void free_storage(const at::Tensor& t);
-
-/// Gives `t`'s storage `data` (at least t.nbytes()), or, without it, fresh bytes from its allocator.
-FSDPX_DECL void allocate_storage(const at::Tensor& t, at::DataPtr data = {});
 
 // ---- pre-backward: runs when the gradient of a unit's output arrives, before the unit's backward --
 
@@ -101,42 +89,6 @@ FSDPX_DECL std::vector<at::Tensor> run_checkpointed(const std::vector<at::Tensor
 /// Adds `grad` to `param`'s gradient as autograd's AccumulateGrad does (taking `grad` over when
 /// nothing else refers to it, else copying it).
 FSDPX_DECL void accumulate_grad(const at::Tensor& param, at::Tensor grad);
-
-// ---- deferred construction: build a model without materializing its parameters --------------------
-// While a ScratchAllocationScope lives, every CPU allocation returns the same scratch buffer (grown to
-// the largest request; older buffers stay alive for the tensors that point into them). A model
-// constructed then costs the size of its largest tensor; its values are garbage until each unit is
-// materialized, initialized, sharded and released in turn. No other thread may allocate CPU tensors
-// meanwhile: the allocator is process-wide.
-
-class ScratchCpuAllocator final : public c10::Allocator {
- public:
-  explicit ScratchCpuAllocator(c10::Allocator* real) : real_(real) {}
-  FSDPX_DECL c10::DataPtr allocate(size_t n) override;
-  c10::DeleterFnPtr raw_deleter() const override { return &no_delete; }
-  FSDPX_DECL void copy_data(void* dest, const void* src, std::size_t count) const override;
-
- private:
-  static void no_delete(void*) {}
-  c10::Allocator* real_;
-  std::mutex mutex_;
-  std::vector<c10::DataPtr> buffers_;
-  size_t capacity_ = 0;
-};
-
-class ScratchAllocationScope {
- public:
-  FSDPX_DECL ScratchAllocationScope();
-  ScratchAllocationScope(const ScratchAllocationScope&) = delete;
-  ScratchAllocationScope& operator=(const ScratchAllocationScope&) = delete;
-  FSDPX_DECL ~ScratchAllocationScope();
-  /// The scratch buffers, which the deferred model's tensors point into until materialized.
-  std::shared_ptr<ScratchCpuAllocator> scratch() const { return scratch_; }
-
- private:
-  c10::Allocator* previous_;
-  std::shared_ptr<ScratchCpuAllocator> scratch_;
-};
 
 }  // namespace fsdpx::core::detail
 

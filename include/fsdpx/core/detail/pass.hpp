@@ -5,11 +5,16 @@
 // states") has the transition table.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <fsdpx/core/training_state.hpp>
+#include <fsdpx/error.hpp>
 
 namespace fsdpx::core {
 
@@ -28,47 +33,14 @@ struct StepStats {
 
 namespace detail {
 
-/// Where the model is between two steps.
-enum class PassStage : uint8_t {
-  idle,           // no pass: nothing issued, every unit resharded (the root excepted after a forward)
-  forward,        // the root's forward runs
-  after_forward,  // a forward ran; its graph may still be differentiated
-  backward,       // a backward pass runs (its id is Pass::backward_id); its end is queued with autograd
-};
-
-/// Where one unit is in the current pass.
-enum class UnitPhase : uint8_t {
-  idle,           // not run in this pass
-  forward,        // its forward runs: gathered
-  after_forward,  // its forward ran with gradients on; its backward has not begun
-  backward,       // its outputs' gradients arrived: gathered again, its backward (or recomputation) runs
-  reduced,        // its backward ended: its reduction was issued (when syncing) and it resharded
-};
-
-inline const char* name(PassStage s) {
-  switch (s) {
-    case PassStage::idle: return "idle";
-    case PassStage::forward: return "forward";
-    case PassStage::after_forward: return "after forward";
-    case PassStage::backward: return "backward";
-  }
-  return "?";
-}
-
-inline const char* name(UnitPhase p) {
-  switch (p) {
-    case UnitPhase::idle: return "idle";
-    case UnitPhase::forward: return "forward";
-    case UnitPhase::after_forward: return "after forward";
-    case UnitPhase::backward: return "backward";
-    case UnitPhase::reduced: return "reduced";
-  }
-  return "?";
-}
+// The states are public (core/training_state.hpp); the protocol's code names them here too.
+using core::PassStage;
+using core::UnitPhase;
 
 /// One unit's part of a pass.
 struct UnitRecord {
   UnitPhase phase = UnitPhase::idle;
+  UnitPhase before_forward = UnitPhase::idle;  // the phase its running forward started from (restored if it throws)
   bool ran_with_grad = false;  // its forward ran with gradients on (the same on every rank)
   bool prefetched_backward = false;  // its backward prefetch was issued
   int tracked_calls = 0;       // calls whose inputs went through a post-backward node
@@ -78,6 +50,26 @@ struct UnitRecord {
   int grads_ready = 0;         // parameter gradients accumulated since its backward began
   bool late_gradient = false;  // a gradient accumulated after its reduction: reduced again at the end
 };
+
+/// Checks that `transition` of unit `unit` toward phase `to` may start from the record's phase: it
+/// starts only from the phases `from` (the protocol's table, docs/core.md). From any other, an Error
+/// naming the unit, the transition, the phase it found and the phases it accepts; the record is left
+/// as it was. `hint`: what the violation most likely means to a user.
+inline void check_phase(const UnitRecord& r, const std::string& unit, const char* transition,
+                        std::initializer_list<UnitPhase> from, UnitPhase to, const char* hint = "") {
+  if (std::find(from.begin(), from.end(), r.phase) != from.end()) return;
+  std::string accepted;
+  for (const UnitPhase p : from) accepted += (accepted.empty() ? "" : ", ") + std::string(name(p));
+  FSDPX_FAIL(Error, "unit '", unit, "': ", transition, " found it in phase \"", name(r.phase), "\" but starts only from ",
+             accepted, " (to ", name(to), ")", hint);
+}
+
+/// check_phase, then the record moves to `to`.
+inline void move_phase(UnitRecord& r, const std::string& unit, const char* transition, std::initializer_list<UnitPhase> from,
+                       UnitPhase to, const char* hint = "") {
+  check_phase(r, unit, transition, from, to, hint);
+  r.phase = to;
+}
 
 /// Everything one training pass owns.
 struct Pass {

@@ -6,6 +6,7 @@
 
 #include <exception>
 #include <map>
+#include <utility>
 
 #include <fsdpx/core/sharded_model.hpp>
 
@@ -31,9 +32,15 @@ FSDPX_DECL void ShardedModel::begin_forward() {
 FSDPX_DECL void ShardedModel::pre_forward(Unit& u) {
   RECORD_USER_SCOPE("fsdpx::pre_forward");
   if (is_root(u)) begin_forward();
+  // Checked before anything is gathered. Backward is a legal start: a forward inside backward
+  // (a checkpointed caller's recomputation, or the root's) runs a unit whose own backward began.
+  detail::check_phase(record(u), u.name(), "pre_forward",
+                      {detail::UnitPhase::idle, detail::UnitPhase::after_forward, detail::UnitPhase::backward,
+                       detail::UnitPhase::reduced},
+                      detail::UnitPhase::forward, "; a unit cannot be called inside its own forward");
   unshard_with(u);
   detail::UnitRecord& r = record(u);
-  r.phase = detail::UnitPhase::forward;
+  r.before_forward = std::exchange(r.phase, detail::UnitPhase::forward);
   if (at::GradMode::is_enabled()) r.ran_with_grad = true;
   const size_t i = index_of(u);
   if (is_root(u)) {
@@ -52,7 +59,9 @@ FSDPX_DECL void ShardedModel::pre_forward(Unit& u) {
 }
 
 FSDPX_DECL void ShardedModel::end_unit_forward(Unit& u) {
-  record(u).phase = at::GradMode::is_enabled() ? detail::UnitPhase::after_forward : detail::UnitPhase::idle;
+  // Idle is a legal start: a whole backward ran inside this call, and its end reset the pass.
+  detail::move_phase(record(u), u.name(), "the end of forward", {detail::UnitPhase::forward, detail::UnitPhase::idle},
+                     at::GradMode::is_enabled() ? detail::UnitPhase::after_forward : detail::UnitPhase::idle);
   if (is_root(u) && detail::current_backward_pass_id() == -1) {
     // This step's forward order becomes the one prefetching follows. Every unit that frees its
     // parameters after forward is freed now: one prefetched but not run (the model skipped it), or
@@ -72,7 +81,11 @@ FSDPX_DECL void ShardedModel::end_unit_forward(Unit& u) {
 }
 
 FSDPX_DECL void ShardedModel::forward_failed(Unit& u) noexcept {
-  if (!is_root(u) || detail::current_backward_pass_id() != -1) return;
+  if (!is_root(u) || detail::current_backward_pass_id() != -1) {
+    // The caller may catch it and go on: the unit is back where its forward started.
+    if (detail::UnitRecord& r = record(u); r.phase == detail::UnitPhase::forward) r.phase = r.before_forward;
+    return;
+  }
   try {
     reshard_all();
   } catch (const std::exception& e) {
@@ -99,9 +112,15 @@ FSDPX_DECL void ShardedModel::begin_backward() {
 FSDPX_DECL void ShardedModel::pre_backward(Unit& u) {
   RECORD_USER_SCOPE("fsdpx::pre_backward");
   begin_backward();
-  unshard_with(u);  // again after an earlier call of the same unit finished its backward
   detail::UnitRecord& r = record(u);
-  if (r.phase != detail::UnitPhase::reduced) r.phase = detail::UnitPhase::backward;
+  // Idle is a legal start: a unit called with gradients, then again without in the same forward.
+  // A reduced unit stays reduced (a later call's gradients arrive as late gradients).
+  detail::move_phase(r, u.name(), "pre_backward",
+                     {detail::UnitPhase::idle, detail::UnitPhase::after_forward, detail::UnitPhase::backward,
+                      detail::UnitPhase::reduced},
+                     r.phase == detail::UnitPhase::reduced ? detail::UnitPhase::reduced : detail::UnitPhase::backward,
+                     "; a backward ran inside the unit's own forward");
+  unshard_with(u);  // again after an earlier call of the same unit finished its backward
   if (!r.prefetched_backward) {
     r.prefetched_backward = true;
     if (const auto pos = position_.find(&u); pos != position_.end() && pos->second > 0) {
@@ -135,7 +154,11 @@ FSDPX_DECL void ShardedModel::on_grad_accumulated(Unit& u) {
 FSDPX_DECL void ShardedModel::unit_backward_done(Unit& u) {
   detail::UnitRecord& r = record(u);
   if (r.phase == detail::UnitPhase::reduced) return;
-  r.phase = detail::UnitPhase::reduced;
+  // After forward or idle: every parameter's gradient accumulated (on_grad_accumulated) before any
+  // of the unit's hooked outputs signalled, e.g. when none of its outputs was hooked.
+  detail::move_phase(r, u.name(), "the end of the unit's backward",
+                     {detail::UnitPhase::idle, detail::UnitPhase::after_forward, detail::UnitPhase::backward},
+                     detail::UnitPhase::reduced, "; a backward ran inside the unit's own forward");
   if (sync_ && u.trainable()) {
     u.reduce_gradients_async();
     pass_.issued.push_back(&u);

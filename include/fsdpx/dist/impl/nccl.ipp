@@ -184,8 +184,8 @@ FSDPX_DECL std::optional<NcclCommunicator> NcclCommunicator::split(int color, in
   state_->health()->check(ctx);
   c10::cuda::CUDAGuard guard(device());
   // NCCL writes the child's handle only once the split completed (in the background: the parent is
-  // nonblocking), so the handle itself is polled, then the child's state; the parent's state alone said
-  // "done" too early on the first H100 run, and its next call was refused.
+  // nonblocking), so the handle itself is polled, then the child's state: the parent's state can say
+  // "done" before the handle is written (docs/gpu.md, 2026-11-26).
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.blocking = 0;
   ncclComm_t child = nullptr;
