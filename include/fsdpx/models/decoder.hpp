@@ -21,7 +21,10 @@
 // embedding and head stay in the root; unsharded, the same code runs as a plain module.
 //
 // loss() and log_probs() never hold the whole logits: they run the head chunk by chunk of tokens
-// (models/loss.hpp), inside the head's unit.
+// (models/loss.hpp), inside the head's unit. forward, loss and log_probs take the batch's layout
+// (BatchLayout: an attention mask, or packed samples); generate() samples with a KV cache, plainly or
+// under Fsdp::call; attention runs on the AttentionBackend set_attention_backend() chose, and
+// attention_report() says what ran.
 #pragma once
 
 #include <algorithm>
