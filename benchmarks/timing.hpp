@@ -18,13 +18,15 @@ inline double median(std::vector<double> samples) {
   return samples[samples.size() / 2];
 }
 
-/// Seconds of one call, the slowest rank's (collective over `world`).
+/// Seconds of one call, the slowest rank's (collective over `world`, on its device: a GPU
+/// communicator reduces device tensors, the current device's). `fn` synchronizes what it times.
 template <class Comm>
 double time_once(Comm& world, const std::function<void()>& fn) {
   world.barrier();
   const auto t0 = std::chrono::steady_clock::now();
   fn();
-  auto dt = at::full({1}, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), at::kDouble);
+  auto dt = at::full({1}, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), at::kDouble)
+                .to(c10::Device(world.device_type()));
   world.all_reduce(dt, dist::ReduceOp::max);
   return dt.item<double>();
 }

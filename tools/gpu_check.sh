@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
 # The GPU runs of docs/gpu.md in one command, for the lent GPU machine (CUDA PyTorch, nvcc, NCCL; no MPI,
-# Boost or Catch2, no network): configure NCCL-only, build the GPU tests and bench_gpt, run `ctest -L gpu`,
-# then the throughput comparison (fsdpx-cuda, libtorch-cuda, PyTorch FSDP2), each REPEAT times.
-#   tools/gpu_check.sh [build|test|bench|all]...      (default: all)
+# Boost or Catch2, no network): configure NCCL-only, build the GPU tests and benchmarks, then the decoder
+# beside PyTorch FSDP2 + transformers (benchmarks/run_decoder_bench.sh: a random Qwen2-1.5B-shaped folder
+# made there), `ctest -L gpu`, then the toy GPT's throughput comparison (fsdpx-cuda, libtorch-cuda, FSDP2),
+# each contender REPEAT times.
+#   tools/gpu_check.sh [build|decoder|test|bench|all]...      (default: all, in that order)
 # The machine has no package registry: the Debian packages it lacks (catch2, nlohmann-json3-dev) travel
 # as .deb files in .gpu/ (ignored by git; `apt-get download` them there) and are unpacked into a prefix.
 # Env: DEBS (default .gpu), BUILD_DIR (default build-gpu),
-#      BENCH_ARGS (bench_gpt's "steps warmup batch seq dim layers vocab heads"), REPEAT (default 2), JOBS.
+#      BENCH_ARGS (bench_gpt's "steps warmup batch seq dim layers vocab heads"), REPEAT (default 2), JOBS;
+#      the decoder's: TOKENS, STEPS, WARMUP, SHAPE, MODEL_DIR (run_decoder_bench.sh's).
 # Every step runs even when an earlier one failed (one lease is short); the exit status is the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,7 +20,7 @@ JOBS=${JOBS:-$(nproc)}
 steps=("$@")
 [[ ${#steps[@]} -eq 0 ]] && steps=(all)
 status=0
-note() { printf '\n==== %s\n' "$*"; }
+note() { printf '\n==== %s (at %d s)\n' "$*" "$SECONDS"; }  # the phases' times: the script must fit one lease
 fail() { echo "FAILED: $*"; [[ $status -ne 0 ]] || status=1; }
 want() { local s; for s in "${steps[@]}"; do [[ $s == all || $s == "$1" ]] && return 0; done; return 1; }
 
@@ -37,8 +40,14 @@ if want build; then
         -DFSDPX_BUILD_EXAMPLES=OFF -DFSDPX_BUILD_TOOLS=OFF 2>&1 | grep -E "fsdpx|Error|error" || true
   [[ -f $BUILD/build.ninja ]] || fail "configure"
   note "build"
-  cmake --build "$BUILD" -j "$JOBS" --target fsdpx_nccl_tests fsdpx_gpu_parity bench_gpt 2>&1 | grep -E -A8 "error|FAILED" | head -150
+  cmake --build "$BUILD" -j "$JOBS" --target fsdpx_nccl_tests fsdpx_gpu_parity bench_gpt bench_decoder 2>&1 | grep -E -A8 "error|FAILED" | head -150
   [[ ${PIPESTATUS[0]} -eq 0 ]] || fail "build"
+fi
+
+if want decoder; then
+  note "decoder: fsdpx vs PyTorch FSDP2 + transformers (x$REPEAT)"
+  BUILD_DIR=$BUILD REPEAT=$REPEAT PYTHON=$(command -v python3) MODEL_DIR=${MODEL_DIR:-/tmp/decoder_bench_model} \
+    benchmarks/run_decoder_bench.sh || fail "decoder"
 fi
 
 if want test; then
@@ -57,4 +66,5 @@ if want bench; then
       fail "fsdp2-cuda"
   done
 fi
+note "done"
 exit $status

@@ -1,0 +1,134 @@
+// bench_decoder: training steps of the Hugging Face decoder users train (models::CausalLM from a folder),
+// sharded by fsdpx with BF16Mixed: tokens/s and peak memory. benchmarks/run_decoder_bench.sh runs it
+// beside PyTorch FSDP2 + transformers (benchmarks/decoder_bench.py) on the same folder and batch, and
+// prints the table of docs/gpu.md with MFU (computed there, once, for every contender).
+//
+//   torchrun --no-python bench_decoder cuda MODEL_DIR CONFIG [tokens=4096 steps=10 warmup=3]   NCCL, a GPU per rank
+//   mpiexec -n 2 bench_decoder cpu MODEL_DIR CONFIG [...]                                     MPI, CPU ranks
+//     CONFIG  plain    embedding, layers and head as units (DecoderUnits), whole logits
+//             ckpt     the same with the layers checkpointed
+//             chunked  checkpointed layers and the chunked loss (never the whole logits)
+// One sample of TOKENS tokens per rank, AdamW. Prints one RESULT line (rank 0): the median step over
+// the timed steps (slowest rank) and the peak memory (largest rank: allocated GPU memory, or RSS).
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include <torch/optim.h>
+
+#include <fsdpx/fsdp.hpp>
+#include <fsdpx/models.hpp>
+
+#if defined(FSDPX_WITH_NCCL)
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+
+#include <fsdpx/dist/launch.hpp>
+#endif
+
+#include "../examples/common/memory.hpp"
+#include "timing.hpp"
+
+namespace models = fsdpx::models;
+using Sharded = fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::BF16Mixed,
+                            fsdpx::ShardedStateDict, models::DecoderUnits, fsdpx::CheckpointNames<"model.layers.*">>;
+
+namespace {
+
+struct Run {
+  std::string dir, config;
+  int64_t tokens = 4096;
+  int steps = 10, warmup = 3;
+};
+
+// Peak bytes this rank has held: the caching allocator's peak allocation on a GPU, RSS on the CPU.
+double peak_gib(const c10::Device& device) {
+#if defined(FSDPX_WITH_NCCL)
+  if (device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device.index());
+    return static_cast<double>(
+               stats.allocated_bytes[static_cast<size_t>(c10::CachingDeviceAllocator::StatType::AGGREGATE)].peak) /
+           1073741824.0;
+  }
+#endif
+  (void)device;
+  return fsdpx::examples::peak_rss_mib() / 1024.0;
+}
+
+void synchronize(const c10::Device& device) {
+#if defined(FSDPX_WITH_NCCL)
+  if (device.is_cuda()) c10::cuda::device_synchronize();
+#endif
+  (void)device;
+}
+
+int run(fsdpx::dist::AnyCommunicator world, const c10::Device& device, const Run& r) {
+  const bool checkpointing = r.config == "ckpt" || r.config == "chunked";
+  // The head stays gathered from its forward to its backward, as FSDP2 keeps its root's parameters.
+  auto model = models::from_pretrained<Sharded>(r.dir, world,
+                                                {.device = device,
+                                                 .reshard_after_forward_for = models::reshard_all_but_head,
+                                                 .activation_checkpointing = checkpointing});
+  model->chunk_logits = r.config == "chunked" ? models::default_chunk_logits : 0;
+  auto optimizer = fsdpx::make_adamw(model, torch::optim::AdamWOptions(1e-5).weight_decay(0.1));
+  at::manual_seed(1 + world.rank());
+  const at::Tensor ids =
+      at::randint(model->config.vocab_size, {1, r.tokens}, at::TensorOptions().dtype(at::kLong).device(device));
+  const auto step = [&] {
+    optimizer.zero_grad();
+    model.call(&models::CausalLMImpl::loss, ids, ids, models::BatchLayout{}).backward();
+    optimizer.step();
+    synchronize(device);
+  };
+  for (int i = 0; i < r.warmup; ++i) step();
+  std::vector<double> times;
+  for (int i = 0; i < r.steps; ++i) times.push_back(fsdpx::bench::time_once(world, step));
+  auto peak = at::tensor({peak_gib(device)}, at::kDouble).to(device);
+  world.all_reduce(peak, fsdpx::dist::ReduceOp::max);
+  const double seconds = fsdpx::bench::median(times);
+  if (world.rank() == 0) {
+    std::printf("RESULT contender=fsdpx-%s device=%s world=%d seq=%lld step_ms=%.1f tokens_per_s_per_rank=%.0f "
+                "peak_gib=%.2f\n",
+                r.config.c_str(), device.is_cuda() ? "cuda" : "cpu", world.size(), static_cast<long long>(r.tokens),
+                seconds * 1000, static_cast<double>(r.tokens) / seconds, peak.cpu().item<double>());
+    std::fflush(stdout);
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) try {
+  if (argc < 4) {
+    std::fprintf(stderr, "usage: %s cuda|cpu MODEL_DIR plain|ckpt|chunked [tokens steps warmup]\n", argv[0]);
+    return 2;
+  }
+  const std::string where = argv[1];
+  Run r{.dir = argv[2], .config = argv[3]};
+  if (argc > 4) r.tokens = std::atoll(argv[4]);
+  if (argc > 5) r.steps = std::atoi(argv[5]);
+  if (argc > 6) r.warmup = std::atoi(argv[6]);
+  FSDPX_CHECK(r.config == "plain" || r.config == "ckpt" || r.config == "chunked",
+              "bench_decoder: CONFIG must be plain, ckpt or chunked, not '", r.config, "'");
+  FSDPX_CHECK(r.tokens >= 2 && r.steps >= 1 && r.warmup >= 0, "bench_decoder: tokens >= 2, steps >= 1, warmup >= 0");
+  if (where == "cuda") {
+#if defined(FSDPX_WITH_NCCL)
+    const auto env = fsdpx::dist::detect_launch_env();
+    const auto index = static_cast<c10::DeviceIndex>(env.local_rank);
+    c10::cuda::set_device(index);
+    return run(fsdpx::dist::nccl_world(), c10::Device(c10::kCUDA, index), r);
+#else
+    FSDPX_CHECK(false, "bench_decoder: the cuda mode needs NCCL, and this build has none");
+#endif
+  }
+  FSDPX_CHECK(where == "cpu", "bench_decoder: the first argument must be cuda or cpu, not '", where, "'");
+#if defined(FSDPX_WITH_MPI)
+  return run(fsdpx::dist::MpiCommunicator::world(), c10::Device(c10::kCPU), r);
+#else
+  FSDPX_CHECK(false, "bench_decoder: the cpu mode needs MPI, and this build has none");
+#endif
+} catch (const std::exception& e) {
+  std::fprintf(stderr, "bench_decoder: %s\n", e.what());
+  return 1;
+}
