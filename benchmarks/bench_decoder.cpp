@@ -3,15 +3,19 @@
 // beside PyTorch FSDP2 + transformers (benchmarks/decoder_bench.py) on the same folder and batch, and
 // prints the table of docs/gpu.md with MFU (computed there, once, for every contender).
 //
-//   torchrun --no-python bench_decoder cuda MODEL_DIR CONFIG [tokens=4096 steps=10 warmup=3]   NCCL, a GPU per rank
-//   mpiexec -n 2 bench_decoder cpu MODEL_DIR CONFIG [...]                                     MPI, CPU ranks
+//   torchrun --no-python bench_decoder cuda MODEL_DIR CONFIG [tokens=4096 steps=10 warmup=3 optim=adamw]
+//                                                                          NCCL, a GPU per rank
+//   mpiexec -n 2 bench_decoder cpu MODEL_DIR CONFIG [...]                  MPI, CPU ranks
 //     CONFIG  plain    embedding, layers and head as units (DecoderUnits), whole logits
 //             ckpt     the same with the layers checkpointed
 //             chunked  checkpointed layers and the chunked loss (never the whole logits)
-// One sample of TOKENS tokens per rank, AdamW. Prints one RESULT line (rank 0): the median step over
+//     optim   adamw (LibTorch's AdamW) or fused (fsdpx::FusedAdamW: ATen's fused kernel)
+// One sample of TOKENS tokens per rank. FSDPX_SYNC_DEBUG=1 first reports the host synchronizations of
+// one step (CUDA's sync debug mode). Prints one RESULT line (rank 0): the median step over
 // the timed steps (slowest rank) and the peak memory (largest rank: allocated GPU memory, or RSS).
 #include <cstdio>
 #include <cstdlib>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -23,6 +27,8 @@
 #if defined(FSDPX_WITH_NCCL)
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/util/Backtrace.h>
+#include <c10/util/Exception.h>
 
 #include <fsdpx/dist/launch.hpp>
 #endif
@@ -37,7 +43,7 @@ using Sharded = fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload
 namespace {
 
 struct Run {
-  std::string dir, config;
+  std::string dir, config, optim = "adamw";
   int64_t tokens = 4096;
   int steps = 10, warmup = 3;
 };
@@ -56,6 +62,39 @@ double peak_gib(const c10::Device& device) {
   return fsdpx::examples::peak_rss_mib() / 1024.0;
 }
 
+#if defined(FSDPX_WITH_NCCL)
+// Records each warning of CUDA's sync debug mode raised on this thread, with the call stack that led
+// to it (backward's device thread reports its own through the default handler, on stderr).
+struct SyncRecorder : c10::WarningHandler {
+  std::vector<std::string> stacks;
+  void process(const c10::Warning& w) override {
+    stacks.push_back(w.msg() + "\n" + c10::get_backtrace(/*frames_to_skip=*/1, /*maximum_number_of_frames=*/24));
+  }
+};
+#endif
+
+// FSDPX_SYNC_DEBUG=1: one training step under CUDA's sync debug mode (torch.cuda.set_sync_debug_mode
+// "warn"): every host synchronization inside it, with where it came from. A step should have none.
+template <class Step>
+void report_host_syncs(const c10::Device& device, const Step& step) {
+#if defined(FSDPX_WITH_NCCL)
+  if (!device.is_cuda()) return;
+  SyncRecorder recorder;
+  {
+    c10::WarningUtils::WarningHandlerGuard guard(&recorder);
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_WARN);
+    step();
+    c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED);
+  }
+  c10::cuda::device_synchronize();
+  std::printf("SYNCS in one step on the main thread: %zu\n", recorder.stacks.size());
+  for (size_t i = 0; i < recorder.stacks.size() && i < 8; ++i) std::printf("SYNC %zu: %s\n", i, recorder.stacks[i].c_str());
+  std::fflush(stdout);
+#else
+  (void)device, (void)step;
+#endif
+}
+
 void synchronize(const c10::Device& device) {
 #if defined(FSDPX_WITH_NCCL)
   if (device.is_cuda()) c10::cuda::device_synchronize();
@@ -71,26 +110,36 @@ int run(fsdpx::dist::AnyCommunicator world, const c10::Device& device, const Run
                                                  .reshard_after_forward_for = models::reshard_all_but_head,
                                                  .activation_checkpointing = checkpointing});
   model->chunk_logits = r.config == "chunked" ? models::default_chunk_logits : 0;
-  auto optimizer = fsdpx::make_adamw(model, torch::optim::AdamWOptions(1e-5).weight_decay(0.1));
+  const auto options = torch::optim::AdamWOptions(1e-5).weight_decay(0.1);
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  if (r.optim == "fused") {
+    optimizer = std::make_unique<fsdpx::FusedAdamW>(fsdpx::make_adamw<fsdpx::FusedAdamW>(model, options));
+  } else {
+    optimizer = std::make_unique<torch::optim::AdamW>(fsdpx::make_adamw(model, options));
+  }
   at::manual_seed(1 + world.rank());
   const at::Tensor ids =
       at::randint(model->config.vocab_size, {1, r.tokens}, at::TensorOptions().dtype(at::kLong).device(device));
-  const auto step = [&] {
-    optimizer.zero_grad();
+  const auto unsynchronized_step = [&] {
+    optimizer->zero_grad();
     model.call(&models::CausalLMImpl::loss, ids, ids, models::BatchLayout{}).backward();
-    optimizer.step();
+    optimizer->step();
+  };
+  const auto step = [&] {
+    unsynchronized_step();
     synchronize(device);
   };
   for (int i = 0; i < r.warmup; ++i) step();
+  if (std::getenv("FSDPX_SYNC_DEBUG") != nullptr) report_host_syncs(device, unsynchronized_step);
   std::vector<double> times;
   for (int i = 0; i < r.steps; ++i) times.push_back(fsdpx::bench::time_once(world, step));
   auto peak = at::tensor({peak_gib(device)}, at::kDouble).to(device);
   world.all_reduce(peak, fsdpx::dist::ReduceOp::max);
   const double seconds = fsdpx::bench::median(times);
   if (world.rank() == 0) {
-    std::printf("RESULT contender=fsdpx-%s device=%s world=%d seq=%lld step_ms=%.1f tokens_per_s_per_rank=%.0f "
+    std::printf("RESULT contender=fsdpx-%s%s device=%s world=%d seq=%lld step_ms=%.1f tokens_per_s_per_rank=%.0f "
                 "peak_gib=%.2f\n",
-                r.config.c_str(), device.is_cuda() ? "cuda" : "cpu", world.size(), static_cast<long long>(r.tokens),
+                r.config.c_str(), r.optim == "fused" ? "-fused" : "", device.is_cuda() ? "cuda" : "cpu", world.size(), static_cast<long long>(r.tokens),
                 seconds * 1000, static_cast<double>(r.tokens) / seconds, peak.cpu().item<double>());
     std::fflush(stdout);
   }
@@ -101,7 +150,7 @@ int run(fsdpx::dist::AnyCommunicator world, const c10::Device& device, const Run
 
 int main(int argc, char** argv) try {
   if (argc < 4) {
-    std::fprintf(stderr, "usage: %s cuda|cpu MODEL_DIR plain|ckpt|chunked [tokens steps warmup]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s cuda|cpu MODEL_DIR plain|ckpt|chunked [tokens steps warmup adamw|fused]\n", argv[0]);
     return 2;
   }
   const std::string where = argv[1];
@@ -109,8 +158,10 @@ int main(int argc, char** argv) try {
   if (argc > 4) r.tokens = std::atoll(argv[4]);
   if (argc > 5) r.steps = std::atoi(argv[5]);
   if (argc > 6) r.warmup = std::atoi(argv[6]);
+  if (argc > 7) r.optim = argv[7];
   FSDPX_CHECK(r.config == "plain" || r.config == "ckpt" || r.config == "chunked",
               "bench_decoder: CONFIG must be plain, ckpt or chunked, not '", r.config, "'");
+  FSDPX_CHECK(r.optim == "adamw" || r.optim == "fused", "bench_decoder: optim must be adamw or fused, not '", r.optim, "'");
   FSDPX_CHECK(r.tokens >= 2 && r.steps >= 1 && r.warmup >= 0, "bench_decoder: tokens >= 2, steps >= 1, warmup >= 0");
   if (where == "cuda") {
 #if defined(FSDPX_WITH_NCCL)

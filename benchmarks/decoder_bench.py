@@ -5,11 +5,13 @@ load, and the table.
         a random Qwen2-shaped folder, bfloat16 files (save_pretrained). qwen2-1.5b is Qwen2-1.5B's shape
         (hidden 1536, 28 layers, 12 heads over 2 KV heads, intermediate 8960, vocabulary 151936, tied
         head: 1.54B parameters); tiny is a CPU smoke test's.
-    torchrun --standalone --nproc-per-node=N benchmarks/decoder_bench.py fsdp2 DIR CONFIG [tokens steps warmup] [--device D]
+    torchrun --standalone --nproc-per-node=N benchmarks/decoder_bench.py fsdp2 DIR CONFIG [tokens steps warmup]
+            [--device cuda|cpu] [--optim adamw|fused]
         transformers' model from DIR (sdpa attention), each decoder layer and the root fully_shard-ed with
         MixedPrecisionPolicy(bfloat16 parameters, float32 reductions) over float32 weights (fsdpx's
         BF16Mixed), CONFIG plain or ckpt (gradient_checkpointing_enable), one sample of TOKENS tokens per
-        rank, AdamW (PyTorch's default implementation for the device); one RESULT line as bench_decoder.
+        rank, AdamW (PyTorch's default implementation for the device, or fused=True); one RESULT line as
+        bench_decoder.
     python benchmarks/decoder_bench.py table DIR LOG
         the markdown table of the RESULT lines in LOG: tokens/s per rank, MFU, peak memory.
 
@@ -58,7 +60,7 @@ def flops_per_token(config, seq):
     return 6 * matmul_params + 12 * layers * heads * head_dim * seq
 
 
-def fsdp2(path, config_name, tokens, steps, warmup, device):
+def fsdp2(path, config_name, tokens, steps, warmup, device, optim):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
@@ -79,7 +81,8 @@ def fsdp2(path, config_name, tokens, steps, warmup, device):
     fully_shard(model, mesh=mesh, mp_policy=mp)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-5)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-5,
+                            fused=optim == "fused" or None)
     torch.manual_seed(1 + rank)
     ids = torch.randint(model.config.vocab_size, (1, tokens), device=device)
 
@@ -109,7 +112,8 @@ def fsdp2(path, config_name, tokens, steps, warmup, device):
     peak = torch.tensor([peak], dtype=torch.float64, device=device)
     dist.all_reduce(peak, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"RESULT contender=fsdp2-{config_name} device={device.type} world={world} seq={tokens} "
+        name = config_name + ("-fused" if optim == "fused" else "")
+        print(f"RESULT contender=fsdp2-{name} device={device.type} world={world} seq={tokens} "
               f"step_ms={seconds * 1000:.1f} tokens_per_s_per_rank={tokens / seconds:.0f} peak_gib={peak.item():.2f}",
               flush=True)
     dist.destroy_process_group()
@@ -120,19 +124,20 @@ def table(path, log):
         config = json.load(f)
     rows = [dict(re.findall(r"(\w+)=(\S+)", line)) for line in open(log) if line.startswith("RESULT")]
     peak = float(os.environ.get("FSDPX_PEAK_TFLOPS", "989")) * 1e12
-    order = ["fsdpx-plain", "fsdp2-plain", "fsdpx-ckpt", "fsdp2-ckpt", "fsdpx-chunked"]
+    order = [f"{side}-{c}{o}" for o in ("", "-fused") for c in ("plain", "ckpt", "chunked") for side in ("fsdpx", "fsdp2")]
     by = {}
     for r in rows:
         by.setdefault(r["contender"], []).append(r)
     fsdp2 = {c: statistics.median(float(r["tokens_per_s_per_rank"]) for r in by[c]) for c in by if c.startswith("fsdp2")}
-    print("\n| contender | runs | tokens/s per rank | MFU | peak memory (GiB) | vs FSDP2 + transformers (same checkpointing) |")
+    print("\n| contender | runs | tokens/s per rank | MFU | peak memory (GiB) | vs FSDP2 + transformers (same checkpointing and AdamW) |")
     print("|---|---:|---:|---:|---:|---:|")
     for c in sorted(by, key=lambda c: order.index(c) if c in order else len(order)):
         tps = [float(r["tokens_per_s_per_rank"]) for r in by[c]]
         mfu = [t * flops_per_token(config, int(r["seq"])) / peak for t, r in zip(tps, by[c])]
         mem = [float(r["peak_gib"]) for r in by[c]]
         span = lambda xs, fmt: fmt.format(min(xs)) if min(xs) == max(xs) else (fmt + "-" + fmt).format(min(xs), max(xs))
-        base = fsdp2.get("fsdp2-ckpt" if c.endswith(("ckpt", "chunked")) else "fsdp2-plain")
+        checkpointed = "-ckpt" in c or "-chunked" in c
+        base = fsdp2.get(("fsdp2-ckpt" if checkpointed else "fsdp2-plain") + ("-fused" if c.endswith("-fused") else ""))
         vs = span([t / base for t in tps], "{:.2f}x") if base and not c.startswith("fsdp2") else ""
         print(f"| {c} | {len(tps)} | {span(tps, '{:,.0f}')} | {span(mfu, '{:.3f}')} | {span(mem, '{:.2f}')} | {vs} |")
 
@@ -151,6 +156,7 @@ def main():
     f.add_argument("steps", type=int, nargs="?", default=10)
     f.add_argument("warmup", type=int, nargs="?", default=3)
     f.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
+    f.add_argument("--optim", choices=["adamw", "fused"], default="adamw")
     t = sub.add_parser("table")
     t.add_argument("dir")
     t.add_argument("log")
@@ -158,7 +164,7 @@ def main():
     if a.command == "make":
         make(a.dir, a.shape, a.device)
     elif a.command == "fsdp2":
-        fsdp2(a.dir, a.config, a.tokens, a.steps, a.warmup, a.device)
+        fsdp2(a.dir, a.config, a.tokens, a.steps, a.warmup, a.device, a.optim)
     else:
         table(a.dir, a.log)
 

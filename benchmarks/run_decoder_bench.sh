@@ -6,7 +6,9 @@
 #   benchmarks/run_decoder_bench.sh          GPU: one rank (torchrun), NCCL   (docs/gpu.md, tools/gpu_check.sh)
 #   DEVICE=cpu SHAPE=tiny benchmarks/run_decoder_bench.sh                     CPU smoke test: 2 MPI ranks, gloo
 # Env: DEVICE (cuda), SHAPE (qwen2-1.5b), RANKS (1 on cuda, 2 on cpu), TOKENS (4096), STEPS (10), WARMUP (3),
-#      REPEAT (2), BUILD_DIR (build), MODEL_DIR ($BUILD_DIR/decoder_bench_<shape>), PYTHON, LOG (a temporary file).
+#      REPEAT (2), OPTIMS ("adamw fused": LibTorch's / PyTorch's default AdamW, and the fused kernel on both
+#      sides), CONFIGS ("plain ckpt chunked"), BUILD_DIR (build), MODEL_DIR ($BUILD_DIR/decoder_bench_<shape>),
+#      PYTHON, LOG (a temporary file).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEVICE=${DEVICE:-cuda}
@@ -15,6 +17,7 @@ BUILD=${BUILD_DIR:-build}
 PY=${PYTHON:-$([[ -x .venv/bin/python ]] && echo .venv/bin/python || command -v python3)}
 MODEL=${MODEL_DIR:-$BUILD/decoder_bench_$SHAPE}
 TOKENS=${TOKENS:-4096} STEPS=${STEPS:-10} WARMUP=${WARMUP:-3} REPEAT=${REPEAT:-2}
+OPTIMS=${OPTIMS:-"adamw fused"} CONFIGS=${CONFIGS:-"plain ckpt chunked"}
 RANKS=${RANKS:-$([[ $DEVICE == cuda ]] && echo 1 || echo 2)}
 LOG=${LOG:-$(mktemp)}
 status=0
@@ -24,16 +27,16 @@ status=0
 fsdpx() {
   if [[ $DEVICE == cuda ]]; then
     "$PY" -m torch.distributed.run --standalone --nproc-per-node="$RANKS" --no-python \
-      "$BUILD/benchmarks/bench_decoder" cuda "$MODEL" "$1" "$TOKENS" "$STEPS" "$WARMUP"
+      "$BUILD/benchmarks/bench_decoder" cuda "$MODEL" "$1" "$TOKENS" "$STEPS" "$WARMUP" "$2"
   else
     local flags=(--oversubscribe)
     [[ $(id -u) == 0 ]] && flags+=(--allow-run-as-root)
-    OMP_NUM_THREADS=1 mpiexec -n "$RANKS" "${flags[@]}" "$BUILD/benchmarks/bench_decoder" cpu "$MODEL" "$1" "$TOKENS" "$STEPS" "$WARMUP"
+    OMP_NUM_THREADS=1 mpiexec -n "$RANKS" "${flags[@]}" "$BUILD/benchmarks/bench_decoder" cpu "$MODEL" "$1" "$TOKENS" "$STEPS" "$WARMUP" "$2"
   fi
 }
 fsdp2() {
   OMP_NUM_THREADS=1 "$PY" -m torch.distributed.run --standalone --nproc-per-node="$RANKS" \
-    benchmarks/decoder_bench.py fsdp2 "$MODEL" "$1" "$TOKENS" "$STEPS" "$WARMUP" --device "$DEVICE"
+    benchmarks/decoder_bench.py fsdp2 "$MODEL" "$1" "$TOKENS" "$STEPS" "$WARMUP" --device "$DEVICE" --optim "$2"
 }
 one() {  # one contender's run; its RESULT line (or its failure) goes to the log
   local out
@@ -45,11 +48,12 @@ one() {  # one contender's run; its RESULT line (or its failure) goes to the log
   fi
 }
 for ((round = 1; round <= REPEAT; round++)); do
-  for config in plain ckpt; do
-    one fsdpx "$config"
-    one fsdp2 "$config"
+  for optim in $OPTIMS; do
+    for config in $CONFIGS; do
+      one fsdpx "$config" "$optim"
+      [[ $config == chunked ]] || one fsdp2 "$config" "$optim"  # transformers has no chunked loss
+    done
   done
-  one fsdpx chunked
 done
 "$PY" benchmarks/decoder_bench.py table "$MODEL" "$LOG"
 exit $status

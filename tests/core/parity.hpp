@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -44,6 +45,8 @@ struct ParityRun {
   bool dropped_forward = false;
   // Runs after each step's optimizer update (e.g. an RL trainer's offload / reload).
   std::function<void(core::ShardedModel&, torch::optim::Optimizer&)> after_step;
+  // The sharded model steps with FusedAdamW (ATen's fused kernel), the reference with LibTorch's AdamW.
+  bool fused_adamw = false;
 };
 
 struct Batch {
@@ -95,7 +98,12 @@ void check_parity(Make make, const std::function<Batch(int)>& batch, const Parit
   auto model = make();
   model->to(ctx.device);
   Sharded sharded(model, ctx.comm, options);
-  auto optimizer = make_adamw(sharded, adamw());
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  if (run.fused_adamw) {
+    optimizer = std::make_unique<FusedAdamW>(make_adamw<FusedAdamW>(sharded, adamw()));
+  } else {
+    optimizer = std::make_unique<torch::optim::AdamW>(make_adamw(sharded, adamw()));
+  }
   auto ref_optimizer = reference_adamw(*reference);
   StepParity parity(step_bounds(run.forward, batch(0).y.numel()));
 
@@ -103,7 +111,7 @@ void check_parity(Make make, const std::function<Batch(int)>& batch, const Parit
     const Batch b = batch(step).to(ctx.device);
     const int64_t global = b.x.size(0);
     REQUIRE(global % (W * run.micro_steps) == 0);
-    optimizer.zero_grad();
+    optimizer->zero_grad();
     ref_optimizer.zero_grad();
     double ref_loss = 0, local_loss = 0;
     for (int m = 0; m < run.micro_steps; ++m) {
@@ -130,12 +138,12 @@ void check_parity(Make make, const std::function<Batch(int)>& batch, const Parit
     if (run.clip) parity.check_norm(*norm, *ref_norm);
     parity.check_gradients(sharded.sharded(), named_gradients(*reference));
     ref_optimizer.step();
-    optimizer.step();
-    if (run.after_step) run.after_step(sharded.sharded(), optimizer);
+    optimizer->step();
+    if (run.after_step) run.after_step(sharded.sharded(), *optimizer);
     auto loss = at::full({1}, local_loss, at::kDouble).to(ctx.device);
     ctx.comm.all_reduce(loss, dist::ReduceOp::avg);
     parity.check_loss(loss.item().toDouble(), ref_loss);
-    parity.check_step(optimizer, sharded.sharded(), named_values(*reference));
+    parity.check_step(*optimizer, sharded.sharded(), named_values(*reference));
     take_weights(*reference, sharded);
   }
   INFO(parity.summary());

@@ -211,3 +211,9 @@ TEST_CASE("GPT, HybridShard + CpuOffload, reduce every micro-step", "[parity][gp
   check_gpt_parity<Fsdp<Gpt, HybridShard<>, CpuOffload<>, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
       c, {.micro_steps = 2, .clip = 1.0}, options);
 }
+
+TEST_CASE("GPT, FullShard, stepped by FusedAdamW: parity with LibTorch's AdamW", "[parity][gpt][optim]") {
+  const GptConfig c;
+  check_gpt_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      c, {.clip = 1.0, .fused_adamw = true});
+}

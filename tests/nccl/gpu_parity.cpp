@@ -37,6 +37,12 @@ TEST_CASE("GPU: GPT, FullShard, float32", "[gpu][parity]") {
       c, {.micro_steps = 2, .clip = 1.0});
 }
 
+TEST_CASE("GPU: GPT, FullShard, float32, stepped by FusedAdamW (ATen's CUDA kernel)", "[gpu][parity][optim]") {
+  const GptConfig c;
+  check_gpt_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
+      c, {.clip = 1.0, .fused_adamw = true});
+}
+
 TEST_CASE("GPU: GPT, FullShard + pinned CpuOffload, float32", "[gpu][parity][offload]") {
   const GptConfig c;
   check_gpt_parity<Fsdp<Gpt, FullShard, CpuOffload<true>, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(

@@ -30,6 +30,23 @@
 
 namespace fsdpx::test {
 
+/// How far one AdamW update of `values` (float32 masters with second moment `exp_avg_sq` after `step`
+/// steps) may lie from another computation of the same update, element by element, when every gradient
+/// so far differed by at most `d`:
+///   |m_hat - m_hat'| <= d, |sqrt(v_hat) - sqrt(v_hat')| <= d (weighted means and RMS of the
+///   differences), |m_hat'| <= kappa_t sqrt(v_hat') (rounding::adam_moment_ratio), so
+///   |update - update'| <= lr (1 + kappa_t) d / (sqrt(v_hat) + eps),
+/// plus the two updates' own rounding: 4 u |theta| (decay and subtraction, both runs) and
+/// 10 u lr kappa_t (t + 1) (the moments' and the quotient's roundings, accumulated over t steps), which
+/// also bounds two implementations of the same update (FusedAdamW against LibTorch's AdamW) with d = 0.
+inline at::Tensor adamw_update_bound(const at::Tensor& values, const at::Tensor& exp_avg_sq, int64_t step,
+                                     const torch::optim::AdamWOptions& o, double lr, double d) {
+  const double u = rounding::unit_roundoff(at::kFloat), b2 = std::get<1>(o.betas());
+  const double kappa = rounding::adam_moment_ratio(std::get<0>(o.betas()), b2, step);
+  const at::Tensor denominator = (exp_avg_sq / (1 - std::pow(b2, static_cast<double>(step)))).sqrt() + o.eps();
+  return lr * (1 + kappa) * d / denominator + 4 * u * values.abs() + 10 * u * lr * kappa * static_cast<double>(step + 1);
+}
+
 /// This rank's part of one parameter: elements [begin, end) of the flattened parameter `name`, as the
 /// shard's float32 masters (`values`), their gradient (undefined: none) and, once stepped, the AdamW state
 /// and hyperparameters that step them (`options` null: a frozen parameter, never stepped).
@@ -170,19 +187,11 @@ class StepParity {
   }
 
   /// Every master element this rank holds after the optimizer step, against `want` (the reference's
-  /// parameters after its step from the same weights): within what AdamW's arithmetic allows for the
-  /// gradient differences bounded so far. For a parameter p stepped t times with this rank's second
-  /// moment v, if every gradient so far differed by at most D_p:
-  ///   |m_hat - m_hat'| <= D_p, |sqrt(v_hat) - sqrt(v_hat')| <= D_p (weighted means and RMS of the
-  ///   differences), |m_hat'| <= kappa_t sqrt(v_hat') (rounding::adam_moment_ratio), so
-  ///   |update - update'| <= lr (1 + kappa_t) D_p / (sqrt(v_hat) + eps),
-  /// plus the two updates' own rounding: 4 u |theta| (decay and subtraction, both runs) and
-  /// 10 u lr kappa_t (t + 1) (the moments' and the quotient's roundings, accumulated over t steps).
-  /// A frozen parameter must be unchanged, bit for bit.
+  /// parameters after its step from the same weights): within adamw_update_bound for the gradient
+  /// differences bounded so far (D_p per parameter). A frozen parameter must be unchanged, bit for bit.
   /// `lr`: the step's learning rate where a schedule has changed the optimizer's since (else the group's).
   void check_step(torch::optim::Optimizer& optimizer, const core::ShardedModel& m,
                   const std::map<std::string, at::Tensor>& want, std::optional<double> lr_of_step = std::nullopt) {
-    const double u = rounding::unit_roundoff(at::kFloat);
     for (const HeldSlice& s : held_slices(m, &optimizer)) {
       const at::Tensor ref = slice(want.at(s.name), s, s.values);
       const at::Tensor error = (s.values - ref).abs();
@@ -191,13 +200,9 @@ class StepParity {
                      s.name + where(s) + " (never stepped: must be unchanged)");
         continue;
       }
-      const auto& o = *s.options;
-      const double lr = lr_of_step.value_or(o.lr()), b1 = std::get<0>(o.betas()), b2 = std::get<1>(o.betas());
-      const double kappa = rounding::adam_moment_ratio(b1, b2, s.step);
       const double d = history_bound_.count(s.name) != 0 ? history_bound_.at(s.name) : 0.0;
-      const at::Tensor denominator = (s.exp_avg_sq / (1 - std::pow(b2, static_cast<double>(s.step)))).sqrt() + o.eps();
-      const at::Tensor bound = lr * (1 + kappa) * d / denominator + 4 * u * s.values.abs() +
-                               10 * u * lr * kappa * static_cast<double>(s.step + 1);
+      const at::Tensor bound =
+          adamw_update_bound(s.values, s.exp_avg_sq, s.step, *s.options, lr_of_step.value_or(s.options->lr()), d);
       update_.note((error / bound).max().item<double>(), s.name + where(s));
     }
   }

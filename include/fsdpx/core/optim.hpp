@@ -2,12 +2,15 @@
 // so LibTorch's per-tensor optimizer loops step them quickly.
 #pragma once
 
+#include <concepts>
+#include <map>
 #include <memory>
 #include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
 
+#include <ATen/ATen.h>
 #include <torch/optim/adam.h>
 #include <torch/optim/adamw.h>
 #include <torch/optim/sgd.h>
@@ -93,16 +96,92 @@ inline StateTensors optimizer_state_tensors(torch::optim::OptimizerParamState& s
 
 }  // namespace detail
 
+/// LibTorch's AdamW, stepped by ATen's fused kernel (`at::_fused_adamw_`, CPU and CUDA; PyTorch's
+/// `AdamW(fused=True)`): one pass over each parameter, its gradient and its moments per group, device
+/// and dtype, where LibTorch's AdamW runs about eight elementwise kernels per parameter. The same
+/// arithmetic in another order (equal within float32 rounding: tests/core/test_flat_param.cpp), and
+/// the same state, options and serialization: it is a torch::optim::AdamW everywhere fsdpx and LibTorch
+/// look (checkpoints, optimizer state dicts, move_optimizer_state), so either resumes the other's state.
+/// A parameter and its gradient must share their dtype and device (fsdpx's shards and gradients do).
+class FusedAdamW : public torch::optim::AdamW {
+ public:
+  using torch::optim::AdamW::AdamW;
+
+  at::Tensor step(LossClosure closure = nullptr) override {
+    at::NoGradGuard no_grad;
+    at::Tensor loss;
+    if (closure) {
+      at::AutoGradMode enable_grad(true);
+      loss = closure();
+    }
+    for (auto& group : param_groups()) {
+      const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+      // One call per device and dtype (the kernel's requirement); the step counts travel as float
+      // tensors on the parameters' device, one per distinct count (usually one per group).
+      std::map<std::pair<std::string, at::ScalarType>, Batch> batches;
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        const at::Tensor& grad = p.grad();
+        FSDPX_CHECK(!grad.is_sparse(), "FusedAdamW does not support sparse gradients");
+        FSDPX_CHECK(grad.scalar_type() == p.scalar_type() && grad.device() == p.device(), "FusedAdamW: a parameter (",
+                    p.scalar_type(), " on ", p.device(), ") and its gradient (", grad.scalar_type(), " on ",
+                    grad.device(), ") must share dtype and device; use torch::optim::AdamW for this model");
+        auto& state = state_for(p, o);
+        state.step(state.step() + 1);
+        Batch& b = batches[{p.device().str(), p.scalar_type()}];
+        b.params.push_back(p);
+        b.grads.push_back(grad);
+        b.exp_avgs.push_back(state.exp_avg());
+        b.exp_avg_sqs.push_back(state.exp_avg_sq());
+        if (o.amsgrad()) b.max_exp_avg_sqs.push_back(state.max_exp_avg_sq());
+        auto [it, fresh] = b.step_tensors.try_emplace(state.step());
+        if (fresh) {
+          it->second = at::scalar_tensor(static_cast<double>(state.step()), p.options().dtype(at::kFloat));
+        }
+        b.steps.push_back(it->second);
+      }
+      for (auto& [key, b] : batches) {
+        at::_fused_adamw_(b.params, b.grads, b.exp_avgs, b.exp_avg_sqs, b.max_exp_avg_sqs, b.steps, o.lr(),
+                          std::get<0>(o.betas()), std::get<1>(o.betas()), o.weight_decay(), o.eps(), o.amsgrad(),
+                          /*maximize=*/false);
+      }
+    }
+    return loss;
+  }
+
+ private:
+  struct Batch {
+    std::vector<at::Tensor> params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps;
+    std::map<int64_t, at::Tensor> step_tensors;
+  };
+
+  // The state LibTorch's AdamW would hold for `p`, created as it creates it.
+  torch::optim::AdamWParamState& state_for(const at::Tensor& p, const torch::optim::AdamWOptions& o) {
+    auto& slot = state_[p.unsafeGetTensorImpl()];
+    if (!slot) {
+      auto s = std::make_unique<torch::optim::AdamWParamState>();
+      s->step(0);
+      s->exp_avg(at::zeros_like(p, at::MemoryFormat::Preserve));
+      s->exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+      if (o.amsgrad()) s->max_exp_avg_sq(at::zeros_like(p, at::MemoryFormat::Preserve));
+      slot = std::move(s);
+    }
+    return static_cast<torch::optim::AdamWParamState&>(*slot);
+  }
+};
+
 /// AdamW with two groups: matrices with `options.weight_decay()`, everything else (biases, norms)
-/// without weight decay.
-template <class Sharded>
-torch::optim::AdamW make_adamw(const Sharded& model, const torch::optim::AdamWOptions& options) {
+/// without weight decay. `Optimizer` is torch::optim::AdamW or FusedAdamW (one fused kernel per group):
+///   auto optimizer = fsdpx::make_adamw<fsdpx::FusedAdamW>(model, torch::optim::AdamWOptions(1e-5));
+template <class Optimizer = torch::optim::AdamW, class Sharded>
+  requires std::derived_from<Optimizer, torch::optim::AdamW>
+Optimizer make_adamw(const Sharded& model, const torch::optim::AdamWOptions& options) {
   auto no_decay = options;
   no_decay.weight_decay(0.0);
   std::vector<torch::optim::OptimizerParamGroup> groups;
   groups.emplace_back(model.parameters(true), std::make_unique<torch::optim::AdamWOptions>(options));
   groups.emplace_back(model.parameters(false), std::make_unique<torch::optim::AdamWOptions>(no_decay));
-  return torch::optim::AdamW(std::move(groups), options);
+  return Optimizer(std::move(groups), options);
 }
 
 /// Moves an optimizer's state (Adam/AdamW moments, SGD momentum) to `device`, keeping tensor identity
