@@ -3,16 +3,17 @@
 // beside PyTorch FSDP2 + transformers (benchmarks/decoder_bench.py) on the same folder and batch, and
 // prints the table of docs/gpu.md with MFU (computed there, once, for every contender).
 //
-//   torchrun --no-python bench_decoder cuda MODEL_DIR CONFIG [tokens=4096 steps=10 warmup=3 optim=adamw]
-//                                                                          NCCL, a GPU per rank
-//   mpiexec -n 2 bench_decoder cpu MODEL_DIR CONFIG [...]                  MPI, CPU ranks
+//   torchrun --no-python bench_decoder cuda MODEL_DIR TOKENS STEPS WARMUP CONFIG...   NCCL, a GPU per rank
+//   mpiexec -n 2 bench_decoder cpu MODEL_DIR TOKENS STEPS WARMUP CONFIG...            MPI, CPU ranks
 //     CONFIG  plain    embedding, layers and head as units (DecoderUnits), whole logits
 //             ckpt     the same with the layers checkpointed
 //             chunked  checkpointed layers and the chunked loss (never the whole logits)
-//     optim   adamw (LibTorch's AdamW) or fused (fsdpx::FusedAdamW: ATen's fused kernel)
-// One sample of TOKENS tokens per rank. FSDPX_SYNC_DEBUG=1 first reports the host synchronizations of
-// one step (CUDA's sync debug mode). Prints one RESULT line (rank 0): the median step over
-// the timed steps (slowest rank) and the peak memory (largest rank: allocated GPU memory, or RSS).
+//             each with LibTorch's AdamW, or with fsdpx::FusedAdamW (ATen's fused kernel): plain-fused, ...
+// The configurations run in turn on one loaded model (loading dominates a short run's time). One sample
+// of TOKENS tokens per rank. FSDPX_SYNC_DEBUG=1 also reports the host synchronizations of one step of
+// each (CUDA's sync debug mode). One RESULT line per configuration (rank 0): the median step over the
+// timed steps (slowest rank) and the peak memory (largest rank: allocated GPU memory since the
+// configuration began, or the process's RSS).
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -42,10 +43,26 @@ using Sharded = fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload
 
 namespace {
 
+// One configuration: plain, ckpt or chunked, with LibTorch's AdamW or (suffix -fused) FusedAdamW.
+struct Config {
+  std::string name;
+  bool checkpointing = false, chunked = false, fused = false;
+};
+
+Config parse_config(const std::string& name) {
+  const std::string fused_suffix = "-fused";
+  const bool fused = name.size() > fused_suffix.size() && name.ends_with(fused_suffix);
+  const std::string base = fused ? name.substr(0, name.size() - fused_suffix.size()) : name;
+  FSDPX_CHECK(base == "plain" || base == "ckpt" || base == "chunked",
+              "bench_decoder: a CONFIG is plain, ckpt or chunked, optionally with -fused; not '", name, "'");
+  return {.name = name, .checkpointing = base != "plain", .chunked = base == "chunked", .fused = fused};
+}
+
 struct Run {
-  std::string dir, config, optim = "adamw";
+  std::string dir;
   int64_t tokens = 4096;
   int steps = 10, warmup = 3;
+  std::vector<Config> configs;
 };
 
 // Peak bytes this rank has held: the caching allocator's peak allocation on a GPU, RSS on the CPU.
@@ -102,46 +119,56 @@ void synchronize(const c10::Device& device) {
   (void)device;
 }
 
+void reset_peak(const c10::Device& device) {
+#if defined(FSDPX_WITH_NCCL)
+  if (device.is_cuda()) c10::cuda::CUDACachingAllocator::resetPeakStats(device.index());
+#endif
+  (void)device;
+}
+
+// Each configuration in turn on one loaded model: its own optimizer (the last one's state freed), its
+// warm-up steps, then the timed ones; one RESULT line each.
 int run(fsdpx::dist::AnyCommunicator world, const c10::Device& device, const Run& r) {
-  const bool checkpointing = r.config == "ckpt" || r.config == "chunked";
   // The head stays gathered from its forward to its backward, as FSDP2 keeps its root's parameters.
-  auto model = models::from_pretrained<Sharded>(r.dir, world,
-                                                {.device = device,
-                                                 .reshard_after_forward_for = models::reshard_all_but_head,
-                                                 .activation_checkpointing = checkpointing});
-  model->chunk_logits = r.config == "chunked" ? models::default_chunk_logits : 0;
-  const auto options = torch::optim::AdamWOptions(1e-5).weight_decay(0.1);
-  std::unique_ptr<torch::optim::AdamW> optimizer;
-  if (r.optim == "fused") {
-    optimizer = std::make_unique<fsdpx::FusedAdamW>(fsdpx::make_adamw<fsdpx::FusedAdamW>(model, options));
-  } else {
-    optimizer = std::make_unique<torch::optim::AdamW>(fsdpx::make_adamw(model, options));
-  }
+  auto model = models::from_pretrained<Sharded>(
+      r.dir, world, {.device = device, .reshard_after_forward_for = models::reshard_all_but_head});
   at::manual_seed(1 + world.rank());
   const at::Tensor ids =
       at::randint(model->config.vocab_size, {1, r.tokens}, at::TensorOptions().dtype(at::kLong).device(device));
-  const auto unsynchronized_step = [&] {
-    optimizer->zero_grad();
-    model.call(&models::CausalLMImpl::loss, ids, ids, models::BatchLayout{}).backward();
-    optimizer->step();
-  };
-  const auto step = [&] {
-    unsynchronized_step();
-    synchronize(device);
-  };
-  for (int i = 0; i < r.warmup; ++i) step();
-  if (std::getenv("FSDPX_SYNC_DEBUG") != nullptr) report_host_syncs(device, unsynchronized_step);
-  std::vector<double> times;
-  for (int i = 0; i < r.steps; ++i) times.push_back(fsdpx::bench::time_once(world, step));
-  auto peak = at::tensor({peak_gib(device)}, at::kDouble).to(device);
-  world.all_reduce(peak, fsdpx::dist::ReduceOp::max);
-  const double seconds = fsdpx::bench::median(times);
-  if (world.rank() == 0) {
-    std::printf("RESULT contender=fsdpx-%s%s device=%s world=%d seq=%lld step_ms=%.1f tokens_per_s_per_rank=%.0f "
-                "peak_gib=%.2f\n",
-                r.config.c_str(), r.optim == "fused" ? "-fused" : "", device.is_cuda() ? "cuda" : "cpu", world.size(), static_cast<long long>(r.tokens),
-                seconds * 1000, static_cast<double>(r.tokens) / seconds, peak.cpu().item<double>());
-    std::fflush(stdout);
+  const auto options = torch::optim::AdamWOptions(1e-5).weight_decay(0.1);
+  for (const Config& config : r.configs) {
+    model.set_activation_checkpointing(config.checkpointing);
+    model->chunk_logits = config.chunked ? models::default_chunk_logits : 0;
+    std::unique_ptr<torch::optim::AdamW> optimizer;
+    if (config.fused) {
+      optimizer = std::make_unique<fsdpx::FusedAdamW>(fsdpx::make_adamw<fsdpx::FusedAdamW>(model, options));
+    } else {
+      optimizer = std::make_unique<torch::optim::AdamW>(fsdpx::make_adamw(model, options));
+    }
+    const auto unsynchronized_step = [&] {
+      optimizer->zero_grad();
+      model.call(&models::CausalLMImpl::loss, ids, ids, models::BatchLayout{}).backward();
+      optimizer->step();
+    };
+    const auto step = [&] {
+      unsynchronized_step();
+      synchronize(device);
+    };
+    reset_peak(device);
+    for (int i = 0; i < r.warmup; ++i) step();
+    if (std::getenv("FSDPX_SYNC_DEBUG") != nullptr) report_host_syncs(device, unsynchronized_step);
+    std::vector<double> times;
+    for (int i = 0; i < r.steps; ++i) times.push_back(fsdpx::bench::time_once(world, step));
+    auto peak = at::tensor({peak_gib(device)}, at::kDouble).to(device);
+    world.all_reduce(peak, fsdpx::dist::ReduceOp::max);
+    const double seconds = fsdpx::bench::median(times);
+    if (world.rank() == 0) {
+      std::printf("RESULT contender=fsdpx-%s device=%s world=%d seq=%lld step_ms=%.1f tokens_per_s_per_rank=%.0f "
+                  "peak_gib=%.2f\n",
+                  config.name.c_str(), device.is_cuda() ? "cuda" : "cpu", world.size(), static_cast<long long>(r.tokens),
+                  seconds * 1000, static_cast<double>(r.tokens) / seconds, peak.cpu().item<double>());
+      std::fflush(stdout);
+    }
   }
   return 0;
 }
@@ -149,20 +176,14 @@ int run(fsdpx::dist::AnyCommunicator world, const c10::Device& device, const Run
 }  // namespace
 
 int main(int argc, char** argv) try {
-  if (argc < 4) {
-    std::fprintf(stderr, "usage: %s cuda|cpu MODEL_DIR plain|ckpt|chunked [tokens steps warmup adamw|fused]\n", argv[0]);
+  if (argc < 7) {
+    std::fprintf(stderr, "usage: %s cuda|cpu MODEL_DIR TOKENS STEPS WARMUP CONFIG...\n", argv[0]);
     return 2;
   }
   const std::string where = argv[1];
-  Run r{.dir = argv[2], .config = argv[3]};
-  if (argc > 4) r.tokens = std::atoll(argv[4]);
-  if (argc > 5) r.steps = std::atoi(argv[5]);
-  if (argc > 6) r.warmup = std::atoi(argv[6]);
-  if (argc > 7) r.optim = argv[7];
-  FSDPX_CHECK(r.config == "plain" || r.config == "ckpt" || r.config == "chunked",
-              "bench_decoder: CONFIG must be plain, ckpt or chunked, not '", r.config, "'");
-  FSDPX_CHECK(r.optim == "adamw" || r.optim == "fused", "bench_decoder: optim must be adamw or fused, not '", r.optim, "'");
+  Run r{.dir = argv[2], .tokens = std::atoll(argv[3]), .steps = std::atoi(argv[4]), .warmup = std::atoi(argv[5])};
   FSDPX_CHECK(r.tokens >= 2 && r.steps >= 1 && r.warmup >= 0, "bench_decoder: tokens >= 2, steps >= 1, warmup >= 0");
+  for (int i = 6; i < argc; ++i) r.configs.push_back(parse_config(argv[i]));
   if (where == "cuda") {
 #if defined(FSDPX_WITH_NCCL)
     const auto env = fsdpx::dist::detect_launch_env();

@@ -5,13 +5,13 @@ load, and the table.
         a random Qwen2-shaped folder, bfloat16 files (save_pretrained). qwen2-1.5b is Qwen2-1.5B's shape
         (hidden 1536, 28 layers, 12 heads over 2 KV heads, intermediate 8960, vocabulary 151936, tied
         head: 1.54B parameters); tiny is a CPU smoke test's.
-    torchrun --standalone --nproc-per-node=N benchmarks/decoder_bench.py fsdp2 DIR CONFIG [tokens steps warmup]
-            [--device cuda|cpu] [--optim adamw|fused]
+    torchrun --standalone --nproc-per-node=N benchmarks/decoder_bench.py fsdp2 DIR TOKENS STEPS WARMUP CONFIG...
+            [--device cuda|cpu]
         transformers' model from DIR (sdpa attention), each decoder layer and the root fully_shard-ed with
         MixedPrecisionPolicy(bfloat16 parameters, float32 reductions) over float32 weights (fsdpx's
-        BF16Mixed), CONFIG plain or ckpt (gradient_checkpointing_enable), one sample of TOKENS tokens per
-        rank, AdamW (PyTorch's default implementation for the device, or fused=True); one RESULT line as
-        bench_decoder.
+        BF16Mixed), one sample of TOKENS tokens per rank. Each CONFIG in turn on the one loaded model:
+        plain or ckpt (gradient_checkpointing_enable), with PyTorch's default AdamW for the device or,
+        suffixed -fused, AdamW(fused=True); one RESULT line each, as bench_decoder.
     python benchmarks/decoder_bench.py table DIR LOG
         the markdown table of the RESULT lines in LOG: tokens/s per rank, MFU, peak memory.
 
@@ -60,7 +60,7 @@ def flops_per_token(config, seq):
     return 6 * matmul_params + 12 * layers * heads * head_dim * seq
 
 
-def fsdp2(path, config_name, tokens, steps, warmup, device, optim):
+def fsdp2(path, tokens, steps, warmup, configs, device):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from transformers import AutoModelForCausalLM
@@ -72,8 +72,6 @@ def fsdp2(path, config_name, tokens, steps, warmup, device, optim):
     rank, world = dist.get_rank(), dist.get_world_size()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").to(device)
     model.train()
-    if config_name == "ckpt":
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     mesh = init_device_mesh(device.type, (world,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for layer in model.model.layers:
@@ -81,41 +79,49 @@ def fsdp2(path, config_name, tokens, steps, warmup, device, optim):
     fully_shard(model, mesh=mesh, mp_policy=mp)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=1e-5,
-                            fused=optim == "fused" or None)
     torch.manual_seed(1 + rank)
     ids = torch.randint(model.config.vocab_size, (1, tokens), device=device)
+    for config in configs:
+        fused = config.endswith("-fused")
+        if config.startswith("ckpt"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_disable()
+        opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+                                lr=1e-5, fused=fused or None)
 
-    def step():
-        opt.zero_grad()
-        model(input_ids=ids, labels=ids).loss.backward()
-        opt.step()
+        def step():
+            opt.zero_grad()
+            model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            if cuda:
+                torch.cuda.synchronize()
+
+        def timed():
+            dist.barrier()
+            t0 = time.perf_counter()
+            step()
+            dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+            dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+            return dt.item()
+
         if cuda:
-            torch.cuda.synchronize()
-
-    def timed():
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-        return dt.item()
-
-    for _ in range(warmup):
-        step()
-    seconds = statistics.median(timed() for _ in range(steps))
-    if cuda:
-        peak = torch.cuda.max_memory_allocated() / 2**30
-    else:
-        import resource
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    peak = torch.tensor([peak], dtype=torch.float64, device=device)
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        name = config_name + ("-fused" if optim == "fused" else "")
-        print(f"RESULT contender=fsdp2-{name} device={device.type} world={world} seq={tokens} "
-              f"step_ms={seconds * 1000:.1f} tokens_per_s_per_rank={tokens / seconds:.0f} peak_gib={peak.item():.2f}",
-              flush=True)
+            torch.cuda.reset_peak_memory_stats()
+        for _ in range(warmup):
+            step()
+        seconds = statistics.median(timed() for _ in range(steps))
+        if cuda:
+            peak = torch.cuda.max_memory_allocated() / 2**30
+        else:
+            import resource
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        peak = torch.tensor([peak], dtype=torch.float64, device=device)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            print(f"RESULT contender=fsdp2-{config} device={device.type} world={world} seq={tokens} "
+                  f"step_ms={seconds * 1000:.1f} tokens_per_s_per_rank={tokens / seconds:.0f} peak_gib={peak.item():.2f}",
+                  flush=True)
+        del opt
     dist.destroy_process_group()
 
 
@@ -151,12 +157,11 @@ def main():
     m.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     f = sub.add_parser("fsdp2")
     f.add_argument("dir")
-    f.add_argument("config", choices=["plain", "ckpt"])
-    f.add_argument("tokens", type=int, nargs="?", default=4096)
-    f.add_argument("steps", type=int, nargs="?", default=10)
-    f.add_argument("warmup", type=int, nargs="?", default=3)
+    f.add_argument("tokens", type=int)
+    f.add_argument("steps", type=int)
+    f.add_argument("warmup", type=int)
+    f.add_argument("configs", nargs="+", choices=["plain", "ckpt", "plain-fused", "ckpt-fused"])
     f.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
-    f.add_argument("--optim", choices=["adamw", "fused"], default="adamw")
     t = sub.add_parser("table")
     t.add_argument("dir")
     t.add_argument("log")
@@ -164,7 +169,7 @@ def main():
     if a.command == "make":
         make(a.dir, a.shape, a.device)
     elif a.command == "fsdp2":
-        fsdp2(a.dir, a.config, a.tokens, a.steps, a.warmup, a.device, a.optim)
+        fsdp2(a.dir, a.tokens, a.steps, a.warmup, a.configs, a.device)
     else:
         table(a.dir, a.log)
 

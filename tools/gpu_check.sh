@@ -2,20 +2,22 @@
 # The GPU runs of docs/gpu.md in one command, for the lent GPU machine (CUDA PyTorch, nvcc, NCCL; no MPI,
 # Boost or Catch2, no network): configure NCCL-only, build the GPU tests and benchmarks, then the decoder
 # beside PyTorch FSDP2 + transformers (benchmarks/run_decoder_bench.sh: a random Qwen2-1.5B-shaped folder
-# made there), `ctest -L gpu`, then the toy GPT's throughput comparison (fsdpx-cuda, libtorch-cuda, FSDP2),
-# each contender REPEAT times.
+# made there), `ctest -L gpu`, then the toy GPT's throughput comparison (fsdpx-cuda, libtorch-cuda, FSDP2).
+# The whole script fits in about 6 minutes of device time, so that a rerun after a fix fits one lease.
 #   tools/gpu_check.sh [build|decoder|test|bench|all]...      (default: all, in that order)
 # The machine has no package registry: the Debian packages it lacks (catch2, nlohmann-json3-dev) travel
 # as .deb files in .gpu/ (ignored by git; `apt-get download` them there) and are unpacked into a prefix.
 # Env: DEBS (default .gpu), BUILD_DIR (default build-gpu),
-#      BENCH_ARGS (bench_gpt's "steps warmup batch seq dim layers vocab heads"), REPEAT (default 2), JOBS;
-#      the decoder's: TOKENS, STEPS, WARMUP, SHAPE, MODEL_DIR (run_decoder_bench.sh's).
+#      REPEAT (the decoder's rounds, default 2), GPT_REPEAT (the GPT's, default 1), JOBS,
+#      BENCH_ARGS (bench_gpt's "steps warmup batch seq dim layers vocab heads"),
+#      and run_decoder_bench.sh's TOKENS, STEPS, WARMUP, OPTIMS, CONFIGS, SHAPE, MODEL_DIR.
 # Every step runs even when an earlier one failed (one lease is short); the exit status is the first failure.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 BUILD=${BUILD_DIR:-build-gpu}
 ARGS=(${BENCH_ARGS:-5 2 4 2048 2048 18 32000 16})
 REPEAT=${REPEAT:-2}
+GPT_REPEAT=${GPT_REPEAT:-1}
 JOBS=${JOBS:-$(nproc)}
 steps=("$@")
 [[ ${#steps[@]} -eq 0 ]] && steps=(all)
@@ -56,9 +58,9 @@ if want test; then
 fi
 
 if want bench; then
-  note "throughput: bench_gpt ${ARGS[*]} (x$REPEAT)"
+  note "throughput: bench_gpt ${ARGS[*]} (x$GPT_REPEAT)"
   export RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1
-  for ((i = 1; i <= REPEAT; i++)); do
+  for ((i = 1; i <= GPT_REPEAT; i++)); do
     MASTER_PORT=$((29511 + i)) "$BUILD/benchmarks/bench_gpt" fsdpx-cuda "${ARGS[@]}" 2>&1 | tail -5 || fail "fsdpx-cuda"
     "$BUILD/benchmarks/bench_gpt" libtorch-cuda "${ARGS[@]}" 2>&1 | tail -5 || fail "libtorch-cuda"
     (unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR
