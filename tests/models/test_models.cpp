@@ -627,3 +627,31 @@ TEST_CASE("models: the experts as grouped products (at::_grouped_mm) equal one p
   odd->model->layers[0]->moe->kernel = models::ExpertKernel::grouped;
   CHECK_THAT(error_of([&] { odd(at::ones({1, 4}, at::kLong)); }), Catch::Contains("ExpertKernel::grouped needs the hidden size (30)"));
 }
+
+TEST_CASE("models: a label or target outside the vocabulary is refused by loss and log_probs, whose checks are asked "
+          "before the layers run",
+          "[hf][unit][errors]") {
+  at::manual_seed(7);
+  models::CausalLM model(models::parse_decoder_config(llama_config(), "config.json"));
+  const int64_t vocab = model->config.vocab_size;
+  const at::Tensor ids = at::randint(1, vocab, {2, 6}, at::kLong);
+  at::NoGradGuard no_grad;
+  CHECK(model->loss(ids, ids.masked_fill(ids.eq(ids[0][3]), -100)).isfinite().item<bool>());  // -100: ignored
+  const std::string range = "in [0, " + std::to_string(vocab) + ")";
+  CHECK_THAT(error_of([&] { model->loss(ids, ids.index_put({at::tensor(1), at::tensor(4)}, at::tensor(vocab))); }),
+             Catch::Contains("every label must be a token id " + range + " or the ignore index -100"));
+  CHECK_THAT(error_of([&] { model->loss(ids, ids.index_put({at::tensor(0), at::tensor(2)}, at::tensor(int64_t{-3}))); }),
+             Catch::Contains("every label must be a token id " + range));
+  // log_probs' targets are its input ids: one outside the vocabulary fails in the embedding first.
+  CHECK_THROWS_WITH(model->log_probs(ids.index_put({at::tensor(1), at::tensor(5)}, at::tensor(vocab + 2))),
+                    Catch::Contains("index out of range"));
+  // The check itself: with and without an ignore index, and only for the vocabulary it was asked for.
+  CHECK(models::LabelCheck(ids, vocab).passed());
+  CHECK_FALSE(models::LabelCheck(ids.masked_fill(ids.eq(ids[0][0]), -100), vocab).passed());
+  CHECK(models::LabelCheck(ids.masked_fill(ids.eq(ids[0][0]), -100), vocab, -100).passed());
+  CHECK_FALSE(models::LabelCheck(ids, ids.max().item<int64_t>()).passed());
+  const models::CrossEntropyOptions other{.labels_checked = std::make_shared<const models::LabelCheck>(ids, vocab + 1)};
+  CHECK_THAT(error_of([&] { models::linear_cross_entropy(at::randn({2, 6, 8}), at::randn({vocab, 8}), ids, other); }),
+             Catch::Contains("a label check asked for a vocabulary of " + std::to_string(vocab + 1) +
+                             " was given to a head of " + std::to_string(vocab)));
+}

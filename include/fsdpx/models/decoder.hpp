@@ -256,14 +256,16 @@ struct CausalLMImpl : torch::nn::Module {
   /// A mixture of experts with output_router_logits adds router_aux_loss_coef x the load-balancing loss
   /// (over the tokens the attention mask keeps; every token of packed rows), as transformers does.
   at::Tensor loss(const at::Tensor& input_ids, const at::Tensor& labels, const BatchLayout& layout = {}) {
-    std::vector<at::Tensor> router_logits;
-    const at::Tensor hidden = hidden_states(input_ids, layout, {}, aux_wanted() ? &router_logits : nullptr);
-    at::Tensor shifted = shift_labels(labels);
+    at::Tensor shifted = shift_labels(labels).to(input_ids.device());
     if (layout.packed()) {
-      const at::Tensor within = at::constant_pad_nd(layout.samples->next_token_mask(labels.device()), {0, 1}, 0);
+      const at::Tensor within = at::constant_pad_nd(layout.samples->next_token_mask(shifted.device()), {0, 1}, 0);
       shifted = shifted.masked_fill(within.logical_not(), -100);
     }
-    return with_aux(head_loss(hidden, shifted), router_logits, layout.attention_mask);
+    // Asked before the layers run, read at the head: no host stall in the step (LabelCheck).
+    auto labels_checked = std::make_shared<const LabelCheck>(shifted, config.vocab_size, -100);
+    std::vector<at::Tensor> router_logits;
+    const at::Tensor hidden = hidden_states(input_ids, layout, {}, aux_wanted() ? &router_logits : nullptr);
+    return with_aux(head_loss(hidden, shifted, std::move(labels_checked)), router_logits, layout.attention_mask);
   }
 
   /// Logits and, for a mixture of experts, the load-balancing loss of this forward (undefined for a
@@ -283,7 +285,9 @@ struct CausalLMImpl : torch::nn::Module {
   TokenLogProbs log_probs(const at::Tensor& input_ids, const BatchLayout& layout = {}, const LogProbOptions& options = {}) {
     FSDPX_CHECK(input_ids.dim() == 2 && input_ids.size(1) >= 2, "CausalLM::log_probs: input_ids must be [batch, seq] "
                 "with seq >= 2 (each position's next token is its target), not ", input_ids.sizes());
-    TokenLogProbs r = head_log_probs(hidden_states(input_ids, layout), input_ids, options);
+    LogProbOptions checked = options;  // asked before the layers run, read at the head (LabelCheck)
+    checked.targets_checked = std::make_shared<const LabelCheck>(input_ids.narrow(1, 1, input_ids.size(1) - 1), config.vocab_size);
+    TokenLogProbs r = head_log_probs(hidden_states(input_ids, layout), input_ids, checked);
     if (layout.packed()) {
       const at::Tensor outside = layout.samples->next_token_mask(r.log_probs.device()).logical_not();
       r.log_probs = r.log_probs.masked_fill(outside, 0.0);
@@ -326,10 +330,12 @@ struct CausalLMImpl : torch::nn::Module {
                       load_balancing_loss(router_logits, config.moe.num_experts, config.moe.num_experts_per_tok, attention_mask);
   }
 
-  /// Mean cross-entropy of the head over hidden states against already-shifted labels (-100 ignored).
-  at::Tensor head_loss(const at::Tensor& hidden, const at::Tensor& shifted_labels) {
+  /// Mean cross-entropy of the head over hidden states against already-shifted labels (-100 ignored),
+  /// whose range check may have been asked already.
+  at::Tensor head_loss(const at::Tensor& hidden, const at::Tensor& shifted_labels,
+                       std::shared_ptr<const LabelCheck> labels_checked = nullptr) {
     const at::Tensor shifted = shifted_labels.to(hidden.device());
-    const CrossEntropyOptions ce{.chunk_logits = chunk_logits};
+    const CrossEntropyOptions ce{.chunk_logits = chunk_logits, .labels_checked = std::move(labels_checked)};
     return with_head([ce](const at::Tensor& weight, const at::Tensor& h, const at::Tensor& y) {
       return linear_cross_entropy(h, weight, y, ce);
     }, hidden, shifted);

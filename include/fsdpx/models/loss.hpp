@@ -19,11 +19,32 @@
 #include <fsdpx/detail/config.hpp>
 
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <utility>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 
 namespace fsdpx::models {
+
+/// Whether every label is a token id in [0, vocabulary) (or the ignore index, when one is given),
+/// asked on the labels' device and answered later. Reading a GPU's answer at once stalls the host until
+/// the GPU has run everything queued before it; asked before the layers' forward and read at the head
+/// (CausalLM::loss and log_probs do so), it waits only for the check itself, long done by then. On the
+/// CPU it is answered at once.
+class LabelCheck {
+ public:
+  FSDPX_DECL LabelCheck(const at::Tensor& labels, int64_t vocabulary, std::optional<int64_t> ignore_index = std::nullopt);
+  /// True when every label is in range (waits for the device's answer, never for later work).
+  FSDPX_DECL bool passed() const;
+  int64_t vocabulary() const { return vocabulary_; }
+
+ private:
+  at::Tensor answer_;             // bool scalar on the host: pinned, written by the device's stream
+  std::optional<c10::Event> ready_;  // recorded after that copy (none on the CPU)
+  int64_t vocabulary_;
+};
 
 /// How many logits one chunk may hold: chunk_tokens = max(1, chunk_logits / vocabulary).
 inline constexpr int64_t default_chunk_logits = int64_t{1} << 26;  // 256 MiB in float32
@@ -36,6 +57,9 @@ struct CrossEntropyOptions {
   /// mean: over the labels not ignored (transformers' causal-LM loss; NaN when every label is
   /// ignored, as torch's); sum: their sum (to divide by a count of one's own).
   LossReduction reduction = LossReduction::mean;
+  /// The labels' range check, asked earlier (LabelCheck with this ignore index): read instead of
+  /// checking the labels here. Shared: a recomputation (activation checkpointing) reads it again.
+  std::shared_ptr<const LabelCheck> labels_checked;
 };
 
 /// Cross-entropy of hidden W^T (+ bias) against `labels` (-100 ignored), as one scalar.
@@ -48,6 +72,9 @@ struct LogProbOptions {
   double temperature = 1.0;
   /// Also the entropy of each token's distribution (undefined in the result otherwise).
   bool entropy = false;
+  /// The targets' range check, asked earlier (LabelCheck without an ignore index): read instead of
+  /// checking the targets here. Shared: a recomputation (activation checkpointing) reads it again.
+  std::shared_ptr<const LabelCheck> targets_checked;
 };
 
 struct TokenLogProbs {

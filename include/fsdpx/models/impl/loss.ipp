@@ -8,6 +8,7 @@
 #include <optional>
 
 #include <ATen/ATen.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/custom_function.h>
 
 #include <fsdpx/error.hpp>
@@ -38,6 +39,13 @@ inline HeadInputs head_inputs(const char* what, const at::Tensor& hidden, const 
   // Autograd's custom functions take no undefined tensor: no bias is an empty one.
   const at::Tensor no_bias = bias.defined() ? bias : at::empty({0}, weight.options());
   return {hidden.reshape({-1, hidden.size(-1)}), weight, no_bias, targets.reshape({-1}).to(hidden.device()), std::move(leading)};
+}
+
+/// A check asked earlier, for this head's vocabulary.
+inline bool read_check(const LabelCheck& check, int64_t vocabulary) {
+  FSDPX_CHECK(check.vocabulary() == vocabulary, "a label check asked for a vocabulary of ", check.vocabulary(),
+              " was given to a head of ", vocabulary);
+  return check.passed();
 }
 
 inline int64_t chunk_tokens(int64_t chunk_logits, int64_t vocabulary, int64_t tokens) {
@@ -222,14 +230,35 @@ struct ChunkedLogProbs : torch::autograd::Function<ChunkedLogProbs> {
 
 }  // namespace detail
 
+FSDPX_DECL LabelCheck::LabelCheck(const at::Tensor& labels, int64_t vocabulary, std::optional<int64_t> ignore_index)
+    : vocabulary_(vocabulary) {
+  at::Tensor ok = (labels >= 0).logical_and(labels < vocabulary);
+  if (ignore_index) ok = ok.logical_or(labels == *ignore_index);
+  ok = ok.all();
+  if (ok.is_cpu()) {
+    answer_ = ok;
+    return;
+  }
+  answer_ = at::empty({}, at::TensorOptions().dtype(at::kBool).pinned_memory(true));
+  answer_.copy_(ok, /*non_blocking=*/true);
+  const c10::Device device = ok.device();
+  ready_.emplace(device.type());
+  ready_->record(c10::impl::getDeviceGuardImpl(device.type())->getStream(device));
+}
+
+FSDPX_DECL bool LabelCheck::passed() const {
+  if (ready_) ready_->synchronize();
+  return answer_.item<bool>();
+}
+
 FSDPX_DECL at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
                                            const CrossEntropyOptions& options, const at::Tensor& bias) {
   const auto in = detail::head_inputs("linear_cross_entropy", hidden, weight, labels, bias);
   const bool mean = options.reduction == LossReduction::mean;
   const int64_t vocab = in.weight.size(0);
-  const at::Tensor labels_ok =
-      ((in.targets >= 0).logical_and(in.targets < vocab)).logical_or(in.targets == options.ignore_index).all();
-  FSDPX_CHECK(labels_ok.item<bool>(), "linear_cross_entropy: every label must be a token id in [0, ", vocab,
+  const bool labels_ok = options.labels_checked ? detail::read_check(*options.labels_checked, vocab)
+                                                          : LabelCheck(in.targets, vocab, options.ignore_index).passed();
+  FSDPX_CHECK(labels_ok, "linear_cross_entropy: every label must be a token id in [0, ", vocab,
               ") or the ignore index ", options.ignore_index);
   if (options.chunk_logits <= 0) {
     const at::Tensor logits = detail::chunk_logits_f32(in.hidden, in.weight, in.bias);
@@ -249,8 +278,9 @@ FSDPX_DECL TokenLogProbs linear_log_probs(const at::Tensor& hidden, const at::Te
   const auto in = detail::head_inputs("linear_log_probs", hidden, weight, targets, bias);
   FSDPX_CHECK(options.temperature > 0, "linear_log_probs: the temperature must be positive, not ", options.temperature);
   const int64_t vocab = in.weight.size(0);
-  const at::Tensor range_ok = (in.targets >= 0).logical_and(in.targets < vocab).all();
-  FSDPX_CHECK(range_ok.item<bool>(), "linear_log_probs: every target must be a token id in [0, ", vocab,
+  const bool range_ok = options.targets_checked ? detail::read_check(*options.targets_checked, vocab)
+                                                           : LabelCheck(in.targets, vocab).passed();
+  FSDPX_CHECK(range_ok, "linear_log_probs: every target must be a token id in [0, ", vocab,
               "); mask padding after computing, not with -100");
   TokenLogProbs out;
   if (options.chunk_logits <= 0) {
