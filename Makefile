@@ -8,7 +8,7 @@ MPIEXEC ?= mpiexec
 # Open MPI refuses root and more ranks than cores unless told.
 MPIEXEC_FLAGS ?= --oversubscribe $(if $(filter 0,$(shell id -u)),--allow-run-as-root)
 
-.PHONY: all setup configure build demo test bench clean
+.PHONY: all setup configure build demo test bench format clean
 all: build
 
 setup:
@@ -33,6 +33,10 @@ test: build
 bench: build
 	@cmake --build $(BUILD_DIR) -j$(JOBS) --target bench_collectives
 	OMP_NUM_THREADS=1 $(MPIEXEC) -n $(NP) $(MPIEXEC_FLAGS) $(BUILD_DIR)/benchmarks/bench_collectives
+
+# Lays out every C++ file as .clang-format says (the `format` test checks it).
+format: setup
+	@tools/check_format.sh --fix
 
 clean:
 	rm -rf $(BUILD_DIR)

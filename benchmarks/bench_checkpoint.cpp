@@ -97,7 +97,8 @@ int main(int argc, char** argv) {
   std::vector<at::Tensor> state;
   for (const auto& p : model.parameters()) {
     state.push_back(p);
-    for (auto& [name, t] : fsdpx::detail::optimizer_state_tensors(*opt.state().at(p.unsafeGetTensorImpl()))) state.push_back(*t);
+    for (auto& [name, t] : fsdpx::detail::optimizer_state_tensors(*opt.state().at(p.unsafeGetTensorImpl())))
+      state.push_back(*t);
   }
   int64_t bytes = 0;
   for (const auto& t : state) bytes += t.nbytes();
@@ -185,28 +186,35 @@ int main(int argc, char** argv) {
   const double save_bytes = static_cast<double>(written.load()) / steps;
 
   // Worst rank decides (a step waits for the slowest).
-  auto v = at::tensor({disk_s, sync_s, blocked_s, write_med_s, save_call_s / steps, fence_s / steps,
-                       step_s / steps, plain_step_s / steps, median(alone_s)}, at::kDouble);
+  auto v = at::tensor({disk_s, sync_s, blocked_s, write_med_s, save_call_s / steps, fence_s / steps, step_s / steps,
+                       plain_step_s / steps, median(alone_s)},
+                      at::kDouble);
   world.all_reduce(v, dist::ReduceOp::max);
   const auto r = v.accessor<double, 1>();
   if (world.rank() == 0) {
     const double mib = static_cast<double>(bytes) / (1 << 20);
-    std::printf("bench_checkpoint: %d ranks, GPT dim %lld x %lld layers, %.1f MiB of shards + AdamW state per rank "
-                "(torch::save file %.1f MiB, fsdpx files %.1f MiB)\n",
-                world.size(), static_cast<long long>(cfg.dim), static_cast<long long>(cfg.layers), mib,
-                static_cast<double>(sync_bytes) / (1 << 20), save_bytes / (1 << 20));
-    std::printf("  disk: write+fsync of %.1f MiB per rank            %8.3f s  %7.0f MiB/s per rank\n", mib, r[0], mib / r[0]);
+    std::printf(
+        "bench_checkpoint: %d ranks, GPT dim %lld x %lld layers, %.1f MiB of shards + AdamW state per rank "
+        "(torch::save file %.1f MiB, fsdpx files %.1f MiB)\n",
+        world.size(), static_cast<long long>(cfg.dim), static_cast<long long>(cfg.layers), mib,
+        static_cast<double>(sync_bytes) / (1 << 20), save_bytes / (1 << 20));
+    std::printf("  disk: write+fsync of %.1f MiB per rank            %8.3f s  %7.0f MiB/s per rank\n", mib, r[0],
+                mib / r[0]);
     std::printf("  sync: torch::save + fsync                         %8.3f s  (the loop is blocked all along)\n", r[1]);
-    std::printf("  async: save() call %.4f s + wait in next backward %.4f s = blocked %.4f s per save\n", r[4], r[5], r[2]);
+    std::printf("  async: save() call %.4f s + wait in next backward %.4f s = blocked %.4f s per save\n", r[4], r[5],
+                r[2]);
     std::printf("  async, alone: save() to durable, nothing else running %5.3f s  %7.0f MiB/s per rank\n", r[8],
                 save_bytes / (1 << 20) / r[8]);
-    std::printf("  async, during training: background write          %8.3f s  %7.0f MiB/s per rank (sharing the cores)\n", r[3],
-                save_bytes / (1 << 20) / r[3]);
+    std::printf(
+        "  async, during training: background write          %8.3f s  %7.0f MiB/s per rank (sharing the cores)\n", r[3],
+        save_bytes / (1 << 20) / r[3]);
     std::printf("  step time: %.3f s without saves, %.3f s with a save each step\n", r[7], r[6]);
     const double disk_bps = static_cast<double>(bytes) / r[0];
-    std::printf("RATIO blocked/sync = %.3f (target <= 0.05); write throughput/disk = %.2f alone (target >= 0.80), "
-                "%.2f during training; alone vs torch::save's throughput = %.2f\n", r[2] / r[1], (save_bytes / r[8]) / disk_bps,
-                (save_bytes / r[3]) / disk_bps, (save_bytes / r[8]) / (static_cast<double>(sync_bytes) / r[1]));
+    std::printf(
+        "RATIO blocked/sync = %.3f (target <= 0.05); write throughput/disk = %.2f alone (target >= 0.80), "
+        "%.2f during training; alone vs torch::save's throughput = %.2f\n",
+        r[2] / r[1], (save_bytes / r[8]) / disk_bps, (save_bytes / r[3]) / disk_bps,
+        (save_bytes / r[8]) / (static_cast<double>(sync_bytes) / r[1]));
   }
   ckpt.wait();
   world.barrier();

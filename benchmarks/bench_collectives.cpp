@@ -52,7 +52,9 @@ int main(int argc, char** argv) {
   if (r == 0) {
     std::printf("bench_collectives: %d ranks, float32, median of timed calls, slowest rank\n", W);
     std::printf("busbw in GB/s; 'raw' = the same MPI collective called directly (blocking); memcpy = one core\n\n");
-    std::printf("| size (MiB) | all_gather fsdpx | raw | fsdpx/raw | reduce_scatter fsdpx | raw | fsdpx/raw | memcpy | all_gather/memcpy | reduce_scatter/memcpy |\n");
+    std::printf(
+        "| size (MiB) | all_gather fsdpx | raw | fsdpx/raw | reduce_scatter fsdpx | raw | fsdpx/raw | memcpy | "
+        "all_gather/memcpy | reduce_scatter/memcpy |\n");
     std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   }
   for (int64_t mib = 1; mib <= max_mib; mib *= 4) {
@@ -66,15 +68,13 @@ int main(int argc, char** argv) {
 
     const double ag = time_collective(world, iters, [&] { world.all_gather(full, shard); });
     const double ag_raw = time_collective(world, iters, [&] {
-      runtime->engine().run([&] {
-        MPI_Allgather(shard.data_ptr(), count, MPI_FLOAT, full.data_ptr(), count, MPI_FLOAT, comm);
-      });
+      runtime->engine().run(
+          [&] { MPI_Allgather(shard.data_ptr(), count, MPI_FLOAT, full.data_ptr(), count, MPI_FLOAT, comm); });
     });
     const double rs = time_collective(world, iters, [&] { world.reduce_scatter(grad_shard, grads, ReduceOp::sum); });
     const double rs_raw = time_collective(world, iters, [&] {
-      runtime->engine().run([&] {
-        MPI_Reduce_scatter_block(grads.data_ptr(), grad_shard.data_ptr(), count, MPI_FLOAT, MPI_SUM, comm);
-      });
+      runtime->engine().run(
+          [&] { MPI_Reduce_scatter_block(grads.data_ptr(), grad_shard.data_ptr(), count, MPI_FLOAT, MPI_SUM, comm); });
     });
     const double copy = time_memcpy(static_cast<size_t>(chunk * W * 4), iters);
 

@@ -105,7 +105,8 @@ void report_host_syncs(const c10::Device& device, const Step& step) {
   }
   c10::cuda::device_synchronize();
   std::printf("SYNCS in one step on the main thread: %zu\n", recorder.stacks.size());
-  for (size_t i = 0; i < recorder.stacks.size() && i < 8; ++i) std::printf("SYNC %zu: %s\n", i, recorder.stacks[i].c_str());
+  for (size_t i = 0; i < recorder.stacks.size() && i < 8; ++i)
+    std::printf("SYNC %zu: %s\n", i, recorder.stacks[i].c_str());
   std::fflush(stdout);
 #else
   (void)device, (void)step;
@@ -163,10 +164,11 @@ int run(fsdpx::dist::AnyCommunicator world, const c10::Device& device, const Run
     world.all_reduce(peak, fsdpx::dist::ReduceOp::max);
     const double seconds = fsdpx::bench::median(times);
     if (world.rank() == 0) {
-      std::printf("RESULT contender=fsdpx-%s device=%s world=%d seq=%lld step_ms=%.1f tokens_per_s_per_rank=%.0f "
-                  "peak_gib=%.2f\n",
-                  config.name.c_str(), device.is_cuda() ? "cuda" : "cpu", world.size(), static_cast<long long>(r.tokens),
-                  seconds * 1000, static_cast<double>(r.tokens) / seconds, peak.cpu().item<double>());
+      std::printf(
+          "RESULT contender=fsdpx-%s device=%s world=%d seq=%lld step_ms=%.1f tokens_per_s_per_rank=%.0f "
+          "peak_gib=%.2f\n",
+          config.name.c_str(), device.is_cuda() ? "cuda" : "cpu", world.size(), static_cast<long long>(r.tokens),
+          seconds * 1000, static_cast<double>(r.tokens) / seconds, peak.cpu().item<double>());
       std::fflush(stdout);
     }
   }

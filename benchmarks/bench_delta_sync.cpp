@@ -36,11 +36,12 @@ int main(int argc, char** argv) {
   for (int i = 1; i + 1 < argc; ++i) {
     if (std::string(argv[i]) == "--layers") layers = std::stoll(argv[i + 1]);
   }
-  const fsdpx::detail::Json config = {
-      {"model_type", "qwen2"}, {"architectures", {"Qwen2ForCausalLM"}}, {"vocab_size", 151936},
-      {"hidden_size", 896},    {"intermediate_size", 4864},            {"num_hidden_layers", layers},
-      {"num_attention_heads", 14}, {"num_key_value_heads", 2},         {"tie_word_embeddings", true},
-      {"max_position_embeddings", 32768}, {"rope_theta", 1000000.0}};
+  const fsdpx::detail::Json config = {{"model_type", "qwen2"},       {"architectures", {"Qwen2ForCausalLM"}},
+                                      {"vocab_size", 151936},        {"hidden_size", 896},
+                                      {"intermediate_size", 4864},   {"num_hidden_layers", layers},
+                                      {"num_attention_heads", 14},   {"num_key_value_heads", 2},
+                                      {"tie_word_embeddings", true}, {"max_position_embeddings", 32768},
+                                      {"rope_theta", 1000000.0}};
   torch::manual_seed(0);
   fsdpx::models::CausalLM model(fsdpx::models::parse_decoder_config(config, "config.json"));
   torch::optim::AdamW opt(model->parameters(), torch::optim::AdamWOptions(1e-6).weight_decay(0.0));
@@ -60,7 +61,8 @@ int main(int argc, char** argv) {
   std::vector<fxs::NamedTensor> weights;
   const auto prepare = [&] {
     weights.clear();
-    for (const auto& p : model->named_parameters()) weights.push_back({p.key(), p.value().detach().to(torch::kBFloat16)});
+    for (const auto& p : model->named_parameters())
+      weights.push_back({p.key(), p.value().detach().to(torch::kBFloat16)});
   };
   prepare();
   std::string line;

@@ -55,7 +55,8 @@ int run_cuda(const std::string& mode, const GptConfig& config, int64_t batch, in
   for (const auto& p : model->parameters()) params += p.numel();
   const int64_t per = batch / env.world_size;
   at::manual_seed(1 + env.rank);
-  const auto tokens = at::randint(config.vocab, {per, config.seq + 1}, at::TensorOptions().dtype(at::kLong).device(device));
+  const auto tokens =
+      at::randint(config.vocab, {per, config.seq + 1}, at::TensorOptions().dtype(at::kLong).device(device));
   const auto x = tokens.narrow(1, 0, config.seq).contiguous(), y = tokens.narrow(1, 1, config.seq).contiguous();
   const auto options = torch::optim::AdamWOptions(3e-4).weight_decay(0.1);
 
@@ -100,11 +101,12 @@ int run_cuda(const std::string& mode, const GptConfig& config, int64_t batch, in
   const char* peak_env = std::getenv("FSDPX_PEAK_TFLOPS");
   const double peak = (peak_env != nullptr ? std::atof(peak_env) : 989.0) * 1e12;
   if (env.rank == 0) {
-    std::printf("RESULT contender=%s world=%d params=%lld batch=%lld seq=%lld step_ms=%.1f tokens_per_s_per_gpu=%.0f "
-                "peak_gpu_gib=%.2f mfu=%.3f\n",
-                mode.c_str(), env.world_size, static_cast<long long>(params), static_cast<long long>(batch),
-                static_cast<long long>(config.seq), seconds * 1000 / steps, tokens_per_s, peak_gib,
-                tokens_per_s * flops / peak);
+    std::printf(
+        "RESULT contender=%s world=%d params=%lld batch=%lld seq=%lld step_ms=%.1f tokens_per_s_per_gpu=%.0f "
+        "peak_gpu_gib=%.2f mfu=%.3f\n",
+        mode.c_str(), env.world_size, static_cast<long long>(params), static_cast<long long>(batch),
+        static_cast<long long>(config.seq), seconds * 1000 / steps, tokens_per_s, peak_gib,
+        tokens_per_s * flops / peak);
   }
   return 0;
 }

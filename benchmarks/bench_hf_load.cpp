@@ -26,16 +26,19 @@ int main(int argc, char** argv) try {
   fsdpx::SafetensorsLoadReport report;
   auto model = models::from_pretrained<Sharded>(argv[1], world, {}, {}, &report);
   const double mine = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  auto stats = at::tensor({mine, report.seconds, static_cast<double>(fsdpx::memory_report().host_peak_rss_bytes)}, at::kDouble);
+  auto stats =
+      at::tensor({mine, report.seconds, static_cast<double>(fsdpx::memory_report().host_peak_rss_bytes)}, at::kDouble);
   world.all_reduce(stats, fsdpx::dist::ReduceOp::max);
   auto bytes = at::full({1}, static_cast<double>(report.bytes_read), at::kDouble);
   world.all_reduce(bytes, fsdpx::dist::ReduceOp::sum);
   int64_t params = 0;
   for (const auto& t : models::hf_tensors(model->config)) params += c10::multiply_integers(t.shape);
   if (world.rank() == 0) {
-    std::printf("RESULT contender=fsdpx world=%d params=%lld seconds=%.3f read_seconds=%.3f peak_rss_mib=%.0f bytes_read=%.0f\n",
-                world.size(), static_cast<long long>(params), stats[0].item<double>(), stats[1].item<double>(),
-                stats[2].item<double>() / 1048576.0, bytes.item<double>());
+    std::printf(
+        "RESULT contender=fsdpx world=%d params=%lld seconds=%.3f read_seconds=%.3f peak_rss_mib=%.0f "
+        "bytes_read=%.0f\n",
+        world.size(), static_cast<long long>(params), stats[0].item<double>(), stats[1].item<double>(),
+        stats[2].item<double>() / 1048576.0, bytes.item<double>());
   }
   return 0;
 } catch (const std::exception& e) {

@@ -65,11 +65,12 @@ int run(fsdpx::dist::MpiCommunicator& world, const std::string& dir, int64_t seq
   int64_t params = 0;
   for (const auto& t : models::hf_tensors(model->config)) params += c10::multiply_integers(t.shape);
   if (world.rank() == 0) {
-    std::printf("RESULT contender=fsdpx-%s world=%d params=%lld seq=%lld step_ms=%.0f tokens_per_s=%.0f "
-                "peak_rss_mib=%.0f base_rss_mib=%.0f recomputations=%d\n",
-                config.c_str(), world.size(), static_cast<long long>(params), static_cast<long long>(seq),
-                seconds * 1000, static_cast<double>(seq * world.size()) / seconds, mem[0].item<double>(),
-                mem[1].item<double>(), model.last_step_stats().recomputations);
+    std::printf(
+        "RESULT contender=fsdpx-%s world=%d params=%lld seq=%lld step_ms=%.0f tokens_per_s=%.0f "
+        "peak_rss_mib=%.0f base_rss_mib=%.0f recomputations=%d\n",
+        config.c_str(), world.size(), static_cast<long long>(params), static_cast<long long>(seq), seconds * 1000,
+        static_cast<double>(seq * world.size()) / seconds, mem[0].item<double>(), mem[1].item<double>(),
+        model.last_step_stats().recomputations);
     std::fflush(stdout);
   }
   return 0;
@@ -87,7 +88,8 @@ int main(int argc, char** argv) try {
   const int64_t seq = std::atoll(argv[2]);
   const int steps = argc > 4 ? std::atoi(argv[4]) : 2, warmup = argc > 5 ? std::atoi(argv[5]) : 1;
   if (config == "plain") return run<Layers>(world, dir, seq, config, steps, warmup);
-  if (config == "units" || config == "ckpt" || config == "chunked") return run<Units>(world, dir, seq, config, steps, warmup);
+  if (config == "units" || config == "ckpt" || config == "chunked")
+    return run<Units>(world, dir, seq, config, steps, warmup);
   std::fprintf(stderr, "bench_long_seq: CONFIG must be plain, units, ckpt or chunked, not '%s'\n", config.c_str());
   return 2;
 } catch (const std::exception& e) {

@@ -77,7 +77,8 @@ int64_t minor_faults() {
 }
 
 template <class Sharded>
-void run(const char* mode, dist::AnyCommunicator world, const GptConfig& c, bool with_unused, FsdpOptions options = {}) {
+void run(const char* mode, dist::AnyCommunicator world, const GptConfig& c, bool with_unused,
+         FsdpOptions options = {}) {
   at::manual_seed(0);
   Sharded model(Net(c, with_unused), world, options);
   auto optimizer = make_adamw(model, torch::optim::AdamWOptions(1e-3).weight_decay(0.1));
@@ -93,7 +94,8 @@ void run(const char* mode, dist::AnyCommunicator world, const GptConfig& c, bool
     model(tokens.narrow(1, 0, c.seq), tokens.narrow(1, 1, c.seq)).backward();
     optimizer.step();
     world.barrier();
-    if (step >= 3) ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+    if (step >= 3)
+      ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
   }
   const double faults_per_step = static_cast<double>(minor_faults() - faults_before) / static_cast<double>(ms.size());
   std::sort(ms.begin(), ms.end());
@@ -102,9 +104,10 @@ void run(const char* mode, dist::AnyCommunicator world, const GptConfig& c, bool
   auto rss = at::full({1}, static_cast<double>(peak_rss_kib()) / 1024.0, at::kDouble);
   world.all_reduce(rss, dist::ReduceOp::max);
   if (world.rank() == 0) {
-    std::printf("bench_protocol %s: world %d, median step %.1f ms (min %.1f, max %.1f), peak RSS of the largest rank %.0f MiB, "
-                "minor page faults per step (largest rank) %.0f\n",
-                mode, world.size(), ms[ms.size() / 2], ms.front(), ms.back(), rss.item<double>(), faults.item<double>());
+    std::printf(
+        "bench_protocol %s: world %d, median step %.1f ms (min %.1f, max %.1f), peak RSS of the largest rank %.0f MiB, "
+        "minor page faults per step (largest rank) %.0f\n",
+        mode, world.size(), ms[ms.size() / 2], ms.front(), ms.back(), rss.item<double>(), faults.item<double>());
   }
 }
 
@@ -122,8 +125,8 @@ int main(int argc, char** argv) {
   c.heads = 12;
   c.layers = 8;
   if (mode == "unused") {
-    run<Fsdp<Net, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<UnusedBlockImpl>>>("unused", world, c,
-                                                                                                         true);
+    run<Fsdp<Net, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<UnusedBlockImpl>>>("unused", world,
+                                                                                                        c, true);
   } else {
     FsdpOptions options;
     options.shard_size = 2;

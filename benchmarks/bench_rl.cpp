@@ -66,8 +66,10 @@ int packed(fsdpx::dist::MpiCommunicator& world, const std::string& dir, int64_t 
     const size_t end = std::min(mine.size(), i + 4);
     int64_t longest = 0;
     for (size_t j = i; j < end; ++j) longest = std::max(longest, mine[j].size(0));
-    MicroBatch b{at::zeros({static_cast<int64_t>(end - i), longest}, at::kLong), {},
-                 at::zeros({static_cast<int64_t>(end - i), longest}, at::kLong), {}};
+    MicroBatch b{at::zeros({static_cast<int64_t>(end - i), longest}, at::kLong),
+                 {},
+                 at::zeros({static_cast<int64_t>(end - i), longest}, at::kLong),
+                 {}};
     for (size_t j = i; j < end; ++j) {
       b.ids[static_cast<int64_t>(j - i)].narrow(0, 0, mine[j].size(0)).copy_(mine[j]);
       b.mask[static_cast<int64_t>(j - i)].narrow(0, 0, mine[j].size(0)).fill_(1);
@@ -104,18 +106,21 @@ int packed(fsdpx::dist::MpiCommunicator& world, const std::string& dir, int64_t 
     optimizer.step();
   };
   const auto [padded_s, packed_s] = fsdpx::bench::time_side_by_side(
-      world, steps, [&] { train(padded_batches, padded_steps, false); }, [&] { train(packed_batches, packed_steps, true); });
-  auto total = at::tensor({static_cast<double>(tokens), static_cast<double>(padded_tokens),
-                           static_cast<double>(packed_tokens)}, at::kDouble);
+      world, steps, [&] { train(padded_batches, padded_steps, false); },
+      [&] { train(packed_batches, packed_steps, true); });
+  auto total =
+      at::tensor({static_cast<double>(tokens), static_cast<double>(padded_tokens), static_cast<double>(packed_tokens)},
+                 at::kDouble);
   world.all_reduce(total, fsdpx::dist::ReduceOp::sum);
   if (world.rank() == 0) {
     const double real = total[0].item<double>();
     for (size_t i = 0; i < padded_s.size(); ++i) {
-      std::printf("RESULT mode=packed world=%d rollouts=%lld tokens=%.0f padded_tokens=%.0f packed_tokens=%.0f "
-                  "padded_s=%.2f packed_s=%.2f padded_tokens_per_s=%.0f packed_tokens_per_s=%.0f speedup=%.2f\n",
-                  world.size(), static_cast<long long>(samples * world.size()), real, total[1].item<double>(),
-                  total[2].item<double>(), padded_s[i], packed_s[i], real / padded_s[i], real / packed_s[i],
-                  padded_s[i] / packed_s[i]);
+      std::printf(
+          "RESULT mode=packed world=%d rollouts=%lld tokens=%.0f padded_tokens=%.0f packed_tokens=%.0f "
+          "padded_s=%.2f packed_s=%.2f padded_tokens_per_s=%.0f packed_tokens_per_s=%.0f speedup=%.2f\n",
+          world.size(), static_cast<long long>(samples * world.size()), real, total[1].item<double>(),
+          total[2].item<double>(), padded_s[i], packed_s[i], real / padded_s[i], real / packed_s[i],
+          padded_s[i] / packed_s[i]);
     }
     std::fflush(stdout);
   }
@@ -153,11 +158,14 @@ int generate(const std::string& dir, int64_t batch, int64_t prompt, int64_t fres
     std::vector<double> times;
     at::Tensor out;
     model->generate(p.ids, p.mask, greedy);  // warm-up
-    for (int i = 0; i < repeats; ++i) times.push_back(seconds([&] { out = model->generate(p.ids, p.mask, greedy).sequences; }));
+    for (int i = 0; i < repeats; ++i)
+      times.push_back(seconds([&] { out = model->generate(p.ids, p.mask, greedy).sequences; }));
     const double s = fsdpx::bench::median(times);
-    std::printf("RESULT mode=generate contender=fsdpx-plain world=1 batch=%lld prompt=%lld new=%lld seconds=%.3f "
-                "tokens_per_s=%.1f checksum=%lld\n", static_cast<long long>(batch), static_cast<long long>(prompt),
-                static_cast<long long>(fresh), s, static_cast<double>(batch * fresh) / s, static_cast<long long>(out.sum().item<int64_t>()));
+    std::printf(
+        "RESULT mode=generate contender=fsdpx-plain world=1 batch=%lld prompt=%lld new=%lld seconds=%.3f "
+        "tokens_per_s=%.1f checksum=%lld\n",
+        static_cast<long long>(batch), static_cast<long long>(prompt), static_cast<long long>(fresh), s,
+        static_cast<double>(batch * fresh) / s, static_cast<long long>(out.sum().item<int64_t>()));
     return 0;
   }
   auto world = fsdpx::dist::MpiCommunicator::world();
@@ -178,9 +186,11 @@ int generate(const std::string& dir, int64_t batch, int64_t prompt, int64_t fres
     for (int i = 0; i < repeats; ++i) times.push_back(fsdpx::bench::time_once(world, run));
     const double s = fsdpx::bench::median(times);
     if (world.rank() == 0) {
-      std::printf("RESULT mode=generate contender=fsdpx-sharded%s world=%d batch=%lld prompt=%lld new=%lld seconds=%.3f "
-                  "tokens_per_s=%.1f\n", held ? "-full-parameters" : "", world.size(), static_cast<long long>(batch),
-                  static_cast<long long>(prompt), static_cast<long long>(fresh), s, static_cast<double>(batch * fresh) / s);
+      std::printf(
+          "RESULT mode=generate contender=fsdpx-sharded%s world=%d batch=%lld prompt=%lld new=%lld seconds=%.3f "
+          "tokens_per_s=%.1f\n",
+          held ? "-full-parameters" : "", world.size(), static_cast<long long>(batch), static_cast<long long>(prompt),
+          static_cast<long long>(fresh), s, static_cast<double>(batch * fresh) / s);
     }
   }
   return 0;

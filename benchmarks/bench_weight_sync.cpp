@@ -59,8 +59,7 @@ Args parse(int argc, char** argv) {
         std::exit(2);
       }
       a.rollout_huge_pages = v == "huge";
-    }
-    else if (k == "--buckets") {
+    } else if (k == "--buckets") {
       a.buckets_mib.clear();
       std::stringstream ss(v);
       for (std::string item; std::getline(ss, item, ',');) a.buckets_mib.push_back(std::stoll(item));
@@ -82,8 +81,8 @@ int main(int argc, char** argv) {
   auto groups = sync::split_trainer_rollout(world, args.trainers);
   const at::ScalarType dtype = args.dtype == "bf16" ? at::kBFloat16 : at::kFloat;
   const examples::GptConfig c{.vocab = args.vocab, .seq = 64, .dim = args.dim, .heads = 16, .layers = args.layers};
-  using Sharded = Fsdp<examples::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict,
-                       WrapModules<examples::BlockImpl>>;
+  using Sharded =
+      Fsdp<examples::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<examples::BlockImpl>>;
 
   at::manual_seed(1);
   examples::Gpt model(c);
@@ -99,18 +98,20 @@ int main(int argc, char** argv) {
   }
   const bool root = world.rank() == 0;
   if (root) {
-    std::printf("bench_weight_sync: %d ranks (%d trainers, %d rollouts), GPT dim %lld, %lld layers, vocab %lld: "
-                "%.1fM parameters, %.1f MiB as %s\n",
-                world.size(), args.trainers, world.size() - args.trainers, static_cast<long long>(c.dim),
-                static_cast<long long>(c.layers), static_cast<long long>(c.vocab), numel / 1e6, model_bytes / 1048576.0,
-                args.dtype.c_str());
+    std::printf(
+        "bench_weight_sync: %d ranks (%d trainers, %d rollouts), GPT dim %lld, %lld layers, vocab %lld: "
+        "%.1fM parameters, %.1f MiB as %s\n",
+        world.size(), args.trainers, world.size() - args.trainers, static_cast<long long>(c.dim),
+        static_cast<long long>(c.layers), static_cast<long long>(c.vocab), numel / 1e6, model_bytes / 1048576.0,
+        args.dtype.c_str());
     const char* thp = std::getenv("THP_MEM_ALLOC_ENABLE");
-    std::printf("%d iterations of sync and raw broadcast alternating, slowest rank; bandwidth = model bytes / time "
-                "(GB/s, 1e9)\npages: fsdpx's host buffers and the raw buffer %s; the rollout module's parameters %s\n\n",
-                args.iters, memory::host_huge_pages() ? "advised 2 MiB" : "4 KiB (FSDPX_HUGE_PAGES=0, or not Linux)",
-                args.rollout_huge_pages && memory::host_huge_pages() ? "advised 2 MiB (sync::place_on_huge_pages)"
-                : thp != nullptr && std::string(thp) == "1"       ? "2 MiB (THP_MEM_ALLOC_ENABLE=1)"
-                                                                  : "4 KiB (PyTorch's allocator, --rollout-pages default)");
+    std::printf(
+        "%d iterations of sync and raw broadcast alternating, slowest rank; bandwidth = model bytes / time "
+        "(GB/s, 1e9)\npages: fsdpx's host buffers and the raw buffer %s; the rollout module's parameters %s\n\n",
+        args.iters, memory::host_huge_pages() ? "advised 2 MiB" : "4 KiB (FSDPX_HUGE_PAGES=0, or not Linux)",
+        args.rollout_huge_pages && memory::host_huge_pages() ? "advised 2 MiB (sync::place_on_huge_pages)"
+        : thp != nullptr && std::string(thp) == "1"          ? "2 MiB (THP_MEM_ALLOC_ENABLE=1)"
+                                                             : "4 KiB (PyTorch's allocator, --rollout-pages default)");
   }
 
   // Gathers alone (trainers), so the sync's own cost is visible; and a raw all-gather of the same
@@ -128,10 +129,14 @@ int main(int argc, char** argv) {
   const double raw_gather = time_collective(world, args.iters, [&] {
     if (groups.trainer) groups.trainer->all_gather(gather_out, gather_in);
   });
-  if (root) std::printf("trainer side: unit gathers %.3f s; raw all_gather of the same float32 bytes %.3f s\n\n", gathers, raw_gather);
+  if (root)
+    std::printf("trainer side: unit gathers %.3f s; raw all_gather of the same float32 bytes %.3f s\n\n", gathers,
+                raw_gather);
 
   if (root) {
-    std::printf("| bucket (MiB) | buckets | sync (s) | sync GB/s | raw bcast (s) | raw GB/s | sync/raw | range | sender waits (s) |\n");
+    std::printf(
+        "| bucket (MiB) | buckets | sync (s) | sync GB/s | raw bcast (s) | raw GB/s | sync/raw | range | sender waits "
+        "(s) |\n");
     std::printf("|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n");
   }
   int64_t version = 0;
@@ -160,13 +165,12 @@ int main(int argc, char** argv) {
     wire = wire_t.item<int64_t>();
     // One buffer for every row (a fresh one per row moved the raw figure by up to 40% on the VM).
     // Allocated as fsdpx allocates its own host buffers (memory::empty_host: huge pages where allowed).
-    if (groups.model_update && raw_buffer.numel() < wire) raw_buffer = memory::empty_host(wire + (wire >> 4), at::kByte).fill_(1);
+    if (groups.model_update && raw_buffer.numel() < wire)
+      raw_buffer = memory::empty_host(wire + (wire >> 4), at::kByte).fill_(1);
     at::Tensor raw = groups.model_update ? raw_buffer.narrow(0, 0, wire) : at::Tensor();
-    const auto [sync_t, raw_t] = fsdpx::bench::time_side_by_side(
-        world, args.iters, sync_once,
-        [&] {
-          if (groups.model_update) groups.model_update->broadcast(raw, 0);
-        });
+    const auto [sync_t, raw_t] = fsdpx::bench::time_side_by_side(world, args.iters, sync_once, [&] {
+      if (groups.model_update) groups.model_update->broadcast(raw, 0);
+    });
     std::vector<double> ratios;
     for (size_t i = 0; i < sync_t.size(); ++i) ratios.push_back((model_bytes / sync_t[i]) / (wire / raw_t[i]));
     auto stats = at::zeros({2}, at::kDouble);
@@ -178,9 +182,10 @@ int main(int argc, char** argv) {
     using fsdpx::bench::median;
     const double sync_s = median(sync_t), raw_s = median(raw_t);
     if (root) {
-      std::printf("| %lld | %lld | %.3f | %.2f | %.3f | %.2f | %.0f%% | %.0f-%.0f%% | %.3f |\n", static_cast<long long>(mib),
-                  static_cast<long long>(stats[0].item<double>()), sync_s, model_bytes / sync_s / 1e9, raw_s,
-                  wire / raw_s / 1e9, 100.0 * median(ratios), 100.0 * *std::min_element(ratios.begin(), ratios.end()),
+      std::printf("| %lld | %lld | %.3f | %.2f | %.3f | %.2f | %.0f%% | %.0f-%.0f%% | %.3f |\n",
+                  static_cast<long long>(mib), static_cast<long long>(stats[0].item<double>()), sync_s,
+                  model_bytes / sync_s / 1e9, raw_s, wire / raw_s / 1e9, 100.0 * median(ratios),
+                  100.0 * *std::min_element(ratios.begin(), ratios.end()),
                   100.0 * *std::max_element(ratios.begin(), ratios.end()), stats[1].item<double>());
       std::fflush(stdout);
     }

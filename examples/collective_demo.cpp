@@ -48,8 +48,8 @@ int main(int argc, char** argv) try {
   const auto x_local = x.index_select(0, rows), y_local = y.index_select(0, rows);
 
   if (r == 0) {
-    std::printf("collective_demo: %d ranks, mesh %d (replicate) x %d (shard), %lld parameters, %lld per shard\n",
-                W, mesh.replicate_size(), S, static_cast<long long>(numel), static_cast<long long>(chunk));
+    std::printf("collective_demo: %d ranks, mesh %d (replicate) x %d (shard), %lld parameters, %lld per shard\n", W,
+                mesh.replicate_size(), S, static_cast<long long>(numel), static_cast<long long>(chunk));
   }
   // The rounding bound of the weights' difference (2-norm). Each gradient element sums `in` products
   // per row and then the rows, on each rank and over the ranks: in another order than the replica's,
@@ -80,14 +80,16 @@ int main(int argc, char** argv) try {
     bound += lr * per_element * replica_grad.abs().max().item<double>() * std::sqrt(static_cast<double>(numel)) +
              2 * u * replica.norm().item<double>();
     replica.sub_(replica_grad, lr);
-    if (r == 0) std::printf("step %2lld  loss %.6f  %.2f ms\n", static_cast<long long>(step), global_loss.item<float>(), ms);
+    if (r == 0)
+      std::printf("step %2lld  loss %.6f  %.2f ms\n", static_cast<long long>(step), global_loss.item<float>(), ms);
   }
 
   mesh.shard_group().all_gather(full, shard);
   const double diff = (full.narrow(0, 0, numel).view({out, in}) - replica).norm().item<double>();
   auto worst = at::full({1}, diff, at::kDouble);
   world.all_reduce(worst, ReduceOp::max);
-  if (r == 0) std::printf("|sharded - unsharded| over all ranks: %.3g (rounding bound %.3g)\n", worst.item<double>(), bound);
+  if (r == 0)
+    std::printf("|sharded - unsharded| over all ranks: %.3g (rounding bound %.3g)\n", worst.item<double>(), bound);
   if (worst.item<double>() > bound) {
     if (r == 0) std::fprintf(stderr, "collective_demo: sharded training diverged from the unsharded replica\n");
     return 1;

@@ -76,7 +76,7 @@ class TokenFile {
     } else {
       FSDPX_CHECK(false, "finetune: --data-dtype must be uint16, uint32 or int64, not '", dtype, "'");
     }
-    struct stat st {};
+    struct stat st{};
     FSDPX_CHECK_AS(fsdpx::IoError, ::fstat(fd_.get(), &st) == 0, "finetune: cannot stat --data '", path.string(), "'");
     const int64_t width = static_cast<int64_t>(c10::elementSize(type_));
     FSDPX_CHECK_AS(fsdpx::IoError, S_ISREG(st.st_mode) && st.st_size % width == 0, "finetune: --data '", path.string(),
@@ -93,7 +93,8 @@ class TokenFile {
       auto* p = static_cast<char*>(raw[static_cast<int64_t>(i)].data_ptr());
       int64_t done = 0;
       while (done < length * width) {
-        const ssize_t k = ::pread(fd_.get(), p + done, static_cast<size_t>(length * width - done), starts[i] * width + done);
+        const ssize_t k =
+            ::pread(fd_.get(), p + done, static_cast<size_t>(length * width - done), starts[i] * width + done);
         FSDPX_CHECK_AS(fsdpx::IoError, k > 0, "finetune: reading --data '", path_.string(), "' failed");
         done += k;
       }
@@ -114,15 +115,16 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
   const int W = world.size();
   FSDPX_CHECK(args.batch % W == 0, "finetune: --batch ", args.batch, " must be a multiple of the world size ", W);
   const TokenFile data(args.data, args.data_dtype);
-  FSDPX_CHECK(data.size() > args.seq + 1, "finetune: --data holds ", data.size(), " tokens, fewer than one window of --seq + 1");
+  FSDPX_CHECK(data.size() > args.seq + 1, "finetune: --data holds ", data.size(),
+              " tokens, fewer than one window of --seq + 1");
 
   const auto load_start = std::chrono::steady_clock::now();
   fsdpx::SafetensorsLoadReport loaded;
-  auto model = models::from_pretrained<Sharded>(
-      args.model, world,
-      {.device = device, .reshard_after_forward_for = models::reshard_all_but_head,
-       .activation_checkpointing = args.activation_checkpointing},
-      {}, &loaded);
+  auto model = models::from_pretrained<Sharded>(args.model, world,
+                                                {.device = device,
+                                                 .reshard_after_forward_for = models::reshard_all_but_head,
+                                                 .activation_checkpointing = args.activation_checkpointing},
+                                                {}, &loaded);
   model->chunk_logits = args.chunk_logits;
   const auto& config = model->config;
   if (lead) {
@@ -142,8 +144,9 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
   if (args.resume) {
     if (const auto info = fsdpx::load_checkpoint(args.ckpt_dir, model, optimizer, scheduler)) {
       start = info->step;
-      if (lead) std::printf("finetune: resumed from step %lld of %s (saved by %d ranks)\n", static_cast<long long>(start),
-                            args.ckpt_dir.c_str(), info->saved_world_size);
+      if (lead)
+        std::printf("finetune: resumed from step %lld of %s (saved by %d ranks)\n", static_cast<long long>(start),
+                    args.ckpt_dir.c_str(), info->saved_world_size);
     } else if (lead) {
       std::printf("finetune: no checkpoint in %s: starting from the pretrained weights\n", args.ckpt_dir.c_str());
     }
@@ -152,13 +155,16 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
   std::optional<fsdpx::CheckpointCoordinator> ckpt;
   // Every step's huggingface/ gets the model folder's config and tokenizer files (never its weights),
   // so fsdpx-merge turns any step into a Hugging Face folder.
-  if (args.save_every > 0) ckpt.emplace(args.ckpt_dir, model, fsdpx::CheckpointOptions{.max_to_keep = 2, .huggingface_dir = args.model});
+  if (args.save_every > 0)
+    ckpt.emplace(args.ckpt_dir, model, fsdpx::CheckpointOptions{.max_to_keep = 2, .huggingface_dir = args.model});
 #else
-  FSDPX_CHECK(args.save_every == 0, "finetune: fsdpx was built without Boost, so it cannot save checkpoints; pass --save-every 0");
+  FSDPX_CHECK(args.save_every == 0,
+              "finetune: fsdpx was built without Boost, so it cannot save checkpoints; pass --save-every 0");
 #endif
   fsdpx::TrainStep<Sharded> train_step(model, optimizer, &scheduler, {.max_grad_norm = 1.0});
 
-  const int64_t per_rank = args.batch / W, last = args.stop_after > 0 ? std::min(args.stop_after, args.steps) : args.steps;
+  const int64_t per_rank = args.batch / W,
+                last = args.stop_after > 0 ? std::min(args.stop_after, args.steps) : args.steps;
   double first_loss = -1, last_loss = 0;
   for (int64_t step = start + 1; step <= last; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
@@ -168,8 +174,9 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
     for (int64_t i = 0; i < per_rank; ++i) starts.push_back(starts_t[world.rank() * per_rank + i].item<int64_t>());
     const at::Tensor ids = data.windows(starts, args.seq).to(device);
     const auto [lo, hi] = at::aminmax(ids);
-    FSDPX_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < config.vocab_size, "finetune: --data holds token ids in [",
-                lo.item<int64_t>(), ", ", hi.item<int64_t>(), "], outside the model's vocabulary [0, ", config.vocab_size, ")");
+    FSDPX_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < config.vocab_size,
+                "finetune: --data holds token ids in [", lo.item<int64_t>(), ", ", hi.item<int64_t>(),
+                "], outside the model's vocabulary [0, ", config.vocab_size, ")");
     const at::Tensor loss = model.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor());
     loss.backward();
     const fsdpx::StepReport report = train_step.optimizer_step();
@@ -180,8 +187,8 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
     last_loss = l;
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (lead) {
-      std::printf("step %4lld  loss %.4f  lr %.3g  grad-norm %.3f  %.0f tokens/s  %s\n", static_cast<long long>(step), l, report.lr,
-                  report.grad_norm.value_or(0.0), static_cast<double>(args.batch * args.seq) / seconds,
+      std::printf("step %4lld  loss %.4f  lr %.3g  grad-norm %.3f  %.0f tokens/s  %s\n", static_cast<long long>(step),
+                  l, report.lr, report.grad_norm.value_or(0.0), static_cast<double>(args.batch * args.seq) / seconds,
                   fsdpx::examples::memory_line(device).c_str());
       std::fflush(stdout);
     }
@@ -193,14 +200,16 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
   if (ckpt) ckpt->wait();
 #endif
   if (last < args.steps) {
-    if (lead) std::printf("finetune: stopped after step %lld of %lld (--stop-after); resume with --resume\n",
-                          static_cast<long long>(last), static_cast<long long>(args.steps));
+    if (lead)
+      std::printf("finetune: stopped after step %lld of %lld (--stop-after); resume with --resume\n",
+                  static_cast<long long>(last), static_cast<long long>(args.steps));
     return 0;
   }
   const auto saved = models::save_pretrained(model, args.out, {.source_dir = args.model});
   if (lead) {
-    std::printf("finetune: loss %.4f -> %.4f; wrote %s (%zu safetensors files, %.1f MiB of %s weights)\n", first_loss, last_loss,
-                args.out.c_str(), saved.files.size(), saved.total_size / 1048576.0, c10::toString(config.dtype));
+    std::printf("finetune: loss %.4f -> %.4f; wrote %s (%zu safetensors files, %.1f MiB of %s weights)\n", first_loss,
+                last_loss, args.out.c_str(), saved.files.size(), saved.total_size / 1048576.0,
+                c10::toString(config.dtype));
   }
   return 0;
 }
@@ -210,13 +219,19 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
 int main(int argc, char** argv) try {
   Args args;
   CLI::App app{"finetune: a pretrained Hugging Face model (Llama, Qwen2, Qwen3) fine-tuned sharded with fsdpx"};
-  app.add_option("--model", args.model, "Hugging Face model folder (config.json + safetensors)")->required()->check(CLI::ExistingDirectory);
+  app.add_option("--model", args.model, "Hugging Face model folder (config.json + safetensors)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
   app.add_option("--data", args.data, "token ids, little-endian, back to back")->required()->check(CLI::ExistingFile);
   app.add_option("--out", args.out, "where the fine-tuned Hugging Face folder goes")->required();
   app.add_option("--data-dtype", args.data_dtype, "uint16, uint32 or int64")->capture_default_str();
-  app.add_option("--steps", args.steps, "optimizer steps (the schedule's length)")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--steps", args.steps, "optimizer steps (the schedule's length)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--stop-after", args.stop_after, "stop after this step (an interrupted run; resume with --resume)");
-  app.add_option("--batch", args.batch, "windows per step, over all ranks")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--batch", args.batch, "windows per step, over all ranks")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--seq", args.seq, "tokens per window")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--lr", args.lr, "peak learning rate")->capture_default_str();
   app.add_option("--warmup", args.warmup, "warmup steps")->capture_default_str();
@@ -227,7 +242,8 @@ int main(int argc, char** argv) try {
   app.add_flag("--activation-checkpointing", args.activation_checkpointing,
                "keep only each layer's input in forward and recompute the layer in backward (long sequences)");
   app.add_option("--chunk-logits", args.chunk_logits, "logits the loss holds at once (0: all of them)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -237,11 +253,11 @@ int main(int argc, char** argv) try {
   // The layers may recompute in backward (--activation-checkpointing turns it on at run time).
   using Checkpointing = fsdpx::CheckpointNames<"model.layers.*">;
   if (args.bf16) {
-    return run<fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::BF16Mixed, fsdpx::ShardedStateDict,
-                           models::DecoderUnits, Checkpointing>>(args, world, device);
+    return run<fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::BF16Mixed,
+                           fsdpx::ShardedStateDict, models::DecoderUnits, Checkpointing>>(args, world, device);
   }
-  return run<fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision, fsdpx::ShardedStateDict,
-                         models::DecoderUnits, Checkpointing>>(args, world, device);
+  return run<fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision,
+                         fsdpx::ShardedStateDict, models::DecoderUnits, Checkpointing>>(args, world, device);
 } catch (const std::exception& e) {
   return fsdpx::examples::report_failure("finetune", e);
 }

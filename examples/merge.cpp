@@ -37,11 +37,16 @@ std::string gpt2_name(const std::string& name, bool& transpose) {
   if (name == "ln_f.weight" || name == "ln_f.bias") return "transformer." + name;
   if (name == "head.weight") return "lm_head.weight";
   std::smatch m;
-  FSDPX_CHECK(std::regex_match(name, m, block), "merge: '", name, "' is not a parameter of the example GPT; "
+  FSDPX_CHECK(std::regex_match(name, m, block), "merge: '", name,
+              "' is not a parameter of the example GPT; "
               "pass --keep-names to write the tensors as they are named");
   const std::string layer = m[2];
-  const std::string to = layer == "ln1" ? "ln_1" : layer == "ln2" ? "ln_2" : layer == "qkv" ? "attn.c_attn"
-                         : layer == "proj" ? "attn.c_proj" : layer == "fc" ? "mlp.c_fc" : "mlp.c_proj";
+  const std::string to = layer == "ln1"    ? "ln_1"
+                         : layer == "ln2"  ? "ln_2"
+                         : layer == "qkv"  ? "attn.c_attn"
+                         : layer == "proj" ? "attn.c_proj"
+                         : layer == "fc"   ? "mlp.c_fc"
+                                           : "mlp.c_proj";
   transpose = m[3] == "weight" && layer != "ln1" && layer != "ln2";
   return "transformer.h." + std::string(m[1]) + "." + to + "." + std::string(m[3]);
 }
@@ -69,7 +74,9 @@ int main(int argc, char** argv) try {
     else if (!out) out = a;
     else FSDPX_CHECK(false, "merge: unexpected argument '", a, "'");
   }
-  FSDPX_CHECK(input && out, "usage: merge <checkpoint root or step dir> <out dir> [--step N] [--dtype float32|bfloat16] [--keep-names]");
+  FSDPX_CHECK(
+      input && out,
+      "usage: merge <checkpoint root or step dir> <out dir> [--step N] [--dtype float32|bfloat16] [--keep-names]");
 
   // A root (train_gpt's --ckpt-dir) or one step (global_step_<N> or its actor/).
   fs::path dir = *input;
@@ -84,12 +91,13 @@ int main(int argc, char** argv) try {
   fsdpx::hf::NamedTensors tensors = ckpt::merge_checkpoint(dir, options, &report);
   FSDPX_CHECK(!tensors.empty(), "merge: the checkpoint in '", dir.string(), "' holds no tensors");
   std::printf("merge: %zu tensors from %zu files of step %lld (world size %d, %s, %s)\n", tensors.size(),
-              report.files.size(), static_cast<long long>(report.step.value_or(-1)), report.world_size, report.kind.c_str(),
-              report.checksums_verified ? "checksums verified" : "checksums not verified");
+              report.files.size(), static_cast<long long>(report.step.value_or(-1)), report.world_size,
+              report.kind.c_str(), report.checksums_verified ? "checksums verified" : "checksums not verified");
 
   // The step's model description, if the job left one (train_gpt does).
   const fs::path config = ckpt::detail::model_dir(dir) / "huggingface" / "config.json";
-  const bool gpt2 = fs::exists(config) && std::regex_search(fsdpx::detail::read_text(config, "model configuration"), std::regex(R"("model_type"\s*:\s*"gpt2")"));
+  const bool gpt2 = fs::exists(config) && std::regex_search(fsdpx::detail::read_text(config, "model configuration"),
+                                                            std::regex(R"("model_type"\s*:\s*"gpt2")"));
   if (gpt2 && !keep_names) {
     for (auto& [name, t] : tensors) {
       bool transpose = false;
@@ -100,11 +108,13 @@ int main(int argc, char** argv) try {
   }
 
   const fsdpx::hf::SavedSafetensors saved = fsdpx::hf::save_safetensors(*out, tensors);
-  for (const auto& f : saved.files) std::printf("merge: wrote %s (%lld bytes)\n", f.path.c_str(), static_cast<long long>(f.bytes));
+  for (const auto& f : saved.files)
+    std::printf("merge: wrote %s (%lld bytes)\n", f.path.c_str(), static_cast<long long>(f.bytes));
   // config.json only beside the names it implies: with fsdpx's names, from_pretrained would find none of
   // its tensors and start from random weights.
   const bool write_config = gpt2 && !keep_names;
-  const auto copied = ckpt::copy_huggingface_files(dir, *out, [&](const std::string& f) { return f == "config.json" && !write_config; });
+  const auto copied = ckpt::copy_huggingface_files(
+      dir, *out, [&](const std::string& f) { return f == "config.json" && !write_config; });
   if (!write_config && fs::exists(config)) {
     std::printf("merge: config.json not copied: the tensors keep the checkpoint's names, which are not %s\n",
                 gpt2 ? "GPT-2's (--keep-names)" : "those of a GPT-2 configuration");
@@ -116,14 +126,16 @@ int main(int argc, char** argv) try {
   for (const auto& [name, t] : tensors) {
     if (name == "transformer.wte.weight" || name == "tok.weight") example = name;
   }
-  std::printf("\nOpen it in Python:\n"
-              "  from safetensors.torch import load_file\n"
-              "  state = load_file(\"%s/model.safetensors\")   # {name: tensor}, e.g. state[\"%s\"].shape\n",
-              o.c_str(), example.c_str());
+  std::printf(
+      "\nOpen it in Python:\n"
+      "  from safetensors.torch import load_file\n"
+      "  state = load_file(\"%s/model.safetensors\")   # {name: tensor}, e.g. state[\"%s\"].shape\n",
+      o.c_str(), example.c_str());
   if (write_config) {
-    std::printf("  from transformers import GPT2LMHeadModel\n"
-                "  model = GPT2LMHeadModel.from_pretrained(\"%s\")   # byte-level: token id = byte value\n",
-                o.c_str());
+    std::printf(
+        "  from transformers import GPT2LMHeadModel\n"
+        "  model = GPT2LMHeadModel.from_pretrained(\"%s\")   # byte-level: token id = byte value\n",
+        o.c_str());
   }
   return 0;
 } catch (const std::exception& e) {

@@ -110,9 +110,11 @@ int main(int argc, char** argv) try {
   if (with_rollouts) groups.emplace(fsdpx::sync::split_trainer_rollout(world, trainers));  // collective
   const bool is_trainer = !groups || groups->is_trainer();
   const auto config = models::read_decoder_config(args.model);
-  const models::GenerateOptions sampling{.max_new_tokens = args.new_tokens, .do_sample = true,
-                                         .temperature = args.temperature,
-                                         .eos_token_ids = args.eos ? std::vector<int64_t>{*args.eos} : std::vector<int64_t>{}};
+  const models::GenerateOptions sampling{
+      .max_new_tokens = args.new_tokens,
+      .do_sample = true,
+      .temperature = args.temperature,
+      .eos_token_ids = args.eos ? std::vector<int64_t>{*args.eos} : std::vector<int64_t>{}};
 
   bool ok = true;
   if (is_trainer) {
@@ -120,13 +122,15 @@ int main(int argc, char** argv) try {
     const int rank = trainer_comm.rank();
     const bool lead = rank == 0;
     auto policy = models::from_pretrained<Policy>(args.model, trainer_comm, {.device = device});
-    auto reference = models::from_pretrained<Reference>(args.model, trainer_comm, {.device = device, .inference_only = true});
+    auto reference =
+        models::from_pretrained<Reference>(args.model, trainer_comm, {.device = device, .inference_only = true});
     auto optimizer = fsdpx::make_adamw(policy, torch::optim::AdamWOptions(args.lr).weight_decay(0.0));
     int64_t start = 0;
     if (args.resume) {
       if (const auto info = fsdpx::load_checkpoint(args.ckpt_dir, policy, optimizer)) {
         start = info->step;
-        if (lead) std::printf("rl_hf: resumed from step %lld of %s\n", static_cast<long long>(start), args.ckpt_dir.c_str());
+        if (lead)
+          std::printf("rl_hf: resumed from step %lld of %s\n", static_cast<long long>(start), args.ckpt_dir.c_str());
       }
     }
     std::optional<fsdpx::sync::WeightBroadcaster> sender;
@@ -144,7 +148,8 @@ int main(int argc, char** argv) try {
       // 1. sample (the same draws whichever step the run resumed from)
       at::manual_seed(static_cast<uint64_t>(1000 * step + rank));
       const auto [prompt_ids, prompt_mask] = make_prompts(args.prompts, args.prompt_tokens, config.vocab_size);
-      const at::Tensor ids = prompt_ids.repeat_interleave(args.samples, 0), mask = prompt_mask.repeat_interleave(args.samples, 0);
+      const at::Tensor ids = prompt_ids.repeat_interleave(args.samples, 0),
+                       mask = prompt_mask.repeat_interleave(args.samples, 0);
       models::GenerateOptions options = sampling;
       options.seed = static_cast<uint64_t>(step * 7919 + rank);
       models::GenerateOutput out;
@@ -175,7 +180,8 @@ int main(int argc, char** argv) try {
       at::Tensor token_advantage = at::zeros_like(completion);
       for (size_t i = 0; i < rollouts.size(); ++i) {
         const auto& s = batch.placement[i];
-        const int64_t first = s.start + prompt_lengths[i] - 1, count = s.length - prompt_lengths[i];  // targets of new tokens
+        const int64_t first = s.start + prompt_lengths[i] - 1,
+                      count = s.length - prompt_lengths[i];  // targets of new tokens
         completion[s.row].narrow(0, first, count).fill_(1);
         token_advantage[s.row].narrow(0, first, count).fill_(advantage[static_cast<int64_t>(i)].item<float>());
       }
@@ -200,8 +206,10 @@ int main(int argc, char** argv) try {
       const auto norm = policy.clip_grad_norm_(1.0);
       optimizer.step();
 
-      auto means = at::tensor({reward.mean().item<double>(), kl.item<double>(), lengths.to(at::kDouble).mean().item<double>()},
-                              at::kDouble).to(device);
+      auto means =
+          at::tensor({reward.mean().item<double>(), kl.item<double>(), lengths.to(at::kDouble).mean().item<double>()},
+                     at::kDouble)
+              .to(device);
       trainer_comm.all_reduce(means, fsdpx::dist::ReduceOp::avg);
       const double mean_reward = means[0].item<double>();
       history.push_back(mean_reward);
@@ -214,10 +222,12 @@ int main(int argc, char** argv) try {
       if (ckpt && step % args.save_every == 0) ckpt->save(step, policy, optimizer, fsdpx::ExtraState{});
 #endif
       if (lead) {
-        std::printf("trainer: step %lld  reward %.3f  kl %.5f  completion %.1f tokens  packed %lld rows x %lld  grad-norm %.3f\n",
-                    static_cast<long long>(step), mean_reward, means[1].item<double>(), means[2].item<double>(),
-                    static_cast<long long>(batch.input_ids.size(0)), static_cast<long long>(batch.input_ids.size(1)),
-                    norm.value);
+        std::printf(
+            "trainer: step %lld  reward %.3f  kl %.5f  completion %.1f tokens  packed %lld rows x %lld  grad-norm "
+            "%.3f\n",
+            static_cast<long long>(step), mean_reward, means[1].item<double>(), means[2].item<double>(),
+            static_cast<long long>(batch.input_ids.size(0)), static_cast<long long>(batch.input_ids.size(1)),
+            norm.value);
         if (step == start + 1) std::printf("trainer: attention %s\n", policy->attention_report().to_string().c_str());
         std::fflush(stdout);
       }
@@ -229,7 +239,8 @@ int main(int argc, char** argv) try {
     if (history.size() >= 8) {
       const double first = (history[0] + history[1] + history[2]) / 3;
       const double last = (history[history.size() - 1] + history[history.size() - 2] + history[history.size() - 3]) / 3;
-      if (lead) std::printf("trainer: mean reward of the first three steps %.3f, of the last three %.3f\n", first, last);
+      if (lead)
+        std::printf("trainer: mean reward of the first three steps %.3f, of the last three %.3f\n", first, last);
       ok = ok && last > first;
     }
   } else {
@@ -247,7 +258,8 @@ int main(int argc, char** argv) try {
       models::GenerateOptions options = sampling;
       options.seed = 99;
       const auto out = rollout->generate(held_out.to(device), held_out_mask.to(device), options);
-      const at::Tensor fresh = out.sequences.narrow(1, held_out.size(1), out.sequences.size(1) - held_out.size(1)).cpu();
+      const at::Tensor fresh =
+          out.sequences.narrow(1, held_out.size(1), out.sequences.size(1) - held_out.size(1)).cpu();
       if (groups->rollout->rank() == 0) {
         std::printf("rollout: version %lld  reward of held-out samples %.3f\n", static_cast<long long>(version),
                     rewards(fresh, out.generated_lengths.cpu()).mean().item<double>());

@@ -104,8 +104,10 @@ at::Tensor flat_parameters(torch::nn::Module& m, at::ScalarType dtype) {
 int main(int argc, char** argv) try {
   const Args args = parse(argc, argv);
   auto [world, device] = fsdpx::examples::init_world();
-  FSDPX_CHECK(world.size() > args.trainers, "rl_sync: ", args.trainers, " trainers need at least one more rank for the "
-              "rollouts; run it with mpiexec -n ", args.trainers + 1, " or more");
+  FSDPX_CHECK(world.size() > args.trainers, "rl_sync: ", args.trainers,
+              " trainers need at least one more rank for the "
+              "rollouts; run it with mpiexec -n ",
+              args.trainers + 1, " or more");
   auto groups = fsdpx::sync::split_trainer_rollout(world, args.trainers);  // collective over the world
   FSDPX_CHECK(args.batch % args.trainers == 0, "rl_sync: --batch must be a multiple of --trainers");
   std::string corpus_path;
@@ -122,9 +124,10 @@ int main(int argc, char** argv) try {
   config.layers = args.layers;
   const at::ScalarType rollout_dtype = at::kBFloat16;
   if (world.rank() == 0) {
-    std::printf("rl_sync: trainer ranks: %d (FullShard, float32); rollout ranks: %d (unsharded, bfloat16); over %s; "
-                "corpus %s\n", args.trainers, world.size() - args.trainers, std::string(world.backend_name()).c_str(),
-                corpus_path.c_str());
+    std::printf(
+        "rl_sync: trainer ranks: %d (FullShard, float32); rollout ranks: %d (unsharded, bfloat16); over %s; "
+        "corpus %s\n",
+        args.trainers, world.size() - args.trainers, std::string(world.backend_name()).c_str(), corpus_path.c_str());
     std::fflush(stdout);
   }
 
@@ -137,12 +140,14 @@ int main(int argc, char** argv) try {
     Sharded model(gpt, trainers);
     auto optimizer = fsdpx::make_adamw(model, torch::optim::AdamWOptions(args.lr).weight_decay(0.1));
     // Small buckets (64 KiB), so that the larger tensors travel split over several of them.
-    fsdpx::sync::WeightBroadcaster sender(model, groups.model_update, {.bucket_bytes = 64 << 10, .dtype = rollout_dtype});
+    fsdpx::sync::WeightBroadcaster sender(model, groups.model_update,
+                                          {.bucket_bytes = 64 << 10, .dtype = rollout_dtype});
     const int64_t per_rank = args.batch / args.trainers;
     for (int64_t step = 1; step <= args.steps; ++step) {
       at::manual_seed(1000 + step);
       const auto mine = fsdpx::examples::random_windows(train, args.batch, args.seq)
-                            .narrow(0, trainers.rank() * per_rank, per_rank).to(device);
+                            .narrow(0, trainers.rank() * per_rank, per_rank)
+                            .to(device);
       optimizer.zero_grad();
       auto loss = model(mine.narrow(1, 0, args.seq).contiguous(), mine.narrow(1, 1, args.seq).contiguous());
       loss.backward();
@@ -154,9 +159,10 @@ int main(int argc, char** argv) try {
       sender.broadcast(step);  // every trainer rank: the gathers are collective; trainer rank 0 sends
       const auto& sent = sender.last_stats();
       if (trainers.rank() == 0) {
-        std::printf("trainer: step %lld  train loss %.4f  sent version %lld (%.2f MiB in %lld buckets; broadcast() %.1f ms)\n",
-                    static_cast<long long>(step), mean.item<double>(), static_cast<long long>(step),
-                    sent.bytes / 1048576.0, static_cast<long long>(sent.buckets), sent.seconds * 1e3);
+        std::printf(
+            "trainer: step %lld  train loss %.4f  sent version %lld (%.2f MiB in %lld buckets; broadcast() %.1f ms)\n",
+            static_cast<long long>(step), mean.item<double>(), static_cast<long long>(step), sent.bytes / 1048576.0,
+            static_cast<long long>(sent.buckets), sent.seconds * 1e3);
         std::fflush(stdout);
       }
       // The check: the trainers' own full parameters, cast as the broadcast casts them.
@@ -180,11 +186,13 @@ int main(int argc, char** argv) try {
       groups.model_update->broadcast(expected, 0);
       const bool equal = version == step && at::equal(flat_parameters(*rollout, rollout_dtype), expected);
       ok = ok && equal;
-      last = rollout->forward(eval.narrow(1, 0, args.seq).contiguous(), eval.narrow(1, 1, args.seq).contiguous()).item<double>();
+      last = rollout->forward(eval.narrow(1, 0, args.seq).contiguous(), eval.narrow(1, 1, args.seq).contiguous())
+                 .item<double>();
       if (step == 1) first = last;
       const std::string sample = generate(*rollout, "The ", 24, device);
-      std::printf("rollout %d: version %lld  held-out loss %.4f  %s  greedy \"The %s\"\n", me, static_cast<long long>(version),
-                  last, equal ? "== trainer's weights (bf16, bit for bit)" : "!= TRAINER'S WEIGHTS", sample.c_str());
+      std::printf("rollout %d: version %lld  held-out loss %.4f  %s  greedy \"The %s\"\n", me,
+                  static_cast<long long>(version), last,
+                  equal ? "== trainer's weights (bf16, bit for bit)" : "!= TRAINER'S WEIGHTS", sample.c_str());
       std::fflush(stdout);
     }
     if (!(last < first)) {
@@ -195,7 +203,9 @@ int main(int argc, char** argv) try {
   auto all_ok = at::full({1}, ok ? 1.0 : 0.0, at::TensorOptions().dtype(at::kDouble).device(device));
   world.all_reduce(all_ok, fsdpx::dist::ReduceOp::min);
   const bool passed = all_ok.item<double>() == 1.0;
-  if (world.rank() == 0) std::printf("rl_sync: %s\n", passed ? "every rollout copy equalled the trainer's weights at every version" : "FAILED");
+  if (world.rank() == 0)
+    std::printf("rl_sync: %s\n",
+                passed ? "every rollout copy equalled the trainer's weights at every version" : "FAILED");
   return passed ? 0 : 1;
 } catch (const std::exception& e) {
   return fsdpx::examples::report_failure("rl_sync", e);

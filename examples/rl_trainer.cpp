@@ -107,8 +107,10 @@ std::string memory_text(const c10::Device& device) {
 int main(int argc, char** argv) try {
   const Args args = parse(argc, argv);
   auto [world, device] = fsdpx::examples::init_world();
-  FSDPX_CHECK(world.size() > args.trainers, "rl_trainer: ", args.trainers, " trainers need at least one more rank for "
-              "the rollouts; run it with mpiexec -n ", args.trainers + 1, " or more");
+  FSDPX_CHECK(world.size() > args.trainers, "rl_trainer: ", args.trainers,
+              " trainers need at least one more rank for "
+              "the rollouts; run it with mpiexec -n ",
+              args.trainers + 1, " or more");
   FSDPX_CHECK(args.batch % args.trainers == 0, "rl_trainer: --batch must be a multiple of --trainers");
   auto groups = fsdpx::sync::split_trainer_rollout(world, args.trainers);  // collective over the world
   std::string corpus_path;
@@ -146,8 +148,8 @@ int main(int argc, char** argv) try {
       if (const auto info = fsdpx::load_checkpoint(args.ckpt_dir, actor, optimizer, scheduler)) {
         start = info->step;
         if (lead) {
-          std::printf("rl_trainer: resumed from step %lld of %s (saved by %d trainers); LR %.3g\n", static_cast<long long>(start),
-                      args.ckpt_dir.c_str(), info->saved_world_size, scheduler.lr());
+          std::printf("rl_trainer: resumed from step %lld of %s (saved by %d trainers); LR %.3g\n",
+                      static_cast<long long>(start), args.ckpt_dir.c_str(), info->saved_world_size, scheduler.lr());
         }
       } else if (lead) {
         std::printf("rl_trainer: no checkpoint in %s: starting from step 0\n", args.ckpt_dir.c_str());
@@ -160,7 +162,8 @@ int main(int argc, char** argv) try {
     std::optional<fsdpx::CheckpointCoordinator> ckpt;
     if (args.save_every > 0) ckpt.emplace(args.ckpt_dir, actor, fsdpx::CheckpointOptions{.max_to_keep = 2});
 #else
-    FSDPX_CHECK(args.save_every == 0, "rl_trainer: fsdpx was built without Boost, so it cannot save checkpoints; pass --save-every 0");
+    FSDPX_CHECK(args.save_every == 0,
+                "rl_trainer: fsdpx was built without Boost, so it cannot save checkpoints; pass --save-every 0");
 #endif
     fsdpx::TrainStep<Actor> train_step(actor, optimizer, &scheduler,
                                        {.accumulation_steps = args.micro_steps, .max_grad_norm = 1.0});
@@ -168,7 +171,8 @@ int main(int argc, char** argv) try {
     if (lead) {
       const auto held = reference.sharded_bytes();
       std::printf("rl_trainer: %d trainers (actor float32 + reference bf16: %.1f KiB per rank), %d rollouts, over %s\n",
-                  args.trainers, held.parameters / 1024.0, world.size() - args.trainers, std::string(world.backend_name()).c_str());
+                  args.trainers, held.parameters / 1024.0, world.size() - args.trainers,
+                  std::string(world.backend_name()).c_str());
     }
     const int64_t per_rank = args.batch / args.trainers;
     double first_nll = -1, last_nll = 0;
@@ -178,7 +182,8 @@ int main(int argc, char** argv) try {
       for (int64_t m = 0; m < args.micro_steps; ++m) {
         at::manual_seed(1000 * step + m);  // the same data whichever step the run started from
         const auto mine = fsdpx::examples::random_windows(train, args.batch, args.seq)
-                              .narrow(0, trainers.rank() * per_rank, per_rank).to(device);
+                              .narrow(0, trainers.rank() * per_rank, per_rank)
+                              .to(device);
         const auto idx = mine.narrow(1, 0, args.seq).contiguous(), targets = mine.narrow(1, 1, args.seq).contiguous();
         at::Tensor ref_logp;
         {
@@ -236,7 +241,9 @@ int main(int argc, char** argv) try {
     for (int64_t expected = first_version.item<int64_t>(); expected <= last_step; ++expected) {
       const int64_t version = receiver.receive_into(*rollout);
       ok = ok && version == expected;
-      const double loss = rollout->forward(eval.narrow(1, 0, args.seq).contiguous(), eval.narrow(1, 1, args.seq).contiguous()).item<double>();
+      const double loss =
+          rollout->forward(eval.narrow(1, 0, args.seq).contiguous(), eval.narrow(1, 1, args.seq).contiguous())
+              .item<double>();
       if (groups.rollout->rank() == 0) {
         std::printf("rollout: version %lld  held-out loss %.4f\n", static_cast<long long>(version), loss);
         std::fflush(stdout);

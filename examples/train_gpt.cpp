@@ -4,7 +4,8 @@
 //
 //   mpiexec -n 2 train_gpt [--steps 40] [--save-every 20] [--resume]            CPU ranks (MPI)
 //   torchrun --nproc-per-node=8 --no-python train_gpt ...                       GPUs (NCCL, one per rank)
-//   srun -n 16 --gpus-per-task=1 train_gpt ...                                   GPUs under SLURM (export MASTER_ADDR/PORT)
+//   srun -n 16 --gpus-per-task=1 train_gpt ...                                   GPUs under SLURM (export
+//   MASTER_ADDR/PORT)
 //
 // Options:
 //   --steps N          train until global step N (default 40; with --resume, the steps already done count)
@@ -66,8 +67,9 @@ using fsdpx::examples::BlockImpl;
 using fsdpx::examples::Gpt;
 using fsdpx::examples::GptConfig;
 
-using Sharded = fsdpx::Fsdp<Gpt, fsdpx::FSDPX_EXAMPLE_MESH, fsdpx::FSDPX_EXAMPLE_OFFLOAD, fsdpx::FSDPX_EXAMPLE_PRECISION,
-                            fsdpx::FSDPX_EXAMPLE_STATE_DICT, fsdpx::WrapModules<BlockImpl>>;
+using Sharded =
+    fsdpx::Fsdp<Gpt, fsdpx::FSDPX_EXAMPLE_MESH, fsdpx::FSDPX_EXAMPLE_OFFLOAD, fsdpx::FSDPX_EXAMPLE_PRECISION,
+                fsdpx::FSDPX_EXAMPLE_STATE_DICT, fsdpx::WrapModules<BlockImpl>>;
 
 namespace {
 
@@ -112,9 +114,12 @@ Args parse(int argc, char** argv) {
     else if (k == "--resume") a.resume = true;
     else if (k == "--overwrite") a.overwrite = true;
     else if (k == "--check") a.check = true;
-    else FSDPX_CHECK(false, "train_gpt: unknown option ", k, " (the options are listed at the top of examples/train_gpt.cpp)");
+    else
+      FSDPX_CHECK(false, "train_gpt: unknown option ", k,
+                  " (the options are listed at the top of examples/train_gpt.cpp)");
   }
-  FSDPX_CHECK(a.steps >= 0 && a.save_every >= 0 && a.keep >= 0, "train_gpt: --steps, --save-every and --keep must be >= 0");
+  FSDPX_CHECK(a.steps >= 0 && a.save_every >= 0 && a.keep >= 0,
+              "train_gpt: --steps, --save-every and --keep must be >= 0");
   return a;
 }
 
@@ -122,17 +127,19 @@ Args parse(int argc, char** argv) {
 /// renames the tensors to GPT-2's (transformers' GPT2LMHeadModel) when it finds this file.
 std::string gpt2_config_json(const GptConfig& c) {
   char buf[1024];
-  std::snprintf(buf, sizeof buf,
-                "{\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"model_type\": \"gpt2\",\n"
-                "  \"vocab_size\": %lld,\n  \"n_positions\": %lld,\n  \"n_embd\": %lld,\n  \"n_layer\": %lld,\n"
-                "  \"n_head\": %lld,\n  \"n_inner\": %lld,\n  \"activation_function\": \"gelu\",\n"
-                "  \"layer_norm_epsilon\": 1e-05,\n  \"resid_pdrop\": 0.0,\n  \"embd_pdrop\": 0.0,\n  \"attn_pdrop\": 0.0,\n"
-                "  \"tie_word_embeddings\": %s,\n  \"bos_token_id\": 0,\n  \"eos_token_id\": 0,\n  \"torch_dtype\": \"float32\",\n"
-                "  \"fsdpx_example\": \"train_gpt: byte-level (token = byte value); tensors named as in examples/common/gpt.hpp "
-                "until examples/merge.cpp renames them\"\n}\n",
-                static_cast<long long>(c.vocab), static_cast<long long>(c.seq), static_cast<long long>(c.dim),
-                static_cast<long long>(c.layers), static_cast<long long>(c.heads), static_cast<long long>(4 * c.dim),
-                c.tied ? "true" : "false");
+  std::snprintf(
+      buf, sizeof buf,
+      "{\n  \"architectures\": [\"GPT2LMHeadModel\"],\n  \"model_type\": \"gpt2\",\n"
+      "  \"vocab_size\": %lld,\n  \"n_positions\": %lld,\n  \"n_embd\": %lld,\n  \"n_layer\": %lld,\n"
+      "  \"n_head\": %lld,\n  \"n_inner\": %lld,\n  \"activation_function\": \"gelu\",\n"
+      "  \"layer_norm_epsilon\": 1e-05,\n  \"resid_pdrop\": 0.0,\n  \"embd_pdrop\": 0.0,\n  \"attn_pdrop\": 0.0,\n"
+      "  \"tie_word_embeddings\": %s,\n  \"bos_token_id\": 0,\n  \"eos_token_id\": 0,\n  \"torch_dtype\": "
+      "\"float32\",\n"
+      "  \"fsdpx_example\": \"train_gpt: byte-level (token = byte value); tensors named as in examples/common/gpt.hpp "
+      "until examples/merge.cpp renames them\"\n}\n",
+      static_cast<long long>(c.vocab), static_cast<long long>(c.seq), static_cast<long long>(c.dim),
+      static_cast<long long>(c.layers), static_cast<long long>(c.heads), static_cast<long long>(4 * c.dim),
+      c.tied ? "true" : "false");
   return buf;
 }
 
@@ -182,13 +189,14 @@ int main(int argc, char** argv) try {
   int64_t params = 0;
   for (const auto& p : model->parameters()) params += p.numel();
   if (r == 0) {
-    std::printf("train_gpt: %d ranks (%s, %s), %.2fM parameters, %zu units, corpus %s (%lld bytes), global batch %lld x %lld\n"
-                "train_gpt: policies %s, %s, %s, %s\n",
-                W, std::string(world.backend_name()).c_str(), device.str().c_str(), params / 1e6,
-                model.sharded().num_units(), corpus_path.c_str(), static_cast<long long>(corpus.numel()),
-                static_cast<long long>(args.batch), static_cast<long long>(args.seq),
-                FSDPX_EXAMPLE_STR(FSDPX_EXAMPLE_MESH), FSDPX_EXAMPLE_STR(FSDPX_EXAMPLE_OFFLOAD),
-                FSDPX_EXAMPLE_STR(FSDPX_EXAMPLE_PRECISION), FSDPX_EXAMPLE_STR(FSDPX_EXAMPLE_STATE_DICT));
+    std::printf(
+        "train_gpt: %d ranks (%s, %s), %.2fM parameters, %zu units, corpus %s (%lld bytes), global batch %lld x %lld\n"
+        "train_gpt: policies %s, %s, %s, %s\n",
+        W, std::string(world.backend_name()).c_str(), device.str().c_str(), params / 1e6, model.sharded().num_units(),
+        corpus_path.c_str(), static_cast<long long>(corpus.numel()), static_cast<long long>(args.batch),
+        static_cast<long long>(args.seq), FSDPX_EXAMPLE_STR(FSDPX_EXAMPLE_MESH),
+        FSDPX_EXAMPLE_STR(FSDPX_EXAMPLE_OFFLOAD), FSDPX_EXAMPLE_STR(FSDPX_EXAMPLE_PRECISION),
+        FSDPX_EXAMPLE_STR(FSDPX_EXAMPLE_STATE_DICT));
     std::fflush(stdout);
   }
 
@@ -208,8 +216,9 @@ int main(int argc, char** argv) try {
       tokens_seen = client_int(c, "tokens_seen", start * args.batch * args.seq);
       if (const double f = client_double(c, "first_loss", -1); f >= 0) first = f;
       if (r == 0) {
-        std::printf("resumed from step %lld of %s (saved by %d ranks; %lld tokens seen)\n", static_cast<long long>(start),
-                    root.string().c_str(), info->saved_world_size, static_cast<long long>(tokens_seen));
+        std::printf("resumed from step %lld of %s (saved by %d ranks; %lld tokens seen)\n",
+                    static_cast<long long>(start), root.string().c_str(), info->saved_world_size,
+                    static_cast<long long>(tokens_seen));
       }
     } else if (r == 0) {
       std::printf("train_gpt: no committed checkpoint in %s: starting from step 0\n", root.string().c_str());
@@ -252,7 +261,8 @@ int main(int argc, char** argv) try {
     }
   }
 #else
-  FSDPX_CHECK(args.save_every == 0, "train_gpt: checkpoints need Boost.Asio (fsdpx::CheckpointCoordinator); this build has none");
+  FSDPX_CHECK(args.save_every == 0,
+              "train_gpt: checkpoints need Boost.Asio (fsdpx::CheckpointCoordinator); this build has none");
 #endif
 
   if (start >= args.steps && r == 0) {
@@ -310,12 +320,13 @@ int main(int argc, char** argv) try {
     ckpt->wait();  // every save durable, and committed by rank 0
     world.barrier();
     if (r == 0) {
-      std::printf("checkpoint: latest %s/%s = %lld\n", root.string().c_str(), fsdpx::checkpoint::checkpointed_iteration_file,
-                  static_cast<long long>(ckpt->latest_committed()));
+      std::printf("checkpoint: latest %s/%s = %lld\n", root.string().c_str(),
+                  fsdpx::checkpoint::checkpointed_iteration_file, static_cast<long long>(ckpt->latest_committed()));
     }
   }
 #endif
-  if (r == 0 && first) std::printf("loss %.4f -> %.4f at step %lld\n", *first, last, static_cast<long long>(args.steps));
+  if (r == 0 && first)
+    std::printf("loss %.4f -> %.4f at step %lld\n", *first, last, static_cast<long long>(args.steps));
   return args.check && !(first && last < *first) ? 1 : 0;
 } catch (const std::exception& e) {
   return fsdpx::examples::report_failure("train_gpt", e);

@@ -12,7 +12,8 @@
 #include <fsdpx/fsdp.hpp>
 
 struct NetImpl : torch::nn::Module {
-  NetImpl() : fc1(register_module("fc1", torch::nn::Linear(8, 32))), fc2(register_module("fc2", torch::nn::Linear(32, 1))) {}
+  NetImpl()
+      : fc1(register_module("fc1", torch::nn::Linear(8, 32))), fc2(register_module("fc2", torch::nn::Linear(32, 1))) {}
   at::Tensor forward(const at::Tensor& x) { return fc2(at::relu(fc1(x))); }
   torch::nn::Linear fc1, fc2;
 };
@@ -44,7 +45,7 @@ int main() {
     std::fprintf(stderr, "fsdpx test_package: rank %d: loss did not fall (%f -> %f)\n", world.rank(), first, last);
     return 1;
   }
-  std::printf("fsdpx test_package: fsdpx %s, Fsdp<Net, FullShard>, rank %d of %d: loss %.4f -> %.4f\n",
-              fsdpx::version, world.rank(), world.size(), first, last);
+  std::printf("fsdpx test_package: fsdpx %s, Fsdp<Net, FullShard>, rank %d of %d: loss %.4f -> %.4f\n", fsdpx::version,
+              world.rank(), world.size(), first, last);
   return 0;
 }

@@ -62,17 +62,19 @@ std::vector<std::string> verify_files(const fs::path& dir, const ckpt::CommitRec
     try {
       const std::vector<char> data = fsdpx::detail::read_file(path, "checkpoint file", info.bytes);
       if (static_cast<int64_t>(data.size()) != info.bytes) {
-        problems.push_back(fsdpx::detail::str("'", path.string(), "' has ", data.size(), " bytes, the commit record says ", info.bytes));
+        problems.push_back(fsdpx::detail::str("'", path.string(), "' has ", data.size(),
+                                              " bytes, the commit record says ", info.bytes));
         continue;
       }
       fsdpx::detail::Crc32c crc;
       crc.update(data.data(), data.size());
       if (info.crc32c && crc.value() != *info.crc32c) {
-        problems.push_back(fsdpx::detail::str("'", path.string(), "' does not match its CRC-32C (", crc.value(), ", the commit record says ",
-                                              *info.crc32c, "): the file is corrupt"));
+        problems.push_back(fsdpx::detail::str("'", path.string(), "' does not match its CRC-32C (", crc.value(),
+                                              ", the commit record says ", *info.crc32c, "): the file is corrupt"));
         continue;
       }
-      if (const auto parsed = ckpt::parse_shard_file_name(name); parsed && parsed->component != ckpt::Component::extra_state) {
+      if (const auto parsed = ckpt::parse_shard_file_name(name);
+          parsed && parsed->component != ckpt::Component::extra_state) {
         ckpt::load_shard_file(dir, name, record.file(dir, name, true));  // and it parses as what its name says
       }
     } catch (const fsdpx::Error& e) {
@@ -109,18 +111,23 @@ void print_tensors(const fs::path& dir, const ckpt::CommitRecord& record) {
     elements += t.elements;
     bytes += t.bytes;
   }
-  std::cout << "  " << elements << " elements, " << bytes_text(bytes) << " of model data over " << record.world_size << " files\n";
+  std::cout << "  " << elements << " elements, " << bytes_text(bytes) << " of model data over " << record.world_size
+            << " files\n";
 }
 
 int run(int argc, char** argv) {
   std::string root;
   std::optional<int64_t> step;
   bool tensors = false, verify = false;
-  CLI::App app{"fsdpx-inspect: the steps of an fsdpx checkpoint root, their commit state and files; --verify checks them"};
-  app.add_option("root", root, "checkpoint root (holding global_step_<N> directories)")->required()->check(CLI::ExistingDirectory);
+  CLI::App app{
+      "fsdpx-inspect: the steps of an fsdpx checkpoint root, their commit state and files; --verify checks them"};
+  app.add_option("root", root, "checkpoint root (holding global_step_<N> directories)")
+      ->required()
+      ->check(CLI::ExistingDirectory);
   app.add_option("--step", step, "one step: its files (and --tensors: its model's tensors)");
   app.add_flag("--tensors", tensors, "list the model's tensors: name, shape, dtype");
-  app.add_flag("--verify", verify, "check every committed file's size and CRC-32C against its commit record (exit 1 on any problem)");
+  app.add_flag("--verify", verify,
+               "check every committed file's size and CRC-32C against its commit record (exit 1 on any problem)");
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -139,9 +146,11 @@ int run(int argc, char** argv) {
       if (verify && s) {
         const auto named = std::find_if(steps.begin(), steps.end(), [&](const auto& st) { return st.step == *s; });
         if (named == steps.end()) {
-          problems.push_back(fsdpx::detail::str("'", path.string(), "' names step ", *s, ", which has no global_step_", *s, " directory"));
+          problems.push_back(fsdpx::detail::str("'", path.string(), "' names step ", *s, ", which has no global_step_",
+                                                *s, " directory"));
         } else if (!commit_state(named->path / "actor").second) {
-          problems.push_back(fsdpx::detail::str("'", path.string(), "' names step ", *s, ", which has no readable commit record"));
+          problems.push_back(
+              fsdpx::detail::str("'", path.string(), "' names step ", *s, ", which has no readable commit record"));
         }
       }
     } catch (const fsdpx::Error& e) {
@@ -162,7 +171,8 @@ int run(int argc, char** argv) {
       if (record->mesh_shard) std::cout << ", shard groups of " << *record->mesh_shard;
       if (!record->kind.empty()) std::cout << ", " << record->kind << " state dicts";
     }
-    std::cout << "; " << bytes_text(ckpt::directory_bytes(s.path)) << (ckpt::is_leased(s.path) ? "; leased by a reader" : "") << "\n";
+    std::cout << "; " << bytes_text(ckpt::directory_bytes(s.path))
+              << (ckpt::is_leased(s.path) ? "; leased by a reader" : "") << "\n";
     if (step && record) {
       for (const auto& [name, info] : record->files) {
         std::cout << "    " << name << "  " << bytes_text(info.bytes);
@@ -171,10 +181,14 @@ int run(int argc, char** argv) {
       }
       if (tensors) print_tensors(dir, *record);
     }
-    if (verify && !record && state.rfind("UNREADABLE", 0) == 0) problems.push_back("step " + std::to_string(s.step) + ": " + state);
+    if (verify && !record && state.rfind("UNREADABLE", 0) == 0)
+      problems.push_back("step " + std::to_string(s.step) + ": " + state);
     if (verify && record) {
       const auto found_problems = verify_files(dir, *record);
-      std::cout << "  verify: " << (found_problems.empty() ? "every file intact (" + std::to_string(record->files.size()) + ")" : "PROBLEMS") << "\n";
+      std::cout << "  verify: "
+                << (found_problems.empty() ? "every file intact (" + std::to_string(record->files.size()) + ")"
+                                           : "PROBLEMS")
+                << "\n";
       for (const auto& p : found_problems) std::cout << "    " << p << "\n";
       problems.insert(problems.end(), found_problems.begin(), found_problems.end());
     }

@@ -75,7 +75,9 @@ int64_t parse_size(const std::string& text) {
   else if (unit == "KIB") scale = 1024.0;
   else if (unit == "MIB") scale = 1024.0 * 1024;
   else if (unit == "GIB") scale = 1024.0 * 1024 * 1024;
-  else usage_error(str("--max-shard-size '", text, "': unknown unit '", text.substr(used), "' (B, KB, MB, GB, KiB, MiB, GiB)"));
+  else
+    usage_error(
+        str("--max-shard-size '", text, "': unknown unit '", text.substr(used), "' (B, KB, MB, GB, KiB, MiB, GiB)"));
   const auto bytes = static_cast<int64_t>(value * scale);
   if (bytes <= 0) usage_error(str("--max-shard-size '", text, "' must be positive"));
   return bytes;
@@ -147,7 +149,8 @@ int run(int argc, char** argv) {
       }
     } else if (arg == "--format") {
       format = value();
-      if (format != "safetensors" && format != "torch") usage_error("--format must be safetensors or torch, not '" + format + "'");
+      if (format != "safetensors" && format != "torch")
+        usage_error("--format must be safetensors or torch, not '" + format + "'");
     } else if (arg == "--dtype") {
       const std::string d = value();
       if (d == "float32" || d == "fp32") options.dtype = at::kFloat;
@@ -180,8 +183,10 @@ int run(int argc, char** argv) {
   }
   std::cout << "fsdpx-merge: read " << report.files.size() << " model files (world size " << report.world_size << ", "
             << report.kind << (report.step ? str(", step ", *report.step) : std::string()) << ", "
-            << (report.committed ? (report.complete ? "committed" : "weights committed") : "NOT committed: no fsdp_config.json") << ", checksums "
-            << (report.checksums_verified ? "verified" : "not verified") << ") from " << report.dir.string() << "\n"
+            << (report.committed ? (report.complete ? "committed" : "weights committed")
+                                 : "NOT committed: no fsdp_config.json")
+            << ", checksums " << (report.checksums_verified ? "verified" : "not verified") << ") from "
+            << report.dir.string() << "\n"
             << "fsdpx-merge: " << tensors.size() << " tensors, " << elements << " elements, " << bytes << " bytes\n";
 
   // config.json: written only beside the names it implies (renamed to them when the family is known).
@@ -209,7 +214,8 @@ int run(int argc, char** argv) {
   FSDPX_CHECK_AS(fsdpx::IoError, !ec && fs::is_directory(*out), "creating the output directory '", out->string(),
                  "' failed", ec ? ": " + ec.message() : std::string());
   // A config.json an earlier merge left in --out must not stand beside tensors it does not describe.
-  if (!config && fs::exists(fs::symlink_status(*out / "config.json"))) fsdpx::detail::remove_durably(*out / "config.json");
+  if (!config && fs::exists(fs::symlink_status(*out / "config.json")))
+    fsdpx::detail::remove_durably(*out / "config.json");
   std::vector<fsdpx::detail::WrittenFile> written;
   if (format == "torch") {
     c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
@@ -220,7 +226,8 @@ int run(int argc, char** argv) {
     written = saved.files;
     if (saved.index) written.push_back(*saved.index);
   }
-  for (const auto& f : ckpt::copy_huggingface_files(dir, *out, [](const std::string& f) { return f == "config.json"; })) {
+  for (const auto& f :
+       ckpt::copy_huggingface_files(dir, *out, [](const std::string& f) { return f == "config.json"; })) {
     written.push_back(f);
   }
   if (config) {
@@ -233,7 +240,8 @@ int run(int argc, char** argv) {
       }
     }
     const auto decoder = fsdpx::models::parse_decoder_config(*config, (hf / "config.json").string());
-    written.push_back(fsdpx::detail::write_text_durably(*out / "config.json", fsdpx::models::to_hf_config(decoder, dtype).dump(2) + "\n"));
+    written.push_back(fsdpx::detail::write_text_durably(*out / "config.json",
+                                                        fsdpx::models::to_hf_config(decoder, dtype).dump(2) + "\n"));
   }
   for (const auto& f : written) std::cout << "fsdpx-merge: wrote " << f.path.string() << " (" << f.bytes << " bytes)\n";
   return 0;

@@ -53,11 +53,13 @@ struct GptImpl : torch::nn::Module {
     pos = register_module("pos", torch::nn::Embedding(c.seq, c.dim));
     for (int64_t i = 0; i < c.layers; ++i) blocks.push_back(register_module("h" + std::to_string(i), Block(c)));
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
-    if (!c.tied) head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)));
+    if (!c.tied)
+      head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)));
   }
   /// Mean cross-entropy of next-token prediction.
   at::Tensor forward(const at::Tensor& idx, const at::Tensor& targets) {
-    return torch::nn::functional::cross_entropy(logits(idx).reshape({-1, config.vocab}).to(at::kFloat), targets.reshape({-1}));
+    return torch::nn::functional::cross_entropy(logits(idx).reshape({-1, config.vocab}).to(at::kFloat),
+                                                targets.reshape({-1}));
   }
   /// Next-token logits [batch, seq, vocab] (a sharded model: call through Fsdp::call).
   at::Tensor logits(const at::Tensor& idx) {

@@ -42,7 +42,7 @@ inline World init_world() {
   return {fsdpx::dist::MpiCommunicator::world(), c10::Device(c10::kCPU)};
 #else
   FSDPX_CHECK(false, "this example was built without MPI, so it needs a GPU (NCCL), and none is visible",
-                     cpu_only ? " (FSDPX_EXAMPLE_DEVICE=cpu)" : "");
+              cpu_only ? " (FSDPX_EXAMPLE_DEVICE=cpu)" : "");
   return {fsdpx::dist::AnyCommunicator(fsdpx::dist::nccl_world()), c10::Device(c10::kCPU)};
 #endif
 }

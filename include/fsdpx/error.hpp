@@ -82,11 +82,11 @@ template <class ErrorType, class... Args>
 }  // namespace fsdpx
 
 /// Throws `ErrorType` with "fsdpx: " followed by the streamed message parts when `cond` is false.
-#define FSDPX_CHECK_AS(ErrorType, cond, ...)                                \
-  do {                                                                      \
-    if (!(cond)) [[unlikely]] {                                             \
-      throw ErrorType(::fsdpx::detail::str("fsdpx: ", __VA_ARGS__));        \
-    }                                                                       \
+#define FSDPX_CHECK_AS(ErrorType, cond, ...)                         \
+  do {                                                               \
+    if (!(cond)) [[unlikely]] {                                      \
+      throw ErrorType(::fsdpx::detail::str("fsdpx: ", __VA_ARGS__)); \
+    }                                                                \
   } while (false)
 
 /// Argument and configuration checks.

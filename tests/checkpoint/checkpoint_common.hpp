@@ -26,7 +26,9 @@ inline std::filesystem::path scratch_dir(const std::string& name) {
 template <class Mesh = FullShard>
 using CkptModel = Fsdp<ResMlp, Mesh, NoOffload, FullPrecision, ShardedStateDict, WrapModules<ResBlockImpl>>;
 
-inline torch::optim::AdamWOptions adamw_options() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-6); }
+inline torch::optim::AdamWOptions adamw_options() {
+  return torch::optim::AdamWOptions(1e-2).weight_decay(0.1).eps(1e-6);
+}
 
 /// A step's global batch of 12 rows, drawn from the default generator.
 struct StepBatch {

@@ -81,11 +81,14 @@ int train(Model& model, dist::AnyCommunicator world, const Args& args) {
   if (args.resume) {
     if (const auto info = load_checkpoint(args.root, model, opt)) {
       start = info->step;
-      if (world.rank() == 0) std::printf("resumed from step %lld (saved by %d ranks)\n", static_cast<long long>(start), info->saved_world_size);
+      if (world.rank() == 0)
+        std::printf("resumed from step %lld (saved by %d ranks)\n", static_cast<long long>(start),
+                    info->saved_world_size);
     }
   }
   std::optional<CheckpointCoordinator> ckpt;
-  if (!args.root.empty() && args.save_every > 0) ckpt.emplace(args.root, model, CheckpointOptions{.max_to_keep = args.keep});
+  if (!args.root.empty() && args.save_every > 0)
+    ckpt.emplace(args.root, model, CheckpointOptions{.max_to_keep = args.keep});
   if (ckpt && world.rank() == args.slow_rank) {
     CheckpointMonitor slow;
     slow.before_save = [&args, r = world.rank()](int64_t step, checkpoint::Component) {
@@ -110,7 +113,8 @@ int train(Model& model, dist::AnyCommunicator world, const Args& args) {
     const double loss = train_step(model, opt, world);
     // The loss to 9 digits and how far another world size's reduction order may move it (resume_test.sh).
     if (world.rank() == 0) {
-      std::printf("step %lld loss %.9g bound %.3g\n", static_cast<long long>(step), loss, step_loss_bound() * std::abs(loss));
+      std::printf("step %lld loss %.9g bound %.3g\n", static_cast<long long>(step), loss,
+                  step_loss_bound() * std::abs(loss));
     }
     if (step == args.throw_step && world.rank() == args.throw_rank) {
       throw std::runtime_error("the injected failure after step " + std::to_string(step));

@@ -51,9 +51,9 @@ struct Param {
 
 /// Two units; shapes chosen so shard boundaries fall inside parameters, and one is a 0-d scalar.
 inline std::vector<Param> params() {
-  return {{"embed.weight", {7, 5}, 0},          {"layers.0.norm.weight", {5}, 0}, {"layers.0.scale", {}, 0},
-          {"layers.0.attn.qkv.weight", {5, 3, 2}, 1}, {"layers.0.attn.qkv.bias", {3}, 1},
-          {"lm_head.weight", {11, 13}, 1}};
+  return {{"embed.weight", {7, 5}, 0},        {"layers.0.norm.weight", {5}, 0},
+          {"layers.0.scale", {}, 0},          {"layers.0.attn.qkv.weight", {5, 3, 2}, 1},
+          {"layers.0.attn.qkv.bias", {3}, 1}, {"lm_head.weight", {11, 13}, 1}};
 }
 
 /// Deterministic float32 values (the same on every machine).
@@ -98,8 +98,8 @@ inline std::vector<fsdpx::StateDict> shard(const NamedTensors& full, int shard_s
         const at::Tensor& t = full[i].second;
         const int64_t b = std::max(lo, off), e = std::min(hi, off + t.numel());
         if (b >= e) continue;
-        out[s].entries.push_back({ps[i].name, ps[i].shape, b - off, e - off,
-                                  {{"data", t.reshape({-1}).narrow(0, b - off, e - b).clone()}}});
+        out[s].entries.push_back(
+            {ps[i].name, ps[i].shape, b - off, e - off, {{"data", t.reshape({-1}).narrow(0, b - off, e - b).clone()}}});
       }
     }
   }

@@ -48,7 +48,10 @@ fs::path fresh_dir(const std::string& name) {
 /// optimizer and extra state. `auto& [world, root, model, opt, extra] = run;` names them.
 struct CheckpointRun {
   CheckpointRun(const std::string& name, uint64_t seed)
-      : world(any_world()), root(fresh_dir(name)), model(seeded(seed), world), opt(make_adamw(model, adamw_options())) {}
+      : world(any_world()),
+        root(fresh_dir(name)),
+        model(seeded(seed), world),
+        opt(make_adamw(model, adamw_options())) {}
   dist::AnyCommunicator world;
   fs::path root;
   CkptModel<> model;
@@ -113,7 +116,8 @@ TEST_CASE("sharded, local and full state dicts round trip bit for bit", "[checkp
     // It is what the module holds when unsharded.
     auto scope = a.full_parameters();
     for (const auto& item : a.module()->named_parameters()) {
-      const auto it = std::find_if(full.entries.begin(), full.entries.end(), [&](const auto& e) { return e.name == item.key(); });
+      const auto it =
+          std::find_if(full.entries.begin(), full.entries.end(), [&](const auto& e) { return e.name == item.key(); });
       REQUIRE(it != full.entries.end());
       CHECK(at::equal(it->data(), item.value()));
     }
@@ -125,11 +129,13 @@ TEST_CASE("sharded, local and full state dicts round trip bit for bit", "[checkp
   SECTION("optimizer state: the next steps are identical") {
     auto opt_b = make_adamw(b, torch::optim::AdamWOptions(5.0));  // wrong lr: restored from the file
     checkpoint::save_state_dict(dir / ("s" + std::to_string(world.rank()) + ".pt"), sharded_state_dict(a.sharded()));
-    checkpoint::save_state_dict(dir / ("o" + std::to_string(world.rank()) + ".pt"), optimizer_state_dict(a.sharded(), opt_a));
+    checkpoint::save_state_dict(dir / ("o" + std::to_string(world.rank()) + ".pt"),
+                                optimizer_state_dict(a.sharded(), opt_a));
     world.barrier();
     load_files(b, dir, "s", world.size());
     load_optimizer_state_dict(opt_b, b.sharded(), [&](const auto& fn) {
-      for (int r = 0; r < world.size(); ++r) fn(checkpoint::load_state_dict_file(dir / ("o" + std::to_string(r) + ".pt")));
+      for (int r = 0; r < world.size(); ++r)
+        fn(checkpoint::load_state_dict_file(dir / ("o" + std::to_string(r) + ".pt")));
     });
     CHECK(opt_b.param_groups()[0].options().get_lr() == 1e-2);  // the saved double, as it was
     torch::manual_seed(7);
@@ -179,7 +185,8 @@ TEST_CASE("a job of two ranks loads what 1-4 ranks saved, FullShard or HybridSha
   auto save = [&](auto& model) {
     auto opt = make_adamw(model, adamw_options());
     train_step(model, opt, world);
-    checkpoint::save_state_dict(dir / ("s" + std::to_string(world.rank()) + ".pt"), sharded_state_dict(model.sharded()));
+    checkpoint::save_state_dict(dir / ("s" + std::to_string(world.rank()) + ".pt"),
+                                sharded_state_dict(model.sharded()));
     reference = full_state_dict(model.sharded(), true);
   };
   if (hybrid) {
@@ -293,8 +300,9 @@ TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkp
   CHECK(fs::exists(root / "global_step_3"));
 
   // A truncated extra-state file is named as such, even when checksums are not verified.
-  const fs::path extra_file = checkpoint::step_dir(root, 5) /
-                              checkpoint::shard_file_name(checkpoint::Component::extra_state, world.size(), world.rank());
+  const fs::path extra_file =
+      checkpoint::step_dir(root, 5) /
+      checkpoint::shard_file_name(checkpoint::Component::extra_state, world.size(), world.rank());
   fs::resize_file(extra_file, fs::file_size(extra_file) - 1);
   CkptModel<> again(ResMlp(), world);
   auto opt3 = make_adamw(again, adamw_options());
@@ -302,7 +310,8 @@ TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkp
                     Catch::Contains(extra_file.string()) && Catch::Contains("truncated"));
 }
 
-TEST_CASE("a run that resumes after a crash commits the steps it saves again from its own files only", "[checkpoint][coordinator]") {
+TEST_CASE("a run that resumes after a crash commits the steps it saves again from its own files only",
+          "[checkpoint][coordinator]") {
   auto world = any_world();
   const fs::path root = fresh_dir("resave");
   const bool last_rank = world.rank() == world.size() - 1;
@@ -337,7 +346,9 @@ TEST_CASE("a run that resumes after a crash commits the steps it saves again fro
   REQUIRE(load_checkpoint(root, model, opt, {.restore_rng = false})->step == 3);
   ExtraState extra;
   CheckpointCoordinator run(root, model, {.max_to_keep = 2});
-  run.add_monitor({.before_save = [](int64_t, checkpoint::Component) { std::this_thread::sleep_for(std::chrono::milliseconds(200)); }});
+  run.add_monitor({.before_save = [](int64_t, checkpoint::Component) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }});
   const auto committed_as_saved = [&](int64_t step) {
     const auto record = checkpoint::read_commit_record(checkpoint::step_dir(root, step));
     REQUIRE(record.has_value());
@@ -566,14 +577,15 @@ TEST_CASE("a coordinator says what it waits for, and teardown after an error aba
     CHECK(caught - thrown < std::chrono::seconds(20));
     CHECK_THAT(said, Catch::Contains(::fsdpx::detail::str(
                          "fsdpx: checkpoint step 2 was abandoned, not committed: this process is ending after an "
-                         "error while it waited for rank ", world.size() - 1, "'s model file")));
+                         "error while it waited for rank ",
+                         world.size() - 1, "'s model file")));
   } else {
     fail_on_rank0();
   }
   world.barrier();
   // The last rank's files landed after the teardown; nothing committed them, and step 1 still stands.
-  CHECK(fs::exists(checkpoint::step_dir(root, 2) / checkpoint::shard_file_name(checkpoint::Component::model, world.size(),
-                                                                            world.size() - 1)));
+  CHECK(fs::exists(checkpoint::step_dir(root, 2) /
+                   checkpoint::shard_file_name(checkpoint::Component::model, world.size(), world.size() - 1)));
   CHECK_FALSE(fs::exists(checkpoint::step_dir(root, 2) / checkpoint::config_file));
   CHECK(checkpoint::find_latest_checkpoint(root, /*weights_only=*/true) == 1);
   world.barrier();
@@ -590,9 +602,12 @@ TEST_CASE("a lease a crashed reader left unreadable or empty pins its step only 
     // Empty, as a crash between create and write leaves it (and as a temporary file looks mid-write).
     for (const char* name : {"vm-123-0", "vm-123-1.tmp"}) {
       const fs::path lease = leases / name;
-      { std::ofstream touch(lease); }
+      {
+        std::ofstream touch(lease);
+      }
       CHECK(checkpoint::is_leased(step));  // young: it may be being written
-      fs::last_write_time(lease, fs::file_time_type::clock::now() - checkpoint::detail::lease_write_grace - std::chrono::seconds(1));
+      fs::last_write_time(
+          lease, fs::file_time_type::clock::now() - checkpoint::detail::lease_write_grace - std::chrono::seconds(1));
       CHECK_FALSE(checkpoint::is_leased(step));  // old: debris
       fs::remove(lease);
     }
@@ -601,12 +616,14 @@ TEST_CASE("a lease a crashed reader left unreadable or empty pins its step only 
     const fs::path fifo = leases / "vm-123-2";
     REQUIRE(::mkfifo(fifo.c_str(), 0600) == 0);
     CHECK(checkpoint::is_leased(step));
-    fs::last_write_time(fifo, fs::file_time_type::clock::now() - checkpoint::detail::lease_write_grace - std::chrono::seconds(1));
+    fs::last_write_time(
+        fifo, fs::file_time_type::clock::now() - checkpoint::detail::lease_write_grace - std::chrono::seconds(1));
     CHECK_FALSE(checkpoint::is_leased(step));
     fs::remove(fifo);
     // A readable lease of a live process of this host pins the step however old it is.
     const fs::path live = leases / "live";
-    fsdpx::detail::write_text_durably(live, ::fsdpx::detail::str(checkpoint::detail::host_name(), " ", ::getpid(), "\n"));
+    fsdpx::detail::write_text_durably(live,
+                                      ::fsdpx::detail::str(checkpoint::detail::host_name(), " ", ::getpid(), "\n"));
     fs::last_write_time(live, fs::file_time_type::clock::now() - std::chrono::hours(24));
     CHECK(checkpoint::is_leased(step));
   }
@@ -633,8 +650,8 @@ TEST_CASE("a real commit record holds exactly the fields of docs/checkpoint.md",
   const auto end = doc.find("```", begin + 8);
   REQUIRE((begin != std::string::npos && end != std::string::npos));
   const auto spec = fsdpx::detail::parse_json(doc.substr(begin + 8, end - begin - 8), "docs/checkpoint.md's example");
-  const auto real = fsdpx::detail::parse_json(fsdpx::detail::read_text(checkpoint::step_dir(root, 1) / checkpoint::config_file),
-                                              "the commit record");
+  const auto real = fsdpx::detail::parse_json(
+      fsdpx::detail::read_text(checkpoint::step_dir(root, 1) / checkpoint::config_file), "the commit record");
   const auto keys = [](const fsdpx::detail::Json& j) {
     std::set<std::string> k;
     for (const auto& [key, v] : j.items()) k.insert(key);
@@ -694,7 +711,8 @@ void require_same_buffers(BnModel& a, BnModel& b) {
 }
 }  // namespace
 
-TEST_CASE("buffers (BatchNorm statistics, a counter, a router bias) are in every state dict kind", "[checkpoint][buffers]") {
+TEST_CASE("buffers (BatchNorm statistics, a counter, a router bias) are in every state dict kind",
+          "[checkpoint][buffers]") {
   auto world = any_world();
   const fs::path dir = fresh_dir("buffers");
   torch::manual_seed(1);
@@ -721,7 +739,8 @@ TEST_CASE("buffers (BatchNorm statistics, a counter, a router bias) are in every
     CHECK(n == (world.rank() == 0 ? 7 : 0));  // buffers once, in world rank 0's file
     checkpoint::save_state_dict(dir / ("s" + std::to_string(world.rank()) + ".pt"), sd);
     // The same files under their checkpoint names, for fsdpx-merge's reader.
-    checkpoint::save_state_dict(dir / checkpoint::shard_file_name(checkpoint::Component::model, world.size(), world.rank()), sd);
+    checkpoint::save_state_dict(
+        dir / checkpoint::shard_file_name(checkpoint::Component::model, world.size(), world.rank()), sd);
     world.barrier();
     load_files(b, dir, "s", world.size());
     CHECK(same_shards(a, b));
@@ -758,7 +777,8 @@ TEST_CASE("buffers (BatchNorm statistics, a counter, a router bias) are in every
   SECTION("a state dict without the buffers is refused, naming them") {
     StateDict sd = full_state_dict(a.sharded(), /*all_ranks=*/true);
     std::erase_if(sd.entries, [](const auto& e) { return e.name == "b1.bn.running_var"; });
-    REQUIRE_THROWS_WITH(load_model_state_dict(b.sharded(), sd), Catch::Matchers::Contains("missing: b1.bn.running_var"));
+    REQUIRE_THROWS_WITH(load_model_state_dict(b.sharded(), sd),
+                        Catch::Matchers::Contains("missing: b1.bn.running_var"));
   }
 }
 
@@ -788,7 +808,8 @@ struct ResumedStep {
       : model(frozen_mlp(5, frozen), comm), opt(make_adamw(model, adamw_options())) {
     load_files(model, dir, "m", saved_world);
     load_optimizer_state_dict(opt, model.sharded(), [&](const auto& fn) {
-      for (int r = 0; r < saved_world; ++r) fn(checkpoint::load_state_dict_file(dir / ("o" + std::to_string(r) + ".pt")));
+      for (int r = 0; r < saved_world; ++r)
+        fn(checkpoint::load_state_dict_file(dir / ("o" + std::to_string(r) + ".pt")));
     });
     ResMlp copy = frozen_mlp(5, frozen);
     {
@@ -822,8 +843,9 @@ struct ResumedStep {
 
 }  // namespace
 
-TEST_CASE("resuming with other parameters frozen restores the optimizer exactly at every world size, or says what changed",
-          "[checkpoint][reshard][errors]") {
+TEST_CASE(
+    "resuming with other parameters frozen restores the optimizer exactly at every world size, or says what changed",
+    "[checkpoint][reshard][errors]") {
   auto world = any_world();
   // Saved with the block r1 and the head frozen; each resume trains one step.
   const fs::path dir = fresh_dir("refreeze");
@@ -832,8 +854,10 @@ TEST_CASE("resuming with other parameters frozen restores the optimizer exactly 
     auto opt = make_adamw(model, adamw_options());
     torch::manual_seed(5);
     for (int i = 0; i < 2; ++i) train_step(model, opt, world);
-    checkpoint::save_state_dict(dir / ("m" + std::to_string(world.rank()) + ".pt"), sharded_state_dict(model.sharded()));
-    checkpoint::save_state_dict(dir / ("o" + std::to_string(world.rank()) + ".pt"), optimizer_state_dict(model.sharded(), opt));
+    checkpoint::save_state_dict(dir / ("m" + std::to_string(world.rank()) + ".pt"),
+                                sharded_state_dict(model.sharded()));
+    checkpoint::save_state_dict(dir / ("o" + std::to_string(world.rank()) + ".pt"),
+                                optimizer_state_dict(model.sharded(), opt));
   }
   world.barrier();
   auto pair = world.split(world.rank() < 2 ? 0 : dist::no_color, world.rank(), "pair");
@@ -872,7 +896,8 @@ TEST_CASE("resuming with other parameters frozen restores the optimizer exactly 
   world.barrier();
 }
 
-TEST_CASE("resuming another model's checkpoint root names the model, not a part it happens to lack", "[checkpoint][errors]") {
+TEST_CASE("resuming another model's checkpoint root names the model, not a part it happens to lack",
+          "[checkpoint][errors]") {
   auto world = any_world();
   const fs::path root = fresh_dir("other_model");
   {  // saved by "another program": 3 blocks, no scheduler

@@ -32,7 +32,9 @@ namespace fs = std::filesystem;
 namespace ckpt = fsdpx::checkpoint;
 
 std::string read_all(const fs::path& p) { return fsdpx::detail::read_text(p); }
-void write_all(const fs::path& p, const std::string& bytes) { std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes; }
+void write_all(const fs::path& p, const std::string& bytes) {
+  std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;
+}
 
 /// One mutation of `bytes`, described in `what`.
 std::string mutate(std::string bytes, std::mt19937_64& rng, std::string& what) {
@@ -57,11 +59,12 @@ std::string mutate(std::string bytes, std::mt19937_64& rng, std::string& what) {
       break;
     }
     case 3: {  // a number in the text replaced by an extreme one
-      static const char* extremes[] = {"9223372036854775807", "-1", "4294967298", "1e308", "-9223372036854775808",
+      static const char* extremes[] = {"9223372036854775807",  "-1",  "4294967298", "1e308", "-9223372036854775808",
                                        "18446744073709551615", "2.5", "0"};
       std::vector<size_t> digits;
       for (size_t i = 0; i < bytes.size(); ++i) {
-        if (bytes[i] >= '0' && bytes[i] <= '9' && (i == 0 || !(bytes[i - 1] >= '0' && bytes[i - 1] <= '9'))) digits.push_back(i);
+        if (bytes[i] >= '0' && bytes[i] <= '9' && (i == 0 || !(bytes[i - 1] >= '0' && bytes[i - 1] <= '9')))
+          digits.push_back(i);
       }
       if (digits.empty()) return mutate(std::move(bytes), rng, what);
       const size_t at = digits[pick(digits.size())];
@@ -120,7 +123,8 @@ constexpr auto time_limit = std::chrono::seconds(60);
 
 /// Up to `iterations` rounds (within `time_limit`): one of `files` in `dir` is mutated, `check(what)`
 /// runs the readers on it, and the file is restored. Returns the rounds done.
-int fuzz_files(const fs::path& dir, const std::vector<std::string>& files, const std::function<void(const std::string&)>& check) {
+int fuzz_files(const fs::path& dir, const std::vector<std::string>& files,
+               const std::function<void(const std::string&)>& check) {
   std::vector<std::string> originals;
   for (const auto& f : files) originals.push_back(read_all(dir / f));
   std::mt19937_64 rng(seed());
@@ -140,24 +144,29 @@ int fuzz_files(const fs::path& dir, const std::vector<std::string>& files, const
 
 TEST_CASE("fuzz: crafted checkpoint files end in an error naming the file, never a crash", "[security][checkpoint]") {
   merge_fixture::TempDir tmp;
-  const fs::path dir = merge_fixture::write_checkpoint(tmp.path / "ckpt", 12, merge_fixture::shard(merge_fixture::originals(), 2));
-  const std::vector<std::string> files = {ckpt::config_file, "model_world_size_2_rank_0.pt", "model_world_size_2_rank_1.pt",
-                                          "optim_world_size_2_rank_0.pt"};
+  const fs::path dir =
+      merge_fixture::write_checkpoint(tmp.path / "ckpt", 12, merge_fixture::shard(merge_fixture::originals(), 2));
+  const std::vector<std::string> files = {ckpt::config_file, "model_world_size_2_rank_0.pt",
+                                          "model_world_size_2_rank_1.pt", "optim_world_size_2_rank_0.pt"};
   const int done = fuzz_files(dir, files, [&](const std::string& what) {
     for (const bool verify : {true, false}) {  // unverified, the corrupt bytes reach the parsers
-      expect_clean("merge", what, [&] { ckpt::merge_checkpoint(dir, {.verify_checksums = verify, .warn = [](const std::string&) {}}); });
+      expect_clean("merge", what, [&] {
+        ckpt::merge_checkpoint(dir, {.verify_checksums = verify, .warn = [](const std::string&) {}});
+      });
     }
     expect_clean("read_commit_record", what, [&] {
       if (const auto r = ckpt::read_commit_record(dir)) ckpt::verify_step(dir, *r, true);
     });
-    for (size_t i = 1; i < files.size(); ++i) expect_clean("load_shard_file " + files[i], what, [&] { ckpt::load_shard_file(dir, files[i]); });
+    for (size_t i = 1; i < files.size(); ++i)
+      expect_clean("load_shard_file " + files[i], what, [&] { ckpt::load_shard_file(dir, files[i]); });
   });
   std::printf("fuzz: %d crafted checkpoints\n", done);
   CHECK(done >= 50);
   CHECK(ckpt::merge_checkpoint(dir).size() == merge_fixture::originals().size());  // and the intact one still merges
 }
 
-TEST_CASE("fuzz: crafted safetensors files and indexes end in an error naming the file, never a crash", "[security][safetensors]") {
+TEST_CASE("fuzz: crafted safetensors files and indexes end in an error naming the file, never a crash",
+          "[security][safetensors]") {
   merge_fixture::TempDir tmp;
   fsdpx::hf::NamedTensors tensors;
   for (int i = 0; i < 6; ++i) tensors.emplace_back("layer" + std::to_string(i) + "_w", at::full({10, 10}, float(i)));
@@ -213,7 +222,8 @@ void make_fifo(const fs::path& p) {
 TEST_CASE("special files, huge files and records that contradict their files are refused at once, naming them",
           "[security][checkpoint]") {
   merge_fixture::TempDir tmp;
-  const auto fresh = [&](const std::string& name, std::vector<fsdpx::StateDict> sds = merge_fixture::shard(merge_fixture::originals(), 2)) {
+  const auto fresh = [&](const std::string& name,
+                         std::vector<fsdpx::StateDict> sds = merge_fixture::shard(merge_fixture::originals(), 2)) {
     const fs::path root = tmp.path / name;
     return std::pair{root, merge_fixture::write_checkpoint(root, 12, sds)};
   };
@@ -235,7 +245,8 @@ TEST_CASE("special files, huge files and records that contradict their files are
     CHECK_THAT(io_error([&] { ckpt::merge_checkpoint(dir, {.warn = [](const std::string&) {}}); }),
                Catch::Contains("has 2147483648 bytes but fsdp_config.json records"));
     fs::resize_file(dir / ckpt::config_file, int64_t{2} << 30);
-    CHECK_THAT(io_error([&] { ckpt::read_commit_record(dir); }), Catch::Contains("has 2147483648 bytes; it may have at most 16777216"));
+    CHECK_THAT(io_error([&] { ckpt::read_commit_record(dir); }),
+               Catch::Contains("has 2147483648 bytes; it may have at most 16777216"));
   }
   SECTION("a commit record whose world size is not that of its files; one that is not complete") {
     auto [root, dir] = fresh("world");
@@ -244,7 +255,8 @@ TEST_CASE("special files, huge files and records that contradict their files are
       record["world_size"] = world;
       fsdpx::detail::write_text_durably(dir / ckpt::config_file, record.dump());
       CHECK_THAT(io_error([&] { ckpt::read_commit_record(dir); }),
-                 Catch::Contains("world_size is " + std::to_string(world) + " but it lists '") && Catch::Contains("of a world of 2"));
+                 Catch::Contains("world_size is " + std::to_string(world) + " but it lists '") &&
+                     Catch::Contains("of a world of 2"));
     }
     record["world_size"] = 2;
     record["complete"] = false;
@@ -256,19 +268,23 @@ TEST_CASE("special files, huge files and records that contradict their files are
     auto sds = merge_fixture::shard(merge_fixture::originals(), 2);
     // A slice of rank 0's that rank 1's file does not name (a file holds one entry per name).
     const auto twice = std::find_if(sds[0].entries.begin(), sds[0].entries.end(), [&](const fsdpx::TensorSlice& s) {
-      return std::none_of(sds[1].entries.begin(), sds[1].entries.end(), [&](const fsdpx::TensorSlice& o) { return o.name == s.name; });
+      return std::none_of(sds[1].entries.begin(), sds[1].entries.end(),
+                          [&](const fsdpx::TensorSlice& o) { return o.name == s.name; });
     });
     REQUIRE(twice != sds[0].entries.end());
     sds[1].entries.push_back(*twice);
     auto [root, dir] = fresh("twice", sds);
-    CHECK_THAT(io_error([&] { ckpt::merge_checkpoint(dir, {.warn = [](const std::string&) {}}); }),
-               Catch::Contains("hold parts of parameters in more than one rank's file: '" + twice->name + "' elements [" +
-                               std::to_string(twice->begin) + ", " + std::to_string(twice->end) + ")"));
+    CHECK_THAT(
+        io_error([&] { ckpt::merge_checkpoint(dir, {.warn = [](const std::string&) {}}); }),
+        Catch::Contains("hold parts of parameters in more than one rank's file: '" + twice->name + "' elements [" +
+                        std::to_string(twice->begin) + ", " + std::to_string(twice->end) + ")"));
   }
 }
 
-TEST_CASE("fuzz: a crafted config.json is refused naming its field, or describes the weights: never a crash or an "
-          "allocation beyond the files", "[security][hf]") {
+TEST_CASE(
+    "fuzz: a crafted config.json is refused naming its field, or describes the weights: never a crash or an "
+    "allocation beyond the files",
+    "[security][hf]") {
   merge_fixture::TempDir tmp;
   // A tiny Qwen2 folder: its config.json and weights of the shapes it implies.
   fsdpx::models::DecoderConfig c;

@@ -106,7 +106,8 @@ TEST_CASE("merge: without fsdp_config.json, with a warning that it is not commit
   const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 7, merge_fixture::shard(full, 3), /*commit=*/false);
   std::vector<std::string> warnings;
   ckpt::MergeReport report;
-  require_same_sorted(ckpt::merge_checkpoint(dir, {.warn = [&](const std::string& w) { warnings.push_back(w); }}, &report), full);
+  require_same_sorted(
+      ckpt::merge_checkpoint(dir, {.warn = [&](const std::string& w) { warnings.push_back(w); }}, &report), full);
   REQUIRE(warnings.size() == 1);
   CHECK_THAT(warnings[0], Catch::Contains("never committed") && Catch::Contains("cannot be verified") &&
                               Catch::Contains("world size, 3,"));
@@ -115,13 +116,14 @@ TEST_CASE("merge: without fsdp_config.json, with a warning that it is not commit
 
   // ... but files of two world sizes cannot be told apart
   ckpt::save_state_dict(model_file(dir, 2, 0), merge_fixture::shard(full, 2)[0]);
-  CHECK_THAT(merge_error(dir), Catch::Contains("2 different world sizes") &&
-                                   Catch::Contains(model_file(dir, 2, 0).string()));
+  CHECK_THAT(merge_error(dir),
+             Catch::Contains("2 different world sizes") && Catch::Contains(model_file(dir, 2, 0).string()));
 }
 
 TEST_CASE("merge: a missing rank file is named", "[checkpoint][merge][errors]") {
   TempDir tmp;
-  const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 3));
+  const fs::path dir =
+      merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 3));
   fs::remove(model_file(dir, 3, 1));
   CHECK_THAT(merge_error(dir), Catch::Contains(model_file(dir, 3, 1).string() + "' (rank 1 of 3) is missing"));
 }
@@ -150,7 +152,8 @@ TEST_CASE("merge: fsdp_config.json's world size against the file names", "[check
 
 TEST_CASE("merge: a truncated file is named", "[checkpoint][merge][errors]") {
   TempDir tmp;
-  const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 3));
+  const fs::path dir =
+      merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 3));
   const fs::path victim = model_file(dir, 3, 2);
   const auto bytes = static_cast<int64_t>(fs::file_size(victim));
   truncate_in_half(victim);
@@ -168,7 +171,8 @@ TEST_CASE("merge: a truncated file is named", "[checkpoint][merge][errors]") {
 
 TEST_CASE("merge: corrupted bytes fail the CRC check, naming the file", "[checkpoint][merge][errors]") {
   TempDir tmp;
-  const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 3));
+  const fs::path dir =
+      merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 3));
   const fs::path victim = model_file(dir, 3, 1);
   const auto size = static_cast<int64_t>(fs::file_size(victim));
   flip_bytes(victim, size / 2, 4);
@@ -178,13 +182,15 @@ TEST_CASE("merge: corrupted bytes fail the CRC check, naming the file", "[checkp
 
 TEST_CASE("merge: a file whose world size and rank disagree with its name", "[checkpoint][merge][errors]") {
   TempDir tmp;
-  const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 3));
+  const fs::path dir =
+      merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 3));
   // swap ranks 0 and 2 (sizes and CRCs no longer match either: skip that check to reach the fields)
   fs::rename(model_file(dir, 3, 0), dir / "tmp.pt");
   fs::rename(model_file(dir, 3, 2), model_file(dir, 3, 0));
   fs::rename(dir / "tmp.pt", model_file(dir, 3, 2));
   CHECK_THAT(merge_error(dir, {.verify_checksums = false}),
-             Catch::Contains("'" + model_file(dir, 3, 0).string() + "' says it is rank 2 of 3, but its name says rank 0 of 3"));
+             Catch::Contains("'" + model_file(dir, 3, 0).string() +
+                             "' says it is rank 2 of 3, but its name says rank 0 of 3"));
 }
 
 TEST_CASE("merge: a gap in a parameter names the parameter and the range", "[checkpoint][merge][errors]") {
@@ -192,14 +198,15 @@ TEST_CASE("merge: a gap in a parameter names the parameter and the range", "[che
   auto sds = merge_fixture::shard(merge_fixture::originals(), 3);
   // drop rank 1's slice of lm_head.weight
   auto& entries = sds[1].entries;
-  const auto it = std::find_if(entries.begin(), entries.end(), [](const auto& s) { return s.name == "lm_head.weight"; });
+  const auto it =
+      std::find_if(entries.begin(), entries.end(), [](const auto& s) { return s.name == "lm_head.weight"; });
   REQUIRE(it != entries.end());
   const int64_t begin = it->begin, end = it->end;
   entries.erase(it);
   const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 12, sds);
-  CHECK_THAT(merge_error(dir), Catch::Contains("uncovered") &&
-                                   Catch::Contains("'lm_head.weight' elements [" + std::to_string(begin) + ", " +
-                                                   std::to_string(end) + ")"));
+  CHECK_THAT(merge_error(dir),
+             Catch::Contains("uncovered") && Catch::Contains("'lm_head.weight' elements [" + std::to_string(begin) +
+                                                             ", " + std::to_string(end) + ")"));
 }
 
 TEST_CASE("merge: a local state dict cannot be merged without the model", "[checkpoint][merge][errors]") {
@@ -220,7 +227,8 @@ TEST_CASE("merge: not a checkpoint", "[checkpoint][merge][errors]") {
 
 TEST_CASE("merge: the huggingface directory is copied", "[checkpoint][merge]") {
   TempDir tmp;
-  const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 2));
+  const fs::path dir =
+      merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 2));
   const auto written = ckpt::copy_huggingface_files(dir, tmp.path / "out");
   REQUIRE(written.size() == 1);
   CHECK(fsdpx::detail::read_text(tmp.path / "out" / "config.json") == "{\"model_type\": \"fsdpx-test\"}\n");
@@ -250,9 +258,11 @@ TEST_CASE("merge: the commit record of the weights alone (\"complete\": false) i
                                    Catch::Contains("model component is not committed"));
 }
 
-TEST_CASE("merge: a crafted commit record cannot make it allocate, wrap a number or overflow the stack", "[checkpoint][merge][errors]") {
+TEST_CASE("merge: a crafted commit record cannot make it allocate, wrap a number or overflow the stack",
+          "[checkpoint][merge][errors]") {
   TempDir tmp;
-  const fs::path dir = merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 2));
+  const fs::path dir =
+      merge_fixture::write_checkpoint(tmp.path, 12, merge_fixture::shard(merge_fixture::originals(), 2));
   const fs::path config = dir / ckpt::config_file;
   const std::string good = fsdpx::detail::read_text(config);
   const auto with = [&](const std::string& from, const std::string& to) {
@@ -271,10 +281,12 @@ TEST_CASE("merge: a crafted commit record cannot make it allocate, wrap a number
   with("\"world_size\": 2", "\"world_size\": -2");
   CHECK_THAT(merge_error(dir), Catch::Contains("world_size is -2"));
   with("\"world_size\": 2", "\"world_size\": 2.5");
-  CHECK_THAT(merge_error(dir), Catch::Contains("\"world_size\" must be an integer") && Catch::Contains("not the number 2.5"));
+  CHECK_THAT(merge_error(dir),
+             Catch::Contains("\"world_size\" must be an integer") && Catch::Contains("not the number 2.5"));
   // 200,000 nested arrays: a recursive parser would overflow the stack.
   fsdpx::detail::write_text_durably(config, std::string(200000, '[') + std::string(200000, ']'));
-  CHECK_THAT(merge_error(dir), Catch::Contains("'" + config.string() + "' nests JSON objects and arrays deeper than 64 levels"));
+  CHECK_THAT(merge_error(dir),
+             Catch::Contains("'" + config.string() + "' nests JSON objects and arrays deeper than 64 levels"));
   fsdpx::detail::write_text_durably(config, "{\"format\": \"fsdpx\", \"format_version\": ");
   CHECK_THAT(merge_error(dir), Catch::Contains("'" + config.string() + "' is not valid JSON at byte"));
 }
@@ -282,11 +294,12 @@ TEST_CASE("merge: a crafted commit record cannot make it allocate, wrap a number
 TEST_CASE("merge: links in a checkpoint's huggingface/ are not followed, and nothing is written outside the output",
           "[checkpoint][merge][errors]") {
   TempDir tmp;
-  const fs::path dir = merge_fixture::write_checkpoint(tmp.path / "ckpt", 12, merge_fixture::shard(merge_fixture::originals(), 2));
+  const fs::path dir =
+      merge_fixture::write_checkpoint(tmp.path / "ckpt", 12, merge_fixture::shard(merge_fixture::originals(), 2));
   const fs::path hf = dir / "huggingface";
   const fs::path secret = tmp.path / "secret.txt";
   std::ofstream(secret) << "not for the output\n";
-  fs::create_symlink(secret, hf / "tokenizer.json");              // a link out of the checkpoint
+  fs::create_symlink(secret, hf / "tokenizer.json");  // a link out of the checkpoint
   fs::create_directories(tmp.path / "outside");
   fs::create_directory_symlink(tmp.path / "outside", hf / "sub");  // and a linked folder
   std::ofstream(hf / "generation_config.json") << "{}\n";
@@ -294,7 +307,7 @@ TEST_CASE("merge: links in a checkpoint's huggingface/ are not followed, and not
   fs::create_directories(out);
   const fs::path target = tmp.path / "outside" / "victim.json";
   std::ofstream(target) << "unchanged\n";
-  fs::create_symlink(target, out / "generation_config.json");     // a link already in the output
+  fs::create_symlink(target, out / "generation_config.json");  // a link already in the output
   const auto written = ckpt::copy_huggingface_files(dir, out);
   std::vector<std::string> names;
   for (const auto& f : written) names.push_back(f.path.filename().string());
@@ -302,7 +315,7 @@ TEST_CASE("merge: links in a checkpoint's huggingface/ are not followed, and not
   CHECK(names == std::vector<std::string>{"config.json", "generation_config.json"});
   CHECK_FALSE(fs::exists(out / "tokenizer.json"));
   CHECK_FALSE(fs::exists(out / "sub"));
-  CHECK(fsdpx::detail::read_text(target) == "unchanged\n");             // the link was replaced, not followed
+  CHECK(fsdpx::detail::read_text(target) == "unchanged\n");  // the link was replaced, not followed
   CHECK_FALSE(fs::is_symlink(out / "generation_config.json"));
   CHECK(fsdpx::detail::read_text(out / "generation_config.json") == "{}\n");
 }

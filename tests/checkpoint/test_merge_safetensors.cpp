@@ -108,7 +108,8 @@ TEST_CASE("safetensors: sharded with an index, and a bfloat16 cast", "[checkpoin
   for (int i = 0; i < 5; ++i) {
     CHECK(saved.files[i].path.filename() == "model-0000" + std::to_string(i + 1) + "-of-00005.safetensors");
   }
-  const Json index = fsdpx::detail::parse_json(fsdpx::detail::read_text(tmp.path / "model.safetensors.index.json"), "index");
+  const Json index =
+      fsdpx::detail::parse_json(fsdpx::detail::read_text(tmp.path / "model.safetensors.index.json"), "index");
   CHECK(index["metadata"]["total_size"] == saved.total_size);
   CHECK(index["weight_map"]["layers.3.w"] == "model-00002-of-00005.safetensors");
   CHECK(index["weight_map"]["big"] == "model-00004-of-00005.safetensors");
@@ -148,7 +149,9 @@ TEST_CASE("safetensors: truncated and malformed files are named", "[checkpoint][
   fsdpx::hf::save_safetensors(tmp.path, all_dtypes());
   const fs::path file = tmp.path / "model.safetensors";
   const std::string good = fsdpx::detail::read_text(file);
-  const auto write = [&](const std::string& bytes) { std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes; };
+  const auto write = [&](const std::string& bytes) {
+    std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
+  };
 
   write(good.substr(0, good.size() - 3));
   CHECK_THAT(load_error(file), Catch::Contains("'" + file.string() + "' is truncated"));

@@ -31,6 +31,7 @@ int main() {
 #else
   const char* mode = "header-only";
 #endif
-  std::printf("consumer: fsdpx %s (%s), rank %d of %d: all_reduce ok\n", fsdpx::version, mode, world.rank(), world.size());
+  std::printf("consumer: fsdpx %s (%s), rank %d of %d: all_reduce ok\n", fsdpx::version, mode, world.rank(),
+              world.size());
   return 0;
 }

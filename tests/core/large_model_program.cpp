@@ -69,10 +69,11 @@ int main(int argc, char** argv) {
                   sharded->tok->weight.std().item<float>() > 0.5f;  // N(0, 1), not garbage or zeros
   }
   if (world.rank() == 0) {
-    std::printf("RESULT mode=%s ranks=%d params=%lld model_mib=%.0f peak_growth_mib=%.0f (%.2f of the model) "
-                "bound_mib=%.0f first_loss=%.3f initialized=%d\n",
-                mode.c_str(), world.size(), static_cast<long long>(numel), model_mib, worst.item<double>(),
-                worst.item<double>() / model_mib, bound, loss.item<float>(), initialized ? 1 : 0);
+    std::printf(
+        "RESULT mode=%s ranks=%d params=%lld model_mib=%.0f peak_growth_mib=%.0f (%.2f of the model) "
+        "bound_mib=%.0f first_loss=%.3f initialized=%d\n",
+        mode.c_str(), world.size(), static_cast<long long>(numel), model_mib, worst.item<double>(),
+        worst.item<double>() / model_mib, bound, loss.item<float>(), initialized ? 1 : 0);
   }
   if (mode == "deferred" && (worst.item<double>() > bound || worst.item<double>() >= model_mib || !initialized)) {
     if (world.rank() == 0) std::fprintf(stderr, "fsdpx_large_model: a rank held more than its share\n");

@@ -24,9 +24,11 @@ int main() {
   };
   for (const auto& [name, schedule] : schedules) {
     // Two groups with different base LRs: every group follows the schedule.
-    torch::optim::SGD optimizer(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())}, torch::optim::SGDOptions(3e-4));
+    torch::optim::SGD optimizer(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())},
+                                torch::optim::SGDOptions(3e-4));
     auto second = std::make_unique<torch::optim::SGDOptions>(1e-2);
-    optimizer.add_param_group(torch::optim::OptimizerParamGroup({at::zeros({1}, at::requires_grad())}, std::move(second)));
+    optimizer.add_param_group(
+        torch::optim::OptimizerParamGroup({at::zeros({1}, at::requires_grad())}, std::move(second)));
     fsdpx::LrScheduler scheduler(optimizer, schedule);
     std::vector<std::vector<double>> lrs;  // [step][group]
     for (int step = 0; step <= 100; ++step) {

@@ -70,7 +70,9 @@ struct ResMlpImpl : torch::nn::Module {
     for (int64_t i = 0; i < blocks_n; ++i) blocks.push_back(register_module("r" + std::to_string(i), ResBlock(dim)));
     head = register_module("head", torch::nn::Linear(dim, classes));
   }
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) { return stem_blocks_head_loss(stem, blocks, head, x, y); }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
+    return stem_blocks_head_loss(stem, blocks, head, x, y);
+  }
   torch::nn::Linear stem{nullptr}, head{nullptr};
   std::vector<ResBlock> blocks;
 };
@@ -115,7 +117,9 @@ struct LoraNetImpl : torch::nn::Module {
     for (int i = 0; i < 3; ++i) blocks.push_back(register_module("r" + std::to_string(i), LoraBlock(16)));
     head = register_module("head", torch::nn::Linear(16, 5));
   }
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) { return stem_blocks_head_loss(stem, blocks, head, x, y); }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
+    return stem_blocks_head_loss(stem, blocks, head, x, y);
+  }
   torch::nn::Linear stem{nullptr}, head{nullptr};
   std::vector<LoraBlock> blocks;
 };

@@ -31,7 +31,6 @@ struct ParityContext {
 };
 ParityContext& parity_context();
 
-
 struct ParityRun {
   int steps = 5;
   int micro_steps = 1;
@@ -122,7 +121,8 @@ void check_parity(Make make, const std::function<Batch(int)>& batch, const Parit
 
       const auto mine = rows(global, W, m, run.micro_steps, r).to(ctx.device);
       sharded.set_requires_gradient_sync(!run.no_sync || m == run.micro_steps - 1);
-      if (run.dropped_forward) (void)sharded(b.x.index_select(0, mine), b.y.index_select(0, mine)).template item<double>();
+      if (run.dropped_forward)
+        (void)sharded(b.x.index_select(0, mine), b.y.index_select(0, mine)).template item<double>();
       auto ls = sharded(b.x.index_select(0, mine), b.y.index_select(0, mine)) / run.micro_steps;
       ls.backward();
       local_loss += ls.item().toDouble();
@@ -236,7 +236,8 @@ inline void check_bf16_parity(const test::GptConfig& c, int steps) {
   }
   {
     auto scope = sharded.full_parameters();
-    for (const auto& p : sharded->named_parameters()) REQUIRE(p.value().scalar_type() == at::kBFloat16);  // computes in bfloat16...
+    for (const auto& p : sharded->named_parameters())
+      REQUIRE(p.value().scalar_type() == at::kBFloat16);  // computes in bfloat16...
   }
   for (const auto& p : sharded.parameters()) REQUIRE(p.scalar_type() == at::kFloat);  // ...masters stay float32
   INFO(parity.summary());

@@ -30,8 +30,8 @@
 
 using namespace fsdpx;
 using namespace fsdpx::test;
-using fsdpx::test::world;
 using Catch::Matchers::Contains;
+using fsdpx::test::world;
 
 namespace {
 
@@ -48,7 +48,8 @@ struct DropBlockImpl : torch::nn::Module {
     unused = register_parameter("unused", at::ones({dim}));
   }
   at::Tensor forward(const at::Tensor& x) {
-    if (g_throw_in_recompute && at::GradMode::is_enabled()) throw std::runtime_error("injected failure in recomputation");
+    if (g_throw_in_recompute && at::GradMode::is_enabled())
+      throw std::runtime_error("injected failure in recomputation");
     return x + b(drop(torch::gelu(a(norm(x)))));
   }
   torch::nn::LayerNorm norm{nullptr};
@@ -94,7 +95,8 @@ struct DropNetImpl : torch::nn::Module {
 TORCH_MODULE(DropNet);
 
 template <class Mesh, class Offload = NoOffload, class Precision = FullPrecision, class Checkpoint = CheckpointAll>
-using ShardedDropNet = Fsdp<DropNet, Mesh, Offload, Precision, ShardedStateDict, WrapModules<DropBlockImpl>, Checkpoint>;
+using ShardedDropNet =
+    Fsdp<DropNet, Mesh, Offload, Precision, ShardedStateDict, WrapModules<DropBlockImpl>, Checkpoint>;
 
 struct Trained {
   std::vector<double> losses;
@@ -180,18 +182,21 @@ TEST_CASE("LoRA blocks checkpointed: a block whose input needs no gradient still
           "[checkpointing][lora]") {
   // LoraNet's stem is frozen: block r0's input needs no gradient, so only its trainable adapters put
   // the recomputation into the graph.
-  using Sharded = Fsdp<LoraNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<LoraBlockImpl>, CheckpointAll>;
+  using Sharded =
+      Fsdp<LoraNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<LoraBlockImpl>, CheckpointAll>;
   check_on_equals_off<Sharded>([] { return LoraNet(); }, mlp_batch, {.clip = 1.0}, 3);
 }
 
 TEST_CASE("checkpointed units train as unsharded training does (GPT, HybridShard with accumulation)",
           "[checkpointing][parity]") {
   const GptConfig c;
-  check_gpt_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>, CheckpointAll>>(
+  check_gpt_parity<
+      Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>, CheckpointAll>>(
       c, {.clip = 0.5});
   FsdpOptions options;
   options.shard_size = world().size() % 2 == 0 ? 2 : 1;
-  check_gpt_parity<Fsdp<Gpt, HybridShard<>, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>, CheckpointAll>>(
+  check_gpt_parity<
+      Fsdp<Gpt, HybridShard<>, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>, CheckpointAll>>(
       c, {.micro_steps = 2, .no_sync = true, .clip = 1.0}, options);
 }
 
@@ -235,8 +240,7 @@ TEST_CASE("an exception inside a recomputation leaves the next step correct", "[
   }
 }
 
-TEST_CASE("checkpointing turned off for one pass, and a forward without gradients, run as usual",
-          "[checkpointing]") {
+TEST_CASE("checkpointing turned off for one pass, and a forward without gradients, run as usual", "[checkpointing]") {
   at::manual_seed(3);
   ShardedDropNet<FullShard> sharded(DropNet(), world());
   const Batch b = mlp_batch(0);
@@ -340,7 +344,8 @@ TORCH_MODULE(WideNet);
 }  // namespace
 
 TEST_CASE("a checkpointed model holds its units' inputs, not their activations", "[checkpointing][memory]") {
-  using Sharded = Fsdp<WideNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<WideBlockImpl>, CheckpointAll>;
+  using Sharded =
+      Fsdp<WideNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<WideBlockImpl>, CheckpointAll>;
   constexpr int64_t rows_n = 256;
   const int64_t input_bytes = rows_n * WideNetImpl::dim * 4;
   at::manual_seed(5);
@@ -377,7 +382,8 @@ TEST_CASE("a checkpointed model holds its units' inputs, not their activations",
   INFO("activation peak without checkpointing " << off << " B, with " << on << " B, one input " << input_bytes << " B");
   if (world().rank() == 0) {
     std::printf("  activation peak: %.2f MiB without checkpointing, %.2f MiB with (%.1f and %.1f unit inputs)\n",
-                off / 1048576.0, on / 1048576.0, static_cast<double>(off) / input_bytes, static_cast<double>(on) / input_bytes);
+                off / 1048576.0, on / 1048576.0, static_cast<double>(off) / input_bytes,
+                static_cast<double>(on) / input_bytes);
   }
   CHECK(off >= WideNetImpl::blocks_n * 13 * input_bytes);
   CHECK(on <= (WideNetImpl::blocks_n + 13 + 8) * input_bytes + 2 * shard_bytes);

@@ -115,7 +115,9 @@ TEST_CASE("step buffers: a block given back is reused, the cache never holds mor
   cache.end_step();  // a step that used none
   CHECK(cache.free_bytes() == 0);
   // A one-off peak outside a step (every unit gathered for an export) is trimmed to the last step's.
-  { at::Tensor whole = empty_step_buffer(4 * n, f32); }
+  {
+    at::Tensor whole = empty_step_buffer(4 * n, f32);
+  }
   CHECK(cache.free_bytes() >= static_cast<size_t>(16 * n));
   cache.trim();
   CHECK(cache.free_bytes() == 0);

@@ -46,8 +46,7 @@ TEST_CASE("parameters, gradients and optimizer state per rank are 1/shard of the
   int64_t optimizer_bytes = 0;
   for (const auto& group : optimizer.param_groups()) {
     for (const auto& p : group.params()) {
-      const auto& state = static_cast<torch::optim::AdamWParamState&>(
-          *optimizer.state().at(p.unsafeGetTensorImpl()));
+      const auto& state = static_cast<torch::optim::AdamWParamState&>(*optimizer.state().at(p.unsafeGetTensorImpl()));
       optimizer_bytes += state.exp_avg().nbytes() + state.exp_avg_sq().nbytes();
     }
   }

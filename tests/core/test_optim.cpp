@@ -57,8 +57,8 @@ const AdamWParamState& state_of(torch::optim::Optimizer& o, const at::Tensor& p)
 
 // Every stepped parameter of `fused` against `reference`'s, within adamw_update_bound; then the
 // reference takes the fused weights, so that each step is compared from the same weights.
-void check_and_align(torch::optim::Optimizer& fused, const std::vector<at::Tensor>& a, torch::optim::Optimizer& reference,
-                     const std::vector<at::Tensor>& b) {
+void check_and_align(torch::optim::Optimizer& fused, const std::vector<at::Tensor>& a,
+                     torch::optim::Optimizer& reference, const std::vector<at::Tensor>& b) {
   at::NoGradGuard no_grad;
   for (size_t gi = 0; gi < fused.param_groups().size(); ++gi) {
     const auto& o = static_cast<const AdamWOptions&>(fused.param_groups()[gi].options());

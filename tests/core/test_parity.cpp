@@ -20,7 +20,6 @@ using namespace fsdpx;
 using namespace fsdpx::test;
 using fsdpx::test::world;
 
-
 TEST_CASE("GPT, FullShard: parity with unsharded training, clipping on", "[parity][gpt]") {
   const GptConfig c;
   check_gpt_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
@@ -39,8 +38,7 @@ TEST_CASE("GPT, HybridShard (runtime shard size), accumulation without sync", "[
   FsdpOptions options;
   options.shard_size = world().size() % 2 == 0 ? 2 : 1;
   check_gpt_parity<Fsdp<Gpt, HybridShard<>, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
-      c, {.micro_steps = 2, .no_sync = true, .clip = 1.0},
-      options);
+      c, {.micro_steps = 2, .no_sync = true, .clip = 1.0}, options);
 }
 
 TEST_CASE("GPT, NoShard (plain data parallel), accumulation without sync", "[parity][gpt][noshard]") {
@@ -66,9 +64,9 @@ TEST_CASE("residual MLP, HybridShard with the shard size chosen from the paramet
   FsdpOptions options;
   options.auto_shard_budget_bytes = 1;  // nothing fits: the smallest shard size within a node wins
   // WrapBySize<1300>: a residual block holds ~2500 parameters, its largest child (a Linear) ~1200.
-  check_parity<Fsdp<ResMlp, HybridShard<auto_shard_size>, NoOffload, FullPrecision, ShardedStateDict,
-                    WrapBySize<1300>>>([] { return ResMlp(); }, mlp_batch,
-                                       {.no_sync = false, .clip = 1.0, .forward = res_mlp_path()}, options);
+  check_parity<
+      Fsdp<ResMlp, HybridShard<auto_shard_size>, NoOffload, FullPrecision, ShardedStateDict, WrapBySize<1300>>>(
+      [] { return ResMlp(); }, mlp_batch, {.no_sync = false, .clip = 1.0, .forward = res_mlp_path()}, options);
 }
 
 TEST_CASE("HybridShard<auto_shard_size> counts a tensor held under two names once", "[parity][hybrid]") {
@@ -90,7 +88,8 @@ TEST_CASE("HybridShard<auto_shard_size> counts a tensor held under two names onc
   // per rank needs 2 shards when counted once, 4 when counted twice (world size 4).
   FsdpOptions options;
   options.auto_shard_budget_bytes = 100'000;
-  Fsdp<Tied, HybridShard<auto_shard_size>, NoOffload, FullPrecision, ShardedStateDict, NoWrap> sharded(model, ctx.comm, options);
+  Fsdp<Tied, HybridShard<auto_shard_size>, NoOffload, FullPrecision, ShardedStateDict, NoWrap> sharded(model, ctx.comm,
+                                                                                                       options);
   CHECK(sharded.mesh().shard_size() == std::min(2, ctx.comm.size()));
 }
 
@@ -106,7 +105,7 @@ TORCH_MODULE(Bypass);
 
 TEST_CASE("a sharded unit called without fsdpx::forward fails with a clear error", "[core][errors]") {
   Fsdp<Bypass, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<ResBlockImpl>> sharded(Bypass(),
-                                                                                                          world());
+                                                                                                         world());
   using Catch::Matchers::Contains;
   REQUIRE_THROWS_AS(sharded(at::randn({2, 8})), fsdpx::ConfigError);
   REQUIRE_THROWS_WITH(sharded(at::randn({2, 8})),
@@ -115,7 +114,7 @@ TEST_CASE("a sharded unit called without fsdpx::forward fails with a clear error
 
 TEST_CASE("a non-finite gradient norm skips the step and leaves every parameter unchanged", "[core][clip]") {
   Fsdp<ResMlp, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<ResBlockImpl>> sharded(ResMlp(),
-                                                                                                          world());
+                                                                                                         world());
   auto optimizer = make_adamw(sharded, adamw());
   const Batch b = mlp_batch(0);
   const int W = world().size(), r = world().rank();
@@ -134,12 +133,12 @@ TEST_CASE("a non-finite gradient norm skips the step and leaves every parameter 
   for (size_t i = 0; i < after.size(); ++i) REQUIRE(at::equal(after[i], before[i]));
 }
 
-
 TEST_CASE("GPT, FullShard + BF16Mixed: parity with unsharded mixed-precision training", "[parity][gpt][bf16]") {
   check_bf16_parity(GptConfig{}, 5);
 }
 
-TEST_CASE("offload_model / reload_model and optimizer-state moves between steps keep training equal", "[parity][offload]") {
+TEST_CASE("offload_model / reload_model and optimizer-state moves between steps keep training equal",
+          "[parity][offload]") {
   const GptConfig c;
   ParityRun run{.clip = 1.0};
   run.after_step = [](core::ShardedModel& m, torch::optim::Optimizer& opt) {
@@ -149,8 +148,7 @@ TEST_CASE("offload_model / reload_model and optimizer-state moves between steps 
     m.reload_model();
     move_optimizer_state(opt, at::kCPU);  // this machine's device is the CPU
   };
-  check_gpt_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(
-      c, run);
+  check_gpt_parity<Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>>>(c, run);
 }
 
 namespace {
@@ -192,7 +190,8 @@ TEST_CASE("other methods run under the protocol; inputs and outputs follow the p
   // bfloat16 on one side. The stem, 3 blocks of 4 sums each and the score's mean: 14 stages.
   const double bound = rounding::relative({.length = 48, .depth = 14, .storage = at::kBFloat16});
   const double error = (got - want).abs().max().item<double>() / want.abs().max().item<double>();
-  if (world().rank() == 0) std::printf("  bf16 compute vs float32 through 4 units: relative error %.2e (bound %.2e)\n", error, bound);
+  if (world().rank() == 0)
+    std::printf("  bf16 compute vs float32 through 4 units: relative error %.2e (bound %.2e)\n", error, bound);
   REQUIRE(error <= bound);
   // Units are resharded after the call; only the root (kept until backward, as in FSDP2) is full.
   REQUIRE(sharded.sharded_bytes().unsharded == sharded.sharded().unit(0).unsharded_bytes());

@@ -33,8 +33,8 @@
 
 using namespace fsdpx;
 using namespace fsdpx::test;
-using fsdpx::test::world;
 using Catch::Matchers::Contains;
+using fsdpx::test::world;
 
 namespace {
 
@@ -80,7 +80,8 @@ struct ShuffledImpl : torch::nn::Module {
 TORCH_MODULE(Shuffled);
 inline rounding::Path shuffled_path() { return res_mlp_path(20, 24, 6, 5); }
 
-using ShardedShuffled = Fsdp<Shuffled, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<ResBlockImpl>>;
+using ShardedShuffled =
+    Fsdp<Shuffled, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<ResBlockImpl>>;
 
 /// The ConfigError constructing ShardedShuffled from `model` throws on this rank ("" when none).
 std::string construction_error(Shuffled& model) {
@@ -150,9 +151,10 @@ bool same_on_every_rank(const at::Tensor& t) {
 
 }  // namespace
 
-TEST_CASE("unused parameters in every unit and a shuffled execution order: each reduction starts when its unit's "
-          "backward ends",
-          "[protocol]") {
+TEST_CASE(
+    "unused parameters in every unit and a shuffled execution order: each reduction starts when its unit's "
+    "backward ends",
+    "[protocol]") {
   ParityRun run{.clip = 1.0, .forward = shuffled_path()};
   run.after_step = [](core::ShardedModel& m, torch::optim::Optimizer&) {
     const StepStats& s = m.last_step_stats();
@@ -172,9 +174,10 @@ TEST_CASE("unused parameters in every unit and a shuffled execution order: each 
   check_parity<ShardedShuffled>([] { return Shuffled(); }, mlp_batch, run);
 }
 
-TEST_CASE("a unit skipped on some steps: prefetching follows each step's order, and the skipped unit keeps its "
-          "values",
-          "[protocol]") {
+TEST_CASE(
+    "a unit skipped on some steps: prefetching follows each step's order, and the skipped unit keeps its "
+    "values",
+    "[protocol]") {
   int step = 0;
   ParityRun run{.clip = 1.0, .forward = shuffled_path()};
   run.after_step = [&step](core::ShardedModel& m, torch::optim::Optimizer&) {
@@ -262,9 +265,10 @@ TEST_CASE("a unit called inside its own forward is refused, naming the unit and 
       SelfCallingNet(), ctx.comm);
   const at::Tensor x = at::ones({2, 4});
   sharded->block->call_itself = true;
-  REQUIRE_THROWS_WITH(sharded(x), Contains("unit 'block': pre_forward found it in phase \"forward\" but starts only from "
-                                           "idle, after forward, backward, reduced (to forward); a unit cannot be called "
-                                           "inside its own forward"));
+  REQUIRE_THROWS_WITH(sharded(x),
+                      Contains("unit 'block': pre_forward found it in phase \"forward\" but starts only from "
+                               "idle, after forward, backward, reduced (to forward); a unit cannot be called "
+                               "inside its own forward"));
   CHECK(sharded.sharded().stage() == core::PassStage::idle);
   sharded(x).backward();
   CHECK(sharded.sharded().stage() == core::PassStage::idle);
@@ -375,7 +379,7 @@ TEST_CASE("units chosen by name; a pattern or policy that matches nothing is an 
   at::manual_seed(3);
   {
     Fsdp<Shuffled, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapNames<"r*", "head">> sharded(Shuffled(),
-                                                                                                         world());
+                                                                                                           world());
     std::vector<std::string> names;
     for (size_t i = 1; i < sharded.sharded().num_units(); ++i) names.push_back(sharded.sharded().unit(i).name());
     REQUIRE(names == std::vector<std::string>{"r0", "r1", "r2", "r3", "r4", "r5", "head"});
@@ -407,9 +411,10 @@ TEST_CASE("weight decay chosen by name and shape", "[protocol][optim]") {
   }
 }
 
-TEST_CASE("LoRA adapters inside every block (base weights frozen): frozen parameters are sharded, never reduced, "
-          "with no gradient or optimizer state; a forward whose graph is dropped changes nothing",
-          "[protocol][lora]") {
+TEST_CASE(
+    "LoRA adapters inside every block (base weights frozen): frozen parameters are sharded, never reduced, "
+    "with no gradient or optimizer state; a forward whose graph is dropped changes nothing",
+    "[protocol][lora]") {
   // A dropped graph's post-backward nodes are gone: the blocks still end their backward at their inputs.
   const bool dropped_forward = GENERATE(false, true);
   INFO("dropped forward before each step: " << dropped_forward);
@@ -425,7 +430,7 @@ TEST_CASE("LoRA adapters inside every block (base weights frozen): frozen parame
       CHECK(u.trainable() == !frozen);
       for (const auto& p : u.layout().params()) CHECK(p.param.requires_grad() == !frozen);
       if (frozen) {
-        CHECK(u.shard_grads().empty());  // never reduced: no gradient
+        CHECK(u.shard_grads().empty());                                                 // never reduced: no gradient
         CHECK(u.shard().numel() == u.layout().padded_numel() / m.mesh().shard_size());  // sharded
       } else {
         stepped += u.optim_params().size();
@@ -457,7 +462,8 @@ struct AllFloat32 {
 };
 static_assert(OffloadPolicy<HostShardsUnpinned> && PrecisionPolicy<AllFloat32>);
 
-TEST_CASE("policies of the user's own type train like the library's tags with the same values", "[protocol][policies]") {
+TEST_CASE("policies of the user's own type train like the library's tags with the same values",
+          "[protocol][policies]") {
   ParityRun run{.clip = 1.0, .forward = lora_net_path()};
   run.after_step = [](core::ShardedModel& m, torch::optim::Optimizer&) {
     for (size_t i = 0; i < m.num_units(); ++i) {
@@ -501,8 +507,8 @@ TEST_CASE("BatchNorm: running statistics equal the unsharded reference's after t
   INFO(parity.summary());
   CHECK(parity.holds());
   const rounding::Path buffers_path = bn_mlp_path();
-  const double buffer_bound = rounding::relative({.length = std::max<int64_t>(buffers_path.length, world().size()),
-                                                  .depth = buffers_path.depth + 1});
+  const double buffer_bound = rounding::relative(
+      {.length = std::max<int64_t>(buffers_path.length, world().size()), .depth = buffers_path.depth + 1});
   auto want = reference->named_buffers();
   int compared = 0;
   for (const auto& [name, got] : sharded.sharded().named_buffers()) {
@@ -594,9 +600,9 @@ TEST_CASE("a PyTorch profiler trace shows fsdpx's phases by name", "[protocol][p
   for (const auto& e : result->events()) {
     if (e.name().rfind("fsdpx::", 0) == 0) names.insert(e.name());
   }
-  for (const char* phase : {"fsdpx::pre_forward", "fsdpx::all_gather", "fsdpx::reshard", "fsdpx::pre_backward",
-                            "fsdpx::post_backward", "fsdpx::reduce_scatter", "fsdpx::end_of_backward",
-                            "fsdpx::finish_reduction", "fsdpx::clip_grad_norm"}) {
+  for (const char* phase :
+       {"fsdpx::pre_forward", "fsdpx::all_gather", "fsdpx::reshard", "fsdpx::pre_backward", "fsdpx::post_backward",
+        "fsdpx::reduce_scatter", "fsdpx::end_of_backward", "fsdpx::finish_reduction", "fsdpx::clip_grad_norm"}) {
     INFO(phase);
     CHECK(names.count(phase) == 1);
   }
@@ -643,12 +649,15 @@ class FailingComm : public dist::BlockingCollectives<FailingComm> {
   int rank() const { return inner_.rank(); }
   int size() const { return inner_.size(); }
   std::string_view name() const { return inner_.name(); }
-  dist::Work all_gather_async(at::Tensor out, const at::Tensor& in) { return inner_.all_gather_async(std::move(out), in); }
+  dist::Work all_gather_async(at::Tensor out, const at::Tensor& in) {
+    return inner_.all_gather_async(std::move(out), in);
+  }
   dist::Work gather_async(at::Tensor out, const at::Tensor& in, int root) {
     return inner_.gather_async(std::move(out), in, root);
   }
   dist::Work reduce_scatter_async(at::Tensor out, const at::Tensor& in, dist::ReduceOp op) {
-    if (failure_->armed) throw fsdpx::CommError("injected reduce-scatter failure on communicator '" + std::string(name()) + "'");
+    if (failure_->armed)
+      throw fsdpx::CommError("injected reduce-scatter failure on communicator '" + std::string(name()) + "'");
     return inner_.reduce_scatter_async(std::move(out), in, op);
   }
   dist::Work all_reduce_async(at::Tensor t, dist::ReduceOp op) { return inner_.all_reduce_async(std::move(t), op); }
@@ -692,9 +701,10 @@ void train_steps(Sharded& sharded, torch::optim::Optimizer& optimizer, std::vect
 
 }  // namespace
 
-TEST_CASE("a shard reader that fails at the end of backward: the pass completes, its error reaches the caller, "
-          "training goes on",
-          "[protocol][errors]") {
+TEST_CASE(
+    "a shard reader that fails at the end of backward: the pass completes, its error reaches the caller, "
+    "training goes on",
+    "[protocol][errors]") {
   at::manual_seed(42);
   ShardedShuffled reference(Shuffled(), world());
   auto ref_optimizer = make_adamw(reference, adamw());

@@ -51,8 +51,8 @@ double max_difference(const std::map<std::string, at::Tensor>& a, const std::map
 /// `steps` optimizer steps of the sharded GPT through TrainStep, from step `first`, each over kMicro
 /// micro-batches of this rank's rows of the global batch.
 template <class Sharded>
-std::vector<StepReport> train(Sharded& model, TrainStep<Sharded>& train_step, const dist::AnyCommunicator& comm, int first,
-                              int steps, int nan_at_step = -1) {
+std::vector<StepReport> train(Sharded& model, TrainStep<Sharded>& train_step, const dist::AnyCommunicator& comm,
+                              int first, int steps, int nan_at_step = -1) {
   const GptConfig c;
   std::vector<StepReport> reports;
   for (int step = first; step < first + steps; ++step) {
@@ -61,7 +61,8 @@ std::vector<StepReport> train(Sharded& model, TrainStep<Sharded>& train_step, co
       const auto mine = rows(b.x.size(0), comm.size(), m, kMicro, comm.rank());
       auto loss = model(b.x.index_select(0, mine), b.y.index_select(0, mine)) / kMicro;
       // The last rank's last micro-batch of that step goes non-finite.
-      if (step == nan_at_step && m == kMicro - 1 && comm.rank() == comm.size() - 1) loss = loss * std::numeric_limits<double>::quiet_NaN();
+      if (step == nan_at_step && m == kMicro - 1 && comm.rank() == comm.size() - 1)
+        loss = loss * std::numeric_limits<double>::quiet_NaN();
       loss.backward();
       const StepReport r = train_step.optimizer_step();
       CHECK(r.accumulating() == (m < kMicro - 1));
@@ -84,7 +85,9 @@ struct ReferenceRun {
   StepParity parity;
 
   ReferenceRun(const GptConfig& c, Gpt m, std::optional<LrSchedule> schedule)
-      : config(c), model(std::move(m)), optimizer(reference_adamw(*model)),
+      : config(c),
+        model(std::move(m)),
+        optimizer(reference_adamw(*model)),
         parity(step_bounds(gpt_path(c), gpt_batches(c)(0).y.numel())) {
     if (schedule) scheduler.emplace(optimizer, *schedule);
   }
@@ -92,8 +95,8 @@ struct ReferenceRun {
   /// The reference's step `step` (the global batch in kMicro micro-batches as a run of comm.size() ranks
   /// takes them, clipped at `max_norm`) against the sharded run's, which `report` describes.
   template <class Sharded>
-  void step_with(int step, const dist::AnyCommunicator& comm, Sharded& sharded, torch::optim::Optimizer& sharded_optimizer,
-                 const StepReport& report, double max_norm) {
+  void step_with(int step, const dist::AnyCommunicator& comm, Sharded& sharded,
+                 torch::optim::Optimizer& sharded_optimizer, const StepReport& report, double max_norm) {
     INFO("step " << step);
     REQUIRE(report.stepped);
     REQUIRE(report.grad_norm.has_value());
@@ -142,7 +145,8 @@ TEST_CASE("TrainStep: 4 micro-steps, clipping and a cosine schedule equal the un
     }
     CHECK(scheduler.last_step() == steps);
     CHECK(scheduler.lr() == reference.scheduler->lr());
-    if (world().rank() == 0) std::printf("  TrainStep (defer %d) against the reference, %s\n", defer, reference.parity.summary().c_str());
+    if (world().rank() == 0)
+      std::printf("  TrainStep (defer %d) against the reference, %s\n", defer, reference.parity.summary().c_str());
     INFO(reference.parity.summary());
     CHECK(reference.parity.holds());
   }
@@ -185,7 +189,8 @@ TEST_CASE("TrainStep: a non-finite gradient on one rank skips exactly that step 
 namespace {
 fs::path trainer_dir(const std::string& name) {
   const char* base = std::getenv("FSDPX_TEST_TMP");
-  const fs::path dir = fs::path(base != nullptr ? base : "fsdpx_test_tmp") / ("trainer_w" + std::to_string(world().size())) / name;
+  const fs::path dir =
+      fs::path(base != nullptr ? base : "fsdpx_test_tmp") / ("trainer_w" + std::to_string(world().size())) / name;
   if (world().rank() == 0) {
     fs::remove_all(dir);
     fs::create_directories(dir);
@@ -195,7 +200,8 @@ fs::path trainer_dir(const std::string& name) {
 }
 }  // namespace
 
-TEST_CASE("a run interrupted mid-schedule and resumed at another world size equals an uninterrupted one", "[trainer][resume]") {
+TEST_CASE("a run interrupted mid-schedule and resumed at another world size equals an uninterrupted one",
+          "[trainer][resume]") {
   const GptConfig c;
   const fs::path root = trainer_dir("resume");
   const TrainStepOptions options{.accumulation_steps = kMicro, .max_grad_norm = 1.0};
@@ -237,7 +243,8 @@ TEST_CASE("a run interrupted mid-schedule and resumed at another world size equa
     // The weights saved, resharded: exactly the run's at step 3 (which the reference took).
     CHECK(max_difference(gathered(resumed), reference.weights()) == 0);
     TrainStep<GptFsdp> step(resumed, opt, &sched, options);
-    for (int s = 3; s < 6; ++s) reference.step_with(s, *group, resumed, opt, train(resumed, step, *group, s, 1)[0], 1.0);
+    for (int s = 3; s < 6; ++s)
+      reference.step_with(s, *group, resumed, opt, train(resumed, step, *group, s, 1)[0], 1.0);
     CHECK(sched.last_step() == reference.scheduler->last_step());
     CHECK(sched.lr() == reference.scheduler->lr());
     if (group->rank() == 0) {
@@ -250,7 +257,8 @@ TEST_CASE("a run interrupted mid-schedule and resumed at another world size equa
   world().barrier();
 }
 
-TEST_CASE("resume flags: optimizer, scheduler and client state each load or not, and a missing one is named", "[trainer][resume]") {
+TEST_CASE("resume flags: optimizer, scheduler and client state each load or not, and a missing one is named",
+          "[trainer][resume]") {
   const GptConfig c;
   const fs::path root = trainer_dir("flags");
   at::manual_seed(42);
@@ -289,8 +297,8 @@ TEST_CASE("resume flags: optimizer, scheduler and client state each load or not,
   });
   // Each flag off leaves its part alone.
   fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
-    const auto info = load_checkpoint(root, m, o, s,
-                                      {.step = 2, .load_optimizer = false, .load_scheduler = false, .load_client_state = false});
+    const auto info = load_checkpoint(
+        root, m, o, s, {.step = 2, .load_optimizer = false, .load_scheduler = false, .load_client_state = false});
     REQUIRE(info);
     CHECK(s.last_step() == 0);
     CHECK_FALSE(has_moments(o));
@@ -299,8 +307,9 @@ TEST_CASE("resume flags: optimizer, scheduler and client state each load or not,
   });
   // Step 3 has no scheduler state: an error naming it, or with permission a warning and ResumeInfo::missing.
   fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
-    CHECK_THROWS_WITH(load_checkpoint(root, m, o, s), Catch::Contains("step 3") && Catch::Contains("has no scheduler") &&
-                                                           Catch::Contains("load_scheduler = false"));
+    CHECK_THROWS_WITH(load_checkpoint(root, m, o, s), Catch::Contains("step 3") &&
+                                                          Catch::Contains("has no scheduler") &&
+                                                          Catch::Contains("load_scheduler = false"));
   });
   fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
     const auto info = load_checkpoint(root, m, o, s, {.allow_missing = true});
@@ -309,7 +318,8 @@ TEST_CASE("resume flags: optimizer, scheduler and client state each load or not,
     CHECK(info->missing == std::vector<std::string>{"scheduler"});
     CHECK(s.last_step() == 0);
     // The optimizer state brought the LRs of step 3; the scheduler, not loaded, still decides them.
-    CHECK(s.last_lr() == std::vector<double>{s.base_lrs()[0] * kSchedule.factor(0), s.base_lrs()[1] * kSchedule.factor(0)});
+    CHECK(s.last_lr() ==
+          std::vector<double>{s.base_lrs()[0] * kSchedule.factor(0), s.base_lrs()[1] * kSchedule.factor(0)});
     CHECK(has_moments(o));
     CHECK(info->extra.client.at("tag").toStringRef() == "without scheduler");
   });
@@ -329,7 +339,8 @@ TEST_CASE("resume flags: optimizer, scheduler and client state each load or not,
 }
 #endif
 
-TEST_CASE("a frozen bf16 model: 2 bytes per parameter over W ranks, the unsharded bf16 model's logits", "[trainer][frozen]") {
+TEST_CASE("a frozen bf16 model: 2 bytes per parameter over W ranks, the unsharded bf16 model's logits",
+          "[trainer][frozen]") {
   const GptConfig c;
   const int W = world().size();
   at::manual_seed(7);
@@ -384,7 +395,8 @@ TEST_CASE("a frozen bf16 model: 2 bytes per parameter over W ranks, the unsharde
   CHECK(at::equal(loaded.call(&GptImpl::logits, idx).to(at::kFloat), expected));
 }
 
-TEST_CASE("memory_report and offload: host RSS measured, no device on a CPU rank, offload round trip", "[trainer][memory]") {
+TEST_CASE("memory_report and offload: host RSS measured, no device on a CPU rank, offload round trip",
+          "[trainer][memory]") {
   const GptConfig c;
   at::manual_seed(3);
   GptFsdp model(Gpt(c), world());
@@ -399,9 +411,11 @@ TEST_CASE("memory_report and offload: host RSS measured, no device on a CPU rank
 }
 
 TEST_CASE("LrSchedule refuses shapes that mean nothing, naming the field", "[trainer]") {
-  auto opt = torch::optim::SGD(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())}, torch::optim::SGDOptions(0.1));
+  auto opt =
+      torch::optim::SGD(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())}, torch::optim::SGDOptions(0.1));
   CHECK_THROWS_WITH(LrScheduler(opt, LrSchedule::linear(10, 0)), Catch::Contains("total_steps > 0"));
-  CHECK_THROWS_WITH(LrScheduler(opt, LrSchedule::cosine(20, 10)), Catch::Contains("warmup_steps (20) exceeds total_steps (10)"));
+  CHECK_THROWS_WITH(LrScheduler(opt, LrSchedule::cosine(20, 10)),
+                    Catch::Contains("warmup_steps (20) exceeds total_steps (10)"));
   CHECK_THROWS_WITH(LrScheduler(opt, LrSchedule::cosine(1, 10, 1.5)), Catch::Contains("min_lr_ratio"));
   LrScheduler s(opt, LrSchedule::linear(2, 10));
   CHECK(s.lr() == 0.0);  // warmup starts at 0, as transformers' does
@@ -413,16 +427,19 @@ TEST_CASE("LrSchedule refuses shapes that mean nothing, naming the field", "[tra
   // A run extended on resume: the saved step and base LR, the new shape (and a warning naming total_steps).
   s.step();
   s.step();
-  auto opt2 = torch::optim::SGD(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())}, torch::optim::SGDOptions(0.5));
+  auto opt2 =
+      torch::optim::SGD(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())}, torch::optim::SGDOptions(0.5));
   LrScheduler longer(opt2, LrSchedule::linear(2, 20));
   longer.load_state_dict(s.state_dict());
   CHECK(longer.last_step() == 3);
   CHECK(longer.base_lrs() == std::vector<double>{0.1});
   CHECK(longer.lr() == Approx(0.1 * 17.0 / 18.0).epsilon(lr_rounding));
-  auto two = torch::optim::SGD(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())}, torch::optim::SGDOptions(0.1));
+  auto two =
+      torch::optim::SGD(std::vector<at::Tensor>{at::zeros({1}, at::requires_grad())}, torch::optim::SGDOptions(0.1));
   two.add_param_group(torch::optim::OptimizerParamGroup({at::zeros({1}, at::requires_grad())}));
   LrScheduler other(two, LrSchedule::linear(2, 10));
-  CHECK_THROWS_WITH(other.load_state_dict(s.state_dict()), Catch::Contains("1 parameter groups but the optimizer has 2"));
+  CHECK_THROWS_WITH(other.load_state_dict(s.state_dict()),
+                    Catch::Contains("1 parameter groups but the optimizer has 2"));
 }
 
 TEST_CASE("a frozen unit, a tied head and an unused parameter: saved at W ranks, resumed with the optimizer at W-1",
@@ -434,11 +451,13 @@ TEST_CASE("a frozen unit, a tied head and an unused parameter: saved at W ranks,
   const auto build = [&](uint64_t seed) {
     at::manual_seed(seed);
     Gpt gpt(c);
-    for (auto& p : gpt->blocks[0]->parameters()) p.set_requires_grad(false);       // a frozen unit
-    gpt->register_parameter("never_used", at::zeros({8}));                         // no gradient, ever
+    for (auto& p : gpt->blocks[0]->parameters()) p.set_requires_grad(false);  // a frozen unit
+    gpt->register_parameter("never_used", at::zeros({8}));                    // no gradient, ever
     return gpt;
   };
-  const auto make = [&](uint64_t seed, const dist::AnyCommunicator& comm) { return std::make_unique<GptFsdp>(build(seed), comm); };
+  const auto make = [&](uint64_t seed, const dist::AnyCommunicator& comm) {
+    return std::make_unique<GptFsdp>(build(seed), comm);
+  };
   const fs::path root = trainer_dir("frozen_resume");
   const TrainStepOptions options{.accumulation_steps = kMicro, .max_grad_norm = 1.0};
   ReferenceRun reference(c, build(42), std::nullopt);
@@ -447,7 +466,8 @@ TEST_CASE("a frozen unit, a tied head and an unused parameter: saved at W ranks,
     auto first = make(42, world());
     auto opt = make_adamw(*first, adamw());
     TrainStep<GptFsdp> step(*first, opt, nullptr, options);
-    for (int s = 0; s < 3; ++s) reference.step_with(s, world(), *first, opt, train(*first, step, world(), s, 1)[0], 1.0);
+    for (int s = 0; s < 3; ++s)
+      reference.step_with(s, world(), *first, opt, train(*first, step, world(), s, 1)[0], 1.0);
     saved = gathered(*first);
     CheckpointCoordinator ckpt(root, *first);
     ckpt.save(3, *first, opt, ExtraState{});
@@ -466,7 +486,8 @@ TEST_CASE("a frozen unit, a tied head and an unused parameter: saved at W ranks,
     // initial values (seed 7).
     CHECK(max_difference(gathered(*resumed), saved) == 0);
     TrainStep<GptFsdp> step(*resumed, opt, nullptr, options);
-    for (int s = 3; s < 5; ++s) reference.step_with(s, *group, *resumed, opt, train(*resumed, step, *group, s, 1)[0], 1.0);
+    for (int s = 3; s < 5; ++s)
+      reference.step_with(s, *group, *resumed, opt, train(*resumed, step, *group, s, 1)[0], 1.0);
     const auto got = gathered(*resumed);
     CHECK(at::equal(got.at("h0.qkv.weight"), saved.at("h0.qkv.weight")));  // frozen: never stepped
     if (group->rank() == 0) {

@@ -81,9 +81,10 @@ int main() {
   const bool ok = all_reduce < 0.5 && broadcast < 0.5 && barrier < 0.5 && all_gather < 0.5 &&
                   reduce_scatter <= reduce_scatter_bound;
   if (world.rank() == 0) {
-    std::printf("RESULT ranks=%d allocations_per_call all_reduce=%.2f broadcast=%.2f barrier=%.2f all_gather=%.2f "
-                "reduce_scatter=%.2f (bounds: 0.5, reduce_scatter %.0f)\n",
-                W, all_reduce, broadcast, barrier, all_gather, reduce_scatter, reduce_scatter_bound);
+    std::printf(
+        "RESULT ranks=%d allocations_per_call all_reduce=%.2f broadcast=%.2f barrier=%.2f all_gather=%.2f "
+        "reduce_scatter=%.2f (bounds: 0.5, reduce_scatter %.0f)\n",
+        W, all_reduce, broadcast, barrier, all_gather, reduce_scatter, reduce_scatter_bound);
   }
   if (!ok) {
     std::fprintf(stderr, "fsdpx_engine_allocations: rank %d: the MPI engine allocates per collective\n", world.rank());

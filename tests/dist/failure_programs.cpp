@@ -35,8 +35,7 @@ using fsdpx::test::expect_error;
 int main(int argc, char** argv) {
   const std::string mode = argc > 1 ? argv[1] : "";
   if (mode == "env_mismatch") {
-    return expect_error<ConfigError>([] { dist::MpiCommunicator::world(); },
-                                     {"contradicts OMPI_COMM_WORLD_"});
+    return expect_error<ConfigError>([] { dist::MpiCommunicator::world(); }, {"contradicts OMPI_COMM_WORLD_"});
   }
   dist::CommOptions options;
   // A departure must end the collective long before this; a timeout only where the mode needs one.
@@ -53,9 +52,9 @@ int main(int argc, char** argv) {
       world.barrier();
       if (r == W - 1) throw std::runtime_error("the injected failure of the last rank");
       auto out = at::empty({W * 4});
-      return expect_error<CommError>([&] { world.all_gather(out, at::ones({4})); },
-                                     {"all_gather on communicator 'world'",
-                                      str("world rank ", W - 1, " left the job after an error")});
+      return expect_error<CommError>(
+          [&] { world.all_gather(out, at::ones({4})); },
+          {"all_gather on communicator 'world'", str("world rank ", W - 1, " left the job after an error")});
     } catch (const std::exception& e) {
       std::fprintf(stderr, "CAUSE-PRINTED: rank %d: %s\n", r, e.what());
       return 1;
@@ -75,9 +74,9 @@ int main(int argc, char** argv) {
       std::printf("rank %d leaving early\n", r);
       return 0;  // finalizes MPI without taking part in the all_gather below
     }
-    return expect_error<CommError>([&] { world.all_gather(out, at::ones({4})); },
-                                   {"all_gather on communicator 'world'",
-                                    str("world rank ", W - 1, " left the job (its program ended)")});
+    return expect_error<CommError>(
+        [&] { world.all_gather(out, at::ones({4})); },
+        {"all_gather on communicator 'world'", str("world rank ", W - 1, " left the job (its program ended)")});
   }
   if (mode == "stopped") {
     world.barrier();
@@ -92,9 +91,10 @@ int main(int argc, char** argv) {
     const int rc = r == 0 ? expect_error<CommError>([&] { world.all_gather(out, at::ones({4})); },
                                                     {"all_gather on communicator 'world'",
                                                      str("world rank ", W - 1, " has not answered for")})
-                          : expect_error<CommError>([&] { world.all_gather(out, at::ones({4})); },
-                                                    {"all_gather on communicator 'world'",
-                                                     str("world rank ", W - 1, " stopped answering: world rank 0 heard no heartbeat")});
+                          : expect_error<CommError>(
+                                [&] { world.all_gather(out, at::ones({4})); },
+                                {"all_gather on communicator 'world'",
+                                 str("world rank ", W - 1, " stopped answering: world rank 0 heard no heartbeat")});
     const auto waited = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - start);
     std::printf("rank %d: the all_gather failed after %lld s\n", r, static_cast<long long>(waited.count()));
     return rc;
@@ -125,12 +125,13 @@ int main(int argc, char** argv) {
       std::this_thread::sleep_for(std::chrono::seconds(6));  // alive, but never joins the all_gather
       return 0;
     }
-    const int rc = expect_error<TimeoutError>([&] { world.all_gather(out, at::ones({4})); },
-                                              {"all_gather on communicator 'world'", "did not complete within 3000 ms"});
+    const int rc =
+        expect_error<TimeoutError>([&] { world.all_gather(out, at::ones({4})); },
+                                   {"all_gather on communicator 'world'", "did not complete within 3000 ms"});
     if (rc != 0) return rc;
-    return expect_error<CommError>([&] { world.all_reduce(at::ones({1})); },
-                                   {"all_reduce on communicator 'world'", "unusable after an earlier failure",
-                                    "all_gather"});
+    return expect_error<CommError>(
+        [&] { world.all_reduce(at::ones({1})); },
+        {"all_reduce on communicator 'world'", "unusable after an earlier failure", "all_gather"});
   }
   std::fprintf(stderr, "unknown mode '%s'\n", mode.c_str());
   return 1;

@@ -26,9 +26,9 @@ TEST_CASE("mesh shapes", "[mesh]") {
 
 TEST_CASE("a shard size that does not divide the world is an error listing the sizes that do", "[mesh][errors]") {
   CHECK_THROWS_AS(dist::make_mesh_shape(6, 4), ConfigError);
-  CHECK_THROWS_WITH(dist::make_mesh_shape(6, 4),
-                    Contains("a world of 6 ranks cannot be split into shard groups of 4 ranks") &&
-                        Contains("one of: 1, 2, 3, 6"));
+  CHECK_THROWS_WITH(
+      dist::make_mesh_shape(6, 4),
+      Contains("a world of 6 ranks cannot be split into shard groups of 4 ranks") && Contains("one of: 1, 2, 3, 6"));
   CHECK_THROWS_WITH(dist::make_mesh_shape(4, 0), Contains("shard groups of 0"));
   CHECK_THROWS_WITH(dist::make_mesh_shape(4, 8), Contains("shard groups of 8"));
 }

@@ -222,13 +222,14 @@ TEST_CASE("bad arguments fail before any communication, naming the cause", "[mpi
   REQUIRE_THROWS_WITH(world().all_reduce(at::empty({4, 4}).t()), Contains("must be contiguous"));
   REQUIRE_THROWS_WITH(world().all_reduce(at::ones({2}, at::kInt), ReduceOp::avg), Contains("floating dtype"));
   REQUIRE_THROWS_WITH(world().broadcast(at::ones({2}), W), Contains("root " + std::to_string(W)));
-  REQUIRE_THROWS_WITH(world().gather(at::empty({3}), at::empty({3}), -1), Contains("gather on communicator 'world'") &&
-                                                                             Contains("root -1"));
+  REQUIRE_THROWS_WITH(world().gather(at::empty({3}), at::empty({3}), -1),
+                      Contains("gather on communicator 'world'") && Contains("root -1"));
   if (world().rank() == 0) {
     // Only the root checks the output (the others have none); nothing is sent when it is wrong.
     REQUIRE_THROWS_WITH(world().gather(at::empty({W * 3 + 1}), at::empty({3}), 0), Contains("world size x input"));
   }
-  REQUIRE_THROWS_WITH(world().all_reduce(at::ones({2}, at::kComplexFloat)), Contains("not supported by the MPI backend"));
+  REQUIRE_THROWS_WITH(world().all_reduce(at::ones({2}, at::kComplexFloat)),
+                      Contains("not supported by the MPI backend"));
   REQUIRE_THROWS_WITH(world().all_reduce(at::Tensor()), Contains("undefined"));
   if (W > 1) {
     auto out = at::zeros({W * 2});

@@ -65,7 +65,8 @@ TEST_CASE("FSDPX_TIMEOUT_MS: any 64-bit value works, anything else names the var
   }
   for (const char* bad : {"0", "-1", "1e13", "ten", "12ms"}) {
     ScopedEnv env("FSDPX_TIMEOUT_MS", bad);
-    CHECK_THROWS_WITH(default_timeout(), Contains("FSDPX_TIMEOUT_MS must be a positive integer number of milliseconds"));
+    CHECK_THROWS_WITH(default_timeout(),
+                      Contains("FSDPX_TIMEOUT_MS must be a positive integer number of milliseconds"));
   }
   {
     ScopedEnv env("FSDPX_TIMEOUT_MS", "");
@@ -84,7 +85,7 @@ TEST_CASE("FSDPX_HEARTBEAT_TIMEOUT_MS: 15 s by default, 0 means this rank watche
   }
   {
     ScopedEnv env("FSDPX_HEARTBEAT_TIMEOUT_MS", "-3");
-    CHECK_THROWS_WITH(default_heartbeat_timeout(),
-                      Contains("FSDPX_HEARTBEAT_TIMEOUT_MS must be a non-negative integer number of milliseconds (0: this rank watches no one)"));
+    CHECK_THROWS_WITH(default_heartbeat_timeout(), Contains("FSDPX_HEARTBEAT_TIMEOUT_MS must be a non-negative integer "
+                                                            "number of milliseconds (0: this rank watches no one)"));
   }
 }

@@ -23,10 +23,11 @@ namespace fsdpx::test {
 inline rounding::Path decoder_path(const models::DecoderConfig& c, int64_t positions,
                                    at::ScalarType storage = at::kFloat) {
   int64_t depth = 3;
-  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer) depth += 7 + (c.qk_norm ? 1 : 0) + (c.is_sparse(layer) ? 6 : 2);
-  const int64_t length = std::max({c.hidden_size, c.intermediate_size, c.moe.moe_intermediate_size,
-                                   c.moe.shared_expert_intermediate_size, c.moe.num_experts,
-                                   c.num_attention_heads * c.head_dim, c.vocab_size, positions});
+  for (int64_t layer = 0; layer < c.num_hidden_layers; ++layer)
+    depth += 7 + (c.qk_norm ? 1 : 0) + (c.is_sparse(layer) ? 6 : 2);
+  const int64_t length =
+      std::max({c.hidden_size, c.intermediate_size, c.moe.moe_intermediate_size, c.moe.shared_expert_intermediate_size,
+                c.moe.num_experts, c.num_attention_heads * c.head_dim, c.vocab_size, positions});
   return {.length = length, .depth = depth, .storage = storage};
 }
 
@@ -62,9 +63,11 @@ inline std::string layer_of(const std::string& name) {
 }
 
 /// The largest gradient difference, relative to the largest gradient element of the tensor's layer.
-inline double max_gradient_error(const std::map<std::string, at::Tensor>& got, const std::map<std::string, at::Tensor>& want) {
+inline double max_gradient_error(const std::map<std::string, at::Tensor>& got,
+                                 const std::map<std::string, at::Tensor>& want) {
   std::map<std::string, double> scale;
-  for (const auto& [name, g] : want) scale[layer_of(name)] = std::max(scale[layer_of(name)], g.abs().max().item<double>());
+  for (const auto& [name, g] : want)
+    scale[layer_of(name)] = std::max(scale[layer_of(name)], g.abs().max().item<double>());
   double worst = 0;
   for (const auto& [name, g] : want) {
     const double error = (got.at(name) - g).abs().max().item<double>();

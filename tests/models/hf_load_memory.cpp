@@ -44,10 +44,12 @@ int main(int argc, char** argv) {
   }
   const int64_t share = params * 4 / world.size();
   const int64_t bound = share + largest_unit + fsdpx::hf::SafetensorsDir::chunk_bytes + (int64_t{16} << 20);
-  std::printf("rank %d: loading %.1fM parameters (%.0f MiB in float32) at %d ranks: peak RSS %.1f MiB over a baseline of %.1f MiB; "
-              "1/%d of the model %.1f MiB, largest unit %.1f MiB, bound %.1f MiB\n",
-              world.rank(), params / 1e6, params * 4 / mib, world.size(), (peak - baseline) / mib, baseline / mib,
-              world.size(), share / mib, largest_unit / mib, bound / mib);
+  std::printf(
+      "rank %d: loading %.1fM parameters (%.0f MiB in float32) at %d ranks: peak RSS %.1f MiB over a baseline of %.1f "
+      "MiB; "
+      "1/%d of the model %.1f MiB, largest unit %.1f MiB, bound %.1f MiB\n",
+      world.rank(), params / 1e6, params * 4 / mib, world.size(), (peak - baseline) / mib, baseline / mib, world.size(),
+      share / mib, largest_unit / mib, bound / mib);
   const bool ok = peak > 0 && peak - baseline <= bound;
   auto failed = at::full({1}, ok ? 0 : 1, at::kInt);
   world.all_reduce(failed, fsdpx::dist::ReduceOp::max);

@@ -70,11 +70,14 @@ int main(int argc, char** argv) {
     // Every rank's verdict, so that all of them agree on the exit code.
     auto held = at::full({1}, parity.holds() ? 1.0 : 0.0, at::kDouble);
     world.all_reduce(held, fsdpx::dist::ReduceOp::min);
-    std::printf("rank %d, 5 AdamW steps at %d ranks against the unsharded model, %s\n", rank, W, parity.summary().c_str());
+    std::printf("rank %d, 5 AdamW steps at %d ranks against the unsharded model, %s\n", rank, W,
+                parity.summary().c_str());
     models::SavePretrainedOptions save{.source_dir = dir};
     if (argc > 3) save.max_shard_bytes = std::stoll(argv[3]);
     const auto saved = models::save_pretrained(model, out, save);
-    if (rank == 0) std::printf("exported %zu safetensors files, %lld bytes\n", saved.files.size(), static_cast<long long>(saved.total_size));
+    if (rank == 0)
+      std::printf("exported %zu safetensors files, %lld bytes\n", saved.files.size(),
+                  static_cast<long long>(saved.total_size));
     at::manual_seed(99);
     const at::Tensor ids = at::randint(1, vocab, {2, seq}, at::kLong);
     const at::Tensor logits = model(ids);
@@ -82,9 +85,10 @@ int main(int argc, char** argv) {
     // export's dtype (each product's weights rounded, as a stage stored in that dtype rounds).
     const double bound = fsdpx::test::logits_bound(model->config, seq, model->config.dtype);
     if (rank == 0) {
-      fsdpx::hf::save_safetensors(out.parent_path(), {{"input_ids", ids}, {"logits", logits.detach()},
-                                                      {"logits_bound", at::full({1}, bound, at::kDouble)}},
-                                          {.name = out.filename().string() + ".logits"});
+      fsdpx::hf::save_safetensors(
+          out.parent_path(),
+          {{"input_ids", ids}, {"logits", logits.detach()}, {"logits_bound", at::full({1}, bound, at::kDouble)}},
+          {.name = out.filename().string() + ".logits"});
     }
     if (held.item<double>() != 1.0) {
       std::fprintf(stderr, "FAILED: a step of the sharded model left its bounds: %s\n", parity.summary().c_str());

@@ -83,15 +83,16 @@ TEST_CASE("hf: logits of the sharded model equal transformers' (float32 files)",
     const double masked = relative_error(model(ids, ref(name, "attention_mask")), ref(name, "logits_masked"));
     const double left = relative_error(model(ids, ref(name, "attention_mask_left")), ref(name, "logits_left"));
     if (world.rank() == 0) {
-      std::printf("hf parity: %s, %d ranks: relative error %.2e, right-padded %.2e, left-padded %.2e (bound %.2e)\n", name,
-                  world.size(), err, masked, left, bound);
+      std::printf("hf parity: %s, %d ranks: relative error %.2e, right-padded %.2e, left-padded %.2e (bound %.2e)\n",
+                  name, world.size(), err, masked, left, bound);
     }
     CHECK(err <= bound);
     CHECK(masked <= bound);
     CHECK(left <= bound);
     // Elementwise, at most 8 operations (the power, the division, Llama 3.1's scaling and blend), each
     // correctly rounded or within an ulp: two implementations differ by at most 2u per operation.
-    CHECK(at::allclose(model->model->rotary.inv_freq(), ref(name, "inv_freq"), 8 * 2 * rounding::unit_roundoff(at::kFloat), 0));
+    CHECK(at::allclose(model->model->rotary.inv_freq(), ref(name, "inv_freq"),
+                       8 * 2 * rounding::unit_roundoff(at::kFloat), 0));
   }
 }
 
@@ -105,7 +106,9 @@ TEST_CASE("hf: bfloat16 files load exactly into float32 masters", "[hf]") {
     const at::Tensor ids = ref(name, "input_ids");
     const double err = relative_error(model(ids), ref(name, "logits"));
     const double bound = logits_bound(model->config, ids.size(1));
-    if (world.rank() == 0) std::printf("hf parity: %s (bfloat16 files, float32 compute): relative error %.2e (bound %.2e)\n", name, err, bound);
+    if (world.rank() == 0)
+      std::printf("hf parity: %s (bfloat16 files, float32 compute): relative error %.2e (bound %.2e)\n", name, err,
+                  bound);
     CHECK(err <= bound);
   }
 }
@@ -125,7 +128,9 @@ TEST_CASE("hf: BF16Mixed against transformers in bfloat16", "[hf]") {
     CHECK(logits.scalar_type() == at::kBFloat16);
     const double err = relative_error(logits, ref(name, "logits_bf16"));
     const double bound = logits_bound(model->config, ids.size(1), at::kBFloat16);
-    if (world.rank() == 0) std::printf("hf parity: %s, BF16Mixed vs transformers bfloat16: relative error %.2e (bound %.2e)\n", name, err, bound);
+    if (world.rank() == 0)
+      std::printf("hf parity: %s, BF16Mixed vs transformers bfloat16: relative error %.2e (bound %.2e)\n", name, err,
+                  bound);
     CHECK(err <= bound);
   }
 }
@@ -139,7 +144,8 @@ TEST_CASE("hf: a frozen bfloat16 copy (inference_only) loads the files as they a
     CHECK(model.sharded().unit(0).shard().scalar_type() == at::kBFloat16);
     at::NoGradGuard no_grad;
     const at::Tensor ids = ref(name, "input_ids");
-    CHECK(relative_error(model(ids), ref(name, "logits_bf16")) <= logits_bound(model->config, ids.size(1), at::kBFloat16));
+    CHECK(relative_error(model(ids), ref(name, "logits_bf16")) <=
+          logits_bound(model->config, ids.size(1), at::kBFloat16));
   }
 }
 
@@ -149,12 +155,14 @@ TEST_CASE("hf: hybrid sharding with CPU offload loads its shards (each replica r
   auto& world = fsdpx::test::world();
   fsdpx::SafetensorsLoadReport report;
   auto model = models::from_pretrained<Hybrid>(fixtures() / "llama_gqa", world, {}, {}, &report);
-  CHECK(report.bytes_read == fsdpx::hf::SafetensorsDir(fixtures() / "llama_gqa").total_bytes());  // a whole replica each
+  CHECK(report.bytes_read ==
+        fsdpx::hf::SafetensorsDir(fixtures() / "llama_gqa").total_bytes());  // a whole replica each
   const at::Tensor ids = ref("llama_gqa", "input_ids");
   CHECK(relative_error(model(ids), ref("llama_gqa", "logits")) <= logits_bound(model->config, ids.size(1)));
 }
 
-TEST_CASE("hf: a full disk on the writing rank is an error on every rank, and nothing is left half-written", "[hf][errors]") {
+TEST_CASE("hf: a full disk on the writing rank is an error on every rank, and nothing is left half-written",
+          "[hf][errors]") {
   auto& world = fsdpx::test::world();
   auto model = models::from_pretrained<Sharded>(fixtures() / "llama_gqa", world);
   const fs::path out = fs::temp_directory_path() / ("fsdpx_test_hf_full_disk_" + std::to_string(::getppid()));
@@ -241,12 +249,14 @@ double max_relative(const std::map<std::string, at::Tensor>& a, const std::map<s
   return fsdpx::test::max_gradient_error(a, b);
 }
 
-using ShardedUnits = fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision,
-                                 fsdpx::ShardedStateDict, models::DecoderUnits, fsdpx::CheckpointNames<"model.layers.*">>;
+using ShardedUnits =
+    fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision, fsdpx::ShardedStateDict,
+                models::DecoderUnits, fsdpx::CheckpointNames<"model.layers.*">>;
 
 }  // namespace
 
-TEST_CASE("hf: the chunked loss and log-probs equal the unchunked ones and transformers', with their gradients", "[hf]") {
+TEST_CASE("hf: the chunked loss and log-probs equal the unchunked ones and transformers', with their gradients",
+          "[hf]") {
   for (const char* name : float32_models) {
     INFO(name);
     models::CausalLM model(models::read_decoder_config(fixtures() / name));
@@ -289,22 +299,25 @@ TEST_CASE("hf: the chunked loss and log-probs equal the unchunked ones and trans
     // An RL objective of both, differentiated through the chunks and at once.
     const auto objective = [&](int64_t chunk_logits) {
       const auto r = log_probs_with(chunk_logits);
-      return (r.log_probs * at::linspace(-1, 1, r.log_probs.numel()).view(r.log_probs.sizes())).sum() + 0.1 * r.entropy.sum();
+      return (r.log_probs * at::linspace(-1, 1, r.log_probs.numel()).view(r.log_probs.sizes())).sum() +
+             0.1 * r.entropy.sum();
     };
-    CHECK(max_relative(gradients_of(model, [&] { return objective(5 * vocab); }),
-                       gradients_of(model, [&] { return objective(0); })) <=
-          gradient_bound(model->config, positions, ids.size(0) * (positions - 1)));
+    CHECK(max_relative(gradients_of(model, [&] { return objective(5 * vocab); }), gradients_of(model, [&] {
+                         return objective(0);
+                       })) <= gradient_bound(model->config, positions, ids.size(0) * (positions - 1)));
     // With a temperature, against log_softmax(logits / T) of the whole logits.
     const auto hot = model->log_probs(ids, {}, {.chunk_logits = 5 * vocab, .temperature = 0.7});
     const at::Tensor logits = ref(name, "logits").narrow(1, 0, ids.size(1) - 1) / 0.7;
-    const at::Tensor want = at::log_softmax(logits, -1).gather(-1, ids.narrow(1, 1, ids.size(1) - 1).unsqueeze(-1)).squeeze(-1);
+    const at::Tensor want =
+        at::log_softmax(logits, -1).gather(-1, ids.narrow(1, 1, ids.size(1) - 1).unsqueeze(-1)).squeeze(-1);
     CHECK(relative_error(hot.log_probs, want) <= logits_bound(model->config, positions));
   }
 }
 
-TEST_CASE("hf: the chunked loss with a bias, either reduction and no gradients; every label ignored gives NaN and "
-          "zero gradients; a label outside the vocabulary is an error",
-          "[hf]") {
+TEST_CASE(
+    "hf: the chunked loss with a bias, either reduction and no gradients; every label ignored gives NaN and "
+    "zero gradients; a label outside the vocabulary is an error",
+    "[hf]") {
   at::manual_seed(3);
   const int64_t vocab = 11;
   const at::Tensor hidden = at::randn({2, 7, 8}).requires_grad_(), weight = at::randn({vocab, 8}).requires_grad_(),
@@ -314,7 +327,8 @@ TEST_CASE("hf: the chunked loss with a bias, either reduction and no gradients; 
   const auto grads_of = [&](const at::Tensor& loss) { return torch::autograd::grad({loss}, {hidden, weight, bias}); };
   for (const auto reduction : {models::LossReduction::mean, models::LossReduction::sum}) {
     const auto loss = [&](int64_t chunk_logits, const at::Tensor& y) {
-      return models::linear_cross_entropy(hidden, weight, y, {.chunk_logits = chunk_logits, .reduction = reduction}, bias);
+      return models::linear_cross_entropy(hidden, weight, y, {.chunk_logits = chunk_logits, .reduction = reduction},
+                                          bias);
     };
     // 3 tokens per chunk: 14 tokens make 5 chunks, the last one short. The head's product (8 terms) and
     // the log-softmax (11) per token, the 13 labelled tokens' sum; their gradients mirror those sums and
@@ -344,9 +358,10 @@ TEST_CASE("hf: the chunked loss with a bias, either reduction and no gradients; 
   }
 }
 
-TEST_CASE("hf: embedding and head as units of their own: the root holds only the final norm; logits, loss and "
-          "log-probs equal transformers'",
-          "[hf]") {
+TEST_CASE(
+    "hf: embedding and head as units of their own: the root holds only the final norm; logits, loss and "
+    "log-probs equal transformers'",
+    "[hf]") {
   auto& world = fsdpx::test::world();
   for (const char* name : float32_models) {
     INFO(name << " at world size " << world.size());
@@ -366,12 +381,14 @@ TEST_CASE("hf: embedding and head as units of their own: the root holds only the
     const at::Tensor loss = model.call(&models::CausalLMImpl::loss, ids, labels, mask);
     const int64_t tokens = labels.narrow(1, 1, positions - 1).ne(-100).sum().item<int64_t>();
     CHECK(relative_error(loss, ref(name, "loss_masked")) <= loss_bound(model->config, positions, tokens));
-    const auto lp = model.call(&models::CausalLMImpl::log_probs, ids, at::Tensor(), models::LogProbOptions{.entropy = true});
+    const auto lp =
+        model.call(&models::CausalLMImpl::log_probs, ids, at::Tensor(), models::LogProbOptions{.entropy = true});
     CHECK(relative_error(lp.log_probs, ref(name, "log_probs")) <= bound);
     CHECK(relative_error(lp.entropy, ref(name, "entropy")) <= entropy_bound(model->config, positions));
     for (size_t i = 1; i < model.sharded().num_units(); ++i) {  // freed after each call, but the head
       INFO(model.sharded().unit(i).name());
-      CHECK(model.sharded().unit(i).unsharded_bytes() == (model.sharded().unit(i).name() == "lm_head" ? model.sharded().unit(i).layout().padded_numel() * 4 : 0));
+      CHECK(model.sharded().unit(i).unsharded_bytes() ==
+            (model.sharded().unit(i).name() == "lm_head" ? model.sharded().unit(i).layout().padded_numel() * 4 : 0));
     }
   }
 }
@@ -407,7 +424,8 @@ TEST_CASE("hf: layers checkpointed, embedding and head as units, the chunked los
       ref_loss.backward();
       fsdpx::test::step_both(parity, model, optimizer, *reference, ref_optimizer, loss, ref_loss);
     }
-    if (rank == 0) std::printf("hf training, %s, checkpointed units, %d ranks, %s\n", name, W, parity.summary().c_str());
+    if (rank == 0)
+      std::printf("hf training, %s, checkpointed units, %d ranks, %s\n", name, W, parity.summary().c_str());
     INFO(parity.summary());
     CHECK(parity.holds());
   }
@@ -440,19 +458,26 @@ TEST_CASE("hf: a config.json that does not describe its weights is refused on ev
     return error();
   };
   // Sizes beyond any model of these families: refused by their bounds, before the files are opened.
-  CHECK_THAT(with("num_hidden_layers", 1000000), Catch::Contains("\"num_hidden_layers\" is 1000000; it must be in [1, 4096]"));
-  CHECK_THAT(with("vocab_size", int64_t{1} << 31), Catch::Contains("\"vocab_size\" is 2147483648; it must be in [1, 4194304]"));
+  CHECK_THAT(with("num_hidden_layers", 1000000),
+             Catch::Contains("\"num_hidden_layers\" is 1000000; it must be in [1, 4096]"));
+  CHECK_THAT(with("vocab_size", int64_t{1} << 31),
+             Catch::Contains("\"vocab_size\" is 2147483648; it must be in [1, 4194304]"));
   CHECK_THAT(with("num_attention_heads", int64_t{1} << 31), Catch::Contains("\"num_attention_heads\" is 2147483648"));
   // Within the bounds but not what the files hold: refused against the files' declared tensors.
-  CHECK_THAT(with("num_hidden_layers", 4000), Catch::Contains("\"num_hidden_layers\" is 4000 but the weight files in") &&
-                                                  Catch::Contains("hold 2 layers"));
-  CHECK_THAT(with("vocab_size", 4000), Catch::Contains("does not describe the weights") &&
-                                           Catch::Contains("model.embed_tokens.weight: [96, 64] in the files, [4000, 64] by config.json"));
-  CHECK_THAT(with("intermediate_size", 1 << 19), Catch::Contains("mlp.up_proj.weight: [") && Catch::Contains("[524288, 64] by config.json"));
+  CHECK_THAT(
+      with("num_hidden_layers", 4000),
+      Catch::Contains("\"num_hidden_layers\" is 4000 but the weight files in") && Catch::Contains("hold 2 layers"));
+  CHECK_THAT(with("vocab_size", 4000),
+             Catch::Contains("does not describe the weights") &&
+                 Catch::Contains("model.embed_tokens.weight: [96, 64] in the files, [4000, 64] by config.json"));
+  CHECK_THAT(with("intermediate_size", 1 << 19),
+             Catch::Contains("mlp.up_proj.weight: [") && Catch::Contains("[524288, 64] by config.json"));
   // Values that would train to NaN.
   CHECK_THAT(with("rope_theta", -1.0), Catch::Contains("\"rope_theta\" is -1; it must be a finite number > 0"));
-  CHECK_THAT(with("rms_norm_eps", -1e-6), Catch::Contains("\"rms_norm_eps\" is -1e-06; it must be a finite number > 0"));
-  CHECK_THAT(with("max_position_embeddings", 0), Catch::Contains("\"max_position_embeddings\" is 0; it must be in [1, "));
+  CHECK_THAT(with("rms_norm_eps", -1e-6),
+             Catch::Contains("\"rms_norm_eps\" is -1e-06; it must be a finite number > 0"));
+  CHECK_THAT(with("max_position_embeddings", 0),
+             Catch::Contains("\"max_position_embeddings\" is 0; it must be in [1, "));
   // A 2 GiB config.json (NUL-padded, sparse on disk) is refused by its size, not read.
   fsdpx::detail::write_text_durably(dir / "config.json", config.dump());
   fs::resize_file(dir / "config.json", int64_t{2} << 30);
@@ -510,13 +535,19 @@ TEST_CASE("hf: packed samples: each sample's logits equal transformers' of that 
     CHECK(at::equal(samples.cu_seqlens(), at::tensor(std::vector<int32_t>{0, 5, 8, 12, 19, 24})));
     CHECK(at::equal(samples.position_ids(), positions));
     const double by_positions = relative_error(model(ids, at::Tensor(), positions), want);  // transformers' way
-    const double by_samples = relative_error(model.call(&models::CausalLMImpl::forward, ids, samples, at::Tensor()), want);
-    const double by_cu = relative_error(model.call(&models::CausalLMImpl::forward, ids, models::PackedSamples::from_cu_seqlens(samples.cu_seqlens(), 2, 12), at::Tensor()), want);
+    const double by_samples =
+        relative_error(model.call(&models::CausalLMImpl::forward, ids, samples, at::Tensor()), want);
+    const double by_cu =
+        relative_error(model.call(&models::CausalLMImpl::forward, ids,
+                                  models::PackedSamples::from_cu_seqlens(samples.cu_seqlens(), 2, 12), at::Tensor()),
+                       want);
     const double unpacked = relative_error(model(ids), want);  // the samples attending to each other
     const double bound = logits_bound(model->config, ids.size(1));
     if (world.rank() == 0) {
-      std::printf("hf packed: %s, %d ranks: relative error %.2e (position ids), %.2e (samples), %.2e (cu_seqlens); "
-                  "not packed %.2e (bound %.2e)\n", name, world.size(), by_positions, by_samples, by_cu, unpacked, bound);
+      std::printf(
+          "hf packed: %s, %d ranks: relative error %.2e (position ids), %.2e (samples), %.2e (cu_seqlens); "
+          "not packed %.2e (bound %.2e)\n",
+          name, world.size(), by_positions, by_samples, by_cu, unpacked, bound);
     }
     CHECK(by_positions <= bound);
     CHECK(by_samples <= bound);
@@ -551,8 +582,8 @@ TEST_CASE("hf: a packed batch trains as its samples padded: loss, log-probs and 
     double worst = 0;
     for (size_t i = 1; i < packed.size(); ++i) worst = std::max(worst, relative_error(packed[i], alone[i]));
     if (world.rank() == 0) {
-      std::printf("hf packed training: %s, %d ranks: loss relative error %.2e, gradients %.2e (bounds %.2e, %.2e)\n", name,
-                  world.size(), loss_error, worst, loss_bound(model->config, positions, tokens),
+      std::printf("hf packed training: %s, %d ranks: loss relative error %.2e, gradients %.2e (bounds %.2e, %.2e)\n",
+                  name, world.size(), loss_error, worst, loss_bound(model->config, positions, tokens),
                   gradient_bound(model->config, positions, tokens));
     }
     CHECK(loss_error <= loss_bound(model->config, positions, tokens));
@@ -561,7 +592,8 @@ TEST_CASE("hf: a packed batch trains as its samples padded: loss, log-probs and 
     // Per-token log-probs: each sample's equal its padded row's; the boundaries hold 0.
     at::NoGradGuard no_grad;
     const auto lp = model.call(&models::CausalLMImpl::log_probs, ids, samples, models::LogProbOptions{.entropy = true});
-    const auto lp_padded = model.call(&models::CausalLMImpl::log_probs, padded.ids, padded.mask, models::LogProbOptions{.entropy = true});
+    const auto lp_padded =
+        model.call(&models::CausalLMImpl::log_probs, padded.ids, padded.mask, models::LogProbOptions{.entropy = true});
     const at::Tensor inside = samples.next_token_mask();
     CHECK(lp.log_probs.masked_select(inside.logical_not()).abs().max().item<double>() == 0.0);
     for (size_t i = 0; i < samples.spans().size(); ++i) {
@@ -574,7 +606,8 @@ TEST_CASE("hf: a packed batch trains as its samples padded: loss, log-probs and 
   }
 }
 
-TEST_CASE("hf: greedy generate with a KV cache yields transformers' tokens and logits, sharded and not", "[hf][generate]") {
+TEST_CASE("hf: greedy generate with a KV cache yields transformers' tokens and logits, sharded and not",
+          "[hf][generate]") {
   auto& world = fsdpx::test::world();
   for (const char* name : float32_models) {
     INFO(name << " at world size " << world.size());
@@ -591,7 +624,9 @@ TEST_CASE("hf: greedy generate with a KV cache yields transformers' tokens and l
     CHECK(at::equal(mine.generated_lengths, at::full({2}, steps, at::kLong)));
     const double err = relative_error(mine.logits, ref(name, "gen_logits"));
     const double bound = logits_bound(sharded->config, want.size(1));
-    if (world.rank() == 0) std::printf("hf generate: %s, %d ranks: step logits relative error %.2e (bound %.2e)\n", name, world.size(), err, bound);
+    if (world.rank() == 0)
+      std::printf("hf generate: %s, %d ranks: step logits relative error %.2e (bound %.2e)\n", name, world.size(), err,
+                  bound);
     CHECK(err <= bound);
     CHECK(at::equal(plain->generate(prompt, mask, greedy).sequences, want));
 
@@ -611,7 +646,8 @@ TEST_CASE("hf: greedy generate with a KV cache yields transformers' tokens and l
   }
 }
 
-TEST_CASE("hf: generation's ranks agree when to stop: a rank whose rows ended keeps stepping with the others", "[hf][generate]") {
+TEST_CASE("hf: generation's ranks agree when to stop: a rank whose rows ended keeps stepping with the others",
+          "[hf][generate]") {
   auto& world = fsdpx::test::world();
   const char* name = "llama_gqa";
   auto sharded = models::from_pretrained<Sharded>(fixtures() / name, world);
@@ -627,11 +663,15 @@ TEST_CASE("hf: generation's ranks agree when to stop: a rank whose rows ended ke
   const auto alone = plain->generate(mine, mine_mask, stop);
   REQUIRE(out.sequences.size(1) >= alone.sequences.size(1));
   CHECK(at::equal(out.sequences.narrow(1, 0, alone.sequences.size(1)), alone.sequences));
-  CHECK(out.sequences.narrow(1, alone.sequences.size(1), out.sequences.size(1) - alone.sequences.size(1)).eq(0).all().item<bool>());
+  CHECK(out.sequences.narrow(1, alone.sequences.size(1), out.sequences.size(1) - alone.sequences.size(1))
+            .eq(0)
+            .all()
+            .item<bool>());
   CHECK(at::equal(out.generated_lengths, alone.generated_lengths));
 }
 
-TEST_CASE("hf: generate refused on one rank is refused on every rank, before any unit is gathered", "[hf][generate][errors]") {
+TEST_CASE("hf: generate refused on one rank is refused on every rank, before any unit is gathered",
+          "[hf][generate][errors]") {
   auto& world = fsdpx::test::world();
   auto sharded = models::from_pretrained<Sharded>(fixtures() / "llama_gqa", world);
   const at::Tensor prompt = ref("llama_gqa", "gen_prompt"), mask = ref("llama_gqa", "gen_prompt_mask");
@@ -643,13 +683,16 @@ TEST_CASE("hf: generate refused on one rank is refused on every rank, before any
   } catch (const fsdpx::Error& e) {
     error = e.what();
   }
-  CHECK_THAT(error, Catch::Contains(world.rank() == 0 ? "max_new_tokens = 1000" : "another rank's inputs were refused"));
+  CHECK_THAT(error,
+             Catch::Contains(world.rank() == 0 ? "max_new_tokens = 1000" : "another rank's inputs were refused"));
   // And the model goes on: a generation every rank agrees on.
-  const auto out = sharded.call(&models::CausalLMImpl::generate, prompt, mask, models::GenerateOptions{.max_new_tokens = 3});
+  const auto out =
+      sharded.call(&models::CausalLMImpl::generate, prompt, mask, models::GenerateOptions{.max_new_tokens = 3});
   CHECK(out.sequences.size(1) == prompt.size(1) + 3);
 }
 
-TEST_CASE("hf: sampling with a seed gives the same tokens sharded as unsharded (so on every world size)", "[hf][generate]") {
+TEST_CASE("hf: sampling with a seed gives the same tokens sharded as unsharded (so on every world size)",
+          "[hf][generate]") {
   auto& world = fsdpx::test::world();
   for (const char* name : {"llama_gqa", "qwen3_qknorm"}) {
     INFO(name << " at world size " << world.size());
@@ -657,8 +700,8 @@ TEST_CASE("hf: sampling with a seed gives the same tokens sharded as unsharded (
     models::CausalLM plain(models::read_decoder_config(fixtures() / name));
     models::load_pretrained(plain, fixtures() / name);
     const at::Tensor prompt = ref(name, "gen_prompt"), mask = ref(name, "gen_prompt_mask");
-    const models::GenerateOptions sample{.max_new_tokens = 12, .do_sample = true, .temperature = 1.5, .top_k = 30,
-                                         .top_p = 0.95, .seed = 1234};
+    const models::GenerateOptions sample{
+        .max_new_tokens = 12, .do_sample = true, .temperature = 1.5, .top_k = 30, .top_p = 0.95, .seed = 1234};
     at::NoGradGuard no_grad;
     const at::Tensor a = sharded.call(&models::CausalLMImpl::generate, prompt, mask, sample).sequences;
     const at::Tensor b = plain->generate(prompt, mask, sample).sequences;
@@ -704,12 +747,15 @@ TEST_CASE("hf: mixtures of experts: the load-balancing loss and the loss with it
     const double aux_masked = relative_error(masked.aux_loss.reshape({1}), ref(name, "aux_loss_masked"));
     // Without output_router_logits the loss is the cross-entropy alone (transformers' default); with it,
     // router_aux_loss_coef x the aux loss is added.
-    const double plain = relative_error(model.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()), ref(name, "loss"));
+    const double plain =
+        relative_error(model.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()), ref(name, "loss"));
     model->config.moe.output_router_logits = true;
-    const double with_aux = relative_error(model.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()), ref(name, "loss_aux"));
+    const double with_aux =
+        relative_error(model.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()), ref(name, "loss_aux"));
     if (world.rank() == 0) {
-      std::printf("hf moe: %s, %d ranks: aux loss %.2e, masked %.2e; loss %.2e, with the aux loss %.2e (relative errors)\n",
-                  name, world.size(), aux, aux_masked, plain, with_aux);
+      std::printf(
+          "hf moe: %s, %d ranks: aux loss %.2e, masked %.2e; loss %.2e, with the aux loss %.2e (relative errors)\n",
+          name, world.size(), aux, aux_masked, plain, with_aux);
     }
     // The load-balancing loss: the routers' softmax along the path, and means over every token (a loss's
     // path bounds it).
@@ -823,7 +869,8 @@ TEST_CASE("hf: mixtures of experts: an expert no token chose gets no update, and
   CHECK(model.sharded().stage() == fsdpx::core::PassStage::idle);
 }
 
-TEST_CASE("hf: mixtures of experts: experts stacked in the files (transformers' own layout) load as the hub's", "[hf][moe]") {
+TEST_CASE("hf: mixtures of experts: experts stacked in the files (transformers' own layout) load as the hub's",
+          "[hf][moe]") {
   auto& world = fsdpx::test::world();
   auto hub = models::from_pretrained<Sharded>(fixtures() / "qwen3_moe", world);
   auto stacked = models::from_pretrained<Sharded>(fixtures() / "qwen3_moe_stacked", world);

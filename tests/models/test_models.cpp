@@ -33,7 +33,8 @@ fs::path fixtures() {
 struct TempDir {
   fs::path path;
   TempDir() {
-    path = fs::temp_directory_path() / ("fsdpx_test_models_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++));
+    path = fs::temp_directory_path() /
+           ("fsdpx_test_models_" + std::to_string(::getpid()) + "_" + std::to_string(counter()++));
     fs::remove_all(path);
     fs::create_directories(path);
   }
@@ -48,7 +49,8 @@ struct TempDir {
 };
 
 /// A copy of fixture `name` whose tensors pass through `edit` (name -> tensor; erase or add).
-fs::path edited_copy(const TempDir& tmp, const std::string& name, const std::function<void(std::map<std::string, at::Tensor>&)>& edit) {
+fs::path edited_copy(const TempDir& tmp, const std::string& name,
+                     const std::function<void(std::map<std::string, at::Tensor>&)>& edit) {
   auto loaded = fsdpx::hf::load_safetensors(fixtures() / name);
   std::map<std::string, at::Tensor> tensors(loaded.begin(), loaded.end());
   edit(tensors);
@@ -87,8 +89,10 @@ std::string config_error(Json config) {
 }
 
 Json llama_config() {
-  return {{"model_type", "llama"}, {"architectures", {"LlamaForCausalLM"}}, {"vocab_size", 96}, {"hidden_size", 64},
-          {"intermediate_size", 112}, {"num_hidden_layers", 2}, {"num_attention_heads", 8}, {"num_key_value_heads", 2}};
+  return {{"model_type", "llama"},    {"architectures", {"LlamaForCausalLM"}},
+          {"vocab_size", 96},         {"hidden_size", 64},
+          {"intermediate_size", 112}, {"num_hidden_layers", 2},
+          {"num_attention_heads", 8}, {"num_key_value_heads", 2}};
 }
 
 /// The module's parameter names and shapes against the declared table.
@@ -178,7 +182,10 @@ TEST_CASE("models: a config that changes the math is refused, naming the field",
 TEST_CASE("models: transformers 4.x configs (rope_theta, rope_scaling, torch_dtype) read the same", "[hf][unit]") {
   Json c = llama_config();
   c["rope_theta"] = 500000.0;
-  c["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0}, {"high_freq_factor", 4.0},
+  c["rope_scaling"] = {{"rope_type", "llama3"},
+                       {"factor", 8.0},
+                       {"low_freq_factor", 1.0},
+                       {"high_freq_factor", 4.0},
                        {"original_max_position_embeddings", 8192}};
   c["torch_dtype"] = "bfloat16";
   const auto config = models::parse_decoder_config(c, "v4");
@@ -202,7 +209,8 @@ TEST_CASE("models: bad model folders are errors naming the tensor or the file", 
     CHECK_THAT(e, Catch::Contains("nothing was loaded"));
   }
   SECTION("a wrong shape") {
-    const auto dir = edited_copy(tmp, "qwen2_tied", [](auto& t) { t["model.layers.0.self_attn.k_proj.weight"] = at::zeros({16, 64}); });
+    const auto dir = edited_copy(tmp, "qwen2_tied",
+                                 [](auto& t) { t["model.layers.0.self_attn.k_proj.weight"] = at::zeros({16, 64}); });
     CHECK_THAT(load_error(dir), Catch::Contains("model.layers.0.self_attn.k_proj.weight: shape [16, 64]") &&
                                     Catch::Contains("but [32, 64] in the model"));
   }
@@ -222,8 +230,10 @@ TEST_CASE("models: bad model folders are errors naming the tensor or the file", 
       t["model.layers.0.input_layernorm.weight"] = at::ones({64}).to(at::kFloat8_e4m3fn);
     });
     const auto e = load_error(dir);
-    CHECK_THAT(e, Catch::Contains("model.norm.weight: dtype Long") && Catch::Contains("cannot be cast to the model's Float"));
-    CHECK_THAT(e, Catch::Contains("model.layers.0.input_layernorm.weight: dtype Float8_e4m3fn") && Catch::Contains("scales"));
+    CHECK_THAT(
+        e, Catch::Contains("model.norm.weight: dtype Long") && Catch::Contains("cannot be cast to the model's Float"));
+    CHECK_THAT(
+        e, Catch::Contains("model.layers.0.input_layernorm.weight: dtype Float8_e4m3fn") && Catch::Contains("scales"));
   }
   SECTION("an unknown model_type") {
     const auto dir = plain_copy(tmp, "qwen2_tied");
@@ -255,7 +265,8 @@ TEST_CASE("models: bad model folders are errors naming the tensor or the file", 
     };
     with_file("model-00099-of-00017.safetensors");
     CHECK_THAT(load_error(dir), Catch::Contains("model-00099-of-00017.safetensors' does not exist"));
-    for (const std::string escape : {"../llama_gqa/model-00001-of-00017.safetensors", "/etc/passwd", "sub/x.safetensors"}) {
+    for (const std::string escape :
+         {"../llama_gqa/model-00001-of-00017.safetensors", "/etc/passwd", "sub/x.safetensors"}) {
       with_file(escape);
       CHECK_THAT(load_error(dir), Catch::Contains("'" + escape + "', which is not a file name inside the folder"));
     }
@@ -275,7 +286,8 @@ TEST_CASE("models: bad model folders are errors naming the tensor or the file", 
     length += 19;
     std::memcpy(bytes.data(), &length, 8);
     std::ofstream(file, std::ios::binary | std::ios::trunc) << bytes;
-    CHECK_THAT(load_error(dir), Catch::Contains("'" + file.string() + "' has a bad header") && Catch::Contains("overflows"));
+    CHECK_THAT(load_error(dir),
+               Catch::Contains("'" + file.string() + "' has a bad header") && Catch::Contains("overflows"));
   }
 }
 
@@ -298,7 +310,8 @@ TEST_CASE("models: a strict failure loads nothing, and not strict it reports and
   REQUIRE(report.mismatched.size() == 1);
   CHECK_THAT(report.mismatched[0], Catch::StartsWith("model.layers.0.mlp.down_proj.weight: shape [64, 7]"));
   CHECK(at::equal(model->named_parameters()["model.norm.weight"], before["model.norm.weight"]));
-  CHECK(at::equal(model->named_parameters()["model.layers.0.mlp.down_proj.weight"], before["model.layers.0.mlp.down_proj.weight"]));
+  CHECK(at::equal(model->named_parameters()["model.layers.0.mlp.down_proj.weight"],
+                  before["model.layers.0.mlp.down_proj.weight"]));
   const auto files = fsdpx::hf::load_safetensors(dir);
   for (const auto& [name, t] : files) {
     if (name == "model.layers.1.mlp.up_proj.weight") CHECK(at::equal(model->named_parameters()[name], t));
@@ -338,7 +351,9 @@ std::string error_of(Fn&& fn) {
   return {};
 }
 
-at::Tensor longs(std::vector<int64_t> v, std::vector<int64_t> shape) { return at::tensor(v, at::kLong).view(shape).clone(); }
+at::Tensor longs(std::vector<int64_t> v, std::vector<int64_t> shape) {
+  return at::tensor(v, at::kLong).view(shape).clone();
+}
 
 }  // namespace
 
@@ -348,7 +363,8 @@ TEST_CASE("models: packed samples from position ids and cumulative lengths, and 
   CHECK(samples.spans() == std::vector<models::SampleSpan>{{0, 0, 3}, {0, 3, 2}, {0, 5, 1}, {1, 0, 6}});
   CHECK(samples.max_length() == 6);
   CHECK(at::equal(samples.cu_seqlens(), at::tensor(std::vector<int32_t>{0, 3, 5, 6, 12})));
-  CHECK(at::equal(samples.next_token_mask(), at::tensor(std::vector<uint8_t>{1, 1, 0, 1, 0, 1, 1, 1, 1, 1}).to(at::kBool).view({2, 5})));
+  CHECK(at::equal(samples.next_token_mask(),
+                  at::tensor(std::vector<uint8_t>{1, 1, 0, 1, 0, 1, 1, 1, 1, 1}).to(at::kBool).view({2, 5})));
   const auto again = models::PackedSamples::from_cu_seqlens(samples.cu_seqlens(), 2, 6);
   CHECK(again.spans() == samples.spans());
   CHECK(at::equal(again.position_ids(), samples.position_ids()));
@@ -357,7 +373,8 @@ TEST_CASE("models: packed samples from position ids and cumulative lengths, and 
   CHECK_FALSE(models::PackedSamples::detect(longs({0, 1, 0}, {1, 3}), 2).empty());  // [1, seq]: every row
 
   CHECK_THAT(error_of([] { models::PackedSamples::from_position_ids(longs({0, 1, 2, 0, 2, 3}, {1, 6}), 1); }),
-             Catch::Contains("position_ids do not describe packed samples: in row 0 a sample starts at token 4 with position 2"));
+             Catch::Contains(
+                 "position_ids do not describe packed samples: in row 0 a sample starts at token 4 with position 2"));
   CHECK_THAT(error_of([] { models::PackedSamples::detect(longs({0, 1, 5, 6}, {1, 4}), 1); }),
              Catch::Contains("starts at token 2 with position 5"));
   CHECK_THAT(error_of([] { models::PackedSamples::from_position_ids(at::zeros({2, 3}, at::kInt), 2); }),
@@ -397,7 +414,8 @@ TEST_CASE("models: attention runs on the backend asked for, reports what ran and
   auto report = model->attention_report();
   CHECK(report.packed == models::AttentionBackend::sdpa);
   CHECK_THAT(report.reason, Catch::Contains("flash_varlen needs CUDA tensors, not cpu"));
-  CHECK_THAT(report.to_string(), Catch::Contains("automatic: whole rows on sdpa, packed samples on sdpa (flash_varlen needs"));
+  CHECK_THAT(report.to_string(),
+             Catch::Contains("automatic: whole rows on sdpa, packed samples on sdpa (flash_varlen needs"));
 
   model->set_attention_backend(models::AttentionBackend::sdpa);
   CHECK_FALSE(model->attention_report().packed.has_value());  // a new choice reports afresh
@@ -406,8 +424,9 @@ TEST_CASE("models: attention runs on the backend asked for, reports what ran and
   CHECK(model->attention_report().reason.empty());
 
   model->set_attention_backend(models::AttentionBackend::flash_varlen);
-  CHECK_THAT(error_of([&] { model->forward(ids, samples); }),
-             Catch::Contains("AttentionBackend::flash_varlen was asked for, but flash_varlen needs CUDA tensors, not cpu"));
+  CHECK_THAT(
+      error_of([&] { model->forward(ids, samples); }),
+      Catch::Contains("AttentionBackend::flash_varlen was asked for, but flash_varlen needs CUDA tensors, not cpu"));
   // Whole rows run SDPA under every choice.
   const at::Tensor rows = model->forward(ids);
   model->set_attention_backend(models::AttentionBackend::automatic);
@@ -456,7 +475,8 @@ TEST_CASE("models: pack_sequences fills rows first-fit decreasing, pads the tail
   for (size_t i = 0; i < seqs.size(); ++i) CHECK(at::equal(parts[i], seqs[i]));
   const auto trimmed = batch.unpack(batch.input_ids.narrow(1, 0, 7), 1);
   for (size_t i = 0; i < seqs.size(); ++i) CHECK(at::equal(trimmed[i], seqs[i].narrow(0, 0, seqs[i].size(0) - 1)));
-  CHECK(at::equal(models::PackedSamples::from_position_ids(batch.position_ids, 3).cu_seqlens(), batch.samples.cu_seqlens()));
+  CHECK(at::equal(models::PackedSamples::from_position_ids(batch.position_ids, 3).cu_seqlens(),
+                  batch.samples.cu_seqlens()));
   CHECK(batch.row_tokens == std::vector<int64_t>{7, 8, 6});
   const auto last = batch.row(2);  // 4 + 2 tokens, no tail padding
   CHECK(at::equal(last.input_ids, at::cat({seqs[4], seqs[2]}).unsqueeze(0)));
@@ -468,7 +488,8 @@ TEST_CASE("models: pack_sequences fills rows first-fit decreasing, pads the tail
              Catch::Contains("sequence 1 holds 7 tokens, more than the token_budget of 6"));
   CHECK_THAT(error_of([] { models::pack_sequences({at::arange(3, at::kLong), at::empty({0}, at::kLong)}); }),
              Catch::Contains("sequence 1 is empty"));
-  CHECK_THAT(error_of([] { models::pack_sequences({at::zeros({2, 2}, at::kLong)}); }), Catch::Contains("sequence 0 must be a 1-D int64"));
+  CHECK_THAT(error_of([] { models::pack_sequences({at::zeros({2, 2}, at::kLong)}); }),
+             Catch::Contains("sequence 0 must be a 1-D int64"));
 }
 
 TEST_CASE("models: generate's bad options are errors naming the argument", "[hf][unit][generate][errors]") {
@@ -478,19 +499,23 @@ TEST_CASE("models: generate's bad options are errors naming the argument", "[hf]
     return error_of([&] { model->generate(prompt, mask, o); });
   };
   const int64_t max_positions = model->config.max_position_embeddings;
-  CHECK_THAT(error({.max_new_tokens = max_positions}), Catch::Contains("max_new_tokens = " + std::to_string(max_positions) +
-                                                                       " after a prompt of 5 tokens exceeds the model's max_position_embeddings"));
+  CHECK_THAT(error({.max_new_tokens = max_positions}),
+             Catch::Contains("max_new_tokens = " + std::to_string(max_positions) +
+                             " after a prompt of 5 tokens exceeds the model's max_position_embeddings"));
   CHECK_THAT(error({.max_new_tokens = -1}), Catch::Contains("max_new_tokens must be >= 0"));
   CHECK_THAT(error({.do_sample = true, .temperature = 0}), Catch::Contains("temperature must be finite and > 0"));
   CHECK_THAT(error({.do_sample = true, .top_k = -2}), Catch::Contains("top_k must be >= 0"));
   CHECK_THAT(error({.do_sample = true, .top_p = 1.5}), Catch::Contains("top_p must be in (0, 1]"));
   CHECK_THAT(error({}, at::ones({2, 4}, at::kLong)), Catch::Contains("attention_mask must be [batch, prompt]"));
-  CHECK_THAT(error_of([&] { model->generate(at::ones({2, 5}, at::kInt)); }), Catch::Contains("input_ids must be int64"));
+  CHECK_THAT(error_of([&] { model->generate(at::ones({2, 5}, at::kInt)); }),
+             Catch::Contains("input_ids must be int64"));
   at::Tensor right = at::ones({2, 5}, at::kLong);
   right[1][4] = 0;
-  CHECK_THAT(error({}, right), Catch::Contains("the prompts must be left-padded (attention_mask's last column is 0 in row 1)"));
+  CHECK_THAT(error({}, right),
+             Catch::Contains("the prompts must be left-padded (attention_mask's last column is 0 in row 1)"));
   CHECK_THAT(error({.eos_token_ids = {96}}), Catch::Contains("eos_token_ids holds 96 is outside the vocabulary of 96"));
-  CHECK_THAT(error_of([&] { model->generate(at::full({1, 3}, 200, at::kLong)); }), Catch::Contains("outside the vocabulary"));
+  CHECK_THAT(error_of([&] { model->generate(at::full({1, 3}, 200, at::kLong)); }),
+             Catch::Contains("outside the vocabulary"));
   // Greedy with and without the cache: the cache's tokens equal re-running the whole sequence each step.
   const auto out = model->generate(at::randint(1, 96, {2, 5}, at::kLong), {}, {.max_new_tokens = 6});
   at::Tensor seq = out.sequences.narrow(1, 0, 5);
@@ -502,15 +527,19 @@ TEST_CASE("models: generate's bad options are errors naming the argument", "[hf]
   CHECK(at::equal(seq, out.sequences));
 }
 
-TEST_CASE("models: mixture-of-experts configs: the families' defaults, their layers, and bad fields named", "[hf][unit][moe][errors]") {
-  Json q3 = {{"model_type", "qwen3_moe"}, {"architectures", {"Qwen3MoeForCausalLM"}}, {"vocab_size", 96}, {"hidden_size", 64},
-             {"num_hidden_layers", 4}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"num_local_experts", 8},
-             {"num_experts_per_tok", 2}, {"moe_intermediate_size", 32}, {"decoder_sparse_step", 2}, {"mlp_only_layers", {3}}};
+TEST_CASE("models: mixture-of-experts configs: the families' defaults, their layers, and bad fields named",
+          "[hf][unit][moe][errors]") {
+  Json q3 = {{"model_type", "qwen3_moe"}, {"architectures", {"Qwen3MoeForCausalLM"}},
+             {"vocab_size", 96},          {"hidden_size", 64},
+             {"num_hidden_layers", 4},    {"num_attention_heads", 4},
+             {"num_key_value_heads", 2},  {"num_local_experts", 8},
+             {"num_experts_per_tok", 2},  {"moe_intermediate_size", 32},
+             {"decoder_sparse_step", 2},  {"mlp_only_layers", {3}}};
   const auto c = models::parse_decoder_config(q3, "config.json");
   CHECK(c.moe.num_experts == 8);  // transformers 5's spelling of Qwen3-MoE's count
   CHECK(c.sparse_layers == std::vector<bool>{false, true, false, false});  // (i + 1) % 2 == 0, but not layer 3
-  CHECK(c.intermediate_size == 6144);  // the class's default, for the dense layers
-  CHECK(c.head_dim == 16);             // derived (not Qwen3's 128)
+  CHECK(c.intermediate_size == 6144);                                      // the class's default, for the dense layers
+  CHECK(c.head_dim == 16);                                                 // derived (not Qwen3's 128)
   CHECK(c.qk_norm);
   CHECK_FALSE(c.moe.norm_topk_prob);
   CHECK(c.moe.shared_expert_intermediate_size == 0);
@@ -554,7 +583,8 @@ TEST_CASE("models: mixture-of-experts configs: the families' defaults, their lay
   bad["num_hidden_layers"] = 64;
   bad["decoder_sparse_step"] = 1;
   bad["mlp_only_layers"] = Json::array();
-  CHECK_THAT(config_error(bad), Catch::Contains("\"num_experts\" 4096 in each of 64 sparse layers makes 262144 experts"));
+  CHECK_THAT(config_error(bad),
+             Catch::Contains("\"num_experts\" 4096 in each of 64 sparse layers makes 262144 experts"));
   Json defaults = q3;
   defaults.erase("num_key_value_heads");
   CHECK(models::parse_decoder_config(defaults, "config.json").num_key_value_heads == 4);  // Qwen3-MoE's class default
@@ -620,17 +650,19 @@ TEST_CASE("models: the experts as grouped products (at::_grouped_mm) equal one p
           fsdpx::test::gradient_bound(model->config, positions, ids.size(0) * (positions - 1)));
   }
   // Sizes the grouped product cannot take are an error naming them when asked for.
-  Json c = {{"model_type", "qwen3_moe"}, {"vocab_size", 96}, {"hidden_size", 30}, {"num_hidden_layers", 1},
-            {"num_attention_heads", 3}, {"num_key_value_heads", 3}, {"num_experts", 4}, {"num_experts_per_tok", 2},
-            {"moe_intermediate_size", 6}};
+  Json c = {{"model_type", "qwen3_moe"}, {"vocab_size", 96},         {"hidden_size", 30},
+            {"num_hidden_layers", 1},    {"num_attention_heads", 3}, {"num_key_value_heads", 3},
+            {"num_experts", 4},          {"num_experts_per_tok", 2}, {"moe_intermediate_size", 6}};
   models::CausalLM odd(models::parse_decoder_config(c, "config.json"));
   odd->model->layers[0]->moe->kernel = models::ExpertKernel::grouped;
-  CHECK_THAT(error_of([&] { odd(at::ones({1, 4}, at::kLong)); }), Catch::Contains("ExpertKernel::grouped needs the hidden size (30)"));
+  CHECK_THAT(error_of([&] { odd(at::ones({1, 4}, at::kLong)); }),
+             Catch::Contains("ExpertKernel::grouped needs the hidden size (30)"));
 }
 
-TEST_CASE("models: a label or target outside the vocabulary is refused by loss and log_probs, whose checks are asked "
-          "before the layers run",
-          "[hf][unit][errors]") {
+TEST_CASE(
+    "models: a label or target outside the vocabulary is refused by loss and log_probs, whose checks are asked "
+    "before the layers run",
+    "[hf][unit][errors]") {
   at::manual_seed(7);
   models::CausalLM model(models::parse_decoder_config(llama_config(), "config.json"));
   const int64_t vocab = model->config.vocab_size;
@@ -640,8 +672,9 @@ TEST_CASE("models: a label or target outside the vocabulary is refused by loss a
   const std::string range = "in [0, " + std::to_string(vocab) + ")";
   CHECK_THAT(error_of([&] { model->loss(ids, ids.index_put({at::tensor(1), at::tensor(4)}, at::tensor(vocab))); }),
              Catch::Contains("every label must be a token id " + range + " or the ignore index -100"));
-  CHECK_THAT(error_of([&] { model->loss(ids, ids.index_put({at::tensor(0), at::tensor(2)}, at::tensor(int64_t{-3}))); }),
-             Catch::Contains("every label must be a token id " + range));
+  CHECK_THAT(
+      error_of([&] { model->loss(ids, ids.index_put({at::tensor(0), at::tensor(2)}, at::tensor(int64_t{-3}))); }),
+      Catch::Contains("every label must be a token id " + range));
   // log_probs' targets are its input ids: one outside the vocabulary fails in the embedding first.
   CHECK_THROWS_WITH(model->log_probs(ids.index_put({at::tensor(1), at::tensor(5)}, at::tensor(vocab + 2))),
                     Catch::Contains("index out of range"));

@@ -72,7 +72,8 @@ TEST_CASE("GPU: offload_model and optimizer-state offload return the memory to t
   const auto device = parity_context().device;
   Gpt gpt(c);
   gpt->to(device);
-  Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>> model(gpt, parity_context().comm);
+  Fsdp<Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<BlockImpl>> model(gpt,
+                                                                                                 parity_context().comm);
   auto optimizer = make_adamw(model, adamw());
   const auto tokens = at::randint(c.vocab, {4, c.seq + 1}, at::TensorOptions().dtype(at::kLong).device(device));
   model(tokens.narrow(1, 0, c.seq).contiguous(), tokens.narrow(1, 1, c.seq).contiguous()).backward();
@@ -91,9 +92,11 @@ TEST_CASE("GPU: offload_model and optimizer-state offload return the memory to t
   c10::cuda::device_synchronize();
   const MemoryReport offloaded = memory_report(device);
   const int64_t freed = *offloaded.device_free_bytes - *resident.device_free_bytes;
-  std::printf("  offload: %.1f MiB of shards, %.1f MiB with Adam's moments; driver free memory rose by %.1f MiB "
-              "(reserved %.1f -> %.1f MiB)\n", shard_bytes / 1048576.0, 3 * shard_bytes / 1048576.0, freed / 1048576.0,
-              resident.reserved_bytes / 1048576.0, offloaded.reserved_bytes / 1048576.0);
+  std::printf(
+      "  offload: %.1f MiB of shards, %.1f MiB with Adam's moments; driver free memory rose by %.1f MiB "
+      "(reserved %.1f -> %.1f MiB)\n",
+      shard_bytes / 1048576.0, 3 * shard_bytes / 1048576.0, freed / 1048576.0, resident.reserved_bytes / 1048576.0,
+      offloaded.reserved_bytes / 1048576.0);
   CHECK(freed >= 3 * shard_bytes);
   for (size_t i = 0; i < model.sharded().num_units(); ++i) CHECK(model.sharded().unit(i).shard().is_pinned());
   model.reload_model();
@@ -108,10 +111,12 @@ TEST_CASE("GPU: offload_model and optimizer-state offload return the memory to t
 // result differently (the decoder's path stored in bfloat16, tests/models/decoder_path.hpp).
 TEST_CASE("GPU: packed samples: variable-length flash attention equals attention sample by sample", "[gpu][packed]") {
   const auto device = parity_context().device;
-  const fsdpx::detail::Json config = {
-      {"model_type", "qwen2"}, {"architectures", {"Qwen2ForCausalLM"}}, {"vocab_size", 512}, {"hidden_size", 256},
-      {"intermediate_size", 512}, {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"num_key_value_heads", 2},
-      {"use_sliding_window", true}, {"sliding_window", 16}, {"max_window_layers", 1}, {"max_position_embeddings", 512}};
+  const fsdpx::detail::Json config = {{"model_type", "qwen2"},      {"architectures", {"Qwen2ForCausalLM"}},
+                                      {"vocab_size", 512},          {"hidden_size", 256},
+                                      {"intermediate_size", 512},   {"num_hidden_layers", 2},
+                                      {"num_attention_heads", 4},   {"num_key_value_heads", 2},
+                                      {"use_sliding_window", true}, {"sliding_window", 16},
+                                      {"max_window_layers", 1},     {"max_position_embeddings", 512}};
   at::manual_seed(3);
   models::CausalLM model(models::parse_decoder_config(config, "config.json"));
   model->to(device, at::kBFloat16);
@@ -141,8 +146,10 @@ TEST_CASE("GPU: packed samples: variable-length flash attention equals attention
   const double gradients_error = fsdpx::test::max_gradient_error(flash, by_sample);
   const double logits_bound = fsdpx::test::logits_bound(model->config, longest, at::kBFloat16);
   const double gradient_bound = fsdpx::test::gradient_bound(model->config, longest, tokens, at::kBFloat16);
-  std::printf("  packed attention: varlen flash vs sample by sample, bf16: logits relative error %.2e (bound %.2e), "
-              "gradients %.2e (bound %.2e)\n", logits_error, logits_bound, gradients_error, gradient_bound);
+  std::printf(
+      "  packed attention: varlen flash vs sample by sample, bf16: logits relative error %.2e (bound %.2e), "
+      "gradients %.2e (bound %.2e)\n",
+      logits_error, logits_bound, gradients_error, gradient_bound);
   CHECK(logits_error <= logits_bound);
   CHECK(gradients_error <= gradient_bound);
 }
@@ -155,9 +162,17 @@ TEST_CASE("GPU: mixture of experts in bfloat16: grouped products equal one produ
   const fsdpx::detail::Json config = {
       // One layer: its routing sees the same inputs under both kernels (with two, bfloat16 rounding in the
       // first can flip a near tie in the second's top-k, and a token then trains another expert).
-      {"model_type", "qwen3_moe"}, {"vocab_size", 4096}, {"hidden_size", 1024}, {"num_hidden_layers", 1},
-      {"num_attention_heads", 8}, {"num_key_value_heads", 4}, {"num_experts", 32}, {"num_experts_per_tok", 4},
-      {"moe_intermediate_size", 512}, {"norm_topk_prob", true}, {"max_position_embeddings", 4096}};
+      {"model_type", "qwen3_moe"},
+      {"vocab_size", 4096},
+      {"hidden_size", 1024},
+      {"num_hidden_layers", 1},
+      {"num_attention_heads", 8},
+      {"num_key_value_heads", 4},
+      {"num_experts", 32},
+      {"num_experts_per_tok", 4},
+      {"moe_intermediate_size", 512},
+      {"norm_topk_prob", true},
+      {"max_position_embeddings", 4096}};
   at::manual_seed(5);
   models::CausalLM model(models::parse_decoder_config(config, "config.json"));
   model->to(device, at::kBFloat16);
@@ -176,7 +191,8 @@ TEST_CASE("GPU: mixture of experts in bfloat16: grouped products equal one produ
       out.first = logits.detach().to(at::kFloat);
       out.second.clear();
       for (const auto& p : model->named_parameters()) {
-        out.second[p.key()] = p.value().grad().defined() ? p.value().grad().to(at::kFloat) : at::zeros_like(p.value(), at::kFloat);
+        out.second[p.key()] =
+            p.value().grad().defined() ? p.value().grad().to(at::kFloat) : at::zeros_like(p.value(), at::kFloat);
       }
     }
     return out;
@@ -189,9 +205,12 @@ TEST_CASE("GPU: mixture of experts in bfloat16: grouped products equal one produ
   const double gradients_error = fsdpx::test::max_gradient_error(grouped, per_expert);
   const double logits_bound = fsdpx::test::logits_bound(model->config, positions, at::kBFloat16);
   const double gradient_bound = fsdpx::test::gradient_bound(model->config, positions, tokens, at::kBFloat16);
-  std::printf("  MoE bf16 (32 experts, top-4, 4 x 1024 tokens): grouped vs per expert: logits relative error %.2e (bound %.2e), "
-              "gradients %.2e (bound %.2e); forward+backward %.1f ms grouped, %.1f ms per expert (%.2fx)\n", logits_error,
-              logits_bound, gradients_error, gradient_bound, grouped_s * 1e3, per_expert_s * 1e3, per_expert_s / grouped_s);
+  std::printf(
+      "  MoE bf16 (32 experts, top-4, 4 x 1024 tokens): grouped vs per expert: logits relative error %.2e (bound "
+      "%.2e), "
+      "gradients %.2e (bound %.2e); forward+backward %.1f ms grouped, %.1f ms per expert (%.2fx)\n",
+      logits_error, logits_bound, gradients_error, gradient_bound, grouped_s * 1e3, per_expert_s * 1e3,
+      per_expert_s / grouped_s);
   CHECK(logits_error <= logits_bound);
   CHECK(gradients_error <= gradient_bound);
 }
@@ -199,11 +218,12 @@ TEST_CASE("GPU: mixture of experts in bfloat16: grouped products equal one produ
 // Issue 35 on CUDA: versions published from host tensors (after real AdamW steps at an RL learning
 // rate, in bfloat16) land in a CUDA rollout module, deltas in place on the device, every written tensor
 // checked; a delta that does not check out there is undone on the device.
-TEST_CASE("GPU: weight sync deltas land in a CUDA module bit for bit, and a damaged one is undone there", "[gpu][sync]") {
+TEST_CASE("GPU: weight sync deltas land in a CUDA module bit for bit, and a damaged one is undone there",
+          "[gpu][sync]") {
   const auto device = parity_context().device;
-  const fsdpx::detail::Json config = {{"model_type", "qwen2"}, {"vocab_size", 512}, {"hidden_size", 128},
-                                      {"intermediate_size", 256}, {"num_hidden_layers", 2}, {"num_attention_heads", 4},
-                                      {"num_key_value_heads", 2}, {"tie_word_embeddings", false}};
+  const fsdpx::detail::Json config = {
+      {"model_type", "qwen2"},  {"vocab_size", 512},        {"hidden_size", 128},       {"intermediate_size", 256},
+      {"num_hidden_layers", 2}, {"num_attention_heads", 4}, {"num_key_value_heads", 2}, {"tie_word_embeddings", false}};
   at::manual_seed(7);
   models::CausalLM trainer(models::parse_decoder_config(config, "config.json"));
   models::CausalLM rollout(models::parse_decoder_config(config, "config.json"));
@@ -242,8 +262,8 @@ TEST_CASE("GPU: weight sync deltas land in a CUDA module bit for bit, and a dama
     CHECK(rollout_equals(w));
     reader.verify(*rollout);
   }
-  // Every parameter changed on the device behind the reader's back, straight in memory: the next delta does not check out
-  // (naming a tensor) and is undone there; the same version then comes whole.
+  // Every parameter changed on the device behind the reader's back, straight in memory: the next delta does not check
+  // out (naming a tensor) and is undone there; the same version then comes whole.
   std::vector<at::Tensor> before;
   for (const auto& p : rollout->parameters()) {
     const at::Tensor t = p.detach();  // straight in memory, as a stray kernel would (no version counter moves)

@@ -69,7 +69,7 @@ TEST_CASE("collectives are ordered after the caller's stream and before its late
   for (int i = 0; i < 20; ++i) a = at::tanh(at::matmul(a, a) * 1e-3);
   input.copy_(a.flatten().narrow(0, 0, 1 << 20));
   auto work = comm().all_gather_async(output, input);
-  work.wait_stream();  // side stream now waits for the collective; the host does not
+  work.wait_stream();                          // side stream now waits for the collective; the host does not
   auto check = output.sub(input).abs().max();  // runs on the side stream, after the gather
   REQUIRE(check.item<float>() == 0.0f);
   REQUIRE(work.is_completed());

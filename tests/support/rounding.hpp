@@ -82,8 +82,8 @@ inline double adam_moment_ratio(double beta1, double beta2, int64_t step) {
   double sum = 0, term = 1;
   for (int64_t j = 0; j < step; ++j, term *= beta1 * beta1 / beta2) sum += term;
   const double t = static_cast<double>(step);
-  const double k2 = (1 - beta1) * (1 - beta1) * (1 - std::pow(beta2, t)) /
-                    ((1 - beta2) * std::pow(1 - std::pow(beta1, t), 2)) * sum;
+  const double k2 =
+      (1 - beta1) * (1 - beta1) * (1 - std::pow(beta2, t)) / ((1 - beta2) * std::pow(1 - std::pow(beta1, t), 2)) * sum;
   return std::sqrt(k2);
 }
 

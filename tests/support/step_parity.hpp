@@ -44,7 +44,8 @@ inline at::Tensor adamw_update_bound(const at::Tensor& values, const at::Tensor&
   const double u = rounding::unit_roundoff(at::kFloat), b2 = std::get<1>(o.betas());
   const double kappa = rounding::adam_moment_ratio(std::get<0>(o.betas()), b2, step);
   const at::Tensor denominator = (exp_avg_sq / (1 - std::pow(b2, static_cast<double>(step)))).sqrt() + o.eps();
-  return lr * (1 + kappa) * d / denominator + 4 * u * values.abs() + 10 * u * lr * kappa * static_cast<double>(step + 1);
+  return lr * (1 + kappa) * d / denominator + 4 * u * values.abs() +
+         10 * u * lr * kappa * static_cast<double>(step + 1);
 }
 
 /// This rank's part of one parameter: elements [begin, end) of the flattened parameter `name`, as the
@@ -97,9 +98,11 @@ inline std::vector<HeldSlice> held_slices(const core::ShardedModel& m, torch::op
       for (const core::ParamInfo& p : u.layout().params()) {
         const int64_t lo = std::max(p.offset, lo_view), hi = std::min(p.offset + p.numel, hi_view);
         if (lo >= hi) continue;
-        const auto part = [&](const at::Tensor& t) { return t.defined() ? t.detach().narrow(0, lo - lo_view, hi - lo) : t; };
-        out.push_back({p.name, lo - p.offset, hi - p.offset, part(view.tensor), part(view.tensor.grad()), part(exp_avg_sq),
-                       step, options});
+        const auto part = [&](const at::Tensor& t) {
+          return t.defined() ? t.detach().narrow(0, lo - lo_view, hi - lo) : t;
+        };
+        out.push_back({p.name, lo - p.offset, hi - p.offset, part(view.tensor), part(view.tensor.grad()),
+                       part(exp_avg_sq), step, options});
       }
     }
   }
@@ -139,7 +142,8 @@ class StepParity {
   /// the other gradients of its unit (a layer), so each gradient's bound scales with the largest gradient
   /// element of its unit. Clipping adds the norm's relative error (a norm that differs scales every
   /// clipped element).
-  void note_reference_gradients(const core::ShardedModel& m, const std::map<std::string, at::Tensor>& grads, bool clipped) {
+  void note_reference_gradients(const core::ShardedModel& m, const std::map<std::string, at::Tensor>& grads,
+                                bool clipped) {
     double squares = 0, scaled = 0;
     int64_t n = 0;
     std::map<std::string, double> own;
@@ -155,7 +159,8 @@ class StepParity {
     std::map<std::string, double> scale = own;
     for (size_t i = 0; i < m.num_units(); ++i) {
       double unit = 0;
-      for (const core::ParamInfo& p : m.unit(i).layout().params()) unit = std::max(unit, own.count(p.name) != 0 ? own.at(p.name) : 0.0);
+      for (const core::ParamInfo& p : m.unit(i).layout().params())
+        unit = std::max(unit, own.count(p.name) != 0 ? own.at(p.name) : 0.0);
       for (const core::ParamInfo& p : m.unit(i).layout().params()) scale[p.name] = unit;
     }
     for (const auto& [name, s] : scale) {
@@ -168,7 +173,9 @@ class StepParity {
   /// The relative bound of the gradient norm this step (set by note_reference_gradients).
   double norm_bound() const { return norm_bound_; }
 
-  void check_loss(double got, double want) { loss_.note(std::abs(got - want) / (bounds_.loss * std::abs(want)), "loss"); }
+  void check_loss(double got, double want) {
+    loss_.note(std::abs(got - want) / (bounds_.loss * std::abs(want)), "loss");
+  }
   void check_norm(double got, double want) {
     norm_.note(std::abs(got - want) / (norm_bound_ * std::abs(want)), "gradient norm");
   }

@@ -75,7 +75,8 @@ void save_steps(dist::AnyCommunicator& world, const fs::path& work, int steps) {
   const test::GptConfig c{.vocab = 61, .seq = 16, .dim = 32, .heads = 4, .layers = 2, .tied = false};
   at::manual_seed(1);
   test::Gpt model(c);
-  Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>> fsdp(model, world);
+  Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>> fsdp(model,
+                                                                                                            world);
   auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-2));
   CheckpointCoordinator ckpt(work / "ckpt", fsdp, {.max_to_keep = 2});
   for (int step = 1; step <= steps; ++step) {
@@ -118,12 +119,14 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (argc == 4) {  // a pretrained model, fine-tuned; Python receives into transformers' own class
-      using Hf = Fsdp<models::CausalLM, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<models::DecoderLayerImpl>>;
+      using Hf = Fsdp<models::CausalLM, FullShard, NoOffload, FullPrecision, ShardedStateDict,
+                      WrapModules<models::DecoderLayerImpl>>;
       auto fsdp = models::from_pretrained<Hf>(argv[3], world);
       auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-2));
       serve(fsdp, world, work, versions, [&](int v) {
         at::manual_seed(100 + v);
-        const auto ids = at::randint(1, fsdp->config.vocab_size, {2 * world.size(), 12}, at::kLong).narrow(0, 2 * world.rank(), 2);
+        const auto ids =
+            at::randint(1, fsdp->config.vocab_size, {2 * world.size(), 12}, at::kLong).narrow(0, 2 * world.rank(), 2);
         optimizer.zero_grad();
         fsdp.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor()).backward();
         optimizer.step();
@@ -134,7 +137,8 @@ int main(int argc, char** argv) {
     at::manual_seed(1);
     test::Gpt model(c);
     model->register_buffer("step_count", at::zeros({2}));
-    Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>> fsdp(model, world);
+    Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>> fsdp(model,
+                                                                                                              world);
     auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-2));
     serve(fsdp, world, work, versions, [&](int v) {
       at::manual_seed(100 + v);

@@ -84,8 +84,10 @@ void send_buckets(dist::AnyCommunicator& g, int64_t version, const std::vector<N
     largest = std::max(largest, b.total_bytes);
     largest_header = std::max(largest_header, b.header_bytes);
   }
-  g.broadcast(at::tensor({sync::detail::preamble_magic, version, static_cast<int64_t>(plan.size()), largest_header, staged,
-                          largest}, at::kLong), 0);
+  g.broadcast(at::tensor({sync::detail::preamble_magic, version, static_cast<int64_t>(plan.size()), largest_header,
+                          staged, largest},
+                         at::kLong),
+              0);
   g.broadcast(at::tensor(header_sizes, at::kLong), 0);
   for (const auto& b : plan) {
     auto bucket = at::zeros({b.total_bytes}, at::kByte);
@@ -96,7 +98,8 @@ void send_buckets(dist::AnyCommunicator& g, int64_t version, const std::vector<N
       }
     }
     g.broadcast(bucket.narrow(0, 0, b.header_bytes), 0);
-    for (const auto& sg : sync::detail::segments_of(b, staged)) g.broadcast(bucket.narrow(0, sg.begin, sg.end - sg.begin), 0);
+    for (const auto& sg : sync::detail::segments_of(b, staged))
+      g.broadcast(bucket.narrow(0, sg.begin, sg.end - sg.begin), 0);
   }
 }
 
@@ -113,7 +116,9 @@ int hostile_broadcast() {
 
   if (groups.is_trainer()) {
     const auto announce = [&](int64_t version, int64_t kind, int64_t base, int64_t digest, int64_t flags) {
-      g.broadcast(at::tensor(std::vector<int64_t>{sync::detail::announce_magic, version, kind, base, digest, flags}, at::kLong), 0);
+      g.broadcast(
+          at::tensor(std::vector<int64_t>{sync::detail::announce_magic, version, kind, base, digest, flags}, at::kLong),
+          0);
     };
     const auto vote = [&] {
       auto hold = at::ones({1}, at::kLong);
@@ -124,8 +129,9 @@ int hostile_broadcast() {
       g.broadcast(at::tensor(std::vector<int64_t>{size}, at::kLong), 0);
       if (bytes.defined()) g.broadcast(bytes, 0);
     };
-    g.broadcast(at::tensor(std::vector<int64_t>{0x1234, 1, streamed, no_version, 0, 1}, at::kLong), 0);  // not an announcement
-    announce(1, 7, no_version, 0, 1);                                                           // a kind that is none
+    g.broadcast(at::tensor(std::vector<int64_t>{0x1234, 1, streamed, no_version, 0, 1}, at::kLong),
+                0);                           // not an announcement
+    announce(1, 7, no_version, 0, 1);         // a kind that is none
     announce(5, streamed, no_version, 0, 1);  // an honest streamed version
     send_buckets(g, 5, v1);
     send_manifest(full_manifest(5, v1).encode().numel(), full_manifest(5, v1).encode());
@@ -133,7 +139,10 @@ int hostile_broadcast() {
     send_buckets(g, 4, v2);
     send_manifest(full_manifest(4, v2).encode().numel(), full_manifest(4, v2).encode());
     announce(5, cut, no_version, 0, 0);  // announced, then the sender fails: an aborted preamble
-    g.broadcast(at::tensor(std::vector<int64_t>{sync::detail::preamble_magic, 5, sync::detail::aborted_version, 0, 1, 0}, at::kLong), 0);
+    g.broadcast(
+        at::tensor(std::vector<int64_t>{sync::detail::preamble_magic, 5, sync::detail::aborted_version, 0, 1, 0},
+                   at::kLong),
+        0);
     announce(6, streamed, no_version, 0, 1);  // a manifest of 1 TiB
     send_buckets(g, 6, v1);
     send_manifest(int64_t{1} << 40, at::Tensor());
@@ -191,8 +200,10 @@ int hostile_broadcast() {
   };
   const auto expect_exact = [&](int64_t version, const std::vector<NamedTensor>& want, bool delta) {
     const WeightSnapshot s = receiver.receive();
-    bool ok = s.version == version && s.tensors.size() == want.size() && s.manifest && receiver.last_was_delta() == delta;
-    for (size_t i = 0; ok && i < want.size(); ++i) ok = s.tensors[i].name == want[i].name && at::equal(s.tensors[i].tensor, want[i].tensor);
+    bool ok =
+        s.version == version && s.tensors.size() == want.size() && s.manifest && receiver.last_was_delta() == delta;
+    for (size_t i = 0; ok && i < want.size(); ++i)
+      ok = s.tensors[i].name == want[i].name && at::equal(s.tensors[i].tensor, want[i].tensor);
     if (!ok && rc == 0) {
       std::fprintf(stderr, "WRONG-VERSION: version %lld is not what was sent\n", static_cast<long long>(version));
       rc = 20;
@@ -204,7 +215,8 @@ int hostile_broadcast() {
   expect_exact(4, v2, false);
   expect({"the trainer could not send version 5", "nothing was received"});
   expect({"the manifest of version 6", "would take 1099511627776 bytes"});
-  expect({"version 7 from the trainer over 'model_update' did not arrive intact", "'a.weight' does not match its checksum"});
+  expect({"version 7 from the trainer over 'model_update' did not arrive intact",
+          "'a.weight' does not match its checksum"});
   expect_exact(8, v1, false);
   expect({"tensor 'a.weight' (sparse): index 1073741824 lies outside its 262144 elements"});
   expect_exact(10, v2, false);
@@ -243,7 +255,8 @@ int hostile_broadcast() {
     const auto begin = sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 2, buckets.size());
     asio::write(sock, asio::buffer(&begin, sizeof(begin)));
     for (int k = 0; k < 3; ++k) {
-      const auto f = sync::detail::make_frame(sync::detail::FrameKind::bucket, 2, k, buckets[k].const_data_ptr(), buckets[k].nbytes());
+      const auto f = sync::detail::make_frame(sync::detail::FrameKind::bucket, 2, k, buckets[k].const_data_ptr(),
+                                              buckets[k].nbytes());
       asio::write(sock, asio::buffer(&f, sizeof(f)));
       asio::write(sock, asio::buffer(buckets[k].const_data_ptr(), buckets[k].nbytes()));
     }
@@ -280,9 +293,9 @@ int main(int argc, char** argv) {
     const WeightSnapshot first = reader.fetch_newer(no_version, 20s);
     if (first.version != 1) return 5;
     const auto t0 = std::chrono::steady_clock::now();
-    const int rc = expect_error<SyncError>([&] { reader.fetch_newer(1, 60s); },
-                                           {"disconnected in the middle of version 2 (3 of",
-                                            "partial version was discarded"});
+    const int rc =
+        expect_error<SyncError>([&] { reader.fetch_newer(1, 60s); },
+                                {"disconnected in the middle of version 2 (3 of", "partial version was discarded"});
     const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     // CTest fails the test on TOO-SLOW: the reader must be told when the trainer dies, not at its timeout.
     std::printf("%s: the reader was told after %.2f s (it would have waited 60 s)\n", waited < 10 ? "OK" : "TOO-SLOW",
@@ -306,8 +319,7 @@ int main(int argc, char** argv) {
     if (!in || !std::fgets(line, sizeof(line), in) || std::sscanf(line, "SERVER-PORT %u", &port) != 1) return 8;
     SynchronizerClient reader("127.0.0.1", static_cast<uint16_t>(port));
     if (reader.fetch_newer(no_version, 20s).version != 1) return 5;
-    const int rc = expect_error<SyncError>([&] { reader.fetch_newer(1, 60s); },
-                                           {"synchronizer at 127.0.0.1:"});
+    const int rc = expect_error<SyncError>([&] { reader.fetch_newer(1, 60s); }, {"synchronizer at 127.0.0.1:"});
     waitpid(child, nullptr, 0);
     return rc;
   }

@@ -3,8 +3,8 @@
 //
 //   sync_server_program <max_handshakes_per_address>
 //     prints "port <N>", then reads commands, one per line, answering each with one line:
-//       publish <version> <run>   a SynchronizerClient of that run publishes weights_of(version): "ok" or "error <text>"
-//       quit
+//       publish <version> <run>   a SynchronizerClient of that run publishes weights_of(version): "ok" or "error
+//       <text>" quit
 //
 // The weights of version v: "w" = arange(1000) * 0.5 + v (float32, 10 x 100), "b" = v (bfloat16, 7).
 #include <cstdio>
@@ -22,8 +22,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    sync::SynchronizerServer server({.max_handshakes_per_address = std::stoi(argv[1]),
-                                     .handshake_timeout = std::chrono::milliseconds(5000)});
+    sync::SynchronizerServer server(
+        {.max_handshakes_per_address = std::stoi(argv[1]), .handshake_timeout = std::chrono::milliseconds(5000)});
     std::cout << "port " << server.port() << std::endl;
     std::string line;
     while (std::getline(std::cin, line)) {

@@ -71,7 +71,8 @@ at::Tensor& payload(fxs::EncodedVersion& v, const std::string& name) {
 
 }  // namespace
 
-TEST_CASE("delta: a manifest round-trips, and its digest covers every tensor's name, shape and checksum", "[sync][delta]") {
+TEST_CASE("delta: a manifest round-trips, and its digest covers every tensor's name, shape and checksum",
+          "[sync][delta]") {
   const auto w = weights(1);
   const fxs::Manifest m = fxs::full_manifest(7, w);
   const fxs::Manifest back = fxs::Manifest::decode(m.encode(), "test");
@@ -197,7 +198,8 @@ TEST_CASE("delta: a damaged or misdirected delta is refused naming the tensor, a
   auto delta = publisher.cut(2, v2);
   const auto held_before = copy(receiver.tensors());
   const auto refused = [&](const std::string& why) {
-    for (const auto mode : {VersionStore::Apply::in_place, VersionStore::Apply::owned, VersionStore::Apply::copy_on_write}) {
+    for (const auto mode :
+         {VersionStore::Apply::in_place, VersionStore::Apply::owned, VersionStore::Apply::copy_on_write}) {
       REQUIRE_THROWS_WITH(receiver.accept(delta.tensors, mode, "test"), Catch::Contains(why));
       require_same(receiver.tensors(), held_before);
       REQUIRE(receiver.version() == 1);
@@ -283,8 +285,8 @@ TEST_CASE("delta: verify says whether weights are exactly a version, naming what
   auto mine = copy(w);
   fxs::verify(mine, m);
   mine[2].tensor[0][0] = 9.0;
-  REQUIRE_THROWS_WITH(fxs::verify(mine, m), Catch::Contains("not version 3") &&
-                                                 Catch::Contains("'blocks.0.fc.weight' differs"));
+  REQUIRE_THROWS_WITH(fxs::verify(mine, m),
+                      Catch::Contains("not version 3") && Catch::Contains("'blocks.0.fc.weight' differs"));
   mine.pop_back();
   REQUIRE_THROWS_WITH(fxs::verify(mine, m), Catch::Contains("'steps' is missing"));
 }
@@ -299,9 +301,11 @@ using namespace std::chrono_literals;
 
 /// A tiny Qwen2 (tied head, q/k/v biases) in float32, and its weights as a bfloat16 rollout receives them.
 fsdpx::models::DecoderConfig tiny_qwen2() {
-  const fsdpx::detail::Json j = {{"model_type", "qwen2"}, {"architectures", {"Qwen2ForCausalLM"}}, {"vocab_size", 96},
-                                 {"hidden_size", 64}, {"intermediate_size", 112}, {"num_hidden_layers", 2},
-                                 {"num_attention_heads", 8}, {"num_key_value_heads", 2}, {"tie_word_embeddings", true}};
+  const fsdpx::detail::Json j = {{"model_type", "qwen2"},      {"architectures", {"Qwen2ForCausalLM"}},
+                                 {"vocab_size", 96},           {"hidden_size", 64},
+                                 {"intermediate_size", 112},   {"num_hidden_layers", 2},
+                                 {"num_attention_heads", 8},   {"num_key_value_heads", 2},
+                                 {"tie_word_embeddings", true}};
   return fsdpx::models::parse_decoder_config(j, "config.json");
 }
 
@@ -329,7 +333,8 @@ void check_misfit_loads_nothing(Load&& load) {
   other->to(torch::kBFloat16);
   std::vector<NamedTensor> before;
   for (const auto& p : other->named_parameters()) before.push_back({p.key(), p.value().detach().clone()});
-  CHECK_THROWS_WITH(load(*other), Catch::Contains("nothing was loaded") && Catch::Contains("mlp.up_proj.weight' has shape"));
+  CHECK_THROWS_WITH(load(*other),
+                    Catch::Contains("nothing was loaded") && Catch::Contains("mlp.up_proj.weight' has shape"));
   for (const auto& t : before) CHECK(same_bits(other->named_parameters()[t.name], t.tensor));
 }
 
@@ -343,8 +348,10 @@ bool module_equals(torch::nn::Module& m, const std::vector<NamedTensor>& w) {
 
 }  // namespace
 
-TEST_CASE("delta service: after real AdamW steps every reader holds the trainer's weights bit for bit, deltas when it "
-          "holds the base, full versions otherwise", "[sync][delta][service]") {
+TEST_CASE(
+    "delta service: after real AdamW steps every reader holds the trainer's weights bit for bit, deltas when it "
+    "holds the base, full versions otherwise",
+    "[sync][delta][service]") {
   const double lr = GENERATE(1e-5, 1e-3);
   INFO("lr " << lr);
   fxs::SynchronizerServer server({.bucket_bytes = 256 << 10});
@@ -352,8 +359,8 @@ TEST_CASE("delta service: after real AdamW steps every reader holds the trainer'
   fsdpx::models::CausalLM trainer_model(tiny_qwen2());
   torch::optim::AdamW opt(trainer_model->parameters(), torch::optim::AdamWOptions(lr));
   fxs::SynchronizerClient trainer("127.0.0.1", server.port(), {.bucket_bytes = 256 << 10});
-  fxs::SynchronizerClient keeper("127.0.0.1", server.port());  // its own copy, copy-on-write
-  fxs::SynchronizerClient loader("127.0.0.1", server.port());  // into a bfloat16 rollout model, in place
+  fxs::SynchronizerClient keeper("127.0.0.1", server.port());   // its own copy, copy-on-write
+  fxs::SynchronizerClient loader("127.0.0.1", server.port());   // into a bfloat16 rollout model, in place
   fxs::SynchronizerClient skipper("127.0.0.1", server.port());  // fetches every other version
   fsdpx::models::CausalLM rollout(tiny_qwen2());
   rollout->to(torch::kBFloat16);
@@ -415,8 +422,8 @@ TEST_CASE("delta service: after real AdamW steps every reader holds the trainer'
   try {
     loader_has = loader.fetch_newer_into(*rollout, loader_has, 5s);
   } catch (const fsdpx::SyncError& e) {
-    CHECK_THAT(e.what(), Catch::Contains("tensor 'model.embed_tokens.weight'") &&
-                             Catch::Contains("does not match its checksum"));
+    CHECK_THAT(e.what(),
+               Catch::Contains("tensor 'model.embed_tokens.weight'") && Catch::Contains("does not match its checksum"));
     CHECK(same_bits(params["model.embed_tokens.weight"], tampered));
     loader_has = loader.fetch_newer_into(*rollout, loader_has, 5s);
     CHECK_FALSE(loader.last_transfer().delta);
@@ -439,8 +446,10 @@ TEST_CASE("delta service: after real AdamW steps every reader holds the trainer'
   check_misfit_loads_nothing([&](torch::nn::Module& m) { mismatched.fetch_newer_into(m, fxs::no_version, 5s); });
 }
 
-TEST_CASE("delta service: a trainer hosting the server cuts deltas too, and a publisher whose base the server no longer "
-          "holds sends its version full", "[sync][delta][service]") {
+TEST_CASE(
+    "delta service: a trainer hosting the server cuts deltas too, and a publisher whose base the server no longer "
+    "holds sends its version full",
+    "[sync][delta][service]") {
   fxs::SynchronizerServer server;
   torch::manual_seed(13);
   fsdpx::models::CausalLM model(tiny_qwen2());
@@ -478,8 +487,10 @@ TEST_CASE("delta service: a trainer hosting the server cuts deltas too, and a pu
 
 #endif  // FSDPX_WITH_BOOST && FSDPX_WITH_OPENSSL
 
-TEST_CASE("delta in process: a SynchronizerReader's module holds the trainer's weights bit for bit after real AdamW "
-          "steps, deltas when it holds the version before, whole versions otherwise", "[sync][delta][synchronizer]") {
+TEST_CASE(
+    "delta in process: a SynchronizerReader's module holds the trainer's weights bit for bit after real AdamW "
+    "steps, deltas when it holds the version before, whole versions otherwise",
+    "[sync][delta][synchronizer]") {
   const double lr = GENERATE(1e-5, 1e-3);
   const bool enabled = GENERATE(true, false);
   INFO("lr " << lr << ", deltas " << (enabled ? "on" : "off"));
@@ -559,7 +570,7 @@ TEST_CASE("delta in process: a SynchronizerReader's module holds the trainer's w
   sync.publish(6, next);
   if (deltas) {
     CHECK_THROWS_WITH(reader.load_newer_into(*rollout, 5s), Catch::Contains("tensor 'model.embed_tokens.weight'") &&
-                                                               Catch::Contains("does not match its checksum"));
+                                                                Catch::Contains("does not match its checksum"));
     CHECK(same_bits(params["model.embed_tokens.weight"], tampered));
     CHECK(reader.last_version() == 5);
     CHECK_FALSE(reader.last_was_delta());

@@ -159,8 +159,9 @@ class RawConnection {
     sd::Nonce server_nonce;
     std::memcpy(server_nonce.data(), hello->second.data(), server_nonce.size());
     std::string auth = auth_payload(role, secret, server_nonce);
-    send_frame(sd::make_frame(sd::FrameKind::auth, fxs::no_version, static_cast<uint64_t>(role), auth.data(), auth.size()),
-               auth);
+    send_frame(
+        sd::make_frame(sd::FrameKind::auth, fxs::no_version, static_cast<uint64_t>(role), auth.data(), auth.size()),
+        auth);
     auto reply = recv_frame();
     if (welcomed) *welcomed = reply && reply->first.kind == static_cast<uint16_t>(sd::FrameKind::welcome);
     return server_nonce;
@@ -240,7 +241,8 @@ at::Tensor craft_bucket(int64_t version, uint32_t index, uint32_t count, const s
   b.count = count;
   b.last = index + 1 == count;
   int64_t header = fxs::bucket_prefix_bytes;
-  for (const auto& c : chunks) header += sd::entry_header_bytes(c.name, c.shape.empty() ? c.source.dim() : c.shape.size());
+  for (const auto& c : chunks)
+    header += sd::entry_header_bytes(c.name, c.shape.empty() ? c.source.dim() : c.shape.size());
   int64_t offset = sd::align_up(header);
   b.header_bytes = offset;
   for (const auto& c : chunks) {
@@ -253,7 +255,8 @@ at::Tensor craft_bucket(int64_t version, uint32_t index, uint32_t count, const s
   fxs::write_header(bucket, b);
   for (size_t i = 0; i < chunks.size(); ++i) {
     const auto& c = chunks[i];
-    if (c.offset >= 0 && c.numel > 0 && c.offset + c.numel <= c.source.numel()) fxs::pack_entry(bucket, b.entries[i], c.source);
+    if (c.offset >= 0 && c.numel > 0 && c.offset + c.numel <= c.source.numel())
+      fxs::pack_entry(bucket, b.entries[i], c.source);
   }
   return bucket;
 }
@@ -264,7 +267,8 @@ std::vector<at::Tensor> craft_version(int64_t version, std::vector<std::vector<C
                                       const std::vector<fxs::NamedTensor>& whole = {}) {
   if (!whole.empty()) {
     const at::Tensor manifest = fxs::full_manifest(version, whole).encode();
-    buckets.front().insert(buckets.front().begin(), Chunk{std::string(fxs::manifest_name), manifest, 0, manifest.numel()});
+    buckets.front().insert(buckets.front().begin(),
+                           Chunk{std::string(fxs::manifest_name), manifest, 0, manifest.numel()});
   }
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < buckets.size(); ++i) {
@@ -281,7 +285,8 @@ bool same_bytes(const at::Tensor& a, const at::Tensor& b) {
 /// The weights of version `v`: values derived from v, so a reader can check them bit for bit.
 std::vector<fxs::NamedTensor> weights_of(int64_t v) {
   std::vector<fxs::NamedTensor> w;
-  w.push_back({"embed.weight", at::arange(40000, at::kFloat).mul_(0.001).add_(static_cast<double>(v)).view({200, 200})});
+  w.push_back(
+      {"embed.weight", at::arange(40000, at::kFloat).mul_(0.001).add_(static_cast<double>(v)).view({200, 200})});
   w.push_back({"blocks.0.norm.weight", at::full({200}, static_cast<double>(v) * 0.5, at::kBFloat16)});
   w.push_back({"blocks.0.attn.rope.inv_freq", at::arange(64, at::kFloat).add_(static_cast<double>(v))});  // a buffer
   w.push_back({"steps", at::full({1}, v, at::kLong)});
@@ -374,7 +379,8 @@ TEST_CASE("security: wrong secret, no secret and a replayed handshake are refuse
     sd::Nonce nonce1;
     std::memcpy(nonce1.data(), hello1->second.data(), nonce1.size());
     const std::string recorded = RawConnection::auth_payload(fxs::Role::publish, "publisher-secret", nonce1);
-    second.send_frame(sd::make_frame(sd::FrameKind::auth, fxs::no_version, 1, recorded.data(), recorded.size()), recorded);
+    second.send_frame(sd::make_frame(sd::FrameKind::auth, fxs::no_version, 1, recorded.data(), recorded.size()),
+                      recorded);
     auto reply = second.recv_frame();
     REQUIRE(reply);
     CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
@@ -429,8 +435,10 @@ TEST_CASE("security: a version far ahead locks no trainer out: another run takes
   CHECK(server.stats().runs_taken_over == 2);
 }
 
-TEST_CASE("security: a restarted trainer takes over from its earlier run, versions of one run only increase, and "
-          "a refusal says why", "[security]") {
+TEST_CASE(
+    "security: a restarted trainer takes over from its earlier run, versions of one run only increase, and "
+    "a refusal says why",
+    "[security]") {
   fxs::SynchronizerServer server({.secret = "s"});
   const auto port = server.port();
   fxs::SynchronizerClient first("127.0.0.1", port, {.secret = "s", .run = "job 7, attempt 1"});
@@ -453,8 +461,9 @@ TEST_CASE("security: a restarted trainer takes over from its earlier run, versio
   resumed.publish(7, weights_of(7));
   CHECK(reader.fetch_newer(6, 5s).version == 7);
   // With a secret, only those who hold it publish, new run or not.
-  CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", port, {.run = "a stranger"}).publish(int64_t{1} << 40, weights_of(1)),
-                    Catch::Contains("refused to let this client publish"));
+  CHECK_THROWS_WITH(
+      fxs::SynchronizerClient("127.0.0.1", port, {.run = "a stranger"}).publish(int64_t{1} << 40, weights_of(1)),
+      Catch::Contains("refused to let this client publish"));
   CHECK(server.latest_version() == 7);
   // A run identity is bounded text.
   CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", port, {.run = std::string(300, 'r')}),
@@ -502,16 +511,18 @@ TEST_CASE("security: a publish that never completes holds nobody back", "[securi
   CHECK(stalled.closed_by_server());
 }
 
-TEST_CASE("security: fuzzed frames from many connections never end the server, and an honest reader gets every version "
-          "bit-exact", "[security]") {
+TEST_CASE(
+    "security: fuzzed frames from many connections never end the server, and an honest reader gets every version "
+    "bit-exact",
+    "[security]") {
   fxs::SynchronizerServer server({.publish_secret = "trainer-only",
-                                   .fetch_secret = "readers",
-                                   .max_bucket_bytes = 1 << 20,
-                                   .max_version_bytes = 16 << 20,
-                                   .max_connections = 256,
-                                   .handshake_timeout = 1000ms,
-                                   .idle_timeout = 3000ms,
-                                   .io_timeout = 1000ms});
+                                  .fetch_secret = "readers",
+                                  .max_bucket_bytes = 1 << 20,
+                                  .max_version_bytes = 16 << 20,
+                                  .max_connections = 256,
+                                  .handshake_timeout = 1000ms,
+                                  .idle_timeout = 3000ms,
+                                  .io_timeout = 1000ms});
   const auto port = server.port();
   constexpr int64_t versions = 40;
   std::atomic<int64_t> fetched{fxs::no_version};
@@ -541,7 +552,8 @@ TEST_CASE("security: fuzzed frames from many connections never end the server, a
         if (!c.recv_frame()) continue;  // the hello
       }
       for (int k = 0; k < 8 && !stop_fuzz; ++k) {
-        sd::FrameHeader h = sd::make_frame(static_cast<sd::FrameKind>(1 + pick(12)), static_cast<int64_t>(rng()), rng());
+        sd::FrameHeader h =
+            sd::make_frame(static_cast<sd::FrameKind>(1 + pick(12)), static_cast<int64_t>(rng()), rng());
         std::string payload;
         switch (attack % 6) {
           case 0: {  // random bytes
@@ -552,7 +564,7 @@ TEST_CASE("security: fuzzed frames from many connections never end the server, a
             continue;
           }
           case 1: h.length = uint64_t{1} << (20 + pick(44)); break;  // oversized, payload never sent
-          case 2: {  // truncated header
+          case 2: {                                                  // truncated header
             c.send_bytes(&h, pick(sizeof(h)));
             ++frames_sent;
             k = 8;
@@ -614,7 +626,8 @@ TEST_CASE("security: fuzzed frames from many connections never end the server, a
       fetched = have;
       // Keep the attack going until it has sent its frames, within a bound.
       if (have == versions - 1) {
-        while (frames_sent < 30000 && std::chrono::steady_clock::now() - started < 60s) std::this_thread::sleep_for(10ms);
+        while (frames_sent < 30000 && std::chrono::steady_clock::now() - started < 60s)
+          std::this_thread::sleep_for(10ms);
       }
     }
   } catch (const std::exception& e) {
@@ -748,9 +761,10 @@ namespace {
 std::pair<std::string, std::string> self_signed_certificate(const std::string& name) {
   const std::string dir = "/tmp/fsdpx_tls_" + name + "_" + std::to_string(::getpid());
   const std::string cert = dir + "/cert.pem", key = dir + "/key.pem";
-  const std::string cmd = "mkdir -p " + dir + " && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 "
-                          "-subj /CN=fsdpx-test -addext subjectAltName=IP:127.0.0.1 -keyout " + key + " -out " + cert +
-                          " >/dev/null 2>&1";
+  const std::string cmd = "mkdir -p " + dir +
+                          " && openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 2 "
+                          "-subj /CN=fsdpx-test -addext subjectAltName=IP:127.0.0.1 -keyout " +
+                          key + " -out " + cert + " >/dev/null 2>&1";
   REQUIRE(std::system(cmd.c_str()) == 0);
   return {cert, key};
 }
@@ -761,8 +775,8 @@ TEST_CASE("security: TLS: versions travel encrypted, the server's certificate is
           "[security]") {
   const auto [cert, key] = self_signed_certificate("server");
   const auto [other_cert, other_key] = self_signed_certificate("other");
-  fxs::SynchronizerServer server({.secret = "s", .tls_certificate_file = cert, .tls_private_key_file = key,
-                                  .handshake_timeout = 1500ms});
+  fxs::SynchronizerServer server(
+      {.secret = "s", .tls_certificate_file = cert, .tls_private_key_file = key, .handshake_timeout = 1500ms});
   const auto port = server.port();
   const fxs::ClientOptions tls{.secret = "s", .tls = true, .tls_ca_file = cert};
   fxs::SynchronizerClient trainer("127.0.0.1", port, tls);
@@ -792,13 +806,14 @@ TEST_CASE("security: TLS: versions travel encrypted, the server's certificate is
   // The right certificate under another name.
   fxs::ClientOptions wrong_name = tls;
   wrong_name.tls_server_name = "rollout.example.com";
-  CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", port, wrong_name), Catch::Contains("certificate verify failed"));
+  CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", port, wrong_name),
+                    Catch::Contains("certificate verify failed"));
   // A plain client never gets the server's hello: it is told that the server speaks TLS (not that the
   // server exited); a TLS client to a plain server is told what is wrong.
   fxs::ClientOptions plain{.connect_timeout = 2000ms, .io_timeout = 3000ms, .secret = "s"};
   CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", port, plain).fetch_newer(fxs::no_version, 5s),
-                    Catch::Contains("refused the connection: this synchronizer speaks TLS") && Catch::Contains("ClientOptions::tls") &&
-                        !Catch::Contains("crashed"));
+                    Catch::Contains("refused the connection: this synchronizer speaks TLS") &&
+                        Catch::Contains("ClientOptions::tls") && !Catch::Contains("crashed"));
   fxs::SynchronizerServer plain_server({.secret = "s"});
   CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", plain_server.port(), tls),
                     Catch::Contains("TLS handshake") && Catch::Contains("does not speak TLS"));
@@ -806,8 +821,9 @@ TEST_CASE("security: TLS: versions travel encrypted, the server's certificate is
   CHECK(server.stats().timed_out >= 2);    // the raw and the plain connections never started TLS
   // Misconfiguration is named.
   CHECK_THROWS_WITH(fxs::SynchronizerServer({.tls_certificate_file = cert}), Catch::Contains("needs both"));
-  CHECK_THROWS_WITH(fxs::SynchronizerServer({.tls_certificate_file = cert, .tls_private_key_file = "/nonexistent/key.pem"}),
-                    Catch::Contains("the TLS private key '/nonexistent/key.pem' cannot be used"));
+  CHECK_THROWS_WITH(
+      fxs::SynchronizerServer({.tls_certificate_file = cert, .tls_private_key_file = "/nonexistent/key.pem"}),
+      Catch::Contains("the TLS private key '/nonexistent/key.pem' cannot be used"));
   CHECK(bit_equal(reader.fetch_newer(fxs::no_version, 5s), weights_of(2)));  // the honest ones were served throughout
 }
 
@@ -829,21 +845,28 @@ TEST_CASE("security: a version is committed only when every element of every ten
     const char* expected;
   };
   const std::vector<Case> cases = {
-      {"the first half twice", {{{name, embed, 0, 20000}}, {{name, embed, 0, 20000}}}, "elements [0, 20000) arrived twice"},
+      {"the first half twice",
+       {{{name, embed, 0, 20000}}, {{name, embed, 0, 20000}}},
+       "elements [0, 20000) arrived twice"},
       {"a gap", {{{name, embed, 0, 20000}}, {{name, embed, 30000, 10000}}}, "elements [20000, 30000) never did"},
-      {"overlapping chunks in one bucket", {{{name, embed, 0, 30000}, {name, embed, 20000, 20000}}},
+      {"overlapping chunks in one bucket",
+       {{{name, embed, 0, 30000}, {name, embed, 20000, 20000}}},
        "elements [20000, 30000) arrived twice"},
-      {"the same chunk twice", {{{name, embed, 0, 40000}}, {{name, embed, 39999, 1}}}, "elements [39999, 40000) arrived twice"},
+      {"the same chunk twice",
+       {{{name, embed, 0, 40000}}, {{name, embed, 39999, 1}}},
+       "elements [39999, 40000) arrived twice"},
       {"the last element missing", {{{name, embed, 0, 39999}}}, "elements [39999, 40000) never did"},
       {"a chunk beyond the tensor", {{{name, embed, 30000, 20000}}}, "lies outside"},
       {"two shapes", {{{name, embed, 0, 20000}}, {{name, embed, 20000, 20000, {40000}}}}, "two shapes or dtypes"},
-      {"an empty tensor twice", {{{name, embed, 0, 40000}, {"empty", empty, 0, 0}}, {{"empty", empty, 0, 0}}},
+      {"an empty tensor twice",
+       {{{name, embed, 0, 40000}, {"empty", empty, 0, 0}}, {{"empty", empty, 0, 0}}},
        "tensor 'empty': the empty tensor arrived twice"},
   };
   int64_t version = 2;
   for (const Case& c : cases) {
     INFO(c.what);
-    const auto reply = publisher.publish(version, "raw", craft_version(version, c.buckets, {{name, embed}, {"empty", empty}}));
+    const auto reply =
+        publisher.publish(version, "raw", craft_version(version, c.buckets, {{name, embed}, {"empty", empty}}));
     REQUIRE(reply);
     CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
     CHECK_THAT(reply->second, Catch::Contains(c.expected));
@@ -852,9 +875,10 @@ TEST_CASE("security: a version is committed only when every element of every ten
     ++version;
   }
   // The same connection then publishes a whole version, in chunks out of order: committed, bit-exact.
-  const auto reply = publisher.publish(version, "raw", craft_version(version, {{{name, embed, 25000, 15000}, {"empty", empty, 0, 0}},
-                                                                             {{name, embed, 0, 25000}}},
-                                                                     {{name, embed}, {"empty", empty}}));
+  const auto reply = publisher.publish(
+      version, "raw",
+      craft_version(version, {{{name, embed, 25000, 15000}, {"empty", empty, 0, 0}}, {{name, embed, 0, 25000}}},
+                    {{name, embed}, {"empty", empty}}));
   REQUIRE(reply);
   CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::ack));
   fxs::SynchronizerClient reader("127.0.0.1", port);
@@ -864,8 +888,10 @@ TEST_CASE("security: a version is committed only when every element of every ten
   CHECK(s.at("empty").sizes() == empty.sizes());
 }
 
-TEST_CASE("security: fuzzed chunk layouts (overlaps, gaps, duplicates, out-of-range chunks): exactly the whole versions "
-          "are committed, and readers get them bit-exact", "[security]") {
+TEST_CASE(
+    "security: fuzzed chunk layouts (overlaps, gaps, duplicates, out-of-range chunks): exactly the whole versions "
+    "are committed, and readers get them bit-exact",
+    "[security]") {
   fxs::SynchronizerServer server({.secret = "s"});
   const auto port = server.port();
   RawConnection publisher(port);
@@ -909,7 +935,8 @@ TEST_CASE("security: fuzzed chunk layouts (overlaps, gaps, duplicates, out-of-ra
         break;
       }
       case 1: {  // a chunk dropped: a gap (unless it is the tensor's only chunk: then the tensor is not sent)
-        const auto same = std::count_if(chunks.begin(), chunks.end(), [&](const Chunk& o) { return o.name == damaged; });
+        const auto same =
+            std::count_if(chunks.begin(), chunks.end(), [&](const Chunk& o) { return o.name == damaged; });
         if (same > 1) {
           chunks.erase(chunks.begin() + static_cast<std::ptrdiff_t>(i));
           damage = "gap";
@@ -937,7 +964,8 @@ TEST_CASE("security: fuzzed chunk layouts (overlaps, gaps, duplicates, out-of-ra
     std::shuffle(chunks.begin(), chunks.end(), rng);
     const size_t buckets_n = std::min<size_t>(chunks.size(), static_cast<size_t>(1 + pick(4)));
     std::vector<std::vector<Chunk>> buckets(buckets_n);
-    for (size_t k = 0; k < chunks.size(); ++k) buckets[k < buckets_n ? k : static_cast<size_t>(pick(buckets_n))].push_back(chunks[k]);
+    for (size_t k = 0; k < chunks.size(); ++k)
+      buckets[k < buckets_n ? k : static_cast<size_t>(pick(buckets_n))].push_back(chunks[k]);
     INFO("version " << version << ", damage: " << damage << " of '" << damaged << "'");
     std::vector<fxs::NamedTensor> whole;
     for (const auto& [tname, src] : sources) whole.push_back({tname, src});
@@ -1029,8 +1057,10 @@ TEST_CASE("security: a crafted delta is refused naming the tensor, and the serve
   CHECK(bit_equal(s, v2));
 }
 
-TEST_CASE("security: a reader refuses a version whose chunks overlap, leave gaps or lie outside, whatever the server "
-          "sends", "[security]") {
+TEST_CASE(
+    "security: a reader refuses a version whose chunks overlap, leave gaps or lie outside, whatever the server "
+    "sends",
+    "[security]") {
   const at::Tensor embed = at::arange(40000, at::kFloat).view({200, 200});
   const std::string name = "embed.weight";
   struct Case {
@@ -1039,7 +1069,9 @@ TEST_CASE("security: a reader refuses a version whose chunks overlap, leave gaps
     const char* expected;
   };
   const std::vector<Case> cases = {
-      {"the first half twice", {{{name, embed, 0, 20000}}, {{name, embed, 0, 20000}}}, "elements [0, 20000) arrived twice"},
+      {"the first half twice",
+       {{{name, embed, 0, 20000}}, {{name, embed, 0, 20000}}},
+       "elements [0, 20000) arrived twice"},
       {"a gap", {{{name, embed, 0, 20000}}, {{name, embed, 30000, 10000}}}, "elements [20000, 30000) never did"},
       {"a chunk beyond the tensor", {{{name, embed, 0, 20000}}, {{name, embed, 30000, 20000}}}, "lies outside"},
   };
@@ -1108,7 +1140,8 @@ TEST_CASE("security: connections waiting to authenticate are bounded per address
           ++it;
           continue;
         }
-        if (frame && frame->first.kind == static_cast<uint16_t>(sd::FrameKind::error) && frame->first.aux == sd::refused_busy) {
+        if (frame && frame->first.kind == static_cast<uint16_t>(sd::FrameKind::error) &&
+            frame->first.aux == sd::refused_busy) {
           if (told++ == 0) told_text = frame->second;
         }
         it = held.erase(it);
@@ -1146,11 +1179,12 @@ TEST_CASE("security: connections waiting to authenticate are bounded per address
   for (int i = 0; i < 8; ++i) silent.emplace_back(port2);
   std::this_thread::sleep_for(100ms);
   const auto start = std::chrono::steady_clock::now();
-  CHECK_THROWS_WITH(fxs::SynchronizerClient("127.0.0.1", port2, {.connect_timeout = 300ms}).fetch_newer(fxs::no_version, 1s),
-                    Catch::Contains("from the synchronizer at 127.0.0.1:" + std::to_string(port2) +
-                                    ": the server refused the connection: too many unauthenticated connections from "
-                                    "127.0.0.1") &&
-                        Catch::Contains("asked again for 300 ms"));
+  CHECK_THROWS_WITH(
+      fxs::SynchronizerClient("127.0.0.1", port2, {.connect_timeout = 300ms}).fetch_newer(fxs::no_version, 1s),
+      Catch::Contains("from the synchronizer at 127.0.0.1:" + std::to_string(port2) +
+                      ": the server refused the connection: too many unauthenticated connections from "
+                      "127.0.0.1") &&
+          Catch::Contains("asked again for 300 ms"));
   CHECK(std::chrono::steady_clock::now() - start < 2s);
   silent.clear();
   // Once they are gone, the client is served.

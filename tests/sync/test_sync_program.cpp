@@ -116,7 +116,9 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
     Sharded fsdp(model, trainer, options);
     auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
     WeightBroadcaster sender(fsdp, s.groups.model_update,
-                             {.bucket_bytes = bucket_bytes, .dtype = send_dtype, .keep_gather_buffers = keep_gather_buffers,
+                             {.bucket_bytes = bucket_bytes,
+                              .dtype = send_dtype,
+                              .keep_gather_buffers = keep_gather_buffers,
                               .direct_bytes = direct_bytes});
     CHECK(sender.is_sender() == (trainer.rank() == 0));
     std::unique_ptr<SynchronizerServer> server;
@@ -140,7 +142,8 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
       {
         // The reference: the trainer's own full parameters, cast the same way, sent to every rollout.
         auto full = fsdp.full_parameters();
-        if (s.groups.model_update) send_reference(*s.groups.model_update, model, [&](const std::string&) { return rollout_dtype; });
+        if (s.groups.model_update)
+          send_reference(*s.groups.model_update, model, [&](const std::string&) { return rollout_dtype; });
       }
       s.world.barrier();  // version_of(step) is published
     }
@@ -181,7 +184,8 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
     CHECK(receiver.last_version() == version_of(step));
     CHECK((receiver.last_bytes_in_place() > 0) == (direct_bytes <= 1024));  // received into place, no unpacking
 
-    auto reference = receive_reference(*s.groups.model_update, rollout, [&](const std::string&) { return rollout_dtype; });
+    auto reference =
+        receive_reference(*s.groups.model_update, rollout, [&](const std::string&) { return rollout_dtype; });
     s.world.barrier();
 
     // The TCP hand-off: rollout 0 fetches every version into a module; the last rollout joins at the
@@ -252,7 +256,9 @@ void run_delta_sync(bool keep_gather_buffers, FsdpOptions options = {}) {
     Sharded fsdp(model, trainer, options);
     auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-5));
     WeightBroadcaster sender(fsdp, s.groups.model_update,
-                             {.bucket_bytes = 8 << 10, .dtype = wire, .keep_gather_buffers = keep_gather_buffers,
+                             {.bucket_bytes = 8 << 10,
+                              .dtype = wire,
+                              .keep_gather_buffers = keep_gather_buffers,
                               // By fewest bytes: the same encodings every run (by time, a loaded machine
                               // may send a tampered tensor whole, replacing it instead of failing).
                               .delta = DeltaOptions{.link_bytes_per_second = 0}});
@@ -333,9 +339,11 @@ void run_qwen2_delta_sync() {
   using Sharded = Fsdp<models::CausalLM, FullShard, NoOffload, FullPrecision, ShardedStateDict,
                        WrapModules<models::DecoderLayerImpl>>;
   auto& s = setup();
-  const fsdpx::detail::Json json = {{"model_type", "qwen2"}, {"architectures", {"Qwen2ForCausalLM"}}, {"vocab_size", 96},
-                                    {"hidden_size", 64}, {"intermediate_size", 112}, {"num_hidden_layers", 2},
-                                    {"num_attention_heads", 8}, {"num_key_value_heads", 2}, {"tie_word_embeddings", true}};
+  const fsdpx::detail::Json json = {{"model_type", "qwen2"},      {"architectures", {"Qwen2ForCausalLM"}},
+                                    {"vocab_size", 96},           {"hidden_size", 64},
+                                    {"intermediate_size", 112},   {"num_hidden_layers", 2},
+                                    {"num_attention_heads", 8},   {"num_key_value_heads", 2},
+                                    {"tie_word_embeddings", true}};
   const auto config = models::parse_decoder_config(json, "config.json");
   const int steps = 4;
   const at::ScalarType wire = at::kBFloat16;
@@ -345,8 +353,9 @@ void run_qwen2_delta_sync() {
     models::CausalLM model(config);
     Sharded fsdp(model, trainer);
     auto optimizer = make_adamw(fsdp, torch::optim::AdamWOptions(1e-5));
-    WeightBroadcaster sender(fsdp, s.groups.model_update,
-                             {.bucket_bytes = 16 << 10, .dtype = wire, .delta = DeltaOptions{.link_bytes_per_second = 0}});
+    WeightBroadcaster sender(
+        fsdp, s.groups.model_update,
+        {.bucket_bytes = 16 << 10, .dtype = wire, .delta = DeltaOptions{.link_bytes_per_second = 0}});
     for (int step = 0; step < steps; ++step) {
       at::manual_seed(200 + step);
       const auto ids = at::randint(96, {2 * trainer.size(), 12}, at::kLong).narrow(0, 2 * trainer.rank(), 2);
@@ -356,7 +365,8 @@ void run_qwen2_delta_sync() {
       sender.broadcast(step + 1);
       if (sender.is_sender()) CHECK(sender.last_stats().delta == (step > 0));
       auto full = fsdp.full_parameters();
-      if (s.groups.model_update) send_reference(*s.groups.model_update, model, [&](const std::string&) { return wire; });
+      if (s.groups.model_update)
+        send_reference(*s.groups.model_update, model, [&](const std::string&) { return wire; });
       s.world.barrier();
     }
     s.world.barrier();
@@ -394,14 +404,17 @@ TEST_CASE("weight sync: cut versions of a Qwen2-shaped model, after AdamW steps,
   run_qwen2_delta_sync();
 }
 
-TEST_CASE("weight sync: cut versions: deltas while every rollout holds the version before, whole otherwise, bit for bit",
-          "[sync][delta]") {
-  run_delta_sync<Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>>>(true);
+TEST_CASE(
+    "weight sync: cut versions: deltas while every rollout holds the version before, whole otherwise, bit for bit",
+    "[sync][delta]") {
+  run_delta_sync<Fsdp<test::Gpt, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>>>(
+      true);
 }
 
 TEST_CASE("weight sync: cut versions through the units' own unshard(), HybridShard with CpuOffload", "[sync][delta]") {
   const int T = trainers();
-  run_delta_sync<Fsdp<test::Gpt, HybridShard<>, CpuOffload<>, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>>>(
+  run_delta_sync<
+      Fsdp<test::Gpt, HybridShard<>, CpuOffload<>, FullPrecision, ShardedStateDict, WrapModules<test::BlockImpl>>>(
       false, {.shard_size = T % 2 == 0 && T > 2 ? 2 : 1});
 }
 

@@ -133,15 +133,17 @@ TEST_CASE("loading into a module names what does not match", "[bucket]") {
   wrong[0].tensor = at::randn({3, 5});              // fc.weight: wrong shape
   wrong.push_back({"extra.bias", at::randn({2})});  // not in the module
   wrong.erase(wrong.begin() + 3);                   // norm.bias missing
-  CHECK_THROWS_WITH(load_into(*m, wrong), Catch::Contains("'fc.weight' has shape [3, 4] in the module but [3, 5] was sent") &&
-                                              Catch::Contains("not parameters or buffers of the module: extra.bias") &&
-                                              Catch::Contains("were not sent: norm.bias"));
+  CHECK_THROWS_WITH(load_into(*m, wrong),
+                    Catch::Contains("'fc.weight' has shape [3, 4] in the module but [3, 5] was sent") &&
+                        Catch::Contains("not parameters or buffers of the module: extra.bias") &&
+                        Catch::Contains("were not sent: norm.bias"));
 }
 
-TEST_CASE("a receiving module's large parameters move to 2 MiB pages, keeping the Parameter objects and values", "[bucket]") {
+TEST_CASE("a receiving module's large parameters move to 2 MiB pages, keeping the Parameter objects and values",
+          "[bucket]") {
   torch::nn::Sequential m(torch::nn::Linear(1024, 1024), torch::nn::Linear(1024, 8));  // 4 MiB, 32 KiB weights
   auto* first = m[0]->as<torch::nn::Linear>();
-  m->register_parameter("tied", first->weight);            // the same Parameter under a second name
+  m->register_parameter("tied", first->weight);             // the same Parameter under a second name
   m->register_parameter("extra", at::randn({3, 1 << 20}));  // 12 MiB, not used by forward
   const at::Tensor flat = at::randn({2 << 20});
   m->register_parameter("in_flat", flat.narrow(0, 1 << 20, 1 << 20));  // 4 MiB of a flat buffer: stays in it
@@ -165,7 +167,8 @@ TEST_CASE("a receiving module's large parameters move to 2 MiB pages, keeping th
     CHECK(now[i].value().unsafeGetTensorImpl() == params[i].unsafeGetTensorImpl());  // same Parameter objects
     CHECK(now[i].value().requires_grad());
     CHECK(bit_equal(now[i].value().detach(), before[i]));
-    CHECK(on_huge_page_boundary(now[i].value()) == (now[i].value().numel() * 4 >= (2 << 20) && now[i].key() != "in_flat"));
+    CHECK(on_huge_page_boundary(now[i].value()) ==
+          (now[i].value().numel() * 4 >= (2 << 20) && now[i].key() != "in_flat"));
   }
   CHECK(m->named_parameters()["in_flat"].const_data_ptr() == flat.narrow(0, 1 << 20, 1).const_data_ptr());
   CHECK(first->weight.unsafeGetTensorImpl() == big_impl);
@@ -200,8 +203,10 @@ TEST_CASE("chunk breaks: no chunk spans one, whatever the bucket size, and bad b
     }
     CHECK(covered == 1000);
   }
-  CHECK_THROWS_WITH(plan_buckets({{"w", {10}, at::kFloat, {5, 2}}}, 1 << 20, 0), Catch::Contains("breaks of 'w' must ascend"));
-  CHECK_THROWS_WITH(plan_buckets({{"w", {10}, at::kFloat, {11}}}, 1 << 20, 0), Catch::Contains("within its 10 elements"));
+  CHECK_THROWS_WITH(plan_buckets({{"w", {10}, at::kFloat, {5, 2}}}, 1 << 20, 0),
+                    Catch::Contains("breaks of 'w' must ascend"));
+  CHECK_THROWS_WITH(plan_buckets({{"w", {10}, at::kFloat, {11}}}, 1 << 20, 0),
+                    Catch::Contains("within its 10 elements"));
 }
 
 TEST_CASE("a tensor split over buckets is split at aligned elements, whatever the bucket size", "[bucket]") {
@@ -230,15 +235,18 @@ TEST_CASE("a tensor split over buckets is split at aligned elements, whatever th
 TEST_CASE("a bucket too small for one element of a tensor is refused", "[bucket]") {
   CHECK_THROWS_WITH(plan_buckets({{std::string(4100, 'x'), {2}, at::kFloat}}, 4096, 0),
                     Catch::Contains("cannot fit a bucket of 4096 bytes"));
-  CHECK_THROWS_WITH(plan_buckets({{"c", {2}, at::kComplexFloat}}, 1 << 20, 0), Catch::Contains("cannot send tensors of dtype"));
+  CHECK_THROWS_WITH(plan_buckets({{"c", {2}, at::kComplexFloat}}, 1 << 20, 0),
+                    Catch::Contains("cannot send tensors of dtype"));
 }
 
 // ---- the in-process synchronizer --------------------------------------------------------------------
 
-TEST_CASE("Synchronizer: versions only increase, and waits end in the newest version or a clear error", "[synchronizer]") {
+TEST_CASE("Synchronizer: versions only increase, and waits end in the newest version or a clear error",
+          "[synchronizer]") {
   Synchronizer sync;
   CHECK(sync.latest() == nullptr);
-  CHECK_THROWS_WITH(sync.wait_newer(no_version, 50ms), Catch::Contains("no weight version newer than -1 was published within 50 ms"));
+  CHECK_THROWS_WITH(sync.wait_newer(no_version, 50ms),
+                    Catch::Contains("no weight version newer than -1 was published within 50 ms"));
   sync.publish(1, versioned(1));
   sync.publish(2, versioned(2));
   CHECK_THROWS_WITH(sync.publish(2, versioned(2)), Catch::Contains("not newer than the latest published version, 2"));
@@ -282,7 +290,8 @@ TEST_CASE("Synchronizer: concurrent readers never see a torn version", "[synchro
           if (s->version <= have) throw std::runtime_error("version went backwards");
           const auto& t = s->tensors;
           for (int i = 0; i < 6; ++i) {
-            if (t[i].tensor.max().item<float>() != static_cast<float>(s->version * 100 + i)) throw std::runtime_error("torn");
+            if (t[i].tensor.max().item<float>() != static_cast<float>(s->version * 100 + i))
+              throw std::runtime_error("torn");
           }
           have = s->version;
           ++reads;
@@ -314,9 +323,11 @@ TEST_CASE("CRC-32C matches the reference values, in one piece and in parts", "[s
   at::manual_seed(3);
   const at::Tensor bytes = at::randint(0, 256, {100003}, at::kByte);
   const auto* p = bytes.const_data_ptr<uint8_t>();
-  for (const size_t cut : {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{4096}, size_t{65537}, size_t{100002}, size_t{100003}}) {
+  for (const size_t cut :
+       {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{4096}, size_t{65537}, size_t{100002}, size_t{100003}}) {
     INFO("cut at " << cut);
-    CHECK(Crc32c::combine(Crc32c::of(p, cut), Crc32c::of(p + cut, 100003 - cut), 100003 - cut) == Crc32c::of(p, 100003));
+    CHECK(Crc32c::combine(Crc32c::of(p, cut), Crc32c::of(p + cut, 100003 - cut), 100003 - cut) ==
+          Crc32c::of(p, 100003));
   }
   // A tensor's checksum in 4 MiB blocks on two threads is the one-piece checksum.
   const at::Tensor big = at::randint(0, 256, {(int64_t{9} << 20) + 5}, at::kByte);
@@ -335,7 +346,8 @@ TEST_CASE("service: publish over TCP, fetch newer versions, late readers get the
   SynchronizerServer server;
   SynchronizerClient trainer("127.0.0.1", server.port());
   SynchronizerClient reader("127.0.0.1", server.port(), {.io_timeout = 5000ms});
-  CHECK_THROWS_WITH(reader.fetch_newer(no_version, 100ms), Catch::Contains("no weight version newer than -1 was published within 100 ms"));
+  CHECK_THROWS_WITH(reader.fetch_newer(no_version, 100ms),
+                    Catch::Contains("no weight version newer than -1 was published within 100 ms"));
   SynchronizerClient reader2("127.0.0.1", server.port());
   trainer.publish(3, mixed_tensors());
   const auto s = reader2.fetch_newer(no_version, 1s);
@@ -346,8 +358,9 @@ TEST_CASE("service: publish over TCP, fetch newer versions, late readers get the
 
   trainer.publish(4, versioned(4));
   server.publish(6, versioned(6));  // in-process publishing (a trainer that hosts the server)
-  CHECK_THROWS_WITH(trainer.publish(5, versioned(5)), Catch::Contains("refused version 5") &&
-                                                          Catch::Contains("not newer than 6, the latest version this trainer run published"));
+  CHECK_THROWS_WITH(trainer.publish(5, versioned(5)),
+                    Catch::Contains("refused version 5") &&
+                        Catch::Contains("not newer than 6, the latest version this trainer run published"));
   SynchronizerClient late("127.0.0.1", server.port());
   const auto newest = late.fetch_newer(no_version, 1s);
   CHECK(newest.version == 6);
@@ -463,7 +476,8 @@ TEST_CASE("service: a trainer lost mid-publish fails waiting readers at once, an
     const auto buckets = pack_buckets(versioned(2), 16 << 10, 2);
     const auto begin = sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 2, buckets.size());
     asio::write(sock, asio::buffer(&begin, sizeof(begin)));
-    const auto f = sync::detail::make_frame(sync::detail::FrameKind::bucket, 2, 0, buckets[0].const_data_ptr(), buckets[0].nbytes());
+    const auto f = sync::detail::make_frame(sync::detail::FrameKind::bucket, 2, 0, buckets[0].const_data_ptr(),
+                                            buckets[0].nbytes());
     asio::write(sock, asio::buffer(&f, sizeof(f)));
     asio::write(sock, asio::buffer(buckets[0].const_data_ptr(), buckets[0].nbytes()));
     std::this_thread::sleep_for(200ms);
@@ -490,14 +504,15 @@ TEST_CASE("service: a server that stops or is absent gives clients a SyncError, 
     std::this_thread::sleep_for(100ms);
     server->stop();
   });
-  CHECK_THROWS_WITH(reader.fetch_newer(no_version, 20s), Catch::Contains("synchronizer at 127.0.0.1:" + std::to_string(port)) &&
-                                                             (Catch::Contains("closed the connection") ||
-                                                              Catch::Contains("connection was reset")));
+  CHECK_THROWS_WITH(reader.fetch_newer(no_version, 20s),
+                    Catch::Contains("synchronizer at 127.0.0.1:" + std::to_string(port)) &&
+                        (Catch::Contains("closed the connection") || Catch::Contains("connection was reset")));
   stopper.join();
   // The next call tries a fresh connection (the server may be back), within connect_timeout.
   CHECK_THROWS_WITH(reader.fetch_newer(no_version, 1s), Catch::Contains("could not connect to the synchronizer"));
-  CHECK_THROWS_WITH(SynchronizerClient("127.0.0.1", port, {.connect_timeout = 300ms}),
-                    Catch::Contains("could not connect to the synchronizer at 127.0.0.1:" + std::to_string(port) + " within 300 ms"));
+  CHECK_THROWS_WITH(
+      SynchronizerClient("127.0.0.1", port, {.connect_timeout = 300ms}),
+      Catch::Contains("could not connect to the synchronizer at 127.0.0.1:" + std::to_string(port) + " within 300 ms"));
 }
 
 TEST_CASE("service: a corrupted frame is refused by its checksum", "[service]") {
@@ -510,7 +525,8 @@ TEST_CASE("service: a corrupted frame is refused by its checksum", "[service]") 
   const auto buckets = pack_buckets(versioned(0), 1 << 20, 0);
   const auto begin = sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 0, buckets.size());
   asio::write(sock, asio::buffer(&begin, sizeof(begin)));
-  auto f = sync::detail::make_frame(sync::detail::FrameKind::bucket, 0, 0, buckets[0].const_data_ptr(), buckets[0].nbytes());
+  auto f =
+      sync::detail::make_frame(sync::detail::FrameKind::bucket, 0, 0, buckets[0].const_data_ptr(), buckets[0].nbytes());
   f.checksum ^= 1;
   asio::write(sock, asio::buffer(&f, sizeof(f)));
   asio::write(sock, asio::buffer(buckets[0].const_data_ptr(), buckets[0].nbytes()));

@@ -74,7 +74,8 @@ struct Root {
   }
 
   /// Each rank's file holds its half of every flattened tensor (of `values`' step by default).
-  std::vector<fsdpx::detail::WrittenFile> write_shards(int64_t step, std::optional<int64_t> values = std::nullopt) const {
+  std::vector<fsdpx::detail::WrittenFile> write_shards(int64_t step,
+                                                       std::optional<int64_t> values = std::nullopt) const {
     fs::create_directories(dir(step));
     std::vector<fsdpx::detail::WrittenFile> files;
     for (int r = 0; r < world; ++r) {
@@ -102,8 +103,13 @@ struct Root {
     using fsdpx::detail::Json;
     Json f = Json::object();
     for (const auto& w : files) f[w.path.filename().string()] = {{"bytes", w.bytes}, {"crc32c", w.crc32c}};
-    const Json record = {{"format", "fsdpx"}, {"format_version", 1}, {"step", step}, {"world_size", world},
-                         {"state_dict_kind", "sharded"}, {"complete", false}, {"components", components},
+    const Json record = {{"format", "fsdpx"},
+                         {"format_version", 1},
+                         {"step", step},
+                         {"world_size", world},
+                         {"state_dict_kind", "sharded"},
+                         {"complete", false},
+                         {"components", components},
                          {"files", f}};
     fsdpx::detail::write_text_durably(dir(step) / ckpt::config_file, record.dump() + "\n");
   }
@@ -146,7 +152,7 @@ TEST_CASE("watcher: returns the newest committed step, merged from the shards bi
   REQUIRE(v);
   require_weights(*v, 3);  // the newest; 1 and 2 are skipped
   CHECK(watcher.last_step() == 3);
-  CHECK_FALSE(watcher.poll());  // nothing newer
+  CHECK_FALSE(watcher.poll());                                // nothing newer
   CHECK_FALSE(ckpt::is_leased(root.path / "global_step_3"));  // the lease ended with the read
 
   Net net;
@@ -165,7 +171,8 @@ TEST_CASE("watcher: returns the newest committed step, merged from the shards bi
   SECTION("the step is leased while it is read") {
     bool leased = false;
     CheckpointWatcher observed(root.path, fast([&](std::string_view stage, int64_t step) {
-                                 if (stage == "leased") leased = ckpt::is_leased(root.path / ("global_step_" + std::to_string(step)));
+                                 if (stage == "leased")
+                                   leased = ckpt::is_leased(root.path / ("global_step_" + std::to_string(step)));
                                }));
     REQUIRE(observed.poll());
     CHECK(leased);
@@ -216,9 +223,9 @@ TEST_CASE("watcher: a file truncated or replaced between the iteration file's re
 
   SECTION("truncated, and a newer step committed meanwhile: the newer step instead, no error") {
     CheckpointWatcher watcher(root.path, fast(damage_once([&] {
-      fs::resize_file(root.model_file(2, 1), fs::file_size(root.model_file(2, 1)) / 2);
-      root.save(3);
-    })));
+                                fs::resize_file(root.model_file(2, 1), fs::file_size(root.model_file(2, 1)) / 2);
+                                root.save(3);
+                              })));
     const auto v = watcher.poll();
     REQUIRE(damaged == 2);
     REQUIRE(v);
@@ -226,32 +233,33 @@ TEST_CASE("watcher: a file truncated or replaced between the iteration file's re
   }
   SECTION("replaced by another valid file (of other weights), and a newer step committed meanwhile") {
     CheckpointWatcher watcher(root.path, fast(damage_once([&] {
-      Root scratch("scratch");
-      scratch.write_shards(2, /*values=*/77);
-      fs::rename(scratch.model_file(2, 1), root.model_file(2, 1));  // atomically, as a writer would
-      root.save(3);
-    })));
+                                Root scratch("scratch");
+                                scratch.write_shards(2, /*values=*/77);
+                                fs::rename(scratch.model_file(2, 1),
+                                           root.model_file(2, 1));  // atomically, as a writer would
+                                root.save(3);
+                              })));
     const auto v = watcher.wait_newer(no_version, 2s);
     REQUIRE(damaged == 2);
     require_weights(v, 3);
   }
   SECTION("rotated away before the lease: the newer step instead") {
     CheckpointWatcher watcher(root.path, fast([&](std::string_view stage, int64_t step) {
-      if (stage == "chosen" && step == 2 && damaged < 0) {
-        damaged = step;
-        root.save(3);
-        ckpt::delete_step(root.path, {2, root.path / "global_step_2"});
-      }
-    }));
+                                if (stage == "chosen" && step == 2 && damaged < 0) {
+                                  damaged = step;
+                                  root.save(3);
+                                  ckpt::delete_step(root.path, {2, root.path / "global_step_2"});
+                                }
+                              }));
     const auto v = watcher.poll();
     REQUIRE(damaged == 2);
     REQUIRE(v);
     require_weights(*v, 3);
   }
   SECTION("truncated with nothing newer: nothing is returned, the wait ends in an error that says why") {
-    CheckpointWatcher watcher(root.path, fast(damage_once([&] {
-      fs::resize_file(root.model_file(2, 1), fs::file_size(root.model_file(2, 1)) - 7);
-    })));
+    CheckpointWatcher watcher(
+        root.path,
+        fast(damage_once([&] { fs::resize_file(root.model_file(2, 1), fs::file_size(root.model_file(2, 1)) - 7); })));
     CHECK_FALSE(watcher.poll());
     CHECK(damaged == 2);
     CHECK(watcher.last_step() == no_version);
@@ -268,9 +276,7 @@ TEST_CASE("watcher: a file truncated or replaced between the iteration file's re
     require_weights(watcher.wait_newer(no_version, 2s), 3);
   }
   SECTION("the same step rewritten whole after a torn read is read again") {
-    CheckpointWatcher watcher(root.path, fast(damage_once([&] {
-      fs::resize_file(root.model_file(2, 0), 100);
-    })));
+    CheckpointWatcher watcher(root.path, fast(damage_once([&] { fs::resize_file(root.model_file(2, 0), 100); })));
     CHECK_FALSE(watcher.poll());
     CHECK_FALSE(watcher.poll());  // unchanged: not read again
     root.save(2);                 // e.g. a trainer restarted from step 1 saves step 2 again
@@ -278,7 +284,8 @@ TEST_CASE("watcher: a file truncated or replaced between the iteration file's re
   }
 }
 
-TEST_CASE("watcher: nothing new within the timeout is a SyncError naming the root and the last step seen", "[watcher]") {
+TEST_CASE("watcher: nothing new within the timeout is a SyncError naming the root and the last step seen",
+          "[watcher]") {
   Root root("timeout");
   const fs::path absent = root.path / "not_there";
   {
@@ -291,9 +298,10 @@ TEST_CASE("watcher: nothing new within the timeout is a SyncError naming the roo
       const auto waited = std::chrono::steady_clock::now() - t0;
       CHECK(waited >= 150ms);
       CHECK(waited < 5s);
-      CHECK_THAT(e.what(), Catch::Contains("no committed weights newer than step -1 appeared under the checkpoint root '" +
-                                           absent.string() + "' within 150 ms") &&
-                               Catch::Contains("the root does not exist") && Catch::Contains("the last step seen: none"));
+      CHECK_THAT(e.what(),
+                 Catch::Contains("no committed weights newer than step -1 appeared under the checkpoint root '" +
+                                 absent.string() + "' within 150 ms") &&
+                     Catch::Contains("the root does not exist") && Catch::Contains("the last step seen: none"));
     }
   }
   root.save(4);
@@ -305,7 +313,8 @@ TEST_CASE("watcher: nothing new within the timeout is a SyncError naming the roo
   } catch (const SyncError& e) {
     CHECK_THAT(e.what(), Catch::Contains("newer than step 4") && Catch::Contains("within 100 ms") &&
                              Catch::Contains("it names step 4") && Catch::Contains("the last step seen: 4") &&
-                             Catch::Contains("the last step loaded: 4") && Catch::Contains("the trainer may be slow, stopped or dead"));
+                             Catch::Contains("the last step loaded: 4") &&
+                             Catch::Contains("the trainer may be slow, stopped or dead"));
   }
 }
 

@@ -94,16 +94,19 @@ void train(Job& job, int steps, bool announce_end) {
 
 }  // namespace
 
-TEST_CASE("a watcher follows a training job's checkpoints: every version is a state the trainer had, bit for bit, "
-          "in order", "[watcher]") {
+TEST_CASE(
+    "a watcher follows a training job's checkpoints: every version is a state the trainer had, bit for bit, "
+    "in order",
+    "[watcher]") {
   Job job = start("sync_watcher_follow");
   const int steps = 24;
   if (job.trainer) {
     train(job, steps, /*announce_end=*/true);
   } else {
-    CheckpointWatcher watcher(job.root, {.poll_interval = 2ms, .timeout = 120s, .on_stage = [](std::string_view stage, int64_t) {
-                                           if (stage == "leased") std::this_thread::sleep_for(10ms);
-                                         }});
+    CheckpointWatcher watcher(job.root,
+                              {.poll_interval = 2ms, .timeout = 120s, .on_stage = [](std::string_view stage, int64_t) {
+                                 if (stage == "leased") std::this_thread::sleep_for(10ms);
+                               }});
     test::ResMlp module;  // different values from the trainer's: every parameter must be overwritten
     int64_t last = no_version;
     std::vector<int64_t> seen;
@@ -165,9 +168,10 @@ TEST_CASE("a watcher whose trainer stopped ends in a SyncError naming the root a
     } catch (const SyncError& e) {
       std::printf("EXPECTED-ERROR: %s\n", e.what());
       CHECK(std::chrono::steady_clock::now() - t0 < 10s);
-      CHECK_THAT(e.what(), Catch::Contains("no committed weights newer than step 2 appeared under the checkpoint root '" +
-                                           job.root.string() + "' within 1500 ms") &&
-                               Catch::Contains("the last step loaded: 2"));
+      CHECK_THAT(e.what(),
+                 Catch::Contains("no committed weights newer than step 2 appeared under the checkpoint root '" +
+                                 job.root.string() + "' within 1500 ms") &&
+                     Catch::Contains("the last step loaded: 2"));
     }
   }
   job.world.barrier();

@@ -126,7 +126,8 @@ struct SaveRequest {
 /// backward waits for the copy, so it overlaps that step's forward and backward); a full state dict
 /// is gathered here (collective). The RNG states in extra_state are taken now.
 template <class Sharded>
-SaveRequest make_save_request(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer, const ExtraState* extra) {
+SaveRequest make_save_request(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer,
+                              const ExtraState* extra) {
   using checkpoint::Component;
   SaveRequest req;
   req.step = step;
@@ -178,7 +179,9 @@ class CheckpointCoordinator {
   template <dist::Communicator Comm>
   CheckpointCoordinator(std::filesystem::path root, Comm world, CheckpointOptions options = {})
       : CheckpointCoordinator(std::move(root), world.rank(), world.size(), agree_on_run_id(world), options) {
-    if constexpr (requires { { world.is_broken() } -> std::convertible_to<bool>; }) {
+    if constexpr (requires {
+                    { world.is_broken() } -> std::convertible_to<bool>;
+                  }) {
       world_failed_ = [world] { return world.is_broken(); };
     }
   }
@@ -197,7 +200,8 @@ class CheckpointCoordinator {
   /// background. Blocks only for the host copy, and for a previous save of the same component that
   /// is still writing. Throws the cause of an earlier failed save.
   template <class Sharded>
-  void save(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer = nullptr, const ExtraState* extra = nullptr) {
+  void save(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer = nullptr,
+            const ExtraState* extra = nullptr) {
     rethrow_failure();
     wait_for_components(optimizer != nullptr, extra != nullptr);
     submit(make_save_request(step, model, optimizer, extra), &model.sharded());
@@ -230,7 +234,8 @@ class CheckpointCoordinator {
   /// found committed at start; -1 when none. Meaningful on rank 0.
   int64_t latest_committed(bool weights_only = false) const {
     std::lock_guard lock(mutex_);
-    return iteration_.at(weights_only ? checkpoint::state_dict_iteration_file : checkpoint::checkpointed_iteration_file);
+    return iteration_.at(weights_only ? checkpoint::state_dict_iteration_file
+                                      : checkpoint::checkpointed_iteration_file);
   }
 
   const std::filesystem::path& root() const { return root_; }
@@ -240,7 +245,7 @@ class CheckpointCoordinator {
   FSDPX_DECL void wait_idle();
 
   FSDPX_DECL CheckpointCoordinator(std::filesystem::path root, int rank, int world_size, std::string run,
-      CheckpointOptions options);
+                                   CheckpointOptions options);
 
   /// A fresh random number (entropy and the clock).
   FSDPX_DECL static uint64_t random_run_id();
@@ -321,8 +326,8 @@ class CheckpointCoordinator {
     if (!cause.empty()) throw IoError(cause);
   }
 
-  FSDPX_DECL void write_component(const SaveRequest& req, const std::filesystem::path& dir, Component c,
-      InFlight& slot, const std::string& snapshot_error);
+  FSDPX_DECL void write_component(const SaveRequest& req, const std::filesystem::path& dir, Component c, InFlight& slot,
+                                  const std::string& snapshot_error);
 
   // ---- rank 0: commit ----------------------------------------------------------------------------
 
@@ -338,7 +343,7 @@ class CheckpointCoordinator {
   FSDPX_DECL void rotate();
 
   FSDPX_DECL void write_config(const Commit& c, const std::vector<std::string>& done,
-      const ::fsdpx::detail::Json& files, bool complete);
+                               const ::fsdpx::detail::Json& files, bool complete);
 
   /// Iteration files only move forward, each write atomic and durable.
   FSDPX_DECL void advance(const char* file, int64_t step);
@@ -361,10 +366,10 @@ class CheckpointCoordinator {
   bool failure_said_ = false;
   std::map<int64_t, int> own_writes_;  // this rank's files of each step still being written
   int64_t last_submitted_ = -1;
-  std::set<int64_t> pending_commits_;  // rank 0: steps whose commit is being watched
+  std::set<int64_t> pending_commits_;            // rank 0: steps whose commit is being watched
   std::map<int64_t, std::string> commit_waits_;  // rank 0: what each of them still waits for
-  std::atomic<bool> abandoning_{false};           // tearing down after an error
-  std::function<bool()> world_failed_;            // the world communicator failed (empty: cannot tell)
+  std::atomic<bool> abandoning_{false};          // tearing down after an error
+  std::function<bool()> world_failed_;           // the world communicator failed (empty: cannot tell)
   std::vector<CheckpointMonitor> monitors_;
   std::shared_ptr<InFlight> in_flight_[3];
   std::mutex iteration_mutex_;

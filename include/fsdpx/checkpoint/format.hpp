@@ -137,7 +137,7 @@ FSDPX_DECL c10::IValue load_committed_ivalue(const fs::path& path, const std::op
 /// Reads the shard file `dir / name` of a step (load_committed_ivalue), and checks its own world size
 /// and rank against its name.
 FSDPX_DECL StateDict load_shard_file(const fs::path& dir, const std::string& name,
-    const std::optional<CommittedFile>& committed = std::nullopt);
+                                     const std::optional<CommittedFile>& committed = std::nullopt);
 
 }  // namespace fsdpx::checkpoint
 

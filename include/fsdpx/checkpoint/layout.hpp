@@ -38,13 +38,13 @@ FSDPX_DECL std::optional<int64_t> read_iteration_file(const fs::path& path);
 /// A step's commit record (fsdp_config.json, written by rank 0 once every rank's files were durable),
 /// read and checked in one place for resume, merge, rotation and the watcher.
 struct CommitRecord {
-  fs::path path;                         // the fsdp_config.json it was read from
+  fs::path path;  // the fsdp_config.json it was read from
   std::optional<int64_t> step;
   int world_size = 0;
-  std::optional<int64_t> mesh_shard;     // the saving mesh's shard size, when recorded
-  std::string kind;                      // "full", "sharded" or "local"; empty when not recorded
-  bool complete = false;                 // model, optimizer and extra state are all committed
-  std::vector<std::string> components;   // those committed ("model" first: the weights alone)
+  std::optional<int64_t> mesh_shard;           // the saving mesh's shard size, when recorded
+  std::string kind;                            // "full", "sharded" or "local"; empty when not recorded
+  bool complete = false;                       // model, optimizer and extra state are all committed
+  std::vector<std::string> components;         // those committed ("model" first: the weights alone)
   std::map<std::string, CommittedFile> files;  // every file of the step: size and CRC-32C
 
   /// The entry for file `name` of the step in `dir` (its CRC only when `verify_checksums`); IoError
@@ -70,7 +70,7 @@ FSDPX_DECL bool is_committed(const CommitRecord& record, bool weights_only);
 /// each checked against its recorded size and, when `verify_checksums`, its CRC-32C; IoError naming
 /// the first bad file.
 FSDPX_DECL void verify_step(const fs::path& dir, const CommitRecord& record, bool verify_checksums,
-    const std::vector<std::string>& components = {"model", "optim"});
+                            const std::vector<std::string>& components = {"model", "optim"});
 
 /// A step directory of the root: global_step_<N>.
 struct StepDir {
@@ -143,7 +143,7 @@ FSDPX_DECL void delete_step(const fs::path& root, const StepDir& s);
 /// committed one: it is still being saved, or an interrupted run left it and this run saves it
 /// again. Those newer steps do not count against the policy either.
 FSDPX_DECL void rotate_checkpoints(const fs::path& root, const RotationPolicy& policy,
-    const std::set<int64_t>& in_flight = {});
+                                   const std::set<int64_t>& in_flight = {});
 
 }  // namespace fsdpx::checkpoint
 

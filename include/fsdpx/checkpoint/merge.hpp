@@ -44,14 +44,14 @@ struct MergeOptions {
 
 /// What merge_checkpoint found, for a tool to report.
 struct MergeReport {
-  fs::path dir;                     // the directory holding the model files
+  fs::path dir;  // the directory holding the model files
   int world_size = 0;
-  bool committed = false;           // fsdp_config.json was there, with the model among its components
-  bool complete = false;            // ... and every component (optimizer, extra state) committed too
+  bool committed = false;  // fsdp_config.json was there, with the model among its components
+  bool complete = false;   // ... and every component (optimizer, extra state) committed too
   bool checksums_verified = false;
-  std::optional<int64_t> step;      // from fsdp_config.json
-  std::string kind;                 // "sharded" or "full"
-  std::vector<fs::path> files;      // the model files read, by rank
+  std::optional<int64_t> step;  // from fsdp_config.json
+  std::string kind;             // "sharded" or "full"
+  std::vector<fs::path> files;  // the model files read, by rank
   std::vector<std::string> warnings;
 };
 
@@ -69,7 +69,7 @@ FSDPX_DECL std::string local_kind_message(const fs::path& what);
 /// rank's file lists only its slices, and nothing says where one unit ends). Reads one model file at
 /// a time; holds only the result. Throws IoError naming the file (or the parameter) on any inconsistency.
 FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOptions& options = {},
-    MergeReport* report = nullptr);
+                                             MergeReport* report = nullptr);
 
 /// The step's huggingface/ folder (config.json, tokenizer files), or an empty path when it has none.
 FSDPX_DECL fs::path huggingface_dir(const fs::path& step_dir);
@@ -77,8 +77,8 @@ FSDPX_DECL fs::path huggingface_dir(const fs::path& step_dir);
 /// Copies the step's huggingface/ files other than weights into `out_dir`, durably; returns the files
 /// written (none when there is no huggingface/ folder). A checkpoint is not trusted: links are not
 /// followed, and nothing is written outside `out_dir`.
-inline std::vector<::fsdpx::detail::WrittenFile> copy_huggingface_files(const fs::path& step_dir, const fs::path& out_dir,
-                                                               std::function<bool(const std::string&)> skip = {}) {
+inline std::vector<::fsdpx::detail::WrittenFile> copy_huggingface_files(
+    const fs::path& step_dir, const fs::path& out_dir, std::function<bool(const std::string&)> skip = {}) {
   const fs::path hf = huggingface_dir(step_dir);
   if (hf.empty()) return {};
   return hf::copy_model_files(hf, out_dir, {.follow_symlinks = false, .skip = std::move(skip)});

@@ -53,7 +53,8 @@ namespace checkpoint::detail {
 /// Streams the files of one component of a committed step to `fn`, each checked against the record.
 /// At the saving topology a rank reads only the file that holds its shards.
 FSDPX_DECL void for_each_saved_file(const fs::path& dir, const CommitRecord& record, Component c,
-    std::optional<int> only_rank, bool verify, const std::function<void(const StateDict&)>& fn);
+                                    std::optional<int> only_rank, bool verify,
+                                    const std::function<void(const StateDict&)>& fn);
 
 }  // namespace checkpoint::detail
 
@@ -63,15 +64,17 @@ FSDPX_DECL void for_each_saved_file(const fs::path& dir, const CommitRecord& rec
 /// rank reads what it needs. When an optimizer is asked for, the newest step saved with optimizer and
 /// extra state is chosen; with allow_missing and no such step, the newest with weights.
 template <class Sharded>
-std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model, torch::optim::Optimizer* optimizer,
-                                          LrScheduler* scheduler, const LoadOptions& options = {}) {
+std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model,
+                                          torch::optim::Optimizer* optimizer, LrScheduler* scheduler,
+                                          const LoadOptions& options = {}) {
   using checkpoint::Component;
   using checkpoint::fs::path;
   const bool want_optimizer = optimizer != nullptr && options.load_optimizer;
   const bool want_scheduler = scheduler != nullptr && options.load_scheduler;
   std::optional<int64_t> step = options.step;
   if (!step) step = checkpoint::find_latest_checkpoint(root, /*weights_only=*/!want_optimizer);
-  if (!step && want_optimizer && options.allow_missing) step = checkpoint::find_latest_checkpoint(root, /*weights_only=*/true);
+  if (!step && want_optimizer && options.allow_missing)
+    step = checkpoint::find_latest_checkpoint(root, /*weights_only=*/true);
   if (!step) return std::nullopt;
   const path dir = checkpoint::step_dir(root, *step);
   const auto record = checkpoint::read_commit_record(dir);
@@ -89,8 +92,9 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
     if (model_checked || record->kind == "local" || record->kind == "full" || !options.strict) return;
     model_checked = true;
     const auto& mesh = model.sharded().mesh();
-    const std::string name = checkpoint::shard_file_name(Component::model, info.saved_world_size,
-                                                         record->kind == "full" ? 0 : mesh.world().rank() % info.saved_world_size);
+    const std::string name =
+        checkpoint::shard_file_name(Component::model, info.saved_world_size,
+                                    record->kind == "full" ? 0 : mesh.world().rank() % info.saved_world_size);
     if (record->files.count(name) == 0) return;
     const StateDict saved = checkpoint::load_shard_file(dir, name, record->file(dir, name, options.verify_checksums));
     std::set<std::string> ours;
@@ -102,16 +106,18 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
     for (const TensorSlice& e : saved.entries) {
       if (ours.count(e.name) == 0) foreign.push_back(e.name);
     }
-    FSDPX_CHECK_AS(IoError, foreign.empty(), "checkpoint step ", *step, " in '", root.string(), "' holds another model than "
-                   "this one (another program's checkpoint root?): ", ::fsdpx::detail::join_names(foreign, 8),
-                   " are not parameters or buffers of this model");
+    FSDPX_CHECK_AS(IoError, foreign.empty(), "checkpoint step ", *step, " in '", root.string(),
+                   "' holds another model than "
+                   "this one (another program's checkpoint root?): ",
+                   ::fsdpx::detail::join_names(foreign, 8), " are not parameters or buffers of this model");
   };
   const auto lacks = [&](const std::string& part, const std::string& why) {
     if (!options.allow_missing) check_same_model();
-    FSDPX_CHECK_AS(IoError, options.allow_missing, "checkpoint step ", *step, " in '", root.string(), "' has no ", part, " (",
-                   why, "); pass LoadOptions{.load_", part == "client state" ? "client_state" : part,
+    FSDPX_CHECK_AS(IoError, options.allow_missing, "checkpoint step ", *step, " in '", root.string(), "' has no ", part,
+                   " (", why, "); pass LoadOptions{.load_", part == "client state" ? "client_state" : part,
                    " = false} to resume without it, or .allow_missing = true to be warned instead");
-    TORCH_WARN("fsdpx: checkpoint step ", *step, " in '", root.string(), "' has no ", part, " (", why, "); resuming without it");
+    TORCH_WARN("fsdpx: checkpoint step ", *step, " in '", root.string(), "' has no ", part, " (", why,
+               "); resuming without it");
     info.missing.push_back(part);
   };
   const auto saved = [&](Component c) {
@@ -124,11 +130,12 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
   auto& sharded = model.sharded();
   const auto& mesh = sharded.mesh();
   const std::string extra_name = checkpoint::shard_file_name(Component::extra_state, info.saved_world_size,
-                                                 mesh.world().rank() % info.saved_world_size);
+                                                             mesh.world().rank() % info.saved_world_size);
   c10::IValue extra_saved;
   ExtraState extra;
   if (saved(Component::extra_state) && record->files.count(extra_name) != 0) {
-    extra_saved = checkpoint::load_committed_ivalue(dir / extra_name, record->file(dir, extra_name, options.verify_checksums));
+    extra_saved =
+        checkpoint::load_committed_ivalue(dir / extra_name, record->file(dir, extra_name, options.verify_checksums));
     extra = checkpoint::extra_state_from_ivalue(extra_saved, dir / extra_name, /*restore_rng=*/false);
   } else if (options.load_client_state && want_optimizer) {  // a weights-only load never required it
     lacks("client state", "it was saved without extra state");
@@ -137,7 +144,8 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
   if (want_optimizer && !load_optimizer) lacks("optimizer", "it was saved without one");
   const bool load_scheduler = want_scheduler && !extra.scheduler.isNone();
   if (want_scheduler && !load_scheduler) {
-    lacks("scheduler", extra_saved.isNone() ? "it was saved without extra state" : "it was saved without an LR scheduler");
+    lacks("scheduler",
+          extra_saved.isNone() ? "it was saved without extra state" : "it was saved without an LR scheduler");
   }
   if (load_scheduler) scheduler->check_state_dict(extra.scheduler);
 
@@ -157,11 +165,16 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
     }
   };
   with_own_file_first([&](std::optional<int> own) {
-    load_model_state_dict(sharded, [&](const auto& fn) {
-      // A full checkpoint is rank 0's file; a local one is each rank's own.
-      const std::optional<int> only = full ? std::optional<int>(0) : local ? std::optional<int>(mesh.world().rank()) : own;
-      checkpoint::detail::for_each_saved_file(dir, *record, Component::model, only, options.verify_checksums, fn);
-    }, options.strict);
+    load_model_state_dict(
+        sharded,
+        [&](const auto& fn) {
+          // A full checkpoint is rank 0's file; a local one is each rank's own.
+          const std::optional<int> only = full    ? std::optional<int>(0)
+                                          : local ? std::optional<int>(mesh.world().rank())
+                                                  : own;
+          checkpoint::detail::for_each_saved_file(dir, *record, Component::model, only, options.verify_checksums, fn);
+        },
+        options.strict);
   });
   if (load_optimizer) {
     with_own_file_first([&](std::optional<int> own) {
@@ -185,17 +198,19 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
 }
 template <class Sharded>
 std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model,
-                                          torch::optim::Optimizer* optimizer = nullptr, const LoadOptions& options = {}) {
+                                          torch::optim::Optimizer* optimizer = nullptr,
+                                          const LoadOptions& options = {}) {
   return load_checkpoint(root, model, optimizer, nullptr, options);
 }
 template <class Sharded>
-std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model, torch::optim::Optimizer& optimizer,
-                                          const LoadOptions& options = {}) {
+std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model,
+                                          torch::optim::Optimizer& optimizer, const LoadOptions& options = {}) {
   return load_checkpoint(root, model, &optimizer, nullptr, options);
 }
 template <class Sharded>
-std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model, torch::optim::Optimizer& optimizer,
-                                          LrScheduler& scheduler, const LoadOptions& options = {}) {
+std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sharded& model,
+                                          torch::optim::Optimizer& optimizer, LrScheduler& scheduler,
+                                          const LoadOptions& options = {}) {
   return load_checkpoint(root, model, &optimizer, &scheduler, options);
 }
 

@@ -90,13 +90,14 @@ class SliceLoader;  // detail/slice_loader.hpp
 FSDPX_DECL int64_t optimizer_step(torch::optim::OptimizerParamState& state);
 
 /// A new state object of `optimizer`'s type with `tensors` and `step`.
-FSDPX_DECL std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(torch::optim::Optimizer& optimizer, std::map<std::string, at::Tensor> tensors, int64_t step);
+FSDPX_DECL std::unique_ptr<torch::optim::OptimizerParamState> make_optimizer_state(
+    torch::optim::Optimizer& optimizer, std::map<std::string, at::Tensor> tensors, int64_t step);
 
 /// The hyperparameters of a param group, as numbers (what checkpoints keep and restore).
 FSDPX_DECL std::map<std::string, std::vector<double>> group_hyperparameters(torch::optim::OptimizerOptions& o);
 
-FSDPX_DECL void set_group_hyperparameters(torch::optim::OptimizerOptions& o, const std::map<std::string,
-    std::vector<double>>& h);
+FSDPX_DECL void set_group_hyperparameters(torch::optim::OptimizerOptions& o,
+                                          const std::map<std::string, std::vector<double>>& h);
 
 }  // namespace detail
 
@@ -128,8 +129,9 @@ FSDPX_DECL StateDict full_state_dict(core::ShardedModel& model, bool all_ranks =
 /// Loads state dicts saved by any world size (full or sharded), or by this very topology (local).
 /// `for_each_saved(fn)` calls fn once per saved rank's state dict: a checkpoint streams its files.
 /// Every rank calls it; it is not collective.
-FSDPX_DECL void load_model_state_dict(core::ShardedModel& model,
-    const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved, bool strict = true);
+FSDPX_DECL void load_model_state_dict(
+    core::ShardedModel& model, const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved,
+    bool strict = true);
 
 inline void load_model_state_dict(core::ShardedModel& model, const StateDict& sd, bool strict = true) {
   load_model_state_dict(model, [&](const auto& fn) { fn(sd); }, strict);
@@ -143,7 +145,8 @@ FSDPX_DECL StateDict optimizer_state_dict(const core::ShardedModel& model, torch
 
 /// Restores optimizer state saved at any world size into this rank's shards (and the param groups'
 /// hyperparameters when the group count matches). Every rank calls it; it is not collective.
-FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::ShardedModel& model,
+FSDPX_DECL void load_optimizer_state_dict(
+    torch::optim::Optimizer& optimizer, core::ShardedModel& model,
     const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved);
 
 }  // namespace fsdpx

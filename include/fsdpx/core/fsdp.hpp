@@ -46,8 +46,9 @@ using core::StepStats;
 template <class Model, class Mesh = FullShard, class Offload = NoOffload, class Precision = FullPrecision,
           class StateDict = ShardedStateDict, class Wrap = NoWrap, class Checkpoint = NoActivationCheckpointing>
 class Fsdp {
-  static_assert(requires(Model m) { m.ptr(); } && std::is_base_of_v<torch::nn::Module, typename Model::ContainedType>,
-                "Fsdp<Model, ...>: Model must be a LibTorch module holder (TORCH_MODULE(Name) over NameImpl)");
+  static_assert(
+      requires(Model m) { m.ptr(); } && std::is_base_of_v<torch::nn::Module, typename Model::ContainedType>,
+      "Fsdp<Model, ...>: Model must be a LibTorch module holder (TORCH_MODULE(Name) over NameImpl)");
   /// Checks the policies (static_asserts naming the wrong one) and maps them onto run-time options.
   using Policies = core::PolicyMap<Mesh, Offload, Precision, StateDict, Wrap, Checkpoint>;
   static_assert(Policies::checked);
@@ -67,11 +68,13 @@ class Fsdp {
       for (auto& p : model_->parameters()) p.set_requires_grad(false);
     }
     const core::UnitOptions unit = Policies::unit_options(options, options.device.value_or(first_device()));
-    FSDPX_CHECK(unit.device.type() == world.device_type(), "the model computes on ", unit.device, " but the communicator (", world.backend_name(), ") works on ",
+    FSDPX_CHECK(unit.device.type() == world.device_type(), "the model computes on ", unit.device,
+                " but the communicator (", world.backend_name(), ") works on ",
                 c10::DeviceTypeName(world.device_type(), true), " tensors");
     const int shard = Policies::shard_size(world.size(), *model_, options);
-    state_ = std::make_unique<core::ShardedModel>(model_.ptr(), dist::DeviceMesh<dist::AnyCommunicator>::build(world, shard),
-                                                  unit, Policies::model_setup(options));
+    state_ =
+        std::make_unique<core::ShardedModel>(model_.ptr(), dist::DeviceMesh<dist::AnyCommunicator>::build(world, shard),
+                                             unit, Policies::model_setup(options));
     state_->set_activation_checkpointing(options.activation_checkpointing);
   }
 
@@ -79,7 +82,8 @@ class Fsdp {
   template <class... Args>
   auto forward(Args&&... args) {
     return state_->run_with(
-        state_->root(), [impl = model_.get()](auto&&... inputs) { return impl->forward(std::forward<decltype(inputs)>(inputs)...); },
+        state_->root(),
+        [impl = model_.get()](auto&&... inputs) { return impl->forward(std::forward<decltype(inputs)>(inputs)...); },
         std::forward<Args>(args)...);
   }
   template <class... Args>
@@ -95,7 +99,9 @@ class Fsdp {
   auto call(Method method, Args&&... args) {
     return state_->run_with(
         state_->root(),
-        [impl = model_.get(), method](auto&&... inputs) { return (impl->*method)(std::forward<decltype(inputs)>(inputs)...); },
+        [impl = model_.get(), method](auto&&... inputs) {
+          return (impl->*method)(std::forward<decltype(inputs)>(inputs)...);
+        },
         std::forward<Args>(args)...);
   }
   /// The same for any callable taking the model; its arguments are used as they are.
@@ -115,7 +121,8 @@ class Fsdp {
 
   /// The tensors the optimizer steps: views of every unit's float32 shard.
   std::vector<at::Tensor> parameters(std::optional<bool> decay = std::nullopt) const {
-    FSDPX_CHECK(!inference_only(), "an inference-only Fsdp model has no parameters to optimize "
+    FSDPX_CHECK(!inference_only(),
+                "an inference-only Fsdp model has no parameters to optimize "
                 "(FsdpOptions::inference_only is set)");
     std::vector<at::Tensor> out;
     for (size_t i = 0; i < state_->num_units(); ++i) {
@@ -182,7 +189,8 @@ auto forward(Holder& module, Args&&... args) {
   const auto [owner, unit] = core::detail::UnitRegistry::instance().find(module.ptr().get());
   if (owner == nullptr) return module->forward(std::forward<Args>(args)...);
   return owner->run_with(
-      *unit, [impl = module.get()](auto&&... inputs) { return impl->forward(std::forward<decltype(inputs)>(inputs)...); },
+      *unit,
+      [impl = module.get()](auto&&... inputs) { return impl->forward(std::forward<decltype(inputs)>(inputs)...); },
       std::forward<Args>(args)...);
 }
 
@@ -199,7 +207,8 @@ auto call(Holder& module, Fn&& fn) {
 /// them (floating tensors cast to the compute dtype, those requiring grad ending the unit's backward;
 /// checkpointed when the unit is). A checkpointed unit runs `fn` again in backward: `fn` is copied, so
 /// it must capture by value.
-///   auto loss = fsdpx::call(lm_head, [](LmHead& head, const at::Tensor& h, const at::Tensor& y) { ... }, hidden, labels);
+///   auto loss = fsdpx::call(lm_head, [](LmHead& head, const at::Tensor& h, const at::Tensor& y) { ... }, hidden,
+///   labels);
 template <class Holder, class Fn, class Arg, class... Args>
 auto call(Holder& module, Fn&& fn, Arg&& arg, Args&&... args) {
   const auto [owner, unit] = core::detail::UnitRegistry::instance().find(module.ptr().get());
@@ -221,7 +230,8 @@ inline bool on_every_rank(const torch::nn::Module& module, bool value) {
   const auto [owner, unit] = core::detail::UnitRegistry::instance().find(&module);
   if (owner == nullptr) return value;
   dist::AnyCommunicator world = owner->mesh().world();
-  at::Tensor flag = at::full({1}, value ? 1.0 : 0.0, at::TensorOptions().dtype(at::kFloat).device(owner->options().device));
+  at::Tensor flag =
+      at::full({1}, value ? 1.0 : 0.0, at::TensorOptions().dtype(at::kFloat).device(owner->options().device));
   world.all_reduce(flag, dist::ReduceOp::min);
   return flag.item<float>() > 0.5f;
 }

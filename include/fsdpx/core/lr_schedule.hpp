@@ -58,7 +58,8 @@ struct LrSchedule {
     return {.kind = LrScheduleKind::linear, .warmup_steps = warmup_steps, .total_steps = total_steps};
   }
   /// get_cosine_schedule_with_warmup (min_lr_ratio 0) or get_cosine_with_min_lr_schedule_with_warmup.
-  static LrSchedule cosine(int64_t warmup_steps, int64_t total_steps, double min_lr_ratio = 0.0, double num_cycles = 0.5) {
+  static LrSchedule cosine(int64_t warmup_steps, int64_t total_steps, double min_lr_ratio = 0.0,
+                           double num_cycles = 0.5) {
     return {LrScheduleKind::cosine, warmup_steps, total_steps, min_lr_ratio, num_cycles};
   }
 
@@ -138,7 +139,8 @@ class LrScheduler {
     const auto d = state.toGenericDict();
     std::string changed;
     for (const auto& [key, now] : shape_fields()) {
-      if (d.contains(key) && d.at(key) != now) changed += detail::str(changed.empty() ? "" : ", ", key, " ", d.at(key), " -> ", now);
+      if (d.contains(key) && d.at(key) != now)
+        changed += detail::str(changed.empty() ? "" : ", ", key, " ", d.at(key), " -> ", now);
     }
     if (!changed.empty()) {
       TORCH_WARN("fsdpx: the LR schedule differs from the one saved (", changed,

@@ -117,11 +117,14 @@ inline std::ostream& operator<<(std::ostream& os, const MemoryReport& r) {
   const auto gib = [](int64_t b) { return static_cast<double>(b) / static_cast<double>(int64_t{1} << 30); };
   char line[256];
   if (r.device_total_bytes) {
-    std::snprintf(line, sizeof line, "%s allocated %.3f GiB (peak %.3f), reserved %.3f GiB, free %.3f of %.3f GiB; host RSS %.3f GiB (peak %.3f)",
-                  r.device.str().c_str(), gib(r.allocated_bytes), gib(r.peak_allocated_bytes), gib(r.reserved_bytes),
-                  gib(*r.device_free_bytes), gib(*r.device_total_bytes), gib(r.host_rss_bytes), gib(r.host_peak_rss_bytes));
+    std::snprintf(
+        line, sizeof line,
+        "%s allocated %.3f GiB (peak %.3f), reserved %.3f GiB, free %.3f of %.3f GiB; host RSS %.3f GiB (peak %.3f)",
+        r.device.str().c_str(), gib(r.allocated_bytes), gib(r.peak_allocated_bytes), gib(r.reserved_bytes),
+        gib(*r.device_free_bytes), gib(*r.device_total_bytes), gib(r.host_rss_bytes), gib(r.host_peak_rss_bytes));
   } else {
-    std::snprintf(line, sizeof line, "host RSS %.3f GiB (peak %.3f)", gib(r.host_rss_bytes), gib(r.host_peak_rss_bytes));
+    std::snprintf(line, sizeof line, "host RSS %.3f GiB (peak %.3f)", gib(r.host_rss_bytes),
+                  gib(r.host_peak_rss_bytes));
   }
   return os << line;
 }

@@ -1,5 +1,6 @@
 // Optimizers over an Fsdp model's shards. The shards are a few large flat float32 tensors per unit,
-// so LibTorch's per-tensor optimizer loops step them quickly.
+// so LibTorch's per-tensor optimizer loops launch few kernels; FusedAdamW also makes one pass over
+// each instead of AdamW's several.
 #pragma once
 
 #include <concepts>
@@ -50,13 +51,16 @@ inline constexpr const char* known_optimizers = "Adam, AdamW and SGD";
 
 /// Which of a row's types an object is: its Optimizer, State or Options.
 struct AsOptimizer {
-  template <class Row> using type = typename Row::Optimizer;
+  template <class Row>
+  using type = typename Row::Optimizer;
 };
 struct AsState {
-  template <class Row> using type = typename Row::State;
+  template <class Row>
+  using type = typename Row::State;
 };
 struct AsOptions {
-  template <class Row> using type = typename Row::Options;
+  template <class Row>
+  using type = typename Row::Options;
 };
 
 /// Calls fn(Row{}, object as Row's type) for the row `object` belongs to; false when it is in none.

@@ -97,7 +97,8 @@ struct PolicyMap {
                 "Fsdp<..., Precision, ...>: Precision must be a MixedPrecision<...> (e.g. FullPrecision, BF16Mixed)");
   static_assert(StateDictPolicy<StateDict>,
                 "Fsdp<..., StateDict, ...>: StateDict must be FullStateDict, ShardedStateDict or LocalStateDict");
-  static_assert(WrapPolicy<Wrap>, "Fsdp<..., Wrap, ...>: Wrap must be WrapModules<...>, WrapIf<...>, WrapBySize<N>, "
+  static_assert(WrapPolicy<Wrap>,
+                "Fsdp<..., Wrap, ...>: Wrap must be WrapModules<...>, WrapIf<...>, WrapBySize<N>, "
                 "WrapNames<...> or NoWrap");
   static_assert(CheckpointPolicy<Checkpoint>,
                 "Fsdp<..., Checkpoint>: Checkpoint must be NoActivationCheckpointing, CheckpointAll, "
@@ -122,7 +123,8 @@ struct PolicyMap {
     if (!unit.device.has_index() && !unit.device.is_cpu()) {
       // "cuda" means the current device now: fixed here, so every allocation lands on it whatever
       // device is current later (autograd's threads, a rollout engine's).
-      unit.device = c10::Device(unit.device.type(), c10::impl::getDeviceGuardImpl(unit.device.type())->getDevice().index());
+      unit.device =
+          c10::Device(unit.device.type(), c10::impl::getDeviceGuardImpl(unit.device.type())->getDevice().index());
     }
     unit.offload_to_cpu = Offload::offload_to_cpu;
     unit.pin_memory = Offload::pin_memory;
@@ -160,7 +162,8 @@ struct PolicyMap {
       }
       const auto env = dist::detect_launch_env();
       const int64_t budget = o.auto_shard_budget_bytes.value_or(int64_t{8} << 30);
-      return resolve_shard_size<Mesh>(world_size, choose_auto_shard_size(numel, world_size, env.local_world_size, budget));
+      return resolve_shard_size<Mesh>(world_size,
+                                      choose_auto_shard_size(numel, world_size, env.local_world_size, budget));
     } else {
       return resolve_shard_size<Mesh>(world_size, o.shard_size);
     }
@@ -176,7 +179,8 @@ struct PolicyMap {
                   "matches within one segment)");
     }
     if constexpr (!std::is_same_v<Wrap, NoWrap>) {
-      FSDPX_CHECK(allow_none || !units.empty(), "the wrap policy picked no module of the model, so it would train as "
+      FSDPX_CHECK(allow_none || !units.empty(),
+                  "the wrap policy picked no module of the model, so it would train as "
                   "one unit (no overlap of communication with computation, the whole model gathered at once); check "
                   "the policy, or set FsdpOptions::allow_no_units when that is intended");
     }

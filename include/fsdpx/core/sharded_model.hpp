@@ -60,9 +60,9 @@ struct GradNorm {
 
 /// What one rank holds, in bytes (for memory accounting and tests).
 struct ShardedBytes {
-  int64_t parameters = 0;   // shards (float32 masters; the compute dtype when inference-only)
-  int64_t gradients = 0;    // float32 shard gradients
-  int64_t unsharded = 0;    // full parameter buffers allocated right now
+  int64_t parameters = 0;  // shards (float32 masters; the compute dtype when inference-only)
+  int64_t gradients = 0;   // float32 shard gradients
+  int64_t unsharded = 0;   // full parameter buffers allocated right now
 };
 
 class ShardedModel {
@@ -75,7 +75,7 @@ class ShardedModel {
   /// a failure after that (out of memory, a collective error) puts the module's parameters back as
   /// they were before rethrowing.
   FSDPX_DECL ShardedModel(std::shared_ptr<torch::nn::Module> root, Mesh mesh, UnitOptions options,
-      const ModelSetup& setup);
+                          const ModelSetup& setup);
 
   ShardedModel(const ShardedModel&) = delete;
   ShardedModel& operator=(const ShardedModel&) = delete;
@@ -127,7 +127,8 @@ class ShardedModel {
   template <class Body, class... Args>
   auto run_with(Unit& u, const Body& body, Args&&... args) {
     return run(u, [&] {
-      std::tuple<decltype(cast_input(u, std::forward<Args>(args)))...> inputs(cast_input(u, std::forward<Args>(args))...);
+      std::tuple<decltype(cast_input(u, std::forward<Args>(args)))...> inputs(
+          cast_input(u, std::forward<Args>(args))...);
       std::vector<at::Tensor*> tracked;
       std::apply([&](auto&... a) { (track_input(a, tracked), ...); }, inputs);
       add_post_backward_node(u, tracked);
@@ -143,8 +144,7 @@ class ShardedModel {
   static decltype(auto) cast_input(const Unit& u, Arg&& arg) {
     if constexpr (std::is_same_v<std::decay_t<Arg>, at::Tensor>) {
       const auto dtype = u.options().param_dtype;
-      return arg.defined() && arg.is_floating_point() && arg.scalar_type() != dtype ? arg.to(dtype)
-                                                                                    : at::Tensor(arg);
+      return arg.defined() && arg.is_floating_point() && arg.scalar_type() != dtype ? arg.to(dtype) : at::Tensor(arg);
     } else {
       return std::forward<Arg>(arg);
     }
@@ -222,7 +222,7 @@ class ShardedModel {
   /// The values one unit takes its shard from must be the same on every rank: checked with one
   /// collective of fingerprints (parameters and buffers), or copied from rank 0 (ReplicaInit).
   FSDPX_DECL void replicate_values(const std::string& unit, const std::vector<ParamInfo>& params,
-      torch::nn::Module& module, bool root, bool values_meaningful, ReplicaInit how);
+                                   torch::nn::Module& module, bool root, bool values_meaningful, ReplicaInit how);
   /// The buffers of `module` that a unit holds: all of its own for a unit, those outside every
   /// other unit for the root.
   FSDPX_DECL std::vector<std::pair<std::string, at::Tensor>> unit_buffers(torch::nn::Module& module, bool root) const;
@@ -293,18 +293,24 @@ class ShardedModel {
   /// parameters' gradients to the protocol as autograd's accumulation would.
   template <class Body, class Inputs>
   auto checkpointed_call(Unit& u, const Body& body, Inputs& inputs) {
-    using Stored = decltype(std::apply([](auto&... a) { return std::tuple<std::decay_t<decltype(a)>...>(a...); },
-                                       inputs));
+    using Stored =
+        decltype(std::apply([](auto&... a) { return std::tuple<std::decay_t<decltype(a)>...>(a...); }, inputs));
     using Out = std::decay_t<decltype(std::apply(body, std::declval<Stored&>()))>;
     if constexpr (!std::is_copy_constructible_v<Stored> || !std::is_copy_constructible_v<Body> ||
                   !std::is_copy_constructible_v<Out>) {
-      FSDPX_FAIL(ConfigError, "unit '", u.name(), "' is checkpointed, but its call's arguments, result or function "
-                 "cannot be copied, so it cannot run again in backward; leave this unit out of the checkpointing policy");
+      FSDPX_FAIL(
+          ConfigError, "unit '", u.name(),
+          "' is checkpointed, but its call's arguments, result or function "
+          "cannot be copied, so it cannot run again in backward; leave this unit out of the checkpointing policy");
       return std::apply(body, inputs);
     } else {
       struct Call final : detail::Recomputation {
         Call(ShardedModel* model, Unit* unit, Body body, Stored args)
-            : model(model), unit(unit), alive(model->alive_), device_(unit->options().device), body(std::move(body)),
+            : model(model),
+              unit(unit),
+              alive(model->alive_),
+              device_(unit->options().device),
+              body(std::move(body)),
               args(std::move(args)) {}
         std::vector<at::Tensor> run(const std::vector<at::Tensor>& tensors) override {
           Stored call_args = args;
@@ -333,8 +339,8 @@ class ShardedModel {
         std::shared_ptr<bool> alive;
         at::Device device_;
         Body body;
-        Stored args;  // the call's arguments; its tensors are placeholders after forward (run() gets them)
-        bool ran = false;              // the forward ran: the next run is the recomputation
+        Stored args;       // the call's arguments; its tensors are placeholders after forward (run() gets them)
+        bool ran = false;  // the forward ran: the next run is the recomputation
         std::optional<Out> first_out;  // the forward's result: its structure, and its non-tensor parts
       };
       auto call = std::make_shared<Call>(this, &u, body, std::apply([](auto&... a) { return Stored(a...); }, inputs));
@@ -390,13 +396,13 @@ class ShardedModel {
   BufferSync buffer_sync_;
   std::vector<std::unique_ptr<Unit>> units_;  // [0] is the root
   std::vector<const torch::nn::Module*> modules_;
-  std::vector<detail::NodePtr> accumulators_;  // keep the hooks' nodes alive
+  std::vector<detail::NodePtr> accumulators_;              // keep the hooks' nodes alive
   std::unordered_set<const torch::nn::Module*> in_units_;  // every module inside a non-root unit
-  std::vector<bool> is_companion_;  // a module's frozen parameters, moving with the unit before it
-  std::vector<size_t> companion_;   // the index of a unit's frozen companion, or 0 (none)
-  std::vector<Unit*> forward_order_;     // the last completed forward's units (prefetching follows it)
+  std::vector<bool> is_companion_;    // a module's frozen parameters, moving with the unit before it
+  std::vector<size_t> companion_;     // the index of a unit's frozen companion, or 0 (none)
+  std::vector<Unit*> forward_order_;  // the last completed forward's units (prefetching follows it)
   std::unordered_map<const Unit*, size_t> position_;
-  detail::Pass pass_;                    // everything the current pass changed
+  detail::Pass pass_;  // everything the current pass changed
   StepStats last_stats_;
   bool sync_ = true;
   bool checkpointing_ = true;

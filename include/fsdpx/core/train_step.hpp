@@ -45,13 +45,13 @@ struct TrainStepOptions {
 
 /// What one optimizer_step() call did, for the trainer's log.
 struct StepReport {
-  bool stepped = false;               // the optimizer updated the parameters
-  bool skipped = false;               // the accumulation ended in a non-finite norm: nothing changed
-  int64_t micro_step = 0;             // 1 .. accumulation_steps within the current accumulation
-  std::optional<double> grad_norm;    // the global norm before clipping (last micro-step only)
-  double lr = 0;                      // the first group's LR of this update (before the scheduler moved)
-  int64_t optimizer_steps = 0;        // updates taken by this TrainStep so far
-  int64_t skipped_steps = 0;          // accumulations skipped by this TrainStep so far
+  bool stepped = false;             // the optimizer updated the parameters
+  bool skipped = false;             // the accumulation ended in a non-finite norm: nothing changed
+  int64_t micro_step = 0;           // 1 .. accumulation_steps within the current accumulation
+  std::optional<double> grad_norm;  // the global norm before clipping (last micro-step only)
+  double lr = 0;                    // the first group's LR of this update (before the scheduler moved)
+  int64_t optimizer_steps = 0;      // updates taken by this TrainStep so far
+  int64_t skipped_steps = 0;        // accumulations skipped by this TrainStep so far
   bool accumulating() const { return !stepped && !skipped; }
 };
 
@@ -67,6 +67,7 @@ class TrainStep {
   static_assert(SteppableModel<Sharded>,
                 "TrainStep<Sharded>: Sharded must be an fsdpx::Fsdp<...> (it needs clip_grad_norm_(double) returning "
                 "a GradNorm and set_requires_gradient_sync(bool))");
+
  public:
   TrainStep(Sharded& model, torch::optim::Optimizer& optimizer, LrScheduler* scheduler = nullptr,
             TrainStepOptions options = {})

@@ -59,11 +59,11 @@ struct UnitComms {
 class Unit {
  public:
   FSDPX_DECL Unit(std::string name, int index, std::vector<ParamInfo> params, UnitComms comms,
-      const UnitOptions& options);
+                  const UnitOptions& options);
 
   /// Throws what the constructor would refuse, before anything is changed.
   FSDPX_DECL static void check_params(const std::string& name, const std::vector<ParamInfo>& params,
-      const UnitOptions& options);
+                                      const UnitOptions& options);
 
   Unit(const Unit&) = delete;
   Unit& operator=(const Unit&) = delete;
@@ -172,8 +172,8 @@ class Unit {
   FlatParamLayout layout_;
   bool trainable_ = true;
   State state_ = State::sharded;
-  at::Tensor shard_;       // this rank's slice, options_.shard_dtype
-  at::Tensor full_;        // compute dtype, padded; the module's parameters are views of it
+  at::Tensor shard_;  // this rank's slice, options_.shard_dtype
+  at::Tensor full_;   // compute dtype, padded; the module's parameters are views of it
   std::vector<OptimParam> optim_params_;
   dist::Work gather_;
   dist::Work reduce_;
@@ -182,8 +182,8 @@ class Unit {
   bool replicating_ = false;  // the reduce-scatter is done; the replicas' all-reduce (if any) started
   at::Tensor flat_grad_;
   at::Tensor reduced_;
-  at::Tensor host_grad_;                // offloaded shards: the reduction's result, pinned, being copied in
-  at::Tensor pending_;                  // this pass's reduced gradient (float32, the shard's device), not yet applied
+  at::Tensor host_grad_;                 // offloaded shards: the reduction's result, pinned, being copied in
+  at::Tensor pending_;                   // this pass's reduced gradient (float32, the shard's device), not yet applied
   std::optional<c10::Event> copy_done_;  // set while that copy runs
 };
 

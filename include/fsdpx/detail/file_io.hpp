@@ -56,7 +56,8 @@ class Fd {
  public:
   // Never blocking: a FIFO put where a file is expected would hang open() (for writing, until a reader
   // comes); with O_NONBLOCK it opens or fails at once, and regular files behave as without it.
-  Fd(const fs::path& path, int flags, mode_t mode = 0644) : fd_(::open(path.c_str(), flags | O_CLOEXEC | O_NONBLOCK, mode)) {
+  Fd(const fs::path& path, int flags, mode_t mode = 0644)
+      : fd_(::open(path.c_str(), flags | O_CLOEXEC | O_NONBLOCK, mode)) {
     if (fd_ < 0) throw_io("opening", path, errno);
   }
   Fd(const Fd&) = delete;
@@ -102,7 +103,8 @@ struct WrittenFile {
 /// temporary file is removed and `path` is left as it was.
 class DurableFile {
  public:
-  explicit DurableFile(fs::path path) : path_(std::move(path)), tmp_(path_.string() + ".tmp"), fd_(create_fresh(tmp_)) {}
+  explicit DurableFile(fs::path path)
+      : path_(std::move(path)), tmp_(path_.string() + ".tmp"), fd_(create_fresh(tmp_)) {}
   DurableFile(const DurableFile&) = delete;
   DurableFile& operator=(const DurableFile&) = delete;
   ~DurableFile() {
@@ -133,8 +135,8 @@ class DurableFile {
 };
 
 /// Writes `path` durably (DurableFile): `produce(sink)` calls sink(data, n) with the content in order.
-FSDPX_DECL WrittenFile write_file_durably(const fs::path& path,
-    const std::function<void(const std::function<void(const void*, size_t)>&)>& produce);
+FSDPX_DECL WrittenFile write_file_durably(
+    const fs::path& path, const std::function<void(const std::function<void(const void*, size_t)>&)>& produce);
 
 inline WrittenFile write_text_durably(const fs::path& path, std::string_view text) {
   return write_file_durably(path, [&](const auto& sink) { sink(text.data(), text.size()); });
@@ -148,7 +150,8 @@ inline constexpr int64_t max_record_file_bytes = int64_t{16} << 20;
 /// allocated); an IoError naming it (`what`) otherwise.
 FSDPX_DECL std::vector<char> read_file(const fs::path& path, const char* what, int64_t max_bytes);
 
-inline std::string read_text(const fs::path& path, const char* what = "file", int64_t max_bytes = max_record_file_bytes) {
+inline std::string read_text(const fs::path& path, const char* what = "file",
+                             int64_t max_bytes = max_record_file_bytes) {
   const auto data = read_file(path, what, max_bytes);
   return {data.begin(), data.end()};
 }

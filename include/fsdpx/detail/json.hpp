@@ -25,7 +25,8 @@ inline constexpr int json_max_depth = 64;
 /// Parses `text`; an IoError names `what` (the document) and says where the text is wrong.
 inline Json parse_json(std::string_view text, std::string_view what, int max_depth = json_max_depth) {
   const auto depth_limit = [&](int depth, Json::parse_event_t event, Json&) {
-    if ((event == Json::parse_event_t::object_start || event == Json::parse_event_t::array_start) && depth >= max_depth) {
+    if ((event == Json::parse_event_t::object_start || event == Json::parse_event_t::array_start) &&
+        depth >= max_depth) {
       throw IoError(str("fsdpx: '", what, "' nests JSON objects and arrays deeper than ", max_depth, " levels"));
     }
     return true;
@@ -73,7 +74,8 @@ T json_as(const Json& v, std::string_view what) {
         if (i < 0) return fail(range());
         if (static_cast<uint64_t>(i) > static_cast<uint64_t>(std::numeric_limits<T>::max())) return fail(range());
       } else {
-        if (i < static_cast<int64_t>(std::numeric_limits<T>::min()) || i > static_cast<int64_t>(std::numeric_limits<T>::max())) {
+        if (i < static_cast<int64_t>(std::numeric_limits<T>::min()) ||
+            i > static_cast<int64_t>(std::numeric_limits<T>::max())) {
           return fail(range());
         }
       }
@@ -83,14 +85,16 @@ T json_as(const Json& v, std::string_view what) {
   } else if constexpr (std::is_floating_point_v<T>) {
     return v.is_number() ? v.get<T>() : fail("a number");
   } else {
-    static_assert(std::is_same_v<T, std::string>, "json_as<T>: T must be an integer type, a floating type, bool or std::string");
+    static_assert(std::is_same_v<T, std::string>,
+                  "json_as<T>: T must be an integer type, a floating type, bool or std::string");
     return v.is_string() ? v.get<std::string>() : fail("a string");
   }
 }
 
 /// The member `key` of the object `obj`; an IoError names `doc` when `obj` is no object or lacks it.
 inline const Json& json_at(const Json& obj, std::string_view key, std::string_view doc) {
-  if (!obj.is_object()) throw IoError(str("fsdpx: '", doc, "': expected a JSON object holding \"", key, "\", found ", json_kind(obj)));
+  if (!obj.is_object())
+    throw IoError(str("fsdpx: '", doc, "': expected a JSON object holding \"", key, "\", found ", json_kind(obj)));
   const auto it = obj.find(key);
   if (it == obj.end()) throw IoError(str("fsdpx: '", doc, "' has no \"", key, "\""));
   return *it;

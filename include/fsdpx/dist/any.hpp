@@ -83,7 +83,9 @@ class AnyCommunicator : public BlockingCollectives<AnyCommunicator> {
     int size() const override { return comm.size(); }
     std::string_view name() const override { return comm.name(); }
     bool is_broken() const override {
-      if constexpr (requires { { comm.is_broken() } -> std::convertible_to<bool>; }) {
+      if constexpr (requires {
+                      { comm.is_broken() } -> std::convertible_to<bool>;
+                    }) {
         return comm.is_broken();
       } else {
         return false;

@@ -21,8 +21,7 @@ inline constexpr int no_color = -1;
 
 template <class C>
 concept Communicator =
-    std::copy_constructible<C> &&
-    requires(C& c, const C& cc, at::Tensor t, const at::Tensor& ct, ReduceOp op, int i) {
+    std::copy_constructible<C> && requires(C& c, const C& cc, at::Tensor t, const at::Tensor& ct, ReduceOp op, int i) {
       { cc.device_type() } -> std::convertible_to<c10::DeviceType>;
       { cc.backend_name() } -> std::convertible_to<std::string_view>;
       { cc.rank() } -> std::same_as<int>;

@@ -45,8 +45,8 @@ struct LaunchEnv {
   bool has_rendezvous() const { return !master_addr.empty() && master_port > 0; }
 
   void require_rendezvous() const {
-    FSDPX_CHECK(has_rendezvous(), "a TCP rendezvous needs MASTER_ADDR and MASTER_PORT (",
-                to_string(launcher), " launch, rank ", rank, " of ", world_size, ", MASTER_ADDR='", master_addr,
+    FSDPX_CHECK(has_rendezvous(), "a TCP rendezvous needs MASTER_ADDR and MASTER_PORT (", to_string(launcher),
+                " launch, rank ", rank, " of ", world_size, ", MASTER_ADDR='", master_addr,
                 "', MASTER_PORT=", master_port, "); torchrun sets both, under mpirun or srun export them");
   }
 };
@@ -130,7 +130,8 @@ inline LaunchEnv detect_launch_env(const EnvLookup& env = process_env) {
     if (v.launcher == Launcher::slurm && !env("SLURM_STEP_ID")) continue;
     if (!rank && !size) continue;
     FSDPX_CHECK(rank && size, "incomplete ", to_string(v.launcher), " environment: ", rank ? v.rank : v.size,
-                " is set but ", rank ? v.size : v.rank, " is missing (when launching by hand set RANK, "
+                " is set but ", rank ? v.size : v.rank,
+                " is missing (when launching by hand set RANK, "
                 "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT)");
     found.push_back({&v, parse_env_int(v.rank, *rank, 0), parse_env_int(v.size, *size, 1)});
   }
@@ -141,10 +142,10 @@ inline LaunchEnv detect_launch_env(const EnvLookup& env = process_env) {
   for (const Found& other : found) {
     // A job step's SLURM variables describe the allocation when mpirun or torchrun start the ranks.
     if (other.vars->launcher == Launcher::slurm && &other != &primary) continue;
-    FSDPX_CHECK(other.rank == primary.rank, primary.vars->rank, "=", primary.rank, " contradicts ",
-                other.vars->rank, "=", other.rank, ": two launchers disagree about this process's rank");
-    FSDPX_CHECK(other.size == primary.size, primary.vars->size, "=", primary.size, " contradicts ",
-                other.vars->size, "=", other.size, ": two launchers disagree about the world size");
+    FSDPX_CHECK(other.rank == primary.rank, primary.vars->rank, "=", primary.rank, " contradicts ", other.vars->rank,
+                "=", other.rank, ": two launchers disagree about this process's rank");
+    FSDPX_CHECK(other.size == primary.size, primary.vars->size, "=", primary.size, " contradicts ", other.vars->size,
+                "=", other.size, ": two launchers disagree about the world size");
   }
   const auto& v = *primary.vars;
   out.launcher = v.launcher;
@@ -160,8 +161,8 @@ inline LaunchEnv detect_launch_env(const EnvLookup& env = process_env) {
     const std::string count = ls->substr(0, ls->find('('));
     out.local_world_size = parse_env_int(v.local_size, count, 1);
   }
-  FSDPX_CHECK(out.local_rank < out.local_world_size, v.local_rank, "=", out.local_rank, " is not below ",
-              v.local_size, "=", out.local_world_size);
+  FSDPX_CHECK(out.local_rank < out.local_world_size, v.local_rank, "=", out.local_rank, " is not below ", v.local_size,
+              "=", out.local_world_size);
 
   if (const auto addr = env("MASTER_ADDR"); addr && !addr->empty()) {
     out.master_addr = *addr;

@@ -26,8 +26,8 @@ inline MeshShape make_mesh_shape(int world_size, int shard_size) {
   for (int d = 1; d <= world_size; ++d) {
     if (world_size % d == 0) divisors += detail::str(divisors.empty() ? "" : ", ", d);
   }
-  FSDPX_CHECK(shard_size >= 1 && shard_size <= world_size && world_size % shard_size == 0, "a world of ",
-              world_size, " ranks cannot be split into shard groups of ", shard_size,
+  FSDPX_CHECK(shard_size >= 1 && shard_size <= world_size && world_size % shard_size == 0, "a world of ", world_size,
+              " ranks cannot be split into shard groups of ", shard_size,
               " ranks; the shard size must divide the world size (one of: ", divisors, ")");
   return {world_size / shard_size, shard_size};
 }
@@ -40,11 +40,10 @@ class DeviceMesh {
   static DeviceMesh build(Comm world, int shard_size) {
     const MeshShape shape = make_mesh_shape(world.size(), shard_size);
     const int r = world.rank();
-    const auto name = [&](std::string_view dim, int group) {
-      return detail::str(world.name(), "/", dim, group);
-    };
+    const auto name = [&](std::string_view dim, int group) { return detail::str(world.name(), "/", dim, group); };
     // Splits are collective over the world: every rank makes both, in the same order.
-    Comm shard = shape.replicate == 1 ? world : *world.split(r / shard_size, r % shard_size, name("shard", r / shard_size));
+    Comm shard =
+        shape.replicate == 1 ? world : *world.split(r / shard_size, r % shard_size, name("shard", r / shard_size));
     Comm replicate =
         shape.shard == 1 ? world : *world.split(r % shard_size, r / shard_size, name("replicate", r % shard_size));
     return DeviceMesh(std::move(world), std::move(shard), std::move(replicate), shape);

@@ -93,8 +93,10 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
   /// creates the id and broadcasts it.
   template <Communicator Bootstrap>
   static ncclUniqueId unique_id(Bootstrap& bootstrap) {
-    FSDPX_CHECK(bootstrap.device_type() == c10::DeviceType::CPU, "NCCL's unique id is bootstrapped over a host "
-                "communicator, but '", bootstrap.name(), "' is a ", bootstrap.backend_name(), " communicator");
+    FSDPX_CHECK(bootstrap.device_type() == c10::DeviceType::CPU,
+                "NCCL's unique id is bootstrapped over a host "
+                "communicator, but '",
+                bootstrap.name(), "' is a ", bootstrap.backend_name(), " communicator");
     ncclUniqueId id{};
     auto bytes = at::empty({static_cast<int64_t>(sizeof(id))}, at::TensorOptions().dtype(at::kByte));
     if (bootstrap.rank() == 0) {

@@ -53,14 +53,15 @@ void agree_on_outcome(AnyCommunicator& comm, const std::exception_ptr& failure, 
   comm.broadcast(length, failed);
   const int64_t n = length.item<int64_t>();
   at::Tensor text = at::zeros({std::max<int64_t>(n, 1)}, options.dtype(at::kByte));
-  if (comm.rank() == failed && n > 0) text.copy_(at::from_blob(message.data(), {n}, at::TensorOptions().dtype(at::kByte)));
+  if (comm.rank() == failed && n > 0)
+    text.copy_(at::from_blob(message.data(), {n}, at::TensorOptions().dtype(at::kByte)));
   comm.broadcast(text, failed);
   if (failure) std::rethrow_exception(failure);
   const at::Tensor host = text.to(at::kCPU);
   std::string cause(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
   if (cause.rfind("fsdpx: ", 0) == 0) cause = cause.substr(7);
-  throw ErrorType(::fsdpx::detail::str("fsdpx: ", what, " failed on rank ", failed, " of '", comm.name(), "', and this rank stopped with it: ",
-                                       cause));
+  throw ErrorType(::fsdpx::detail::str("fsdpx: ", what, " failed on rank ", failed, " of '", comm.name(),
+                                       "', and this rank stopped with it: ", cause));
 }
 
 }  // namespace fsdpx::dist

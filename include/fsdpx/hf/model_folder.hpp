@@ -41,7 +41,7 @@ struct ModelFolderCopy {
 /// durably under its own name: nothing is written outside `to`, whatever the names or links in `from`.
 /// Returns the files written.
 FSDPX_DECL std::vector<::fsdpx::detail::WrittenFile> copy_model_files(const fs::path& from, const fs::path& to,
-    const ModelFolderCopy& options = {});
+                                                                      const ModelFolderCopy& options = {});
 
 }  // namespace fsdpx::hf
 

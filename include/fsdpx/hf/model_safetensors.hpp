@@ -3,10 +3,10 @@
 //
 // Loading: a sharded model's ranks each read exactly the bytes of the slices they hold (positioned
 // reads) and cast them into their float32 shards: no rank reads, or holds, the whole model. Names
-// are matched through a caller's map (a model family's table). Everything is checked before a byte is read: tensors the model has and the files lack (missing),
-// tensors the files have and the model lacks (unexpected), and tensors whose shape differs or whose
-// dtype cannot be cast (mismatched). Strict (the default), any of them is one error naming them all,
-// and the model is left as it was; otherwise they are returned and the rest is loaded.
+// are matched through a caller's map (a model family's table). Everything is checked before a byte is read: tensors the
+// model has and the files lack (missing), tensors the files have and the model lacks (unexpected), and tensors whose
+// shape differs or whose dtype cannot be cast (mismatched). Strict (the default), any of them is one error naming them
+// all, and the model is left as it was; otherwise they are returned and the rest is loaded.
 //
 // Saving: a sharded model is gathered one unit at a time (every rank takes part) and world rank 0
 // writes each tensor as its unit arrives (SafetensorsWriter), so memory stays bounded by one unit.
@@ -71,7 +71,7 @@ struct LoadTarget {
 
 /// Checks `targets` against the files, then (when nothing is wrong, or not strict) reads them.
 FSDPX_DECL SafetensorsLoadReport load_targets(SafetensorsDir& dir, std::vector<LoadTarget>& targets,
-    const SafetensorsLoadOptions& options);
+                                              const SafetensorsLoadOptions& options);
 
 using FileNameFn = std::function<std::optional<std::string>(const std::string&)>;
 
@@ -81,7 +81,7 @@ inline std::optional<std::string> file_name_of(const FileNameFn& fn, const std::
 }
 
 FSDPX_DECL void add_buffer_targets(torch::nn::Module& module, const SafetensorsLoadOptions& options,
-    std::vector<LoadTarget>& targets);
+                                   std::vector<LoadTarget>& targets);
 
 }  // namespace hf::detail
 
@@ -90,7 +90,7 @@ FSDPX_DECL void add_buffer_targets(torch::nn::Module& module, const SafetensorsL
 inline SafetensorsLoadReport load_model_safetensors(core::ShardedModel& model, fsdpx::hf::SafetensorsDir& dir,
                                                     const SafetensorsLoadOptions& options = {}) {
   model.wait_for_shard_readers();  // a background checkpoint copy may still read the shards
-  model.reshard_all();         // the next forward gathers the loaded shards
+  model.reshard_all();             // the next forward gathers the loaded shards
   std::vector<hf::detail::LoadTarget> targets;
   for (size_t i = 0; i < model.num_units(); ++i) {
     core::Unit& u = model.unit(i);
@@ -100,7 +100,8 @@ inline SafetensorsLoadReport load_model_safetensors(core::ShardedModel& model, f
       if (!file) continue;
       const core::FlatRange r = u.held_range(p);
       if (r.begin < r.end) {
-        targets.push_back({*file, p.shape, u.shard().narrow(0, r.begin - base, r.size()), r.begin - p.offset, r.end - p.offset});
+        targets.push_back(
+            {*file, p.shape, u.shard().narrow(0, r.begin - base, r.size()), r.begin - p.offset, r.end - p.offset});
       } else {  // this rank holds none of it: its name is still checked
         targets.push_back({*file, p.shape, u.shard().narrow(0, 0, 0), 0, 0});
       }
@@ -159,7 +160,7 @@ inline at::ScalarType saved_dtype(at::ScalarType t, const SafetensorsSaveOptions
 /// rank 0 (a full disk) does not stop the gathers the others are in; it is an error on every rank
 /// once they are done. A rank that cannot allocate a unit's gather says so before anyone gathers it.
 inline fsdpx::hf::SavedSafetensors save_model_safetensors(core::ShardedModel& model, const std::filesystem::path& dir,
-                                                           const SafetensorsSaveOptions& options = {}) {
+                                                          const SafetensorsSaveOptions& options = {}) {
   auto& world = model.mesh().world();
   const bool writer = world.rank() == 0;
   // The plan (every tensor's name, dtype and shape, in unit order) is known to all without a gather.
@@ -206,16 +207,18 @@ inline fsdpx::hf::SavedSafetensors save_model_safetensors(core::ShardedModel& mo
     });
   }
   write([&] {
-    for (const auto& [name, b] : buffers) out->write(name, b.to(at::kCPU, hf::detail::saved_dtype(b.scalar_type(), options)));
+    for (const auto& [name, b] : buffers)
+      out->write(name, b.to(at::kCPU, hf::detail::saved_dtype(b.scalar_type(), options)));
     saved = out->finish();
   });
-  dist::agree_on_outcome<IoError>(world, write_failure, ::fsdpx::detail::str("writing the model's safetensors to '", dir.string(), "'"));
+  dist::agree_on_outcome<IoError>(world, write_failure,
+                                  ::fsdpx::detail::str("writing the model's safetensors to '", dir.string(), "'"));
   return saved;
 }
 
 /// Writes a module's weights and buffers (not sharded) to `dir` in Hugging Face's safetensors layout.
 inline fsdpx::hf::SavedSafetensors save_model_safetensors(torch::nn::Module& module, const std::filesystem::path& dir,
-                                                           const SafetensorsSaveOptions& options = {}) {
+                                                          const SafetensorsSaveOptions& options = {}) {
   fsdpx::hf::NamedTensors tensors;
   const auto add = [&](const std::string& key, const at::Tensor& t) {
     const auto file = hf::detail::file_name_of(options.file_name, key);

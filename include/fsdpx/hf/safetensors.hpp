@@ -56,9 +56,9 @@ struct SafetensorsOptions {
 
 /// What a safetensors save wrote.
 struct SavedSafetensors {
-  std::vector<::fsdpx::detail::WrittenFile> files;         // the .safetensors files, in order
-  std::optional<::fsdpx::detail::WrittenFile> index;       // the index, when there is more than one file
-  int64_t total_size = 0;                         // bytes of tensor data (the index's total_size)
+  std::vector<::fsdpx::detail::WrittenFile> files;    // the .safetensors files, in order
+  std::optional<::fsdpx::detail::WrittenFile> index;  // the index, when there is more than one file
+  int64_t total_size = 0;                             // bytes of tensor data (the index's total_size)
 };
 
 /// One tensor to be written: its name, dtype and shape (the bytes come later).
@@ -75,10 +75,21 @@ struct SafetensorsDtype {
   const char* code;
 };
 inline constexpr SafetensorsDtype safetensors_dtypes[] = {
-    {at::kDouble, "F64"}, {at::kFloat, "F32"},   {at::kHalf, "F16"},    {at::kBFloat16, "BF16"},
-    {at::kLong, "I64"},   {at::kInt, "I32"},     {at::kShort, "I16"},   {at::kChar, "I8"},
-    {at::kByte, "U8"},    {at::kBool, "BOOL"},   {at::kUInt16, "U16"},  {at::kUInt32, "U32"},
-    {at::kUInt64, "U64"}, {at::kFloat8_e4m3fn, "F8_E4M3"}, {at::kFloat8_e5m2, "F8_E5M2"},
+    {at::kDouble, "F64"},
+    {at::kFloat, "F32"},
+    {at::kHalf, "F16"},
+    {at::kBFloat16, "BF16"},
+    {at::kLong, "I64"},
+    {at::kInt, "I32"},
+    {at::kShort, "I16"},
+    {at::kChar, "I8"},
+    {at::kByte, "U8"},
+    {at::kBool, "BOOL"},
+    {at::kUInt16, "U16"},
+    {at::kUInt32, "U32"},
+    {at::kUInt64, "U64"},
+    {at::kFloat8_e4m3fn, "F8_E4M3"},
+    {at::kFloat8_e5m2, "F8_E5M2"},
 };
 
 FSDPX_DECL const char* safetensors_dtype_code(at::ScalarType t, const std::string& name);
@@ -91,8 +102,9 @@ inline std::optional<at::ScalarType> safetensors_dtype(const std::string& code) 
 }
 
 inline void check_little_endian() {
-  FSDPX_CHECK(std::endian::native == std::endian::little,
-              "safetensors: this machine is big-endian; fsdpx reads and writes safetensors only on little-endian hosts");
+  FSDPX_CHECK(
+      std::endian::native == std::endian::little,
+      "safetensors: this machine is big-endian; fsdpx reads and writes safetensors only on little-endian hosts");
 }
 
 inline int64_t tensor_bytes(const at::Tensor& t) { return t.numel() * static_cast<int64_t>(t.element_size()); }
@@ -105,8 +117,8 @@ inline int64_t spec_bytes(const TensorSpec& s) {
 inline constexpr uint64_t max_header_bytes = 100'000'000;
 
 /// The header text of a file holding `specs` in this order, padded to a multiple of 8 bytes.
-FSDPX_DECL std::string safetensors_header(const std::vector<TensorSpec>& specs, const std::map<std::string,
-    std::string>& metadata);
+FSDPX_DECL std::string safetensors_header(const std::vector<TensorSpec>& specs,
+                                          const std::map<std::string, std::string>& metadata);
 
 FSDPX_DECL bool is_shard_file_name(const std::string& file, const std::string& stem);
 
@@ -149,7 +161,8 @@ class SafetensorsWriter {
 /// Writes `tensors` (any device, layout and dtype safetensors knows) under `dir` in Hugging Face's
 /// layout (SafetensorsWriter): one file when they fit in options.max_shard_bytes, else numbered
 /// files and an index.
-inline SavedSafetensors save_safetensors(const fs::path& dir, const NamedTensors& tensors, const SafetensorsOptions& options = {}) {
+inline SavedSafetensors save_safetensors(const fs::path& dir, const NamedTensors& tensors,
+                                         const SafetensorsOptions& options = {}) {
   std::vector<TensorSpec> specs;
   for (const auto& [name, t] : tensors) {
     FSDPX_CHECK(t.defined(), "save_safetensors: tensor '", name, "' is undefined");
@@ -189,7 +202,9 @@ class SafetensorsFile {
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
 
   /// Reads the raw bytes [offset, offset + n) of the file.
-  void read_bytes(int64_t offset, void* out, int64_t n) const { ::fsdpx::detail::read_exact(fd_.get(), path_, offset, out, n, size_); }
+  void read_bytes(int64_t offset, void* out, int64_t n) const {
+    ::fsdpx::detail::read_exact(fd_.get(), path_, offset, out, n, size_);
+  }
 
  private:
   [[noreturn]] FSDPX_DECL void bad_header(const std::string& why) const;

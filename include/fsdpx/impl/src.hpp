@@ -5,7 +5,8 @@
 #pragma once
 
 #if !defined(FSDPX_SEPARATE_COMPILATION)
-#error "fsdpx/impl/src.hpp is the separately compiled part of fsdpx: define FSDPX_SEPARATE_COMPILATION for every translation unit of the program (or link fsdpx::separate), or do not include this file (fsdpx is header-only by default)"
+#error \
+    "fsdpx/impl/src.hpp is the separately compiled part of fsdpx: define FSDPX_SEPARATE_COMPILATION for every translation unit of the program (or link fsdpx::separate), or do not include this file (fsdpx is header-only by default)"
 #endif
 
 #include <fsdpx/detail/impl/file_io.ipp>

@@ -209,8 +209,10 @@ inline AttentionInputs causal_masks(const at::Tensor& attention_mask, int64_t se
   const at::Tensor q = idx.unsqueeze(1), k = idx.unsqueeze(0);
   at::Tensor causal = (k <= q).view({1, 1, seq, seq});
   if (attention_mask.defined()) {
-    FSDPX_CHECK(attention_mask.dim() == 2 && attention_mask.size(1) == seq, "DecoderModel: attention_mask must be "
-                "[batch, seq] with seq = ", seq, ", not ", attention_mask.sizes());
+    FSDPX_CHECK(attention_mask.dim() == 2 && attention_mask.size(1) == seq,
+                "DecoderModel: attention_mask must be "
+                "[batch, seq] with seq = ",
+                seq, ", not ", attention_mask.sizes());
     causal = causal & attention_mask.to(device).to(at::kBool).view({attention_mask.size(0), 1, 1, seq});
   }
   AttentionInputs masks;
@@ -223,12 +225,15 @@ inline AttentionInputs causal_masks(const at::Tensor& attention_mask, int64_t se
 /// key_mask [batch, past + n] keeps (and always to itself, so a padding query's softmax is over
 /// something), within `window` on sliding layers (0: none). Undefined where SDPA's causal flag says
 /// the same.
-inline AttentionInputs cached_masks(const at::Tensor& key_mask, int64_t past, int64_t n, at::Device device, int64_t window) {
+inline AttentionInputs cached_masks(const at::Tensor& key_mask, int64_t past, int64_t n, at::Device device,
+                                    int64_t window) {
   const int64_t total = past + n;
   const bool windowed = window > 0 && total > window;
   if (!key_mask.defined() && !windowed && (n == 1 || past == 0)) return {};
-  FSDPX_CHECK(!key_mask.defined() || (key_mask.dim() == 2 && key_mask.size(1) == total), "DecoderModel: the key mask "
-              "must be [batch, ", total, "] (cached and new tokens), not ", key_mask.sizes());
+  FSDPX_CHECK(!key_mask.defined() || (key_mask.dim() == 2 && key_mask.size(1) == total),
+              "DecoderModel: the key mask "
+              "must be [batch, ",
+              total, "] (cached and new tokens), not ", key_mask.sizes());
   const at::Tensor q = at::arange(past, total, at::TensorOptions().dtype(at::kLong).device(device)).view({1, 1, n, 1});
   const at::Tensor k = at::arange(total, at::TensorOptions().dtype(at::kLong).device(device)).view({1, 1, 1, total});
   at::Tensor allowed = k <= q;
@@ -281,28 +286,32 @@ inline std::string flash_varlen_unavailable(const at::Tensor& q) {
     return ::fsdpx::detail::str("flash_varlen needs bfloat16 or float16, not ", dtype);
   }
   if (head_dim % 8 != 0 || head_dim > 256) {
-    return ::fsdpx::detail::str("flash_varlen needs a head size that is a multiple of 8 and at most 256, not ", head_dim);
+    return ::fsdpx::detail::str("flash_varlen needs a head size that is a multiple of 8 and at most 256, not ",
+                                head_dim);
   }
   return {};
 }
 
 /// Attention within each packed sample by ATen's variable-length flash kernel, over all samples at once.
-inline at::Tensor flash_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const PackedSamples& samples,
-                               int64_t window, double dropout) {
+inline at::Tensor flash_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const PackedSamples& samples, int64_t window, double dropout) {
   const int64_t batch = q.size(0), seq = q.size(2), heads = q.size(1), head_dim = q.size(3);
-  const auto tokens = [&](const at::Tensor& t) { return t.transpose(1, 2).reshape({batch * seq, t.size(1), head_dim}); };
+  const auto tokens = [&](const at::Tensor& t) {
+    return t.transpose(1, 2).reshape({batch * seq, t.size(1), head_dim});
+  };
   const at::Tensor cu = samples.cu_seqlens(q.device());
   const at::Tensor out = std::get<0>(at::_flash_attention_forward(
       tokens(q), tokens(k), tokens(v), cu, cu, samples.max_length(), samples.max_length(), dropout,
       /*is_causal=*/true, /*return_debug_mask=*/false, std::pow(static_cast<double>(head_dim), -0.5),
-      window > 0 ? std::optional<int64_t>(window - 1) : std::nullopt, window > 0 ? std::optional<int64_t>(0) : std::nullopt));
+      window > 0 ? std::optional<int64_t>(window - 1) : std::nullopt,
+      window > 0 ? std::optional<int64_t>(0) : std::nullopt));
   return out.view({batch, seq, heads, head_dim}).transpose(1, 2);
 }
 
 /// Attention within each packed sample by each sample's own causal SDPA: the work of the samples'
 /// lengths squared, not the row's.
-inline at::Tensor per_sample_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const PackedSamples& samples,
-                                  int64_t window, double dropout) {
+inline at::Tensor per_sample_sdpa(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const PackedSamples& samples, int64_t window, double dropout) {
   std::vector<at::Tensor> rows, pieces;
   int64_t row = 0;
   for (const SampleSpan& s : samples.spans()) {
@@ -324,7 +333,10 @@ inline at::Tensor per_sample_sdpa(const at::Tensor& q, const at::Tensor& k, cons
 
 struct AttentionImpl : torch::nn::Module {
   AttentionImpl(const DecoderConfig& c, std::shared_ptr<detail::AttentionState> state)
-      : heads(c.num_attention_heads), kv_heads(c.num_key_value_heads), head_dim(c.head_dim), dropout(c.attention_dropout),
+      : heads(c.num_attention_heads),
+        kv_heads(c.num_key_value_heads),
+        head_dim(c.head_dim),
+        dropout(c.attention_dropout),
         state(state ? std::move(state) : std::make_shared<detail::AttentionState>()) {
     q_proj = register_module("q_proj", Linear(c.hidden_size, heads * head_dim, c.qkv_bias));
     k_proj = register_module("k_proj", Linear(c.hidden_size, kv_heads * head_dim, c.qkv_bias));
@@ -369,9 +381,11 @@ struct AttentionImpl : torch::nn::Module {
   }
 
   /// Writes the new keys and values at [past, past + n) of the layer's cache (allocated at its first use).
-  static void append_to_cache(KvCacheLayer& cache, const at::Tensor& k, const at::Tensor& v, int64_t past, int64_t capacity) {
+  static void append_to_cache(KvCacheLayer& cache, const at::Tensor& k, const at::Tensor& v, int64_t past,
+                              int64_t capacity) {
     const int64_t n = k.size(2);
-    FSDPX_CHECK(past + n <= capacity, "KV cache: ", past, " cached tokens and ", n, " new exceed its capacity of ", capacity);
+    FSDPX_CHECK(past + n <= capacity, "KV cache: ", past, " cached tokens and ", n, " new exceed its capacity of ",
+                capacity);
     if (!cache.keys.defined()) {
       cache.keys = at::empty({k.size(0), k.size(1), capacity, k.size(3)}, k.options());
       cache.values = at::empty({v.size(0), v.size(1), capacity, v.size(3)}, v.options());
@@ -382,8 +396,8 @@ struct AttentionImpl : torch::nn::Module {
 
   /// Attention within each packed sample, on the model's AttentionBackend. `window` > 0: a sliding
   /// layer's window.
-  at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const PackedSamples& samples,
-                              int64_t window) {
+  at::Tensor packed_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const PackedSamples& samples, int64_t window) {
     const AttentionBackend requested = state->requested();
     if (requested == AttentionBackend::sdpa) {
       state->ran(AttentionBackend::sdpa, {});
@@ -397,7 +411,8 @@ struct AttentionImpl : torch::nn::Module {
         state->ran(AttentionBackend::flash_varlen, {});
         return y;
       } catch (const c10::Error& e) {
-        throw Error(::fsdpx::detail::str("fsdpx: attention: AttentionBackend::flash_varlen failed: ", e.what_without_backtrace()));
+        throw Error(::fsdpx::detail::str("fsdpx: attention: AttentionBackend::flash_varlen failed: ",
+                                         e.what_without_backtrace()));
       }
     }
     if (why.empty() && !state->failed()) {
@@ -407,8 +422,10 @@ struct AttentionImpl : torch::nn::Module {
         return y;
       } catch (const c10::Error& e) {
         if (state->fail(e.what_without_backtrace())) {
-          TORCH_WARN("fsdpx: variable-length flash attention failed (", e.what_without_backtrace(), "); this model's packed "
-                     "samples attend one by one from now on (AttentionBackend::sdpa; CausalLM::attention_report() says so)");
+          TORCH_WARN(
+              "fsdpx: variable-length flash attention failed (", e.what_without_backtrace(),
+              "); this model's packed "
+              "samples attend one by one from now on (AttentionBackend::sdpa; CausalLM::attention_report() says so)");
         }
         return detail::per_sample_sdpa(q, k, v, samples, window, dropout_now());
       }

@@ -1,17 +1,13 @@
 // The configuration of a decoder-only causal language model of the Llama family, read from a Hugging
-// Face config.json: LlamaForCausalLM ("llama"), Qwen2ForCausalLM ("qwen2"), Qwen3ForCausalLM ("qwen3")
-// and their mixtures of experts Qwen2MoeForCausalLM ("qwen2_moe") and Qwen3MoeForCausalLM
-// ("qwen3_moe"). They share one architecture and differ in switches this struct names: which
-// projections have biases, whether q and k are normalized per head, RoPE scaling, sliding-window
-// layers, a tied head, and which layers route each token to a few of many experts (MoeConfig).
-//
-// A field that changes the math and that this implementation does not reproduce (another model_type,
-// activation, RoPE type, quantization, ...) is an error naming it: never a silently different model.
-// Fields absent from the file take the defaults of the family's transformers config class.
-//
-// model_families is the table of families: one row each, saying how its transformers class reads
-// config.json into these switches and which defaults it takes. Adding a family is a row here plus the
-// module code its math needs (docs/models.md, "Adding a family").
+// Face config.json: Llama ("llama"), Qwen2 ("qwen2"), Qwen3 ("qwen3") and their mixtures of experts
+// ("qwen2_moe", "qwen3_moe"). They share one architecture and differ in switches this struct names:
+// biases, per-head q/k norms, RoPE scaling, sliding-window layers, a tied head, and which layers route
+// each token to a few of many experts (MoeConfig). A field that changes the math and that this
+// implementation does not reproduce (another model_type, activation, RoPE type, quantization, ...) is an
+// error naming it, never a silently different model; absent fields take the family's class defaults.
+// model_families holds one row per family: how its transformers class reads config.json into these
+// switches, and its defaults. Adding a family is a row plus the module code its math needs
+// (docs/models.md, "Adding a family").
 #pragma once
 
 #include <algorithm>
@@ -37,10 +33,10 @@ namespace fsdpx::models {
 struct RopeConfig {
   std::string type = "default";
   double theta = 10000.0;
-  double factor = 1.0;                                 // linear, llama3
-  double low_freq_factor = 1.0;                        // llama3
-  double high_freq_factor = 4.0;                       // llama3
-  int64_t original_max_position_embeddings = 8192;     // llama3
+  double factor = 1.0;                              // linear, llama3
+  double low_freq_factor = 1.0;                     // llama3
+  double high_freq_factor = 4.0;                    // llama3
+  int64_t original_max_position_embeddings = 8192;  // llama3
 };
 
 /// The sparse layers of a mixture of experts (Qwen2-MoE, Qwen3-MoE): a router (a linear map to one logit
@@ -70,10 +66,10 @@ struct DecoderConfig {
   double rms_norm_eps = 1e-6;
   RopeConfig rope;
   int64_t max_position_embeddings = 2048;
-  bool qkv_bias = false;      // biases on q_proj, k_proj, v_proj (Qwen2: always)
-  bool o_bias = false;        // a bias on o_proj (Llama and Qwen3: attention_bias)
-  bool mlp_bias = false;      // biases on gate_proj, up_proj, down_proj (Llama: mlp_bias)
-  bool qk_norm = false;       // Qwen3: RMSNorm over each head of q and k, before RoPE
+  bool qkv_bias = false;  // biases on q_proj, k_proj, v_proj (Qwen2: always)
+  bool o_bias = false;    // a bias on o_proj (Llama and Qwen3: attention_bias)
+  bool mlp_bias = false;  // biases on gate_proj, up_proj, down_proj (Llama: mlp_bias)
+  bool qk_norm = false;   // Qwen3: RMSNorm over each head of q and k, before RoPE
   bool tie_word_embeddings = false;
   std::optional<int64_t> pad_token_id;  // the embedding row that gets no gradient
   double attention_dropout = 0.0;       // applied in training mode only
@@ -84,7 +80,7 @@ struct DecoderConfig {
   /// Per layer: a sparse (mixture-of-experts) MLP instead of the dense one (decoder_sparse_step,
   /// mlp_only_layers).
   std::vector<bool> sparse_layers;
-  double initializer_range = 0.02;      // std of the normal initialization of new weights
+  double initializer_range = 0.02;  // std of the normal initialization of new weights
   /// The dtype the weights were saved in ("dtype" / "torch_dtype"): what an export writes by default.
   c10::ScalarType dtype = c10::kFloat;
   /// config.json as read, written back by an export (with "dtype" updated); empty when built by hand.
@@ -120,9 +116,9 @@ struct ModelFamily {
   bool moe = false;              // sparse layers (MoeConfig)
   bool shared_expert = false;    // a shared expert on every token (Qwen2-MoE)
   // The class's defaults for absent fields.
-  int64_t intermediate_size = 0;        // 0: the field is required
-  int64_t num_key_value_heads = 0;      // 0: the attention heads (and a null field: the heads, in every family)
-  int64_t head_dim = 0;                 // 0: hidden_size / num_attention_heads
+  int64_t intermediate_size = 0;    // 0: the field is required
+  int64_t num_key_value_heads = 0;  // 0: the attention heads (and a null field: the heads, in every family)
+  int64_t head_dim = 0;             // 0: hidden_size / num_attention_heads
   int64_t max_position_embeddings = 32768;
   int64_t num_experts = 0;
   int64_t num_experts_per_tok = 0;
@@ -131,6 +127,7 @@ struct ModelFamily {
 };
 
 /// The families fsdpx's decoder reproduces, as transformers' config classes define them.
+// clang-format off: one row per family, as docs/models.md's "Adding a family" describes
 inline constexpr std::array<ModelFamily, 5> model_families{{
     {.model_type = "llama", .architecture = "LlamaForCausalLM", .name = "Llama", .mlp_bias = true,
      .max_position_embeddings = 2048},
@@ -146,6 +143,7 @@ inline constexpr std::array<ModelFamily, 5> model_families{{
      .intermediate_size = 6144, .num_key_value_heads = 4, .num_experts = 128, .num_experts_per_tok = 8,
      .moe_intermediate_size = 768},
 }};
+// clang-format on
 
 /// The row of `model_type`, or null when no family has it.
 inline const ModelFamily* find_model_family(std::string_view model_type) {
@@ -166,8 +164,8 @@ inline std::string model_family_list() {
 inline const ModelFamily& model_family(const DecoderConfig& c) {
   const ModelFamily* f = find_model_family(c.model_type);
   if (f == nullptr) {
-    throw ConfigError(::fsdpx::detail::str("fsdpx: model_type \"", c.model_type, "\" is not one fsdpx's decoder implements (",
-                                           model_family_list(), ")"));
+    throw ConfigError(::fsdpx::detail::str("fsdpx: model_type \"", c.model_type,
+                                           "\" is not one fsdpx's decoder implements (", model_family_list(), ")"));
   }
   return *f;
 }
@@ -217,12 +215,14 @@ inline const char* torch_dtype_name(c10::ScalarType t) {
     case c10::kDouble: return "float64";
     default: break;
   }
-  throw ConfigError(::fsdpx::detail::str("fsdpx: a Hugging Face model's weights are float32, bfloat16, float16 or float64, not ", t));
+  throw ConfigError(
+      ::fsdpx::detail::str("fsdpx: a Hugging Face model's weights are float32, bfloat16, float16 or float64, not ", t));
 }
 
 /// A field that must be a finite number > 0 (an eps, a RoPE base or factor): anything else trains to NaN.
 inline void check_positive(double v, const char* name, const std::string& doc) {
-  FSDPX_CHECK_AS(IoError, std::isfinite(v) && v > 0, "'", doc, "': \"", name, "\" is ", v, "; it must be a finite number > 0");
+  FSDPX_CHECK_AS(IoError, std::isfinite(v) && v > 0, "'", doc, "': \"", name, "\" is ", v,
+                 "; it must be a finite number > 0");
 }
 
 [[noreturn]] inline void unsupported(const std::string& doc, const std::string& what) {
@@ -254,7 +254,8 @@ inline RopeConfig parse_rope(const ::fsdpx::detail::Json& j, const std::string& 
   for (const auto& [key, value] : params->items()) {
     if (value.is_object()) unsupported(doc, "\"" + where + "\" holds RoPE parameters per layer type (\"" + key + "\")");
   }
-  r.type = json_find<std::string>(*params, "rope_type", pdoc).value_or(json_find<std::string>(*params, "type", pdoc).value_or("default"));
+  r.type = json_find<std::string>(*params, "rope_type", pdoc)
+               .value_or(json_find<std::string>(*params, "type", pdoc).value_or("default"));
   r.theta = json_find<double>(*params, "rope_theta", pdoc).value_or(r.theta);
   check_positive(r.theta, "rope_theta", pdoc);
   if (const auto f = json_find<double>(*params, "partial_rotary_factor", pdoc); f && *f != 1.0) {
@@ -271,34 +272,38 @@ inline RopeConfig parse_rope(const ::fsdpx::detail::Json& j, const std::string& 
     r.high_freq_factor = ::fsdpx::detail::json_get<double>(*params, "high_freq_factor", pdoc);
     check_positive(r.low_freq_factor, "low_freq_factor", pdoc);
     check_positive(r.high_freq_factor, "high_freq_factor", pdoc);
-    FSDPX_CHECK(r.high_freq_factor != r.low_freq_factor, "'", doc, "': llama3 RoPE needs high_freq_factor != low_freq_factor");
+    FSDPX_CHECK(r.high_freq_factor != r.low_freq_factor, "'", doc,
+                "': llama3 RoPE needs high_freq_factor != low_freq_factor");
     // A top-level original_max_position_embeddings wins, as in transformers (Phi-3 writes it there).
     const auto top = json_find<int64_t>(j, "original_max_position_embeddings", doc);
     r.original_max_position_embeddings =
         top.value_or(json_find<int64_t>(*params, "original_max_position_embeddings", pdoc)
                          .value_or(json_find<int64_t>(j, "max_position_embeddings", doc).value_or(8192)));
-    FSDPX_CHECK_AS(IoError, r.original_max_position_embeddings > 0, "'", doc, "': \"original_max_position_embeddings\" is ",
-                   r.original_max_position_embeddings, "; it must be positive");
+    FSDPX_CHECK_AS(IoError, r.original_max_position_embeddings > 0, "'", doc,
+                   "': \"original_max_position_embeddings\" is ", r.original_max_position_embeddings,
+                   "; it must be positive");
   }
   return r;
 }
 
 /// The sparse layers of a mixture-of-experts family, with its class's defaults.
-inline void parse_moe(const ::fsdpx::detail::Json& j, const std::string& doc, const ModelFamily& family, DecoderConfig& c) {
+inline void parse_moe(const ::fsdpx::detail::Json& j, const std::string& doc, const ModelFamily& family,
+                      DecoderConfig& c) {
   using ::fsdpx::detail::json_find;
   const DecoderConfigBounds bounds;
   MoeConfig& m = c.moe;
-  // transformers 5 saves Qwen3-MoE's count as "num_local_experts" (its attribute_map); the hub's files say "num_experts".
-  m.num_experts = json_find<int64_t>(j, "num_experts", doc).value_or(
-      json_find<int64_t>(j, "num_local_experts", doc).value_or(family.num_experts));
+  // transformers 5 saves Qwen3-MoE's count as "num_local_experts" (its attribute_map); the hub's files say
+  // "num_experts".
+  m.num_experts = json_find<int64_t>(j, "num_experts", doc)
+                      .value_or(json_find<int64_t>(j, "num_local_experts", doc).value_or(family.num_experts));
   FSDPX_CHECK_AS(IoError, m.num_experts >= 0 && m.num_experts <= bounds.num_experts, "'", doc, "': \"num_experts\" is ",
                  m.num_experts, "; it must be in [0, ", bounds.num_experts, "]");
   m.num_experts_per_tok = json_find<int64_t>(j, "num_experts_per_tok", doc).value_or(family.num_experts_per_tok);
   m.moe_intermediate_size = json_find<int64_t>(j, "moe_intermediate_size", doc).value_or(family.moe_intermediate_size);
-  m.shared_expert_intermediate_size =
-      family.shared_expert
-          ? json_find<int64_t>(j, "shared_expert_intermediate_size", doc).value_or(family.shared_expert_intermediate_size)
-          : 0;
+  m.shared_expert_intermediate_size = family.shared_expert
+                                          ? json_find<int64_t>(j, "shared_expert_intermediate_size", doc)
+                                                .value_or(family.shared_expert_intermediate_size)
+                                          : 0;
   m.norm_topk_prob = json_find<bool>(j, "norm_topk_prob", doc).value_or(false);
   m.router_aux_loss_coef = json_find<double>(j, "router_aux_loss_coef", doc).value_or(0.001);
   FSDPX_CHECK_AS(IoError, std::isfinite(m.router_aux_loss_coef) && m.router_aux_loss_coef >= 0, "'", doc,
@@ -306,12 +311,15 @@ inline void parse_moe(const ::fsdpx::detail::Json& j, const std::string& doc, co
   m.output_router_logits = json_find<bool>(j, "output_router_logits", doc).value_or(false);
   if (m.num_experts == 0) return;  // every layer dense, as transformers builds it
   FSDPX_CHECK_AS(IoError, m.num_experts_per_tok >= 1 && m.num_experts_per_tok <= m.num_experts, "'", doc,
-                 "': \"num_experts_per_tok\" is ", m.num_experts_per_tok, "; it must be in [1, num_experts = ", m.num_experts, "]");
+                 "': \"num_experts_per_tok\" is ", m.num_experts_per_tok,
+                 "; it must be in [1, num_experts = ", m.num_experts, "]");
   FSDPX_CHECK_AS(IoError, m.moe_intermediate_size > 0 && m.moe_intermediate_size <= bounds.intermediate_size, "'", doc,
-                 "': \"moe_intermediate_size\" is ", m.moe_intermediate_size, "; it must be in [1, ", bounds.intermediate_size, "]");
-  FSDPX_CHECK_AS(IoError, m.shared_expert_intermediate_size >= 0 && m.shared_expert_intermediate_size <= bounds.intermediate_size,
-                 "'", doc, "': \"shared_expert_intermediate_size\" is ", m.shared_expert_intermediate_size, "; it must be in [0, ",
+                 "': \"moe_intermediate_size\" is ", m.moe_intermediate_size, "; it must be in [1, ",
                  bounds.intermediate_size, "]");
+  FSDPX_CHECK_AS(
+      IoError, m.shared_expert_intermediate_size >= 0 && m.shared_expert_intermediate_size <= bounds.intermediate_size,
+      "'", doc, "': \"shared_expert_intermediate_size\" is ", m.shared_expert_intermediate_size, "; it must be in [0, ",
+      bounds.intermediate_size, "]");
   const int64_t step = json_find<int64_t>(j, "decoder_sparse_step", doc).value_or(1);
   FSDPX_CHECK_AS(IoError, step >= 1, "'", doc, "': \"decoder_sparse_step\" is ", step, "; it must be >= 1");
   std::vector<bool> dense(static_cast<size_t>(c.num_hidden_layers), false);
@@ -319,8 +327,8 @@ inline void parse_moe(const ::fsdpx::detail::Json& j, const std::string& doc, co
     FSDPX_CHECK_AS(IoError, it->is_array(), "'", doc, "': \"mlp_only_layers\" must be a list of layer indices");
     for (const auto& v : *it) {
       const auto layer = ::fsdpx::detail::json_as<int64_t>(v, "'" + doc + "': an entry of \"mlp_only_layers\"");
-      FSDPX_CHECK_AS(IoError, layer >= 0 && layer < c.num_hidden_layers, "'", doc, "': \"mlp_only_layers\" names layer ", layer,
-                     " of ", c.num_hidden_layers);
+      FSDPX_CHECK_AS(IoError, layer >= 0 && layer < c.num_hidden_layers, "'", doc,
+                     "': \"mlp_only_layers\" names layer ", layer, " of ", c.num_hidden_layers);
       dense[static_cast<size_t>(layer)] = true;
     }
   }
@@ -331,9 +339,9 @@ inline void parse_moe(const ::fsdpx::detail::Json& j, const std::string& doc, co
     sparse += c.sparse_layers[static_cast<size_t>(i)] ? 1 : 0;
   }
   // Each expert is a module and a line of the name table: bounded before any is built.
-  FSDPX_CHECK_AS(IoError, m.num_experts * sparse <= bounds.experts_in_model, "'", doc, "': \"num_experts\" ", m.num_experts,
-                 " in each of ", sparse, " sparse layers makes ", m.num_experts * sparse, " experts; at most ",
-                 bounds.experts_in_model, " are built");
+  FSDPX_CHECK_AS(IoError, m.num_experts * sparse <= bounds.experts_in_model, "'", doc, "': \"num_experts\" ",
+                 m.num_experts, " in each of ", sparse, " sparse layers makes ", m.num_experts * sparse,
+                 " experts; at most ", bounds.experts_in_model, " are built");
 }
 
 }  // namespace detail
@@ -356,8 +364,8 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
     for (const auto& a : *arch) {
       const std::string name = ::fsdpx::detail::json_as<std::string>(a, "'" + doc + "': an architecture");
       if (name != family.architecture) {
-        throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "': architecture \"", name, "\" (model_type \"", c.model_type,
-                                               "\"): fsdpx's decoder is a ", family.architecture));
+        throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "': architecture \"", name, "\" (model_type \"",
+                                               c.model_type, "\"): fsdpx's decoder is a ", family.architecture));
       }
     }
   }
@@ -390,10 +398,12 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   c.head_dim = json_find<int64_t>(j, "head_dim", doc)
                    .value_or(family.head_dim > 0 ? family.head_dim : c.hidden_size / c.num_attention_heads);
   in_range("head_dim", c.head_dim, bounds.head_dim);
-  FSDPX_CHECK_AS(IoError, c.head_dim % 2 == 0, "'", doc, "': \"head_dim\" is ", c.head_dim, "; RoPE needs an even head dimension");
+  FSDPX_CHECK_AS(IoError, c.head_dim % 2 == 0, "'", doc, "': \"head_dim\" is ", c.head_dim,
+                 "; RoPE needs an even head dimension");
   c.rms_norm_eps = json_find<double>(j, "rms_norm_eps", doc).value_or(1e-6);
   detail::check_positive(c.rms_norm_eps, "rms_norm_eps", doc);
-  c.max_position_embeddings = json_find<int64_t>(j, "max_position_embeddings", doc).value_or(family.max_position_embeddings);
+  c.max_position_embeddings =
+      json_find<int64_t>(j, "max_position_embeddings", doc).value_or(family.max_position_embeddings);
   in_range("max_position_embeddings", c.max_position_embeddings, bounds.max_position_embeddings);
   c.rope = detail::parse_rope(j, doc);
   const std::string act = json_find<std::string>(j, "hidden_act", doc).value_or("silu");
@@ -401,29 +411,25 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   // Read (and its type checked) in every family, as transformers' classes accept it.
   const bool attention_bias = json_find<bool>(j, "attention_bias", doc).value_or(false);
   switch (family.biases) {
-    case ModelFamily::Biases::attention_bias:
-      c.qkv_bias = c.o_bias = attention_bias;
-      break;
-    case ModelFamily::Biases::qkv_always:
-      c.qkv_bias = true;
-      break;
-    case ModelFamily::Biases::qkv_bias:
-      c.qkv_bias = json_find<bool>(j, "qkv_bias", doc).value_or(true);
-      break;
+    case ModelFamily::Biases::attention_bias: c.qkv_bias = c.o_bias = attention_bias; break;
+    case ModelFamily::Biases::qkv_always: c.qkv_bias = true; break;
+    case ModelFamily::Biases::qkv_bias: c.qkv_bias = json_find<bool>(j, "qkv_bias", doc).value_or(true); break;
   }
   c.mlp_bias = family.mlp_bias && json_find<bool>(j, "mlp_bias", doc).value_or(false);
   c.qk_norm = family.qk_norm;
   c.tie_word_embeddings = json_find<bool>(j, "tie_word_embeddings", doc).value_or(false);
   c.pad_token_id = json_find<int64_t>(j, "pad_token_id", doc);
-  FSDPX_CHECK_AS(IoError, !c.pad_token_id || (*c.pad_token_id >= -c.vocab_size && *c.pad_token_id < c.vocab_size), "'", doc,
-                 "': \"pad_token_id\" is ", c.pad_token_id.value_or(0), ", outside the vocabulary of ", c.vocab_size);
+  FSDPX_CHECK_AS(IoError, !c.pad_token_id || (*c.pad_token_id >= -c.vocab_size && *c.pad_token_id < c.vocab_size), "'",
+                 doc, "': \"pad_token_id\" is ", c.pad_token_id.value_or(0), ", outside the vocabulary of ",
+                 c.vocab_size);
   c.attention_dropout = json_find<double>(j, "attention_dropout", doc).value_or(0.0);
   FSDPX_CHECK_AS(IoError, c.attention_dropout >= 0 && c.attention_dropout < 1, "'", doc, "': \"attention_dropout\" is ",
                  c.attention_dropout);
   c.initializer_range = json_find<double>(j, "initializer_range", doc).value_or(0.02);
   FSDPX_CHECK_AS(IoError, std::isfinite(c.initializer_range) && c.initializer_range >= 0, "'", doc,
                  "': \"initializer_range\" is ", c.initializer_range, "; it must be a finite number >= 0");
-  if (const auto d = json_find<std::string>(j, "dtype", doc).value_or(json_find<std::string>(j, "torch_dtype", doc).value_or(""));
+  if (const auto d =
+          json_find<std::string>(j, "dtype", doc).value_or(json_find<std::string>(j, "torch_dtype", doc).value_or(""));
       !d.empty()) {
     c.dtype = detail::parse_torch_dtype(d, doc);
   }
@@ -432,14 +438,16 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   // Sliding-window layers (Qwen2/Qwen3): "sliding_window" counts only with "use_sliding_window".
   c.sliding_layers.assign(static_cast<size_t>(c.num_hidden_layers), false);
   if (family.moe && json_find<bool>(j, "use_sliding_window", doc).value_or(false)) {
-    detail::unsupported(doc, "\"use_sliding_window\" is true in a mixture of experts (whose classes choose the sliding "
-                             "layers by rules of their own)");
+    detail::unsupported(doc,
+                        "\"use_sliding_window\" is true in a mixture of experts (whose classes choose the sliding "
+                        "layers by rules of their own)");
   }
   if (family.sliding_windows) {
     // Absent, the window is the classes' default of 4096; null, there is none.
     const bool use = json_find<bool>(j, "use_sliding_window", doc).value_or(false);
-    const std::optional<int64_t> window =
-        !use ? std::nullopt : j.contains("sliding_window") ? json_find<int64_t>(j, "sliding_window", doc) : std::optional<int64_t>(4096);
+    const std::optional<int64_t> window = !use                           ? std::nullopt
+                                          : j.contains("sliding_window") ? json_find<int64_t>(j, "sliding_window", doc)
+                                                                         : std::optional<int64_t>(4096);
     if (window) in_range("sliding_window", *window, int64_t{1} << 31);
     if (const auto types = j.find("layer_types"); types != j.end() && !types->is_null()) {
       FSDPX_CHECK_AS(IoError, types->is_array() && static_cast<int64_t>(types->size()) == c.num_hidden_layers, "'", doc,
@@ -473,9 +481,11 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
 /// Reads `<dir>/config.json` (or the file itself when `path` is a file).
 inline DecoderConfig read_decoder_config(const std::filesystem::path& path) {
   const std::filesystem::path file = std::filesystem::is_directory(path) ? path / "config.json" : path;
-  FSDPX_CHECK_AS(IoError, std::filesystem::exists(file), "'", file.string(), "' does not exist: a Hugging Face model folder "
+  FSDPX_CHECK_AS(IoError, std::filesystem::exists(file), "'", file.string(),
+                 "' does not exist: a Hugging Face model folder "
                  "holds its configuration in config.json");
-  return parse_decoder_config(::fsdpx::detail::parse_json(fsdpx::detail::read_text(file, "model configuration"), file.string()), file.string());
+  return parse_decoder_config(
+      ::fsdpx::detail::parse_json(fsdpx::detail::read_text(file, "model configuration"), file.string()), file.string());
 }
 
 /// Whether `c` is a model its model_type's transformers class builds; ConfigError naming what is not.
@@ -486,7 +496,9 @@ inline void check_expressible(const DecoderConfig& c) {
   const auto need = [&](bool ok, const std::string& what) {
     if (!ok) why.push_back(what);
   };
-  const auto none = [](const std::vector<bool>& layers) { return std::none_of(layers.begin(), layers.end(), [](bool b) { return b; }); };
+  const auto none = [](const std::vector<bool>& layers) {
+    return std::none_of(layers.begin(), layers.end(), [](bool b) { return b; });
+  };
   switch (family.biases) {
     case ModelFamily::Biases::attention_bias:
       need(c.qkv_bias == c.o_bias, "q/k/v and o_proj biases differ (" + name + "'s attention_bias sets all four)");
@@ -494,12 +506,11 @@ inline void check_expressible(const DecoderConfig& c) {
     case ModelFamily::Biases::qkv_always:
       need(c.qkv_bias && !c.o_bias, name + " has q/k/v biases and no o_proj bias, always");
       break;
-    case ModelFamily::Biases::qkv_bias:
-      need(!c.o_bias, "an o_proj bias (" + name + " has none)");
-      break;
+    case ModelFamily::Biases::qkv_bias: need(!c.o_bias, "an o_proj bias (" + name + " has none)"); break;
   }
   if (!family.mlp_bias) need(!c.mlp_bias, "MLP biases (Llama's mlp_bias)");
-  need(c.qk_norm == family.qk_norm, family.qk_norm ? "no q/k norms (" + name + " always has them)" : "q/k norms (Qwen3's)");
+  need(c.qk_norm == family.qk_norm,
+       family.qk_norm ? "no q/k norms (" + name + " always has them)" : "q/k norms (Qwen3's)");
   if (!family.shared_expert) need(c.moe.shared_expert_intermediate_size == 0, "a shared expert (Qwen2-MoE's)");
   if (!family.moe) need(none(c.sparse_layers), "sparse layers (the MoE families')");
   if (family.moe) need(none(c.sliding_layers), "sliding-window layers in a mixture of experts");

@@ -94,7 +94,8 @@ struct DecoderLayerImpl : torch::nn::Module {
       mlp = register_module("mlp", Mlp(c));
     }
   }
-  DecoderLayerOutput forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin, const AttentionInputs& in) {
+  DecoderLayerOutput forward(const at::Tensor& h, const at::Tensor& cos, const at::Tensor& sin,
+                             const AttentionInputs& in) {
     KvCacheLayer* cache = in.cache != nullptr ? &in.cache->layers.at(static_cast<size_t>(index)) : nullptr;
     const at::Tensor x = h + self_attn(input_layernorm(h), cos, sin, in, sliding, cache);
     if (moe) {
@@ -129,8 +130,8 @@ struct DecoderModelImpl : torch::nn::Module {
   /// an attention mask, position ids that restart at 0 describe packed samples (transformers'
   /// padding-free path): attention then stays inside each sample.
   /// With `router_logits`, a mixture of experts' sparse layers append their router logits to it.
-  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {}, const at::Tensor& position_ids = {},
-                     std::vector<at::Tensor>* router_logits = nullptr) {
+  at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
+                     const at::Tensor& position_ids = {}, std::vector<at::Tensor>* router_logits = nullptr) {
     check_input_ids(input_ids);
     const int64_t seq = input_ids.size(1);
     const auto device = input_ids.device();
@@ -140,7 +141,8 @@ struct DecoderModelImpl : torch::nn::Module {
       if (!samples.empty()) return forward_packed(input_ids, samples, router_logits);
     }
     const at::Tensor positions =
-        position_ids.defined() ? position_ids : at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
+        position_ids.defined() ? position_ids
+                               : at::arange(seq, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
     return run_layers(input_ids, positions, causal_masks(mask, seq, device, sliding_window()), router_logits);
   }
 
@@ -154,7 +156,8 @@ struct DecoderModelImpl : torch::nn::Module {
     samples.check_shape("DecoderModel", batch, seq);
     const at::Tensor positions = samples.position_ids(input_ids.device());
     if (static_cast<int64_t>(samples.spans().size()) == batch) {  // one sample per row: plain causal attention
-      return run_layers(input_ids, positions, causal_masks({}, seq, input_ids.device(), sliding_window()), router_logits);
+      return run_layers(input_ids, positions, causal_masks({}, seq, input_ids.device(), sliding_window()),
+                        router_logits);
     }
     AttentionInputs in;
     in.samples = std::make_shared<const PackedSamples>(samples);
@@ -169,7 +172,8 @@ struct DecoderModelImpl : torch::nn::Module {
                             const at::Tensor& position_ids) {
     check_input_ids(input_ids);
     // A recomputation in backward (activation checkpointing) would append to the cache again.
-    FSDPX_CHECK(!at::GradMode::is_enabled(), "DecoderModel::forward_cached runs without gradients (at::NoGradGuard): "
+    FSDPX_CHECK(!at::GradMode::is_enabled(),
+                "DecoderModel::forward_cached runs without gradients (at::NoGradGuard): "
                 "the cache is written in place");
     FSDPX_CHECK(cache.layers.size() == layers.size(), "DecoderModel: a KV cache of ", cache.layers.size(),
                 " layers for a model of ", layers.size());
@@ -187,7 +191,8 @@ struct DecoderModelImpl : torch::nn::Module {
     for (auto& layer : layers) {
       DecoderLayerOutput out = fsdpx::forward(layer, h, cos, sin, in);
       h = std::move(out.hidden);
-      if (router_logits != nullptr && out.router_logits.defined()) router_logits->push_back(std::move(out.router_logits));
+      if (router_logits != nullptr && out.router_logits.defined())
+        router_logits->push_back(std::move(out.router_logits));
     }
     return norm(h);
   }
@@ -223,7 +228,8 @@ struct CausalLMImpl : torch::nn::Module {
   /// initializes each unit with FsdpOptions::init_module, e.g. models::init_module(config)).
   explicit CausalLMImpl(DecoderConfig c) : config(std::move(c)) {
     model = register_module("model", DecoderModel(config));
-    if (!config.tie_word_embeddings) lm_head = register_module("lm_head", LmHead(config.hidden_size, config.vocab_size));
+    if (!config.tie_word_embeddings)
+      lm_head = register_module("lm_head", LmHead(config.hidden_size, config.vocab_size));
     if (!in_deferred_init()) reset_parameters();
   }
 
@@ -231,7 +237,8 @@ struct CausalLMImpl : torch::nn::Module {
   template <class Fn, class... Args>
   auto with_head(Fn fn, const Args&... args) {
     if (config.tie_word_embeddings) {
-      return fsdpx::call(model->embed_tokens, [fn](Embedding& e, const auto&... a) { return fn(e->weight, a...); }, args...);
+      return fsdpx::call(
+          model->embed_tokens, [fn](Embedding& e, const auto&... a) { return fn(e->weight, a...); }, args...);
     }
     return fsdpx::call(lm_head, [fn](LmHead& head, const auto&... a) { return fn(head->weight, a...); }, args...);
   }
@@ -282,11 +289,15 @@ struct CausalLMImpl : torch::nn::Module {
   /// asked), computed chunk by chunk of tokens. Positions after padding hold values to be masked; with
   /// packed samples, a sample's last position (whose next token is another sample's) holds 0 (mask
   /// with samples.next_token_mask()).
-  TokenLogProbs log_probs(const at::Tensor& input_ids, const BatchLayout& layout = {}, const LogProbOptions& options = {}) {
-    FSDPX_CHECK(input_ids.dim() == 2 && input_ids.size(1) >= 2, "CausalLM::log_probs: input_ids must be [batch, seq] "
-                "with seq >= 2 (each position's next token is its target), not ", input_ids.sizes());
+  TokenLogProbs log_probs(const at::Tensor& input_ids, const BatchLayout& layout = {},
+                          const LogProbOptions& options = {}) {
+    FSDPX_CHECK(input_ids.dim() == 2 && input_ids.size(1) >= 2,
+                "CausalLM::log_probs: input_ids must be [batch, seq] "
+                "with seq >= 2 (each position's next token is its target), not ",
+                input_ids.sizes());
     LogProbOptions checked = options;  // asked before the layers run, read at the head (LabelCheck)
-    checked.targets_checked = std::make_shared<const LabelCheck>(input_ids.narrow(1, 1, input_ids.size(1) - 1), config.vocab_size);
+    checked.targets_checked =
+        std::make_shared<const LabelCheck>(input_ids.narrow(1, 1, input_ids.size(1) - 1), config.vocab_size);
     TokenLogProbs r = head_log_probs(hidden_states(input_ids, layout), input_ids, checked);
     if (layout.packed()) {
       const at::Tensor outside = layout.samples->next_token_mask(r.log_probs.device()).logical_not();
@@ -298,13 +309,13 @@ struct CausalLMImpl : torch::nn::Module {
 
   /// The forward of packed samples under its old name. Deprecated: forward(input_ids, samples).
   [[deprecated("fsdpx: use forward(input_ids, samples)")]] at::Tensor forward_packed(const at::Tensor& input_ids,
-                                                                                   const PackedSamples& samples) {
+                                                                                     const PackedSamples& samples) {
     return forward(input_ids, samples);
   }
   /// Deprecated: loss(input_ids, labels, samples).
   [[deprecated("fsdpx: use loss(input_ids, labels, samples)")]] at::Tensor loss_packed(const at::Tensor& input_ids,
-                                                                                     const at::Tensor& labels,
-                                                                                     const PackedSamples& samples) {
+                                                                                       const at::Tensor& labels,
+                                                                                       const PackedSamples& samples) {
     return loss(input_ids, labels, samples);
   }
   /// Deprecated: log_probs(input_ids, samples, options).
@@ -324,10 +335,11 @@ struct CausalLMImpl : torch::nn::Module {
   }
 
   bool aux_wanted() const { return config.moe.output_router_logits && config.moe.num_experts > 0; }
-  at::Tensor with_aux(const at::Tensor& loss, const std::vector<at::Tensor>& router_logits, const at::Tensor& attention_mask) const {
+  at::Tensor with_aux(const at::Tensor& loss, const std::vector<at::Tensor>& router_logits,
+                      const at::Tensor& attention_mask) const {
     if (router_logits.empty()) return loss;
-    return loss + config.moe.router_aux_loss_coef *
-                      load_balancing_loss(router_logits, config.moe.num_experts, config.moe.num_experts_per_tok, attention_mask);
+    return loss + config.moe.router_aux_loss_coef * load_balancing_loss(router_logits, config.moe.num_experts,
+                                                                        config.moe.num_experts_per_tok, attention_mask);
   }
 
   /// Mean cross-entropy of the head over hidden states against already-shifted labels (-100 ignored),
@@ -336,9 +348,9 @@ struct CausalLMImpl : torch::nn::Module {
                        std::shared_ptr<const LabelCheck> labels_checked = nullptr) {
     const at::Tensor shifted = shifted_labels.to(hidden.device());
     const CrossEntropyOptions ce{.chunk_logits = chunk_logits, .labels_checked = std::move(labels_checked)};
-    return with_head([ce](const at::Tensor& weight, const at::Tensor& h, const at::Tensor& y) {
-      return linear_cross_entropy(h, weight, y, ce);
-    }, hidden, shifted);
+    return with_head([ce](const at::Tensor& weight, const at::Tensor& h,
+                          const at::Tensor& y) { return linear_cross_entropy(h, weight, y, ce); },
+                     hidden, shifted);
   }
 
   /// log-probs (and entropy) of input_ids[:, 1:] from hidden states [batch, seq, hidden].
@@ -346,10 +358,12 @@ struct CausalLMImpl : torch::nn::Module {
     const int64_t seq = input_ids.size(1);
     const at::Tensor h = hidden.narrow(1, 0, seq - 1);
     const at::Tensor targets = input_ids.narrow(1, 1, seq - 1).to(hidden.device());
-    auto both = with_head([options](const at::Tensor& weight, const at::Tensor& hs, const at::Tensor& t) {
-      TokenLogProbs r = linear_log_probs(hs, weight, t, options);
-      return std::make_tuple(r.log_probs, r.entropy);
-    }, h, targets);
+    auto both = with_head(
+        [options](const at::Tensor& weight, const at::Tensor& hs, const at::Tensor& t) {
+          TokenLogProbs r = linear_log_probs(hs, weight, t, options);
+          return std::make_tuple(r.log_probs, r.entropy);
+        },
+        h, targets);
     return {std::get<0>(both), std::get<1>(both)};
   }
 
@@ -374,15 +388,19 @@ struct CausalLMImpl : torch::nn::Module {
   std::optional<int64_t> default_pad_token_id() const { return config.pad_token_id; }
 
   /// generate()'s checks of its inputs against the model (ConfigError naming the argument).
-  void check_generate_inputs(const at::Tensor& input_ids, const at::Tensor& attention_mask, const GenerateOptions& o) const {
+  void check_generate_inputs(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                             const GenerateOptions& o) const {
     check_input_ids(input_ids);
-    FSDPX_CHECK(input_ids.size(0) > 0 && input_ids.size(1) > 0, "generate: input_ids must hold at least one token per row, not ",
-                input_ids.sizes());
-    FSDPX_CHECK(!attention_mask.defined() || attention_mask.sizes() == input_ids.sizes(), "generate: attention_mask must "
-                "be [batch, prompt] = ", input_ids.sizes(), ", not ", attention_mask.sizes());
+    FSDPX_CHECK(input_ids.size(0) > 0 && input_ids.size(1) > 0,
+                "generate: input_ids must hold at least one token per row, not ", input_ids.sizes());
+    FSDPX_CHECK(!attention_mask.defined() || attention_mask.sizes() == input_ids.sizes(),
+                "generate: attention_mask must "
+                "be [batch, prompt] = ",
+                input_ids.sizes(), ", not ", attention_mask.sizes());
     detail::check_generate_options(o, input_ids.size(1), config.max_position_embeddings);
     const auto in_vocabulary = [&](int64_t id, const char* what) {
-      FSDPX_CHECK(id >= 0 && id < config.vocab_size, "generate: ", what, " ", id, " is outside the vocabulary of ", config.vocab_size);
+      FSDPX_CHECK(id >= 0 && id < config.vocab_size, "generate: ", what, " ", id, " is outside the vocabulary of ",
+                  config.vocab_size);
     };
     for (const int64_t id : o.eos_token_ids) in_vocabulary(id, "eos_token_ids holds");
     if (o.pad_token_id) in_vocabulary(*o.pad_token_id, "pad_token_id");
@@ -391,15 +409,17 @@ struct CausalLMImpl : torch::nn::Module {
     if (attention_mask.defined()) {
       // The next token follows the last column: a right-padded prompt would continue from padding.
       const at::Tensor last = attention_mask.select(1, attention_mask.size(1) - 1);
-      FSDPX_CHECK(last.ne(0).all().item<bool>(), "generate: the prompts must be left-padded (attention_mask's last column "
-                  "is 0 in row ", last.eq(0).nonzero().select(1, 0)[0].item<int64_t>(), ")");
+      FSDPX_CHECK(last.ne(0).all().item<bool>(),
+                  "generate: the prompts must be left-padded (attention_mask's last column "
+                  "is 0 in row ",
+                  last.eq(0).nonzero().select(1, 0)[0].item<int64_t>(), ")");
     }
   }
 
   /// labels [batch, seq] -> the next token's label at each position, ignore_index at the last.
   static at::Tensor shift_labels(const at::Tensor& labels, int64_t ignore_index = -100) {
-    FSDPX_CHECK(labels.dim() == 2 && labels.scalar_type() == at::kLong, "CausalLM: labels must be int64 [batch, seq], not ",
-                labels.scalar_type(), " ", labels.sizes());
+    FSDPX_CHECK(labels.dim() == 2 && labels.scalar_type() == at::kLong,
+                "CausalLM: labels must be int64 [batch, seq], not ", labels.scalar_type(), " ", labels.sizes());
     return at::constant_pad_nd(labels, {0, 1}, static_cast<double>(ignore_index)).narrow(1, 1, labels.size(1));
   }
 
@@ -413,7 +433,8 @@ struct CausalLMImpl : torch::nn::Module {
 
   /// transformers' initialization of every parameter.
   void reset_parameters() {
-    for (const auto& m : modules(/*include_self=*/false)) init_decoder_module(*m, config.initializer_range);  // (no own parameters; a constructor cannot name itself)
+    for (const auto& m : modules(/*include_self=*/false))
+      init_decoder_module(*m, config.initializer_range);  // (no own parameters; a constructor cannot name itself)
   }
 
   /// The kernels attention runs on (models/attention.hpp); automatic by default.
@@ -428,7 +449,6 @@ struct CausalLMImpl : torch::nn::Module {
   /// How many logits loss() holds at once (models/loss.hpp): memory against the number of head
   /// products; 0 computes all logits at once, as transformers does.
   int64_t chunk_logits = default_chunk_logits;
-
 };
 TORCH_MODULE(CausalLM);
 

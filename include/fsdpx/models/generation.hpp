@@ -74,10 +74,13 @@ namespace detail {
 inline void check_generate_options(const GenerateOptions& o, int64_t prompt_length, int64_t max_positions) {
   FSDPX_CHECK(o.max_new_tokens >= 0, "generate: max_new_tokens must be >= 0, not ", o.max_new_tokens);
   FSDPX_CHECK(prompt_length + o.max_new_tokens <= max_positions, "generate: max_new_tokens = ", o.max_new_tokens,
-              " after a prompt of ", prompt_length, " tokens exceeds the model's max_position_embeddings of ", max_positions);
+              " after a prompt of ", prompt_length, " tokens exceeds the model's max_position_embeddings of ",
+              max_positions);
   if (o.do_sample) {
-    FSDPX_CHECK(std::isfinite(o.temperature) && o.temperature > 0, "generate: temperature must be finite and > 0 when "
-                "sampling, not ", o.temperature);
+    FSDPX_CHECK(std::isfinite(o.temperature) && o.temperature > 0,
+                "generate: temperature must be finite and > 0 when "
+                "sampling, not ",
+                o.temperature);
     FSDPX_CHECK(o.top_k >= 0, "generate: top_k must be >= 0 (0: off), not ", o.top_k);
     FSDPX_CHECK(o.top_p > 0 && o.top_p <= 1, "generate: top_p must be in (0, 1], not ", o.top_p);
   }
@@ -110,12 +113,12 @@ inline at::Tensor select_next_tokens(at::Tensor logits, const GenerateOptions& o
 /// new tokens after those in a KV cache into next-token logits (models/decoder.hpp's CausalLMImpl).
 template <class M>
 concept GenerativeModel = std::derived_from<M, torch::nn::Module> &&
-    requires(M& m, const M& cm, const at::Tensor& t, KvCache& cache, const GenerateOptions& o) {
-      { cm.check_generate_inputs(t, t, o) };                           // ConfigError naming the argument
-      { m.next_token_logits(t, cache, t, t) } -> std::same_as<at::Tensor>;  // [batch, vocabulary]
-      { cm.num_layers() } -> std::convertible_to<int64_t>;
-      { cm.default_pad_token_id() } -> std::convertible_to<std::optional<int64_t>>;
-    };
+                          requires(M& m, const M& cm, const at::Tensor& t, KvCache& cache, const GenerateOptions& o) {
+                            { cm.check_generate_inputs(t, t, o) };  // ConfigError naming the argument
+                            { m.next_token_logits(t, cache, t, t) } -> std::same_as<at::Tensor>;  // [batch, vocabulary]
+                            { cm.num_layers() } -> std::convertible_to<int64_t>;
+                            { cm.default_pad_token_id() } -> std::convertible_to<std::optional<int64_t>>;
+                          };
 
 /// New tokens after each prompt, with a KV cache: CausalLM::generate's loop (its comment says what the
 /// arguments are). Runs without gradients and in eval mode (restored after). Under Fsdp::call every
@@ -133,7 +136,8 @@ GenerateOutput generate_tokens(Model& model, const at::Tensor& input_ids, const 
     refused = e.what();
   }
   if (!on_every_rank(model, refused.empty())) {
-    FSDPX_CHECK(!refused.empty(), "generate: another rank's inputs were refused (its error says why); no rank generated");
+    FSDPX_CHECK(!refused.empty(),
+                "generate: another rank's inputs were refused (its error says why); no rank generated");
     throw ConfigError(refused);
   }
   const int64_t batch = input_ids.size(0), prompt = input_ids.size(1);

@@ -35,13 +35,14 @@ namespace fsdpx::models {
 /// CPU it is answered at once.
 class LabelCheck {
  public:
-  FSDPX_DECL LabelCheck(const at::Tensor& labels, int64_t vocabulary, std::optional<int64_t> ignore_index = std::nullopt);
+  FSDPX_DECL LabelCheck(const at::Tensor& labels, int64_t vocabulary,
+                        std::optional<int64_t> ignore_index = std::nullopt);
   /// True when every label is in range (waits for the device's answer, never for later work).
   FSDPX_DECL bool passed() const;
   int64_t vocabulary() const { return vocabulary_; }
 
  private:
-  at::Tensor answer_;             // bool scalar on the host: pinned, written by the device's stream
+  at::Tensor answer_;                // bool scalar on the host: pinned, written by the device's stream
   std::optional<c10::Event> ready_;  // recorded after that copy (none on the CPU)
   int64_t vocabulary_;
 };

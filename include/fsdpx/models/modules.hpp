@@ -63,8 +63,9 @@ TORCH_MODULE(Embedding);
 /// The token ids a decoder takes: int64 [batch, seq].
 inline void check_input_ids(const at::Tensor& input_ids) {
   FSDPX_CHECK(input_ids.defined() && input_ids.dim() == 2 && input_ids.scalar_type() == at::kLong,
-              "DecoderModel: input_ids must be int64 [batch, seq], not ", input_ids.defined() ? input_ids.toString() : "undefined",
-              " ", input_ids.defined() ? input_ids.sizes() : at::IntArrayRef{});
+              "DecoderModel: input_ids must be int64 [batch, seq], not ",
+              input_ids.defined() ? input_ids.toString() : "undefined", " ",
+              input_ids.defined() ? input_ids.sizes() : at::IntArrayRef{});
 }
 
 /// Root-mean-square normalization as transformers computes it: in float32, cast back to the input's

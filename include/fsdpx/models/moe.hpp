@@ -31,7 +31,8 @@ enum class ExpertKernel {
 /// work of the tokens times num_experts_per_tok, whatever the number of experts. An expert that no
 /// token chose runs nothing and gets no gradient (the unit protocol reduces it as unused).
 struct SparseMoeBlockImpl : torch::nn::Module {
-  explicit SparseMoeBlockImpl(const DecoderConfig& c) : top_k(c.moe.num_experts_per_tok), norm_topk_prob(c.moe.norm_topk_prob) {
+  explicit SparseMoeBlockImpl(const DecoderConfig& c)
+      : top_k(c.moe.num_experts_per_tok), norm_topk_prob(c.moe.norm_topk_prob) {
     gate = register_module("gate", Linear(c.hidden_size, c.moe.num_experts, /*bias=*/false));
     auto list = register_module("experts", torch::nn::ModuleList());
     for (int64_t e = 0; e < c.moe.num_experts; ++e) {
@@ -39,7 +40,8 @@ struct SparseMoeBlockImpl : torch::nn::Module {
       list->push_back(experts.back());
     }
     if (c.moe.shared_expert_intermediate_size > 0) {
-      shared_expert = register_module("shared_expert", Mlp(c.hidden_size, c.moe.shared_expert_intermediate_size, false));
+      shared_expert =
+          register_module("shared_expert", Mlp(c.hidden_size, c.moe.shared_expert_intermediate_size, false));
       shared_expert_gate = register_module("shared_expert_gate", Linear(c.hidden_size, 1, /*bias=*/false));
     }
   }
@@ -89,8 +91,10 @@ struct SparseMoeBlockImpl : torch::nn::Module {
   bool use_grouped(const at::Tensor& h) const {
     if (kernel == ExpertKernel::per_expert || experts.empty()) return false;
     if (kernel == ExpertKernel::grouped) {
-      FSDPX_CHECK(groupable(h), "SparseMoeBlock: ExpertKernel::grouped needs the hidden size (", h.size(1), ") and the "
-                  "experts' intermediate size to be multiples of ", 16 / h.element_size(), " ", h.scalar_type(), " elements");
+      FSDPX_CHECK(groupable(h), "SparseMoeBlock: ExpertKernel::grouped needs the hidden size (", h.size(1),
+                  ") and the "
+                  "experts' intermediate size to be multiples of ",
+                  16 / h.element_size(), " ", h.scalar_type(), " elements");
       return true;
     }
     return h.is_cuda() && (h.scalar_type() == at::kBFloat16 || h.scalar_type() == at::kHalf) && groupable(h);
@@ -130,12 +134,14 @@ inline at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logi
   if (router_logits.empty()) return {};
   const at::Tensor logits = at::cat(router_logits, 0);
   const at::Tensor probs = at::softmax(logits, -1);
-  const at::Tensor chosen = at::one_hot(std::get<1>(probs.topk(top_k, -1)), num_experts).to(probs.scalar_type());  // [n, k, E]
+  const at::Tensor chosen =
+      at::one_hot(std::get<1>(probs.topk(top_k, -1)), num_experts).to(probs.scalar_type());  // [n, k, E]
   if (!attention_mask.defined()) {
     return (chosen.mean(0) * probs.mean(0).unsqueeze(0)).sum() * static_cast<double>(num_experts);
   }
   const auto layers = static_cast<int64_t>(router_logits.size());
-  const at::Tensor keep = attention_mask.to(logits.device()).to(probs.scalar_type()).reshape({1, -1}).expand({layers, -1}).reshape({-1, 1});
+  const at::Tensor keep =
+      attention_mask.to(logits.device()).to(probs.scalar_type()).reshape({1, -1}).expand({layers, -1}).reshape({-1, 1});
   const at::Tensor kept = keep.sum();
   const at::Tensor tokens_per_expert = (chosen * keep.unsqueeze(2)).sum(0) / kept;
   const at::Tensor prob_per_expert = (probs * keep).sum(0) / kept;

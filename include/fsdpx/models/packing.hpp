@@ -87,7 +87,7 @@ class PackedSamples {
 struct BatchLayout {
   BatchLayout() = default;
   BatchLayout(at::Tensor mask) : attention_mask(std::move(mask)) {}  // NOLINT(google-explicit-constructor)
-  BatchLayout(const PackedSamples& packed)                             // NOLINT(google-explicit-constructor)
+  BatchLayout(const PackedSamples& packed)                           // NOLINT(google-explicit-constructor)
       : samples(std::make_shared<const PackedSamples>(packed)) {}
 
   /// Packed samples given (an empty PackedSamples, as PackedSamples::detect returns for unpacked rows, is not).
@@ -106,11 +106,11 @@ struct PackOptions {
 
 /// Sequences packed into rows: what pack_sequences returns.
 struct PackedBatch {
-  at::Tensor input_ids;     // [rows, seq] int64
-  at::Tensor position_ids;  // [rows, seq] int64, restarting at 0 at each sample (and at the tail padding)
-  at::Tensor labels;        // input_ids with -100 on the tail padding (the loss's labels)
-  at::Tensor token_mask;    // [rows, seq] bool: true on the sequences' tokens, false on the padding
-  PackedSamples samples;    // every sample, the tail padding of a row included
+  at::Tensor input_ids;               // [rows, seq] int64
+  at::Tensor position_ids;            // [rows, seq] int64, restarting at 0 at each sample (and at the tail padding)
+  at::Tensor labels;                  // input_ids with -100 on the tail padding (the loss's labels)
+  at::Tensor token_mask;              // [rows, seq] bool: true on the sequences' tokens, false on the padding
+  PackedSamples samples;              // every sample, the tail padding of a row included
   std::vector<SampleSpan> placement;  // placement[i]: where sequences[i] lies
   std::vector<int64_t> row_tokens;    // the tokens of sequences in each row (the rest is its tail padding)
 

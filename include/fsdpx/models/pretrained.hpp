@@ -53,7 +53,9 @@ struct HfTensor {
 /// module names differ declares its pairs here, and loading, saving and merging follow it.
 inline std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
   std::vector<HfTensor> out;
-  const auto add = [&](const std::string& name, std::vector<int64_t> shape) { out.push_back({name, name, std::move(shape)}); };
+  const auto add = [&](const std::string& name, std::vector<int64_t> shape) {
+    out.push_back({name, name, std::move(shape)});
+  };
   const int64_t h = c.hidden_size, q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim,
                 m = c.intermediate_size;
   add("model.embed_tokens.weight", {c.vocab_size, h});
@@ -72,7 +74,9 @@ inline std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
     }
     add(l + "post_attention_layernorm.weight", {h});
     const auto mlp = [&](const std::string& prefix, int64_t inner, bool bias) {
-      for (const auto& [proj, shape] : {std::pair{"gate_proj", std::vector<int64_t>{inner, h}}, {"up_proj", {inner, h}}, {"down_proj", {h, inner}}}) {
+      for (const auto& [proj, shape] : {std::pair{"gate_proj", std::vector<int64_t>{inner, h}},
+                                        {"up_proj", {inner, h}},
+                                        {"down_proj", {h, inner}}}) {
         add(prefix + proj + ".weight", shape);
         if (bias) add(prefix + proj + ".bias", {shape[0]});
       }
@@ -82,7 +86,8 @@ inline std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
       continue;
     }
     add(l + "mlp.gate.weight", {c.moe.num_experts, h});
-    for (int64_t e = 0; e < c.moe.num_experts; ++e) mlp(l + "mlp.experts." + std::to_string(e) + ".", c.moe.moe_intermediate_size, false);
+    for (int64_t e = 0; e < c.moe.num_experts; ++e)
+      mlp(l + "mlp.experts." + std::to_string(e) + ".", c.moe.moe_intermediate_size, false);
     if (c.moe.shared_expert_intermediate_size > 0) {
       mlp(l + "mlp.shared_expert.", c.moe.shared_expert_intermediate_size, false);
       add(l + "mlp.shared_expert_gate.weight", {1, h});
@@ -97,7 +102,8 @@ inline std::vector<HfTensor> hf_tensors(const DecoderConfig& c) {
 /// caches older versions saved, and the head of a tied model (the embedding is used instead).
 inline bool ignored_on_load(const std::string& hf_name, const DecoderConfig& c) {
   const std::string rotary = ".self_attn.rotary_emb.inv_freq";
-  if (hf_name.size() > rotary.size() && hf_name.compare(hf_name.size() - rotary.size(), rotary.size(), rotary) == 0) return true;
+  if (hf_name.size() > rotary.size() && hf_name.compare(hf_name.size() - rotary.size(), rotary.size(), rotary) == 0)
+    return true;
   return c.tie_word_embeddings && hf_name == "lm_head.weight";
 }
 
@@ -115,15 +121,17 @@ inline void view_stacked_experts(const DecoderConfig& c, fsdpx::hf::SafetensorsD
     const fsdpx::hf::SafetensorsEntry* gate_up = files.find(l + "gate_up_proj");
     const fsdpx::hf::SafetensorsEntry* down = files.find(l + "down_proj");
     if (gate_up == nullptr && down == nullptr) continue;
-    FSDPX_CHECK_AS(ConfigError, c.is_sparse(i), "'", dir.string(), "' holds stacked experts for layer ", i, ", which '", doc,
-                   "' makes a dense layer (num_experts, decoder_sparse_step, mlp_only_layers)");
+    FSDPX_CHECK_AS(ConfigError, c.is_sparse(i), "'", dir.string(), "' holds stacked experts for layer ", i, ", which '",
+                   doc, "' makes a dense layer (num_experts, decoder_sparse_step, mlp_only_layers)");
     FSDPX_CHECK_AS(ConfigError, gate_up != nullptr && down != nullptr, "'", dir.string(), "' holds only one of ", l,
                    "gate_up_proj and ", l, "down_proj");
-    FSDPX_CHECK_AS(ConfigError, gate_up->shape == std::vector<int64_t>({experts, 2 * inner, h}) &&
-                                    down->shape == std::vector<int64_t>({experts, h, inner}),
-                   "'", doc, "' (\"num_experts\" ", experts, ", \"moe_intermediate_size\" ", inner, ", \"hidden_size\" ", h,
-                   ") does not describe the stacked experts of layer ", i, " in '", dir.string(), "': gate_up_proj ",
-                   c10::IntArrayRef(gate_up->shape), ", down_proj ", c10::IntArrayRef(down->shape));
+    FSDPX_CHECK_AS(ConfigError,
+                   gate_up->shape == std::vector<int64_t>({experts, 2 * inner, h}) &&
+                       down->shape == std::vector<int64_t>({experts, h, inner}),
+                   "'", doc, "' (\"num_experts\" ", experts, ", \"moe_intermediate_size\" ", inner,
+                   ", \"hidden_size\" ", h, ") does not describe the stacked experts of layer ", i, " in '",
+                   dir.string(), "': gate_up_proj ", c10::IntArrayRef(gate_up->shape), ", down_proj ",
+                   c10::IntArrayRef(down->shape));
     for (int64_t e = 0; e < experts; ++e) {
       const std::string name = l + std::to_string(e) + ".";
       files.add_view(name + "gate_proj.weight", l + "gate_up_proj", e * 2 * inner * h, {inner, h});
@@ -195,12 +203,15 @@ inline void check_same_architecture(const DecoderConfig& model, const DecoderCon
   same("tie_word_embeddings", model.tie_word_embeddings, files.tie_word_embeddings);
   same("num_experts", model.moe.num_experts, files.moe.num_experts);
   same("moe_intermediate_size", model.moe.moe_intermediate_size, files.moe.moe_intermediate_size);
-  same("sparse layers", ::fsdpx::detail::str(c10::IntArrayRef(sparse_indices(model))), ::fsdpx::detail::str(c10::IntArrayRef(sparse_indices(files))));
+  same("sparse layers", ::fsdpx::detail::str(c10::IntArrayRef(sparse_indices(model))),
+       ::fsdpx::detail::str(c10::IntArrayRef(sparse_indices(files))));
   if (diff.empty()) return;
   std::string msg;
   for (const auto& d : diff) msg += "\n  " + d;
-  throw ConfigError(::fsdpx::detail::str("fsdpx: the model folder '", dir.string(), "' holds another architecture than the "
-                                         "model it is loaded into:", msg));
+  throw ConfigError(::fsdpx::detail::str("fsdpx: the model folder '", dir.string(),
+                                         "' holds another architecture than the "
+                                         "model it is loaded into:",
+                                         msg));
 }
 
 }  // namespace detail
@@ -210,15 +221,16 @@ inline void check_same_architecture(const DecoderConfig& model, const DecoderCon
 /// (10^6 layers, a vocabulary of 2^31) is an error naming its field, not an allocation of what it says.
 /// Strict, every tensor of the name table must be in the files with its shape; not strict, the layer
 /// count and the shapes of the tensors that are there.
-inline void check_config_against_files(const DecoderConfig& c, const fsdpx::hf::SafetensorsDir& files, const fs::path& dir,
-                                       bool strict) {
+inline void check_config_against_files(const DecoderConfig& c, const fsdpx::hf::SafetensorsDir& files,
+                                       const fs::path& dir, bool strict) {
   const std::string doc = (dir / "config.json").string();
   // One pass over the files' names: 1 + the highest layer index of a "model.layers.<i>." tensor, and per
   // layer 1 + the highest expert index of a "model.layers.<i>.mlp.experts.<e>." tensor.
   const auto index_at = [](const std::string& name, size_t from) -> std::optional<int64_t> {
     const size_t end = name.find('.', from);
     const std::string index = name.substr(from, end == std::string::npos ? std::string::npos : end - from);
-    if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+    if (index.empty() || index.size() > 9 || index.find_first_not_of("0123456789") != std::string::npos)
+      return std::nullopt;
     return std::stoll(index);
   };
   const std::string prefix = "model.layers.", experts_infix = ".mlp.experts.";
@@ -235,8 +247,9 @@ inline void check_config_against_files(const DecoderConfig& c, const fsdpx::hf::
       experts_in_files[*layer] = std::max(experts_in_files[*layer], *expert + 1);
     }
   }
-  FSDPX_CHECK_AS(ConfigError, layers == 0 ? !strict : layers == c.num_hidden_layers, "'", doc, "': \"num_hidden_layers\" is ",
-                 c.num_hidden_layers, " but the weight files in '", dir.string(), "' hold ", layers, " layers");
+  FSDPX_CHECK_AS(ConfigError, layers == 0 ? !strict : layers == c.num_hidden_layers, "'", doc,
+                 "': \"num_hidden_layers\" is ", c.num_hidden_layers, " but the weight files in '", dir.string(),
+                 "' hold ", layers, " layers");
   // A mixture of experts: the files' experts per layer against num_experts (more would be unexpected
   // tensors, fewer missing ones; say which field).
   for (int64_t i = 0; i < c.num_hidden_layers && c.is_moe(); ++i) {
@@ -244,8 +257,10 @@ inline void check_config_against_files(const DecoderConfig& c, const fsdpx::hf::
     const int64_t count = it == experts_in_files.end() ? 0 : it->second;
     const int64_t want = c.is_sparse(i) ? c.moe.num_experts : 0;
     FSDPX_CHECK_AS(ConfigError, count == want || (count == 0 && !strict), "'", doc, "': layer ", i, " has ", want,
-                   " experts by \"num_experts\" (", c.moe.num_experts, "), \"decoder_sparse_step\" and \"mlp_only_layers\", "
-                   "but the weight files in '", dir.string(), "' hold ", count);
+                   " experts by \"num_experts\" (", c.moe.num_experts,
+                   "), \"decoder_sparse_step\" and \"mlp_only_layers\", "
+                   "but the weight files in '",
+                   dir.string(), "' hold ", count);
   }
   std::vector<std::string> missing, mismatched;
   for (const HfTensor& t : hf_tensors(c)) {
@@ -259,10 +274,14 @@ inline void check_config_against_files(const DecoderConfig& c, const fsdpx::hf::
   }
   if (missing.empty() && mismatched.empty()) return;
   std::string msg;
-  if (!mismatched.empty()) msg += "\n  shapes that differ (vocab_size, hidden_size, intermediate_size, moe_intermediate_size, heads or head_dim): " +
-                                  ::fsdpx::detail::join_names(mismatched);
+  if (!mismatched.empty())
+    msg +=
+        "\n  shapes that differ (vocab_size, hidden_size, intermediate_size, moe_intermediate_size, heads or "
+        "head_dim): " +
+        ::fsdpx::detail::join_names(mismatched);
   if (!missing.empty()) msg += "\n  tensors it implies that the files lack: " + ::fsdpx::detail::join_names(missing);
-  throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "' does not describe the weights in '", dir.string(), "':", msg));
+  throw ConfigError(
+      ::fsdpx::detail::str("fsdpx: '", doc, "' does not describe the weights in '", dir.string(), "':", msg));
 }
 
 /// An Fsdp<CausalLM, ...>.
@@ -273,7 +292,8 @@ namespace detail {
 /// The folder's weights into a model whose config is the folder's (its config.json read once, by the
 /// caller).
 template <class Sharded>
-SafetensorsLoadReport load_weights(Sharded& model, fsdpx::hf::SafetensorsDir& files, const LoadPretrainedOptions& options) {
+SafetensorsLoadReport load_weights(Sharded& model, fsdpx::hf::SafetensorsDir& files,
+                                   const LoadPretrainedOptions& options) {
   return load_model_safetensors(model.sharded(), files, load_options(model->config, options));
 }
 }  // namespace detail
@@ -289,7 +309,8 @@ SafetensorsLoadReport load_pretrained(Sharded& model, const fs::path& dir, const
 }
 
 /// Loads the weights of the Hugging Face folder `dir` into a CausalLM that is not sharded.
-inline SafetensorsLoadReport load_pretrained(CausalLM& model, const fs::path& dir, const LoadPretrainedOptions& options = {}) {
+inline SafetensorsLoadReport load_pretrained(CausalLM& model, const fs::path& dir,
+                                             const LoadPretrainedOptions& options = {}) {
   detail::check_same_architecture(model->config, read_decoder_config(dir), dir);
   fsdpx::hf::SafetensorsDir files = open_model_files(model->config, dir);
   return load_model_safetensors(*model, files, detail::load_options(model->config, options));
@@ -319,7 +340,8 @@ Sharded from_pretrained(const fs::path& dir, dist::AnyCommunicator world, FsdpOp
   // A rank whose read fails (the same files fail alike everywhere; a flaky mount may not) must not
   // leave the others waiting in the first gather of training.
   // The model was built from this folder's config.json: the weights are read without reading it again.
-  dist::agree_on_outcome<IoError>(model.sharded().mesh().world(), dist::capture_failure([&] { r = detail::load_weights(model, *files, load); }),
+  dist::agree_on_outcome<IoError>(model.sharded().mesh().world(),
+                                  dist::capture_failure([&] { r = detail::load_weights(model, *files, load); }),
                                   "loading '" + dir.string() + "'");
   if (report != nullptr) *report = r;
   return model;
@@ -339,7 +361,8 @@ struct SavePretrainedOptions {
 
 namespace detail {
 
-inline SafetensorsSaveOptions save_options(const DecoderConfig& c, at::ScalarType dtype, const SavePretrainedOptions& o) {
+inline SafetensorsSaveOptions save_options(const DecoderConfig& c, at::ScalarType dtype,
+                                           const SavePretrainedOptions& o) {
   HfNameMap names(c);
   return {.files = {.max_shard_bytes = o.max_shard_bytes, .metadata = {}, .name = "model"},
           .dtype = dtype,
@@ -348,10 +371,12 @@ inline SafetensorsSaveOptions save_options(const DecoderConfig& c, at::ScalarTyp
 }
 
 /// config.json and the source folder's other files, after the weights.
-inline void write_folder_files(const ::fsdpx::detail::Json& config, const fs::path& out, const SavePretrainedOptions& o) {
+inline void write_folder_files(const ::fsdpx::detail::Json& config, const fs::path& out,
+                               const SavePretrainedOptions& o) {
   fsdpx::detail::write_text_durably(out / "config.json", config.dump(2) + "\n");
   if (!o.source_dir.empty()) {
-    fsdpx::hf::copy_model_files(o.source_dir, out, {.follow_symlinks = true, .skip = [](const std::string& n) { return n == "config.json"; }});
+    fsdpx::hf::copy_model_files(
+        o.source_dir, out, {.follow_symlinks = true, .skip = [](const std::string& n) { return n == "config.json"; }});
   }
 }
 
@@ -363,10 +388,12 @@ inline void write_folder_files(const ::fsdpx::detail::Json& config, const fs::pa
 /// disk) is an error on every rank.
 template <class Sharded>
   requires ShardedCausalLM<Sharded>
-fsdpx::hf::SavedSafetensors save_pretrained(Sharded& model, const fs::path& out, const SavePretrainedOptions& options = {}) {
+fsdpx::hf::SavedSafetensors save_pretrained(Sharded& model, const fs::path& out,
+                                            const SavePretrainedOptions& options = {}) {
   const DecoderConfig& config = model->config;
   const at::ScalarType dtype = options.dtype.value_or(config.dtype);
-  const ::fsdpx::detail::Json hf_config = to_hf_config(config, dtype);  // refuses what transformers cannot express, before any write
+  const ::fsdpx::detail::Json hf_config =
+      to_hf_config(config, dtype);  // refuses what transformers cannot express, before any write
   const auto saved = save_model_safetensors(model.sharded(), out, detail::save_options(config, dtype, options));
   auto& world = model.sharded().mesh().world();
   std::exception_ptr failure;
@@ -376,7 +403,8 @@ fsdpx::hf::SavedSafetensors save_pretrained(Sharded& model, const fs::path& out,
 }
 
 /// Writes a CausalLM that is not sharded as a Hugging Face folder `out`.
-inline fsdpx::hf::SavedSafetensors save_pretrained(CausalLM& model, const fs::path& out, const SavePretrainedOptions& options = {}) {
+inline fsdpx::hf::SavedSafetensors save_pretrained(CausalLM& model, const fs::path& out,
+                                                   const SavePretrainedOptions& options = {}) {
   const at::ScalarType dtype = options.dtype.value_or(model->config.dtype);
   const ::fsdpx::detail::Json hf_config = to_hf_config(model->config, dtype);
   const auto saved = save_model_safetensors(*model, out, detail::save_options(model->config, dtype, options));
@@ -390,8 +418,9 @@ inline fsdpx::hf::SavedSafetensors save_pretrained(CausalLM& model, const fs::pa
 /// or, when they are not exactly the tensors that config describes (names and shapes), nullopt and a
 /// sentence in `why`: the config must then not be written beside them, since transformers would load
 /// random weights in place of every tensor it does not find. `config_json` is config.json's text.
-inline std::optional<fsdpx::hf::NamedTensors> rename_for_config(fsdpx::hf::NamedTensors tensors, const std::string& config_json,
-                                                                 const std::string& doc, std::string& why) {
+inline std::optional<fsdpx::hf::NamedTensors> rename_for_config(fsdpx::hf::NamedTensors tensors,
+                                                                const std::string& config_json, const std::string& doc,
+                                                                std::string& why) {
   DecoderConfig c;
   try {
     c = parse_decoder_config(::fsdpx::detail::parse_json(config_json, doc), doc);
@@ -421,8 +450,8 @@ inline std::optional<fsdpx::hf::NamedTensors> rename_for_config(fsdpx::hf::Named
     if (seen.count(t.module_name) == 0) problems.push_back("'" + t.module_name + "' is missing");
   }
   if (problems.empty()) return tensors;
-  why = ::fsdpx::detail::str("the checkpoint's tensors are not those of its config.json (model_type \"", c.model_type, "\"): ",
-                             ::fsdpx::detail::join_names(problems));
+  why = ::fsdpx::detail::str("the checkpoint's tensors are not those of its config.json (model_type \"", c.model_type,
+                             "\"): ", ::fsdpx::detail::join_names(problems));
   return std::nullopt;
 }
 

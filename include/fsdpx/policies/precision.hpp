@@ -12,9 +12,15 @@ namespace fsdpx {
 
 /// Compile-time dtype names for policies.
 namespace dtype {
-struct f32 { static constexpr c10::ScalarType value = c10::ScalarType::Float; };
-struct bf16 { static constexpr c10::ScalarType value = c10::ScalarType::BFloat16; };
-struct f16 { static constexpr c10::ScalarType value = c10::ScalarType::Half; };
+struct f32 {
+  static constexpr c10::ScalarType value = c10::ScalarType::Float;
+};
+struct bf16 {
+  static constexpr c10::ScalarType value = c10::ScalarType::BFloat16;
+};
+struct f16 {
+  static constexpr c10::ScalarType value = c10::ScalarType::Half;
+};
 /// "Leave as is" (output dtype only).
 struct keep {};
 }  // namespace dtype

@@ -82,9 +82,8 @@ struct WrapNames {
   static std::vector<std::string> unmatched(const std::vector<std::string>& units) {
     std::vector<std::string> out;
     const auto check = [&](std::string_view pattern) {
-      const bool any = std::any_of(units.begin(), units.end(), [&](const std::string& u) {
-        return detail::name_matches(pattern, u);
-      });
+      const bool any = std::any_of(units.begin(), units.end(),
+                                   [&](const std::string& u) { return detail::name_matches(pattern, u); });
       if (!any) out.emplace_back(pattern);
     };
     (check(Patterns.view()), ...);

@@ -116,7 +116,7 @@ FSDPX_DECL std::vector<NamedTensor> module_buffers(const core::ShardedModel& mod
 /// in their own dtype), all as fresh tensors. Collective over the trainer ranks; only ranks with
 /// `collect` keep anything (the others return nothing).
 FSDPX_DECL std::vector<NamedTensor> gather_full_state_dict(core::ShardedModel& model, bool collect,
-    const GatherOptions& options = {});
+                                                           const GatherOptions& options = {});
 template <HasShardedModel F>
 std::vector<NamedTensor> gather_full_state_dict(F& fsdp, bool collect, const GatherOptions& options = {}) {
   return gather_full_state_dict(fsdp.sharded(), collect, options);
@@ -213,7 +213,8 @@ class ChecksumSink {
       }
     }
     for (const auto& [name, crc] : crcs_) {
-      if (manifest.find(name) == nullptr) problems.push_back(::fsdpx::detail::str("'", name, "' is not in the manifest"));
+      if (manifest.find(name) == nullptr)
+        problems.push_back(::fsdpx::detail::str("'", name, "' is not in the manifest"));
     }
     FSDPX_CHECK_AS(SyncError, problems.empty(), "version ", manifest.version, " from ", where,
                    " did not arrive intact (the transport corrupted it, or the sender is not fsdpx): ",
@@ -228,7 +229,7 @@ class ChecksumSink {
     it->second.update(host.const_data_ptr(), host.nbytes());
   }
   Sink& sink_;
-  int64_t manifest_bytes_ = 48;  // the manifest's prefix
+  int64_t manifest_bytes_ = 48;                                   // the manifest's prefix
   std::map<std::pair<std::string, int64_t>, at::Tensor> direct_;  // received in place, not yet accepted
   std::unordered_map<std::string, ::fsdpx::detail::Crc32c> crcs_;
 };
@@ -254,7 +255,7 @@ class WeightBroadcaster {
   /// `update_group`: the model-update group on trainer rank 0 (where this process must be rank 0, the
   /// root), std::nullopt on the other trainer ranks.
   FSDPX_DECL WeightBroadcaster(core::ShardedModel& model, std::optional<dist::AnyCommunicator> update_group,
-      BroadcastOptions options = {});
+                               BroadcastOptions options = {});
   template <HasShardedModel F>
   WeightBroadcaster(F& fsdp, std::optional<dist::AnyCommunicator> update_group, BroadcastOptions options = {})
       : WeightBroadcaster(fsdp.sharded(), std::move(update_group), options) {}
@@ -263,7 +264,7 @@ class WeightBroadcaster {
   int64_t last_version() const { return last_version_; }
 
   struct Stats {
-    int64_t bytes = 0;             // bucket bytes sent (headers included)
+    int64_t bytes = 0;  // bucket bytes sent (headers included)
     int64_t buckets = 0;
     double seconds = 0;            // the whole broadcast(), gathers included
     double send_wait_seconds = 0;  // waiting for broadcasts before refilling a staging bucket or gather buffer
@@ -302,11 +303,11 @@ class WeightBroadcaster {
 
   /// Where a unit's full flat parameters (in the wire dtype) lie on the sending rank during its turn.
   struct UnitData {
-    at::Tensor gathered;             // the unit's padded flat buffer, being gathered
+    at::Tensor gathered;                 // the unit's padded flat buffer, being gathered
     const dist::Work* gather = nullptr;  // that gather, waited for before `gathered` is read
-    at::Tensor own;                  // this rank's shard read in place: elements [own_begin, own_end)
+    at::Tensor own;                      // this rank's shard read in place: elements [own_begin, own_end)
     int64_t own_begin = 0, own_end = 0;
-    bool lasting = false;            // valid until before_gather(slot); false: read the parameters instead
+    bool lasting = false;  // valid until before_gather(slot); false: read the parameters instead
     /// Elements [begin, begin + numel) (on one side of the own range's edges) and whether they lie in
     /// the gather buffer. Only these wait for the gather: the own shard goes out while it runs.
     std::pair<at::Tensor, bool> range(int64_t begin, int64_t numel) const {
@@ -441,7 +442,8 @@ class WeightReceiver {
   // A template whose first check rules out WeightReceiver itself: checking a plain AnyCommunicator
   // parameter would ask whether a WeightReceiver is a Communicator while copying one (a cycle).
   template <class Comm>
-    requires(!std::same_as<std::remove_cvref_t<Comm>, WeightReceiver> && std::constructible_from<dist::AnyCommunicator, Comm>)
+    requires(!std::same_as<std::remove_cvref_t<Comm>, WeightReceiver> &&
+             std::constructible_from<dist::AnyCommunicator, Comm>)
   explicit WeightReceiver(Comm&& update_group, ReceiveOptions options = {})
       : group_(std::forward<Comm>(update_group)), options_(options) {
     FSDPX_CHECK(options_.device.type() == group_.device_type(), "WeightReceiver: buckets on ", options_.device,
@@ -484,8 +486,10 @@ class WeightReceiver {
     } catch (const Error& e) {
       throw SyncError(::fsdpx::detail::str("fsdpx: receiving weights from the trainer over '", group_.name(),
                                            "' (rank ", group_.rank(), " of ", group_.size(), ", last version ",
-                                           last_version_, ") failed; the sending trainer rank may have exited or "
-                                           "crashed: ", e.what()));
+                                           last_version_,
+                                           ") failed; the sending trainer rank may have exited or "
+                                           "crashed: ",
+                                           e.what()));
     }
   }
 
@@ -515,10 +519,11 @@ class WeightReceiver {
                    "was received");
     const int64_t n = p[2], largest_header = p[3], direct_min = p[4], largest = p[5];
     bytes_in_place_ = 0;
-    FSDPX_CHECK_AS(SyncError, n >= 0 && direct_min > 0 && largest >= largest_header &&
-                                  (n == 0 || largest_header >= bucket_prefix_bytes),
-                   "corrupt weight-sync preamble: ", n, " buckets of at most ", largest, " bytes, headers of at most ",
-                   largest_header, " bytes");
+    FSDPX_CHECK_AS(
+        SyncError,
+        n >= 0 && direct_min > 0 && largest >= largest_header && (n == 0 || largest_header >= bucket_prefix_bytes),
+        "corrupt weight-sync preamble: ", n, " buckets of at most ", largest, " bytes, headers of at most ",
+        largest_header, " bytes");
     std::vector<int64_t> header_sizes(static_cast<size_t>(n));
     if (n > 0) {
       auto s = at::empty({n}, longs);
@@ -557,22 +562,26 @@ class WeightReceiver {
       f = InFlight{};
     };
     const auto post_header = [&](int64_t k) {
-      return k < n ? group_.broadcast_async(headers_[k % 2].narrow(0, 0, header_sizes[k]), options_.root) : dist::Work();
+      return k < n ? group_.broadcast_async(headers_[k % 2].narrow(0, 0, header_sizes[k]), options_.root)
+                   : dist::Work();
     };
     const std::string where = ::fsdpx::detail::str("broadcast over '", group_.name(), "'");
     dist::Work header = post_header(0);
     for (int64_t k = 0; k < n; ++k) {
       header.wait_stream();
       BucketLayout layout = read_header(headers_[k % 2].narrow(0, 0, header_sizes[k]), where);
-      FSDPX_CHECK_AS(SyncError, layout.version == version && layout.index == k && layout.count == n &&
-                                    layout.header_bytes == header_sizes[k] && layout.total_bytes <= largest,
-                     "weight bucket out of order: expected bucket ", k, " of ", n, " of version ", version, " (header of ",
-                     header_sizes[k], " bytes), got bucket ", layout.index, " of ", layout.count, " of version ",
-                     layout.version, " (header of ", layout.header_bytes, " bytes, ", layout.total_bytes, " in all)");
+      FSDPX_CHECK_AS(SyncError,
+                     layout.version == version && layout.index == k && layout.count == n &&
+                         layout.header_bytes == header_sizes[k] && layout.total_bytes <= largest,
+                     "weight bucket out of order: expected bucket ", k, " of ", n, " of version ", version,
+                     " (header of ", header_sizes[k], " bytes), got bucket ", layout.index, " of ", layout.count,
+                     " of version ", layout.version, " (header of ", layout.header_bytes, " bytes, ",
+                     layout.total_bytes, " in all)");
       finish(k - 2);  // its staging bucket is reused now
       InFlight& f = flight[k % 2];
       for (size_t i = 0; i < layout.entries.size(); ++i) {
-        if (layout.entries[i].nbytes() == 0) sink.accept(layout.entries[i], entry_view(buffers_[k % 2], layout.entries[i]));
+        if (layout.entries[i].nbytes() == 0)
+          sink.accept(layout.entries[i], entry_view(buffers_[k % 2], layout.entries[i]));
       }
       for (const detail::Segment& sg : detail::segments_of(layout, direct_min)) {
         at::Tensor into;
@@ -582,7 +591,8 @@ class WeightReceiver {
           f.direct.push_back(sg.first);
           bytes_in_place_ += layout.entries[sg.first].nbytes();
         } else {
-          f.works.push_back(group_.broadcast_async(buffers_[k % 2].narrow(0, sg.begin, sg.end - sg.begin), options_.root));
+          f.works.push_back(
+              group_.broadcast_async(buffers_[k % 2].narrow(0, sg.begin, sg.end - sg.begin), options_.root));
           for (size_t i = sg.first; i <= sg.last; ++i) f.staged.push_back(i);
         }
       }

@@ -239,7 +239,7 @@ class VersionCoverage {
 /// does not fit the space left is split; the first bucket that cannot hold even one element of a
 /// tensor besides its header entry is an error naming the tensor.
 FSDPX_DECL std::vector<BucketLayout> plan_buckets(const std::vector<TensorSpec>& specs, int64_t capacity,
-    int64_t version);
+                                                  int64_t version);
 
 /// The header bytes of `b` (b.header_bytes long, zero-padded).
 FSDPX_DECL std::vector<uint8_t> encode_header(const BucketLayout& b);
@@ -264,7 +264,7 @@ FSDPX_DECL void write_header(const at::Tensor& bucket, const BucketLayout& b);
 
 /// Packs whole tensors (already in memory) into freshly allocated buckets (the TCP service's path).
 FSDPX_DECL std::vector<at::Tensor> pack_buckets(const std::vector<NamedTensor>& tensors, int64_t capacity,
-    int64_t version, std::vector<BucketLayout>* layouts = nullptr);
+                                                int64_t version, std::vector<BucketLayout>* layouts = nullptr);
 
 // ---- receiving: where the chunks go -----------------------------------------------------------------
 

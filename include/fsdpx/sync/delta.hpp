@@ -217,7 +217,7 @@ FSDPX_DECL Manifest full_manifest(int64_t version, const std::vector<NamedTensor
 /// Splits a received version into its manifest and its other tensors (checked: the manifest comes
 /// first, once). `where` names the sender.
 FSDPX_DECL std::pair<Manifest, std::vector<NamedTensor>> split_manifest(std::vector<NamedTensor> received,
-                                                                       std::string_view where);
+                                                                        std::string_view where);
 
 /// "Do I hold version V exactly": every tensor of `manifest` is in `tensors` (by name) with its dtype,
 /// shape and CRC-32C, and nothing else is. A SyncError naming what differs, otherwise nothing.

@@ -31,7 +31,7 @@ namespace fsdpx::sync {
 
 struct ServerOptions {
   std::string host = "127.0.0.1";
-  uint16_t port = 0;  // 0: the system picks one; see port()
+  uint16_t port = 0;                         // 0: the system picks one; see port()
   int64_t bucket_bytes = int64_t{16} << 20;  // for versions published in-process, and full versions built from deltas
   /// How versions published in-process are cut against the one before (docs/sync.md, "Delta versions").
   DeltaOptions delta;
@@ -53,11 +53,11 @@ struct ServerOptions {
   std::string run;
 
   // Limits: what one peer, and all of them together, can make the server hold.
-  int64_t max_bucket_bytes = int64_t{256} << 20;   // one bucket frame; clients' bucket_bytes must fit
-  int64_t max_version_bytes = int64_t{64} << 30;   // one version (one publish is staged at a time), bookkeeping included
+  int64_t max_bucket_bytes = int64_t{256} << 20;  // one bucket frame; clients' bucket_bytes must fit
+  int64_t max_version_bytes = int64_t{64} << 30;  // one version (one publish is staged at a time), bookkeeping included
   int max_connections = 512;
-  int max_handshakes = 64;  // of those, at most this many before their handshake ends
-  int max_handshakes_per_address = 16;  // and at most this many of those from one peer address
+  int max_handshakes = 64;                            // of those, at most this many before their handshake ends
+  int max_handshakes_per_address = 16;                // and at most this many of those from one peer address
   std::chrono::milliseconds handshake_timeout{3000};  // from accept to a proven secret
   std::chrono::milliseconds idle_timeout{std::chrono::minutes(30)};  // between requests
   std::chrono::milliseconds io_timeout{60000};  // within a frame, between a publish's frames, per bucket sent

@@ -91,8 +91,8 @@ class VersionedSlot {
     if (version_ > have) return {version_, value_};
     FSDPX_CHECK_AS(SyncError, !closed_, "waiting for a weight version newer than ", have,
                    ": the synchronizer was closed (", close_reason_, ")");
-    FSDPX_CHECK_AS(SyncError, ready, "no weight version newer than ", have, " was published within ",
-                   timeout.count(), " ms (latest: ", version_, "); the trainer may be slow, stopped or dead");
+    FSDPX_CHECK_AS(SyncError, ready, "no weight version newer than ", have, " was published within ", timeout.count(),
+                   " ms (latest: ", version_, "); the trainer may be slow, stopped or dead");
     return {version_, value_};
   }
 

@@ -33,7 +33,8 @@ class SliceLoader {
 
   /// `cast_floating`: a floating-point tensor saved in another floating-point dtype is cast (an
   /// inference-only model in bfloat16 loading a float32 checkpoint); otherwise a dtype mismatch is an error.
-  explicit SliceLoader(std::string what, bool cast_floating = false) : what_(std::move(what)), cast_floating_(cast_floating) {}
+  explicit SliceLoader(std::string what, bool cast_floating = false)
+      : what_(std::move(what)), cast_floating_(cast_floating) {}
 
   void add_target(const std::string& name, std::vector<int64_t> shape, int64_t begin, int64_t end, at::Tensor dst) {
     targets_[name].push_back(Target{std::move(shape), begin, end, std::move(dst), {}});
@@ -42,9 +43,9 @@ class SliceLoader {
   /// Copies from one saved state dict; `key` selects the tensor of each slice.
   FSDPX_DECL void load(const StateDict& sd, const std::string& key);
 
-  /// Throws, naming everything that does not match; `strict`: names the checkpoint has and the model lacks are errors too.
-  /// `absent_is_missing` false: a name no saved state dict mentions at all is no error (optimizer
-  /// state of a tensor the optimizer never stepped: a frozen unit's shards); one that is there in part is.
+  /// Throws, naming everything that does not match; `strict`: names the checkpoint has and the model lacks are errors
+  /// too. `absent_is_missing` false: a name no saved state dict mentions at all is no error (optimizer state of a
+  /// tensor the optimizer never stepped: a frozen unit's shards); one that is there in part is.
   FSDPX_DECL void finish(bool strict = true, bool absent_is_missing = true);
 
   std::map<std::string, std::vector<Target>>& targets() { return targets_; }

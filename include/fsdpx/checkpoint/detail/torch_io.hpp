@@ -21,7 +21,8 @@ namespace fsdpx::checkpoint::detail {
 namespace fs = std::filesystem;
 
 /// Writes `value` durably in torch.save's zip format (Python: torch.load(path, weights_only=True)).
-FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const c10::IValue& value, bool compute_record_crc32 = false);
+FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const c10::IValue& value,
+                                                    bool compute_record_crc32 = false);
 
 /// Reads a file written by save_ivalue or Python's torch.save; a missing, truncated or corrupt file
 /// (or one whose CRC-32C differs from `expected_crc32c`, or larger than `max_bytes`: a commit record's

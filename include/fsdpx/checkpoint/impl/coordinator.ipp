@@ -1,5 +1,5 @@
-// CheckpointCoordinator's member functions, out of line: included by fsdpx/checkpoint/coordinator.hpp (header-only) or by
-// fsdpx/impl/src.hpp (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
+// CheckpointCoordinator's member functions, out of line: included by fsdpx/checkpoint/coordinator.hpp (header-only) or
+// by fsdpx/impl/src.hpp (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
 #include <future>
@@ -32,13 +32,16 @@ FSDPX_DECL uint64_t CheckpointCoordinator::random_run_id() {
 }
 
 FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedModel* readers_of) {
-  const auto has = [&](Component c) { return std::find(req.components.begin(), req.components.end(), c) != req.components.end(); };
+  const auto has = [&](Component c) {
+    return std::find(req.components.begin(), req.components.end(), c) != req.components.end();
+  };
   wait_for_components(has(Component::optim), has(Component::extra_state));
   FSDPX_CHECK(req.model.world_size == world_size_ && req.model.rank == rank_, "CheckpointCoordinator for rank ", rank_,
               " of ", world_size_, " was given the state of rank ", req.model.rank, " of ", req.model.world_size);
   {
     std::lock_guard lock(mutex_);
-    FSDPX_CHECK(req.step > last_submitted_, "checkpoint steps must increase: step ", req.step, " after step ", last_submitted_);
+    FSDPX_CHECK(req.step > last_submitted_, "checkpoint steps must increase: step ", req.step, " after step ",
+                last_submitted_);
     last_submitted_ = req.step;
   }
   const std::filesystem::path dir = checkpoint::step_dir(root_, req.step);
@@ -52,8 +55,10 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedMode
     // Room for the commit records and iteration files, taken before any shard is written, so a
     // disk that fills up during this save or the next cannot keep a finished step from committing.
     // (A record lists every rank's files, ~100 bytes each; an iteration file needs a block.)
-    const int64_t record_bytes = (int64_t{8} << 10) + int64_t{256} * world_size_ * static_cast<int64_t>(req.components.size());
-    for (const char* name : {".reserve_weights", ".reserve_complete"}) fsdpx::detail::reserve_space(dir / name, record_bytes);
+    const int64_t record_bytes =
+        (int64_t{8} << 10) + int64_t{256} * world_size_ * static_cast<int64_t>(req.components.size());
+    for (const char* name : {".reserve_weights", ".reserve_complete"})
+      fsdpx::detail::reserve_space(dir / name, record_bytes);
   }
 
   auto shared = std::make_shared<SaveRequest>(std::move(req));
@@ -98,15 +103,16 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedMode
       std::lock_guard lock(mutex_);
       pending_commits_.insert(shared->step);
     }
-    watch_commit(std::make_shared<Commit>(Commit{shared->step, dir, components, shared->setup,
-                                                 dist::deadline_after(options_.commit_timeout)}));
+    watch_commit(std::make_shared<Commit>(
+        Commit{shared->step, dir, components, shared->setup, dist::deadline_after(options_.commit_timeout)}));
   }
 }
 
 FSDPX_DECL void CheckpointCoordinator::wait_idle() {
   const auto start = std::chrono::steady_clock::now();
   std::unique_lock lock(mutex_);
-  while (!idle_.wait_until(lock, dist::next_report_after(options_.report_interval), [&] { return outstanding_ == 0; })) {
+  while (
+      !idle_.wait_until(lock, dist::next_report_after(options_.report_interval), [&] { return outstanding_ == 0; })) {
     const std::chrono::duration<double> waited = std::chrono::steady_clock::now() - start;
     std::fprintf(stderr, "fsdpx: checkpoint (rank %d): still waiting after %.1f s for %s\n", rank_, waited.count(),
                  describe_outstanding().c_str());
@@ -115,8 +121,13 @@ FSDPX_DECL void CheckpointCoordinator::wait_idle() {
 }
 
 FSDPX_DECL CheckpointCoordinator::CheckpointCoordinator(std::filesystem::path root, int rank, int world_size,
-    std::string run, CheckpointOptions options)
-    : root_(std::move(root)), rank_(rank), world_size_(world_size), run_(std::move(run)), options_(options), pool_(options.threads) {
+                                                        std::string run, CheckpointOptions options)
+    : root_(std::move(root)),
+      rank_(rank),
+      world_size_(world_size),
+      run_(std::move(run)),
+      options_(options),
+      pool_(options.threads) {
   FSDPX_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "CheckpointCoordinator: rank ", rank,
               " is outside the world of ", world_size);
   std::error_code ec;
@@ -130,9 +141,11 @@ FSDPX_DECL CheckpointCoordinator::CheckpointCoordinator(std::filesystem::path ro
 FSDPX_DECL void CheckpointCoordinator::abandon(Commit& c) {
   release_reserves(c.dir);
   const std::string cause = ::fsdpx::detail::str(
-      "fsdpx: checkpoint step ", c.step, " was abandoned, not committed: this process is ending after an error "
-      "while it waited for ", c.waiting_for.empty() ? std::string("the ranks' files") : c.waiting_for,
-      " (", c.weights_committed ? "its weights were committed; " : "", "the committed steps are untouched)");
+      "fsdpx: checkpoint step ", c.step,
+      " was abandoned, not committed: this process is ending after an error "
+      "while it waited for ",
+      c.waiting_for.empty() ? std::string("the ranks' files") : c.waiting_for, " (",
+      c.weights_committed ? "its weights were committed; " : "", "the committed steps are untouched)");
   std::fprintf(stderr, "%s\n", cause.c_str());
   std::fflush(stderr);
   record_failure(c.step, cause, /*said=*/true);
@@ -144,10 +157,12 @@ FSDPX_DECL std::string CheckpointCoordinator::describe_outstanding() {
   for (const Component c : checkpoint::all_components) {
     if (auto slot = in_flight_[static_cast<int>(c)]) {
       std::lock_guard lock(slot->m);
-      if (!slot->done) add(::fsdpx::detail::str("this rank's ", to_string(c), " file of step ", slot->step, " to be written"));
+      if (!slot->done)
+        add(::fsdpx::detail::str("this rank's ", to_string(c), " file of step ", slot->step, " to be written"));
     }
   }
-  for (const auto& [step, what] : commit_waits_) add(::fsdpx::detail::str("step ", step, " to commit: waiting for ", what));
+  for (const auto& [step, what] : commit_waits_)
+    add(::fsdpx::detail::str("step ", step, " to commit: waiting for ", what));
   return out.empty() ? std::string("background checkpoint tasks") : out;
 }
 
@@ -176,8 +191,7 @@ FSDPX_DECL void CheckpointCoordinator::record_failure(int64_t step, const std::s
 }
 
 FSDPX_DECL void CheckpointCoordinator::write_component(const SaveRequest& req, const std::filesystem::path& dir,
-    Component c, InFlight& slot,
-                       const std::string& snapshot_error) {
+                                                       Component c, InFlight& slot, const std::string& snapshot_error) {
   notify([&](const CheckpointMonitor& m) {
     if (m.before_save) m.before_save(req.step, c);
   });
@@ -189,9 +203,9 @@ FSDPX_DECL void CheckpointCoordinator::write_component(const SaveRequest& req, c
                          : c == Component::optim ? checkpoint::save_state_dict(event.path, *req.optim)
                                                  : checkpoint::detail::save_ivalue(event.path, *req.extra);
     event.bytes = written.bytes;
-    fsdpx::detail::write_text_durably(checkpoint::done_marker(dir, c, rank_, run_),
-                                           ::fsdpx::detail::str(event.path.filename().string(), " ", written.bytes, " ",
-                                                                written.crc32c, "\n"));
+    fsdpx::detail::write_text_durably(
+        checkpoint::done_marker(dir, c, rank_, run_),
+        ::fsdpx::detail::str(event.path.filename().string(), " ", written.bytes, " ", written.crc32c, "\n"));
   } catch (const std::exception& e) {
     event.error = ::fsdpx::detail::str("fsdpx: checkpoint step ", req.step, ": rank ", rank_, " could not save its ",
                                        to_string(c), ": ", e.what());
@@ -201,7 +215,8 @@ FSDPX_DECL void CheckpointCoordinator::write_component(const SaveRequest& req, c
     try {
       fsdpx::detail::write_text_durably(marker, event.error);
     } catch (...) {
-      if (const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644); fd >= 0) ::close(fd);
+      if (const int fd = ::open(marker.c_str(), O_WRONLY | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644); fd >= 0)
+        ::close(fd);
     }
     record_failure(req.step, event.error);
   }
@@ -254,7 +269,8 @@ FSDPX_DECL bool CheckpointCoordinator::advance_commit(Commit& c) {
     const auto failed = checkpoint::failed_marker(c.dir, r, run_);
     if (std::filesystem::exists(failed)) {
       std::string cause = fsdpx::detail::read_text(failed, "checkpoint failure marker");
-      if (cause.empty()) cause = ::fsdpx::detail::str("rank ", r, " could not save its files (nor describe why: is the disk full?)");
+      if (cause.empty())
+        cause = ::fsdpx::detail::str("rank ", r, " could not save its files (nor describe why: is the disk full?)");
       record_failure(c.step, ::fsdpx::detail::str("fsdpx: checkpoint step ", c.step, " was not committed: ", cause));
       release_reserves(c.dir);
       return true;
@@ -289,10 +305,10 @@ FSDPX_DECL bool CheckpointCoordinator::advance_commit(Commit& c) {
   const bool complete = done.size() == c.components.size();
   const bool weights = !done.empty();
   if (std::chrono::steady_clock::now() > c.deadline && !complete) {
-    record_failure(c.step, ::fsdpx::detail::str("fsdpx: checkpoint step ", c.step, " was not committed: not every rank's ",
-                                                "files became durable within ", options_.commit_timeout.count(),
-                                                " ms (complete: ", done.size(), " of ", c.components.size(),
-                                                " components); a rank may have died"));
+    record_failure(c.step, ::fsdpx::detail::str("fsdpx: checkpoint step ", c.step,
+                                                " was not committed: not every rank's ", "files became durable within ",
+                                                options_.commit_timeout.count(), " ms (complete: ", done.size(), " of ",
+                                                c.components.size(), " components); a rank may have died"));
     release_reserves(c.dir);
     return true;
   }
@@ -334,8 +350,7 @@ FSDPX_DECL void CheckpointCoordinator::rotate() {
 }
 
 FSDPX_DECL void CheckpointCoordinator::write_config(const Commit& c, const std::vector<std::string>& done,
-    const ::fsdpx::detail::Json& files,
-                    bool complete) {
+                                                    const ::fsdpx::detail::Json& files, bool complete) {
   ::fsdpx::detail::Json config = ::fsdpx::detail::Json::object();
   if (c.setup) {
     const SaveSetup& s = *c.setup;

@@ -75,7 +75,8 @@ FSDPX_DECL StateDict parse_state_dict(const c10::IValue& v, const fs::path& path
                  "; this fsdpx reads up to ", format_version, ": update fsdpx");
   StateDict sd;
   const std::string kind = f.text("kind");
-  FSDPX_CHECK_AS(IoError, kind == "full" || kind == "sharded" || kind == "local", "'", path.string(), "': unknown kind '", kind, "'");
+  FSDPX_CHECK_AS(IoError, kind == "full" || kind == "sharded" || kind == "local", "'", path.string(),
+                 "': unknown kind '", kind, "'");
   sd.kind = kind == "full" ? StateDictKind::full : kind == "local" ? StateDictKind::local : StateDictKind::sharded;
   sd.component = f.text("component");
   const int64_t world = f.integer("world_size"), rank = f.integer("rank");
@@ -91,7 +92,8 @@ FSDPX_DECL StateDict parse_state_dict(const c10::IValue& v, const fs::path& path
     TensorSlice s;
     s.name = name;
     const c10::IValue& shape = e.get("shape");
-    FSDPX_CHECK_AS(IoError, shape.isList() || shape.isIntList(), "'", path.string(), "': entry '", name, "' has no shape list");
+    FSDPX_CHECK_AS(IoError, shape.isList() || shape.isIntList(), "'", path.string(), "': entry '", name,
+                   "' has no shape list");
     for (const c10::IValue& x : shape.toListRef()) {
       FSDPX_CHECK_AS(IoError, x.isInt(), "'", path.string(), "': entry '", name, "' has a shape that is not integers");
       s.shape.push_back(x.toInt());
@@ -102,15 +104,16 @@ FSDPX_DECL StateDict parse_state_dict(const c10::IValue& v, const fs::path& path
     if (e.has("step")) s.step = e.integer("step");
     for (const auto& field : e.dict()) {
       if (field.value().isTensor()) {
-        FSDPX_CHECK_AS(IoError, field.key().isString(), "'", path.string(), "': entry '", name, "' has a tensor without a name");
+        FSDPX_CHECK_AS(IoError, field.key().isString(), "'", path.string(), "': entry '", name,
+                       "' has a tensor without a name");
         s.tensors[field.key().toStringRef()] = field.value().toTensor().reshape({-1});
       }
     }
     FSDPX_CHECK_AS(IoError, 0 <= s.begin && s.begin <= s.end && s.end <= numel, "'", path.string(), "': entry '", name,
                    "' has the range [", s.begin, ", ", s.end, ") outside its ", numel, " elements");
     for (const auto& [key, t] : s.tensors) {
-      FSDPX_CHECK_AS(IoError, t.numel() == s.end - s.begin, "'", path.string(), "': entry '", name, "' holds ", t.numel(),
-                     " elements in '", key, "' for the range [", s.begin, ", ", s.end, ")");
+      FSDPX_CHECK_AS(IoError, t.numel() == s.end - s.begin, "'", path.string(), "': entry '", name, "' holds ",
+                     t.numel(), " elements in '", key, "' for the range [", s.begin, ", ", s.end, ")");
     }
     sd.entries.push_back(std::move(s));
   }
@@ -121,11 +124,13 @@ FSDPX_DECL StateDict parse_state_dict(const c10::IValue& v, const fs::path& path
       const Fields group(g, path, "a param group");
       std::map<std::string, std::vector<double>> values;
       for (const auto& item : group.dict()) {
-        FSDPX_CHECK_AS(IoError, item.key().isString() && (item.value().isList() || item.value().isDoubleList() || item.value().isIntList()),
-                       "'", path.string(), "': a param group holds something other than named lists of numbers");
+        FSDPX_CHECK_AS(
+            IoError,
+            item.key().isString() && (item.value().isList() || item.value().isDoubleList() || item.value().isIntList()),
+            "'", path.string(), "': a param group holds something other than named lists of numbers");
         for (const c10::IValue& x : item.value().toListRef()) {
-          FSDPX_CHECK_AS(IoError, x.isInt() || x.isDouble(), "'", path.string(), "': a param group's '", item.key().toStringRef(),
-                         "' holds something other than numbers");
+          FSDPX_CHECK_AS(IoError, x.isInt() || x.isDouble(), "'", path.string(), "': a param group's '",
+                         item.key().toStringRef(), "' holds something other than numbers");
         }
         values[item.key().toStringRef()] = to_doubles(item.value());
       }
@@ -151,8 +156,8 @@ FSDPX_DECL StateDict state_dict_from_ivalue(const c10::IValue& v, const fs::path
   try {
     return detail::parse_state_dict(v, path);
   } catch (const c10::Error& e) {  // a type the checks above did not foresee
-    throw IoError(::fsdpx::detail::str("fsdpx: '", path.string(), "' is not a well-formed fsdpx checkpoint file: ",
-                                       e.what_without_backtrace()));
+    throw IoError(::fsdpx::detail::str("fsdpx: '", path.string(),
+                                       "' is not a well-formed fsdpx checkpoint file: ", e.what_without_backtrace()));
   }
 }
 
@@ -160,7 +165,8 @@ FSDPX_DECL c10::IValue load_committed_ivalue(const fs::path& path, const std::op
   if (committed) {
     std::error_code ec;
     const fs::file_status status = fs::status(path, ec);
-    FSDPX_CHECK_AS(IoError, fs::exists(status), "checkpoint file '", path.string(), "' is missing (listed in ", config_file, ")");
+    FSDPX_CHECK_AS(IoError, fs::exists(status), "checkpoint file '", path.string(), "' is missing (listed in ",
+                   config_file, ")");
     FSDPX_CHECK_AS(IoError, fs::is_regular_file(status), "checkpoint file '", path.string(), "' is not a regular file");
     const auto size = static_cast<int64_t>(fs::file_size(path, ec));
     FSDPX_CHECK_AS(IoError, !ec && size == committed->bytes, "'", path.string(), "' has ", size, " bytes but ",
@@ -170,15 +176,15 @@ FSDPX_DECL c10::IValue load_committed_ivalue(const fs::path& path, const std::op
 }
 
 FSDPX_DECL StateDict load_shard_file(const fs::path& dir, const std::string& name,
-                                 const std::optional<CommittedFile>& committed) {
+                                     const std::optional<CommittedFile>& committed) {
   const fs::path path = dir / name;
   const auto parsed = parse_shard_file_name(name);
   FSDPX_CHECK_AS(IoError, parsed.has_value(), "'", path.string(), "' is not named like a shard file ",
                  "(<component>_world_size_<W>_rank_<r>.pt)");
   StateDict sd = state_dict_from_ivalue(load_committed_ivalue(path, committed), path);
   FSDPX_CHECK_AS(IoError, sd.world_size == parsed->world_size && sd.rank == parsed->rank, "'", path.string(),
-                 "' says it is rank ", sd.rank, " of ", sd.world_size, ", but its name says rank ", parsed->rank, " of ",
-                 parsed->world_size, " (a renamed file?)");
+                 "' says it is rank ", sd.rank, " of ", sd.world_size, ", but its name says rank ", parsed->rank,
+                 " of ", parsed->world_size, " (a renamed file?)");
   return sd;
 }
 

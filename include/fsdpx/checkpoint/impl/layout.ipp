@@ -17,8 +17,8 @@ FSDPX_DECL std::optional<int64_t> read_iteration_file(const fs::path& path) {
     step = std::stoll(text, &used);
   } catch (...) {
   }
-  FSDPX_CHECK_AS(IoError, step >= 0 && text.find_first_not_of(" \n\r\t", used) == std::string::npos,
-                 "iteration file '", path.string(), "' does not hold a step number: '", text.substr(0, 40), "'");
+  FSDPX_CHECK_AS(IoError, step >= 0 && text.find_first_not_of(" \n\r\t", used) == std::string::npos, "iteration file '",
+                 path.string(), "' does not hold a step number: '", text.substr(0, 40), "'");
   return step;
 }
 
@@ -36,8 +36,8 @@ FSDPX_DECL CommitRecord parse_commit_record(const fs::path& config) {
                  "; this fsdpx reads up to ", format_version, ": update fsdpx");
   // Bounded: every reader allocates per rank (merge, resume, verify).
   r.world_size = json_get<int>(j, "world_size", doc);
-  FSDPX_CHECK_AS(IoError, r.world_size > 0 && r.world_size <= max_world_size, "commit record '", doc, "': world_size is ",
-                 r.world_size, "; it must be in [1, ", max_world_size, "]");
+  FSDPX_CHECK_AS(IoError, r.world_size > 0 && r.world_size <= max_world_size, "commit record '", doc,
+                 "': world_size is ", r.world_size, "; it must be in [1, ", max_world_size, "]");
   r.step = json_find<int64_t>(j, "step", doc);
   if (const auto mesh = j.find("mesh"); mesh != j.end() && mesh->is_object()) {
     r.mesh_shard = json_find<int64_t>(*mesh, "shard", doc + "\": \"mesh");
@@ -46,7 +46,8 @@ FSDPX_DECL CommitRecord parse_commit_record(const fs::path& config) {
   r.complete = json_find<bool>(j, "complete", doc).value_or(false);
   if (const auto comps = j.find("components"); comps != j.end()) {
     FSDPX_CHECK_AS(IoError, comps->is_array(), "commit record '", doc, "': \"components\" is not an array");
-    for (const auto& c : *comps) r.components.push_back(::fsdpx::detail::json_as<std::string>(c, "'" + doc + "': a component"));
+    for (const auto& c : *comps)
+      r.components.push_back(::fsdpx::detail::json_as<std::string>(c, "'" + doc + "': a component"));
   }
   if (const auto files = j.find("files"); files != j.end()) {
     FSDPX_CHECK_AS(IoError, files->is_object(), "commit record '", doc, "': \"files\" is not an object");
@@ -56,9 +57,10 @@ FSDPX_DECL CommitRecord parse_commit_record(const fs::path& config) {
       // Readers look files up by the record's world size: a record that disagrees with its own files
       // would otherwise read as a checkpoint that lacks them.
       if (const auto parsed = parse_shard_file_name(name)) {
-        FSDPX_CHECK_AS(IoError, parsed->world_size == r.world_size && parsed->rank < r.world_size, "commit record '", doc,
-                       "': world_size is ", r.world_size, " but it lists '", name, "', a file of rank ", parsed->rank,
-                       " of a world of ", parsed->world_size, ": the record is corrupt or from another checkpoint");
+        FSDPX_CHECK_AS(IoError, parsed->world_size == r.world_size && parsed->rank < r.world_size, "commit record '",
+                       doc, "': world_size is ", r.world_size, " but it lists '", name, "', a file of rank ",
+                       parsed->rank, " of a world of ", parsed->world_size,
+                       ": the record is corrupt or from another checkpoint");
       }
     }
   }
@@ -87,7 +89,8 @@ FSDPX_DECL std::optional<int64_t> find_committed_before(const fs::path& root, in
   for (const StepDir& s : list_steps(root)) {
     if (s.step >= before) break;
     try {
-      if (const auto record = read_commit_record(s.path / "actor"); record && is_committed(*record, weights_only)) newest = s.step;
+      if (const auto record = read_commit_record(s.path / "actor"); record && is_committed(*record, weights_only))
+        newest = s.step;
     } catch (const IoError&) {  // a garbled record is not a commit
     }
   }
@@ -98,11 +101,13 @@ FSDPX_DECL std::optional<int64_t> find_latest_checkpoint(const fs::path& root, b
   const fs::path file = root / (weights_only ? state_dict_iteration_file : checkpointed_iteration_file);
   if (const auto step = read_iteration_file(file)) {
     const auto record = read_commit_record(step_dir(root, *step));
-    FSDPX_CHECK_AS(IoError, record, "'", file.string(), "' names step ", *step, ", but ", step_dir(root, *step).string(),
-                   " has no commit record (", config_file, "): the checkpoint root was modified by hand");
-    FSDPX_CHECK_AS(IoError, is_committed(*record, weights_only), "'", file.string(), "' names step ", *step, ", but its commit record '",
-                   record->path.string(), "' ", weights_only ? "does not commit the model (\"components\" lacks \"model\")"
-                                                             : "is not complete (\"complete\" is not true)",
+    FSDPX_CHECK_AS(IoError, record, "'", file.string(), "' names step ", *step, ", but ",
+                   step_dir(root, *step).string(), " has no commit record (", config_file,
+                   "): the checkpoint root was modified by hand");
+    FSDPX_CHECK_AS(IoError, is_committed(*record, weights_only), "'", file.string(), "' names step ", *step,
+                   ", but its commit record '", record->path.string(), "' ",
+                   weights_only ? "does not commit the model (\"components\" lacks \"model\")"
+                                : "is not complete (\"complete\" is not true)",
                    ": the checkpoint root was modified by hand");
     return step;
   }
@@ -161,7 +166,7 @@ FSDPX_DECL void delete_step(const fs::path& root, const StepDir& s) {
 namespace fsdpx::checkpoint {
 
 FSDPX_DECL void verify_step(const fs::path& dir, const CommitRecord& record, bool verify_checksums,
-                        const std::vector<std::string>& components) {
+                            const std::vector<std::string>& components) {
   for (const auto& [name, info] : record.files) {
     if (std::none_of(components.begin(), components.end(),
                      [&](const std::string& c) { return name.rfind(c + "_world_size_", 0) == 0; })) {
@@ -172,7 +177,7 @@ FSDPX_DECL void verify_step(const fs::path& dir, const CommitRecord& record, boo
 }
 
 FSDPX_DECL void rotate_checkpoints(const fs::path& root, const RotationPolicy& policy,
-    const std::set<int64_t>& in_flight) {
+                                   const std::set<int64_t>& in_flight) {
   std::error_code ec;
   for (const auto& e : fs::directory_iterator(root, ec)) {
     if (e.path().filename().string().rfind(".deleting_global_step_", 0) == 0) fs::remove_all(e.path(), ec);
@@ -197,7 +202,9 @@ FSDPX_DECL void rotate_checkpoints(const fs::path& root, const RotationPolicy& p
   }
   if (committed.empty()) return;
   const int64_t newest = named.empty() ? committed.back().step : *named.rbegin();
-  const auto in_use = [&](const StepDir& s) { return named.count(s.step) != 0 || in_flight.count(s.step) != 0 || is_leased(s.path); };
+  const auto in_use = [&](const StepDir& s) {
+    return named.count(s.step) != 0 || in_flight.count(s.step) != 0 || is_leased(s.path);
+  };
   for (const StepDir& s : debris) {
     if (s.step < newest && !in_use(s)) delete_step(root, s);
   }

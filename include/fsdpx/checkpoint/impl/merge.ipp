@@ -21,7 +21,8 @@ FSDPX_DECL fs::path model_dir(const fs::path& dir) {
 }
 
 FSDPX_DECL std::string local_kind_message(const fs::path& what) {
-  return ::fsdpx::detail::str("fsdpx: '", what.string(), "' holds a \"local\" state dict (each unit's raw, padded "
+  return ::fsdpx::detail::str("fsdpx: '", what.string(),
+                              "' holds a \"local\" state dict (each unit's raw, padded "
                               "flat shard): it cannot be merged without the model, which alone knows how parameters "
                               "lie in the flat shards. Load it into the same model at the same world size and save "
                               "a full or sharded state dict, or save with ShardedStateDict/FullStateDict");
@@ -45,7 +46,7 @@ FSDPX_DECL fs::path huggingface_dir(const fs::path& step_dir) {
 namespace fsdpx::checkpoint {
 
 FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOptions& options,
-                                     MergeReport* report) {
+                                             MergeReport* report) {
   MergeReport local_report;
   MergeReport& rep = report != nullptr ? *report : local_report;
   rep = MergeReport{};
@@ -87,17 +88,23 @@ FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const Mer
   } else {
     std::set<int> sizes;
     for (const auto& [name, p] : present) sizes.insert(p.world_size);
-    FSDPX_CHECK_AS(IoError, !sizes.empty(), "'", dir.string(), "' holds no model shard files (model_world_size_<W>_rank_<r>.pt) "
-                   "and no ", config_file, ": it is not a checkpoint step directory");
+    FSDPX_CHECK_AS(IoError, !sizes.empty(), "'", dir.string(),
+                   "' holds no model shard files (model_world_size_<W>_rank_<r>.pt) "
+                   "and no ",
+                   config_file, ": it is not a checkpoint step directory");
     if (sizes.size() > 1) {
       std::string files;
       for (const auto& [name, p] : present) files += "\n  " + (dir / name).string();
-      FSDPX_FAIL(IoError, "'", dir.string(), "' has no ", config_file, " (never committed) and its model "
-                 "files come from ", sizes.size(), " different world sizes; remove the stale ones:", files);
+      FSDPX_FAIL(IoError, "'", dir.string(), "' has no ", config_file,
+                 " (never committed) and its model "
+                 "files come from ",
+                 sizes.size(), " different world sizes; remove the stale ones:", files);
     }
     rep.world_size = *sizes.begin();
-    warn(::fsdpx::detail::str("'", dir.string(), "' has no ", config_file, ": this checkpoint was never committed "
-                              "(a save that crashed or is still running); the world size, ", rep.world_size,
+    warn(::fsdpx::detail::str("'", dir.string(), "' has no ", config_file,
+                              ": this checkpoint was never committed "
+                              "(a save that crashed or is still running); the world size, ",
+                              rep.world_size,
                               ", comes from the file names and the files' checksums cannot be verified"));
   }
   const int world = rep.world_size;
@@ -156,17 +163,17 @@ FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const Mer
     for (const TensorSlice& s : sd.entries) {
       const auto t = s.tensors.find("data");
       FSDPX_CHECK_AS(IoError, t != s.tensors.end(), "'", path.string(), "': entry '", s.name, "' has no 'data' tensor");
-      FSDPX_CHECK_AS(IoError, t->second.numel() == s.end - s.begin, "'", path.string(), "': entry '", s.name, "' holds ",
-                     t->second.numel(), " elements for the range [", s.begin, ", ", s.end, ")");
+      FSDPX_CHECK_AS(IoError, t->second.numel() == s.end - s.begin, "'", path.string(), "': entry '", s.name,
+                     "' holds ", t->second.numel(), " elements for the range [", s.begin, ", ", s.end, ")");
       auto [it, inserted] = params.try_emplace(s.name);
       Param& p = it->second;
       if (inserted) {
         // The whole tensor is made of the files' slices, so it cannot be larger than the files: a
         // shape that says otherwise (a crafted or corrupt file) must not make the merge allocate it.
         const int64_t bytes = s.global_numel() * static_cast<int64_t>(t->second.element_size());
-        FSDPX_CHECK_AS(IoError, bytes <= model_file_bytes, "'", path.string(), "': parameter '", s.name, "' has the shape ",
-                       c10::IntArrayRef(s.shape), " (", bytes, " bytes), more than all ", world, " model files hold together (",
-                       model_file_bytes, " bytes): the file is corrupt");
+        FSDPX_CHECK_AS(IoError, bytes <= model_file_bytes, "'", path.string(), "': parameter '", s.name,
+                       "' has the shape ", c10::IntArrayRef(s.shape), " (", bytes, " bytes), more than all ", world,
+                       " model files hold together (", model_file_bytes, " bytes): the file is corrupt");
         p.shape = s.shape;
         p.flat = at::empty({s.global_numel()}, t->second.options().device(at::kCPU));
       } else {
@@ -198,7 +205,8 @@ FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const Mer
     const int64_t numel = p.flat.numel();
     for (const auto& [lo, hi] : p.filled) {
       if (lo > covered) gaps.push_back(::fsdpx::detail::str("'", name, "' elements [", covered, ", ", lo, ")"));
-      if (lo < covered) twice.push_back(::fsdpx::detail::str("'", name, "' elements [", lo, ", ", std::min(hi, covered), ")"));
+      if (lo < covered)
+        twice.push_back(::fsdpx::detail::str("'", name, "' elements [", lo, ", ", std::min(hi, covered), ")"));
       covered = std::max(covered, hi);
     }
     if (covered < numel) gaps.push_back(::fsdpx::detail::str("'", name, "' elements [", covered, ", ", numel, ")"));

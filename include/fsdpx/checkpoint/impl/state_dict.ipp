@@ -35,25 +35,37 @@ FSDPX_DECL std::map<std::string, std::vector<double>> group_hyperparameters(torc
   std::map<std::string, std::vector<double>> h{{"lr", {o.get_lr()}}};
   visit_optimizer_row<AsOptions>(o, [&](auto row, auto& a) {
     if constexpr (decltype(row)::adam_like) {
-      h = {{"lr", {a.lr()}}, {"betas", {std::get<0>(a.betas()), std::get<1>(a.betas())}}, {"eps", {a.eps()}},
-           {"weight_decay", {a.weight_decay()}}, {"amsgrad", {a.amsgrad() ? 1.0 : 0.0}}};
+      h = {{"lr", {a.lr()}},
+           {"betas", {std::get<0>(a.betas()), std::get<1>(a.betas())}},
+           {"eps", {a.eps()}},
+           {"weight_decay", {a.weight_decay()}},
+           {"amsgrad", {a.amsgrad() ? 1.0 : 0.0}}};
     } else {
-      h = {{"lr", {a.lr()}}, {"momentum", {a.momentum()}}, {"dampening", {a.dampening()}},
-           {"weight_decay", {a.weight_decay()}}, {"nesterov", {a.nesterov() ? 1.0 : 0.0}}};
+      h = {{"lr", {a.lr()}},
+           {"momentum", {a.momentum()}},
+           {"dampening", {a.dampening()}},
+           {"weight_decay", {a.weight_decay()}},
+           {"nesterov", {a.nesterov() ? 1.0 : 0.0}}};
     }
   });
   return h;
 }
 
-FSDPX_DECL void set_group_hyperparameters(torch::optim::OptimizerOptions& o, const std::map<std::string,
-    std::vector<double>>& h) {
+FSDPX_DECL void set_group_hyperparameters(torch::optim::OptimizerOptions& o,
+                                          const std::map<std::string, std::vector<double>>& h) {
   const auto one = [&](const char* k) { return h.at(k).at(0); };
   o.set_lr(one("lr"));
   visit_optimizer_row<AsOptions>(o, [&](auto row, auto& a) {
     if constexpr (decltype(row)::adam_like) {
-      a.betas({h.at("betas").at(0), h.at("betas").at(1)}).eps(one("eps")).weight_decay(one("weight_decay")).amsgrad(one("amsgrad") != 0);
+      a.betas({h.at("betas").at(0), h.at("betas").at(1)})
+          .eps(one("eps"))
+          .weight_decay(one("weight_decay"))
+          .amsgrad(one("amsgrad") != 0);
     } else {
-      a.momentum(one("momentum")).dampening(one("dampening")).weight_decay(one("weight_decay")).nesterov(one("nesterov") != 0);
+      a.momentum(one("momentum"))
+          .dampening(one("dampening"))
+          .weight_decay(one("weight_decay"))
+          .nesterov(one("nesterov") != 0);
     }
   });
 }
@@ -78,7 +90,10 @@ FSDPX_DECL StateDict sharded_state_dict(const core::ShardedModel& model) {
     for (const core::ParamInfo& p : u.layout().params()) {
       const core::FlatRange r = u.held_range(p);
       if (r.begin >= r.end) continue;
-      sd.entries.push_back({p.name, p.shape, r.begin - p.offset, r.end - p.offset,
+      sd.entries.push_back({p.name,
+                            p.shape,
+                            r.begin - p.offset,
+                            r.end - p.offset,
                             {{"data", detail::host_copy(u.shard().narrow(0, r.begin - base, r.size()))}}});
     }
   }
@@ -91,7 +106,8 @@ FSDPX_DECL StateDict local_state_dict(const core::ShardedModel& model) {
   for (size_t i = 0; i < model.num_units(); ++i) {
     const core::Unit& u = model.unit(i);
     const core::FlatRange r = u.layout().shard_range(u.shard_rank());
-    sd.entries.push_back({u.name(), {u.layout().padded_numel()}, r.begin, r.end, {{"data", detail::host_copy(u.shard())}}});
+    sd.entries.push_back(
+        {u.name(), {u.layout().padded_numel()}, r.begin, r.end, {{"data", detail::host_copy(u.shard())}}});
   }
   detail::add_buffers(sd, model);  // a local state dict is loaded by the rank that saved it only
   return sd;
@@ -119,11 +135,11 @@ FSDPX_DECL StateDict full_state_dict(core::ShardedModel& model, bool all_ranks) 
   return sd;
 }
 
-FSDPX_DECL void load_model_state_dict(core::ShardedModel& model,
-                                  const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved,
-                                  bool strict) {
+FSDPX_DECL void load_model_state_dict(
+    core::ShardedModel& model, const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved,
+    bool strict) {
   model.wait_for_shard_readers();  // a background checkpoint copy may still read the shards
-  model.reshard_all();         // the next forward gathers the loaded shards
+  model.reshard_all();             // the next forward gathers the loaded shards
   detail::SliceLoader loader("model", model.options().inference_only);
   std::optional<StateDictKind> kind;
   for (size_t i = 0; i < model.num_units(); ++i) {
@@ -132,7 +148,8 @@ FSDPX_DECL void load_model_state_dict(core::ShardedModel& model,
     for (const core::ParamInfo& p : u.layout().params()) {
       const core::FlatRange r = u.held_range(p);
       if (r.begin < r.end) {
-        loader.add_target(p.name, p.shape, r.begin - p.offset, r.end - p.offset, u.shard().narrow(0, r.begin - base, r.size()));
+        loader.add_target(p.name, p.shape, r.begin - p.offset, r.end - p.offset,
+                          u.shard().narrow(0, r.begin - base, r.size()));
       } else {
         loader.add_target(p.name, p.shape, 0, 0, u.shard().narrow(0, 0, 0));  // known name, nothing to copy
       }
@@ -152,8 +169,10 @@ FSDPX_DECL void load_model_state_dict(core::ShardedModel& model,
                 to_string(sd.kind), ")");
     kind = sd.kind;
     if (sd.kind == StateDictKind::local) {
-      FSDPX_CHECK(sd.world_size == model.mesh().world().size(), "a local state dict loads only at the world size "
-                  "that saved it: it was saved by ", sd.world_size, " ranks, this job has ", model.mesh().world().size(),
+      FSDPX_CHECK(sd.world_size == model.mesh().world().size(),
+                  "a local state dict loads only at the world size "
+                  "that saved it: it was saved by ",
+                  sd.world_size, " ranks, this job has ", model.mesh().world().size(),
                   "; save a sharded or full state dict to change the world size");
       if (sd.rank != model.mesh().world().rank()) return;  // a local state dict is this rank's only
       local.load(sd, "data");
@@ -167,7 +186,8 @@ FSDPX_DECL void load_model_state_dict(core::ShardedModel& model,
 
 FSDPX_DECL StateDict optimizer_state_dict(const core::ShardedModel& model, torch::optim::Optimizer& optimizer) {
   StateDict sd = detail::empty_state_dict(model, StateDictKind::sharded, "optim");
-  for (auto& group : optimizer.param_groups()) sd.param_groups.push_back(detail::group_hyperparameters(group.options()));
+  for (auto& group : optimizer.param_groups())
+    sd.param_groups.push_back(detail::group_hyperparameters(group.options()));
   if (!optimizer.state().empty()) {  // every rank steps together: the trained units' parameters all have state
     for (size_t i = 0; i < model.num_units(); ++i) {
       const core::Unit& u = model.unit(i);
@@ -197,8 +217,9 @@ FSDPX_DECL StateDict optimizer_state_dict(const core::ShardedModel& model, torch
   return sd;
 }
 
-FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::ShardedModel& model,
-                                      const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved) {
+FSDPX_DECL void load_optimizer_state_dict(
+    torch::optim::Optimizer& optimizer, core::ShardedModel& model,
+    const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved) {
   struct Pending {
     const core::Unit* unit;
     const core::Unit::OptimParam* op;
@@ -257,7 +278,8 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
     split.world_size = sd.world_size;  // so the loader knows when every saving rank's file was read
     split.rank = sd.rank;
     for (const TensorSlice& s : sd.entries) {
-      for (const auto& [key, t] : s.tensors) split.entries.push_back({s.name + " [" + key + "]", s.shape, s.begin, s.end, {{"v", t}}, s.step});
+      for (const auto& [key, t] : s.tensors)
+        split.entries.push_back({s.name + " [" + key + "]", s.shape, s.begin, s.end, {{"v", t}}, s.step});
     }
     loader.load(split, "v");
   });
@@ -272,7 +294,8 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
   const auto had_state = [&](const std::string& name) {
     return trained ? trained->count(name) != 0 : loader.seen(name + " [" + keys.front() + "]");
   };
-  const auto saved = [&](const core::Unit& u, bool decay, std::vector<std::string>* with, std::vector<std::string>* without) {
+  const auto saved = [&](const core::Unit& u, bool decay, std::vector<std::string>* with,
+                         std::vector<std::string>* without) {
     bool any = false;
     for (const core::ParamInfo& p : u.layout().params()) {
       if (p.decay != decay) continue;
@@ -295,8 +318,11 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
                                       ::fsdpx::detail::join_names(with));
     }
   }
-  FSDPX_CHECK(changed.empty(), "loading the optimizer state dict: the parameters frozen when it was saved differ from those "
-              "frozen now, within one optimizer state:", changed, "\n  Resume with the same parameters frozen, or load the "
+  FSDPX_CHECK(changed.empty(),
+              "loading the optimizer state dict: the parameters frozen when it was saved differ from those "
+              "frozen now, within one optimizer state:",
+              changed,
+              "\n  Resume with the same parameters frozen, or load the "
               "model only and start a new optimizer.");
   // Parameters the model lacks were named by the model load already; a state saved for a parameter
   // frozen now is left out.
@@ -322,7 +348,8 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
           to = std::max(to, hi);
         }
         FSDPX_CHECK(to >= target.end, "loading the optimizer state dict: the state of '", t, "' elements [", to, ", ",
-                    target.end, ") is not in the files read (this rank's shard is not the saving rank's: the units' "
+                    target.end,
+                    ") is not in the files read (this rank's shard is not the saving rank's: the units' "
                     "layout differs)");
       }
     }
@@ -335,7 +362,8 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
   for (size_t i = 0; i < pending.size(); ++i) {
     auto& pend = pending[i];
     if (!restore[i]) continue;
-    optimizer.state()[pend.op->tensor.unsafeGetTensorImpl()] = detail::make_optimizer_state(optimizer, std::move(pend.tensors), step);
+    optimizer.state()[pend.op->tensor.unsafeGetTensorImpl()] =
+        detail::make_optimizer_state(optimizer, std::move(pend.tensors), step);
   }
 }
 
@@ -368,14 +396,12 @@ FSDPX_DECL void detail::SliceLoader::load(const StateDict& sd, const std::string
                                                  " in the checkpoint but ", target.dst.scalar_type(), " in the model"));
         break;
       }
-      FSDPX_CHECK_AS(IoError, t->second.numel() == s.end - s.begin, "'", s.name, "' in rank ", sd.rank, "'s ",
-                     what_, " state dict holds ", t->second.numel(), " elements for the range [", s.begin, ", ",
-                     s.end, ")");
+      FSDPX_CHECK_AS(IoError, t->second.numel() == s.end - s.begin, "'", s.name, "' in rank ", sd.rank, "'s ", what_,
+                     " state dict holds ", t->second.numel(), " elements for the range [", s.begin, ", ", s.end, ")");
       const int64_t lo = std::max(s.begin, target.begin), hi = std::min(s.end, target.end);
       if (lo >= hi) continue;
       at::NoGradGuard no_grad;
-      target.dst.narrow(0, lo - target.begin, hi - lo)
-          .copy_(t->second.reshape({-1}).narrow(0, lo - s.begin, hi - lo));
+      target.dst.narrow(0, lo - target.begin, hi - lo).copy_(t->second.reshape({-1}).narrow(0, lo - s.begin, hi - lo));
       target.filled.emplace_back(lo, hi);
     }
   }
@@ -398,8 +424,8 @@ FSDPX_DECL void detail::SliceLoader::finish(bool strict, bool absent_is_missing)
         covered_to = std::max(covered_to, hi);
       }
       if (covered_to < t.end) {
-        missing.push_back(::fsdpx::detail::str(name, (t.filled.empty() ? "" : " (partly)"), " [", covered_to, ", ",
-                                               t.end, ")"));
+        missing.push_back(
+            ::fsdpx::detail::str(name, (t.filled.empty() ? "" : " (partly)"), " [", covered_to, ", ", t.end, ")"));
       }
     }
   }
@@ -453,7 +479,8 @@ FSDPX_DECL int64_t optimizer_step(torch::optim::OptimizerParamState& state) {
 
 FSDPX_DECL void add_buffers(StateDict& sd, const core::ShardedModel& model) {
   for (const auto& [name, b] : model.named_buffers()) {
-    sd.entries.push_back({name, b.sizes().vec(), 0, b.numel(), {{"data", host_copy(b.detach().contiguous().reshape({-1}))}}});
+    sd.entries.push_back(
+        {name, b.sizes().vec(), 0, b.numel(), {{"data", host_copy(b.detach().contiguous().reshape({-1}))}}});
   }
 }
 

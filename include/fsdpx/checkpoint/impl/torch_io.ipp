@@ -20,11 +20,13 @@
 
 namespace fsdpx::checkpoint::detail {
 
-FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const c10::IValue& value, bool compute_record_crc32) {
+FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const c10::IValue& value,
+                                                    bool compute_record_crc32) {
   std::vector<char> pickle_bytes;
   // No type tags: Python's torch.load(weights_only=True) refuses their restore_type_tag global.
-  torch::jit::Pickler pickler([&](const char* data, size_t n) { pickle_bytes.insert(pickle_bytes.end(), data, data + n); },
-                              nullptr, nullptr, nullptr, nullptr, /*tag_aggregates=*/false);
+  torch::jit::Pickler pickler(
+      [&](const char* data, size_t n) { pickle_bytes.insert(pickle_bytes.end(), data, data + n); }, nullptr, nullptr,
+      nullptr, nullptr, /*tag_aggregates=*/false);
   pickler.protocol();
   pickler.pushIValue(value);
   pickler.stop();
@@ -47,7 +49,8 @@ FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const 
             return n;
           },
           /*compute_crc32=*/compute_record_crc32);
-      torch::jit::writeArchiveAndTensors("data", pickle_bytes.data(), pickle_bytes.size(), pickler.tensorData(), writer);
+      torch::jit::writeArchiveAndTensors("data", pickle_bytes.data(), pickle_bytes.size(), pickler.tensorData(),
+                                         writer);
       writer.writeEndOfFile();
     }
     if (failure) std::rethrow_exception(failure);
@@ -77,24 +80,26 @@ FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t>
   const size_t bytes = data.size();
   if (expected_crc32c) {
     const uint32_t crc = ::fsdpx::detail::Crc32c::of(data.data(), data.size());
-    FSDPX_CHECK_AS(IoError, crc == *expected_crc32c, "checkpoint file '", path.string(), "' is corrupt: its CRC-32C is ",
-                   crc, " but ", *expected_crc32c, " was committed");
+    FSDPX_CHECK_AS(IoError, crc == *expected_crc32c, "checkpoint file '", path.string(),
+                   "' is corrupt: its CRC-32C is ", crc, " but ", *expected_crc32c, " was committed");
   }
   try {
     // What torch::jit::pickle_load does, through a reader that cannot read past the file.
     caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BoundedBytesReader>(std::move(data)));
-    return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", std::nullopt, std::nullopt,
-                                             std::nullopt, reader);
+    return torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"", std::nullopt,
+                                             std::nullopt, std::nullopt, reader);
   } catch (const c10::Error& e) {
     throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", bytes,
                                        " bytes) is truncated or corrupt: ", e.what_without_backtrace()));
   } catch (const std::bad_alloc&) {
     // LibTorch's unpickler reserves what a length field says before reading it: a corrupt length
     // (reachable only without a checksum to check first) asks for more memory than there is.
-    throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", bytes,
-                                       " bytes) is corrupt: a length inside it asks for more memory than this machine has"));
+    throw IoError(
+        ::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", bytes,
+                             " bytes) is corrupt: a length inside it asks for more memory than this machine has"));
   } catch (const std::exception& e) {
-    throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", bytes, " bytes) is corrupt: ", e.what()));
+    throw IoError(::fsdpx::detail::str("fsdpx: checkpoint file '", path.string(), "' (", bytes,
+                                       " bytes) is corrupt: ", e.what()));
   }
 }
 

@@ -3,7 +3,8 @@
 #pragma once
 
 #if !defined(FSDPX_WITH_BOOST)
-#error "fsdpx's checkpoint coordinator needs Boost.Asio: install Boost (Debian: libboost-dev) and build with FSDPX_WITH_BOOST (fsdpx's CMake package sets it when Boost is found)"
+#error \
+    "fsdpx's checkpoint coordinator needs Boost.Asio: install Boost (Debian: libboost-dev) and build with FSDPX_WITH_BOOST (fsdpx's CMake package sets it when Boost is found)"
 #endif
 
 #include <algorithm>

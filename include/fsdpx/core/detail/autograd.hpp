@@ -1,9 +1,9 @@
 // Where fsdpx reaches into autograd's internals (torch/csrc/autograd); core/detail/storage.hpp is its
 // twin for LibTorch's storage and allocator. Everything here was checked against LibTorch's sources and
 // is exercised by the parity tests (tests/core): LibTorch modules have no hooks, so the unit protocol
-// runs from a call-site function plus these autograd triggers. docs/core.md ("The unit boundary") explains the design. The definitions are in
-// core/impl/autograd.ipp, so a translation unit that includes this header does not compile autograd's
-// custom-function machinery.
+// runs from a call-site function plus these autograd triggers. docs/core.md ("The unit boundary") explains the design.
+// The definitions are in core/impl/autograd.ipp, so a translation unit that includes this header does not compile
+// autograd's custom-function machinery.
 #pragma once
 
 #include <fsdpx/detail/config.hpp>

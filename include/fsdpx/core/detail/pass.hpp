@@ -41,10 +41,10 @@ using core::UnitPhase;
 struct UnitRecord {
   UnitPhase phase = UnitPhase::idle;
   UnitPhase before_forward = UnitPhase::idle;  // the phase its running forward started from (restored if it throws)
-  bool ran_with_grad = false;  // its forward ran with gradients on (the same on every rank)
-  bool prefetched_backward = false;  // its backward prefetch was issued
-  int tracked_calls = 0;       // calls whose inputs went through a post-backward node
-  int finished_calls = 0;      // of those, the calls whose post-backward node ran
+  bool ran_with_grad = false;                  // its forward ran with gradients on (the same on every rank)
+  bool prefetched_backward = false;            // its backward prefetch was issued
+  int tracked_calls = 0;                       // calls whose inputs went through a post-backward node
+  int finished_calls = 0;                      // of those, the calls whose post-backward node ran
   // Those nodes: a node that expired belongs to a graph dropped without a backward.
   std::vector<std::weak_ptr<const void>> post_backward_nodes;
   int grads_ready = 0;         // parameter gradients accumulated since its backward began
@@ -60,13 +60,13 @@ inline void check_phase(const UnitRecord& r, const std::string& unit, const char
   if (std::find(from.begin(), from.end(), r.phase) != from.end()) return;
   std::string accepted;
   for (const UnitPhase p : from) accepted += (accepted.empty() ? "" : ", ") + std::string(name(p));
-  FSDPX_FAIL(Error, "unit '", unit, "': ", transition, " found it in phase \"", name(r.phase), "\" but starts only from ",
-             accepted, " (to ", name(to), ")", hint);
+  FSDPX_FAIL(Error, "unit '", unit, "': ", transition, " found it in phase \"", name(r.phase),
+             "\" but starts only from ", accepted, " (to ", name(to), ")", hint);
 }
 
 /// check_phase, then the record moves to `to`.
-inline void move_phase(UnitRecord& r, const std::string& unit, const char* transition, std::initializer_list<UnitPhase> from,
-                       UnitPhase to, const char* hint = "") {
+inline void move_phase(UnitRecord& r, const std::string& unit, const char* transition,
+                       std::initializer_list<UnitPhase> from, UnitPhase to, const char* hint = "") {
   check_phase(r, unit, transition, from, to, hint);
   r.phase = to;
 }
@@ -74,12 +74,12 @@ inline void move_phase(UnitRecord& r, const std::string& unit, const char* trans
 /// Everything one training pass owns.
 struct Pass {
   PassStage stage = PassStage::idle;
-  int backward_id = -1;              // autograd's id of the backward pass, while stage == backward
-  std::vector<UnitRecord> units;     // by unit index
-  std::vector<Unit*> recording;      // this forward's units so far, in order
+  int backward_id = -1;           // autograd's id of the backward pass, while stage == backward
+  std::vector<UnitRecord> units;  // by unit index
+  std::vector<Unit*> recording;   // this forward's units so far, in order
   std::vector<bool> recorded;
-  std::vector<Unit*> issued;         // reductions of this pass, in the order they were issued
-  size_t replica_next = 0;           // issued[replica_next...] have not started their replica all-reduce
+  std::vector<Unit*> issued;  // reductions of this pass, in the order they were issued
+  size_t replica_next = 0;    // issued[replica_next...] have not started their replica all-reduce
   StepStats stats;
 
   /// Forgets the calls whose graph was dropped without a backward (a forward with gradients on whose

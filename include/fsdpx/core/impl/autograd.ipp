@@ -62,8 +62,8 @@ std::shared_ptr<T> saved_shared(torch::autograd::AutogradContext* ctx, const std
 }
 
 struct PostBackwardFunction : torch::autograd::Function<PostBackwardFunction> {
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                at::TensorList inputs, std::shared_ptr<BackwardHook> hook) {
+  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, at::TensorList inputs,
+                                                std::shared_ptr<BackwardHook> hook) {
     ctx->set_materialize_grads(false);  // an input without a gradient passes an undefined one on
     save_shared(ctx, "hook", std::move(hook));
     return inputs.vec();  // autograd returns views of them with this node as their grad_fn
@@ -193,7 +193,8 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const std::shared_ptr<CheckpointState> state = saved_shared<CheckpointState>(ctx, "state");
-    FSDPX_CHECK(!at::GradMode::is_enabled(), "a checkpointed unit cannot be differentiated twice (backward with "
+    FSDPX_CHECK(!at::GradMode::is_enabled(),
+                "a checkpointed unit cannot be differentiated twice (backward with "
                 "create_graph): turn activation checkpointing off for this pass (set_activation_checkpointing(false))");
     const std::vector<at::Tensor> saved = ctx->get_saved_variables();
     std::vector<at::Tensor> inputs;
@@ -266,7 +267,8 @@ FSDPX_DECL void accumulate_grad(const at::Tensor& param, at::Tensor grad) {
   const bool owned = grad.use_count() == 1 && grad.storage().use_count() == 1 && grad.is_contiguous() &&
                      grad.storage_offset() == 0 && grad.storage().nbytes() == grad.nbytes() &&
                      grad.sizes() == param.sizes() && grad.scalar_type() == param.scalar_type();
-  current = owned ? std::move(grad) : grad.to(param.scalar_type()).clone(at::MemoryFormat::Contiguous).view(param.sizes());
+  current =
+      owned ? std::move(grad) : grad.to(param.scalar_type()).clone(at::MemoryFormat::Contiguous).view(param.sizes());
 }
 
 }  // namespace fsdpx::core::detail

@@ -45,7 +45,8 @@ FSDPX_DECL ModelPlan plan_model(torch::nn::Module& root, const UnitOptions& opti
   ModelPlan plan;
   // Names of every parameter (the first name of a shared one).
   std::unordered_map<const c10::TensorImpl*, std::string> names;
-  for (const auto& item : root.named_parameters(/*recurse=*/true)) names.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  for (const auto& item : root.named_parameters(/*recurse=*/true))
+    names.emplace(item.value().unsafeGetTensorImpl(), item.key());
   const auto decays = [&](const std::string& name, const at::Tensor& p) {
     return setup.decay ? setup.decay(name, p) : p.dim() >= 2;
   };
@@ -72,8 +73,9 @@ FSDPX_DECL ModelPlan plan_model(torch::nn::Module& root, const UnitOptions& opti
     for (const at::Tensor& p : plan.modules[m]->parameters(/*recurse=*/true)) {
       const auto* key = p.unsafeGetTensorImpl();
       if (const auto it = owner.find(key); it != owner.end()) {
-        FSDPX_CHECK(it->second == unit_name, "parameter '", names[key], "' is shared by units '", it->second,
-                    "' and '", unit_name, "'; shared (tied) parameters must live in one unit: wrap a common parent "
+        FSDPX_CHECK(it->second == unit_name, "parameter '", names[key], "' is shared by units '", it->second, "' and '",
+                    unit_name,
+                    "'; shared (tied) parameters must live in one unit: wrap a common parent "
                     "or leave both users in the root");
         continue;
       }
@@ -83,7 +85,8 @@ FSDPX_DECL ModelPlan plan_model(torch::nn::Module& root, const UnitOptions& opti
   }
   for (const auto& item : root.named_parameters(/*recurse=*/true)) {
     const auto* key = item.value().unsafeGetTensorImpl();
-    if (owner.emplace(key, "root").second) params[0].push_back({item.key(), item.value(), {}, decays(item.key(), item.value())});
+    if (owner.emplace(key, "root").second)
+      params[0].push_back({item.key(), item.value(), {}, decays(item.key(), item.value())});
   }
 
   // A module with frozen and trainable parameters (LoRA adapters beside frozen base weights) gets two
@@ -96,7 +99,8 @@ FSDPX_DECL ModelPlan plan_model(torch::nn::Module& root, const UnitOptions& opti
     std::vector<ParamInfo>& mine = params[m];
     std::vector<ParamInfo> frozen;
     if (std::any_of(mine.begin(), mine.end(), [](const ParamInfo& p) { return p.param.requires_grad(); })) {
-      const auto split = std::stable_partition(mine.begin(), mine.end(), [](const ParamInfo& p) { return p.param.requires_grad(); });
+      const auto split =
+          std::stable_partition(mine.begin(), mine.end(), [](const ParamInfo& p) { return p.param.requires_grad(); });
       frozen.assign(std::make_move_iterator(split), std::make_move_iterator(mine.end()));
       mine.erase(split, mine.end());
     }
@@ -124,7 +128,7 @@ FSDPX_DECL ModelPlan plan_model(torch::nn::Module& root, const UnitOptions& opti
 }  // namespace detail
 
 FSDPX_DECL ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> root, Mesh mesh, UnitOptions options,
-    const ModelSetup& setup)
+                                      const ModelSetup& setup)
     : root_module_(std::move(root)), mesh_(std::move(mesh)), options_(options), buffer_sync_(setup.buffer_sync) {
   detail::ModelPlan plan = detail::plan_model(*root_module_, options_, setup);
   check_plan(plan);
@@ -179,18 +183,21 @@ FSDPX_DECL void ShardedModel::check_plan(const detail::ModelPlan& plan) {
   const int me = mesh_.world().rank();
   if (!count_differs.empty()) {
     std::string counts;
-    for (size_t r = 0; r * 2 < all.size(); ++r) counts += ::fsdpx::detail::str(r ? ", " : "", "rank ", r, ": ", all[r * 2]);
-    throw ConfigError(::fsdpx::detail::str(
-        "fsdpx: the ranks built different models (rank ", me, "): they hold different numbers of parameters and buffers (",
-        counts, "); ranks differing from rank 0: ", join_ranks(count_differs), ". Every rank must construct the "
-        "same model with the same configuration."));
+    for (size_t r = 0; r * 2 < all.size(); ++r)
+      counts += ::fsdpx::detail::str(r ? ", " : "", "rank ", r, ": ", all[r * 2]);
+    throw ConfigError(::fsdpx::detail::str("fsdpx: the ranks built different models (rank ", me,
+                                           "): they hold different numbers of parameters and buffers (", counts,
+                                           "); ranks differing from rank 0: ", join_ranks(count_differs),
+                                           ". Every rank must construct the "
+                                           "same model with the same configuration."));
   }
   const auto per_tensor = all_gather_world(hashes);
   for (size_t i = 0; i < hashes.size(); ++i) {
     if (const auto ranks = ranks_differing(per_tensor, hashes.size(), i); !ranks.empty()) {
       throw ConfigError(::fsdpx::detail::str(
           "fsdpx: the ranks built different models: ", described[i], " on rank ", me,
-          " is not the same on rank 0 and rank(s) ", join_ranks(ranks), " (name, shape, dtype, requires_grad or "
+          " is not the same on rank 0 and rank(s) ", join_ranks(ranks),
+          " (name, shape, dtype, requires_grad or "
           "weight-decay class). Every rank must construct the same model with the same configuration."));
     }
   }
@@ -305,7 +312,8 @@ FSDPX_DECL int64_t ShardedModel::fingerprint(const at::Tensor& tensor) {
 }
 
 FSDPX_DECL void ShardedModel::replicate_values(const std::string& unit, const std::vector<ParamInfo>& params,
-    torch::nn::Module& module, bool root, bool values_meaningful, ReplicaInit how) {
+                                               torch::nn::Module& module, bool root, bool values_meaningful,
+                                               ReplicaInit how) {
   std::vector<std::pair<std::string, at::Tensor>> tensors;
   for (const ParamInfo& p : params) tensors.emplace_back(p.name, p.param);
   for (auto& [name, buffer] : unit_buffers(module, root)) tensors.emplace_back(name, buffer);
@@ -332,7 +340,8 @@ FSDPX_DECL void ShardedModel::replicate_values(const std::string& unit, const st
     if (const auto ranks = ranks_differing(all, prints.size(), i); !ranks.empty()) {
       throw ConfigError(::fsdpx::detail::str(
           "fsdpx: '", tensors[i].first, "' (unit '", unit, "') does not hold the same values on rank 0 and rank(s) ",
-          join_ranks(ranks), "; every rank takes its shard from its own copy, so the model would be a patchwork. "
+          join_ranks(ranks),
+          "; every rank takes its shard from its own copy, so the model would be a patchwork. "
           "Seed every rank's random generator alike before constructing the model, or set "
           "FsdpOptions::replicas = fsdpx::ReplicaInit::broadcast_from_rank0 to copy rank 0's values (as DDP does)."));
     }
@@ -340,7 +349,7 @@ FSDPX_DECL void ShardedModel::replicate_values(const std::string& unit, const st
 }
 
 FSDPX_DECL std::vector<std::pair<std::string, at::Tensor>> ShardedModel::unit_buffers(torch::nn::Module& module,
-    bool root) const {
+                                                                                      bool root) const {
   std::vector<std::pair<std::string, at::Tensor>> out;
   if (!root) {
     for (const auto& b : module.named_buffers(/*recurse=*/true)) out.emplace_back(b.key(), b.value());

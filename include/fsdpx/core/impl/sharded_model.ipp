@@ -254,7 +254,7 @@ FSDPX_DECL void ShardedModel::end_of_backward() {
     for (Unit* u : pass_.issued) u->apply_gradient_reduction();
   }
   abort_unless_done.done = true;
-  reshard_all();  // the next forward gathers the updated shards
+  reshard_all();                                   // the next forward gathers the updated shards
   memory::HostBufferCache::instance().end_step();  // the step buffers kept: no more than this step's peak
   for (const auto& r : pass_.units) pass_.stats.units_run += r.ran_with_grad ? 1 : 0;
   last_stats_ = pass_.stats;
@@ -331,7 +331,8 @@ FSDPX_DECL void ShardedModel::rethrow_if_resharded_access(const c10::Error& e) c
   throw ConfigError(::fsdpx::detail::str(
       "fsdpx: a sharded unit's parameters were used while resharded: a module called a sharded child directly. "
       "Call sharded modules through fsdpx::forward(child, args...) or fsdpx::call(child, fn), or choose units "
-      "(wrap policy) that the model calls that way. Sharded units: ", names, ". (ATen: ", what.substr(0, 200), ")"));
+      "(wrap policy) that the model calls that way. Sharded units: ",
+      names, ". (ATen: ", what.substr(0, 200), ")"));
 }
 
 // ---- buffers ------------------------------------------------------------------------------------------------
@@ -427,7 +428,8 @@ FSDPX_DECL GradNorm ShardedModel::clip_grad_norm_(double max_norm) {
   GradNorm norm{std::sqrt(sq.item<double>())};
   if (!norm.is_finite()) {
     for (auto& u : units_) u->clear_shard_grads();
-    TORCH_WARN("fsdpx: the global gradient norm is ", norm.value, "; the gradients were cleared, so this step "
+    TORCH_WARN("fsdpx: the global gradient norm is ", norm.value,
+               "; the gradients were cleared, so this step "
                "changes no parameter");
     return norm;
   }

@@ -7,7 +7,7 @@
 namespace fsdpx::core {
 
 FSDPX_DECL Unit::Unit(std::string name, int index, std::vector<ParamInfo> params, UnitComms comms,
-    const UnitOptions& options)
+                      const UnitOptions& options)
     : name_(std::move(name)), index_(index), comms_(std::move(comms)), options_(options) {
   shard_rank_ = comms_.gather.rank();
   check_params(name_, params, options_);
@@ -44,7 +44,7 @@ FSDPX_DECL Unit::Unit(std::string name, int index, std::vector<ParamInfo> params
 }
 
 FSDPX_DECL void Unit::check_params(const std::string& name, const std::vector<ParamInfo>& params,
-    const UnitOptions& options) {
+                                   const UnitOptions& options) {
   if (params.empty()) return;
   const bool trainable = params.front().param.requires_grad();
   for (const ParamInfo& p : params) {
@@ -62,12 +62,13 @@ FSDPX_DECL void Unit::unshard_async() {
   if (state_ != State::sharded) return;
   RECORD_USER_SCOPE("fsdpx::all_gather");
   // Host buffers come from the step-buffer cache (the same sizes every step); a device's from its allocator.
-  detail::allocate_storage(full_, full_.is_cpu() ? memory::HostBufferCache::instance().allocate(full_.nbytes()) : at::DataPtr());
+  detail::allocate_storage(
+      full_, full_.is_cpu() ? memory::HostBufferCache::instance().allocate(full_.nbytes()) : at::DataPtr());
   at::NoGradGuard no_grad;
   const FlatRange mine = layout_.shard_range(shard_rank_);
   auto slot = full_.narrow(0, mine.begin, mine.size());
   slot.copy_(shard_, /*non_blocking=*/options_.pin_memory);  // cast (and host-to-device when offloaded)
-  gather_ = comms_.gather.all_gather_async(full_, slot);   // in place: the slot is this rank's input
+  gather_ = comms_.gather.all_gather_async(full_, slot);     // in place: the slot is this rank's input
   state_ = State::gathering;
 }
 
@@ -141,7 +142,8 @@ FSDPX_DECL void Unit::start_replica_reduction() {
 }
 
 FSDPX_DECL void Unit::start_gradient_copy_to_host() {
-  if (!reducing_ || copy_done_ || !reduced_.defined() || reduced_.device() == shard_.device() || !shard_.is_cpu()) return;
+  if (!reducing_ || copy_done_ || !reduced_.defined() || reduced_.device() == shard_.device() || !shard_.is_cpu())
+    return;
   start_replica_reduction();
   RECORD_USER_SCOPE("fsdpx::offload_gradient_copy");
   replica_.wait_stream();  // orders this stream after the reduction

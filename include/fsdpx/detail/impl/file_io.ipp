@@ -59,8 +59,8 @@ FSDPX_DECL void reserve_space(const fs::path& path, int64_t bytes) {
   }
 }
 
-FSDPX_DECL WrittenFile write_file_durably(const fs::path& path,
-                                     const std::function<void(const std::function<void(const void*, size_t)>&)>& produce) {
+FSDPX_DECL WrittenFile write_file_durably(
+    const fs::path& path, const std::function<void(const std::function<void(const void*, size_t)>&)>& produce) {
   DurableFile file(path);
   produce([&](const void* data, size_t n) { file.append(data, n); });
   return file.commit();
@@ -69,7 +69,7 @@ FSDPX_DECL WrittenFile write_file_durably(const fs::path& path,
 FSDPX_DECL std::vector<char> read_file(const fs::path& path, const char* what, int64_t max_bytes) {
   // The one way in: a regular file, opened without blocking (a FIFO or a device would hang or never end).
   const Fd fd = open_regular_file(path, what);
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd.get(), &st) != 0) throw_io("stat of", path, errno);
   FSDPX_CHECK_AS(IoError, st.st_size <= max_bytes, what, " '", path.string(), "' has ", int64_t{st.st_size},
                  " bytes; it may have at most ", max_bytes);
@@ -83,7 +83,8 @@ FSDPX_DECL void DurableFile::append(const void* data, size_t n) {
   crc_.update(p, n);
   FaultInjection& fault = fault_injection();
   while (n > 0) {
-    if (const int err = fault.error.load(); err != 0 && fault.written.load() + static_cast<int64_t>(n) > fault.after_bytes) {
+    if (const int err = fault.error.load();
+        err != 0 && fault.written.load() + static_cast<int64_t>(n) > fault.after_bytes) {
       throw_io("writing", tmp_, err);
     }
     const ssize_t k = ::write(fd_.get(), p, n);
@@ -111,7 +112,7 @@ FSDPX_DECL Fd open_regular_file(const fs::path& path, const char* what) {
   std::error_code ec;
   FSDPX_CHECK_AS(IoError, fs::exists(path, ec), what, " '", path.string(), "' does not exist");
   Fd fd(path, O_RDONLY | O_NONBLOCK);
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd.get(), &st) != 0) throw_io("stat of", path, errno);
   FSDPX_CHECK_AS(IoError, S_ISREG(st.st_mode), what, " '", path.string(), "' is not a regular file");
   return fd;

@@ -44,12 +44,10 @@ struct OpContext {
 };
 
 template <class Context>
-inline void check_tensor(const Context& ctx, std::string_view role, const at::Tensor& t,
-                         c10::DeviceType device_type) {
+inline void check_tensor(const Context& ctx, std::string_view role, const at::Tensor& t, c10::DeviceType device_type) {
   FSDPX_CHECK(t.defined(), ctx, ": the ", role, " tensor is undefined");
   FSDPX_CHECK(t.device().type() == device_type, ctx, ": the ", role, " tensor is on ", t.device(),
-              " but this backend works on ", c10::DeviceTypeName(device_type, /*lower_case=*/true),
-              " tensors");
+              " but this backend works on ", c10::DeviceTypeName(device_type, /*lower_case=*/true), " tensors");
   FSDPX_CHECK(t.is_contiguous(), ctx, ": the ", role, " tensor must be contiguous");
 }
 
@@ -57,23 +55,22 @@ template <class Context>
 inline void check_same_dtype(const Context& ctx, const at::Tensor& output, const at::Tensor& input) {
   FSDPX_CHECK(output.scalar_type() == input.scalar_type(), ctx, ": output dtype ", output.scalar_type(),
               " differs from input dtype ", input.scalar_type());
-  FSDPX_CHECK(output.device() == input.device(), ctx, ": output is on ", output.device(),
-              " but input is on ", input.device());
+  FSDPX_CHECK(output.device() == input.device(), ctx, ": output is on ", output.device(), " but input is on ",
+              input.device());
 }
 
 /// For all_gather (big = output) and reduce_scatter (big = input): big.numel() == size * small.numel().
 template <class Context>
 inline void check_scatter_sizes(const Context& ctx, const at::Tensor& big, std::string_view big_role,
                                 const at::Tensor& small, std::string_view small_role, int size) {
-  FSDPX_CHECK(big.numel() == small.numel() * size, ctx, ": the ", big_role, " must hold world size x ",
-              small_role, " elements (", size, " x ", small.numel(), " = ", small.numel() * size, "), got ",
-              big.numel(), "; pad the ", small_role, " so every rank contributes the same count");
+  FSDPX_CHECK(big.numel() == small.numel() * size, ctx, ": the ", big_role, " must hold world size x ", small_role,
+              " elements (", size, " x ", small.numel(), " = ", small.numel() * size, "), got ", big.numel(),
+              "; pad the ", small_role, " so every rank contributes the same count");
 }
 
 template <class Context>
 inline void check_root(const Context& ctx, int root, int size) {
-  FSDPX_CHECK(root >= 0 && root < size, ctx, ": root ", root, " is not a rank of a communicator of size ",
-              size);
+  FSDPX_CHECK(root >= 0 && root < size, ctx, ": root ", root, " is not a rank of a communicator of size ", size);
 }
 
 /// Average needs a floating dtype; integer averages would silently truncate.

@@ -30,9 +30,8 @@ class CommHealth {
   template <class Context>
   void check(const Context& context) const {
     if (broken_.load()) [[unlikely]] {
-      throw CommError(str("fsdpx: ", context,
-                                           " refused: the communicator is unusable after an earlier failure: ",
-                                           cause()));
+      throw CommError(
+          str("fsdpx: ", context, " refused: the communicator is unusable after an earlier failure: ", cause()));
     }
   }
 

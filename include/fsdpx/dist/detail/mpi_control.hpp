@@ -94,7 +94,7 @@ class MpiControl {
 
   /// Why `members`' collective `id` cannot complete any more, or nothing.
   FSDPX_DECL std::optional<Verdict> verdict(const std::vector<int>& members, CollectiveId id,
-      Clock::time_point now) const;
+                                            Clock::time_point now) const;
 
   /// Tells every rank still in the job that this one leaves (`failing`: with an error), with how many
   /// collectives it started on each communicator; waits a bounded time for the notices to go out and
@@ -113,7 +113,7 @@ class MpiControl {
     Clock::time_point at;
     Kind kind;
     std::map<std::uint64_t, std::uint64_t> started;  // finished: collectives started per communicator
-    std::string why;                                   // unresponsive: the text of the error
+    std::string why;                                 // unresponsive: the text of the error
   };
   struct PendingSend {
     std::shared_ptr<const Notice> buffer;

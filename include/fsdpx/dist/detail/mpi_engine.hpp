@@ -171,7 +171,7 @@ class MpiEngine {
 
   static constexpr std::chrono::milliseconds control_poll_interval{50};  // idle wake-ups
   static constexpr std::chrono::milliseconds control_poll_spacing{10};   // at most this often otherwise
-  static constexpr std::size_t max_spare = 64;  // retired task slots kept for reuse
+  static constexpr std::size_t max_spare = 64;                           // retired task slots kept for reuse
 
   mutable std::mutex mutex_;
   std::condition_variable cv_;
@@ -179,11 +179,11 @@ class MpiEngine {
     MpiTask task;
     std::shared_ptr<HostWorkState> work;
   };
-  std::vector<Submission> submissions_;    // guarded by mutex_; swapped with taken_ (both keep capacity)
-  std::deque<std::function<void()>> jobs_;  // guarded by mutex_: run()'s
-  std::vector<Submission> taken_;           // engine thread only
+  std::vector<Submission> submissions_;           // guarded by mutex_; swapped with taken_ (both keep capacity)
+  std::deque<std::function<void()>> jobs_;        // guarded by mutex_: run()'s
+  std::vector<Submission> taken_;                 // engine thread only
   std::deque<std::function<void()>> taken_jobs_;  // engine thread only
-  std::vector<Active> spare_;               // engine thread only: retired slots, for start() to reuse
+  std::vector<Active> spare_;                     // engine thread only: retired slots, for start() to reuse
   bool stopping_ = false;
   bool leaving_failing_ = false;
   bool any_failure_ = false;
@@ -192,7 +192,7 @@ class MpiEngine {
   std::vector<Active> active_;  // engine thread only
   MpiControl control_;
   Clock::time_point next_control_poll_{};  // engine thread only
-  std::thread thread_;          // last: starts after every member above exists
+  std::thread thread_;                     // last: starts after every member above exists
 };
 
 }  // namespace fsdpx::dist::detail

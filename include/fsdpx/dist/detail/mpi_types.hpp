@@ -38,9 +38,15 @@ void half_op(void* in, void* inout, int* len, MPI_Datatype* type) {
   }
 }
 
-struct HalfSum { float operator()(float a, float b) const { return a + b; } };
-struct HalfMax { float operator()(float a, float b) const { return a > b || b != b ? a : b; } };
-struct HalfMin { float operator()(float a, float b) const { return a < b || b != b ? a : b; } };
+struct HalfSum {
+  float operator()(float a, float b) const { return a + b; }
+};
+struct HalfMax {
+  float operator()(float a, float b) const { return a > b || b != b ? a : b; }
+};
+struct HalfMin {
+  float operator()(float a, float b) const { return a < b || b != b ? a : b; }
+};
 
 /// Datatypes and ops, created after MPI_Init and freed before MPI_Finalize.
 class MpiTypes {
@@ -76,7 +82,8 @@ class MpiTypes {
       case at::kBool: return MPI_C_BOOL;
       default: break;
     }
-    FSDPX_FAIL(ConfigError, ctx, ": dtype ", dtype, " is not supported by the MPI backend (float32, float64, bfloat16, "
+    FSDPX_FAIL(ConfigError, ctx, ": dtype ", dtype,
+               " is not supported by the MPI backend (float32, float64, bfloat16, "
                "float16, int8, uint8, int32, int64, bool are)");
   }
 

@@ -4,7 +4,8 @@
 #pragma once
 
 #if !defined(FSDPX_WITH_NCCL)
-#error "fsdpx/dist/detail/nccl_state.hpp needs FSDPX_WITH_NCCL: configure fsdpx with a CUDA LibTorch and NCCL (docs/building.md)"
+#error \
+    "fsdpx/dist/detail/nccl_state.hpp needs FSDPX_WITH_NCCL: configure fsdpx with a CUDA LibTorch and NCCL (docs/building.md)"
 #endif
 
 #include <fsdpx/detail/config.hpp>
@@ -147,7 +148,7 @@ class NcclCommState {
   std::shared_ptr<const std::string> label_ = std::make_shared<const std::string>(options_.name);  // in errors
   std::mutex events_mutex_;
   std::vector<std::shared_ptr<CudaEvent>> events_;  // acquire_event()'s pool
-  std::recursive_mutex calls_mutex_;  // NCCL calls on comm_ and its abort never overlap
+  std::recursive_mutex calls_mutex_;                // NCCL calls on comm_ and its abort never overlap
   bool aborted_ = false;
   std::mutex mutex_;
   std::condition_variable cv_;
@@ -170,7 +171,7 @@ struct NcclCall {
   size_t count = 0;             // elements; device_copy: bytes
   ncclDataType_t type = ncclInt8;
   ncclRedOp_t op = ncclSum;
-  int peer = 0;                 // broadcast: root; send: destination; recv: source
+  int peer = 0;  // broadcast: root; send: destination; recv: source
 
   FSDPX_DECL ncclResult_t launch(ncclComm_t comm, cudaStream_t stream) const;
 };

@@ -32,7 +32,10 @@ namespace fsdpx::dist {
 
 struct MpiCommunicator::State {
   State(std::shared_ptr<detail::MpiRuntime> rt, MPI_Comm c, CommOptions opts, std::uint64_t comm_id)
-      : runtime(std::move(rt)), comm(c), options(std::move(opts)), id(comm_id),
+      : runtime(std::move(rt)),
+        comm(c),
+        options(std::move(opts)),
+        id(comm_id),
         started(runtime->engine().control().counter(comm_id)) {
     runtime->engine().run([&] {
       MPI_Comm_rank(comm, &rank);
@@ -57,8 +60,8 @@ struct MpiCommunicator::State {
   int size = 1;
   std::shared_ptr<detail::CommHealth> health = std::make_shared<detail::CommHealth>();
   std::shared_ptr<const std::string> label = std::make_shared<const std::string>(options.name);  // in errors
-  std::shared_ptr<const std::vector<int>> members;  // world ranks, sorted: whose departure fails our collectives
-  std::uint64_t id;                                   // the same on every member (see derive_comm_id)
+  std::shared_ptr<const std::vector<int>> members;      // world ranks, sorted: whose departure fails our collectives
+  std::uint64_t id;                                     // the same on every member (see derive_comm_id)
   std::shared_ptr<std::atomic<std::uint64_t>> started;  // collectives submitted: each one's sequence number
   std::atomic<std::uint64_t> splits{0};
   std::atomic<std::uint64_t> sequence{0};
@@ -87,23 +90,25 @@ FSDPX_DECL MpiCommunicator MpiCommunicator::world(CommOptions options) {
   // A bounded barrier first: MPI_Comm_dup blocks without a deadline if a rank never arrives.
   runtime->engine()
       .submit({detail::OpContext{"join", std::make_shared<const std::string>(options.name), world_rank, world_size},
-               detail::MpiTask::single([](MPI_Request* r) { return MPI_Ibarrier(MPI_COMM_WORLD, r); }), {},
+               detail::MpiTask::single([](MPI_Request* r) { return MPI_Ibarrier(MPI_COMM_WORLD, r); }),
+               {},
                options.timeout,
-               std::make_shared<detail::CommHealth>(), all_ranks(world_size), detail::CollectiveId{}, options.report_interval})
+               std::make_shared<detail::CommHealth>(),
+               all_ranks(world_size),
+               detail::CollectiveId{},
+               options.report_interval})
       .wait_host();
   auto comm = runtime->engine().run([&runtime, heartbeat_timeout] {
     runtime->open_control_channel(heartbeat_timeout);
     MPI_Comm dup = MPI_COMM_NULL;
     const int rc = MPI_Comm_dup(MPI_COMM_WORLD, &dup);
-    FSDPX_CHECK_AS(CommError, rc == MPI_SUCCESS, "MPI_Comm_dup(MPI_COMM_WORLD) failed: ",
-                   detail::mpi_error_string(rc));
+    FSDPX_CHECK_AS(CommError, rc == MPI_SUCCESS, "MPI_Comm_dup(MPI_COMM_WORLD) failed: ", detail::mpi_error_string(rc));
     MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN);
     return dup;
   });
   const std::uint64_t id = runtime->next_world_id();
   MpiCommunicator world(std::make_shared<State>(std::move(runtime), comm, std::move(options), id));
-  FSDPX_CHECK(env.launcher == Launcher::single_process ||
-                  (env.rank == world.rank() && env.world_size == world.size()),
+  FSDPX_CHECK(env.launcher == Launcher::single_process || (env.rank == world.rank() && env.world_size == world.size()),
               "the ", to_string(env.launcher), " environment says rank ", env.rank, " of ", env.world_size,
               " but MPI says rank ", world.rank(), " of ", world.size(), ": ", launcher_mismatch_hint(env.launcher));
   return world;
@@ -155,7 +160,9 @@ FSDPX_DECL Work MpiCommunicator::gather_async(at::Tensor output, const at::Tenso
   const int64_t n = input.numel();
   const int64_t piece = std::max<int64_t>(1, gather_piece_bytes / static_cast<int64_t>(input.element_size()));
   const int64_t pieces = (n + piece - 1) / piece;
-  const auto part = [piece, n](const at::Tensor& flat, int64_t j) { return flat.narrow(0, j * piece, std::min(piece, n - j * piece)); };
+  const auto part = [piece, n](const at::Tensor& flat, int64_t j) {
+    return flat.narrow(0, j * piece, std::min(piece, n - j * piece));
+  };
   if (r != root) {
     // Every piece at once: the root takes them in order (same source and tag).
     auto step = [=, comm = native_handle(), tag = next_tag(), flat = input.view({-1}), started = false](
@@ -165,7 +172,8 @@ FSDPX_DECL Work MpiCommunicator::gather_async(at::Tensor output, const at::Tenso
       for (int64_t j = 0; j < pieces; ++j) {
         const at::Tensor p = part(flat, j);
         requests.emplace_back(MPI_REQUEST_NULL);
-        if (const int rc = MPI_Isend(p.const_data_ptr(), static_cast<int>(p.numel()), type, root, tag, comm, &requests.back());
+        if (const int rc =
+                MPI_Isend(p.const_data_ptr(), static_cast<int>(p.numel()), type, root, tag, comm, &requests.back());
             rc != MPI_SUCCESS) {
           return rc;
         }
@@ -221,7 +229,7 @@ FSDPX_DECL Work MpiCommunicator::reduce_scatter_async(at::Tensor output, const a
   // rank r-1; the partial received last (stage W-2) is chunk r, which only lacks our own share.
   auto buffers = W > 1 ? std::array{memory::empty_step_buffer(flat_out.numel(), flat_out.options()),
                                     memory::empty_step_buffer(flat_out.numel(), flat_out.options())}
-                    : std::array<at::Tensor, 2>{};
+                       : std::array<at::Tensor, 2>{};
   auto step = [=, comm = native_handle(), stage = 0](std::vector<MPI_Request>& requests,
                                                      std::vector<detail::ReceiveSize>& receives) mutable {
     if (W == 1) {
@@ -242,7 +250,8 @@ FSDPX_DECL Work MpiCommunicator::reduce_scatter_async(at::Tensor output, const a
     ++stage;
     requests.resize(2, MPI_REQUEST_NULL);
     receives = {{type, count}, {}};
-    if (const int rc = MPI_Irecv(recv.data_ptr(), count, type, mod(r - 1), tag, comm, &requests[0]); rc != MPI_SUCCESS) {
+    if (const int rc = MPI_Irecv(recv.data_ptr(), count, type, mod(r - 1), tag, comm, &requests[0]);
+        rc != MPI_SUCCESS) {
       return rc;
     }
     return MPI_Isend(send.const_data_ptr(), count, type, mod(r + 1), tag, comm, &requests[1]);
@@ -272,7 +281,8 @@ FSDPX_DECL Work MpiCommunicator::broadcast_async(at::Tensor tensor, int root) {
   const MPI_Datatype type = detail::MpiTypes::datatype(ctx, tensor.scalar_type());
   const int count = checked_count(ctx, tensor.numel());
   return submit(
-      ctx, [=, comm = native_handle()](MPI_Request* r) { return MPI_Ibcast(tensor.data_ptr(), count, type, root, comm, r); },
+      ctx,
+      [=, comm = native_handle()](MPI_Request* r) { return MPI_Ibcast(tensor.data_ptr(), count, type, root, comm, r); },
       {});
 }
 
@@ -292,8 +302,9 @@ FSDPX_DECL std::optional<MpiCommunicator> MpiCommunicator::split(int color, int 
   if (child == MPI_COMM_NULL) return std::nullopt;
   CommOptions options = state_->options;
   options.name = name.empty() ? detail::str(this->name(), "/", color) : std::string(name);
-  return MpiCommunicator(std::make_shared<State>(state_->runtime, child, std::move(options),
-                                                 detail::derive_comm_id(state_->id, split_index, static_cast<std::uint64_t>(color))));
+  return MpiCommunicator(
+      std::make_shared<State>(state_->runtime, child, std::move(options),
+                              detail::derive_comm_id(state_->id, split_index, static_cast<std::uint64_t>(color))));
 }
 
 FSDPX_DECL std::shared_ptr<const std::vector<int>> MpiCommunicator::world_ranks_of(MPI_Comm comm, int n) {
@@ -316,8 +327,7 @@ FSDPX_DECL bool MpiCommunicator::overlaps(const at::Tensor& a, const at::Tensor&
   return a.nbytes() > 0 && b.nbytes() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
-FSDPX_DECL Work MpiCommunicator::submit_steps(detail::OpContext ctx, detail::MpiStep step,
-    detail::MpiFinish finish) {
+FSDPX_DECL Work MpiCommunicator::submit_steps(detail::OpContext ctx, detail::MpiStep step, detail::MpiFinish finish) {
   return state_->runtime->engine().submit(
       {std::move(ctx), std::move(step), std::move(finish), state_->options.timeout, state_->health, state_->members,
        detail::CollectiveId{state_->id, ++*state_->started}, state_->options.report_interval});
@@ -361,8 +371,7 @@ FSDPX_DECL detail::MpiFinish MpiCommunicator::average_after(ReduceOp op, const a
   return [result, n = size()]() mutable { result.div_(n); };
 }
 
-FSDPX_DECL Work MpiCommunicator::submit(detail::OpContext ctx, detail::MpiStart start,
-    detail::MpiFinish finish) {
+FSDPX_DECL Work MpiCommunicator::submit(detail::OpContext ctx, detail::MpiStart start, detail::MpiFinish finish) {
   return submit_steps(std::move(ctx), detail::MpiTask::single(std::move(start)), std::move(finish));
 }
 

@@ -80,14 +80,15 @@ FSDPX_DECL bool MpiControl::poll(Clock::time_point now) {
 }
 
 FSDPX_DECL std::optional<Verdict> MpiControl::verdict(const std::vector<int>& members, CollectiveId id,
-    Clock::time_point now) const {
+                                                      Clock::time_point now) const {
   for (const auto& [rank, d] : departed_) {
     if (!std::binary_search(members.begin(), members.end(), rank)) continue;
     switch (d.kind) {
       case Kind::unresponsive: return Verdict{str("world rank ", rank, " ", d.why), false};
       case Kind::failed:
         if (now - d.at >= departure_grace) {
-          return Verdict{str("world rank ", rank, " left the job after an error while this collective waited for it "
+          return Verdict{str("world rank ", rank,
+                             " left the job after an error while this collective waited for it "
                              "(that rank's own output says why)")};
         }
         break;
@@ -95,7 +96,8 @@ FSDPX_DECL std::optional<Verdict> MpiControl::verdict(const std::vector<int>& me
         if (id.comm == 0) break;
         const auto it = d.started.find(id.comm);
         if (id.sequence > (it == d.started.end() ? 0 : it->second)) {
-          return Verdict{str("world rank ", rank, " left the job (its program ended) without joining this collective: it "
+          return Verdict{str("world rank ", rank,
+                             " left the job (its program ended) without joining this collective: it "
                              "ended early (did it catch an error? its own output says) or the ranks called different "
                              "collectives")};
         }
@@ -155,8 +157,9 @@ FSDPX_DECL void MpiControl::take_notice(const MPI_Status& status, Clock::time_po
     const std::size_t n = std::min<std::size_t>(notice_in_[2], (static_cast<std::size_t>(count) - 3) / 2);
     for (std::size_t i = 0; i < n; ++i) d.started[notice_in_[3 + 2 * i]] = notice_in_[4 + 2 * i];
   } else if (kind == Kind::unresponsive) {
-    d.why = str("stopped answering: world rank ", status.MPI_SOURCE,
-                " heard no heartbeat from it within its FSDPX_HEARTBEAT_TIMEOUT_MS (stopped, hung, or its host is gone)");
+    d.why =
+        str("stopped answering: world rank ", status.MPI_SOURCE,
+            " heard no heartbeat from it within its FSDPX_HEARTBEAT_TIMEOUT_MS (stopped, hung, or its host is gone)");
   }
   record(subject, std::move(d));
 }
@@ -184,7 +187,9 @@ FSDPX_DECL bool MpiControl::watch(Clock::time_point now) {
   const auto heard = last_heard_.find(*previous);
   const auto last = std::max(watch_since_, heard == last_heard_.end() ? watch_since_ : heard->second);
   if (now - last <= heartbeat_timeout_) return false;
-  record(*previous, Departure{now, Kind::unresponsive, {},
+  record(*previous, Departure{now,
+                              Kind::unresponsive,
+                              {},
                               str("has not answered for ", heartbeat_timeout_.count(),
                                   " ms (stopped, hung, or its host is gone; FSDPX_HEARTBEAT_TIMEOUT_MS sets how "
                                   "long)")});

@@ -40,8 +40,8 @@ FSDPX_DECL void MpiEngine::stop(bool failing) {
 
 FSDPX_DECL void MpiEngine::abandon_active() {
   for (Active& a : active_) {
-    fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context,
-                                                  " abandoned: this rank is ending after an error"))));
+    fail(a, std::make_exception_ptr(
+                CommError(str("fsdpx: ", a.task.context, " abandoned: this rank is ending after an error"))));
     retire(std::move(a));
   }
   active_.clear();
@@ -173,14 +173,16 @@ FSDPX_DECL bool MpiEngine::poll() {
     bool running = true;
     if (a.task.health->broken()) {
       // A sibling failed: its peers will never match this request either.
-      fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " abandoned: the communicator "
-                                                    "failed earlier: ", a.task.health->cause()))));
+      fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context,
+                                                    " abandoned: the communicator "
+                                                    "failed earlier: ",
+                                                    a.task.health->cause()))));
       running = false;
-    } else if (const int rc = MPI_Testall(static_cast<int>(a.requests.size()), a.requests.data(), &done,
-                                          statuses_for(a));
+    } else if (const int rc =
+                   MPI_Testall(static_cast<int>(a.requests.size()), a.requests.data(), &done, statuses_for(a));
                rc != MPI_SUCCESS) {
-      fail(a, std::make_exception_ptr(CommError(str("fsdpx: ", a.task.context, " failed: ", mpi_error_string(rc),
-                                                    receive_truncated(a, rc)))));
+      fail(a, std::make_exception_ptr(CommError(
+                  str("fsdpx: ", a.task.context, " failed: ", mpi_error_string(rc), receive_truncated(a, rc)))));
       running = false;
     } else if (done != 0) {
       progressed = true;
@@ -204,10 +206,10 @@ FSDPX_DECL bool MpiEngine::poll() {
       std::fflush(stderr);
       a.next_report = next_report_after(a.task.report_interval, now);
     } else if (now >= a.deadline) {
-      fail(a, std::make_exception_ptr(TimeoutError(str(
-                  "fsdpx: ", a.task.context, " did not complete within ", a.task.timeout.count(),
-                  " ms: a peer rank exited, crashed, or did not call the same collective (raise "
-                  "CommOptions::timeout or FSDPX_TIMEOUT_MS if it is only slow)"))));
+      fail(a, std::make_exception_ptr(
+                  TimeoutError(str("fsdpx: ", a.task.context, " did not complete within ", a.task.timeout.count(),
+                                   " ms: a peer rank exited, crashed, or did not call the same collective (raise "
+                                   "CommOptions::timeout or FSDPX_TIMEOUT_MS if it is only slow)"))));
       running = false;
     }
     if (running) {

@@ -65,7 +65,8 @@ FSDPX_DECL MpiRuntime::MpiRuntime() {
   int finalized = 0;
   MPI_Initialized(&initialized);
   MPI_Finalized(&finalized);
-  FSDPX_CHECK(finalized == 0, "MPI was already finalized in this process; keep one MpiCommunicator alive for "
+  FSDPX_CHECK(finalized == 0,
+              "MPI was already finalized in this process; keep one MpiCommunicator alive for "
               "as long as the program communicates");
   int provided = MPI_THREAD_SINGLE;
   if (initialized == 0) {

@@ -18,8 +18,8 @@
 
 namespace fsdpx::dist {
 
-FSDPX_DECL NcclCommunicator NcclCommunicator::create(int rank, int size, c10::DeviceIndex device, const ncclUniqueId& id,
-                                                     CommOptions options) {
+FSDPX_DECL NcclCommunicator NcclCommunicator::create(int rank, int size, c10::DeviceIndex device,
+                                                     const ncclUniqueId& id, CommOptions options) {
   const auto ctx = detail::op_context("init", options.name, rank, size);
   c10::cuda::CUDAGuard guard(device);
   ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
@@ -36,8 +36,8 @@ FSDPX_DECL NcclCommunicator NcclCommunicator::create(int rank, int size, c10::De
     std::this_thread::sleep_for(std::chrono::microseconds(100));
     ncclCommGetAsyncError(comm, &rc);
   }
-  FSDPX_CHECK_AS(CommError, rc == ncclSuccess, ctx, " failed: ", ncclGetErrorString(rc), " (",
-                 ncclGetLastError(comm), ")");
+  FSDPX_CHECK_AS(CommError, rc == ncclSuccess, ctx, " failed: ", ncclGetErrorString(rc), " (", ncclGetLastError(comm),
+                 ")");
   return NcclCommunicator(std::make_shared<detail::NcclCommState>(comm, device, std::move(options)));
 }
 
@@ -47,8 +47,9 @@ FSDPX_DECL NcclCommunicator NcclCommunicator::world(CommOptions options) {
   if (env.world_size == 1) {
     ncclGetUniqueId(&id);
   } else {
-    FSDPX_CHECK(env.has_rendezvous(), "NcclCommunicator::world() at ", env.world_size,
-                " ranks (", to_string(env.launcher), " launch) needs MASTER_ADDR and MASTER_PORT for NCCL's unique "
+    FSDPX_CHECK(env.has_rendezvous(), "NcclCommunicator::world() at ", env.world_size, " ranks (",
+                to_string(env.launcher),
+                " launch) needs MASTER_ADDR and MASTER_PORT for NCCL's unique "
                 "id; under mpirun, call fsdpx::dist::nccl_world() (<fsdpx/dist/launch.hpp>), which carries it over "
                 "MPI, or export both");
     Rendezvous rendezvous(env, options.timeout);
@@ -81,7 +82,8 @@ FSDPX_DECL void NcclCommunicator::add_all_gather(NcclBatch& batch, at::Tensor ou
   batch.calls.push_back({detail::NcclCall::Kind::all_gather, input.const_data_ptr(), output.data_ptr(), count, type});
 }
 
-FSDPX_DECL void NcclCommunicator::add_gather(NcclBatch& batch, at::Tensor output, const at::Tensor& input, int root) const {
+FSDPX_DECL void NcclCommunicator::add_gather(NcclBatch& batch, at::Tensor output, const at::Tensor& input,
+                                             int root) const {
   const auto ctx = context("gather");
   detail::check_root(ctx, root, size());
   detail::check_tensor(ctx, "input", input, device_type());
@@ -130,8 +132,8 @@ FSDPX_DECL void NcclCommunicator::add_all_reduce(NcclBatch& batch, at::Tensor te
   const auto type = detail::nccl_dtype(ctx, tensor.scalar_type());
   const auto count = static_cast<size_t>(tensor.numel());
   note(batch, "all_reduce", {tensor});
-  batch.calls.push_back({detail::NcclCall::Kind::all_reduce, nullptr, tensor.data_ptr(), count, type,
-                         detail::nccl_op(op, size())});
+  batch.calls.push_back(
+      {detail::NcclCall::Kind::all_reduce, nullptr, tensor.data_ptr(), count, type, detail::nccl_op(op, size())});
 }
 
 FSDPX_DECL void NcclCommunicator::add_broadcast(NcclBatch& batch, at::Tensor tensor, int root) const {
@@ -142,8 +144,8 @@ FSDPX_DECL void NcclCommunicator::add_broadcast(NcclBatch& batch, at::Tensor ten
   const auto type = detail::nccl_dtype(ctx, tensor.scalar_type());
   const auto count = static_cast<size_t>(tensor.numel());
   note(batch, "broadcast", {tensor});
-  batch.calls.push_back({detail::NcclCall::Kind::broadcast, tensor.const_data_ptr(), tensor.data_ptr(), count, type,
-                         ncclSum, root});
+  batch.calls.push_back(
+      {detail::NcclCall::Kind::broadcast, tensor.const_data_ptr(), tensor.data_ptr(), count, type, ncclSum, root});
 }
 
 FSDPX_DECL Work NcclCommunicator::launch(NcclBatch batch) {
@@ -169,7 +171,8 @@ FSDPX_DECL Work NcclCommunicator::launch(NcclBatch batch) {
   auto done = state_->acquire_event();
   detail::check_cuda(cudaEventRecord(done->get(), stream()), ctx, " (record done)");
   state_->watch(done, ctx);
-  return Work(detail::WorkStatePool::make<detail::NcclWorkState>(state_, std::move(done), std::move(batch.tensors), ctx));
+  return Work(
+      detail::WorkStatePool::make<detail::NcclWorkState>(state_, std::move(done), std::move(batch.tensors), ctx));
 }
 
 FSDPX_DECL Work NcclCommunicator::barrier_async() {
@@ -200,13 +203,14 @@ FSDPX_DECL std::optional<NcclCommunicator> NcclCommunicator::split(int color, in
     if (parent_rc != ncclSuccess && parent_rc != ncclInProgress) break;
     if (color == no_color && parent_rc == ncclSuccess) break;  // no child is made for this rank
     if (std::chrono::steady_clock::now() > deadline) {
-      state_->fail(::fsdpx::detail::str("fsdpx: ", ctx, " did not complete within ", state_->options().timeout.count(), " ms"));
+      state_->fail(
+          ::fsdpx::detail::str("fsdpx: ", ctx, " did not complete within ", state_->options().timeout.count(), " ms"));
       throw TimeoutError(state_->health()->cause());
     }
     std::this_thread::yield();
   }
-  FSDPX_CHECK_AS(CommError, parent_rc == ncclSuccess || parent_rc == ncclInProgress, ctx, " failed: ",
-                 ncclGetErrorString(parent_rc), " (", ncclGetLastError(native_handle()), ")");
+  FSDPX_CHECK_AS(CommError, parent_rc == ncclSuccess || parent_rc == ncclInProgress, ctx,
+                 " failed: ", ncclGetErrorString(parent_rc), " (", ncclGetLastError(native_handle()), ")");
   if (child != nullptr) {
     ncclResult_t rc = ncclInProgress;
     while (rc == ncclInProgress && std::chrono::steady_clock::now() < deadline) ncclCommGetAsyncError(child, &rc);
@@ -219,8 +223,8 @@ FSDPX_DECL std::optional<NcclCommunicator> NcclCommunicator::split(int color, in
 }
 
 FSDPX_DECL void NcclCommunicator::check_device(const detail::OpContext& ctx, const at::Tensor& t) const {
-  FSDPX_CHECK(t.device().index() == device(), ctx, ": tensor is on ", t.device(), " but the communicator uses cuda:",
-              static_cast<int>(device()));
+  FSDPX_CHECK(t.device().index() == device(), ctx, ": tensor is on ", t.device(),
+              " but the communicator uses cuda:", static_cast<int>(device()));
 }
 
 FSDPX_DECL void NcclCommunicator::check_pair(const detail::OpContext& ctx, const at::Tensor& output,
@@ -231,7 +235,8 @@ FSDPX_DECL void NcclCommunicator::check_pair(const detail::OpContext& ctx, const
   check_device(ctx, output);
 }
 
-FSDPX_DECL void NcclCommunicator::note(NcclBatch& batch, std::string_view op, std::initializer_list<at::Tensor> tensors) {
+FSDPX_DECL void NcclCommunicator::note(NcclBatch& batch, std::string_view op,
+                                       std::initializer_list<at::Tensor> tensors) {
   if (!batch.names.empty()) batch.names += '+';
   batch.names += op;
   batch.tensors.insert(batch.tensors.end(), tensors.begin(), tensors.end());

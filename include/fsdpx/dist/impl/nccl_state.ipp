@@ -61,7 +61,8 @@ FSDPX_DECL std::shared_ptr<CudaEvent> NcclCommState::acquire_event() {
 FSDPX_DECL std::unique_lock<std::recursive_mutex> NcclCommState::lock_calls(const OpContext& ctx) {
   std::unique_lock calls(calls_mutex_);
   if (aborted_) {
-    throw CommError(health_->broken() ? health_->cause() : ::fsdpx::detail::str("fsdpx: ", ctx, ": the communicator was aborted"));
+    throw CommError(health_->broken() ? health_->cause()
+                                      : ::fsdpx::detail::str("fsdpx: ", ctx, ": the communicator was aborted"));
   }
   return calls;
 }
@@ -77,8 +78,8 @@ FSDPX_DECL void NcclCommState::settle(ncclResult_t result, const OpContext& ctx,
     ncclCommGetAsyncError(comm_, &result);
   }
   if (result != ncclSuccess) {
-    fail(::fsdpx::detail::str("fsdpx: ", ctx, step, " failed: ", ncclGetErrorString(result), " (", ncclGetLastError(comm_),
-                              ")"));
+    fail(::fsdpx::detail::str("fsdpx: ", ctx, step, " failed: ", ncclGetErrorString(result), " (",
+                              ncclGetLastError(comm_), ")"));
     throw CommError(health_->cause());
   }
 }
@@ -106,7 +107,8 @@ FSDPX_DECL void NcclCommState::abort_once() {
 
 FSDPX_DECL void NcclCommState::watch_loop() {
   c10::cuda::CUDAGuard guard(device_);
-  const auto period = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(100), options_.timeout / 4 + std::chrono::milliseconds(1));
+  const auto period = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(100),
+                                                          options_.timeout / 4 + std::chrono::milliseconds(1));
   std::unique_lock lock(mutex_);
   while (!stopping_) {
     cv_.wait_for(lock, period);

@@ -7,7 +7,7 @@
 namespace fsdpx::hf::detail {
 
 FSDPX_DECL SafetensorsLoadReport load_targets(SafetensorsDir& dir, std::vector<LoadTarget>& targets,
-                                          const SafetensorsLoadOptions& options) {
+                                              const SafetensorsLoadOptions& options) {
   const auto start = std::chrono::steady_clock::now();
   SafetensorsLoadReport report;
   std::set<std::string> claimed;
@@ -23,11 +23,13 @@ FSDPX_DECL SafetensorsLoadReport load_targets(SafetensorsDir& dir, std::vector<L
                                                        dir.file_of(t.file_name).path().string(), "' but ",
                                                        c10::IntArrayRef(t.shape), " in the model"));
       bad.insert(t.file_name);
-    } else if (e->dtype != t.dst.scalar_type() && !(at::isFloatingType(e->dtype) && at::isFloatingType(t.dst.scalar_type()) &&
-                                                    !c10::isFloat8Type(e->dtype))) {
+    } else if (e->dtype != t.dst.scalar_type() &&
+               !(at::isFloatingType(e->dtype) && at::isFloatingType(t.dst.scalar_type()) &&
+                 !c10::isFloat8Type(e->dtype))) {
       report.mismatched.push_back(::fsdpx::detail::str(
-          t.file_name, ": dtype ", e->dtype, " in '", dir.file_of(t.file_name).path().string(), "' cannot be cast to the model's ",
-          t.dst.scalar_type(), c10::isFloat8Type(e->dtype) ? " (a float8 checkpoint needs its scales, which a cast would drop)" : ""));
+          t.file_name, ": dtype ", e->dtype, " in '", dir.file_of(t.file_name).path().string(),
+          "' cannot be cast to the model's ", t.dst.scalar_type(),
+          c10::isFloat8Type(e->dtype) ? " (a float8 checkpoint needs its scales, which a cast would drop)" : ""));
       bad.insert(t.file_name);
     }
   }
@@ -40,8 +42,10 @@ FSDPX_DECL SafetensorsLoadReport load_targets(SafetensorsDir& dir, std::vector<L
   report.mismatched.erase(std::unique(report.mismatched.begin(), report.mismatched.end()), report.mismatched.end());
   if (options.strict && !report.ok()) {
     std::string msg;
-    if (!report.missing.empty()) msg += "\n  missing (in the model, not in the files): " + ::fsdpx::detail::join_names(report.missing);
-    if (!report.unexpected.empty()) msg += "\n  unexpected (in the files, not in the model): " + ::fsdpx::detail::join_names(report.unexpected);
+    if (!report.missing.empty())
+      msg += "\n  missing (in the model, not in the files): " + ::fsdpx::detail::join_names(report.missing);
+    if (!report.unexpected.empty())
+      msg += "\n  unexpected (in the files, not in the model): " + ::fsdpx::detail::join_names(report.unexpected);
     if (!report.mismatched.empty()) msg += "\n  mismatched: " + ::fsdpx::detail::join_names(report.mismatched);
     throw ConfigError(::fsdpx::detail::str("fsdpx: loading '", dir.path().string(),
                                            "': the files do not match the model (nothing was loaded):", msg));
@@ -76,7 +80,7 @@ FSDPX_DECL SafetensorsLoadReport load_targets(SafetensorsDir& dir, std::vector<L
 }
 
 FSDPX_DECL void add_buffer_targets(torch::nn::Module& module, const SafetensorsLoadOptions& options,
-    std::vector<LoadTarget>& targets) {
+                                   std::vector<LoadTarget>& targets) {
   if (!options.buffers) return;
   for (const auto& b : module.named_buffers(/*recurse=*/true)) {
     const auto file = file_name_of(options.file_name, b.key());

@@ -15,8 +15,8 @@ FSDPX_DECL const char* safetensors_dtype_code(at::ScalarType t, const std::strin
                                          ", which safetensors cannot store"));
 }
 
-FSDPX_DECL std::string safetensors_header(const std::vector<TensorSpec>& specs, const std::map<std::string,
-    std::string>& metadata) {
+FSDPX_DECL std::string safetensors_header(const std::vector<TensorSpec>& specs,
+                                          const std::map<std::string, std::string>& metadata) {
   ::fsdpx::detail::Json header = ::fsdpx::detail::Json::object();
   auto& meta = header["__metadata__"] = ::fsdpx::detail::Json::object();
   for (const auto& [k, v] : metadata) meta[k] = v;
@@ -26,7 +26,8 @@ FSDPX_DECL std::string safetensors_header(const std::vector<TensorSpec>& specs, 
     FSDPX_CHECK(s.name != "__metadata__", "safetensors: a tensor cannot be named '__metadata__'");
     FSDPX_CHECK(!header.contains(s.name), "safetensors: the tensor name '", s.name, "' appears twice");
     const int64_t n = spec_bytes(s);
-    header[s.name] = {{"dtype", safetensors_dtype_code(s.dtype, s.name)}, {"shape", s.shape}, {"data_offsets", {offset, offset + n}}};
+    header[s.name] = {
+        {"dtype", safetensors_dtype_code(s.dtype, s.name)}, {"shape", s.shape}, {"data_offsets", {offset, offset + n}}};
     offset += n;
   }
   std::string text = header.dump();
@@ -47,7 +48,6 @@ FSDPX_DECL bool is_shard_file_name(const std::string& file, const std::string& s
          std::all_of(mid.begin() + 9, mid.end(), [](char c) { return c >= '0' && c <= '9'; });
 }
 
-
 }  // namespace fsdpx::hf::detail
 
 namespace fsdpx::hf {
@@ -64,7 +64,7 @@ FSDPX_DECL NamedTensors load_safetensors(const fs::path& path, const std::string
 FSDPX_DECL SafetensorsFile::SafetensorsFile(const fs::path& path)
     : path_(path), fd_(::fsdpx::detail::open_regular_file(path, "safetensors file")) {
   detail::check_little_endian();
-  struct stat st {};
+  struct stat st{};
   if (::fstat(fd_.get(), &st) != 0) ::fsdpx::detail::throw_io("stat of", path_, errno);
   size_ = st.st_size;
   FSDPX_CHECK_AS(IoError, size_ >= 8, "safetensors file '", path_.string(), "' is truncated: ", size_,
@@ -72,8 +72,9 @@ FSDPX_DECL SafetensorsFile::SafetensorsFile(const fs::path& path)
   uint64_t length = 0;
   ::fsdpx::detail::read_exact(fd_.get(), path_, 0, &length, 8, size_);
   FSDPX_CHECK_AS(IoError, length <= detail::max_header_bytes && length <= static_cast<uint64_t>(size_ - 8),
-                 "safetensors file '", path_.string(), "' is truncated or not a safetensors file: its header length is ",
-                 length, " bytes but the file has ", size_, " bytes");
+                 "safetensors file '", path_.string(),
+                 "' is truncated or not a safetensors file: its header length is ", length, " bytes but the file has ",
+                 size_, " bytes");
   std::string text(length, '\0');
   ::fsdpx::detail::read_exact(fd_.get(), path_, 8, text.data(), static_cast<int64_t>(length), size_);
   data_start_ = 8 + static_cast<int64_t>(length);
@@ -101,14 +102,15 @@ FSDPX_DECL SafetensorsFile::SafetensorsFile(const fs::path& path)
   int64_t expected = data_start_;
   for (const SafetensorsEntry& e : entries_) {
     if (e.begin != expected) {
-      bad_header(::fsdpx::detail::str("tensor '", e.name, "' starts at byte ", e.begin - data_start_, " of the data, not ",
-                                      expected - data_start_, ": the tensors overlap or leave a hole"));
+      bad_header(::fsdpx::detail::str("tensor '", e.name, "' starts at byte ", e.begin - data_start_,
+                                      " of the data, not ", expected - data_start_,
+                                      ": the tensors overlap or leave a hole"));
     }
     expected = e.end;
   }
   FSDPX_CHECK_AS(IoError, expected == size_, "safetensors file '", path_.string(), "' is ",
-                 (expected > size_ ? "truncated" : "corrupt"), ": its header describes ", expected, " bytes but the file has ",
-                 size_);
+                 (expected > size_ ? "truncated" : "corrupt"), ": its header describes ", expected,
+                 " bytes but the file has ", size_);
   for (size_t i = 0; i < entries_.size(); ++i) by_name_[entries_[i].name] = i;
 }
 
@@ -119,10 +121,11 @@ FSDPX_DECL void SafetensorsFile::bad_header(const std::string& why) const {
 }
 
 FSDPX_DECL SafetensorsEntry SafetensorsFile::parse_entry(const std::string& name,
-    const ::fsdpx::detail::Json& v) const {
+                                                         const ::fsdpx::detail::Json& v) const {
   const auto bad = [&](const std::string& why) { bad_header(::fsdpx::detail::str("tensor '", name, "' ", why)); };
   if (!v.is_object() || !v.contains("dtype") || !v.contains("shape") || !v.contains("data_offsets") ||
-      !v["dtype"].is_string() || !v["shape"].is_array() || !v["data_offsets"].is_array() || v["data_offsets"].size() != 2) {
+      !v["dtype"].is_string() || !v["shape"].is_array() || !v["data_offsets"].is_array() ||
+      v["data_offsets"].size() != 2) {
     bad("lacks a dtype, a shape or two data_offsets");
   }
   const auto type = detail::safetensors_dtype(v["dtype"].get<std::string>());
@@ -132,7 +135,8 @@ FSDPX_DECL SafetensorsEntry SafetensorsFile::parse_entry(const std::string& name
     // Bounded, so that offsets plus the header never overflow; whether they fit the file is checked
     // once all are known (a short file is "truncated").
     constexpr int64_t limit = int64_t{1} << 60;
-    if (!j.is_number_integer() || (j.is_number_unsigned() ? j.get<uint64_t>() > static_cast<uint64_t>(limit) : j.get<int64_t>() < 0)) {
+    if (!j.is_number_integer() ||
+        (j.is_number_unsigned() ? j.get<uint64_t>() > static_cast<uint64_t>(limit) : j.get<int64_t>() < 0)) {
       bad(::fsdpx::detail::str("has a bad ", what, " (", j.dump(), ")"));
     }
     return j.get<int64_t>();
@@ -148,15 +152,15 @@ FSDPX_DECL SafetensorsEntry SafetensorsFile::parse_entry(const std::string& name
   }
   const int64_t lo = as_size(v["data_offsets"][0], "data_offsets"), hi = as_size(v["data_offsets"][1], "data_offsets");
   if (hi < lo || hi - lo != bytes) {
-    bad(::fsdpx::detail::str("has data_offsets [", lo, ", ", hi, ") that do not fit its shape and dtype (", bytes, " bytes)"));
+    bad(::fsdpx::detail::str("has data_offsets [", lo, ", ", hi, ") that do not fit its shape and dtype (", bytes,
+                             " bytes)"));
   }
   e.begin = data_start_ + lo;
   e.end = data_start_ + hi;
   return e;
 }
 
-FSDPX_DECL SafetensorsDir::SafetensorsDir(const fs::path& path, const std::string& stem)
-    : path_(path) {
+FSDPX_DECL SafetensorsDir::SafetensorsDir(const fs::path& path, const std::string& stem) : path_(path) {
   std::error_code ec;
   if (!fs::is_directory(path, ec)) {
     add_file(path);
@@ -174,7 +178,7 @@ FSDPX_DECL SafetensorsDir::SafetensorsDir(const fs::path& path, const std::strin
   index_ = index_path;
   const std::string doc = index_path.string();
   ::fsdpx::detail::Fd index_fd = ::fsdpx::detail::open_regular_file(index_path, "safetensors index");
-  struct stat st {};
+  struct stat st{};
   if (::fstat(index_fd.get(), &st) != 0) ::fsdpx::detail::throw_io("stat of", index_path, errno);
   FSDPX_CHECK_AS(IoError, static_cast<uint64_t>(st.st_size) <= detail::max_header_bytes, "safetensors index '", doc,
                  "' has ", st.st_size, " bytes; an index is refused above ", detail::max_header_bytes);
@@ -185,11 +189,13 @@ FSDPX_DECL SafetensorsDir::SafetensorsDir(const fs::path& path, const std::strin
   FSDPX_CHECK_AS(IoError, weight_map.is_object(), "safetensors index '", doc, "': \"weight_map\" is not an object");
   std::map<std::string, std::set<std::string>> by_file;
   for (const auto& [name, file] : weight_map.items()) {
-    FSDPX_CHECK_AS(IoError, file.is_string(), "safetensors index '", doc, "': the file of '", name, "' is not a string");
+    FSDPX_CHECK_AS(IoError, file.is_string(), "safetensors index '", doc, "': the file of '", name,
+                   "' is not a string");
     const std::string f = file.get<std::string>();
     // A plain file name: the index must not lead out of the folder (../, absolute, sub-folders).
-    FSDPX_CHECK_AS(IoError, !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos &&
-                                f.find('\\') == std::string::npos && f.find('\0') == std::string::npos,
+    FSDPX_CHECK_AS(IoError,
+                   !f.empty() && f != "." && f != ".." && f.find('/') == std::string::npos &&
+                       f.find('\\') == std::string::npos && f.find('\0') == std::string::npos,
                    "safetensors index '", doc, "' maps '", name, "' to '", f,
                    "', which is not a file name inside the folder (no paths are allowed)");
     by_file[f].insert(name);
@@ -213,19 +219,25 @@ FSDPX_DECL SafetensorsDir::SafetensorsDir(const fs::path& path, const std::strin
 FSDPX_DECL void SafetensorsDir::add_view(const std::string& name, const std::string& of, int64_t first,
                                          std::vector<int64_t> shape) {
   const SafetensorsEntry* source = find(of);
-  FSDPX_CHECK_AS(IoError, source != nullptr && views_.count(of) == 0, "'", path_.string(), "' holds no tensor '", of, "'");
-  FSDPX_CHECK(views_.count(name) == 0 && (where_.count(name) == 0 || viewed_.count(name) != 0), "safetensors: a view '", name,
-              "' would hide a tensor of that name in '", path_.string(), "'");
+  FSDPX_CHECK_AS(IoError, source != nullptr && views_.count(of) == 0, "'", path_.string(), "' holds no tensor '", of,
+                 "'");
+  FSDPX_CHECK(views_.count(name) == 0 && (where_.count(name) == 0 || viewed_.count(name) != 0), "safetensors: a view '",
+              name, "' would hide a tensor of that name in '", path_.string(), "'");
   int64_t numel = 1;
   for (const int64_t d : shape) {
-    FSDPX_CHECK(d >= 0 && (d == 0 || numel <= source->numel / d), "safetensors: a view ", c10::IntArrayRef(shape), " of '", of,
-                "' is larger than it (", source->numel, " elements)");
+    FSDPX_CHECK(d >= 0 && (d == 0 || numel <= source->numel / d), "safetensors: a view ", c10::IntArrayRef(shape),
+                " of '", of, "' is larger than it (", source->numel, " elements)");
     numel *= d;
   }
-  FSDPX_CHECK(first >= 0 && numel <= source->numel - first, "safetensors: a view of elements [", first, ", ", first + numel,
-              ") of '", of, "', which holds ", source->numel);
+  FSDPX_CHECK(first >= 0 && numel <= source->numel - first, "safetensors: a view of elements [", first, ", ",
+              first + numel, ") of '", of, "', which holds ", source->numel);
   const auto esize = static_cast<int64_t>(c10::elementSize(source->dtype));
-  SafetensorsEntry e{name, source->dtype, std::move(shape), numel, source->begin + first * esize, source->begin + (first + numel) * esize};
+  SafetensorsEntry e{name,
+                     source->dtype,
+                     std::move(shape),
+                     numel,
+                     source->begin + first * esize,
+                     source->begin + (first + numel) * esize};
   views_.emplace(name, View{where_.at(of), std::move(e)});
   viewed_.insert(of);
 }
@@ -234,8 +246,8 @@ FSDPX_DECL void SafetensorsDir::read(const std::string& name, int64_t first, int
   const SafetensorsEntry* e = find(name);
   FSDPX_CHECK_AS(IoError, e != nullptr, "'", path_.string(), "' holds no tensor '", name, "'");
   const SafetensorsFile& file = file_of(name);
-  FSDPX_CHECK(0 <= first && first <= last && last <= e->numel, "safetensors: elements [", first, ", ", last, ") of '", name,
-              "' are outside its ", e->numel);
+  FSDPX_CHECK(0 <= first && first <= last && last <= e->numel, "safetensors: elements [", first, ", ", last, ") of '",
+              name, "' are outside its ", e->numel);
   FSDPX_CHECK(out.is_cpu() && out.is_contiguous() && out.numel() == last - first, "safetensors: reading '", name,
               "' needs a contiguous CPU tensor of ", last - first, " elements");
   FSDPX_CHECK(out.scalar_type() == e->dtype || (at::isFloatingType(out.scalar_type()) && at::isFloatingType(e->dtype)),
@@ -282,11 +294,12 @@ FSDPX_DECL size_t SafetensorsDir::add_file(const fs::path& file) {
 FSDPX_DECL SafetensorsWriter::SafetensorsWriter(fs::path dir, std::vector<TensorSpec> specs, SafetensorsOptions options)
     : dir_(std::move(dir)), options_(std::move(options)) {
   detail::check_little_endian();
-  FSDPX_CHECK(options_.max_shard_bytes > 0, "safetensors: max_shard_bytes must be positive, not ", options_.max_shard_bytes);
+  FSDPX_CHECK(options_.max_shard_bytes > 0, "safetensors: max_shard_bytes must be positive, not ",
+              options_.max_shard_bytes);
   std::error_code ec;
   fs::create_directories(dir_, ec);
-  FSDPX_CHECK_AS(IoError, !ec && fs::is_directory(dir_), "creating the directory '", dir_.string(), "' failed: ",
-                 ec ? ec.message() : "it is not a directory");
+  FSDPX_CHECK_AS(IoError, !ec && fs::is_directory(dir_), "creating the directory '", dir_.string(),
+                 "' failed: ", ec ? ec.message() : "it is not a directory");
   files_.emplace_back();
   int64_t bytes = 0;
   for (auto& s : specs) {
@@ -305,8 +318,8 @@ FSDPX_DECL void SafetensorsWriter::write(const std::string& name, const at::Tens
   FSDPX_CHECK(file_ < files_.size(), "safetensors: '", name, "' is one tensor more than the writer was planned for");
   const TensorSpec& s = files_[file_][next_];
   FSDPX_CHECK(name == s.name && tensor.scalar_type() == s.dtype && tensor.sizes() == c10::IntArrayRef(s.shape),
-              "safetensors: the writer expected '", s.name, "' (", s.dtype, ", ", c10::IntArrayRef(s.shape), ") next, not '",
-              name, "' (", tensor.scalar_type(), ", ", tensor.sizes(), ")");
+              "safetensors: the writer expected '", s.name, "' (", s.dtype, ", ", c10::IntArrayRef(s.shape),
+              ") next, not '", name, "' (", tensor.scalar_type(), ", ", tensor.sizes(), ")");
   if (next_ == 0) open_file();
   const at::Tensor t = tensor.detach().to(at::kCPU).contiguous();
   if (t.numel() > 0) current_->append(t.data_ptr(), static_cast<size_t>(detail::tensor_bytes(t)));
@@ -343,8 +356,8 @@ FSDPX_DECL SavedSafetensors SafetensorsWriter::finish() {
   std::error_code ec;
   for (const auto& entry : fs::directory_iterator(dir_, ec)) {
     const std::string file = entry.path().filename().string();
-    const bool ours = file == options_.name + ".safetensors" || file == index_name ||
-                      detail::is_shard_file_name(file, options_.name);
+    const bool ours =
+        file == options_.name + ".safetensors" || file == index_name || detail::is_shard_file_name(file, options_.name);
     if (ours && written.count(file) == 0) fs::remove(entry.path(), ec);
   }
   return saved_;

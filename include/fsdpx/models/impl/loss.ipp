@@ -26,19 +26,21 @@ struct HeadInputs {
 
 inline HeadInputs head_inputs(const char* what, const at::Tensor& hidden, const at::Tensor& weight,
                               const at::Tensor& targets, const at::Tensor& bias) {
-  FSDPX_CHECK(hidden.defined() && weight.defined() && targets.defined(), what, ": hidden, weight and targets must be given");
+  FSDPX_CHECK(hidden.defined() && weight.defined() && targets.defined(), what,
+              ": hidden, weight and targets must be given");
   FSDPX_CHECK(weight.dim() == 2, what, ": the head's weight must be [vocabulary, hidden], not ", weight.sizes());
   FSDPX_CHECK(hidden.dim() >= 1 && hidden.size(-1) == weight.size(1), what, ": hidden states ", hidden.sizes(),
               " do not end in the head's input size ", weight.size(1));
-  FSDPX_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)), what, ": the head's bias must be [",
-              weight.size(0), "], not ", bias.sizes());
+  FSDPX_CHECK(!bias.defined() || (bias.dim() == 1 && bias.size(0) == weight.size(0)), what,
+              ": the head's bias must be [", weight.size(0), "], not ", bias.sizes());
   FSDPX_CHECK(targets.scalar_type() == at::kLong, what, ": targets must be int64, not ", targets.scalar_type());
   std::vector<int64_t> leading(hidden.sizes().begin(), hidden.sizes().end() - 1);
-  FSDPX_CHECK(targets.sizes().vec() == leading, what, ": targets ", targets.sizes(), " must have the hidden states' leading shape ",
-              at::IntArrayRef(leading));
+  FSDPX_CHECK(targets.sizes().vec() == leading, what, ": targets ", targets.sizes(),
+              " must have the hidden states' leading shape ", at::IntArrayRef(leading));
   // Autograd's custom functions take no undefined tensor: no bias is an empty one.
   const at::Tensor no_bias = bias.defined() ? bias : at::empty({0}, weight.options());
-  return {hidden.reshape({-1, hidden.size(-1)}), weight, no_bias, targets.reshape({-1}).to(hidden.device()), std::move(leading)};
+  return {hidden.reshape({-1, hidden.size(-1)}), weight, no_bias, targets.reshape({-1}).to(hidden.device()),
+          std::move(leading)};
 }
 
 /// A check asked earlier, for this head's vocabulary.
@@ -62,7 +64,8 @@ inline at::Tensor chunk_logits_f32(const at::Tensor& hidden, const at::Tensor& w
 struct HeadGrads {
   at::Tensor hidden, weight, bias;
 
-  HeadGrads(std::array<bool, 3> wanted, const at::Tensor& hidden_in, const at::Tensor& weight_in, const at::Tensor& bias_in) {
+  HeadGrads(std::array<bool, 3> wanted, const at::Tensor& hidden_in, const at::Tensor& weight_in,
+            const at::Tensor& bias_in) {
     if (wanted[0]) hidden = at::empty_like(hidden_in);
     if (wanted[1]) weight = at::zeros(weight_in.sizes(), weight_in.options().dtype(at::kFloat));
     if (bias_in.numel() > 0 && wanted[2]) bias = at::zeros(bias_in.sizes(), bias_in.options().dtype(at::kFloat));
@@ -84,7 +87,8 @@ struct HeadGrads {
     if (bias.defined()) bias.add_(dlogits_f32.sum(0));
   }
   torch::autograd::variable_list finish(const at::Tensor& w, const at::Tensor& b) {
-    return {hidden, weight.defined() ? weight.to(w.scalar_type()) : weight, bias.defined() ? bias.to(b.scalar_type()) : bias};
+    return {hidden, weight.defined() ? weight.to(w.scalar_type()) : weight,
+            bias.defined() ? bias.to(b.scalar_type()) : bias};
   }
 };
 
@@ -112,8 +116,8 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
     at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
     std::optional<HeadGrads> grads;
     if (recorded) {
-      grads.emplace(std::array<bool, 3>{hidden.requires_grad(), weight.requires_grad(), bias.requires_grad()}, hidden, weight,
-                    bias);
+      grads.emplace(std::array<bool, 3>{hidden.requires_grad(), weight.requires_grad(), bias.requires_grad()}, hidden,
+                    weight, bias);
     }
     for (int64_t begin = 0; begin < n; begin += chunk) {
       const int64_t len = std::min(chunk, n - begin);
@@ -127,7 +131,8 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
       total.add_(((l - target) * valid.narrow(0, begin, len)).sum());
       if (grads) {
         at::Tensor p = z.div_(sum.unsqueeze(1));
-        grads->add(begin, minus_one_hot(std::move(p), safe.narrow(0, begin, len), valid.narrow(0, begin, len)), h, weight);
+        grads->add(begin, minus_one_hot(std::move(p), safe.narrow(0, begin, len), valid.narrow(0, begin, len)), h,
+                   weight);
       }
     }
     const at::Tensor count = valid.sum().to(at::kFloat);
@@ -144,16 +149,25 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
 
   // Scales the gradients in place and hands them on: autograd releases the saved copies right after
   // this returns, so the weight's gradient is taken over, not copied (a second weight-sized buffer).
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
-    FSDPX_CHECK(!ctx->saved_data["consumed"].toBool(), "linear_cross_entropy: a chunked loss cannot be differentiated "
-                "twice (retain_graph): its gradients were made in forward and handed on; use chunk_logits = 0 for that");
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    FSDPX_CHECK(
+        !ctx->saved_data["consumed"].toBool(),
+        "linear_cross_entropy: a chunked loss cannot be differentiated "
+        "twice (retain_graph): its gradients were made in forward and handed on; use chunk_logits = 0 for that");
     ctx->saved_data["consumed"] = true;
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &gh = saved[0], &gw = saved[1], &gb = saved[2];
     scale_defined({gh, gw, gb}, grads[0].to(at::kFloat));
     const at::Tensor none;
-    return {gh, gw.defined() ? gw.to(ctx->saved_data["weight_dtype"].toScalarType()) : none,
-            gb.defined() ? gb.to(ctx->saved_data["bias_dtype"].toScalarType()) : none, none, none, none, none, none};
+    return {gh,
+            gw.defined() ? gw.to(ctx->saved_data["weight_dtype"].toScalarType()) : none,
+            gb.defined() ? gb.to(ctx->saved_data["bias_dtype"].toScalarType()) : none,
+            none,
+            none,
+            none,
+            none,
+            none};
   }
 
  private:
@@ -166,13 +180,15 @@ struct ChunkedCrossEntropy : torch::autograd::Function<ChunkedCrossEntropy> {
 
 struct ChunkedLogProbs : torch::autograd::Function<ChunkedLogProbs> {
   static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden,
-                                                const at::Tensor& weight, const at::Tensor& bias, const at::Tensor& targets,
-                                                int64_t chunk, double temperature, bool entropy) {
+                                                const at::Tensor& weight, const at::Tensor& bias,
+                                                const at::Tensor& targets, int64_t chunk, double temperature,
+                                                bool entropy) {
     ctx->set_materialize_grads(false);
     const int64_t n = hidden.size(0);
     const auto f32 = hidden.options().dtype(at::kFloat);
     at::Tensor lse = at::empty({n}, f32), log_probs = at::empty({n}, f32);
-    at::Tensor mean_logit = entropy ? at::empty({n}, f32) : at::empty({0}, f32), ent = at::empty({entropy ? n : 0}, f32);
+    at::Tensor mean_logit = entropy ? at::empty({n}, f32) : at::empty({0}, f32),
+               ent = at::empty({entropy ? n : 0}, f32);
     for (int64_t begin = 0; begin < n; begin += chunk) {
       const int64_t len = std::min(chunk, n - begin);
       at::Tensor z = chunk_logits_f32(hidden.narrow(0, begin, len), weight, bias);
@@ -193,7 +209,8 @@ struct ChunkedLogProbs : torch::autograd::Function<ChunkedLogProbs> {
     return {log_probs, ent};
   }
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &hidden = saved[0], &weight = saved[1], &bias = saved[2], &targets = saved[3], &lse = saved[4],
                      &mean_logit = saved[5];
@@ -257,7 +274,7 @@ FSDPX_DECL at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::T
   const bool mean = options.reduction == LossReduction::mean;
   const int64_t vocab = in.weight.size(0);
   const bool labels_ok = options.labels_checked ? detail::read_check(*options.labels_checked, vocab)
-                                                          : LabelCheck(in.targets, vocab, options.ignore_index).passed();
+                                                : LabelCheck(in.targets, vocab, options.ignore_index).passed();
   FSDPX_CHECK(labels_ok, "linear_cross_entropy: every label must be a token id in [0, ", vocab,
               ") or the ignore index ", options.ignore_index);
   if (options.chunk_logits <= 0) {
@@ -267,10 +284,10 @@ FSDPX_DECL at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::T
   }
   const int64_t chunk = detail::chunk_tokens(options.chunk_logits, in.weight.size(0), in.hidden.size(0));
   // Autograd records the call exactly when this holds (labels never require gradients).
-  const bool recorded = at::GradMode::is_enabled() &&
-                        (in.hidden.requires_grad() || in.weight.requires_grad() || in.bias.requires_grad());
-  return detail::ChunkedCrossEntropy::apply(in.hidden, in.weight, in.bias, in.targets, chunk, options.ignore_index, mean,
-                                            recorded);
+  const bool recorded =
+      at::GradMode::is_enabled() && (in.hidden.requires_grad() || in.weight.requires_grad() || in.bias.requires_grad());
+  return detail::ChunkedCrossEntropy::apply(in.hidden, in.weight, in.bias, in.targets, chunk, options.ignore_index,
+                                            mean, recorded);
 }
 
 FSDPX_DECL TokenLogProbs linear_log_probs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
@@ -279,7 +296,7 @@ FSDPX_DECL TokenLogProbs linear_log_probs(const at::Tensor& hidden, const at::Te
   FSDPX_CHECK(options.temperature > 0, "linear_log_probs: the temperature must be positive, not ", options.temperature);
   const int64_t vocab = in.weight.size(0);
   const bool range_ok = options.targets_checked ? detail::read_check(*options.targets_checked, vocab)
-                                                           : LabelCheck(in.targets, vocab).passed();
+                                                : LabelCheck(in.targets, vocab).passed();
   FSDPX_CHECK(range_ok, "linear_log_probs: every target must be a token id in [0, ", vocab,
               "); mask padding after computing, not with -100");
   TokenLogProbs out;

@@ -81,11 +81,11 @@ FSDPX_DECL PackedSamples PackedSamples::from_cu_seqlens(const at::Tensor& cu_seq
   s.batch_ = batch;
   s.seq_ = seq;
   for (int64_t i = 0; i < n; ++i) {
-    FSDPX_CHECK(c[i + 1] > c[i], "cu_seqlens: sample ", i, " is empty (cu_seqlens[", i, "] = cu_seqlens[", i + 1, "] = ",
-                c[i], "); every sample holds at least one token");
+    FSDPX_CHECK(c[i + 1] > c[i], "cu_seqlens: sample ", i, " is empty (cu_seqlens[", i, "] = cu_seqlens[", i + 1,
+                "] = ", c[i], "); every sample holds at least one token");
     const int64_t row = c[i] / seq, start = c[i] % seq, length = c[i + 1] - c[i];
-    FSDPX_CHECK(start + length <= seq, "cu_seqlens: sample ", i, " (tokens ", c[i], " to ", c[i + 1], ") crosses the end of row ",
-                row, " (rows hold ", seq, " tokens; a sample lies in one row)");
+    FSDPX_CHECK(start + length <= seq, "cu_seqlens: sample ", i, " (tokens ", c[i], " to ", c[i + 1],
+                ") crosses the end of row ", row, " (rows hold ", seq, " tokens; a sample lies in one row)");
     s.spans_.push_back({row, start, length});
     s.max_length_ = std::max(s.max_length_, length);
   }
@@ -94,8 +94,10 @@ FSDPX_DECL PackedSamples PackedSamples::from_cu_seqlens(const at::Tensor& cu_seq
 
 FSDPX_DECL void PackedSamples::check_shape(const char* what, int64_t batch, int64_t seq) const {
   FSDPX_CHECK(!empty(), what, ": the packed samples are empty (no description)");
-  FSDPX_CHECK(batch_ == batch && seq_ == seq, what, ": the packed samples describe a [", batch_, ", ", seq_, "] batch, but the "
-              "input is [", batch, ", ", seq, "]");
+  FSDPX_CHECK(batch_ == batch && seq_ == seq, what, ": the packed samples describe a [", batch_, ", ", seq_,
+              "] batch, but the "
+              "input is [",
+              batch, ", ", seq, "]");
 }
 
 FSDPX_DECL at::Tensor PackedSamples::position_ids(c10::Device device) const {
@@ -113,7 +115,8 @@ FSDPX_DECL at::Tensor PackedSamples::cu_seqlens(c10::Device device) const {
   at::Tensor out = at::empty({static_cast<int64_t>(spans_.size()) + 1}, at::TensorOptions().dtype(at::kInt));
   int32_t* c = out.data_ptr<int32_t>();
   c[0] = 0;
-  for (size_t i = 0; i < spans_.size(); ++i) c[i + 1] = static_cast<int32_t>(spans_[i].row * seq_ + spans_[i].start + spans_[i].length);
+  for (size_t i = 0; i < spans_.size(); ++i)
+    c[i + 1] = static_cast<int32_t>(spans_[i].row * seq_ + spans_[i].start + spans_[i].length);
   return out.to(device);
 }
 
@@ -172,7 +175,8 @@ FSDPX_DECL PackedBatch pack_sequences(const std::vector<at::Tensor>& sequences, 
   // First-fit decreasing: the longest first, each into the first row with room.
   std::vector<size_t> order(sequences.size());
   std::iota(order.begin(), order.end(), size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sequences[a].size(0) > sequences[b].size(0); });
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t a, size_t b) { return sequences[a].size(0) > sequences[b].size(0); });
   std::vector<int64_t> used;
   PackedBatch batch;
   batch.placement.resize(sequences.size());

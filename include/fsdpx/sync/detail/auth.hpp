@@ -4,7 +4,8 @@
 #pragma once
 
 #if !defined(FSDPX_WITH_OPENSSL)
-#error "fsdpx/sync (the TCP synchronizer service) needs OpenSSL's libcrypto for its HMAC handshake: configure fsdpx where OpenSSL is installed (Debian: libssl-dev), so that FSDPX_WITH_OPENSSL is set."
+#error \
+    "fsdpx/sync (the TCP synchronizer service) needs OpenSSL's libcrypto for its HMAC handshake: configure fsdpx where OpenSSL is installed (Debian: libssl-dev), so that FSDPX_WITH_OPENSSL is set."
 #endif
 
 #include <cstdint>

@@ -178,7 +178,7 @@ inline std::string frame_problem(const FrameHeader& h, uint64_t max_payload) {
 /// A version ready to serve: its buckets and their frame headers (checksums computed once).
 struct EncodedSnapshot {
   int64_t version = no_version;
-  std::string run;    // the snapshot_begin frame's payload
+  std::string run;  // the snapshot_begin frame's payload
   FrameHeader begin;
   std::vector<FrameHeader> headers;
   std::vector<at::Tensor> buckets;  // uint8, CPU
@@ -207,8 +207,8 @@ inline std::shared_ptr<const EncodedSnapshot> encode_snapshot(int64_t version, s
 inline BucketLayout check_bucket(const at::Tensor& bucket, int64_t version, uint64_t index, uint64_t count,
                                  std::string_view where) {
   BucketLayout b = decode_header(bucket.const_data_ptr<uint8_t>(), bucket.numel(), where);
-  FSDPX_CHECK_AS(SyncError, b.version == version && b.index == index && b.count == count &&
-                                b.total_bytes == bucket.numel(),
+  FSDPX_CHECK_AS(SyncError,
+                 b.version == version && b.index == index && b.count == count && b.total_bytes == bucket.numel(),
                  "weight bucket out of order from ", where, ": expected bucket ", index, " of ", count, " of version ",
                  version, " (", bucket.numel(), " bytes), got bucket ", b.index, " of ", b.count, " of version ",
                  b.version, " (", b.total_bytes, " bytes)");

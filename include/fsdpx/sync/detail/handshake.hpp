@@ -64,7 +64,8 @@ inline std::string run_label(std::string_view run) {
   message.append(run);
   unsigned char digest[EVP_MAX_MD_SIZE];
   unsigned int len = 0;
-  FSDPX_CHECK_AS(SyncError, EVP_Digest(message.data(), message.size(), digest, &len, EVP_sha256(), nullptr) == 1 && len >= 16,
+  FSDPX_CHECK_AS(SyncError,
+                 EVP_Digest(message.data(), message.size(), digest, &len, EVP_sha256(), nullptr) == 1 && len >= 16,
                  "the synchronizer's SHA-256 failed (OpenSSL)");
   static constexpr char hex[] = "0123456789abcdef";
   std::string label;

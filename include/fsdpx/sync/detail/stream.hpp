@@ -35,9 +35,11 @@ inline asio::ssl::context server_tls_context(const std::string& certificate_file
   tls.set_options(tls_options);
   boost::system::error_code ec;
   tls.use_certificate_chain_file(certificate_file, ec);
-  FSDPX_CHECK_AS(SyncError, !ec, "synchronizer server: the TLS certificate '", certificate_file, "' cannot be used: ", ec.message());
+  FSDPX_CHECK_AS(SyncError, !ec, "synchronizer server: the TLS certificate '", certificate_file,
+                 "' cannot be used: ", ec.message());
   tls.use_private_key_file(private_key_file, asio::ssl::context::pem, ec);
-  FSDPX_CHECK_AS(SyncError, !ec, "synchronizer server: the TLS private key '", private_key_file, "' cannot be used: ", ec.message());
+  FSDPX_CHECK_AS(SyncError, !ec, "synchronizer server: the TLS private key '", private_key_file,
+                 "' cannot be used: ", ec.message());
   // No session tickets: nothing arrives on an idle connection unless the server closes it (the
   // client takes unasked-for bytes for a hang-up), and no session outlives its connection.
   SSL_CTX_set_num_tickets(tls.native_handle(), 0);
@@ -55,8 +57,8 @@ inline asio::ssl::context client_tls_context(const std::string& ca_file, const s
   } else {
     tls.load_verify_file(ca_file, ec);
   }
-  FSDPX_CHECK_AS(SyncError, !ec, "synchronizer client: the TLS certificate authorities '", ca_file.empty() ? "(the system's)" : ca_file,
-                 "' cannot be loaded: ", ec.message());
+  FSDPX_CHECK_AS(SyncError, !ec, "synchronizer client: the TLS certificate authorities '",
+                 ca_file.empty() ? "(the system's)" : ca_file, "' cannot be loaded: ", ec.message());
   tls.set_verify_mode(asio::ssl::verify_peer);
   tls.set_verify_callback(asio::ssl::host_name_verification(server_name));
   return tls;
@@ -106,7 +108,8 @@ class Stream {
     if (tls_) {
       tls_->async_handshake(type, std::forward<Handler>(handler));
     } else {
-      asio::post(socket().get_executor(), [h = std::forward<Handler>(handler)]() mutable { h(boost::system::error_code()); });
+      asio::post(socket().get_executor(),
+                 [h = std::forward<Handler>(handler)]() mutable { h(boost::system::error_code()); });
     }
   }
 

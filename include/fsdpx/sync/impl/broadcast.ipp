@@ -32,7 +32,7 @@ FSDPX_DECL std::vector<NamedTensor> module_buffers(const core::ShardedModel& mod
 }
 
 FSDPX_DECL std::vector<NamedTensor> gather_full_state_dict(core::ShardedModel& model, bool collect,
-                                                       const GatherOptions& options) {
+                                                           const GatherOptions& options) {
   std::vector<NamedTensor> out;
   for_each_unsharded_unit(model, [&](core::Unit& u) {
     if (!collect) return;
@@ -51,8 +51,8 @@ FSDPX_DECL std::vector<NamedTensor> gather_full_state_dict(core::ShardedModel& m
 }
 
 FSDPX_DECL WeightBroadcaster::WeightBroadcaster(core::ShardedModel& model,
-    std::optional<dist::AnyCommunicator> update_group,
-                    BroadcastOptions options)
+                                                std::optional<dist::AnyCommunicator> update_group,
+                                                BroadcastOptions options)
     : model_(&model), group_(std::move(update_group)), options_(options) {
   if (options_.keep_gather_buffers) {
     // Collective over the shard group (every trainer rank constructs a broadcaster): a duplicate of
@@ -67,7 +67,8 @@ FSDPX_DECL WeightBroadcaster::WeightBroadcaster(core::ShardedModel& model,
   }
   FSDPX_CHECK(options_.bucket_bytes >= 4096, "WeightBroadcaster: bucket_bytes must be at least 4096, got ",
               options_.bucket_bytes);
-  FSDPX_CHECK(options_.direct_bytes >= 1, "WeightBroadcaster: direct_bytes must be positive, got ", options_.direct_bytes);
+  FSDPX_CHECK(options_.direct_bytes >= 1, "WeightBroadcaster: direct_bytes must be positive, got ",
+              options_.direct_bytes);
   if (group_) {
     FSDPX_CHECK(group_->rank() == 0, "WeightBroadcaster: this trainer rank is rank ", group_->rank(),
                 " of the model-update group '", group_->name(), "'; the sending trainer rank must be its rank 0");
@@ -104,11 +105,13 @@ FSDPX_DECL void WeightBroadcaster::send(int64_t version) {
   const auto longs = at::TensorOptions().dtype(at::kLong).device(model_->unit(0).options().device);
   const bool cut = options_.delta.has_value();
   const Manifest* base = cut && !base_.empty() ? &base_.manifest() : nullptr;
-  group_->broadcast(at::tensor({detail::announce_magic, version,
-                                int64_t{cut ? detail::Announcement::cut : detail::Announcement::streamed},
-                                base ? base->version : no_version, int64_t{base ? base->digest : 0u},
-                                int64_t{options_.checksums ? 1 : 0}},
-                               at::kLong).to(longs), 0);
+  group_->broadcast(
+      at::tensor(
+          {detail::announce_magic, version, int64_t{cut ? detail::Announcement::cut : detail::Announcement::streamed},
+           base ? base->version : no_version, int64_t{base ? base->digest : 0u}, int64_t{options_.checksums ? 1 : 0}},
+          at::kLong)
+          .to(longs),
+      0);
   preamble_sent_ = false;
   try {
     if (!cut) return send_streamed(version);
@@ -124,7 +127,8 @@ FSDPX_DECL void WeightBroadcaster::send(int64_t version) {
     if (!preamble_sent_) {
       group_->broadcast(
           at::tensor(std::vector<int64_t>{detail::preamble_magic, version, detail::aborted_version, 0, 1, 0}, at::kLong)
-              .to(longs), 0);
+              .to(longs),
+          0);
     }
     throw;
   }
@@ -132,18 +136,19 @@ FSDPX_DECL void WeightBroadcaster::send(int64_t version) {
 
 FSDPX_DECL void WeightBroadcaster::send_cut(int64_t version, bool receivers_hold) {
   std::vector<NamedTensor> current;
-  walk_units([](int) {}, [&](int, core::Unit& u, const UnitData& data) {
-    for (const auto& p : u.layout().params()) {
-      at::Tensor host = at::empty(p.shape, at::TensorOptions().dtype(wire_dtype(u)));
-      at::Tensor flat = host.view({-1});
-      int64_t filled = 0;
-      for_each_piece(u, p, data, [&](const at::Tensor& piece) {
-        flat.narrow(0, filled, piece.numel()).copy_(piece);
-        filled += piece.numel();
-      });
-      current.push_back({p.name, std::move(host)});
-    }
-  });
+  walk_units([](int) {},
+             [&](int, core::Unit& u, const UnitData& data) {
+               for (const auto& p : u.layout().params()) {
+                 at::Tensor host = at::empty(p.shape, at::TensorOptions().dtype(wire_dtype(u)));
+                 at::Tensor flat = host.view({-1});
+                 int64_t filled = 0;
+                 for_each_piece(u, p, data, [&](const at::Tensor& piece) {
+                   flat.narrow(0, filled, piece.numel()).copy_(piece);
+                   filled += piece.numel();
+                 });
+                 current.push_back({p.name, std::move(host)});
+               }
+             });
   for (auto& b : module_buffers(*model_)) {
     current.push_back({std::move(b.name), b.tensor.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous()});
   }
@@ -224,9 +229,9 @@ FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
     std::erase_if(pending, [&](const auto& p) { return p.first == tag; });
     stats_.send_wait_seconds += std::chrono::duration<double>(Clock::now() - w0).count();
   };
-  int64_t k = 0;      // the bucket being filled
-  size_t e = 0;       // its next entry
-  size_t seg = 0;     // its next segment
+  int64_t k = 0;   // the bucket being filled
+  size_t e = 0;    // its next entry
+  size_t seg = 0;  // its next segment
   const auto begin_bucket = [&] {
     if (k >= n) return;
     release(static_cast<int>(k % 2));  // the staging bucket's previous broadcasts must be done
@@ -268,7 +273,8 @@ FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
   begin_bucket();
   Manifest manifest;  // what the receivers must end with: each tensor's CRC-32C as it travels
   manifest.version = version;
-  const auto record = [&](const std::string& name, const std::vector<int64_t>& shape, at::ScalarType dtype, auto&& each) {
+  const auto record = [&](const std::string& name, const std::vector<int64_t>& shape, at::ScalarType dtype,
+                          auto&& each) {
     if (!options_.checksums) return;
     ::fsdpx::detail::Crc32c crc;
     each([&](const at::Tensor& piece) {
@@ -277,21 +283,22 @@ FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
     });
     manifest.entries.push_back({name, dtype, shape, DeltaEncoding::full, 0, crc.value(), -1});
   };
-  walk_units(
-      [&](int slot) { release(gather_tag + slot); },
-      [&](int slot, core::Unit& u, const UnitData& data) {
-        for (const auto& p : u.layout().params()) {
-          record(p.name, p.shape, wire_dtype(u), [&](auto&& update) { for_each_piece(u, p, data, update); });
-          send_tensor(p.name, [&](const BucketEntry& entry) {
-            const auto [chunk, in_gather_buffer] = data.lasting
-                ? data.range(p.offset + entry.element_offset, entry.numel)
-                : std::pair{p.param.detach().reshape({-1}).narrow(0, entry.element_offset, entry.numel), false};
-            // Gathered data is in the wire dtype already; the parameters are cast while packed.
-            const bool direct = data.lasting && entry.nbytes() >= options_.direct_bytes;
-            return std::tuple{chunk, direct, in_gather_buffer ? gather_tag + slot : lasting_tag};
-          });
-        }
-      });
+  walk_units([&](int slot) { release(gather_tag + slot); },
+             [&](int slot, core::Unit& u, const UnitData& data) {
+               for (const auto& p : u.layout().params()) {
+                 record(p.name, p.shape, wire_dtype(u), [&](auto&& update) { for_each_piece(u, p, data, update); });
+                 send_tensor(p.name, [&](const BucketEntry& entry) {
+                   const auto [chunk, in_gather_buffer] =
+                       data.lasting
+                           ? data.range(p.offset + entry.element_offset, entry.numel)
+                           : std::pair{p.param.detach().reshape({-1}).narrow(0, entry.element_offset, entry.numel),
+                                       false};
+                   // Gathered data is in the wire dtype already; the parameters are cast while packed.
+                   const bool direct = data.lasting && entry.nbytes() >= options_.direct_bytes;
+                   return std::tuple{chunk, direct, in_gather_buffer ? gather_tag + slot : lasting_tag};
+                 });
+               }
+             });
   for (const auto& b : buffers) {
     record(b.name, b.tensor.sizes().vec(), b.tensor.scalar_type(), [&](auto&& update) { update(b.tensor); });
     send_tensor(b.name, [&](const BucketEntry& entry) {
@@ -309,7 +316,7 @@ FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
 }
 
 FSDPX_DECL WeightBroadcaster::Planned WeightBroadcaster::plan_and_send_preamble(const std::vector<TensorSpec>& specs,
-                                                                                 int64_t version, int64_t direct_min) {
+                                                                                int64_t version, int64_t direct_min) {
   Planned out;
   out.plan = plan_buckets(specs, options_.bucket_bytes, version);
   const int64_t n = static_cast<int64_t>(out.plan.size());
@@ -322,12 +329,14 @@ FSDPX_DECL WeightBroadcaster::Planned WeightBroadcaster::plan_and_send_preamble(
     largest_header = std::max(largest_header, b.header_bytes);
     stats_.bytes += b.total_bytes;
     auto bytes = encode_header(b);
-    out.headers.push_back(at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte).to(device, false, true));
+    out.headers.push_back(
+        at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte).to(device, false, true));
   }
   stats_.buckets = n;
   const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
   preamble_sent_ = true;
-  group_->broadcast(at::tensor({detail::preamble_magic, version, n, largest_header, direct_min, largest}, at::kLong).to(longs), 0);
+  group_->broadcast(
+      at::tensor({detail::preamble_magic, version, n, largest_header, direct_min, largest}, at::kLong).to(longs), 0);
   if (n > 0) group_->broadcast(at::tensor(header_sizes, at::kLong).to(longs), 0);
   ensure_buffers(largest, device);
   return out;
@@ -354,7 +363,8 @@ FSDPX_DECL void WeightBroadcaster::cast_shard(const core::Unit& u, const at::Ten
 
 FSDPX_DECL void WeightBroadcaster::ensure_buffers(int64_t bytes, c10::Device device) {
   if (buffers_[0].defined() && buffers_[0].numel() >= bytes && buffers_[0].device() == device) return;
-  for (auto& b : buffers_) b = memory::empty_buffer(std::max<int64_t>(bytes, 1), at::TensorOptions().dtype(at::kByte).device(device));
+  for (auto& b : buffers_)
+    b = memory::empty_buffer(std::max<int64_t>(bytes, 1), at::TensorOptions().dtype(at::kByte).device(device));
 }
 
 FSDPX_DECL int64_t WeightReceiver::receive_into(torch::nn::Module& module) {
@@ -428,7 +438,8 @@ FSDPX_DECL WeightSnapshot WeightReceiver::receive() {
 FSDPX_DECL std::vector<NamedTensor> WeightReceiver::in_wire_order(std::vector<NamedTensor> collected) const {
   // A collector lists tensors as first received, and a lone chunk of a later bucket may be received
   // (in place) before an earlier bucket is unpacked: the manifest goes back to the front.
-  const auto it = std::find_if(collected.begin(), collected.end(), [](const NamedTensor& t) { return t.name == manifest_name; });
+  const auto it =
+      std::find_if(collected.begin(), collected.end(), [](const NamedTensor& t) { return t.name == manifest_name; });
   FSDPX_CHECK_AS(SyncError, it != collected.end(), "a cut version from ", where(), " has no manifest ('", manifest_name,
                  "'): the sender is not fsdpx, or the version is corrupt");
   std::rotate(collected.begin(), it, it + 1);
@@ -444,9 +455,9 @@ FSDPX_DECL detail::Announcement WeightReceiver::read_announcement() {
                  "' delivered something that is not a weight-sync announcement: its ranks disagree about what is "
                  "being sent (is every rollout rank calling receive while trainer rank 0 calls broadcast? "
                  "are both sides built from the same fsdpx?)");
-  FSDPX_CHECK_AS(SyncError, (p[2] == detail::Announcement::streamed || p[2] == detail::Announcement::cut) &&
-                                p[3] >= no_version && p[4] >= 0 && p[4] <= std::numeric_limits<uint32_t>::max() &&
-                                (p[5] == 0 || p[5] == 1),
+  FSDPX_CHECK_AS(SyncError,
+                 (p[2] == detail::Announcement::streamed || p[2] == detail::Announcement::cut) && p[3] >= no_version &&
+                     p[4] >= 0 && p[4] <= std::numeric_limits<uint32_t>::max() && (p[5] == 0 || p[5] == 1),
                  "corrupt weight-sync announcement of version ", p[1], ": kind ", p[2], ", base ", p[3], " (digest ",
                  p[4], "), flags ", p[5]);
   return {p[1], static_cast<detail::Announcement::Kind>(p[2]), p[3], static_cast<uint32_t>(p[4]), p[5] == 1};
@@ -464,8 +475,8 @@ FSDPX_DECL Manifest WeightReceiver::receive_manifest(int64_t version, int64_t ex
   group_.broadcast(size, options_.root);
   const int64_t n = size.cpu().item<int64_t>();
   FSDPX_CHECK_AS(SyncError, n == expected_bytes && n <= detail::max_manifest_bytes, "the manifest of version ", version,
-                 " from ", where(), " would take ", n, " bytes, but that of the tensors that arrived takes ", expected_bytes,
-                 " (the sender is not fsdpx, or the version is corrupt)");
+                 " from ", where(), " would take ", n, " bytes, but that of the tensors that arrived takes ",
+                 expected_bytes, " (the sender is not fsdpx, or the version is corrupt)");
   auto bytes = at::empty({n}, at::TensorOptions().dtype(at::kByte).device(options_.device));
   group_.broadcast(bytes, options_.root);
   Manifest m = Manifest::decode(bytes, where());

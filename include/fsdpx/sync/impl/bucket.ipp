@@ -37,7 +37,8 @@ FSDPX_DECL std::string Coverage::add(int64_t begin, int64_t n, int64_t numel) {
   }
   if (n == 0) {
     // plan_buckets sends an empty chunk only for an empty tensor, once (so its shape travels).
-    if (numel != 0) return ::fsdpx::detail::str("an empty chunk at element ", begin, " of a tensor of ", numel, " elements");
+    if (numel != 0)
+      return ::fsdpx::detail::str("an empty chunk at element ", begin, " of a tensor of ", numel, " elements");
     if (empty_seen_) return "the empty tensor arrived twice";
     empty_seen_ = true;
     return {};
@@ -77,8 +78,7 @@ FSDPX_DECL std::string Coverage::gap(int64_t numel) const {
     }
     at = e;
   }
-  return ::fsdpx::detail::str(covered_, " of ", numel, " elements arrived; elements [", at, ", ", until,
-                              ") never did");
+  return ::fsdpx::detail::str(covered_, " of ", numel, " elements arrived; elements [", at, ", ", until, ") never did");
 }
 
 FSDPX_DECL std::string VersionCoverage::add(const BucketEntry& e, uint32_t bucket) {
@@ -91,8 +91,9 @@ FSDPX_DECL std::string VersionCoverage::add(const BucketEntry& e, uint32_t bucke
   }
   Tensor& t = tensors_[it->second];
   if (t.dtype != e.dtype || t.shape != e.shape) {
-    return ::fsdpx::detail::str("tensor '", e.name, "' arrived with two shapes or dtypes (", c10::IntArrayRef(t.shape), " ",
-                                t.dtype, ", then ", c10::IntArrayRef(e.shape), " ", e.dtype, " in bucket ", bucket, ")");
+    return ::fsdpx::detail::str("tensor '", e.name, "' arrived with two shapes or dtypes (", c10::IntArrayRef(t.shape),
+                                " ", t.dtype, ", then ", c10::IntArrayRef(e.shape), " ", e.dtype, " in bucket ", bucket,
+                                ")");
   }
   const size_t ranges = t.coverage.ranges();
   if (std::string problem = t.coverage.add(e.element_offset, e.numel, t.numel); !problem.empty()) {
@@ -118,7 +119,7 @@ FSDPX_DECL std::string VersionCoverage::missing() const {
 namespace fsdpx::sync {
 
 FSDPX_DECL std::vector<BucketLayout> plan_buckets(const std::vector<TensorSpec>& specs, int64_t capacity,
-                                              int64_t version) {
+                                                  int64_t version) {
   FSDPX_CHECK(capacity >= 4096, "weight sync: a bucket must hold at least 4096 bytes, got ", capacity);
   std::vector<BucketLayout> buckets;
   BucketLayout cur;
@@ -282,7 +283,8 @@ FSDPX_DECL BucketLayout decode_header(const uint8_t* data, int64_t available, st
         e.element_offset < 0 || __builtin_add_overflow(e.element_offset, e.numel, &chunk_end) ||
         __builtin_mul_overflow(e.numel, esize, &chunk_bytes) || byte_offset > static_cast<uint64_t>(b.total_bytes)) {
       body.fail(::fsdpx::detail::str("entry '", e.name, "' has sizes that overflow (shape of ", e.shape.size(),
-                                     " dimensions, elements ", e.element_offset, "+", e.numel, ", byte ", byte_offset, ")"));
+                                     " dimensions, elements ", e.element_offset, "+", e.numel, ", byte ", byte_offset,
+                                     ")"));
     }
     e.byte_offset = static_cast<int64_t>(byte_offset);
     if (chunk_end > tensor_numel || e.byte_offset < b.header_bytes || e.byte_offset % esize != 0 ||
@@ -308,8 +310,7 @@ FSDPX_DECL void write_header(const at::Tensor& bucket, const BucketLayout& b) {
 }
 
 FSDPX_DECL std::vector<at::Tensor> pack_buckets(const std::vector<NamedTensor>& tensors, int64_t capacity,
-    int64_t version,
-                                            std::vector<BucketLayout>* layouts) {
+                                                int64_t version, std::vector<BucketLayout>* layouts) {
   std::vector<TensorSpec> specs;
   specs.reserve(tensors.size());
   for (const auto& t : tensors) specs.push_back({t.name, t.tensor.sizes().vec(), t.tensor.scalar_type()});
@@ -402,8 +403,10 @@ FSDPX_DECL std::vector<NamedTensor> TensorCollector::finish() {
       problems_.push_back(::fsdpx::detail::str("'", tensors_[i].name, "': ", gap));
     }
   }
-  FSDPX_CHECK_AS(SyncError, problems_.empty(), "received weights are not whole (every element of every tensor must "
-                 "arrive exactly once): ", join(problems_));
+  FSDPX_CHECK_AS(SyncError, problems_.empty(),
+                 "received weights are not whole (every element of every tensor must "
+                 "arrive exactly once): ",
+                 join(problems_));
   return std::move(tensors_);
 }
 
@@ -422,7 +425,8 @@ FSDPX_DECL std::unordered_map<std::string, size_t>::iterator TensorCollector::ad
   FSDPX_CHECK_AS(SyncError, cost <= max_bytes_ - allocated_, "received weights: tensor '", e.name, "' of ", bytes,
                  " bytes would take the version beyond its limit of ", max_bytes_, " bytes");
   allocated_ += cost;
-  tensors_.push_back({e.name, memory::empty_buffer(numel, at::TensorOptions().dtype(e.dtype).device(device_)).view(e.shape)});
+  tensors_.push_back(
+      {e.name, memory::empty_buffer(numel, at::TensorOptions().dtype(e.dtype).device(device_)).view(e.shape)});
   received_.emplace_back();
   return index_.emplace(e.name, tensors_.size() - 1).first;
 }
@@ -497,12 +501,13 @@ FSDPX_DECL void ModuleLoader::finish() {
   std::sort(unknown_.begin(), unknown_.end());
   unknown_.erase(std::unique(unknown_.begin(), unknown_.end()), unknown_.end());
   if (!unknown_.empty()) {
-    problems_.push_back(::fsdpx::detail::str(unknown_.size(), " sent tensor(s) are not parameters or buffers of the module: ",
-                                             TensorCollector::join(unknown_)));
+    problems_.push_back(::fsdpx::detail::str(
+        unknown_.size(),
+        " sent tensor(s) are not parameters or buffers of the module: ", TensorCollector::join(unknown_)));
   }
   if (!missing.empty()) {
-    problems_.push_back(::fsdpx::detail::str(missing.size(), " module parameter(s) or buffer(s) were not sent: ",
-                                             TensorCollector::join(missing)));
+    problems_.push_back(::fsdpx::detail::str(
+        missing.size(), " module parameter(s) or buffer(s) were not sent: ", TensorCollector::join(missing)));
   }
   FSDPX_CHECK_AS(SyncError, problems_.empty(),
                  "the received weights do not match the module (its other parameters may have been updated): ",

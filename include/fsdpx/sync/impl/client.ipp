@@ -3,7 +3,8 @@
 #pragma once
 
 #if !defined(FSDPX_WITH_BOOST)
-#error "fsdpx/sync/client.hpp's implementation (the TCP synchronizer service) needs Boost.Asio (Boost >= 1.74): configure fsdpx where Boost is installed, so that FSDPX_WITH_BOOST is set. The broadcast (fsdpx/sync/broadcast.hpp) and the in-process Synchronizer do not need Boost."
+#error \
+    "fsdpx/sync/client.hpp's implementation (the TCP synchronizer service) needs Boost.Asio (Boost >= 1.74): configure fsdpx where Boost is installed, so that FSDPX_WITH_BOOST is set. The broadcast (fsdpx/sync/broadcast.hpp) and the in-process Synchronizer do not need Boost."
 #endif
 
 #include <boost/asio/connect.hpp>
@@ -97,26 +98,28 @@ class ClientConnection {
     // the server says it holds another version (another publisher came between), the version full.
     EncodedVersion v = published_store_.cut(version, tensors, options_.delta);
     if (const std::string refused = send_version(version, v.tensors, run, what); !refused.empty()) {
-      FSDPX_CHECK_AS(SyncError, v.manifest.is_delta() && last_error_aux_ == detail::refused_base, "the synchronizer at ",
-                     where_, " refused version ", version, ": ", refused);
+      FSDPX_CHECK_AS(SyncError, v.manifest.is_delta() && last_error_aux_ == detail::refused_base,
+                     "the synchronizer at ", where_, " refused version ", version, ": ", refused);
       published_store_.clear();
       base_is_callers_ = false;
       v = published_store_.cut(version, tensors, options_.delta);
       const std::string again = send_version(version, v.tensors, run, what);
-      FSDPX_CHECK_AS(SyncError, again.empty(), "the synchronizer at ", where_, " refused version ", version, ": ", again);
+      FSDPX_CHECK_AS(SyncError, again.empty(), "the synchronizer at ", where_, " refused version ", version, ": ",
+                     again);
     }
     last_transfer_ = {version, v.manifest.is_delta(), v.bytes, v.full_bytes};
     if (options_.delta.enabled) {  // the base of the next delta
       const bool keep_as_is = handed_over && std::all_of(tensors.begin(), tensors.end(), [](const NamedTensor& t) {
-        return t.tensor.is_cpu() && t.tensor.is_contiguous();
-      });
+                                return t.tensor.is_cpu() && t.tensor.is_contiguous();
+                              });
       if (keep_as_is) {
         published_store_.adopt(tensors, v.manifest.whole());
       } else if (base_is_callers_) {
         // The base is tensors handed over before: a delta must not be applied to them (the caller may
         // still share them); the version is kept as a copy instead.
         std::vector<NamedTensor> copies;
-        for (const NamedTensor& t : tensors) copies.push_back({t.name, t.tensor.detach().to(at::kCPU, false, true).contiguous()});
+        for (const NamedTensor& t : tensors)
+          copies.push_back({t.name, t.tensor.detach().to(at::kCPU, false, true).contiguous()});
         published_store_.adopt(std::move(copies), v.manifest.whole());
       } else {
         published_store_.commit(std::move(v));
@@ -158,7 +161,6 @@ class ClientConnection {
   void verify(const std::vector<NamedTensor>& tensors) const { held_.verify(tensors); }
   SynchronizerClient::Transfer last_transfer() const { return last_transfer_; }
 
-
   /// Leaves: a publisher says goodbye first, so readers are not told that the trainer was lost.
   void close() {
     if (!is_open()) return;
@@ -176,7 +178,7 @@ class ClientConnection {
   /// blocking means a fresh connection.
   void reconnect_if_closed() {
     if (!is_open()) return connect(options_.connect_timeout);  // after an earlier error
-    if (!role_) return;  // the server's hello is waiting: authenticate() reads it
+    if (!role_) return;                                        // the server's hello is waiting: authenticate() reads it
     pollfd p{stream_->socket().native_handle(), POLLIN, 0};
     if (::poll(&p, 1, 0) <= 0) return;
     char c;
@@ -205,7 +207,8 @@ class ClientConnection {
     while (true) {
       std::optional<boost::system::error_code> result;
       socket.async_connect(endpoint_, [&](const boost::system::error_code& e) { result = e; });
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
       io_.restart();
       io_.run_for(std::max(left, std::chrono::milliseconds(1)));
       if (result && !*result) break;
@@ -218,8 +221,9 @@ class ClientConnection {
         last = result->message();
         socket.close(ignored);
       }
-      FSDPX_CHECK_AS(SyncError, std::chrono::steady_clock::now() < deadline, "could not connect to the synchronizer at ",
-                     where_, " within ", timeout.count(), " ms: ", last, " (is the server running, and is the address right?)");
+      FSDPX_CHECK_AS(SyncError, std::chrono::steady_clock::now() < deadline,
+                     "could not connect to the synchronizer at ", where_, " within ", timeout.count(), " ms: ", last,
+                     " (is the server running, and is the address right?)");
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
     socket.set_option(detail::tcp::no_delay(true));
@@ -228,16 +232,19 @@ class ClientConnection {
     if (tls_) {
       stream_->set_server_name(options_.tls_server_name);
       std::optional<boost::system::error_code> result;
-      stream_->async_handshake(detail::asio::ssl::stream_base::client, [&](const boost::system::error_code& e) { result = e; });
+      stream_->async_handshake(detail::asio::ssl::stream_base::client,
+                               [&](const boost::system::error_code& e) { result = e; });
       io_.restart();
-      io_.run_for(std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
-                           std::chrono::milliseconds(1000)));
+      io_.run_for(
+          std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()),
+                   std::chrono::milliseconds(1000)));
       if (!result || *result) {
         close_socket();
         io_.restart();
         io_.run();
-        throw SyncError(::fsdpx::detail::str("fsdpx: the TLS handshake with the synchronizer at ", where_, " failed: ",
-                                             result ? detail::tls_failure(*result) : std::string("it did not finish in time")));
+        throw SyncError(::fsdpx::detail::str(
+            "fsdpx: the TLS handshake with the synchronizer at ", where_,
+            " failed: ", result ? detail::tls_failure(*result) : std::string("it did not finish in time")));
       }
     }
   }
@@ -260,11 +267,13 @@ class ClientConnection {
       try {
         return handshake(role, what);
       } catch (const Busy& busy) {
-        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
         if (left <= std::chrono::milliseconds(0)) {
           throw SyncError(::fsdpx::detail::str(
               "fsdpx: ", what, " from the synchronizer at ", where_, ": ", busy.reason, "; asked again for ",
-              options_.connect_timeout.count(), " ms (ClientOptions::connect_timeout). Too many connections wait to "
+              options_.connect_timeout.count(),
+              " ms (ClientOptions::connect_timeout). Too many connections wait to "
               "authenticate: many clients connecting at once, or a peer holding connections open (the server's "
               "max_handshakes and max_handshakes_per_address)"));
         }
@@ -284,11 +293,13 @@ class ClientConnection {
       if (hello.kind == static_cast<uint16_t>(detail::FrameKind::error)) {
         close_socket();
         if (hello.aux == detail::refused_busy) throw Busy{payload};
-        throw SyncError(::fsdpx::detail::str("fsdpx: ", what, ": the synchronizer at ", where_, " refused the connection: ", payload));
+        throw SyncError(::fsdpx::detail::str("fsdpx: ", what, ": the synchronizer at ", where_,
+                                             " refused the connection: ", payload));
       }
       if (hello.kind != static_cast<uint16_t>(detail::FrameKind::hello) || hello.aux != detail::protocol_version ||
           payload.size() != detail::nonce_bytes) {
-        fail(::fsdpx::detail::str("the server did not start with a protocol ", detail::protocol_version, " hello"), what);
+        fail(::fsdpx::detail::str("the server did not start with a protocol ", detail::protocol_version, " hello"),
+             what);
       }
       hello_.emplace();
       std::copy(payload.begin(), payload.end(), hello_->begin());
@@ -301,8 +312,9 @@ class ClientConnection {
       const detail::Mac mac = detail::handshake_mac(secret.value, detail::client_label, role, *hello_, mine);
       std::copy(mac.begin(), mac.end(), auth.begin() + detail::nonce_bytes);
     }
-    write_frame(detail::make_frame(detail::FrameKind::auth, no_version, static_cast<uint64_t>(role), auth.data(), auth.size()),
-                auth.data(), what);
+    write_frame(
+        detail::make_frame(detail::FrameKind::auth, no_version, static_cast<uint64_t>(role), auth.data(), auth.size()),
+        auth.data(), what);
     const auto [reply, payload] = read_frame(options_.io_timeout, what + " (the handshake)", /*small=*/true);
     if (reply.kind == static_cast<uint16_t>(detail::FrameKind::error)) {
       close_socket();
@@ -368,8 +380,8 @@ class ClientConnection {
     std::string run;
     while (true) {
       const auto now = std::chrono::steady_clock::now();
-      const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now),
-                                 std::chrono::milliseconds(0));
+      const auto left =
+          std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now), std::chrono::milliseconds(0));
       // The server answers `timeout` a little before this fetch's deadline, so that the answer arrives
       // in time; it may answer earlier (it caps a wait at its idle_timeout): then ask again.
       const auto server_wait = left - std::min(left / 4, std::chrono::milliseconds(250));
@@ -410,8 +422,10 @@ class ClientConnection {
     TensorCollector collector(at::kCPU, options_.max_version_bytes);
     std::vector<NamedTensor> tensors;
     for (uint64_t k = 0; k < begin.aux; ++k) {
-      fetch_progress_ = ::fsdpx::detail::str("version ", begin.version, ": ", k, " of ", begin.aux, " buckets received");
-      const detail::FrameHeader frame = read_frame(options_.io_timeout, what, /*small=*/false, /*keep_payload=*/true).first;
+      fetch_progress_ =
+          ::fsdpx::detail::str("version ", begin.version, ": ", k, " of ", begin.aux, " buckets received");
+      const detail::FrameHeader frame =
+          read_frame(options_.io_timeout, what, /*small=*/false, /*keep_payload=*/true).first;
       if (frame.kind != static_cast<uint16_t>(detail::FrameKind::bucket)) fail("a bucket frame was expected", what);
       try {
         const BucketLayout b = detail::check_bucket(payload_, begin.version, k, begin.aux, "synchronizer " + where_);
@@ -462,9 +476,9 @@ class ClientConnection {
                    " is closed after an earlier error");
     bool by_deadline = false;  // the fetch's deadline comes first
     if (fetch_deadline_) {
-      const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(*fetch_deadline_ -
-                                                                                        std::chrono::steady_clock::now()),
-                                 std::chrono::milliseconds(0));
+      const auto left = std::max(
+          std::chrono::duration_cast<std::chrono::milliseconds>(*fetch_deadline_ - std::chrono::steady_clock::now()),
+          std::chrono::milliseconds(0));
       if (left < timeout) {
         timeout = left;
         by_deadline = true;
@@ -486,7 +500,8 @@ class ClientConnection {
             "(the wait covers the transfer: pass a longer one)"));
       }
       throw SyncError(::fsdpx::detail::str("fsdpx: ", what, ": the synchronizer at ", where_, " did not answer within ",
-                                           timeout.count(), " ms (the server or the trainer behind it is stalled or "
+                                           timeout.count(),
+                                           " ms (the server or the trainer behind it is stalled or "
                                            "unreachable)"));
     }
     if (*result) {
@@ -498,7 +513,7 @@ class ClientConnection {
 
   void write_frame(const detail::FrameHeader& h, const void* payload, const std::string& what) {
     std::array<detail::asio::const_buffer, 2> buffers{detail::asio::buffer(&h, sizeof(h)),
-                                                     detail::asio::buffer(payload, payload ? h.length : 0)};
+                                                      detail::asio::buffer(payload, payload ? h.length : 0)};
     run([&](auto handler) { stream_->async_write(buffers, handler); }, options_.io_timeout, what);
   }
 
@@ -508,8 +523,7 @@ class ClientConnection {
   std::pair<detail::FrameHeader, std::string> read_frame(std::chrono::milliseconds timeout, const std::string& what,
                                                          bool small = false, bool keep_payload = false) {
     detail::FrameHeader h;
-    run([&](auto handler) { stream_->async_read(detail::asio::buffer(&h, sizeof(h)), handler); }, timeout,
-        what);
+    run([&](auto handler) { stream_->async_read(detail::asio::buffer(&h, sizeof(h)), handler); }, timeout, what);
     const bool begin = h.kind == static_cast<uint16_t>(detail::FrameKind::snapshot_begin);
     const bool text = h.kind == static_cast<uint16_t>(detail::FrameKind::error) || small || begin;
     const uint64_t allowed = begin  ? detail::max_run_bytes
@@ -520,9 +534,7 @@ class ClientConnection {
     if (const std::string problem = detail::frame_problem(h, allowed); !problem.empty()) fail(problem, what);
     at::Tensor payload = at::empty({static_cast<int64_t>(h.length)}, at::kByte);
     if (h.length > 0) {
-      run([&](auto handler) {
-            stream_->async_read(detail::asio::buffer(payload.data_ptr(), h.length), handler);
-          },
+      run([&](auto handler) { stream_->async_read(detail::asio::buffer(payload.data_ptr(), h.length), handler); },
           options_.io_timeout, what);
     }
     if (detail::frame_checksum(h.length ? payload.const_data_ptr() : nullptr, h.length) != h.checksum) {
@@ -573,7 +585,7 @@ class ClientConnection {
   detail::tcp::endpoint endpoint_;
   detail::asio::io_context io_;
   std::optional<detail::asio::ssl::context> tls_;  // set: TLS (ClientOptions::tls)
-  std::optional<detail::Stream> stream_;          // the connection, TLS or not
+  std::optional<detail::Stream> stream_;           // the connection, TLS or not
   at::Tensor payload_;
   std::optional<detail::Nonce> hello_;
   std::optional<Role> role_;
@@ -622,7 +634,7 @@ FSDPX_DECL WeightSnapshot SynchronizerClient::fetch_newer(int64_t have, std::chr
 }
 
 FSDPX_DECL int64_t SynchronizerClient::fetch_newer_into(torch::nn::Module& module, int64_t have,
-                                                       std::chrono::milliseconds wait) {
+                                                        std::chrono::milliseconds wait) {
   FSDPX_CHECK_AS(SyncError, connection_ != nullptr, "cannot fetch: this client was moved from");
   return connection_->fetch_newer_into(module, have, wait);
 }

@@ -115,8 +115,8 @@ inline ChangeCount count_changed(const at::Tensor& a, const at::Tensor& b) {
   at::parallel_for(0, static_cast<int64_t>(c.per_chunk.size()), 1, [&](int64_t c0, int64_t c1) {
     for (int64_t k = c0; k < c1; ++k) {
       int64_t found = 0;
-      for_each_change(bytes_of(a), bytes_of(b), esize, k * ChangeCount::grain, std::min(n, (k + 1) * ChangeCount::grain),
-                      [&](int64_t) { ++found; });
+      for_each_change(bytes_of(a), bytes_of(b), esize, k * ChangeCount::grain,
+                      std::min(n, (k + 1) * ChangeCount::grain), [&](int64_t) { ++found; });
       c.per_chunk[static_cast<size_t>(k)] = found;
     }
   });
@@ -138,8 +138,8 @@ inline at::Tensor sparse_payload(const at::Tensor& t, const at::Tensor& base, co
     at::parallel_for(0, static_cast<int64_t>(first.size()), 1, [&](int64_t c0, int64_t c1) {
       for (int64_t k = c0; k < c1; ++k) {
         int64_t at = first[static_cast<size_t>(k)];
-        for_each_change_of<E>(src, bytes_of(base), k * ChangeCount::grain, std::min(t.numel(), (k + 1) * ChangeCount::grain),
-                              [&](int64_t i) {
+        for_each_change_of<E>(src, bytes_of(base), k * ChangeCount::grain,
+                              std::min(t.numel(), (k + 1) * ChangeCount::grain), [&](int64_t i) {
                                 std::memcpy(indices + at * W, &i, W);  // little-endian
                                 std::memcpy(values + at * E, src + i * E, E);
                                 ++at;
@@ -231,7 +231,8 @@ inline std::string inflate_exactly(const uint8_t* stream, int64_t length, uint8_
   const int64_t left = length - consumed + static_cast<int64_t>(z.avail_in);
   inflateEnd(&z);
   if (!problem.empty()) return problem;
-  if (rc != Z_STREAM_END && rc != Z_OK && rc != Z_BUF_ERROR) return ::fsdpx::detail::str("not a valid zlib stream (zlib error ", rc, ")");
+  if (rc != Z_STREAM_END && rc != Z_OK && rc != Z_BUF_ERROR)
+    return ::fsdpx::detail::str("not a valid zlib stream (zlib error ", rc, ")");
   if (!ended) return ::fsdpx::detail::str("the stream ends after ", produced, " of the tensor's ", n, " bytes");
   if (produced != n) return ::fsdpx::detail::str("the stream inflates to ", produced, " bytes, the tensor has ", n);
   if (left != 0) return ::fsdpx::detail::str(left, " bytes follow the end of the stream");
@@ -303,7 +304,8 @@ inline bool delta_cannot_pay(const std::vector<NamedTensor>& fresh, const std::v
     const double full = static_cast<double>(s.bytes);
     whole += full;
     if (s.sampled == 0 || s.changed == 0) continue;  // unchanged, by the sample: nothing sent
-    const double changed = static_cast<double>(s.changed) / static_cast<double>(s.sampled) * static_cast<double>(s.numel);
+    const double changed =
+        static_cast<double>(s.changed) / static_cast<double>(s.sampled) * static_cast<double>(s.numel);
     const double sparse = changed * static_cast<double>((s.numel > (int64_t{1} << 32) ? 8 : 4) + s.esize);
     double best = std::min(cost(sparse, 0), cost(full, 0)), bytes = sparse < full ? sparse : full;
     if (!xored.empty() && changed >= static_cast<double>(options.xor_min_changed) &&
@@ -416,8 +418,8 @@ FSDPX_DECL at::Tensor Manifest::encode() const {
 }
 
 FSDPX_DECL Manifest Manifest::decode(const at::Tensor& bytes, std::string_view where) {
-  FSDPX_CHECK_AS(SyncError, bytes.scalar_type() == at::kByte && bytes.dim() == 1,
-                 "the manifest from ", where, " is not a 1-D uint8 tensor");
+  FSDPX_CHECK_AS(SyncError, bytes.scalar_type() == at::kByte && bytes.dim() == 1, "the manifest from ", where,
+                 " is not a 1-D uint8 tensor");
   const at::Tensor host = detail::host_contiguous(bytes);
   const std::string context = ::fsdpx::detail::str("the manifest from ", where);
   detail::Reader r(host.const_data_ptr<uint8_t>(), host.numel(), context);
@@ -435,7 +437,8 @@ FSDPX_DECL Manifest Manifest::decode(const at::Tensor& bytes, std::string_view w
   r.get<uint32_t>("a reserved field");
   r.get<uint64_t>("a reserved field");
   if (m.version < 0 || delta != (m.base_version != no_version) || (delta && (m.base_version < 0))) {
-    r.fail(::fsdpx::detail::str("version ", m.version, " with base ", m.base_version, (delta ? " (a delta)" : " (full)")));
+    r.fail(
+        ::fsdpx::detail::str("version ", m.version, " with base ", m.base_version, (delta ? " (a delta)" : " (full)")));
   }
   // An entry takes at least its fixed fields: a count the bytes cannot hold is refused before reserving.
   constexpr int64_t min_entry_bytes = 2 + 1 + 1 + 1 + 1 + 2 + 4 + 8;
@@ -478,7 +481,8 @@ FSDPX_DECL Manifest Manifest::decode(const at::Tensor& bytes, std::string_view w
     }
     if (e.encoding == DeltaEncoding::sparse &&
         ((e.index_bytes != 4 && e.index_bytes != 8) || (e.index_bytes == 4 && numel > (int64_t{1} << 32)))) {
-      r.fail(::fsdpx::detail::str("tensor '", e.name, "' of ", numel, " elements has ", int(e.index_bytes), "-byte indices"));
+      r.fail(::fsdpx::detail::str("tensor '", e.name, "' of ", numel, " elements has ", int(e.index_bytes),
+                                  "-byte indices"));
     }
     if (e.changed < -1 || e.changed > numel || (e.encoding == DeltaEncoding::sparse && e.changed < 1)) {
       r.fail(::fsdpx::detail::str("tensor '", e.name, "' of ", numel, " elements says ", e.changed, " changed"));
@@ -489,7 +493,8 @@ FSDPX_DECL Manifest Manifest::decode(const at::Tensor& bytes, std::string_view w
       r.fail(::fsdpx::detail::str("tensor '", m.entries.back().name, "' is listed twice"));
     }
   }
-  if (r.position() != host.numel()) r.fail(::fsdpx::detail::str(host.numel() - r.position(), " bytes follow the last entry"));
+  if (r.position() != host.numel())
+    r.fail(::fsdpx::detail::str(host.numel() - r.position(), " bytes follow the last entry"));
   if (m.compute_digest() != m.digest) r.fail("its digest does not match its entries (corrupted, or made wrongly)");
   return m;
 }
@@ -501,7 +506,8 @@ FSDPX_DECL uint32_t tensor_crc32c(const at::Tensor& t) {
   const int64_t n = static_cast<int64_t>(host.nbytes());
   constexpr int64_t block = int64_t{4} << 20;  // blocks checksummed on the intra-op threads, then joined
   const int64_t blocks = (n + block - 1) / block;
-  if (blocks <= 1 || at::get_num_threads() <= 1 || at::in_parallel_region()) return Crc32c::of(p, static_cast<size_t>(n));
+  if (blocks <= 1 || at::get_num_threads() <= 1 || at::in_parallel_region())
+    return Crc32c::of(p, static_cast<size_t>(n));
   std::vector<uint32_t> crcs(static_cast<size_t>(blocks));
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
@@ -520,17 +526,17 @@ FSDPX_DECL Manifest full_manifest(int64_t version, const std::vector<NamedTensor
   m.version = version;
   m.entries.reserve(tensors.size());
   for (const auto& t : tensors) {
-    m.entries.push_back({t.name, t.tensor.scalar_type(), t.tensor.sizes().vec(), DeltaEncoding::full, 0,
-                         tensor_crc32c(t.tensor), -1});
+    m.entries.push_back(
+        {t.name, t.tensor.scalar_type(), t.tensor.sizes().vec(), DeltaEncoding::full, 0, tensor_crc32c(t.tensor), -1});
   }
   m.digest = m.compute_digest();
   return m;
 }
 
 FSDPX_DECL std::pair<Manifest, std::vector<NamedTensor>> split_manifest(std::vector<NamedTensor> received,
-                                                                       std::string_view where) {
-  FSDPX_CHECK_AS(SyncError, !received.empty() && received.front().name == manifest_name,
-                 "a weight version from ", where, " does not start with its manifest ('", manifest_name,
+                                                                        std::string_view where) {
+  FSDPX_CHECK_AS(SyncError, !received.empty() && received.front().name == manifest_name, "a weight version from ",
+                 where, " does not start with its manifest ('", manifest_name,
                  "'): the sender speaks an older protocol, or the version is corrupt");
   Manifest m = Manifest::decode(received.front().tensor, where);
   received.erase(received.begin());
@@ -546,7 +552,8 @@ FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<N
   EncodedVersion out;
   Manifest& m = out.manifest;
   m.version = version;
-  bool delta = options.enabled && manifest_ && manifest_->entries.size() == tensors.size() && version != manifest_->version;
+  bool delta =
+      options.enabled && manifest_ && manifest_->entries.size() == tensors.size() && version != manifest_->version;
   for (size_t i = 0; delta && i < tensors.size(); ++i) {
     const ManifestEntry& b = manifest_->entries[i];
     const at::Tensor& t = tensors[i].tensor;
@@ -671,7 +678,8 @@ FSDPX_DECL void VersionStore::commit(EncodedVersion v) {
     // The tensors may be the caller's own (host_contiguous returns a tensor as it is): a copy is kept.
     std::vector<NamedTensor> held;
     held.reserve(v.manifest.entries.size());
-    for (size_t i = 0; i < v.manifest.entries.size(); ++i) held.push_back({v.manifest.entries[i].name, v.finals[i].clone()});
+    for (size_t i = 0; i < v.manifest.entries.size(); ++i)
+      held.push_back({v.manifest.entries[i].name, v.finals[i].clone()});
     tensors_ = std::move(held);
     manifest_ = std::move(v.manifest);
     return;
@@ -708,10 +716,11 @@ FSDPX_DECL void VersionStore::adopt(std::vector<NamedTensor> tensors, Manifest m
   for (size_t i = 0; i < tensors.size(); ++i) {
     const ManifestEntry& e = manifest.entries[i];
     const at::Tensor& t = tensors[i].tensor;
-    FSDPX_CHECK_AS(SyncError, tensors[i].name == e.name && t.scalar_type() == e.dtype && t.sizes().vec() == e.shape &&
-                                  t.is_contiguous(),
-                   "weight sync: tensor '", tensors[i].name, "' cannot hold '", e.name, "' of version ",
-                   manifest.version, " (", e.dtype, " ", c10::IntArrayRef(e.shape), ", contiguous)");
+    FSDPX_CHECK_AS(
+        SyncError,
+        tensors[i].name == e.name && t.scalar_type() == e.dtype && t.sizes().vec() == e.shape && t.is_contiguous(),
+        "weight sync: tensor '", tensors[i].name, "' cannot hold '", e.name, "' of version ", manifest.version, " (",
+        e.dtype, " ", c10::IntArrayRef(e.shape), ", contiguous)");
   }
   tensors_ = std::move(tensors);
   manifest_ = std::move(manifest);
@@ -728,8 +737,9 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
   for (const auto& t : rest) {
     const ManifestEntry* e = m.find(t.name);
     if (e == nullptr || e->encoding == DeltaEncoding::unchanged) {
-      detail::delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", t.name, "' arrived but its manifest ",
-                                                                e ? "says it is unchanged" : "does not list it"));
+      detail::delta_fail(where, m.version,
+                         ::fsdpx::detail::str("tensor '", t.name, "' arrived but its manifest ",
+                                              e ? "says it is unchanged" : "does not list it"));
     }
   }
   at::NoGradGuard no_grad;
@@ -738,16 +748,19 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
     held.reserve(m.entries.size());
     for (const ManifestEntry& e : m.entries) {
       const auto it = by_name.find(e.name);
-      if (it == by_name.end()) detail::delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", e.name, "' never arrived"));
+      if (it == by_name.end())
+        detail::delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", e.name, "' never arrived"));
       const at::Tensor& t = rest[it->second].tensor;
       if (t.scalar_type() != e.dtype || t.sizes().vec() != e.shape) {
-        detail::delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", e.name, "' arrived as ", t.scalar_type(), " ",
-                                                                  t.sizes(), ", its manifest says ", e.dtype, " ",
-                                                                  c10::IntArrayRef(e.shape)));
+        detail::delta_fail(where, m.version,
+                           ::fsdpx::detail::str("tensor '", e.name, "' arrived as ", t.scalar_type(), " ", t.sizes(),
+                                                ", its manifest says ", e.dtype, " ", c10::IntArrayRef(e.shape)));
       }
       if (tensor_crc32c(t) != e.crc) {
-        detail::delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", e.name, "' does not match its checksum "
-                                                                  "(CRC-32C): it was corrupted on the way or made wrongly"));
+        detail::delta_fail(where, m.version,
+                           ::fsdpx::detail::str("tensor '", e.name,
+                                                "' does not match its checksum "
+                                                "(CRC-32C): it was corrupted on the way or made wrongly"));
       }
       held.push_back({e.name, t.contiguous()});
     }
@@ -756,32 +769,37 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
     return;
   }
   if (!manifest_ || !holds(m.base_version, m.base_digest)) {
-    detail::delta_fail(where, m.version, ::fsdpx::detail::str(
-        "it is a delta from version ", m.base_version, " (digest ", m.base_digest, ") but this receiver holds ",
-        manifest_ ? ::fsdpx::detail::str("version ", manifest_->version, " (digest ", manifest_->digest, ")")
-                  : std::string("no version"),
-        ": nothing was applied; the next fetch asks for a full version"));
+    detail::delta_fail(
+        where, m.version,
+        ::fsdpx::detail::str(
+            "it is a delta from version ", m.base_version, " (digest ", m.base_digest, ") but this receiver holds ",
+            manifest_ ? ::fsdpx::detail::str("version ", manifest_->version, " (digest ", manifest_->digest, ")")
+                      : std::string("no version"),
+            ": nothing was applied; the next fetch asks for a full version"));
   }
   const Manifest& base = *manifest_;
   if (base.entries.size() != m.entries.size()) {
-    detail::delta_fail(where, m.version, ::fsdpx::detail::str("its delta lists ", m.entries.size(), " tensors, its base ",
-                                                              base.entries.size()));
+    detail::delta_fail(
+        where, m.version,
+        ::fsdpx::detail::str("its delta lists ", m.entries.size(), " tensors, its base ", base.entries.size()));
   }
   for (size_t i = 0; i < m.entries.size(); ++i) {
     const ManifestEntry& e = m.entries[i];
     const ManifestEntry& b = base.entries[i];
     if (e.name != b.name || e.dtype != b.dtype || e.shape != b.shape) {
-      detail::delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", e.name, "' (", e.dtype, " ",
-                                                                c10::IntArrayRef(e.shape), ") is not tensor '", b.name,
-                                                                "' of its base at the same place"));
+      detail::delta_fail(where, m.version,
+                         ::fsdpx::detail::str("tensor '", e.name, "' (", e.dtype, " ", c10::IntArrayRef(e.shape),
+                                              ") is not tensor '", b.name, "' of its base at the same place"));
     }
     if (e.encoding == DeltaEncoding::unchanged && e.crc != b.crc) {
-      detail::delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", e.name, "' is unchanged, but its checksum "
-                                                                "differs from its base's"));
+      detail::delta_fail(where, m.version,
+                         ::fsdpx::detail::str("tensor '", e.name,
+                                              "' is unchanged, but its checksum "
+                                              "differs from its base's"));
     }
     if (e.encoding != DeltaEncoding::unchanged && !by_name.contains(e.name)) {
-      detail::delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", e.name, "' (", to_string(e.encoding),
-                                                                ") never arrived"));
+      detail::delta_fail(where, m.version,
+                         ::fsdpx::detail::str("tensor '", e.name, "' (", to_string(e.encoding), ") never arrived"));
     }
   }
   std::vector<NamedTensor> next = tensors_;
@@ -804,8 +822,8 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
       if (e.encoding == DeltaEncoding::unchanged) continue;
       const at::Tensor& payload = rest[by_name.at(e.name)].tensor;
       const auto bad = [&](const std::string& why) {
-        detail::delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", e.name, "' (", to_string(e.encoding),
-                                                                  "): ", why));
+        detail::delta_fail(where, m.version,
+                           ::fsdpx::detail::str("tensor '", e.name, "' (", to_string(e.encoding), "): ", why));
       };
       const bool whole = e.encoding == DeltaEncoding::full;
       if (whole && (payload.scalar_type() != e.dtype || payload.sizes().vec() != e.shape)) {
@@ -813,8 +831,8 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
       }
       // A tensor sent whole is taken as it came unless it must land in the held tensor's memory.
       at::Tensor target = whole && mode != Apply::in_place ? payload.contiguous()
-                          : mode == Apply::copy_on_write  ? tensors_[i].tensor.clone()
-                                                          : tensors_[i].tensor;
+                          : mode == Apply::copy_on_write   ? tensors_[i].tensor.clone()
+                                                           : tensors_[i].tensor;
       const int64_t esize = static_cast<int64_t>(c10::elementSize(e.dtype));
       const int64_t numel = e.numel();
       const at::ScalarType bits_type = detail::bits_dtype(e.dtype);
@@ -879,7 +897,8 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
             if (old.defined()) undo.push_back({i, std::move(old), indices, e.encoding});
           } else {
             const at::Tensor on_device = indices.to(target.device());
-            if (mode != Apply::copy_on_write) undo.push_back({i, flat_bits.index_select(0, on_device), on_device, e.encoding});
+            if (mode != Apply::copy_on_write)
+              undo.push_back({i, flat_bits.index_select(0, on_device), on_device, e.encoding});
             flat_bits.index_copy_(0, on_device, values.to(target.device()));
           }
         } else {
@@ -912,7 +931,8 @@ FSDPX_DECL void verify(const std::vector<NamedTensor>& tensors, const Manifest& 
   std::vector<std::string> problems;
   std::unordered_map<std::string_view, const at::Tensor*> by_name;
   for (const auto& t : tensors) {
-    if (!by_name.emplace(t.name, &t.tensor).second) problems.push_back(::fsdpx::detail::str("'", t.name, "' is listed twice"));
+    if (!by_name.emplace(t.name, &t.tensor).second)
+      problems.push_back(::fsdpx::detail::str("'", t.name, "' is listed twice"));
   }
   for (const ManifestEntry& e : manifest.entries) {
     const auto it = by_name.find(e.name);
@@ -1099,8 +1119,10 @@ FSDPX_DECL void HeldVersion::check_loadable(torch::nn::Module& module, const std
     }
   }
   std::sort(problems.begin(), problems.end());
-  FSDPX_CHECK_AS(SyncError, problems.empty(), "the received weights do not match the module (nothing was "
-                 "loaded): ", TensorCollector::join(problems));
+  FSDPX_CHECK_AS(SyncError, problems.empty(),
+                 "the received weights do not match the module (nothing was "
+                 "loaded): ",
+                 TensorCollector::join(problems));
 }
 
 }  // namespace detail

@@ -3,7 +3,8 @@
 #pragma once
 
 #if !defined(FSDPX_WITH_BOOST)
-#error "fsdpx/sync/server.hpp's implementation (the TCP synchronizer service) needs Boost.Asio (Boost >= 1.74): configure fsdpx where Boost is installed, so that FSDPX_WITH_BOOST is set. The broadcast (fsdpx/sync/broadcast.hpp) and the in-process Synchronizer do not need Boost."
+#error \
+    "fsdpx/sync/server.hpp's implementation (the TCP synchronizer service) needs Boost.Asio (Boost >= 1.74): configure fsdpx where Boost is installed, so that FSDPX_WITH_BOOST is set. The broadcast (fsdpx/sync/broadcast.hpp) and the in-process Synchronizer do not need Boost."
 #endif
 
 #include <boost/asio/ip/tcp.hpp>
@@ -74,11 +75,11 @@ class Session : public std::enable_shared_from_this<Session> {
     int64_t version = no_version;
     uint64_t count = 0;
     std::string run;
-    int64_t bytes = 0;     // frames received, kept or not: what allowed_payload bounds
+    int64_t bytes = 0;      // frames received, kept or not: what allowed_payload bounds
     uint64_t received = 0;  // buckets received, kept or not
     std::vector<at::Tensor> buckets;
     VersionCoverage coverage;  // every element of every tensor exactly once, or no commit
-    std::string rejected;  // why the publish will not commit (told at its end frame); its buckets are dropped
+    std::string rejected;      // why the publish will not commit (told at its end frame); its buckets are dropped
   };
 
   template <class Fn>
@@ -95,7 +96,7 @@ class Session : public std::enable_shared_from_this<Session> {
   void check_fetch();
   void send(FrameHeader frame, std::string text = {}, bool then_close = false);
   void send_bucket(std::shared_ptr<const EncodedSnapshot> snapshot, size_t index);
-  void refuse(const std::string& why, int64_t ServerStats::*counter);
+  void refuse(const std::string& why, int64_t ServerStats::* counter);
   void on_closed(const boost::system::error_code& ec);
   uint64_t allowed_payload(FrameKind kind) const;
 
@@ -126,7 +127,7 @@ class Session : public std::enable_shared_from_this<Session> {
   std::chrono::steady_clock::time_point deadline_;
   asio::steady_timer fetch_timer_;
   bool waiting_ = false;
-  bool listed_ = false;  // in core_->waiters
+  bool listed_ = false;   // in core_->waiters
   bool closing_ = false;  // refused: its last frame is being sent, nothing more is read
 };
 
@@ -144,9 +145,9 @@ struct ServerCore {
   // Touched on the io thread only.
   std::string publisher_lost;  // why readers should stop waiting; cleared by the next publish
   std::vector<std::weak_ptr<Session>> waiters;
-  Session* publishing = nullptr;  // the one connection staging a version, if any
+  Session* publishing = nullptr;                          // the one connection staging a version, if any
   std::unordered_map<std::string, int> handshaking_from;  // unauthenticated connections per peer address
-  ServerStats stats;                    // written on the io thread; read through post()
+  ServerStats stats;                                      // written on the io thread; read through post()
   // Runs (the io thread and publish() in process): the label of the run whose versions are served.
   std::mutex runs_mutex;
   std::string current_run;
@@ -169,7 +170,8 @@ struct ServerCore {
     const int64_t latest = slot.version();
     if (latest == no_version || run != current_run || version > latest) return {};
     return ::fsdpx::detail::str(
-        "version ", version, " is not newer than ", latest, ", the latest version this trainer run published (the "
+        "version ", version, " is not newer than ", latest,
+        ", the latest version this trainer run published (the "
         "versions of one run only increase). A trainer that restarted, or resumed from an earlier checkpoint, takes "
         "over as a new run: each process is a new run by default; a run identity given in ClientOptions::run must "
         "change when the trainer restarts");
@@ -288,9 +290,9 @@ struct ServerCore {
         refuse_at_accept(socket, ::fsdpx::detail::str("too many unauthenticated connections (", stats.handshaking,
                                                       "; max_handshakes ", options.max_handshakes, ")"));
       } else if (from_address >= options.max_handshakes_per_address) {
-        refuse_at_accept(socket, ::fsdpx::detail::str("too many unauthenticated connections from ", address, " (",
-                                                      from_address, "; max_handshakes_per_address ",
-                                                      options.max_handshakes_per_address, ")"));
+        refuse_at_accept(
+            socket, ::fsdpx::detail::str("too many unauthenticated connections from ", address, " (", from_address,
+                                         "; max_handshakes_per_address ", options.max_handshakes_per_address, ")"));
       } else {
         try {
           boost::system::error_code ignored;
@@ -307,7 +309,10 @@ struct ServerCore {
 };
 
 inline Session::Session(ServerCore* core, tcp::socket socket)
-    : core_(core), stream_(std::move(socket), core->tls ? &*core->tls : nullptr), watchdog_(core->io), fetch_timer_(core->io) {
+    : core_(core),
+      stream_(std::move(socket), core->tls ? &*core->tls : nullptr),
+      watchdog_(core->io),
+      fetch_timer_(core->io) {
   boost::system::error_code ec;
   const auto ep = stream_.socket().remote_endpoint(ec);
   address_ = ec ? std::string("?") : ep.address().to_string();
@@ -344,13 +349,15 @@ inline void Session::start() {
   guarded([&] {
     // The whole handshake (TLS's, then the secret's), not each frame of it, must end within handshake_timeout.
     arm(core_->options.handshake_timeout);
-    stream_.async_handshake(asio::ssl::stream_base::server, [self = shared_from_this()](const boost::system::error_code& ec) {
-      if (ec) {
-        if (!self->closed_) ++self->core_->stats.failed_auth;  // not TLS, or no acceptable version or cipher
-        return self->on_closed(ec);
-      }
-      self->guarded([&] { self->send_hello(); });
-    });
+    stream_.async_handshake(asio::ssl::stream_base::server,
+                            [self = shared_from_this()](const boost::system::error_code& ec) {
+                              if (ec) {
+                                if (!self->closed_)
+                                  ++self->core_->stats.failed_auth;  // not TLS, or no acceptable version or cipher
+                                return self->on_closed(ec);
+                              }
+                              self->guarded([&] { self->send_hello(); });
+                            });
   });
 }
 
@@ -359,7 +366,8 @@ inline void Session::send_hello() {
   FrameHeader hello = make_frame(FrameKind::hello, no_version, protocol_version, server_nonce_.data(), nonce_bytes);
   hello.flags = static_cast<uint16_t>((core_->publish_secret.empty() ? 0 : 1) | (core_->fetch_secret.empty() ? 0 : 2));
   auto owned = std::make_shared<std::pair<FrameHeader, Nonce>>(hello, server_nonce_);
-  std::array<asio::const_buffer, 2> buffers{asio::buffer(&owned->first, sizeof(FrameHeader)), asio::buffer(owned->second)};
+  std::array<asio::const_buffer, 2> buffers{asio::buffer(&owned->first, sizeof(FrameHeader)),
+                                            asio::buffer(owned->second)};
   stream_.async_write(buffers, [self = shared_from_this(), owned](const boost::system::error_code& ec, size_t) {
     if (ec) return self->on_closed(ec);
     self->guarded([&] { self->read_header(); });
@@ -380,10 +388,14 @@ inline void Session::arm(std::chrono::milliseconds after) {
     // A TLS client starts the TLS handshake at once; a peer that sent nothing by the deadline is most
     // likely a client without TLS, waiting for a plain hello: it is told so, in plain, not just dropped.
     if (self->stream_.tls_not_started()) {
-      ServerCore::write_plain_error(self->stream_.socket(), ::fsdpx::detail::str(
-          "this synchronizer speaks TLS, and no TLS handshake began within its handshake_timeout of ",
-          self->core_->options.handshake_timeout.count(), " ms: set TLS on the client (ClientOptions::tls and tls_ca_file; "
-          "Python: tls=True, tls_ca_file=...)"), 0);
+      ServerCore::write_plain_error(
+          self->stream_.socket(),
+          ::fsdpx::detail::str(
+              "this synchronizer speaks TLS, and no TLS handshake began within its handshake_timeout of ",
+              self->core_->options.handshake_timeout.count(),
+              " ms: set TLS on the client (ClientOptions::tls and tls_ca_file; "
+              "Python: tls=True, tls_ca_file=...)"),
+          0);
     }
     self->on_closed(asio::error::timed_out);
   });
@@ -392,9 +404,10 @@ inline void Session::arm(std::chrono::milliseconds after) {
 inline void Session::read_header() {
   if (closed_ || closing_) return;
   if (role_) arm(pending_ ? core_->options.io_timeout : core_->options.idle_timeout);
-  stream_.async_read(asio::buffer(&in_, sizeof(in_)), [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
-    self->guarded([&] { self->on_header(ec); });
-  });
+  stream_.async_read(asio::buffer(&in_, sizeof(in_)),
+                     [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
+                       self->guarded([&] { self->on_header(ec); });
+                     });
 }
 
 inline uint64_t Session::allowed_payload(FrameKind kind) const {
@@ -416,7 +429,8 @@ inline void Session::on_header(const boost::system::error_code& ec) {
     return refuse(problem, role_ ? &ServerStats::protocol_errors : &ServerStats::failed_auth);
   }
   if (!role_ && kind != FrameKind::auth) {
-    return refuse(::fsdpx::detail::str("a ", to_string(kind), " frame before the handshake"), &ServerStats::failed_auth);
+    return refuse(::fsdpx::detail::str("a ", to_string(kind), " frame before the handshake"),
+                  &ServerStats::failed_auth);
   }
   if (in_.length == 0) {
     payload_ = at::Tensor();
@@ -428,9 +442,10 @@ inline void Session::on_header(const boost::system::error_code& ec) {
     payload_ = at::empty({static_cast<int64_t>(in_.length)}, at::kByte);
     into = payload_.data_ptr();
   }
-  stream_.async_read(asio::buffer(into, in_.length), [self = shared_from_this()](const boost::system::error_code& e, size_t) {
-    self->guarded([&] { self->on_payload(e); });
-  });
+  stream_.async_read(asio::buffer(into, in_.length),
+                     [self = shared_from_this()](const boost::system::error_code& e, size_t) {
+                       self->guarded([&] { self->on_payload(e); });
+                     });
 }
 
 inline void Session::on_payload(const boost::system::error_code& ec) {
@@ -438,7 +453,8 @@ inline void Session::on_payload(const boost::system::error_code& ec) {
   if (ec) return on_closed(ec);
   const void* data = payload_.defined() ? payload_.const_data_ptr() : static_cast<const void*>(small_.data());
   if (frame_checksum(data, in_.length) != in_.checksum) {
-    return refuse(::fsdpx::detail::str("a ", to_string(FrameKind(in_.kind)), " frame whose checksum does not match its "
+    return refuse(::fsdpx::detail::str("a ", to_string(FrameKind(in_.kind)),
+                                       " frame whose checksum does not match its "
                                        "payload (corrupted in transit)"),
                   role_ ? &ServerStats::protocol_errors : &ServerStats::failed_auth);
   }
@@ -591,7 +607,8 @@ inline void Session::on_bucket() {
 }
 
 inline void Session::end_publish() {
-  if (!pending_ || in_.version != pending_->version) return refuse("an end frame outside its publish", &ServerStats::protocol_errors);
+  if (!pending_ || in_.version != pending_->version)
+    return refuse("an end frame outside its publish", &ServerStats::protocol_errors);
   Pending p = std::move(*pending_);
   pending_.reset();
   core_->publishing = nullptr;
@@ -665,12 +682,12 @@ inline void Session::check_fetch() {
     store_lock.unlock();
     ++watch_generation_;
     arm(core_->options.io_timeout);
-    std::array<asio::const_buffer, 2> begin{asio::buffer(&snapshot->begin, sizeof(FrameHeader)), asio::buffer(snapshot->run)};
-    stream_.async_write(begin,
-                      [self = shared_from_this(), snapshot](const boost::system::error_code& ec, size_t) {
-                        if (ec) return self->on_closed(ec);
-                        self->guarded([&] { self->send_bucket(snapshot, 0); });
-                      });
+    std::array<asio::const_buffer, 2> begin{asio::buffer(&snapshot->begin, sizeof(FrameHeader)),
+                                            asio::buffer(snapshot->run)};
+    stream_.async_write(begin, [self = shared_from_this(), snapshot](const boost::system::error_code& ec, size_t) {
+      if (ec) return self->on_closed(ec);
+      self->guarded([&] { self->send_bucket(snapshot, 0); });
+    });
     return;
   }
   store_lock.unlock();
@@ -704,8 +721,9 @@ inline void Session::send_bucket(std::shared_ptr<const EncodedSnapshot> s, size_
   if (closed_ || closing_) return;
   if (index == s->buckets.size()) return read_header();
   arm(core_->options.io_timeout);
-  std::array<asio::const_buffer, 2> buffers{asio::buffer(&s->headers[index], sizeof(FrameHeader)),
-                                            asio::buffer(s->buckets[index].const_data_ptr(), s->buckets[index].nbytes())};
+  std::array<asio::const_buffer, 2> buffers{
+      asio::buffer(&s->headers[index], sizeof(FrameHeader)),
+      asio::buffer(s->buckets[index].const_data_ptr(), s->buckets[index].nbytes())};
   stream_.async_write(buffers, [self = shared_from_this(), s, index](const boost::system::error_code& ec, size_t) {
     if (ec) return self->on_closed(ec);  // the reader left mid-transfer: nothing else is affected
     self->guarded([&] { self->send_bucket(s, index + 1); });
@@ -721,15 +739,17 @@ inline void Session::send(FrameHeader frame, std::string text, bool then_close) 
     owned->first.checksum = frame_checksum(owned->second.data(), owned->second.size());
   }
   arm(core_->options.io_timeout);
-  std::array<asio::const_buffer, 2> buffers{asio::buffer(&owned->first, sizeof(FrameHeader)), asio::buffer(owned->second)};
-  stream_.async_write(buffers, [self = shared_from_this(), owned, then_close](const boost::system::error_code& ec, size_t) {
-    if (ec || then_close) return self->on_closed(ec ? ec : asio::error::connection_aborted);
-    self->guarded([&] { self->read_header(); });
-  });
+  std::array<asio::const_buffer, 2> buffers{asio::buffer(&owned->first, sizeof(FrameHeader)),
+                                            asio::buffer(owned->second)};
+  stream_.async_write(buffers,
+                      [self = shared_from_this(), owned, then_close](const boost::system::error_code& ec, size_t) {
+                        if (ec || then_close) return self->on_closed(ec ? ec : asio::error::connection_aborted);
+                        self->guarded([&] { self->read_header(); });
+                      });
 }
 
 /// Tells the peer why, then closes; counted under `counter`. Never throws.
-inline void Session::refuse(const std::string& why, int64_t ServerStats::*counter) {
+inline void Session::refuse(const std::string& why, int64_t ServerStats::* counter) {
   if (closed_ || closing_) return;
   try {
     ++(core_->stats.*counter);
@@ -785,16 +805,19 @@ FSDPX_DECL SynchronizerServer::SynchronizerServer(ServerOptions options)
   auto& core = *core_;
   core.options = std::move(options);
   const ServerOptions& o = core.options;
-  FSDPX_CHECK_AS(SyncError, o.max_bucket_bytes >= bucket_prefix_bytes && o.max_version_bytes >= o.max_bucket_bytes &&
-                                o.max_connections >= 1 && o.max_handshakes >= 1 && o.max_handshakes_per_address >= 1,
+  FSDPX_CHECK_AS(SyncError,
+                 o.max_bucket_bytes >= bucket_prefix_bytes && o.max_version_bytes >= o.max_bucket_bytes &&
+                     o.max_connections >= 1 && o.max_handshakes >= 1 && o.max_handshakes_per_address >= 1,
                  "synchronizer server: inconsistent limits (max_bucket_bytes ", o.max_bucket_bytes,
                  ", max_version_bytes ", o.max_version_bytes, ", max_connections ", o.max_connections,
-                 ", max_handshakes ", o.max_handshakes, ", max_handshakes_per_address ", o.max_handshakes_per_address, ")");
+                 ", max_handshakes ", o.max_handshakes, ", max_handshakes_per_address ", o.max_handshakes_per_address,
+                 ")");
   const std::string run_problem = detail::run_problem(o.run);
   FSDPX_CHECK_AS(SyncError, run_problem.empty(), "synchronizer server: ServerOptions::run is ", run_problem);
   FSDPX_CHECK_AS(SyncError, o.tls_certificate_file.empty() == o.tls_private_key_file.empty(),
                  "synchronizer server: TLS needs both tls_certificate_file and tls_private_key_file");
-  if (!o.tls_certificate_file.empty()) core.tls.emplace(detail::server_tls_context(o.tls_certificate_file, o.tls_private_key_file));
+  if (!o.tls_certificate_file.empty())
+    core.tls.emplace(detail::server_tls_context(o.tls_certificate_file, o.tls_private_key_file));
   core.publish_secret = resolve_secret(Role::publish, o.publish_secret, o.secret);
   core.fetch_secret = resolve_secret(Role::fetch, o.fetch_secret, o.secret);
   boost::system::error_code ec;
@@ -865,7 +888,8 @@ FSDPX_DECL void SynchronizerServer::publish(int64_t version, const std::vector<N
     EncodedVersion cut = core.store.cut(version, tensors, core.options.delta);
     auto served = std::make_shared<detail::ServedVersion>();
     served->digest = cut.manifest.digest;
-    auto snapshot = detail::encode_snapshot(version, run, pack_buckets(cut.tensors, core.options.bucket_bytes, version));
+    auto snapshot =
+        detail::encode_snapshot(version, run, pack_buckets(cut.tensors, core.options.bucket_bytes, version));
     if (cut.manifest.is_delta()) {
       served->base_version = cut.manifest.base_version;
       served->base_digest = cut.manifest.base_digest;

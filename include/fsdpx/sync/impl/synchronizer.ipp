@@ -19,9 +19,8 @@ FSDPX_DECL void Synchronizer::publish(int64_t version, std::vector<NamedTensor> 
                    "' is undefined");
   }
   auto published = std::make_shared<Published>();
-  const bool host = std::all_of(tensors.begin(), tensors.end(), [](const NamedTensor& t) {
-    return t.tensor.is_cpu() && t.tensor.is_contiguous();
-  });
+  const bool host = std::all_of(tensors.begin(), tensors.end(),
+                                [](const NamedTensor& t) { return t.tensor.is_cpu() && t.tensor.is_contiguous(); });
   Manifest manifest;
   if (options_.delta.enabled && host) {
     EncodedVersion cut = base_.cut(version, tensors, options_.delta);

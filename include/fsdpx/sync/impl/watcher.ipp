@@ -23,9 +23,9 @@ FSDPX_DECL WeightVersion CheckpointWatcher::wait_newer(int64_t version, std::chr
     if (now >= deadline) break;
     std::this_thread::sleep_for(std::min<Clock::duration>(options_.poll_interval, deadline - now));
   }
-  std::string seen = latest_seen_ ? ::fsdpx::detail::str("it names step ", *latest_seen_)
-                                  : std::string(std::filesystem::exists(root_) ? "it does not exist yet"
-                                                                               : "the root does not exist");
+  std::string seen =
+      latest_seen_ ? ::fsdpx::detail::str("it names step ", *latest_seen_)
+                   : std::string(std::filesystem::exists(root_) ? "it does not exist yet" : "the root does not exist");
   throw SyncError(::fsdpx::detail::str(
       "fsdpx: no committed weights newer than step ", version, " appeared under the checkpoint root '", root_.string(),
       "' within ", timeout.count(), " ms (", checkpoint::state_dict_iteration_file, ": ", seen,
@@ -114,12 +114,13 @@ FSDPX_DECL std::vector<FileStamp> stamp_model_files(const std::filesystem::path&
     const auto parsed = checkpoint::parse_shard_file_name(name);
     const bool model = parsed && parsed->component == checkpoint::Component::model;
     if (!model && !(with_record && name == checkpoint::config_file)) continue;
-    struct stat st {};
+    struct stat st{};
     if (::stat(e.path().c_str(), &st) != 0) {
       out.push_back({name, 0, 0, -1, 0});  // vanished meanwhile
       continue;
     }
-    out.push_back({name, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino), static_cast<int64_t>(st.st_size),
+    out.push_back({name, static_cast<uint64_t>(st.st_dev), static_cast<uint64_t>(st.st_ino),
+                   static_cast<int64_t>(st.st_size),
                    static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec});
   }
   std::sort(out.begin(), out.end(), [](const FileStamp& a, const FileStamp& b) { return a.name < b.name; });
