@@ -1,4 +1,4 @@
-// bench_collectives: bus bandwidth of all-gather and reduce-scatter through fsdpx's MPI backend, next
+// bench_collectives: bus bandwidth of all-gather, reduce-scatter and all-to-all through fsdpx's MPI backend, next
 // to the same MPI collectives called directly (blocking, no fsdpx progress engine) and next to a
 // plain memcpy of the same bytes, all measured in this run on this machine.
 //
@@ -85,6 +85,28 @@ int main(int argc, char** argv) {
                   static_cast<long long>(mib), gbps(ag, bus), gbps(ag_raw, bus), ag_raw / ag, gbps(rs, bus),
                   gbps(rs_raw, bus), rs_raw / rs, gbps(copy, 1), gbps(ag, bus) / gbps(copy, 1),
                   gbps(rs, bus) / gbps(copy, 1));
+      std::fflush(stdout);
+    }
+  }
+  // All-to-all (sequence and expert parallelism): each rank sends size / W bytes to each rank.
+  if (r == 0) {
+    std::printf("\n| size (MiB) | all_to_all fsdpx | raw MPI_Alltoall | fsdpx/raw |\n|---:|---:|---:|---:|\n");
+  }
+  for (int64_t mib = 1; mib <= max_mib; mib *= 4) {
+    const int64_t total = (mib << 20) / 4, chunk = total / W;
+    const int iters = static_cast<int>(std::clamp<int64_t>(512 / mib, 5, 40));
+    auto input = at::randn({chunk * W});
+    auto output = at::empty({chunk * W});
+    const int count = static_cast<int>(chunk);
+    const double a2a = time_collective(world, iters, [&] { world.all_to_all(output, input); });
+    const double a2a_raw = time_collective(world, iters, [&] {
+      runtime->engine().run(
+          [&] { MPI_Alltoall(input.data_ptr(), count, MPI_FLOAT, output.data_ptr(), count, MPI_FLOAT, comm); });
+    });
+    const double b = static_cast<double>(chunk * W * 4), bus = (W - 1.0) / W;
+    if (r == 0) {
+      std::printf("| %lld | %.2f | %.2f | %.2f |\n", static_cast<long long>(mib), b / a2a * bus / 1e9,
+                  b / a2a_raw * bus / 1e9, a2a_raw / a2a);
       std::fflush(stdout);
     }
   }

@@ -660,6 +660,13 @@ class FailingComm : public dist::BlockingCollectives<FailingComm> {
       throw fsdpx::CommError("injected reduce-scatter failure on communicator '" + std::string(name()) + "'");
     return inner_.reduce_scatter_async(std::move(out), in, op);
   }
+  dist::Work all_to_all_async(at::Tensor out, const at::Tensor& in) {
+    return inner_.all_to_all_async(std::move(out), in);
+  }
+  dist::Work all_to_all_v_async(at::Tensor out, const at::Tensor& in, at::IntArrayRef out_splits,
+                                at::IntArrayRef in_splits) {
+    return inner_.all_to_all_v_async(std::move(out), in, out_splits, in_splits);
+  }
   dist::Work all_reduce_async(at::Tensor t, dist::ReduceOp op) { return inner_.all_reduce_async(std::move(t), op); }
   dist::Work broadcast_async(at::Tensor t, int root) { return inner_.broadcast_async(std::move(t), root); }
   dist::Work barrier_async() { return inner_.barrier_async(); }

@@ -15,11 +15,15 @@
 //   different_sizes   the last rank passes one element more to all_gather (a rank that built another
 //                     model): in the ring, rank 0 receives too much and the last rank too little, and
 //                     both name the cause instead of reading or writing past a buffer
+//   all_to_all_counts rank 1 sends rank 0 one row more than rank 0's output_splits make room for:
+//                     rank 0 names rank 1 instead of writing past its block
 #include <csignal>
 #include <cstdio>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -118,6 +122,21 @@ int main(int argc, char** argv) {
     const int64_t n = r == W - 1 ? 5 : 4;
     return expect_error<CommError>([&] { world.all_gather(at::zeros({n * W}), at::ones({n})); },
                                    {"all_gather on communicator 'world'", "different sizes"});
+  }
+  if (mode == "all_to_all_counts") {
+    // Every rank sends 2 rows to each other rank, rank 1 sends 3 to rank 0.
+    std::vector<int64_t> out_splits(static_cast<size_t>(W), 2), in_splits(static_cast<size_t>(W), 2);
+    if (r == 1) in_splits[0] = 3;
+    const auto rows = [](const std::vector<int64_t>& s) { return std::accumulate(s.begin(), s.end(), int64_t{0}); };
+    const auto exchange = [&] {
+      world.all_to_all_v(at::zeros({rows(out_splits), 4}), at::ones({rows(in_splits), 4}), out_splits, in_splits);
+    };
+    if (r != 0) {
+      exchange();  // its sends complete; rank 0 refuses what it received
+      return 0;
+    }
+    return expect_error<CommError>(exchange,
+                                   {"all_to_all on communicator 'world'", "rank 1 of the communicator sent more"});
   }
   if (mode == "broken_after_timeout") {
     world.barrier();

@@ -3,6 +3,8 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 
@@ -144,6 +146,88 @@ TEST_CASE("gather fills only the root's output, in rank order; in place leaves t
       }
     }
   }
+}
+
+TEST_CASE("all_to_all: slot c of the output is rank c's chunk for this rank", "[mpi][all_to_all]") {
+  const int W = world().size(), r = world().rank(), n = 3;
+  // Rank q's chunk c holds q * 16 + c * 4 + j: small integers, exact in every dtype.
+  const auto values = [n](int from, int to) { return from * 16 + to * 4 + at::arange(n); };
+  for (auto dtype : all_dtypes) {
+    INFO("dtype " << dtype);
+    std::vector<at::Tensor> chunks, want;
+    for (int c = 0; c < W; ++c) {
+      chunks.push_back(values(r, c));
+      want.push_back(values(c, r));
+    }
+    auto output = at::empty({W, n}, opts(dtype));  // any shape of W x n elements
+    world().all_to_all(output, at::cat(chunks).to(dtype));
+    require_equal(output.view({-1}), at::cat(want).to(dtype));
+  }
+}
+
+TEST_CASE("all_to_all_v: blocks of rows of any size, empty ones too, each from and to the rank it names",
+          "[mpi][all_to_all]") {
+  const int W = world().size(), r = world().rank(), cols = 5;
+  // Rank q sends (q + 2c) % 3 rows to rank c; row i of that block holds q * 100 + c * 10 + i.
+  const auto rows = [](int from, int to) { return int64_t{(from + 2 * to) % 3}; };
+  const auto block = [cols](int from, int to, int64_t n) {
+    return (from * 100 + to * 10 + at::arange(n)).unsqueeze(1).expand({n, cols}).contiguous();
+  };
+  for (auto dtype : {at::kFloat, at::kBFloat16, at::kLong}) {
+    INFO("dtype " << dtype);
+    std::vector<int64_t> input_splits, output_splits;
+    std::vector<at::Tensor> sent, want;
+    for (int c = 0; c < W; ++c) {
+      input_splits.push_back(rows(r, c));
+      output_splits.push_back(rows(c, r));
+      sent.push_back(block(r, c, rows(r, c)));
+      want.push_back(block(c, r, rows(c, r)));
+    }
+    const auto input = at::cat(sent).to(dtype);
+    auto output = at::full({at::cat(want).size(0), cols}, -1, opts(dtype));
+    auto work = world().all_to_all_v_async(output, input, output_splits, input_splits);
+    work.wait_host();
+    require_equal(output, at::cat(want).to(dtype));
+  }
+  // Nothing to send anywhere is a valid exchange.
+  const std::vector<int64_t> none(static_cast<size_t>(W), 0);
+  auto empty = at::empty({0, cols});
+  world().all_to_all_v(empty, at::empty({0, cols}), none, none);
+}
+
+TEST_CASE("all_to_all refuses bad splits and shapes before any communication, naming the cause",
+          "[mpi][all_to_all][errors]") {
+  const int W = world().size(), r = world().rank();
+  using Catch::Matchers::Contains;
+  const std::vector<int64_t> ones(static_cast<size_t>(W), 1);
+  REQUIRE_THROWS_WITH(world().all_to_all(at::empty({W * 2}), at::empty({W * 2 + 1})),
+                      Contains("all_to_all on communicator 'world'") && Contains("world size x n elements"));
+  REQUIRE_THROWS_WITH(world().all_to_all(at::empty({W * 2}), at::empty({W * 2}, at::kDouble)),
+                      Contains("output dtype Float differs from input dtype Double"));
+  const std::vector<int64_t> one_too_many(static_cast<size_t>(W + 1), 0);
+  REQUIRE_THROWS_WITH(world().all_to_all_v(at::empty({W, 2}), at::empty({W, 2}), ones, one_too_many),
+                      Contains("one row count per rank (" + std::to_string(W) + ")"));
+  REQUIRE_THROWS_WITH(world().all_to_all_v(at::empty({W, 2}), at::empty({W, 3}), ones, ones),
+                      Contains("must have one shape"));
+  REQUIRE_THROWS_WITH(
+      world().all_to_all_v(at::empty({W + 1, 2}), at::empty({W, 2}), ones, ones),
+      Contains("output_splits add up to " + std::to_string(W) + " rows but the output has " + std::to_string(W + 1)));
+  std::vector<int64_t> negative = ones;
+  negative[0] = -1;
+  negative[static_cast<size_t>(W - 1)] += 1;
+  if (W > 1) {
+    REQUIRE_THROWS_WITH(world().all_to_all_v(at::empty({W, 2}), at::empty({W, 2}), ones, negative),
+                        Contains("input_splits[0] is -1"));
+  }
+  std::vector<int64_t> more_here = ones;
+  more_here[static_cast<size_t>(r)] = 2;
+  REQUIRE_THROWS_WITH(world().all_to_all_v(at::empty({W + 1, 2}), at::empty({W, 2}), more_here, ones),
+                      Contains("this rank keeps 1 rows of its input"));
+  REQUIRE_THROWS_WITH(world().all_to_all(at::empty({W * 8}).view({4, 2 * W}).t(), at::empty({W * 8})),
+                      Contains("must be contiguous"));
+  auto both = at::zeros({2 * W});
+  REQUIRE_THROWS_WITH(world().all_to_all(both, both), Contains("the output overlaps the input"));
+  world().barrier();  // still usable
 }
 
 TEST_CASE("bool tensors travel through all_gather and broadcast", "[mpi]") {

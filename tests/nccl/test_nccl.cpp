@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -51,6 +52,13 @@ TEST_CASE("collectives on one rank, every dtype", "[nccl]") {
     comm().barrier();
     REQUIRE(at::equal(out.cpu(), x.cpu()));
     REQUIRE(at::equal(t.cpu(), x.cpu()));
+    // At one rank an all-to-all is its own block's device copy.
+    auto exchanged = at::empty({64}, cuda(dtype));
+    comm().all_to_all(exchanged, x);
+    REQUIRE(at::equal(exchanged.cpu(), x.cpu()));
+    auto rows = at::zeros({16, 4}, cuda(dtype));
+    comm().all_to_all_v(rows, x.view({16, 4}), std::vector<int64_t>{16}, std::vector<int64_t>{16});
+    REQUIRE(at::equal(rows.view({-1}).cpu(), x.cpu()));
   }
   auto f = at::arange(8, cuda(at::kBFloat16));
   auto avg = at::empty({8}, cuda(at::kBFloat16));

@@ -40,6 +40,13 @@ class AnyCommunicator : public BlockingCollectives<AnyCommunicator> {
   Work reduce_scatter_async(at::Tensor output, const at::Tensor& input, ReduceOp op = ReduceOp::sum) {
     return self_->reduce_scatter_async(std::move(output), input, op);
   }
+  Work all_to_all_async(at::Tensor output, const at::Tensor& input) {
+    return self_->all_to_all_async(std::move(output), input);
+  }
+  Work all_to_all_v_async(at::Tensor output, const at::Tensor& input, at::IntArrayRef output_splits,
+                          at::IntArrayRef input_splits) {
+    return self_->all_to_all_v_async(std::move(output), input, output_splits, input_splits);
+  }
   Work all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::sum) {
     return self_->all_reduce_async(std::move(tensor), op);
   }
@@ -68,6 +75,8 @@ class AnyCommunicator : public BlockingCollectives<AnyCommunicator> {
     virtual Work all_gather_async(at::Tensor, const at::Tensor&) = 0;
     virtual Work gather_async(at::Tensor, const at::Tensor&, int) = 0;
     virtual Work reduce_scatter_async(at::Tensor, const at::Tensor&, ReduceOp) = 0;
+    virtual Work all_to_all_async(at::Tensor, const at::Tensor&) = 0;
+    virtual Work all_to_all_v_async(at::Tensor, const at::Tensor&, at::IntArrayRef, at::IntArrayRef) = 0;
     virtual Work all_reduce_async(at::Tensor, ReduceOp) = 0;
     virtual Work broadcast_async(at::Tensor, int) = 0;
     virtual Work barrier_async() = 0;
@@ -97,6 +106,10 @@ class AnyCommunicator : public BlockingCollectives<AnyCommunicator> {
     }
     Work reduce_scatter_async(at::Tensor o, const at::Tensor& i, ReduceOp op) override {
       return comm.reduce_scatter_async(std::move(o), i, op);
+    }
+    Work all_to_all_async(at::Tensor o, const at::Tensor& i) override { return comm.all_to_all_async(std::move(o), i); }
+    Work all_to_all_v_async(at::Tensor o, const at::Tensor& i, at::IntArrayRef os, at::IntArrayRef is) override {
+      return comm.all_to_all_v_async(std::move(o), i, os, is);
     }
     Work all_reduce_async(at::Tensor t, ReduceOp op) override { return comm.all_reduce_async(std::move(t), op); }
     Work broadcast_async(at::Tensor t, int root) override { return comm.broadcast_async(std::move(t), root); }

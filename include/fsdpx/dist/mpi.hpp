@@ -63,6 +63,13 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
   /// slower, and reduces bfloat16/float16 through a scalar user op.
   FSDPX_DECL Work reduce_scatter_async(at::Tensor output, const at::Tensor& input, ReduceOp op = ReduceOp::sum);
 
+  /// One stage: a receive from and a send to every other rank at once, straight into and out of the
+  /// tensors' blocks (no staging copy); each receive checks the size its peer sent.
+  FSDPX_DECL Work all_to_all_v_async(at::Tensor output, const at::Tensor& input, at::IntArrayRef output_splits,
+                                     at::IntArrayRef input_splits);
+  /// all_to_all_v_async with n elements per rank each way, over the flattened tensors.
+  FSDPX_DECL Work all_to_all_async(at::Tensor output, const at::Tensor& input);
+
   FSDPX_DECL Work all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::sum);
 
   FSDPX_DECL Work broadcast_async(at::Tensor tensor, int root);

@@ -122,6 +122,10 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
   /// Grouped send/receive (NCCL has no gather); the root's own slot is a device copy unless in place.
   FSDPX_DECL void add_gather(NcclBatch& batch, at::Tensor output, const at::Tensor& input, int root) const;
   FSDPX_DECL void add_reduce_scatter(NcclBatch& batch, at::Tensor output, const at::Tensor& input, ReduceOp op) const;
+  /// Grouped send/receive with every other rank (blocks of zero rows are skipped on both sides); this
+  /// rank's own block is a device copy. NCCL cannot check that a peer sends what output_splits expects.
+  FSDPX_DECL void add_all_to_all_v(NcclBatch& batch, at::Tensor output, const at::Tensor& input,
+                                   at::IntArrayRef output_splits, at::IntArrayRef input_splits) const;
   FSDPX_DECL void add_all_reduce(NcclBatch& batch, at::Tensor tensor, ReduceOp op) const;
   FSDPX_DECL void add_broadcast(NcclBatch& batch, at::Tensor tensor, int root) const;
 
@@ -143,6 +147,16 @@ class NcclCommunicator : public BlockingCollectives<NcclCommunicator> {
     NcclBatch b;
     add_reduce_scatter(b, std::move(output), input, op);
     return launch(std::move(b));
+  }
+  Work all_to_all_v_async(at::Tensor output, const at::Tensor& input, at::IntArrayRef output_splits,
+                          at::IntArrayRef input_splits) {
+    NcclBatch b;
+    add_all_to_all_v(b, std::move(output), input, output_splits, input_splits);
+    return launch(std::move(b));
+  }
+  Work all_to_all_async(at::Tensor output, const at::Tensor& input) {
+    const auto splits = detail::equal_all_to_all_splits(context("all_to_all"), output, input, size());
+    return all_to_all_v_async(output.view({-1}), input.view({-1}), splits, splits);
   }
   Work all_reduce_async(at::Tensor tensor, ReduceOp op = ReduceOp::sum) {
     NcclBatch b;

@@ -259,6 +259,65 @@ FSDPX_DECL Work MpiCommunicator::reduce_scatter_async(at::Tensor output, const a
   return submit_steps(ctx, std::move(step), average_after(op, output));
 }
 
+FSDPX_DECL Work MpiCommunicator::all_to_all_v_async(at::Tensor output, const at::Tensor& input,
+                                                    at::IntArrayRef output_splits, at::IntArrayRef input_splits) {
+  const auto ctx = context("all_to_all");
+  detail::check_tensor(ctx, "output", output, device_type());
+  detail::check_tensor(ctx, "input", input, device_type());
+  detail::check_same_dtype(ctx, output, input);
+  const int W = size(), r = rank();
+  // The blocks, and the tensors they point into, live as long as the collective.
+  struct Exchange {
+    detail::AllToAllPlan plan;
+    at::Tensor output, input;
+  };
+  auto x = std::make_shared<const Exchange>(
+      Exchange{detail::all_to_all_plan(ctx, output, input, output_splits, input_splits, r, W), output, input});
+  FSDPX_CHECK(!overlaps(output, input), ctx, ": the output overlaps the input");
+  const MPI_Datatype type = detail::MpiTypes::datatype(ctx, input.scalar_type());
+  for (int c = 0; c < W; ++c) checked_count(ctx, std::max(x->plan.send_count[c], x->plan.recv_count[c]));
+  // The tag is taken after every check, so a rejected call leaves the ranks' sequences in step.
+  auto step = [=, comm = native_handle(), tag = next_tag(), started = false](
+                  std::vector<MPI_Request>& requests, std::vector<detail::ReceiveSize>& receives) mutable {
+    if (started) return MPI_SUCCESS;
+    started = true;
+    const auto bytes = static_cast<int64_t>(x->input.element_size());
+    char* const out = static_cast<char*>(x->output.data_ptr());
+    const char* const in = static_cast<const char*>(x->input.const_data_ptr());
+    const auto& p = x->plan;
+    if (p.send_count[r] > 0)
+      std::memcpy(out + p.recv_offset[r] * bytes, in + p.send_offset[r] * bytes, p.send_count[r] * bytes);
+    // Every peer gets a receive and a send, empty blocks too: a peer that sends another count is named.
+    for (int c = 0; c < W; ++c) {
+      if (c == r) continue;
+      const int count = static_cast<int>(p.recv_count[c]);
+      requests.emplace_back(MPI_REQUEST_NULL);
+      receives.push_back({type, count});
+      if (const int rc = MPI_Irecv(out + p.recv_offset[c] * bytes, count, type, c, tag, comm, &requests.back());
+          rc != MPI_SUCCESS) {
+        return rc;
+      }
+    }
+    for (int c = 0; c < W; ++c) {
+      if (c == r) continue;
+      requests.emplace_back(MPI_REQUEST_NULL);
+      receives.push_back({});
+      if (const int rc = MPI_Isend(in + p.send_offset[c] * bytes, static_cast<int>(p.send_count[c]), type, c, tag, comm,
+                                   &requests.back());
+          rc != MPI_SUCCESS) {
+        return rc;
+      }
+    }
+    return MPI_SUCCESS;
+  };
+  return submit_steps(ctx, std::move(step), {});
+}
+
+FSDPX_DECL Work MpiCommunicator::all_to_all_async(at::Tensor output, const at::Tensor& input) {
+  const auto splits = detail::equal_all_to_all_splits(context("all_to_all"), output, input, size());
+  return all_to_all_v_async(output.view({-1}), input.view({-1}), splits, splits);
+}
+
 FSDPX_DECL Work MpiCommunicator::all_reduce_async(at::Tensor tensor, ReduceOp op) {
   const auto ctx = context("all_reduce");
   detail::check_tensor(ctx, "tensor", tensor, device_type());

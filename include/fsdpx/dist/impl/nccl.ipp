@@ -124,6 +124,35 @@ FSDPX_DECL void NcclCommunicator::add_reduce_scatter(NcclBatch& batch, at::Tenso
                          detail::nccl_op(op, size())});
 }
 
+FSDPX_DECL void NcclCommunicator::add_all_to_all_v(NcclBatch& batch, at::Tensor output, const at::Tensor& input,
+                                                   at::IntArrayRef output_splits, at::IntArrayRef input_splits) const {
+  const auto ctx = context("all_to_all");
+  check_pair(ctx, output, input);
+  const auto plan = detail::all_to_all_plan(ctx, output, input, output_splits, input_splits, rank(), size());
+  const auto type = detail::nccl_dtype(ctx, input.scalar_type());
+  note(batch, "all_to_all", {output, input});  // first: the batch holds what its calls point into
+  const auto bytes = static_cast<size_t>(input.element_size());
+  auto* const out = static_cast<std::byte*>(output.data_ptr());
+  const auto* const in = static_cast<const std::byte*>(input.const_data_ptr());
+  const auto address = [bytes](auto* base, int64_t offset) { return base + static_cast<size_t>(offset) * bytes; };
+  const int r = rank();
+  if (plan.send_count[r] > 0) {
+    batch.calls.push_back({detail::NcclCall::Kind::device_copy, address(in, plan.send_offset[r]),
+                           address(out, plan.recv_offset[r]), static_cast<size_t>(plan.send_count[r]) * bytes});
+  }
+  for (int c = 0; c < size(); ++c) {
+    if (c == r) continue;
+    if (plan.send_count[c] > 0) {
+      batch.calls.push_back({detail::NcclCall::Kind::send, address(in, plan.send_offset[c]), nullptr,
+                             static_cast<size_t>(plan.send_count[c]), type, ncclSum, c});
+    }
+    if (plan.recv_count[c] > 0) {
+      batch.calls.push_back({detail::NcclCall::Kind::recv, nullptr, address(out, plan.recv_offset[c]),
+                             static_cast<size_t>(plan.recv_count[c]), type, ncclSum, c});
+    }
+  }
+}
+
 FSDPX_DECL void NcclCommunicator::add_all_reduce(NcclBatch& batch, at::Tensor tensor, ReduceOp op) const {
   const auto ctx = context("all_reduce");
   detail::check_tensor(ctx, "tensor", tensor, device_type());
