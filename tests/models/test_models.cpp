@@ -687,4 +687,9 @@ TEST_CASE(
   CHECK_THAT(error_of([&] { models::linear_cross_entropy(at::randn({2, 6, 8}), at::randn({vocab, 8}), ids, other); }),
              Catch::Contains("a label check asked for a vocabulary of " + std::to_string(vocab + 1) +
                              " was given to a head of " + std::to_string(vocab)));
+  // ... and only for the labels it was asked for (as many, the same ignore index).
+  const models::CrossEntropyOptions fewer{
+      .labels_checked = std::make_shared<const models::LabelCheck>(ids.narrow(1, 0, 3), vocab, int64_t{-100})};
+  CHECK_THAT(error_of([&] { models::linear_cross_entropy(at::randn({2, 6, 8}), at::randn({vocab, 8}), ids, fewer); }),
+             Catch::Contains("a label check of 6 labels was given to a head of 12"));
 }

@@ -97,8 +97,6 @@ class MpiCommunicator : public BlockingCollectives<MpiCommunicator> {
 
   FSDPX_DECL static int checked_count(const detail::OpContext& ctx, int64_t numel);
 
-  FSDPX_DECL static bool overlaps(const at::Tensor& a, const at::Tensor& b);
-
   FSDPX_DECL detail::MpiFinish average_after(ReduceOp op, const at::Tensor& result) const;
 
   FSDPX_DECL Work submit(detail::OpContext ctx, detail::MpiStart start, detail::MpiFinish finish);

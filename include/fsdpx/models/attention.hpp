@@ -108,11 +108,22 @@ class AttentionState {
     report_.reason = "flash_varlen failed on this model: " + reason;
     return !std::exchange(failed_, true);
   }
+  /// The sequence group (Ulysses) the layers attend over; nullopt, or a group of one: none.
+  void set_sequence_group(std::optional<dist::AnyCommunicator> group) {
+    std::lock_guard lock(mutex_);
+    sequence_group_ = std::move(group);
+  }
+  std::optional<dist::AnyCommunicator> sequence_group() const {
+    std::lock_guard lock(mutex_);
+    if (sequence_group_ && sequence_group_->size() > 1) return sequence_group_;
+    return std::nullopt;
+  }
 
  private:
   mutable std::mutex mutex_;
   AttentionReport report_;
   bool failed_ = false;
+  std::optional<dist::AnyCommunicator> sequence_group_;
 };
 
 }  // namespace detail
@@ -371,6 +382,7 @@ struct UlyssesExchange : torch::autograd::Function<UlyssesExchange> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};  // the output went unused
     auto holder = c10::static_intrusive_pointer_cast<SequenceGroupHolder>(ctx->saved_data["group"].toCapsule());
     const bool to_heads = ctx->saved_data["to_heads"].toBool();
     return {ulysses_exchange(grads[0].contiguous(), holder->group, !to_heads), at::Tensor(), at::Tensor()};
@@ -445,7 +457,9 @@ struct AttentionImpl : torch::nn::Module {
     q = q * c + rotate_half(q) * s;
     k = k * c + rotate_half(k) * s;
     at::Tensor y;
-    if (in.samples) {
+    if (const auto group = state->sequence_group(); group && !in.samples && cache == nullptr) {
+      y = ulysses_attention(q, k, v, *group, sliding ? in.sliding : in.full);
+    } else if (in.samples) {
       y = packed_attention(q, k, v, *in.samples, sliding ? in.sliding_window : 0);
     } else if (cache != nullptr) {
       const int64_t past = in.cache->length;
@@ -456,6 +470,26 @@ struct AttentionImpl : torch::nn::Module {
       y = detail::sdpa(q, k, v, sliding ? in.sliding : in.full, dropout_now());
     }
     return o_proj(y.transpose(1, 2).reshape({batch, seq, heads * head_dim}));
+  }
+
+  /// q [b, heads, t, d], k and v [b, kv_heads, t, d] of this rank's slice of the sequence: attention
+  /// over the whole sequence for this rank's heads (sequence_to_heads), back to the slice with every
+  /// head. Key and value heads that do not split over the group are repeated up to the query heads first
+  /// (each rank then gets the ones its query heads use); `mask` is for the whole sequence.
+  at::Tensor ulysses_attention(const at::Tensor& q, at::Tensor k, at::Tensor v, const dist::AnyCommunicator& group,
+                               const at::Tensor& mask) {
+    FSDPX_CHECK(heads % group.size() == 0, "Attention: ", heads, " query heads do not split over a sequence group of ",
+                group.size(), " ranks; the group's size must divide the attention heads");
+    if (kv_heads % group.size() != 0) {
+      const int64_t b = k.size(0), t = k.size(2), groups = heads / kv_heads;
+      k = k.unsqueeze(2).expand({b, kv_heads, groups, t, head_dim}).reshape({b, heads, t, head_dim});
+      v = v.unsqueeze(2).expand({b, kv_heads, groups, t, head_dim}).reshape({b, heads, t, head_dim});
+    }
+    const auto to_heads = [&](const at::Tensor& x) {
+      return sequence_to_heads(x.transpose(1, 2).contiguous(), group).transpose(1, 2);
+    };
+    const at::Tensor y = detail::sdpa(to_heads(q), to_heads(k), to_heads(v), mask, dropout_now());
+    return heads_to_sequence(y.transpose(1, 2).contiguous(), group).transpose(1, 2);
   }
 
   /// Writes the new keys and values at [past, past + n) of the layer's cache (allocated at its first use).

@@ -135,6 +135,17 @@ struct DecoderModelImpl : torch::nn::Module {
     check_input_ids(input_ids);
     const int64_t seq = input_ids.size(1);
     const auto device = input_ids.device();
+    if (const auto group = attention->sequence_group()) {
+      // This rank holds tokens [rank * seq, (rank + 1) * seq) of each row; attention sees whole rows.
+      FSDPX_CHECK(!attention_mask.defined() && !position_ids.defined(),
+                  "DecoderModel: under sequence parallelism each rank takes its slice of whole, unpadded rows: "
+                  "no attention mask and no position ids (packed samples are not supported there yet)");
+      const int64_t first = group->rank() * seq;
+      const at::Tensor positions =
+          at::arange(first, first + seq, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
+      return run_layers(input_ids, positions, causal_masks({}, seq * group->size(), device, sliding_window()),
+                        router_logits);
+    }
     const at::Tensor mask = without_all_ones(attention_mask, seq);
     if (position_ids.defined() && !attention_mask.defined()) {  // as transformers: only without a mask
       const PackedSamples samples = PackedSamples::detect(position_ids, input_ids.size(0));
@@ -152,6 +163,9 @@ struct DecoderModelImpl : torch::nn::Module {
   at::Tensor forward_packed(const at::Tensor& input_ids, const PackedSamples& samples,
                             std::vector<at::Tensor>* router_logits = nullptr) {
     check_input_ids(input_ids);
+    FSDPX_CHECK(
+        !attention->sequence_group(),
+        "DecoderModel: packed samples under sequence parallelism are not supported yet; pad them into whole rows");
     const int64_t batch = input_ids.size(0), seq = input_ids.size(1);
     samples.check_shape("DecoderModel", batch, seq);
     const at::Tensor positions = samples.position_ids(input_ids.device());
@@ -171,6 +185,8 @@ struct DecoderModelImpl : torch::nn::Module {
   at::Tensor forward_cached(const at::Tensor& input_ids, KvCache& cache, const at::Tensor& key_mask,
                             const at::Tensor& position_ids) {
     check_input_ids(input_ids);
+    FSDPX_CHECK(!attention->sequence_group(),
+                "DecoderModel: generation runs without sequence parallelism; set_sequence_group(std::nullopt) first");
     // A recomputation in backward (activation checkpointing) would append to the cache again.
     FSDPX_CHECK(!at::GradMode::is_enabled(),
                 "DecoderModel::forward_cached runs without gradients (at::NoGradGuard): "
@@ -263,6 +279,12 @@ struct CausalLMImpl : torch::nn::Module {
   /// A mixture of experts with output_router_logits adds router_aux_loss_coef x the load-balancing loss
   /// (over the tokens the attention mask keeps; every token of packed rows), as transformers does.
   at::Tensor loss(const at::Tensor& input_ids, const at::Tensor& labels, const BatchLayout& layout = {}) {
+    if (const auto group = model->attention->sequence_group()) {
+      FSDPX_CHECK(!layout.attention_mask.defined() && !layout.packed(),
+                  "CausalLM::loss: under sequence parallelism each rank takes its slice of whole, unpadded rows "
+                  "(no attention mask, no packed samples)");
+      return sequence_parallel_loss(input_ids, labels, *group);
+    }
     at::Tensor shifted = shift_labels(labels).to(input_ids.device());
     if (layout.packed()) {
       const at::Tensor within = at::constant_pad_nd(layout.samples->next_token_mask(shifted.device()), {0, 1}, 0);
@@ -278,6 +300,9 @@ struct CausalLMImpl : torch::nn::Module {
   /// Logits and, for a mixture of experts, the load-balancing loss of this forward (undefined for a
   /// dense model): transformers' output.logits and output.aux_loss with output_router_logits=True.
   CausalLMOutput forward_with_aux_loss(const at::Tensor& input_ids, const BatchLayout& layout = {}) {
+    FSDPX_CHECK(!model->attention->sequence_group(),
+                "CausalLM::forward_with_aux_loss under sequence parallelism is "
+                "not supported yet (the load-balancing loss is not additive over slices)");
     std::vector<at::Tensor> router_logits;
     const at::Tensor logits = head(hidden_states(input_ids, layout, {}, &router_logits));
     return {logits, load_balancing_loss(router_logits, config.moe.num_experts, config.moe.num_experts_per_tok,
@@ -291,6 +316,8 @@ struct CausalLMImpl : torch::nn::Module {
   /// with samples.next_token_mask()).
   TokenLogProbs log_probs(const at::Tensor& input_ids, const BatchLayout& layout = {},
                           const LogProbOptions& options = {}) {
+    FSDPX_CHECK(!model->attention->sequence_group(),
+                "CausalLM::log_probs under sequence parallelism is not supported yet");
     FSDPX_CHECK(input_ids.dim() == 2 && input_ids.size(1) >= 2,
                 "CausalLM::log_probs: input_ids must be [batch, seq] "
                 "with seq >= 2 (each position's next token is its target), not ",
@@ -439,6 +466,48 @@ struct CausalLMImpl : torch::nn::Module {
 
   /// The kernels attention runs on (models/attention.hpp); automatic by default.
   void set_attention_backend(AttentionBackend backend) { model->attention->request(backend); }
+
+  /// Sequence parallelism (Ulysses, models/attention.hpp): the P ranks of `group` each pass the same
+  /// rows' consecutive slices (rank r tokens [r t, (r + 1) t) of a sequence of P t) to forward() and
+  /// loss(); attention runs over the whole rows through two all-to-alls per layer. loss() then returns
+  /// this rank's share of the rows' mean (the sum over the group is the mean), so each rank's gradients
+  /// are its share too: sum them over the group. nullopt (or a group of one) turns it off. Whole,
+  /// unpadded rows only for now: no attention mask, packed samples, log_probs or generation under it.
+  void set_sequence_group(std::optional<dist::AnyCommunicator> group) {
+    model->attention->set_sequence_group(std::move(group));
+  }
+  std::optional<dist::AnyCommunicator> sequence_group() const { return model->attention->sequence_group(); }
+
+  /// loss() over this rank's slice of the rows: each position's label is the next token's, the last
+  /// position's the first of the next rank's slice (the last rank's: none); the sum of this slice's
+  /// losses over the whole group's count of labels.
+  at::Tensor sequence_parallel_loss(const at::Tensor& input_ids, const at::Tensor& labels,
+                                    dist::AnyCommunicator group) {
+    FSDPX_CHECK(!aux_wanted(),
+                "CausalLM::loss: the load-balancing loss under sequence parallelism is not "
+                "supported yet (output_router_logits)");
+    FSDPX_CHECK(labels.dim() == 2 && labels.scalar_type() == at::kLong && labels.sizes() == input_ids.sizes(),
+                "CausalLM: labels must be int64 [batch, seq] like input_ids ", input_ids.sizes(), ", not ",
+                labels.scalar_type(), " ", labels.sizes());
+    const int64_t p = group.size(), r = group.rank(), batch = labels.size(0);
+    const at::Tensor local = labels.to(input_ids.device());
+    // Every rank's first labels, [P, batch]: the next slice's is this slice's last target.
+    at::Tensor firsts = at::empty({p, batch}, local.options());
+    group.all_gather(firsts, local.select(1, 0).contiguous());
+    const at::Tensor next = r + 1 < p ? firsts[r + 1] : at::full({batch}, -100, local.options());
+    const at::Tensor shifted = at::cat({local.narrow(1, 1, local.size(1) - 1), next.unsqueeze(1)}, 1);
+    auto labels_checked = std::make_shared<const LabelCheck>(shifted, config.vocab_size, -100);
+    // The group's count of labels, on the device: dividing by it needs no host synchronization.
+    at::Tensor count = shifted.ne(-100).sum().to(at::kFloat);
+    group.all_reduce(count);
+    const at::Tensor hidden = hidden_states(input_ids, {}, {});
+    const CrossEntropyOptions ce{
+        .chunk_logits = chunk_logits, .reduction = LossReduction::sum, .labels_checked = std::move(labels_checked)};
+    const at::Tensor sum = with_head([ce](const at::Tensor& weight, const at::Tensor& h,
+                                          const at::Tensor& y) { return linear_cross_entropy(h, weight, y, ce); },
+                                     hidden, shifted);
+    return sum / count;
+  }
   /// What attention was asked to run on and what packed batches ran on, with the reason where they
   /// do not run on the fastest kernel (a line for a log: attention_report().to_string()).
   AttentionReport attention_report() const { return model->attention->report(); }

@@ -40,11 +40,15 @@ class LabelCheck {
   /// True when every label is in range (waits for the device's answer, never for later work).
   FSDPX_DECL bool passed() const;
   int64_t vocabulary() const { return vocabulary_; }
+  std::optional<int64_t> ignore_index() const { return ignore_index_; }
+  int64_t count() const { return count_; }
 
  private:
   at::Tensor answer_;                // bool scalar on the host: pinned, written by the device's stream
   std::optional<c10::Event> ready_;  // recorded after that copy (none on the CPU)
   int64_t vocabulary_;
+  std::optional<int64_t> ignore_index_;
+  int64_t count_;  // labels checked
 };
 
 /// How many logits one chunk may hold: chunk_tokens = max(1, chunk_logits / vocabulary).

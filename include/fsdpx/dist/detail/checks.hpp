@@ -82,6 +82,13 @@ inline void check_reduce_dtype(const Context& ctx, bool is_avg, const at::Tensor
               t.scalar_type());
 }
 
+/// Whether two tensors' bytes overlap (empty tensors overlap nothing).
+inline bool overlaps(const at::Tensor& a, const at::Tensor& b) {
+  const auto* a0 = static_cast<const char*>(a.const_data_ptr());
+  const auto* b0 = static_cast<const char*>(b.const_data_ptr());
+  return a.nbytes() > 0 && b.nbytes() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
 /// all_to_all's blocks in elements of the flattened tensors: block c of the input goes to rank c,
 /// block c of the output comes from rank c.
 struct AllToAllPlan {
@@ -111,6 +118,7 @@ inline AllToAllPlan all_to_all_plan(const Context& ctx, const at::Tensor& output
   };
   checked_total(output_splits, "output", output);
   checked_total(input_splits, "input", input);
+  FSDPX_CHECK(!overlaps(output, input), ctx, ": the output overlaps the input");
   FSDPX_CHECK(output_splits[rank] == input_splits[rank], ctx, ": this rank keeps ", input_splits[rank],
               " rows of its input (input_splits[", rank, "]) but output_splits[", rank, "] makes room for ",
               output_splits[rank]);

@@ -130,7 +130,7 @@ FSDPX_DECL Work MpiCommunicator::all_gather_async(at::Tensor output, const at::T
   const auto slot = [base = static_cast<char*>(output.data_ptr()), bytes](int c) { return base + c * bytes; };
   // In place when the input already is this rank's slot of the output (FSDP's copy-in layout).
   const bool in_place = input.const_data_ptr() == slot(r);
-  FSDPX_CHECK(in_place || !overlaps(output, input), ctx,
+  FSDPX_CHECK(in_place || !detail::overlaps(output, input), ctx,
               ": the input overlaps the output but is not this rank's slot of it");
   // Stage s forwards slot r-s to rank r+1 and receives slot r-s-1 from rank r-1.
   auto step = [=, comm = native_handle(), stage = 0, keep_output = output](
@@ -187,7 +187,7 @@ FSDPX_DECL Work MpiCommunicator::gather_async(at::Tensor output, const at::Tenso
   detail::check_scatter_sizes(ctx, output, "output", input, "input", size());
   const auto slot = [flat = output.view({-1}), n](int c) { return flat.narrow(0, c * n, n); };
   const bool in_place = input.const_data_ptr() == slot(r).const_data_ptr();
-  FSDPX_CHECK(in_place || !overlaps(output, input), ctx,
+  FSDPX_CHECK(in_place || !detail::overlaps(output, input), ctx,
               ": the input overlaps the output but is not the root's slot of it");
   // The tag is taken after every check, so a rejected call leaves the ranks' sequences in step.
   auto step = [=, comm = native_handle(), tag = next_tag(), j = int64_t{0}](
@@ -218,7 +218,7 @@ FSDPX_DECL Work MpiCommunicator::reduce_scatter_async(at::Tensor output, const a
   detail::check_scatter_sizes(ctx, input, "input", output, "output", size());
   detail::check_reduce_dtype(ctx, op == ReduceOp::avg, input);
   FSDPX_CHECK(input.scalar_type() != at::kBool, ctx, ": reductions over bool tensors are not supported");
-  FSDPX_CHECK(!overlaps(output, input), ctx, ": the output overlaps the input");
+  FSDPX_CHECK(!detail::overlaps(output, input), ctx, ": the output overlaps the input");
   const MPI_Datatype type = detail::MpiTypes::datatype(ctx, input.scalar_type());
   const int count = checked_count(ctx, output.numel());
   const int W = size(), r = rank(), tag = next_tag();
@@ -273,7 +273,6 @@ FSDPX_DECL Work MpiCommunicator::all_to_all_v_async(at::Tensor output, const at:
   };
   auto x = std::make_shared<const Exchange>(
       Exchange{detail::all_to_all_plan(ctx, output, input, output_splits, input_splits, r, W), output, input});
-  FSDPX_CHECK(!overlaps(output, input), ctx, ": the output overlaps the input");
   const MPI_Datatype type = detail::MpiTypes::datatype(ctx, input.scalar_type());
   for (int c = 0; c < W; ++c) checked_count(ctx, std::max(x->plan.send_count[c], x->plan.recv_count[c]));
   // The tag is taken after every check, so a rejected call leaves the ranks' sequences in step.
@@ -378,12 +377,6 @@ FSDPX_DECL std::shared_ptr<const std::vector<int>> MpiCommunicator::world_ranks_
   std::erase(ranks, MPI_UNDEFINED);  // not in MPI_COMM_WORLD (dynamic processes): not watched
   std::sort(ranks.begin(), ranks.end());
   return std::make_shared<const std::vector<int>>(std::move(ranks));
-}
-
-FSDPX_DECL bool MpiCommunicator::overlaps(const at::Tensor& a, const at::Tensor& b) {
-  const auto* a0 = static_cast<const char*>(a.const_data_ptr());
-  const auto* b0 = static_cast<const char*>(b.const_data_ptr());
-  return a.nbytes() > 0 && b.nbytes() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
 }
 
 FSDPX_DECL Work MpiCommunicator::submit_steps(detail::OpContext ctx, detail::MpiStep step, detail::MpiFinish finish) {

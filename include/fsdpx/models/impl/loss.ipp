@@ -43,10 +43,13 @@ inline HeadInputs head_inputs(const char* what, const at::Tensor& hidden, const 
           std::move(leading)};
 }
 
-/// A check asked earlier, for this head's vocabulary.
-inline bool read_check(const LabelCheck& check, int64_t vocabulary) {
+/// A check asked earlier, for these labels: as many, this head's vocabulary, the same ignore index.
+inline bool read_check(const LabelCheck& check, const at::Tensor& labels, int64_t vocabulary,
+                       std::optional<int64_t> ignore_index) {
   FSDPX_CHECK(check.vocabulary() == vocabulary, "a label check asked for a vocabulary of ", check.vocabulary(),
               " was given to a head of ", vocabulary);
+  FSDPX_CHECK(check.count() == labels.numel() && check.ignore_index() == ignore_index, "a label check of ",
+              check.count(), " labels was given to a head of ", labels.numel(), " (or with another ignore index)");
   return check.passed();
 }
 
@@ -248,12 +251,12 @@ struct ChunkedLogProbs : torch::autograd::Function<ChunkedLogProbs> {
 }  // namespace detail
 
 FSDPX_DECL LabelCheck::LabelCheck(const at::Tensor& labels, int64_t vocabulary, std::optional<int64_t> ignore_index)
-    : vocabulary_(vocabulary) {
+    : vocabulary_(vocabulary), ignore_index_(ignore_index), count_(labels.numel()) {
   at::Tensor ok = (labels >= 0).logical_and(labels < vocabulary);
   if (ignore_index) ok = ok.logical_or(labels == *ignore_index);
   ok = ok.all();
-  if (ok.is_cpu()) {
-    answer_ = ok;
+  if (!ok.is_cuda()) {  // answered at once: the CPU's, or a device without pinned host memory
+    answer_ = ok.cpu();
     return;
   }
   answer_ = at::empty({}, at::TensorOptions().dtype(at::kBool).pinned_memory(true));
@@ -273,8 +276,9 @@ FSDPX_DECL at::Tensor linear_cross_entropy(const at::Tensor& hidden, const at::T
   const auto in = detail::head_inputs("linear_cross_entropy", hidden, weight, labels, bias);
   const bool mean = options.reduction == LossReduction::mean;
   const int64_t vocab = in.weight.size(0);
-  const bool labels_ok = options.labels_checked ? detail::read_check(*options.labels_checked, vocab)
-                                                : LabelCheck(in.targets, vocab, options.ignore_index).passed();
+  const bool labels_ok = options.labels_checked
+                             ? detail::read_check(*options.labels_checked, in.targets, vocab, options.ignore_index)
+                             : LabelCheck(in.targets, vocab, options.ignore_index).passed();
   FSDPX_CHECK(labels_ok, "linear_cross_entropy: every label must be a token id in [0, ", vocab,
               ") or the ignore index ", options.ignore_index);
   if (options.chunk_logits <= 0) {
@@ -295,8 +299,9 @@ FSDPX_DECL TokenLogProbs linear_log_probs(const at::Tensor& hidden, const at::Te
   const auto in = detail::head_inputs("linear_log_probs", hidden, weight, targets, bias);
   FSDPX_CHECK(options.temperature > 0, "linear_log_probs: the temperature must be positive, not ", options.temperature);
   const int64_t vocab = in.weight.size(0);
-  const bool range_ok = options.targets_checked ? detail::read_check(*options.targets_checked, vocab)
-                                                : LabelCheck(in.targets, vocab).passed();
+  const bool range_ok = options.targets_checked
+                            ? detail::read_check(*options.targets_checked, in.targets, vocab, std::nullopt)
+                            : LabelCheck(in.targets, vocab).passed();
   FSDPX_CHECK(range_ok, "linear_log_probs: every target must be a token id in [0, ", vocab,
               "); mask padding after computing, not with -100");
   TokenLogProbs out;
