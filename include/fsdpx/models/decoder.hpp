@@ -372,9 +372,11 @@ struct CausalLMImpl : torch::nn::Module {
   /// Mean cross-entropy of the head over hidden states against already-shifted labels (-100 ignored),
   /// whose range check may have been asked already.
   at::Tensor head_loss(const at::Tensor& hidden, const at::Tensor& shifted_labels,
-                       std::shared_ptr<const LabelCheck> labels_checked = nullptr) {
+                       std::shared_ptr<const LabelCheck> labels_checked = nullptr,
+                       LossReduction reduction = LossReduction::mean) {
     const at::Tensor shifted = shifted_labels.to(hidden.device());
-    const CrossEntropyOptions ce{.chunk_logits = chunk_logits, .labels_checked = std::move(labels_checked)};
+    const CrossEntropyOptions ce{
+        .chunk_logits = chunk_logits, .reduction = reduction, .labels_checked = std::move(labels_checked)};
     return with_head([ce](const at::Tensor& weight, const at::Tensor& h,
                           const at::Tensor& y) { return linear_cross_entropy(h, weight, y, ce); },
                      hidden, shifted);
@@ -467,6 +469,10 @@ struct CausalLMImpl : torch::nn::Module {
   /// The kernels attention runs on (models/attention.hpp); automatic by default.
   void set_attention_backend(AttentionBackend backend) { model->attention->request(backend); }
 
+  /// What attention was asked to run on and what packed batches ran on, with the reason where they
+  /// do not run on the fastest kernel (a line for a log: attention_report().to_string()).
+  AttentionReport attention_report() const { return model->attention->report(); }
+
   /// Sequence parallelism (Ulysses, models/attention.hpp): the P ranks of `group` each pass the same
   /// rows' consecutive slices (rank r tokens [r t, (r + 1) t) of a sequence of P t) to forward() and
   /// loss(); attention runs over the whole rows through two all-to-alls per layer. loss() then returns
@@ -501,16 +507,8 @@ struct CausalLMImpl : torch::nn::Module {
     at::Tensor count = shifted.ne(-100).sum().to(at::kFloat);
     group.all_reduce(count);
     const at::Tensor hidden = hidden_states(input_ids, {}, {});
-    const CrossEntropyOptions ce{
-        .chunk_logits = chunk_logits, .reduction = LossReduction::sum, .labels_checked = std::move(labels_checked)};
-    const at::Tensor sum = with_head([ce](const at::Tensor& weight, const at::Tensor& h,
-                                          const at::Tensor& y) { return linear_cross_entropy(h, weight, y, ce); },
-                                     hidden, shifted);
-    return sum / count;
+    return head_loss(hidden, shifted, std::move(labels_checked), LossReduction::sum) / count;
   }
-  /// What attention was asked to run on and what packed batches ran on, with the reason where they
-  /// do not run on the fastest kernel (a line for a log: attention_report().to_string()).
-  AttentionReport attention_report() const { return model->attention->report(); }
 
   DecoderConfig config;
   DecoderModel model{nullptr};
