@@ -3,7 +3,7 @@
 //
 //   mpiexec -n 2 finetune --model DIR --data tokens.bin --out OUT_DIR [--steps 100] [--batch 8] [--seq 256]
 //                         [--lr 2e-5] [--warmup 10] [--save-every 50] [--ckpt-dir DIR] [--resume] [--bf16]
-//                         [--activation-checkpointing] [--chunk-logits N]
+//                         [--activation-checkpointing] [--chunk-logits N] [--sequence-parallel P]
 //   torchrun --nproc-per-node=8 --no-python finetune ...        (GPUs: NCCL, one GPU per rank)
 //
 // --model   a folder with config.json and model.safetensors (or an index and its files), as
@@ -17,8 +17,9 @@
 // units (models::DecoderUnits; the head stays gathered from forward to backward). Long sequences (--seq
 // 8192 and more): --activation-checkpointing keeps only each layer's input in forward and recomputes
 // the layer in backward, and the loss never holds more than --chunk-logits logits (default 2^26: 256
-// MiB in float32) (docs/models.md, "Long sequences"). Training: AdamW over the shards (no weight
-// decay on norms and biases), a cosine schedule with warmup, global-norm clipping at 1.0 (TrainStep).
+// MiB in float32) (docs/models.md, "Long sequences"); --sequence-parallel P splits each window over
+// P ranks (Ulysses: SequenceParallel<P>, each rank --seq / P tokens of it; docs/models.md). Training: AdamW over the
+// shards (no weight decay on norms and biases), a cosine schedule with warmup, global-norm clipping at 1.0 (TrainStep).
 // Each step's batch is --batch windows of --seq tokens drawn from the data by the step's seed (each
 // token predicts the next), the same whatever the world size, so a resumed run continues the same
 // sequence of batches.
@@ -53,6 +54,7 @@ struct Args {
   int64_t stop_after = 0;  // > 0: stop after this step (an interrupted run); the schedule still spans --steps
   int64_t batch = 8;       // windows per step, over all ranks
   int64_t seq = 256;
+  int sequence_parallel = 1;  // ranks per window (Ulysses)
   double lr = 2e-5;
   int64_t warmup = 10;
   int64_t save_every = 50;
@@ -112,8 +114,12 @@ class TokenFile {
 template <class Sharded>
 int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device) {
   const bool lead = world.rank() == 0;
-  const int W = world.size();
-  FSDPX_CHECK(args.batch % W == 0, "finetune: --batch ", args.batch, " must be a multiple of the world size ", W);
+  const int W = world.size(), P = args.sequence_parallel;
+  FSDPX_CHECK(W % P == 0, "finetune: --sequence-parallel ", P, " must divide the world size ", W);
+  const int groups = W / P;  // each takes its own windows, its P ranks a slice of each
+  FSDPX_CHECK(args.batch % groups == 0, "finetune: --batch ", args.batch, " must be a multiple of the ", groups,
+              " sequence groups (the world size ", W, " over --sequence-parallel ", P, ")");
+  FSDPX_CHECK(args.seq % P == 0, "finetune: --seq ", args.seq, " must be a multiple of --sequence-parallel ", P);
   const TokenFile data(args.data, args.data_dtype);
   FSDPX_CHECK(data.size() > args.seq + 1, "finetune: --data holds ", data.size(),
               " tokens, fewer than one window of --seq + 1");
@@ -122,6 +128,7 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
   fsdpx::SafetensorsLoadReport loaded;
   auto model = models::from_pretrained<Sharded>(args.model, world,
                                                 {.device = device,
+                                                 .sequence_size = P,
                                                  .reshard_after_forward_for = models::reshard_all_but_head,
                                                  .activation_checkpointing = args.activation_checkpointing},
                                                 {}, &loaded);
@@ -163,7 +170,7 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
 #endif
   fsdpx::TrainStep<Sharded> train_step(model, optimizer, &scheduler, {.max_grad_norm = 1.0});
 
-  const int64_t per_rank = args.batch / W,
+  const int64_t per_group = args.batch / groups, group_index = world.rank() / P,
                 last = args.stop_after > 0 ? std::min(args.stop_after, args.steps) : args.steps;
   double first_loss = -1, last_loss = 0;
   for (int64_t step = start + 1; step <= last; ++step) {
@@ -171,8 +178,9 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
     at::manual_seed(step);  // the step's windows, whichever run or world size draws them
     const at::Tensor starts_t = at::randint(data.size() - args.seq, {args.batch}, at::kLong);
     std::vector<int64_t> starts;
-    for (int64_t i = 0; i < per_rank; ++i) starts.push_back(starts_t[world.rank() * per_rank + i].item<int64_t>());
-    const at::Tensor ids = data.windows(starts, args.seq).to(device);
+    for (int64_t i = 0; i < per_group; ++i) starts.push_back(starts_t[group_index * per_group + i].item<int64_t>());
+    at::Tensor ids = data.windows(starts, args.seq).to(device);
+    if (P > 1) ids = models::sequence_slice(ids, *model.sequence_group());
     const auto [lo, hi] = at::aminmax(ids);
     FSDPX_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < config.vocab_size,
                 "finetune: --data holds token ids in [", lo.item<int64_t>(), ", ", hi.item<int64_t>(),
@@ -180,7 +188,7 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
     const at::Tensor loss = model.call(&models::CausalLMImpl::loss, ids, ids, at::Tensor());
     loss.backward();
     const fsdpx::StepReport report = train_step.optimizer_step();
-    auto mean = loss.detach().to(at::kDouble).reshape({1});
+    auto mean = loss.detach().to(at::kDouble).reshape({1}) * P;  // a sequence group's P shares sum to its mean
     world.all_reduce(mean, fsdpx::dist::ReduceOp::avg);
     const double l = mean.item<double>();
     if (first_loss < 0) first_loss = l;
@@ -241,6 +249,10 @@ int main(int argc, char** argv) try {
   app.add_flag("--bf16", args.bf16, "compute in bfloat16 (float32 masters and gradient reduction)");
   app.add_flag("--activation-checkpointing", args.activation_checkpointing,
                "keep only each layer's input in forward and recompute the layer in backward (long sequences)");
+  app.add_option("--sequence-parallel", args.sequence_parallel,
+                 "ranks that split each window (Ulysses); must divide the world size and the attention heads")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--chunk-logits", args.chunk_logits, "logits the loss holds at once (0: all of them)")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
@@ -252,12 +264,14 @@ int main(int argc, char** argv) try {
   auto [world, device] = fsdpx::examples::init_world();
   // The layers may recompute in backward (--activation-checkpointing turns it on at run time).
   using Checkpointing = fsdpx::CheckpointNames<"model.layers.*">;
+  // Sharded over the whole world; --sequence-parallel sets the sequence groups' size at run time (1: none).
+  using Mesh = fsdpx::SequenceParallel<fsdpx::runtime_sequence_size, fsdpx::FullShard>;
   if (args.bf16) {
-    return run<fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::BF16Mixed,
-                           fsdpx::ShardedStateDict, models::DecoderUnits, Checkpointing>>(args, world, device);
+    return run<fsdpx::Fsdp<models::CausalLM, Mesh, fsdpx::NoOffload, fsdpx::BF16Mixed, fsdpx::ShardedStateDict,
+                           models::DecoderUnits, Checkpointing>>(args, world, device);
   }
-  return run<fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision,
-                         fsdpx::ShardedStateDict, models::DecoderUnits, Checkpointing>>(args, world, device);
+  return run<fsdpx::Fsdp<models::CausalLM, Mesh, fsdpx::NoOffload, fsdpx::FullPrecision, fsdpx::ShardedStateDict,
+                         models::DecoderUnits, Checkpointing>>(args, world, device);
 } catch (const std::exception& e) {
   return fsdpx::examples::report_failure("finetune", e);
 }

@@ -56,4 +56,23 @@ TEST_CASE("mesh policies resolve to shard sizes", "[mpi][mesh]") {
   REQUIRE(none.replicate_size() == W);
   auto hybrid = fsdpx::core::make_mesh<fsdpx::HybridShard<>>(world(), W);
   REQUIRE(hybrid.shard_size() == W);
+  REQUIRE_FALSE(hybrid.sequence_group().has_value());
+}
+
+TEST_CASE("sequence groups are runs of consecutive ranks across the shard groups", "[mpi][mesh]") {
+  const int W = world().size(), r = world().rank();
+  for (int p = 1; p <= W; ++p) {
+    if (W % p != 0) continue;
+    INFO("sequence size " << p);
+    auto mesh = fsdpx::core::make_mesh<fsdpx::SequenceParallel<fsdpx::runtime_sequence_size>>(world(), {}, p);
+    REQUIRE(mesh.shard_size() == W);  // parameters stay sharded over the whole world
+    REQUIRE(mesh.sequence_size() == p);
+    REQUIRE(mesh.sequence_group().has_value() == (p > 1));
+    if (p == 1) continue;
+    std::vector<int> expected;
+    for (int i = 0; i < p; ++i) expected.push_back(r / p * p + i);
+    auto group = *mesh.sequence_group();
+    REQUIRE(gather_ranks(group) == expected);
+    REQUIRE(group.rank() == r % p);
+  }
 }

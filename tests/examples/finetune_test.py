@@ -12,7 +12,10 @@
     decimals; its schedule goes on as the first run's (the same LRs), and its loss goes on falling. The
     steps after 9 are not compared: AdamW turns rounding into weight differences that no bound derives
     once the runs part (tests/core/test_trainer.cpp compares resumed training step by step instead);
-(c) every checkpoint step carries the model's config and tokenizer files, never its weights, and
+(d) the checkpoint of step 8 (2 ranks, no sequence parallelism) resumes with --sequence-parallel 2 (each
+    window split over the 2 ranks, Ulysses): its step-9 loss equals the first run's within the same bound;
+    the checkpoint it saves at step 9 resumes without sequence parallelism at 3 ranks;
+(e) every checkpoint step carries the model's config and tokenizer files, never its weights, and
     fsdpx-merge turns step 12 into a folder (config.json included) whose tensors equal the export's.
 """
 import array
@@ -90,6 +93,8 @@ def main():
     ck_b = os.path.join(work, "ck_b")
     run(mpi(2) + common + ["--out", os.path.join(work, "unused"), "--ckpt-dir", ck_b, "--stop-after", "8"])
     assert not os.path.exists(os.path.join(work, "unused")), "an interrupted run exported"
+    ck_d = os.path.join(work, "ck_d")
+    shutil.copytree(ck_b, ck_d)  # step 8 as the interrupted run left it
     log_b = run(mpi(3) + common + ["--out", os.path.join(work, "out_b"), "--ckpt-dir", ck_b, "--resume",
                                    "--activation-checkpointing", "--chunk-logits", "480"])
     assert "resumed from step 8" in log_b
@@ -106,6 +111,19 @@ def main():
     print(f"(b) resumed at 3 ranks from step 8, layers checkpointed, loss in chunks: step-9 loss {lb[9]:.4f} vs "
           f"{la[9]:.4f} uninterrupted (bound {bound:.2e}), the same LRs, step-12 loss {lb[12]:.4f}")
 
+    every_step = [a if a != "4" or common[i - 1] != "--save-every" else "1" for i, a in enumerate(common)]
+    log_d = run(mpi(2) + every_step + ["--out", os.path.join(work, "unused"), "--ckpt-dir", ck_d, "--resume",
+                                       "--sequence-parallel", "2", "--stop-after", "9"])
+    assert "resumed from step 8" in log_d
+    ld = losses(log_d)
+    assert sorted(ld) == [9], ld
+    assert abs(ld[9] - la[9]) <= bound, (ld[9], la[9], bound)
+    log_e = run(mpi(3) + common + ["--out", os.path.join(work, "unused"), "--ckpt-dir", ck_d, "--resume",
+                                   "--stop-after", "10"])
+    assert "resumed from step 9" in log_e and sorted(losses(log_e)) == [10], log_e
+    print(f"(d) resumed from step 8 with --sequence-parallel 2: step-9 loss {ld[9]:.4f} vs {la[9]:.4f} (bound "
+          f"{bound:.2e}); its step-9 checkpoint resumed at 3 ranks without it")
+
     for step in (8, 12):
         hf = os.path.join(ck_a, f"global_step_{step}", "actor", "huggingface")
         files = sorted(os.listdir(hf))
@@ -120,7 +138,7 @@ def main():
     assert sorted(a) == sorted(m), (sorted(a), sorted(m))
     for k in a:
         assert torch.equal(a[k], m[k]), k
-    print(f"(c) checkpoints carry config and tokenizer files only; fsdpx-merge of step 12 equals the export ({len(a)} tensors)")
+    print(f"(e) checkpoints carry config and tokenizer files only; fsdpx-merge of step 12 equals the export ({len(a)} tensors)")
     print("PASSED")
 
 

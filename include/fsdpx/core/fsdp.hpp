@@ -52,6 +52,13 @@ class Fsdp {
   /// Checks the policies (static_asserts naming the wrong one) and maps them onto run-time options.
   using Policies = core::PolicyMap<Mesh, Offload, Precision, StateDict, Wrap, Checkpoint>;
   static_assert(Policies::checked);
+  /// A sequence-parallel mesh hands its sequence group to the model, whose forward then takes slices.
+  static constexpr bool takes_sequence_group =
+      requires(Model m, std::optional<dist::AnyCommunicator> g) { m->set_sequence_group(g); };
+  static_assert(
+      !requires { Mesh::sequence_size; } || takes_sequence_group,
+      "Fsdp<Model, SequenceParallel<P, Mesh>, ...>: Model must run on slices of sequences: a member "
+      "set_sequence_group(std::optional<dist::AnyCommunicator>), as models::CausalLM has");
 
  public:
   using ModelType = Model;
@@ -72,10 +79,21 @@ class Fsdp {
                 " but the communicator (", world.backend_name(), ") works on ",
                 c10::DeviceTypeName(world.device_type(), true), " tensors");
     const int shard = Policies::shard_size(world.size(), *model_, options);
-    state_ =
-        std::make_unique<core::ShardedModel>(model_.ptr(), dist::DeviceMesh<dist::AnyCommunicator>::build(world, shard),
-                                             unit, Policies::model_setup(options));
+    const int sequence = Policies::sequence_size(options);
+    if constexpr (requires { model_->sequence_group(); }) {
+      // Its gradients would be shares averaged as whole samples' (1/P of what they should be).
+      FSDPX_CHECK(sequence > 1 || !model_->sequence_group(), "the model was given a sequence group of ",
+                  model_->sequence_group() ? model_->sequence_group()->size() : 0,
+                  " ranks but the mesh has no sequence dimension; use Fsdp<Model, SequenceParallel<P, Mesh>> "
+                  "(it hands the model its group)");
+    }
+    state_ = std::make_unique<core::ShardedModel>(
+        model_.ptr(), dist::DeviceMesh<dist::AnyCommunicator>::build(world, shard, sequence), unit,
+        Policies::model_setup(options));
     state_->set_activation_checkpointing(options.activation_checkpointing);
+    if constexpr (takes_sequence_group) {
+      if (sequence > 1) model_->set_sequence_group(state_->mesh().sequence_group());
+    }
   }
 
   /// The root forward under the unit protocol.
@@ -167,6 +185,9 @@ class Fsdp {
   [[nodiscard]] FullParameters full_parameters() { return FullParameters(*state_); }
 
   const dist::DeviceMesh<dist::AnyCommunicator>& mesh() const { return state_->mesh(); }
+  /// The ranks that hold slices of this rank's sequences (SequenceParallel meshes; nullopt otherwise):
+  /// feed rank r of it tokens [r t, (r + 1) t) of the same rows (models::sequence_slice does).
+  const std::optional<dist::AnyCommunicator>& sequence_group() const { return state_->mesh().sequence_group(); }
   core::ShardedModel& sharded() { return *state_; }
   const core::ShardedModel& sharded() const { return *state_; }
   ShardedBytes sharded_bytes() const { return state_->sharded_bytes(); }

@@ -3,7 +3,7 @@
 // construction, the mesh's shard size). docs/policies.md ("What a policy is") says what a tag may
 // select: values here, never a second implementation of the protocol.
 //
-//   Mesh        -> the shard size (core/mesh.hpp) and so the mesh
+//   Mesh        -> the shard and sequence sizes (core/mesh.hpp) and so the mesh; UnitOptions::gradient_factor
 //   Offload     -> UnitOptions::offload_to_cpu, pin_memory
 //   Precision   -> UnitOptions::param_dtype, reduce_dtype, output_dtype (and the shard dtype when
 //                  inference-only)
@@ -40,6 +40,8 @@ struct FsdpOptions {
   std::optional<c10::Device> device;
   /// HybridShard<runtime_shard_size>: the shard group size.
   std::optional<int> shard_size;
+  /// SequenceParallel<runtime_sequence_size, ...>: the sequence group size.
+  std::optional<int> sequence_size;
   /// Non-root units free their full parameters after forward (true) or keep them until after backward.
   bool reshard_after_forward = true;
   /// Per unit, by its dotted name, overriding reshard_after_forward: e.g. keep the LM head (the last
@@ -91,7 +93,8 @@ namespace core {
 /// Fsdp's policies, checked, and what each means at run time.
 template <class Mesh, class Offload, class Precision, class StateDict, class Wrap, class Checkpoint>
 struct PolicyMap {
-  static_assert(MeshPolicy<Mesh>, "Fsdp<Model, Mesh, ...>: Mesh must be FullShard, HybridShard<N> or NoShard");
+  static_assert(MeshPolicy<Mesh>,
+                "Fsdp<Model, Mesh, ...>: Mesh must be FullShard, HybridShard<N>, NoShard or SequenceParallel<P, Mesh>");
   static_assert(OffloadPolicy<Offload>, "Fsdp<Model, Mesh, Offload, ...>: Offload must be NoOffload or CpuOffload<>");
   static_assert(PrecisionPolicy<Precision>,
                 "Fsdp<..., Precision, ...>: Precision must be a MixedPrecision<...> (e.g. FullPrecision, BF16Mixed)");
@@ -131,6 +134,7 @@ struct PolicyMap {
     unit.reshard_after_forward = o.reshard_after_forward;
     unit.inference_only = o.inference_only;
     unit.shard_dtype = o.inference_only ? Precision::param_dtype : at::kFloat;
+    unit.gradient_factor = sequence_size(o);
     return unit;
   }
 
@@ -168,6 +172,9 @@ struct PolicyMap {
       return resolve_shard_size<Mesh>(world_size, o.shard_size);
     }
   }
+
+  /// The sequence group size of the mesh (1 without sequence parallelism).
+  static int sequence_size(const FsdpOptions& o) { return resolve_sequence_size<Mesh>(o.sequence_size); }
 
   static void check_wrap_matched(const std::vector<std::string>& units, bool allow_none) {
     if constexpr (requires { Wrap::unmatched(units); }) {

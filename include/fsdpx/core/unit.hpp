@@ -46,6 +46,9 @@ struct UnitOptions {
   bool inference_only = false;
   /// Its forward keeps only its inputs and runs again inside backward (activation checkpointing).
   bool checkpoint_activations = false;
+  /// How many ranks' gradients make one sample's: a sequence group's size, whose ranks each hold their
+  /// slice's share. The reduction averages over ranks; this puts the shares' sum back into the average.
+  int gradient_factor = 1;
 };
 
 /// The communicators a unit uses. Gathers and reductions run on separate duplicates of the shard

@@ -457,27 +457,33 @@ struct AttentionImpl : torch::nn::Module {
     q = q * c + rotate_half(q) * s;
     k = k * c + rotate_half(k) * s;
     at::Tensor y;
-    if (const auto group = state->sequence_group(); group && !in.samples && cache == nullptr) {
-      y = ulysses_attention(q, k, v, *group, sliding ? in.sliding : in.full);
-    } else if (in.samples) {
-      y = packed_attention(q, k, v, *in.samples, sliding ? in.sliding_window : 0);
-    } else if (cache != nullptr) {
+    if (cache != nullptr) {
       const int64_t past = in.cache->length;
       append_to_cache(*cache, k, v, past, in.cache->capacity);
       y = detail::sdpa(q, cache->keys.narrow(2, 0, past + seq), cache->values.narrow(2, 0, past + seq),
                        sliding ? in.sliding : in.full, dropout_now());
+    } else if (const auto group = state->sequence_group()) {
+      y = ulysses_attention(q, k, v, *group, in, sliding);
     } else {
-      y = detail::sdpa(q, k, v, sliding ? in.sliding : in.full, dropout_now());
+      y = attend(q, k, v, in, sliding);
     }
     return o_proj(y.transpose(1, 2).reshape({batch, seq, heads * head_dim}));
+  }
+
+  /// Attention of q [b, heads, t, d] over k and v [b, kv_heads, t, d] as `in` lays the batch out.
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionInputs& in,
+                    bool sliding) {
+    if (in.samples) return packed_attention(q, k, v, *in.samples, sliding ? in.sliding_window : 0);
+    return detail::sdpa(q, k, v, sliding ? in.sliding : in.full, dropout_now());
   }
 
   /// q [b, heads, t, d], k and v [b, kv_heads, t, d] of this rank's slice of the sequence: attention
   /// over the whole sequence for this rank's heads (sequence_to_heads), back to the slice with every
   /// head. Key and value heads that do not split over the group are repeated up to the query heads first
-  /// (each rank then gets the ones its query heads use); `mask` is for the whole sequence.
+  /// (each rank then gets the ones its query heads use); `in` describes the whole rows (their masks or
+  /// packed samples), so packed samples run on the model's AttentionBackend as without the group.
   at::Tensor ulysses_attention(const at::Tensor& q, at::Tensor k, at::Tensor v, const dist::AnyCommunicator& group,
-                               const at::Tensor& mask) {
+                               const AttentionInputs& in, bool sliding) {
     FSDPX_CHECK(heads % group.size() == 0, "Attention: ", heads, " query heads do not split over a sequence group of ",
                 group.size(), " ranks; the group's size must divide the attention heads");
     if (kv_heads % group.size() != 0) {
@@ -488,7 +494,7 @@ struct AttentionImpl : torch::nn::Module {
     const auto to_heads = [&](const at::Tensor& x) {
       return sequence_to_heads(x.transpose(1, 2).contiguous(), group).transpose(1, 2);
     };
-    const at::Tensor y = detail::sdpa(to_heads(q), to_heads(k), to_heads(v), mask, dropout_now());
+    const at::Tensor y = attend(to_heads(q), to_heads(k), to_heads(v), in, sliding);
     return heads_to_sequence(y.transpose(1, 2).contiguous(), group).transpose(1, 2);
   }
 

@@ -49,6 +49,7 @@
 #include <fsdpx/models/modules.hpp>
 #include <fsdpx/models/moe.hpp>
 #include <fsdpx/models/packing.hpp>
+#include <fsdpx/models/sequence_parallel.hpp>
 
 namespace fsdpx::models {
 
@@ -136,15 +137,7 @@ struct DecoderModelImpl : torch::nn::Module {
     const int64_t seq = input_ids.size(1);
     const auto device = input_ids.device();
     if (const auto group = attention->sequence_group()) {
-      // This rank holds tokens [rank * seq, (rank + 1) * seq) of each row; attention sees whole rows.
-      FSDPX_CHECK(!attention_mask.defined() && !position_ids.defined(),
-                  "DecoderModel: under sequence parallelism each rank takes its slice of whole, unpadded rows: "
-                  "no attention mask and no position ids (packed samples are not supported there yet)");
-      const int64_t first = group->rank() * seq;
-      const at::Tensor positions =
-          at::arange(first, first + seq, at::TensorOptions().dtype(at::kLong).device(device)).unsqueeze(0);
-      return run_layers(input_ids, positions, causal_masks({}, seq * group->size(), device, sliding_window()),
-                        router_logits);
+      return forward_slices(input_ids, attention_mask, position_ids, nullptr, *group, router_logits);
     }
     const at::Tensor mask = without_all_ones(attention_mask, seq);
     if (position_ids.defined() && !attention_mask.defined()) {  // as transformers: only without a mask
@@ -163,9 +156,9 @@ struct DecoderModelImpl : torch::nn::Module {
   at::Tensor forward_packed(const at::Tensor& input_ids, const PackedSamples& samples,
                             std::vector<at::Tensor>* router_logits = nullptr) {
     check_input_ids(input_ids);
-    FSDPX_CHECK(
-        !attention->sequence_group(),
-        "DecoderModel: packed samples under sequence parallelism are not supported yet; pad them into whole rows");
+    if (const auto group = attention->sequence_group()) {
+      return forward_slices(input_ids, {}, {}, &samples, *group, router_logits);
+    }
     const int64_t batch = input_ids.size(0), seq = input_ids.size(1);
     samples.check_shape("DecoderModel", batch, seq);
     const at::Tensor positions = samples.position_ids(input_ids.device());
@@ -177,6 +170,54 @@ struct DecoderModelImpl : torch::nn::Module {
     in.samples = std::make_shared<const PackedSamples>(samples);
     in.sliding_window = sliding_window();
     return run_layers(input_ids, positions, in, router_logits);
+  }
+
+  /// Sequence parallelism: input_ids [batch, t] is this rank's slice (tokens [r t, (r + 1) t)) of rows
+  /// of P t tokens, and so are attention_mask and position_ids; `samples` (or position ids that restart)
+  /// describe the whole rows, where a sample may cross a slice. Attention sees the whole rows.
+  at::Tensor forward_slices(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                            const at::Tensor& position_ids, const PackedSamples* samples,
+                            const dist::AnyCommunicator& group, std::vector<at::Tensor>* router_logits) {
+    const int64_t batch = input_ids.size(0), seq = input_ids.size(1), whole = seq * group.size();
+    const auto device = input_ids.device();
+    FSDPX_CHECK(!attention_mask.defined() || attention_mask.sizes() == input_ids.sizes(),
+                "DecoderModel: attention_mask must be this rank's slice ", input_ids.sizes(), ", not ",
+                attention_mask.sizes());
+    FSDPX_CHECK(!position_ids.defined() || (position_ids.dim() == 2 && position_ids.size(1) == seq &&
+                                            (position_ids.size(0) == 1 || position_ids.size(0) == batch)),
+                "DecoderModel: position_ids must be this rank's slice [batch or 1, ", seq, "], not ",
+                position_ids.sizes());
+    uint32_t packing = 0;
+    if (samples != nullptr && !samples->empty()) {
+      packing = ::fsdpx::detail::Crc32c::of(samples->spans().data(), samples->spans().size() * sizeof(SampleSpan));
+    }
+    detail::check_group_agrees(
+        group, "DecoderModel (sequence parallel)",
+        {batch, seq, attention_mask.defined() ? 1 : 0, position_ids.defined() ? position_ids.size(0) : 0, packing},
+        {"rows", "tokens per slice", "an attention mask (1: yes)", "position ids of rows", "packed samples (crc)"},
+        device);
+    at::Tensor positions = position_ids.defined() ? position_ids
+                                                  : at::arange(group.rank() * seq, (group.rank() + 1) * seq,
+                                                               at::TensorOptions().dtype(at::kLong).device(device))
+                                                        .unsqueeze(0);
+    PackedSamples detected;  // as without the group: position ids that restart, without a mask, are packed samples
+    if (samples == nullptr && position_ids.defined() && !attention_mask.defined()) {
+      detected = PackedSamples::detect(gather_sequence(position_ids, group), batch);
+      samples = &detected;
+    }
+    if (samples != nullptr && !samples->empty()) {
+      samples->check_shape("DecoderModel (the whole rows of a sequence group)", batch, whole);
+      if (!position_ids.defined()) positions = samples->position_ids(device).narrow(1, group.rank() * seq, seq);
+      if (static_cast<int64_t>(samples->spans().size()) != batch) {
+        AttentionInputs in;
+        in.samples = std::make_shared<const PackedSamples>(*samples);
+        in.sliding_window = sliding_window();
+        return run_layers(input_ids, positions, in, router_logits);
+      }
+    }
+    const at::Tensor mask =
+        attention_mask.defined() ? without_all_ones(gather_sequence(attention_mask, group), whole) : at::Tensor();
+    return run_layers(input_ids, positions, causal_masks(mask, whole, device, sliding_window()), router_logits);
   }
 
   /// Generation: hidden states of the new tokens input_ids [batch, n] after the `cache.length` tokens
@@ -279,16 +320,12 @@ struct CausalLMImpl : torch::nn::Module {
   /// A mixture of experts with output_router_logits adds router_aux_loss_coef x the load-balancing loss
   /// (over the tokens the attention mask keeps; every token of packed rows), as transformers does.
   at::Tensor loss(const at::Tensor& input_ids, const at::Tensor& labels, const BatchLayout& layout = {}) {
-    if (const auto group = model->attention->sequence_group()) {
-      FSDPX_CHECK(!layout.attention_mask.defined() && !layout.packed(),
-                  "CausalLM::loss: under sequence parallelism each rank takes its slice of whole, unpadded rows "
-                  "(no attention mask, no packed samples)");
-      return sequence_parallel_loss(input_ids, labels, *group);
-    }
+    if (const auto group = model->attention->sequence_group())
+      return sequence_parallel_loss(input_ids, labels, layout, *group);
     at::Tensor shifted = shift_labels(labels).to(input_ids.device());
     if (layout.packed()) {
-      const at::Tensor within = at::constant_pad_nd(layout.samples->next_token_mask(shifted.device()), {0, 1}, 0);
-      shifted = shifted.masked_fill(within.logical_not(), -100);
+      shifted = shifted.masked_fill(within_samples(*layout.samples, 0, shifted.size(1), shifted.device()).logical_not(),
+                                    -100);
     }
     // Asked before the layers run, read at the head: no host stall in the step (LabelCheck).
     auto labels_checked = std::make_shared<const LabelCheck>(shifted, config.vocab_size, -100);
@@ -299,35 +336,42 @@ struct CausalLMImpl : torch::nn::Module {
 
   /// Logits and, for a mixture of experts, the load-balancing loss of this forward (undefined for a
   /// dense model): transformers' output.logits and output.aux_loss with output_router_logits=True.
+  /// Under sequence parallelism, this slice's logits and its share of the rows' load-balancing loss.
   CausalLMOutput forward_with_aux_loss(const at::Tensor& input_ids, const BatchLayout& layout = {}) {
-    FSDPX_CHECK(!model->attention->sequence_group(),
-                "CausalLM::forward_with_aux_loss under sequence parallelism is "
-                "not supported yet (the load-balancing loss is not additive over slices)");
     std::vector<at::Tensor> router_logits;
     const at::Tensor logits = head(hidden_states(input_ids, layout, {}, &router_logits));
     return {logits, load_balancing_loss(router_logits, config.moe.num_experts, config.moe.num_experts_per_tok,
-                                        layout.attention_mask)};
+                                        layout.attention_mask, sequence_group())};
   }
 
   /// RL's per-token log-probabilities of the given next tokens: [batch, seq - 1] float32, position t
   /// holding log p(input_ids[t + 1] | input_ids[..t]) (and the entropy of that distribution when
   /// asked), computed chunk by chunk of tokens. Positions after padding hold values to be masked; with
   /// packed samples, a sample's last position (whose next token is another sample's) holds 0 (mask
-  /// with samples.next_token_mask()).
+  /// with samples.next_token_mask()). Under sequence parallelism, this slice's positions: [batch, t]
+  /// (the last rank's [batch, t - 1]), so that the group's, laid end to end, are the whole rows'.
   TokenLogProbs log_probs(const at::Tensor& input_ids, const BatchLayout& layout = {},
                           const LogProbOptions& options = {}) {
-    FSDPX_CHECK(!model->attention->sequence_group(),
-                "CausalLM::log_probs under sequence parallelism is not supported yet");
     FSDPX_CHECK(input_ids.dim() == 2 && input_ids.size(1) >= 2,
                 "CausalLM::log_probs: input_ids must be [batch, seq] "
                 "with seq >= 2 (each position's next token is its target), not ",
                 input_ids.sizes());
+    const int64_t seq = input_ids.size(1);
+    const auto group = sequence_group();
+    int64_t first = 0, n = seq - 1;  // this slice's first position in the rows, how many have a target here
+    at::Tensor targets;
+    if (group) {
+      first = group->rank() * seq;
+      n = group->rank() + 1 < group->size() ? seq : seq - 1;
+      targets = next_across_slices(input_ids, *group, 0).narrow(1, 0, n);
+    } else {
+      targets = input_ids.narrow(1, 1, n);
+    }
     LogProbOptions checked = options;  // asked before the layers run, read at the head (LabelCheck)
-    checked.targets_checked =
-        std::make_shared<const LabelCheck>(input_ids.narrow(1, 1, input_ids.size(1) - 1), config.vocab_size);
-    TokenLogProbs r = head_log_probs(hidden_states(input_ids, layout), input_ids, checked);
+    checked.targets_checked = std::make_shared<const LabelCheck>(targets, config.vocab_size);
+    TokenLogProbs r = head_log_probs(hidden_states(input_ids, layout).narrow(1, 0, n), targets, checked);
     if (layout.packed()) {
-      const at::Tensor outside = layout.samples->next_token_mask(r.log_probs.device()).logical_not();
+      const at::Tensor outside = within_samples(*layout.samples, first, n, r.log_probs.device()).logical_not();
       r.log_probs = r.log_probs.masked_fill(outside, 0.0);
       if (r.entropy.defined()) r.entropy = r.entropy.masked_fill(outside, 0.0);
     }
@@ -366,7 +410,14 @@ struct CausalLMImpl : torch::nn::Module {
                       const at::Tensor& attention_mask) const {
     if (router_logits.empty()) return loss;
     return loss + config.moe.router_aux_loss_coef * load_balancing_loss(router_logits, config.moe.num_experts,
-                                                                        config.moe.num_experts_per_tok, attention_mask);
+                                                                        config.moe.num_experts_per_tok, attention_mask,
+                                                                        sequence_group());
+  }
+
+  /// [batch, n] bool: true at positions [first, first + n) of the rows whose next token is in the same
+  /// packed sample (the rows' last position: false).
+  static at::Tensor within_samples(const PackedSamples& samples, int64_t first, int64_t n, c10::Device device) {
+    return at::constant_pad_nd(samples.next_token_mask(device), {0, 1}, 0).narrow(1, first, n);
   }
 
   /// Mean cross-entropy of the head over hidden states against already-shifted labels (-100 ignored),
@@ -382,11 +433,9 @@ struct CausalLMImpl : torch::nn::Module {
                      hidden, shifted);
   }
 
-  /// log-probs (and entropy) of input_ids[:, 1:] from hidden states [batch, seq, hidden].
-  TokenLogProbs head_log_probs(const at::Tensor& hidden, const at::Tensor& input_ids, const LogProbOptions& options) {
-    const int64_t seq = input_ids.size(1);
-    const at::Tensor h = hidden.narrow(1, 0, seq - 1);
-    const at::Tensor targets = input_ids.narrow(1, 1, seq - 1).to(hidden.device());
+  /// log-probs (and entropy) of targets [batch, n] from the hidden states [batch, n, hidden] before them.
+  TokenLogProbs head_log_probs(const at::Tensor& h, const at::Tensor& next_tokens, const LogProbOptions& options) {
+    const at::Tensor targets = next_tokens.to(h.device());
     auto both = with_head(
         [options](const at::Tensor& weight, const at::Tensor& hs, const at::Tensor& t) {
           TokenLogProbs r = linear_log_probs(hs, weight, t, options);
@@ -474,11 +523,13 @@ struct CausalLMImpl : torch::nn::Module {
   AttentionReport attention_report() const { return model->attention->report(); }
 
   /// Sequence parallelism (Ulysses, models/attention.hpp): the P ranks of `group` each pass the same
-  /// rows' consecutive slices (rank r tokens [r t, (r + 1) t) of a sequence of P t) to forward() and
-  /// loss(); attention runs over the whole rows through two all-to-alls per layer. loss() then returns
-  /// this rank's share of the rows' mean (the sum over the group is the mean), so each rank's gradients
-  /// are its share too: sum them over the group. nullopt (or a group of one) turns it off. Whole,
-  /// unpadded rows only for now: no attention mask, packed samples, log_probs or generation under it.
+  /// rows' consecutive slices (rank r tokens [r t, (r + 1) t) of a sequence of P t; sequence_slice) to
+  /// forward(), loss() and log_probs(), with their slices of the attention mask and position ids, or
+  /// the packed samples of the whole rows; attention runs over the whole rows through two all-to-alls
+  /// per layer. loss() then returns this rank's share of the rows' mean (the sum over the group is the
+  /// mean), so each rank's gradients are its share too: Fsdp<CausalLM, SequenceParallel<P>> sets the
+  /// group and sums them (unsharded: sum them over the group). nullopt (or a group of one) turns it off.
+  /// Generation runs without it.
   void set_sequence_group(std::optional<dist::AnyCommunicator> group) {
     model->attention->set_sequence_group(std::move(group));
   }
@@ -486,28 +537,28 @@ struct CausalLMImpl : torch::nn::Module {
 
   /// loss() over this rank's slice of the rows: each position's label is the next token's, the last
   /// position's the first of the next rank's slice (the last rank's: none); the sum of this slice's
-  /// losses over the whole group's count of labels.
-  at::Tensor sequence_parallel_loss(const at::Tensor& input_ids, const at::Tensor& labels,
-                                    dist::AnyCommunicator group) {
-    FSDPX_CHECK(!aux_wanted(),
-                "CausalLM::loss: the load-balancing loss under sequence parallelism is not "
-                "supported yet (output_router_logits)");
+  /// losses over the whole group's count of labels, and this slice's share of the load-balancing loss.
+  at::Tensor sequence_parallel_loss(const at::Tensor& input_ids, const at::Tensor& labels, const BatchLayout& layout,
+                                    const dist::AnyCommunicator& group) {
     FSDPX_CHECK(labels.dim() == 2 && labels.scalar_type() == at::kLong && labels.sizes() == input_ids.sizes(),
                 "CausalLM: labels must be int64 [batch, seq] like input_ids ", input_ids.sizes(), ", not ",
                 labels.scalar_type(), " ", labels.sizes());
-    const int64_t p = group.size(), r = group.rank(), batch = labels.size(0);
-    const at::Tensor local = labels.to(input_ids.device());
-    // Every rank's first labels, [P, batch]: the next slice's is this slice's last target.
-    at::Tensor firsts = at::empty({p, batch}, local.options());
-    group.all_gather(firsts, local.select(1, 0).contiguous());
-    const at::Tensor next = r + 1 < p ? firsts[r + 1] : at::full({batch}, -100, local.options());
-    const at::Tensor shifted = at::cat({local.narrow(1, 1, local.size(1) - 1), next.unsqueeze(1)}, 1);
+    const int64_t seq = labels.size(1);
+    at::Tensor shifted = next_across_slices(labels.to(input_ids.device()), group, -100);
+    if (layout.packed()) {
+      layout.samples->check_shape("CausalLM::loss (the whole rows of a sequence group)", labels.size(0),
+                                  seq * group.size());
+      shifted = shifted.masked_fill(
+          within_samples(*layout.samples, group.rank() * seq, seq, shifted.device()).logical_not(), -100);
+    }
     auto labels_checked = std::make_shared<const LabelCheck>(shifted, config.vocab_size, -100);
     // The group's count of labels, on the device: dividing by it needs no host synchronization.
     at::Tensor count = shifted.ne(-100).sum().to(at::kFloat);
-    group.all_reduce(count);
-    const at::Tensor hidden = hidden_states(input_ids, {}, {});
-    return head_loss(hidden, shifted, std::move(labels_checked), LossReduction::sum) / count;
+    dist::AnyCommunicator(group).all_reduce(count);
+    std::vector<at::Tensor> router_logits;
+    const at::Tensor hidden = hidden_states(input_ids, layout, {}, aux_wanted() ? &router_logits : nullptr);
+    return with_aux(head_loss(hidden, shifted, std::move(labels_checked), LossReduction::sum) / count, router_logits,
+                    layout.attention_mask);
   }
 
   DecoderConfig config;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <utility>
+#include <optional>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -14,6 +15,7 @@
 
 #include <fsdpx/error.hpp>
 #include <fsdpx/models/config.hpp>
+#include <fsdpx/dist/any.hpp>
 #include <fsdpx/models/modules.hpp>
 
 namespace fsdpx::models {
@@ -129,23 +131,33 @@ TORCH_MODULE(SparseMoeBlock);
 /// experts] each, tokens in [batch, seq] order): E x sum over experts of (the share of top-k slots
 /// routed to it) x (its mean router probability), pooled over the layers and the tokens that
 /// attention_mask [batch, seq] keeps (undefined: all). Undefined when there are no router logits.
+/// Under sequence parallelism (`sequence_group`: the ranks holding the other slices of the same rows),
+/// this slice's share: the shares of slots and the count of tokens pooled over the group, the
+/// probabilities of this slice's tokens, so that the shares sum to the rows' loss and each share's
+/// gradient is its own tokens'.
 inline at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, int64_t num_experts, int64_t top_k,
-                                      const at::Tensor& attention_mask = {}) {
+                                      const at::Tensor& attention_mask = {},
+                                      std::optional<dist::AnyCommunicator> sequence_group = std::nullopt) {
   if (router_logits.empty()) return {};
   const at::Tensor logits = at::cat(router_logits, 0);
   const at::Tensor probs = at::softmax(logits, -1);
   const at::Tensor chosen =
       at::one_hot(std::get<1>(probs.topk(top_k, -1)), num_experts).to(probs.scalar_type());  // [n, k, E]
-  if (!attention_mask.defined()) {
-    return (chosen.mean(0) * probs.mean(0).unsqueeze(0)).sum() * static_cast<double>(num_experts);
-  }
   const auto layers = static_cast<int64_t>(router_logits.size());
-  const at::Tensor keep =
-      attention_mask.to(logits.device()).to(probs.scalar_type()).reshape({1, -1}).expand({layers, -1}).reshape({-1, 1});
-  const at::Tensor kept = keep.sum();
-  const at::Tensor tokens_per_expert = (chosen * keep.unsqueeze(2)).sum(0) / kept;
+  const at::Tensor keep = attention_mask.defined() ? attention_mask.to(logits.device())
+                                                         .to(probs.scalar_type())
+                                                         .reshape({1, -1})
+                                                         .expand({layers, -1})
+                                                         .reshape({-1, 1})
+                                                   : at::ones({logits.size(0), 1}, probs.options());
+  at::Tensor kept = keep.sum();
+  at::Tensor slots = (chosen * keep.unsqueeze(2)).sum(0);  // [k, E], no gradient (a selection)
+  if (sequence_group && sequence_group->size() > 1) {
+    sequence_group->all_reduce(kept);
+    sequence_group->all_reduce(slots);
+  }
   const at::Tensor prob_per_expert = (probs * keep).sum(0) / kept;
-  return (tokens_per_expert * prob_per_expert.unsqueeze(0)).sum() * static_cast<double>(num_experts);
+  return (slots / kept * prob_per_expert.unsqueeze(0)).sum() * static_cast<double>(num_experts);
 }
 
 }  // namespace fsdpx::models

@@ -120,6 +120,7 @@ FSDPX_DECL void Unit::reduce_gradients_async() {
     }
   }
   for (const FlatRange& gap : layout_.padding()) flat_grad_.narrow(0, gap.begin, gap.size()).zero_();
+  if (options_.gradient_factor != 1) flat_grad_.mul_(options_.gradient_factor);  // exact for powers of 2
   // A shard group of one has nothing to reduce: the flat gradient is the result (no backend's AVG
   // over one rank is relied on).
   if (comms_.reduce.size() == 1) {
