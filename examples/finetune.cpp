@@ -143,6 +143,9 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
                 std::string(world.backend_name()).c_str(), loaded.bytes_read / 1048576.0,
                 fsdpx::examples::memory_line(device).c_str());
     std::printf("finetune: attention %s\n", model->attention_report().to_string().c_str());
+    if (P > 1)
+      std::printf("finetune: sequence groups of %d ranks (Ulysses), %lld tokens of each window per rank\n", P,
+                  static_cast<long long>(args.seq / P));
   }
 
   auto optimizer = fsdpx::make_adamw(model, torch::optim::AdamWOptions(args.lr).weight_decay(0.1));

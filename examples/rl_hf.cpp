@@ -13,6 +13,9 @@
 //      per-token log-probs under the policy (with gradients) and under a frozen bfloat16 reference
 //      (FsdpOptions::inference_only), over the completion tokens only;
 //   4. step: loss = -mean(advantage * logp) + kl_beta * mean(logp - logp_ref), clipped, AdamW;
+// With --sequence-parallel P, the trainer ranks form sequence groups of P (SequenceParallel): the ranks
+// of a group sample the same rollouts (generation runs with the group off), pack them into rows of a
+// multiple of P tokens and each take a slice of every row for the log-probs and the step (Ulysses).
 //   5. send the new weights to the rollout ranks (WeightBroadcaster, bfloat16) and checkpoint in the
 //      background every --save-every steps (CheckpointCoordinator; --resume continues from the newest).
 // Rollout ranks receive every version into an unsharded bfloat16 copy and report the reward of its
@@ -20,6 +23,7 @@
 //
 //   mpiexec -n 3 rl_hf --model DIR [--trainers 2] [--steps 8] [--prompts 2] [--samples 4] [--new-tokens 12]
 //                      [--lr 1e-3] [--kl-beta 0.02] [--eos ID] [--save-every 4] [--ckpt-dir DIR] [--resume]
+//                      [--sequence-parallel P]
 //   torchrun --nproc-per-node=3 --no-python rl_hf ...     (GPUs: NCCL, one GPU per rank)
 #include <algorithm>
 #include <cmath>
@@ -38,10 +42,12 @@
 #include "common/launch.hpp"
 
 namespace models = fsdpx::models;
-using Policy = fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision,
-                           fsdpx::ShardedStateDict, models::DecoderUnits>;
-using Reference = fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::BF16Mixed,
-                              fsdpx::ShardedStateDict, models::DecoderUnits>;
+// Sharded over the trainer ranks; --sequence-parallel sets the sequence groups' size at run time (1: none).
+using Mesh = fsdpx::SequenceParallel<fsdpx::runtime_sequence_size, fsdpx::FullShard>;
+using Policy = fsdpx::Fsdp<models::CausalLM, Mesh, fsdpx::NoOffload, fsdpx::FullPrecision, fsdpx::ShardedStateDict,
+                           models::DecoderUnits>;
+using Reference = fsdpx::Fsdp<models::CausalLM, Mesh, fsdpx::NoOffload, fsdpx::BF16Mixed, fsdpx::ShardedStateDict,
+                              models::DecoderUnits>;
 
 namespace {
 
@@ -61,7 +67,15 @@ struct Args {
   int64_t save_every = 4;
   std::string ckpt_dir = "rl_hf_checkpoints";
   bool resume = false;
+  int sequence_parallel = 1;  // trainer ranks per sequence group
 };
+
+/// This rank's positions [first, first + n) of rows' [rows, T - 1] next-token values (log_probs' layout).
+at::Tensor slice_positions(const at::Tensor& whole, const std::optional<fsdpx::dist::AnyCommunicator>& group) {
+  if (!group) return whole;
+  const int64_t t = (whole.size(1) + 1) / group->size(), first = group->rank() * t;
+  return whole.narrow(1, first, std::min(t, whole.size(1) - first));
+}
 
 /// Random prompts [count, prompt_tokens], row i left-padded to a length between 2 and prompt_tokens.
 std::pair<at::Tensor, at::Tensor> make_prompts(int64_t count, int64_t tokens, int64_t vocab) {
@@ -100,6 +114,9 @@ int main(int argc, char** argv) try {
   app.add_option("--save-every", args.save_every, "checkpoint every N steps (0: never)");
   app.add_option("--ckpt-dir", args.ckpt_dir, "checkpoint directory");
   app.add_flag("--resume", args.resume, "continue from the newest checkpoint in --ckpt-dir");
+  app.add_option("--sequence-parallel", args.sequence_parallel,
+                 "trainer ranks that split each packed row (Ulysses); must divide the trainers and the attention heads")
+      ->check(CLI::PositiveNumber);
   CLI11_PARSE(app, argc, argv);
 
   auto [world, device] = fsdpx::examples::init_world();
@@ -121,9 +138,12 @@ int main(int argc, char** argv) try {
     fsdpx::dist::AnyCommunicator trainer_comm = groups ? *groups->trainer : world;
     const int rank = trainer_comm.rank();
     const bool lead = rank == 0;
-    auto policy = models::from_pretrained<Policy>(args.model, trainer_comm, {.device = device});
-    auto reference =
-        models::from_pretrained<Reference>(args.model, trainer_comm, {.device = device, .inference_only = true});
+    const int P = args.sequence_parallel, sample_group = rank / P;  // the group's ranks sample the same rollouts
+    auto policy = models::from_pretrained<Policy>(args.model, trainer_comm, {.device = device, .sequence_size = P});
+    auto reference = models::from_pretrained<Reference>(args.model, trainer_comm,
+                                                        {.device = device, .sequence_size = P, .inference_only = true});
+    const std::optional<fsdpx::dist::AnyCommunicator> group = policy.sequence_group();
+    if (lead && group) std::printf("rl_hf: sequence groups of %d trainer ranks (Ulysses)\n", P);
     auto optimizer = fsdpx::make_adamw(policy, torch::optim::AdamWOptions(args.lr).weight_decay(0.0));
     int64_t start = 0;
     if (args.resume) {
@@ -146,16 +166,18 @@ int main(int argc, char** argv) try {
     std::vector<double> history;  // mean reward per step
     for (int64_t step = start + 1; step <= args.steps; ++step) {
       // 1. sample (the same draws whichever step the run resumed from)
-      at::manual_seed(static_cast<uint64_t>(1000 * step + rank));
+      at::manual_seed(static_cast<uint64_t>(1000 * step + sample_group));
       const auto [prompt_ids, prompt_mask] = make_prompts(args.prompts, args.prompt_tokens, config.vocab_size);
       const at::Tensor ids = prompt_ids.repeat_interleave(args.samples, 0),
                        mask = prompt_mask.repeat_interleave(args.samples, 0);
       models::GenerateOptions options = sampling;
-      options.seed = static_cast<uint64_t>(step * 7919 + rank);
+      options.seed = static_cast<uint64_t>(step * 7919 + sample_group);
       models::GenerateOutput out;
       {
         at::NoGradGuard no_grad;
+        policy->set_sequence_group(std::nullopt);  // each rank generates its group's rollouts whole
         out = policy.call(&models::CausalLMImpl::generate, ids.to(device), mask.to(device), options);
+        policy->set_sequence_group(group);
       }
       const at::Tensor fresh = out.sequences.narrow(1, ids.size(1), out.sequences.size(1) - ids.size(1)).cpu();
       const at::Tensor lengths = out.generated_lengths.cpu();
@@ -175,7 +197,7 @@ int main(int argc, char** argv) try {
         rollouts.push_back(at::cat({prompt, fresh[i].narrow(0, 0, lengths[i].item<int64_t>())}));
       }
       const int64_t budget = args.pack_tokens > 0 ? args.pack_tokens : 4 * (args.prompt_tokens + args.new_tokens);
-      const auto batch = models::pack_sequences(rollouts, {.token_budget = budget});
+      const auto batch = models::pack_sequences(rollouts, {.token_budget = budget, .pad_to_multiple_of = P});
       at::Tensor completion = at::zeros({batch.input_ids.size(0), batch.input_ids.size(1) - 1});
       at::Tensor token_advantage = at::zeros_like(completion);
       for (size_t i = 0; i < rollouts.size(); ++i) {
@@ -185,9 +207,13 @@ int main(int argc, char** argv) try {
         completion[s.row].narrow(0, first, count).fill_(1);
         token_advantage[s.row].narrow(0, first, count).fill_(advantage[static_cast<int64_t>(i)].item<float>());
       }
-      completion = completion.to(device);
-      token_advantage = token_advantage.to(device);
-      const at::Tensor packed_ids = batch.input_ids.to(device);
+      // Under sequence parallelism each rank takes its slice of the rows (checked equal over the group) and
+      // of the targets; the count stays the rows' so that the group's shares sum to the rows' means.
+      const at::Tensor count = completion.sum().clamp_min(1).to(device);
+      completion = slice_positions(completion, group).to(device);
+      token_advantage = slice_positions(token_advantage, group).to(device);
+      const at::Tensor packed_ids =
+          group ? models::sequence_slice(batch.input_ids, *group).to(device) : batch.input_ids.to(device);
       at::Tensor ref_logp;
       {
         at::NoGradGuard no_grad;
@@ -198,7 +224,6 @@ int main(int argc, char** argv) try {
           policy.call(&models::CausalLMImpl::log_probs, packed_ids, batch.samples, models::LogProbOptions{}).log_probs;
 
       // 4. the policy-gradient step
-      const at::Tensor count = completion.sum().clamp_min(1);
       const at::Tensor pg = -(token_advantage * logp * completion).sum() / count;
       const at::Tensor kl = ((logp - ref_logp) * completion).sum() / count;
       optimizer.zero_grad();
@@ -206,10 +231,10 @@ int main(int argc, char** argv) try {
       const auto norm = policy.clip_grad_norm_(1.0);
       optimizer.step();
 
-      auto means =
-          at::tensor({reward.mean().item<double>(), kl.item<double>(), lengths.to(at::kDouble).mean().item<double>()},
-                     at::kDouble)
-              .to(device);
+      auto means = at::tensor({reward.mean().item<double>(), kl.item<double>() * P,  // P shares average to the mean
+                               lengths.to(at::kDouble).mean().item<double>()},
+                              at::kDouble)
+                       .to(device);
       trainer_comm.all_reduce(means, fsdpx::dist::ReduceOp::avg);
       const double mean_reward = means[0].item<double>();
       history.push_back(mean_reward);

@@ -115,6 +115,7 @@ def main():
     log_d = run(mpi(2) + every_step + ["--out", os.path.join(work, "unused"), "--ckpt-dir", ck_d, "--resume",
                                        "--sequence-parallel", "2", "--stop-after", "9"])
     assert "resumed from step 8" in log_d
+    assert "sequence groups of 2 ranks (Ulysses), 16 tokens of each window per rank" in log_d
     ld = losses(log_d)
     assert sorted(ld) == [9], ld
     assert abs(ld[9] - la[9]) <= bound, (ld[9], la[9], bound)

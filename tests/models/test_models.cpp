@@ -483,6 +483,12 @@ TEST_CASE("models: pack_sequences fills rows first-fit decreasing, pads the tail
   CHECK(last.placement == std::vector<models::SampleSpan>{{0, 4, 2}, {0, 0, 4}});
   CHECK(last.samples.spans().size() == 2);
   CHECK(last.token_mask.all().item<bool>());
+  // Rows of a length a multiple of 3 (a sequence group's slices): every row gets a tail of padding.
+  const auto aligned = models::pack_sequences(seqs, {.token_budget = 8, .pad_to_multiple_of = 3});
+  CHECK(aligned.input_ids.sizes() == at::IntArrayRef({3, 9}));
+  CHECK(aligned.placement == batch.placement);
+  CHECK(aligned.samples.spans().size() == 8);  // 5 sequences and 3 tails
+  CHECK(aligned.labels.eq(-100).sum().item<int64_t>() == 6);
 
   CHECK_THAT(error_of([&] { models::pack_sequences(seqs, {.token_budget = 6}); }),
              Catch::Contains("sequence 1 holds 7 tokens, more than the token_budget of 6"));
@@ -490,6 +496,8 @@ TEST_CASE("models: pack_sequences fills rows first-fit decreasing, pads the tail
              Catch::Contains("sequence 1 is empty"));
   CHECK_THAT(error_of([] { models::pack_sequences({at::zeros({2, 2}, at::kLong)}); }),
              Catch::Contains("sequence 0 must be a 1-D int64"));
+  CHECK_THAT(error_of([&] { models::pack_sequences(seqs, {.pad_to_multiple_of = 0}); }),
+             Catch::Contains("pad_to_multiple_of must be positive, not 0"));
 }
 
 TEST_CASE("models: generate's bad options are errors naming the argument", "[hf][unit][generate][errors]") {

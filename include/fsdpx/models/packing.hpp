@@ -102,6 +102,10 @@ struct PackOptions {
   int64_t token_budget = 4096;
   /// Fills the tail of rows shorter than the longest (as a sample of its own, labelled -100).
   int64_t pad_token_id = 0;
+  /// The rows' length is rounded up to a multiple of this (transformers' pad_to_multiple_of): e.g. the
+  /// sequence parallel size, whose ranks each take an equal slice of every row. Rows may then exceed
+  /// token_budget by less than it.
+  int64_t pad_to_multiple_of = 1;
 };
 
 /// Sequences packed into rows: what pack_sequences returns.

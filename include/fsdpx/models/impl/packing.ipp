@@ -163,6 +163,8 @@ FSDPX_DECL PackedBatch PackedBatch::row(int64_t r) const {
 
 FSDPX_DECL PackedBatch pack_sequences(const std::vector<at::Tensor>& sequences, const PackOptions& options) {
   FSDPX_CHECK(options.token_budget > 0, "pack_sequences: token_budget must be positive, not ", options.token_budget);
+  FSDPX_CHECK(options.pad_to_multiple_of > 0, "pack_sequences: pad_to_multiple_of must be positive, not ",
+              options.pad_to_multiple_of);
   FSDPX_CHECK(!sequences.empty(), "pack_sequences: no sequences to pack");
   for (size_t i = 0; i < sequences.size(); ++i) {
     const at::Tensor& s = sequences[i];
@@ -188,7 +190,8 @@ FSDPX_DECL PackedBatch pack_sequences(const std::vector<at::Tensor>& sequences, 
     batch.placement[i] = {static_cast<int64_t>(row), used[row], length};
     used[row] += length;
   }
-  const int64_t rows = static_cast<int64_t>(used.size()), seq = *std::max_element(used.begin(), used.end());
+  const int64_t rows = static_cast<int64_t>(used.size()), multiple = options.pad_to_multiple_of,
+                seq = (*std::max_element(used.begin(), used.end()) + multiple - 1) / multiple * multiple;
   batch.row_tokens = used;
   const auto device = sequences.front().device();
   batch.input_ids = at::full({rows, seq}, options.pad_token_id, at::TensorOptions().dtype(at::kLong).device(device));
