@@ -182,8 +182,9 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
     const at::Tensor starts_t = at::randint(data.size() - args.seq, {args.batch}, at::kLong);
     std::vector<int64_t> starts;
     for (int64_t i = 0; i < per_group; ++i) starts.push_back(starts_t[group_index * per_group + i].item<int64_t>());
-    at::Tensor ids = data.windows(starts, args.seq).to(device);
-    if (P > 1) ids = models::sequence_slice(ids, *model.sequence_group());
+    at::Tensor ids = data.windows(starts, args.seq);
+    if (P > 1) ids = models::sequence_slice(ids, *model.sequence_group());  // on the host: its checksum reads it there
+    ids = ids.to(device);
     const auto [lo, hi] = at::aminmax(ids);
     FSDPX_CHECK(lo.item<int64_t>() >= 0 && hi.item<int64_t>() < config.vocab_size,
                 "finetune: --data holds token ids in [", lo.item<int64_t>(), ", ", hi.item<int64_t>(),

@@ -14,8 +14,9 @@
 //      (FsdpOptions::inference_only), over the completion tokens only;
 //   4. step: loss = -mean(advantage * logp) + kl_beta * mean(logp - logp_ref), clipped, AdamW;
 // With --sequence-parallel P, the trainer ranks form sequence groups of P (SequenceParallel): the ranks
-// of a group sample the same rollouts (generation runs with the group off), pack them into rows of a
-// multiple of P tokens and each take a slice of every row for the log-probs and the step (Ulysses).
+// of a group sample the same prompts (generation runs with the group off) and take their rank 0's
+// rollouts, pack them into rows of a multiple of P tokens and each take a slice of every row for the
+// log-probs and the step (Ulysses).
 //   5. send the new weights to the rollout ranks (WeightBroadcaster, bfloat16) and checkpoint in the
 //      background every --save-every steps (CheckpointCoordinator; --resume continues from the newest).
 // Rollout ranks receive every version into an unsharded bfloat16 copy and report the reward of its
@@ -142,7 +143,7 @@ int main(int argc, char** argv) try {
     auto policy = models::from_pretrained<Policy>(args.model, trainer_comm, {.device = device, .sequence_size = P});
     auto reference = models::from_pretrained<Reference>(args.model, trainer_comm,
                                                         {.device = device, .sequence_size = P, .inference_only = true});
-    const std::optional<fsdpx::dist::AnyCommunicator> group = policy.sequence_group();
+    std::optional<fsdpx::dist::AnyCommunicator> group = policy.sequence_group();
     if (lead && group) std::printf("rl_hf: sequence groups of %d trainer ranks (Ulysses)\n", P);
     auto optimizer = fsdpx::make_adamw(policy, torch::optim::AdamWOptions(args.lr).weight_decay(0.0));
     int64_t start = 0;
@@ -175,9 +176,12 @@ int main(int argc, char** argv) try {
       models::GenerateOutput out;
       {
         at::NoGradGuard no_grad;
-        policy->set_sequence_group(std::nullopt);  // each rank generates its group's rollouts whole
+        models::SequenceGroupOff whole_rows(*policy.module());  // generation runs on whole rows
         out = policy.call(&models::CausalLMImpl::generate, ids.to(device), mask.to(device), options);
-        policy->set_sequence_group(group);
+      }
+      if (group) {  // the group trains on its rank 0's rollouts: a device's sampling need not agree bit for bit
+        group->broadcast(out.sequences, 0);
+        group->broadcast(out.generated_lengths, 0);
       }
       const at::Tensor fresh = out.sequences.narrow(1, ids.size(1), out.sequences.size(1) - ids.size(1)).cpu();
       const at::Tensor lengths = out.generated_lengths.cpu();

@@ -284,6 +284,14 @@ TEST_CASE("Ulysses in the decoder: what does not split, or differs across the gr
   CHECK_THROWS_WITH(m->forward(ids, models::PackedSamples::from_position_ids(at::arange(4).unsqueeze(0), 1)),
                     Contains("the whole rows of a sequence group"));
   CHECK_THROWS_WITH(m->generate(ids), Contains("generation runs without sequence parallelism"));
+  // A rank whose own input is wrong throws its own error; the others learn it before any exchange.
+  const at::Tensor bad_labels = r == 1 ? ids.narrow(1, 0, 3) : ids;
+  CHECK_THROWS_WITH(m->loss(ids, bad_labels), Contains(r == 1 ? "labels must be int64 [batch, seq] like input_ids"
+                                                              : "rank 1 of the sequence group refused its inputs"));
+  CHECK_THROWS_WITH(m->log_probs(r == 1 ? ids.narrow(1, 0, 1) : ids),
+                    Contains(r == 1 ? "with seq >= 2" : "rank 1 of the sequence group refused its inputs"));
+  CHECK_THROWS_WITH(models::sequence_slice(r == 1 ? rows.narrow(1, 0, 4 * P - 1) : rows, group),
+                    Contains(r == 1 ? "do not split into" : "rank 1 of the sequence group refused its inputs"));
   if (P == 4) {  // 6 query heads do not split over 4 ranks
     models::DecoderConfig six = tiny_decoder("llama");
     six.num_attention_heads = 6;
@@ -380,6 +388,20 @@ TEST_CASE(
     CHECK_THROWS_WITH(
         RuntimeSequenceHybrid(models::CausalLM(tiny_decoder("llama")), world(), {.shard_size = 2, .sequence_size = 3}),
         Contains("sequence parallel size must divide the world size (one of: 1, 2, 4)"));
+  }
+  {  // The group off (for generation) with gradients on would scale whole-row gradients by P.
+    at::manual_seed(5);
+    SequenceSharded model(models::CausalLM(tiny_decoder("llama")), world());
+    const at::Tensor ids = at::randint(64, {1, 8}, at::kLong);
+    {
+      models::SequenceGroupOff whole_rows(*model.module());
+      CHECK_FALSE(model->sequence_group().has_value());
+      CHECK_THROWS_WITH(model.call(&models::CausalLMImpl::loss, ids, ids, models::BatchLayout{}),
+                        Contains("the model's sequence group is off, and gradients are on"));
+      at::NoGradGuard no_grad;
+      CHECK(model.call(&models::CausalLMImpl::forward, ids, models::BatchLayout{}, at::Tensor()).size(1) == 8);
+    }
+    CHECK(model->sequence_group()->size() == 2);  // back on at the scope's end
   }
   // A model given a group by hand under a mesh without a sequence dimension would average shares.
   models::CausalLM by_hand(tiny_decoder("llama"));

@@ -99,6 +99,7 @@ class Fsdp {
   /// The root forward under the unit protocol.
   template <class... Args>
   auto forward(Args&&... args) {
+    check_sequence_group();
     return state_->run_with(
         state_->root(),
         [impl = model_.get()](auto&&... inputs) { return impl->forward(std::forward<decltype(inputs)>(inputs)...); },
@@ -115,6 +116,7 @@ class Fsdp {
   template <class Method, class... Args>
     requires std::is_member_function_pointer_v<Method>
   auto call(Method method, Args&&... args) {
+    check_sequence_group();
     return state_->run_with(
         state_->root(),
         [impl = model_.get(), method](auto&&... inputs) {
@@ -126,6 +128,7 @@ class Fsdp {
   template <class Fn>
     requires(!std::is_member_function_pointer_v<std::decay_t<Fn>>)
   auto call(Fn&& fn) {
+    check_sequence_group();
     return state_->run(state_->root(), [&] { return fn(model_); });
   }
 
@@ -195,6 +198,17 @@ class Fsdp {
   const core::StepStats& last_step_stats() const { return state_->last_step_stats(); }
 
  private:
+  /// Under a sequence mesh, a pass with gradients must run on slices: with the model's group turned off
+  /// (for generation), its whole-row gradients would come out P times large from the reduction.
+  void check_sequence_group() const {
+    if constexpr (requires { model_->sequence_group(); }) {
+      FSDPX_CHECK(state_->mesh().sequence_size() == 1 || !at::GradMode::is_enabled() || model_->sequence_group(),
+                  "Fsdp: the mesh has sequence groups of ", state_->mesh().sequence_size(),
+                  " ranks but the model's sequence group is off, and gradients are on: turn it back on "
+                  "(set_sequence_group(*sequence_group())) or run without gradients (at::NoGradGuard)");
+    }
+  }
+
   c10::Device first_device() const {
     for (const auto& p : model_->parameters()) return p.device();  // a deferred model: the CPU
     return c10::Device(c10::kCPU);

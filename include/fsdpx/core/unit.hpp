@@ -47,7 +47,8 @@ struct UnitOptions {
   /// Its forward keeps only its inputs and runs again inside backward (activation checkpointing).
   bool checkpoint_activations = false;
   /// How many ranks' gradients make one sample's: a sequence group's size, whose ranks each hold their
-  /// slice's share. The reduction averages over ranks; this puts the shares' sum back into the average.
+  /// slice's share. The reduction averages over ranks; the reduced shard is multiplied by this, which
+  /// puts the shares' sum back into the average.
   int gradient_factor = 1;
 };
 

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
@@ -133,12 +134,12 @@ struct DecoderModelImpl : torch::nn::Module {
   /// With `router_logits`, a mixture of experts' sparse layers append their router logits to it.
   at::Tensor forward(const at::Tensor& input_ids, const at::Tensor& attention_mask = {},
                      const at::Tensor& position_ids = {}, std::vector<at::Tensor>* router_logits = nullptr) {
-    check_input_ids(input_ids);
-    const int64_t seq = input_ids.size(1);
-    const auto device = input_ids.device();
     if (const auto group = attention->sequence_group()) {
       return forward_slices(input_ids, attention_mask, position_ids, nullptr, *group, router_logits);
     }
+    check_input_ids(input_ids);
+    const int64_t seq = input_ids.size(1);
+    const auto device = input_ids.device();
     const at::Tensor mask = without_all_ones(attention_mask, seq);
     if (position_ids.defined() && !attention_mask.defined()) {  // as transformers: only without a mask
       const PackedSamples samples = PackedSamples::detect(position_ids, input_ids.size(0));
@@ -155,10 +156,10 @@ struct DecoderModelImpl : torch::nn::Module {
   /// needs one forward.)
   at::Tensor forward_packed(const at::Tensor& input_ids, const PackedSamples& samples,
                             std::vector<at::Tensor>* router_logits = nullptr) {
-    check_input_ids(input_ids);
     if (const auto group = attention->sequence_group()) {
       return forward_slices(input_ids, {}, {}, &samples, *group, router_logits);
     }
+    check_input_ids(input_ids);
     const int64_t batch = input_ids.size(0), seq = input_ids.size(1);
     samples.check_shape("DecoderModel", batch, seq);
     const at::Tensor positions = samples.position_ids(input_ids.device());
@@ -178,24 +179,10 @@ struct DecoderModelImpl : torch::nn::Module {
   at::Tensor forward_slices(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                             const at::Tensor& position_ids, const PackedSamples* samples,
                             const dist::AnyCommunicator& group, std::vector<at::Tensor>* router_logits) {
+    agree_on_slices(input_ids, attention_mask, position_ids, samples, group,
+                    slice_problem(input_ids, attention_mask, position_ids, samples, group));
     const int64_t batch = input_ids.size(0), seq = input_ids.size(1), whole = seq * group.size();
     const auto device = input_ids.device();
-    FSDPX_CHECK(!attention_mask.defined() || attention_mask.sizes() == input_ids.sizes(),
-                "DecoderModel: attention_mask must be this rank's slice ", input_ids.sizes(), ", not ",
-                attention_mask.sizes());
-    FSDPX_CHECK(!position_ids.defined() || (position_ids.dim() == 2 && position_ids.size(1) == seq &&
-                                            (position_ids.size(0) == 1 || position_ids.size(0) == batch)),
-                "DecoderModel: position_ids must be this rank's slice [batch or 1, ", seq, "], not ",
-                position_ids.sizes());
-    uint32_t packing = 0;
-    if (samples != nullptr && !samples->empty()) {
-      packing = ::fsdpx::detail::Crc32c::of(samples->spans().data(), samples->spans().size() * sizeof(SampleSpan));
-    }
-    detail::check_group_agrees(
-        group, "DecoderModel (sequence parallel)",
-        {batch, seq, attention_mask.defined() ? 1 : 0, position_ids.defined() ? position_ids.size(0) : 0, packing},
-        {"rows", "tokens per slice", "an attention mask (1: yes)", "position ids of rows", "packed samples (crc)"},
-        device);
     at::Tensor positions = position_ids.defined() ? position_ids
                                                   : at::arange(group.rank() * seq, (group.rank() + 1) * seq,
                                                                at::TensorOptions().dtype(at::kLong).device(device))
@@ -218,6 +205,46 @@ struct DecoderModelImpl : torch::nn::Module {
     const at::Tensor mask =
         attention_mask.defined() ? without_all_ones(gather_sequence(attention_mask, group), whole) : at::Tensor();
     return run_layers(input_ids, positions, causal_masks(mask, whole, device, sliding_window()), router_logits);
+  }
+
+  /// What is wrong with this rank's slice on its own (null: nothing): checked by every rank, thrown by
+  /// agree_on_slices once the whole group knows.
+  std::exception_ptr slice_problem(const at::Tensor& input_ids, const at::Tensor& attention_mask,
+                                   const at::Tensor& position_ids, const PackedSamples* samples,
+                                   const dist::AnyCommunicator& group) const {
+    return detail::problem_of([&] {
+      check_input_ids(input_ids);
+      const int64_t batch = input_ids.size(0), seq = input_ids.size(1);
+      FSDPX_CHECK(!attention_mask.defined() || attention_mask.sizes() == input_ids.sizes(),
+                  "DecoderModel: attention_mask must be this rank's slice ", input_ids.sizes(), ", not ",
+                  attention_mask.sizes());
+      FSDPX_CHECK(!position_ids.defined() || (position_ids.dim() == 2 && position_ids.size(1) == seq &&
+                                              (position_ids.size(0) == 1 || position_ids.size(0) == batch)),
+                  "DecoderModel: position_ids must be this rank's slice [batch or 1, ", seq, "], not ",
+                  position_ids.sizes());
+      if (samples != nullptr && !samples->empty())
+        samples->check_shape("DecoderModel (the whole rows of a sequence group)", batch, seq * group.size());
+    });
+  }
+
+  /// Collective over the group, before any exchange: every rank throws if one found a `problem` with
+  /// its slice, or if the ranks passed different layouts (rows, tokens, a mask or not, position ids,
+  /// other packed samples), naming the rank and what differs.
+  void agree_on_slices(const at::Tensor& input_ids, const at::Tensor& attention_mask, const at::Tensor& position_ids,
+                       const PackedSamples* samples, const dist::AnyCommunicator& group,
+                       const std::exception_ptr& problem) const {
+    std::vector<int64_t> facts(5, -1);
+    if (!problem) {
+      uint32_t packing = 0;
+      if (samples != nullptr && !samples->empty())
+        packing = ::fsdpx::detail::Crc32c::of(samples->spans().data(), samples->spans().size() * sizeof(SampleSpan));
+      facts = {input_ids.size(0), input_ids.size(1), attention_mask.defined() ? 1 : 0,
+               position_ids.defined() ? position_ids.size(0) : 0, packing};
+    }
+    detail::check_group_agrees(
+        group, "DecoderModel (sequence parallel)", facts,
+        {"rows", "tokens per slice", "an attention mask (1: yes)", "position ids of rows", "packed samples (crc)"},
+        input_ids.device(), problem);
   }
 
   /// Generation: hidden states of the new tokens input_ids [batch, n] after the `cache.length` tokens
@@ -352,12 +379,24 @@ struct CausalLMImpl : torch::nn::Module {
   /// (the last rank's [batch, t - 1]), so that the group's, laid end to end, are the whole rows'.
   TokenLogProbs log_probs(const at::Tensor& input_ids, const BatchLayout& layout = {},
                           const LogProbOptions& options = {}) {
-    FSDPX_CHECK(input_ids.dim() == 2 && input_ids.size(1) >= 2,
-                "CausalLM::log_probs: input_ids must be [batch, seq] "
-                "with seq >= 2 (each position's next token is its target), not ",
-                input_ids.sizes());
-    const int64_t seq = input_ids.size(1);
+    const auto check = [&] {
+      FSDPX_CHECK(input_ids.dim() == 2 && input_ids.size(1) >= 2,
+                  "CausalLM::log_probs: input_ids must be [batch, seq] "
+                  "with seq >= 2 (each position's next token is its target), not ",
+                  input_ids.sizes());
+    };
     const auto group = sequence_group();
+    if (group) {  // every rank's own checks, then the group's agreement: no rank throws alone into an exchange
+      model->agree_on_slices(
+          input_ids, layout.attention_mask, {}, layout.samples.get(), *group, detail::problem_of([&] {
+            check();
+            if (auto p = model->slice_problem(input_ids, layout.attention_mask, {}, layout.samples.get(), *group))
+              std::rethrow_exception(p);
+          }));
+    } else {
+      check();
+    }
+    const int64_t seq = input_ids.size(1);
     int64_t first = 0, n = seq - 1;  // this slice's first position in the rows, how many have a target here
     at::Tensor targets;
     if (group) {
@@ -540,14 +579,18 @@ struct CausalLMImpl : torch::nn::Module {
   /// losses over the whole group's count of labels, and this slice's share of the load-balancing loss.
   at::Tensor sequence_parallel_loss(const at::Tensor& input_ids, const at::Tensor& labels, const BatchLayout& layout,
                                     const dist::AnyCommunicator& group) {
-    FSDPX_CHECK(labels.dim() == 2 && labels.scalar_type() == at::kLong && labels.sizes() == input_ids.sizes(),
-                "CausalLM: labels must be int64 [batch, seq] like input_ids ", input_ids.sizes(), ", not ",
-                labels.scalar_type(), " ", labels.sizes());
+    // Every rank's own checks first, then the group's agreement: no rank throws alone into an exchange.
+    model->agree_on_slices(
+        input_ids, layout.attention_mask, {}, layout.samples.get(), group, detail::problem_of([&] {
+          if (auto p = model->slice_problem(input_ids, layout.attention_mask, {}, layout.samples.get(), group))
+            std::rethrow_exception(p);
+          FSDPX_CHECK(labels.dim() == 2 && labels.scalar_type() == at::kLong && labels.sizes() == input_ids.sizes(),
+                      "CausalLM: labels must be int64 [batch, seq] like input_ids ", input_ids.sizes(), ", not ",
+                      labels.scalar_type(), " ", labels.sizes());
+        }));
     const int64_t seq = labels.size(1);
     at::Tensor shifted = next_across_slices(labels.to(input_ids.device()), group, -100);
     if (layout.packed()) {
-      layout.samples->check_shape("CausalLM::loss (the whole rows of a sequence group)", labels.size(0),
-                                  seq * group.size());
       shifted = shifted.masked_fill(
           within_samples(*layout.samples, group.rank() * seq, seq, shifted.device()).logical_not(), -100);
     }

@@ -141,16 +141,13 @@ inline at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logi
   if (router_logits.empty()) return {};
   const at::Tensor logits = at::cat(router_logits, 0);
   const at::Tensor probs = at::softmax(logits, -1);
-  const at::Tensor chosen =
-      at::one_hot(std::get<1>(probs.topk(top_k, -1)), num_experts).to(probs.scalar_type());  // [n, k, E]
+  const at::Tensor chosen = at::one_hot(std::get<1>(probs.topk(top_k, -1)), num_experts).to(at::kFloat);  // [n, k, E]
   const auto layers = static_cast<int64_t>(router_logits.size());
-  const at::Tensor keep = attention_mask.defined() ? attention_mask.to(logits.device())
-                                                         .to(probs.scalar_type())
-                                                         .reshape({1, -1})
-                                                         .expand({layers, -1})
-                                                         .reshape({-1, 1})
-                                                   : at::ones({logits.size(0), 1}, probs.options());
-  at::Tensor kept = keep.sum();
+  const at::Tensor keep =
+      attention_mask.defined()
+          ? attention_mask.to(logits.device()).to(at::kFloat).reshape({1, -1}).expand({layers, -1}).reshape({-1, 1})
+          : at::ones({logits.size(0), 1}, probs.options().dtype(at::kFloat));
+  at::Tensor kept = keep.sum();  // counts in float32: exact up to 2^24 tokens, whatever the router's dtype
   at::Tensor slots = (chosen * keep.unsqueeze(2)).sum(0);  // [k, E], no gradient (a selection)
   if (sequence_group && sequence_group->size() > 1) {
     sequence_group->all_reduce(kept);

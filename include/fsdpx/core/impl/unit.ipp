@@ -120,7 +120,6 @@ FSDPX_DECL void Unit::reduce_gradients_async() {
     }
   }
   for (const FlatRange& gap : layout_.padding()) flat_grad_.narrow(0, gap.begin, gap.size()).zero_();
-  if (options_.gradient_factor != 1) flat_grad_.mul_(options_.gradient_factor);  // exact for powers of 2
   // A shard group of one has nothing to reduce: the flat gradient is the result (no backend's AVG
   // over one rank is relied on).
   if (comms_.reduce.size() == 1) {
@@ -174,6 +173,9 @@ FSDPX_DECL void Unit::wait_gradient_reduction() {
     g = reduced_.to(shard_.device(), at::kFloat);
   }
   reduced_ = at::Tensor();
+  // After the reduction, in float32 and on the shard alone: no overflow of a low-precision reduction, 1/W
+  // of the elements (exact for powers of 2).
+  if (options_.gradient_factor != 1) g.mul_(options_.gradient_factor);
   pending_ = pending_.defined() ? pending_ + g : std::move(g);
 }
 
