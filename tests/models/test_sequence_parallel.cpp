@@ -377,11 +377,15 @@ TEST_CASE(
     REQUIRE(model.sequence_group()->size() == 2);
     model->chunk_logits = 2 * config.vocab_size;
     check_three_steps(model, config);
-    if (W == 4) {  // groups of 2 across shard groups of 2, sizes given at run time
+    if (W == 4) {  // groups of 2 across shard groups of 2, sizes given at run time; one group of 4
       at::manual_seed(5);
       RuntimeSequenceHybrid hybrid(models::CausalLM(config), world(), {.shard_size = 2, .sequence_size = 2});
       REQUIRE(hybrid.mesh().is_hybrid());
       check_three_steps(hybrid, config);
+      at::manual_seed(5);
+      RuntimeSequenceHybrid four(models::CausalLM(config), world(), {.shard_size = 4, .sequence_size = 4});
+      REQUIRE(four.sequence_group()->size() == 4);
+      check_three_steps(four, config);
     }
   }
   if (W == 4) {
