@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -176,11 +177,13 @@ struct DecoderModelImpl : torch::nn::Module {
   /// Sequence parallelism: input_ids [batch, t] is this rank's slice (tokens [r t, (r + 1) t)) of rows
   /// of P t tokens, and so are attention_mask and position_ids; `samples` (or position ids that restart)
   /// describe the whole rows, where a sample may cross a slice. Attention sees the whole rows.
+  /// `agreed`: the caller has run agree_on_slices on these arguments (CausalLM's loss and log-probs,
+  /// which check their labels with it), so the group's check is not made twice.
   at::Tensor forward_slices(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                             const at::Tensor& position_ids, const PackedSamples* samples,
-                            const dist::AnyCommunicator& group, std::vector<at::Tensor>* router_logits) {
-    agree_on_slices(input_ids, attention_mask, position_ids, samples, group,
-                    slice_problem(input_ids, attention_mask, position_ids, samples, group));
+                            const dist::AnyCommunicator& group, std::vector<at::Tensor>* router_logits,
+                            bool agreed = false) {
+    if (!agreed) agree_on_slices(input_ids, attention_mask, position_ids, samples, group);
     const int64_t batch = input_ids.size(0), seq = input_ids.size(1), whole = seq * group.size();
     const auto device = input_ids.device();
     at::Tensor positions = position_ids.defined() ? position_ids
@@ -207,12 +210,14 @@ struct DecoderModelImpl : torch::nn::Module {
     return run_layers(input_ids, positions, causal_masks(mask, whole, device, sliding_window()), router_logits);
   }
 
-  /// What is wrong with this rank's slice on its own (null: nothing): checked by every rank, thrown by
-  /// agree_on_slices once the whole group knows.
-  std::exception_ptr slice_problem(const at::Tensor& input_ids, const at::Tensor& attention_mask,
-                                   const at::Tensor& position_ids, const PackedSamples* samples,
-                                   const dist::AnyCommunicator& group) const {
-    return detail::problem_of([&] {
+  /// Collective over the group, before any exchange: this rank checks its slice (and runs the caller's
+  /// `more_checks` of its other arguments); then every rank throws if one found a problem with its own
+  /// inputs (that rank its own error), or if the ranks passed different layouts (rows, tokens, a mask
+  /// or not, position ids, other packed samples), naming the rank and what differs.
+  void agree_on_slices(const at::Tensor& input_ids, const at::Tensor& attention_mask, const at::Tensor& position_ids,
+                       const PackedSamples* samples, const dist::AnyCommunicator& group,
+                       const std::function<void()>& more_checks = {}) const {
+    const std::exception_ptr problem = detail::problem_of([&] {
       check_input_ids(input_ids);
       const int64_t batch = input_ids.size(0), seq = input_ids.size(1);
       FSDPX_CHECK(!attention_mask.defined() || attention_mask.sizes() == input_ids.sizes(),
@@ -224,15 +229,8 @@ struct DecoderModelImpl : torch::nn::Module {
                   position_ids.sizes());
       if (samples != nullptr && !samples->empty())
         samples->check_shape("DecoderModel (the whole rows of a sequence group)", batch, seq * group.size());
+      if (more_checks) more_checks();
     });
-  }
-
-  /// Collective over the group, before any exchange: every rank throws if one found a `problem` with
-  /// its slice, or if the ranks passed different layouts (rows, tokens, a mask or not, position ids,
-  /// other packed samples), naming the rank and what differs.
-  void agree_on_slices(const at::Tensor& input_ids, const at::Tensor& attention_mask, const at::Tensor& position_ids,
-                       const PackedSamples* samples, const dist::AnyCommunicator& group,
-                       const std::exception_ptr& problem) const {
     std::vector<int64_t> facts(5, -1);
     if (!problem) {
       uint32_t packing = 0;
@@ -387,12 +385,7 @@ struct CausalLMImpl : torch::nn::Module {
     };
     const auto group = sequence_group();
     if (group) {  // every rank's own checks, then the group's agreement: no rank throws alone into an exchange
-      model->agree_on_slices(
-          input_ids, layout.attention_mask, {}, layout.samples.get(), *group, detail::problem_of([&] {
-            check();
-            if (auto p = model->slice_problem(input_ids, layout.attention_mask, {}, layout.samples.get(), *group))
-              std::rethrow_exception(p);
-          }));
+      model->agree_on_slices(input_ids, layout.attention_mask, {}, layout.samples.get(), *group, check);
     } else {
       check();
     }
@@ -408,7 +401,11 @@ struct CausalLMImpl : torch::nn::Module {
     }
     LogProbOptions checked = options;  // asked before the layers run, read at the head (LabelCheck)
     checked.targets_checked = std::make_shared<const LabelCheck>(targets, config.vocab_size);
-    TokenLogProbs r = head_log_probs(hidden_states(input_ids, layout).narrow(1, 0, n), targets, checked);
+    const at::Tensor hidden =
+        group ? model->forward_slices(input_ids, layout.attention_mask, {}, layout.samples.get(), *group, nullptr,
+                                      /*agreed=*/true)
+              : hidden_states(input_ids, layout);
+    TokenLogProbs r = head_log_probs(hidden.narrow(1, 0, n), targets, checked);
     if (layout.packed()) {
       const at::Tensor outside = within_samples(*layout.samples, first, n, r.log_probs.device()).logical_not();
       r.log_probs = r.log_probs.masked_fill(outside, 0.0);
@@ -580,14 +577,11 @@ struct CausalLMImpl : torch::nn::Module {
   at::Tensor sequence_parallel_loss(const at::Tensor& input_ids, const at::Tensor& labels, const BatchLayout& layout,
                                     const dist::AnyCommunicator& group) {
     // Every rank's own checks first, then the group's agreement: no rank throws alone into an exchange.
-    model->agree_on_slices(
-        input_ids, layout.attention_mask, {}, layout.samples.get(), group, detail::problem_of([&] {
-          if (auto p = model->slice_problem(input_ids, layout.attention_mask, {}, layout.samples.get(), group))
-            std::rethrow_exception(p);
-          FSDPX_CHECK(labels.dim() == 2 && labels.scalar_type() == at::kLong && labels.sizes() == input_ids.sizes(),
-                      "CausalLM: labels must be int64 [batch, seq] like input_ids ", input_ids.sizes(), ", not ",
-                      labels.scalar_type(), " ", labels.sizes());
-        }));
+    model->agree_on_slices(input_ids, layout.attention_mask, {}, layout.samples.get(), group, [&] {
+      FSDPX_CHECK(labels.dim() == 2 && labels.scalar_type() == at::kLong && labels.sizes() == input_ids.sizes(),
+                  "CausalLM: labels must be int64 [batch, seq] like input_ids ", input_ids.sizes(), ", not ",
+                  labels.scalar_type(), " ", labels.sizes());
+    });
     const int64_t seq = labels.size(1);
     at::Tensor shifted = next_across_slices(labels.to(input_ids.device()), group, -100);
     if (layout.packed()) {
@@ -599,7 +593,8 @@ struct CausalLMImpl : torch::nn::Module {
     at::Tensor count = shifted.ne(-100).sum().to(at::kFloat);
     dist::AnyCommunicator(group).all_reduce(count);
     std::vector<at::Tensor> router_logits;
-    const at::Tensor hidden = hidden_states(input_ids, layout, {}, aux_wanted() ? &router_logits : nullptr);
+    const at::Tensor hidden = model->forward_slices(input_ids, layout.attention_mask, {}, layout.samples.get(), group,
+                                                    aux_wanted() ? &router_logits : nullptr, /*agreed=*/true);
     return with_aux(head_loss(hidden, shifted, std::move(labels_checked), LossReduction::sum) / count, router_logits,
                     layout.attention_mask);
   }
