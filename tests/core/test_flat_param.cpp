@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -125,3 +126,55 @@ TEST_CASE("step buffers: a block given back is reused, the cache never holds mor
   CHECK(cache.free_bytes() == 0);
   CHECK_THROWS_WITH(empty_step_buffer(-1, f32), Catch::Contains("numel must be >= 0"));
 }
+
+#if defined(__linux__)
+namespace {
+/// The process's resident memory (VmRSS), in bytes.
+int64_t resident_bytes() {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
+  }
+  return -1;
+}
+}  // namespace
+
+TEST_CASE(
+    "step buffers: freed blocks go back to the system at once, and within a step the cache holds no more "
+    "free bytes than are in use or the last forward used",
+    "[layout][memory]") {
+  auto& cache = HostBufferCache::instance();
+  release_cached_host_buffers();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const int64_t n = int64_t{16} << 20;  // 64 MiB
+  const int64_t before = resident_bytes();
+  {
+    at::Tensor a = empty_step_buffer(n, f32);
+    a.fill_(1.0f);
+    CHECK(resident_bytes() - before >= (n * 4) * 9 / 10);
+    at::Tensor kept = empty_host(n, at::kFloat).fill_(2.0f);  // a shard: not a step buffer
+  }
+  // Outside a step the step buffer is held for reuse (resident); the shard's memory went back with it.
+  CHECK(cache.free_bytes() >= static_cast<size_t>(n * 4));
+  CHECK(resident_bytes() - before < (n * 4) * 3 / 2);
+  // A step: its forward uses a quarter of the block's size, its backward the whole.
+  cache.begin_forward();  // nothing in use, no forward before: every free block goes, and its pages
+  CHECK(cache.free_bytes() == 0);
+  CHECK(resident_bytes() - before < (n * 4) / 4);
+  {
+    at::Tensor gathered = empty_step_buffer(n / 4, f32).fill_(1.0f);
+  }
+  cache.end_forward();
+  CHECK(cache.free_bytes() == static_cast<size_t>(n));  // what the forward used: reused by the next one
+  {
+    at::Tensor gradient = empty_step_buffer(n, f32).fill_(1.0f);
+    at::Tensor reduced = empty_step_buffer(n / 4, f32).fill_(1.0f);  // the forward's block again
+    CHECK(cache.free_bytes() == 0);
+  }
+  // Backward gave both back: no more than the forward's use stays free (the oldest blocks go first).
+  CHECK(cache.free_bytes() <= static_cast<size_t>(n));
+  cache.end_step();
+  release_cached_host_buffers();
+}
+#endif

@@ -15,9 +15,11 @@
 //   that size is a new mapping whose every page faults in when first written; a block given back to
 //   the cache is handed out again with its pages resident, as a GPU's caching allocator does. The
 //   cache never holds more than the most bytes its blocks were in use at once in the last step (older
-//   free blocks are freed to make room), so it does not raise the peak, and a one-off peak (every unit
-//   gathered for an export) does not stay resident; release_cached_host_buffers() returns the free
-//   blocks to the system (offload_model() does).
+//   free blocks are freed to make room), and within a step no more free bytes than are in use or the
+//   last forward used (begin_forward()), so that blocks waiting for backward do not add to the peak
+//   of activations; a one-off peak (every unit gathered for an export) does not stay resident;
+//   release_cached_host_buffers() returns the free blocks to the system (offload_model() does).
+//   Blocks are mappings of their own: freed, their pages go back to the system at once.
 #pragma once
 
 #include <cstdint>
@@ -64,17 +66,44 @@ inline constexpr int64_t small_step_buffer_bytes = int64_t{64} << 10;
 
 namespace detail {
 
-/// `bytes` of host memory, 2 MiB-aligned and advised to use huge pages when large (nullptr when the
-/// system refuses), or 64-byte aligned as PyTorch's CPU allocator gives. `bytes` must be a multiple
-/// of 2 MiB when large (block_bytes() rounds).
+/// `bytes` of host memory (a multiple of 4 KiB, and of 2 MiB when `huge`: block_bytes() rounds), page
+/// aligned, and 2 MiB-aligned and advised to use huge pages when `huge`; nullptr when the system
+/// refuses. Free it with free_host_block(p, bytes, huge).
+///
+/// On Linux a block is a mapping of its own, never a part of malloc's heap: freeing it returns its
+/// pages to the system at once (a freed heap block stays resident, and advised heap memory reused by
+/// other allocations stays in whole huge pages), and the advice covers the block alone.
 inline void* allocate_host_block(size_t bytes, bool huge) {
-  void* p = nullptr;
-  const size_t alignment = huge ? static_cast<size_t>(huge_page_bytes) : 64;
-  if (posix_memalign(&p, alignment, std::max<size_t>(bytes, 1)) != 0) return nullptr;
+  bytes = std::max<size_t>(bytes, 1);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (huge) ::madvise(p, bytes, MADV_HUGEPAGE);  // advice: without transparent huge pages, the pages stay 4 KiB
-#endif
+  const size_t align = huge ? static_cast<size_t>(huge_page_bytes) : 0;
+  const size_t span = bytes + align;
+  void* raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) return nullptr;
+  if (!huge) return raw;
+  const uintptr_t start = reinterpret_cast<uintptr_t>(raw);
+  const uintptr_t aligned = (start + align - 1) / align * align;
+  if (aligned > start) ::munmap(raw, aligned - start);  // the unaligned head and tail go back at once
+  if (start + span > aligned + bytes)
+    ::munmap(reinterpret_cast<void*>(aligned + bytes), start + span - aligned - bytes);
+  void* p = reinterpret_cast<void*>(aligned);
+  ::madvise(p, bytes, MADV_HUGEPAGE);  // advice: without transparent huge pages, the pages stay 4 KiB
   return p;
+#else
+  (void)huge;
+  void* p = nullptr;
+  return posix_memalign(&p, 4096, bytes) == 0 ? p : nullptr;
+#endif
+}
+
+/// Frees a block of allocate_host_block(bytes, huge).
+inline void free_host_block(void* p, size_t bytes, [[maybe_unused]] bool huge) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  ::munmap(p, std::max<size_t>(bytes, 1));
+#else
+  (void)bytes;
+  std::free(p);
+#endif
 }
 
 inline bool use_huge_pages(int64_t bytes) { return bytes >= huge_page_bytes && host_huge_pages(); }
@@ -120,6 +149,7 @@ class HostBufferCache {
       }
       in_use_ += size;
       window_peak_ = std::max(window_peak_, in_use_);
+      if (in_forward_) forward_window_ = std::max(forward_window_, in_use_);
     }
     if (p == nullptr) p = detail::allocate_host_block(size, huge);
     if (p == nullptr) {
@@ -137,6 +167,7 @@ class HostBufferCache {
     step_peak_ = window_peak_;
     trim_to(step_peak_);
     window_peak_ = in_use_;
+    in_step_ = in_forward_ = false;
   }
 
   /// After a one-off peak outside a step (every unit gathered at once): frees the free blocks beyond
@@ -147,11 +178,29 @@ class HostBufferCache {
     window_peak_ = in_use_;
   }
 
+  /// A forward begins, and with it a training step (the unit protocol calls this, end_forward() after
+  /// the root's forward, and end_step() at the end of backward). Activations grow through a forward
+  /// and are freed through backward, whose first layers run at the step's peak: from now until
+  /// end_step(), the free blocks held stay within what is in use, or what the last forward had in use
+  /// at once, whichever is more. Blocks only backward uses (flat gradients, reduction buffers) are
+  /// then mapped again in backward and reused within it instead of sitting idle at the peak.
+  void begin_forward() {
+    std::lock_guard lock(mutex_);
+    in_step_ = in_forward_ = true;
+    forward_window_ = in_use_;
+    trim_to(in_use_ + idle_allowance());
+  }
+  void end_forward() {
+    std::lock_guard lock(mutex_);
+    if (in_forward_) forward_peak_ = forward_window_;
+    in_forward_ = false;
+  }
+
   /// Frees every block not in use; the next allocations map fresh memory.
   void release() {
     std::lock_guard lock(mutex_);
     trim_to(0);
-    step_peak_ = window_peak_ = in_use_;
+    step_peak_ = window_peak_ = forward_peak_ = in_use_;
   }
 
   /// Bytes of blocks held for reuse, not in use.
@@ -169,10 +218,13 @@ class HostBufferCache {
 
   HostBufferCache() = default;
 
+  /// Inside a step, the free bytes held (see begin_forward). Locked.
+  size_t idle_allowance() const { return std::max({in_use_, forward_peak_, in_forward_ ? forward_window_ : 0}); }
+
   /// Frees the oldest free blocks until in-use and free bytes together are at most `limit`. Locked.
   void trim_to(size_t limit) {
     while (!free_.empty() && in_use_ + free_bytes_ > limit) {
-      std::free(free_.back().data);
+      detail::free_host_block(free_.back().data, free_.back().size, free_.back().huge);
       free_bytes_ -= free_.back().size;
       free_.pop_back();
     }
@@ -188,14 +240,19 @@ class HostBufferCache {
     in_use_ -= b.size;
     free_.push_front(b);  // most recently used first: its pages are the likeliest resident
     free_bytes_ += b.size;
+    if (in_step_) trim_to(in_use_ + idle_allowance());
   }
 
   mutable std::mutex mutex_;
   std::list<Block> free_;
   size_t free_bytes_ = 0;
   size_t in_use_ = 0;
-  size_t window_peak_ = 0;  // the most bytes in use since the last step ended
-  size_t step_peak_ = 0;    // the most bytes in use during the last step
+  size_t window_peak_ = 0;     // the most bytes in use since the last step ended
+  size_t step_peak_ = 0;       // the most bytes in use during the last step
+  bool in_step_ = false;       // from begin_forward() to end_step()
+  bool in_forward_ = false;    // from begin_forward() to end_forward()
+  size_t forward_window_ = 0;  // the most bytes in use since this forward began
+  size_t forward_peak_ = 0;    // the most bytes in use during the last forward
 };
 
 /// An uninitialised 1-d CPU tensor of `numel` elements that lives for the whole run (a shard, a
@@ -209,7 +266,7 @@ inline at::Tensor empty_host(int64_t numel, at::ScalarType dtype) {
     const size_t size = detail::block_bytes(bytes);
     void* p = detail::allocate_host_block(size, /*huge=*/true);
     FSDPX_CHECK_AS(Error, p != nullptr, "cannot allocate ", size, " bytes of host memory (out of memory?)");
-    return at::from_blob(p, {numel}, [](void* q) { std::free(q); }, options);
+    return at::from_blob(p, {numel}, [size](void* q) { detail::free_host_block(q, size, /*huge=*/true); }, options);
   }
   return at::empty({numel}, options);
 }

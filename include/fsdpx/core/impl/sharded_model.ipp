@@ -27,6 +27,7 @@ FSDPX_DECL void ShardedModel::begin_forward() {
   pass_.recording.clear();
   pass_.recorded.assign(units_.size(), false);
   pass_.stats = StepStats{};
+  memory::HostBufferCache::instance().begin_forward();  // step buffers only backward uses stay out of its peak
 }
 
 FSDPX_DECL void ShardedModel::pre_forward(Unit& u) {
@@ -75,6 +76,7 @@ FSDPX_DECL void ShardedModel::end_unit_forward(Unit& u) {
       if (!is_companion_[i] && units_[i]->options().reshard_after_forward) reshard_with(*units_[i]);
     }
     pass_.stage = detail::PassStage::after_forward;
+    memory::HostBufferCache::instance().end_forward();
   }
   // An inference-only root has no backward to free it after: it is freed here like the others.
   if ((!is_root(u) || u.options().inference_only) && u.options().reshard_after_forward) reshard_with(u);
