@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import struct
 from array import array
-from bisect import bisect_left
 from dataclasses import dataclass
 from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
 
@@ -136,10 +135,12 @@ def decode_bucket(data, where: str) -> Bucket:
 
 
 class Coverage:
-    """Which elements of one tensor have arrived: disjoint [start, end) ranges in two compact arrays,
-    merged where they touch (chunks in order keep one range). A tensor is whole only when every
-    element arrived exactly once: counting elements alone would take the first half sent twice for
-    the whole tensor, with its other half uninitialised."""
+    """Which elements of one tensor have arrived: [start, end) ranges in two compact arrays, appended
+    as chunks come (a chunk that continues the last range, forwards or backwards, extends it: chunks
+    in order keep one range), sorted and checked once at the end, so a chunk costs O(1) whatever the
+    order chunks are sent in. A tensor is whole only when every element arrived exactly once: counting
+    elements alone would take the first half sent twice for the whole tensor, with its other half
+    uninitialised. More elements than the tensor has is an overlap, found at once."""
 
     __slots__ = ("starts", "ends", "covered", "empty_seen")
 
@@ -148,7 +149,7 @@ class Coverage:
         self.covered, self.empty_seen = 0, False
 
     def add(self, begin: int, n: int, numel: int) -> Optional[str]:
-        """Records elements [begin, begin + n); the reason it cannot (recording nothing), or None."""
+        """Records elements [begin, begin + n); the reason it cannot, or None."""
         end = begin + n
         if begin < 0 or n < 0 or end > numel:
             return f"elements [{begin}, {begin}+{n}) lie outside its {numel} elements"
@@ -160,39 +161,57 @@ class Coverage:
             self.empty_seen = True
             return None
         starts, ends = self.starts, self.ends
-        i = bisect_left(starts, begin)
-        for j in (i, i - 1):
-            if 0 <= j < len(starts) and starts[j] < end and ends[j] > begin:
-                return (f"elements [{max(begin, starts[j])}, {min(end, ends[j])}) arrived twice (a chunk [{begin}, "
-                        f"{end}) overlaps elements already received)")
-        merge_prev = i > 0 and ends[i - 1] == begin
-        merge_next = i < len(starts) and starts[i] == end
-        if merge_prev and merge_next:
-            ends[i - 1] = ends[i]
-            del starts[i]
-            del ends[i]
-        elif merge_prev:
-            ends[i - 1] = end
-        elif merge_next:
-            starts[i] = begin
+        if starts and ends[-1] == begin:
+            ends[-1] = end
+        elif starts and starts[-1] == end:
+            starts[-1] = begin
         else:
-            starts.insert(i, begin)
-            ends.insert(i, end)
+            starts.append(begin)
+            ends.append(end)
         self.covered += n
-        return None
+        return self.overlap() if self.covered > numel else None
+
+    def _sorted(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The ranges by start (one sort in C, however many chunks came)."""
+        if not self.starts:
+            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
+        starts = torch.frombuffer(self.starts, dtype=torch.int64).clone()  # copies: the arrays may grow later
+        ends = torch.frombuffer(self.ends, dtype=torch.int64).clone()
+        order = torch.argsort(starts)
+        return starts[order], ends[order]
+
+    def overlap(self) -> Optional[str]:
+        """The first elements that arrived twice, in words; None when no two ranges overlap. Sorted by
+        start, the first overlap lies between neighbours."""
+        starts, ends = self._sorted()
+        if starts.numel() < 2:
+            return None
+        twice = (starts[1:] < ends[:-1]).nonzero()
+        if twice.numel() == 0:
+            return None
+        i = int(twice[0, 0])
+        a, b = int(starts[i + 1]), min(int(ends[i]), int(ends[i + 1]))
+        return (f"elements [{a}, {b}) arrived twice (chunks [{int(starts[i])}, {int(ends[i])}) and [{a}, "
+                f"{int(ends[i + 1])}) overlap)")
 
     def gap(self, numel: int) -> Optional[str]:
-        """None when all ``numel`` elements arrived; else the first range that did not."""
+        """None when all ``numel`` elements arrived exactly once; else the first elements that arrived
+        twice, or the first range that did not arrive."""
         if numel == 0:
             return None if self.empty_seen else "it never arrived"
+        twice = self.overlap()
+        if twice is not None:
+            return twice
         if self.covered == numel:
             return None
-        at, until = 0, numel
-        for b, e in zip(self.starts, self.ends):
-            if b > at:
-                until = b
-                break
-            at = e
+        starts, ends = self._sorted()
+        previous = torch.cat([torch.zeros(1, dtype=torch.int64), ends])  # where each range's predecessor ends
+        holes = (starts > previous[:-1]).nonzero()
+        if holes.numel() > 0:
+            i = int(holes[0, 0])
+            at, until = int(previous[i]), int(starts[i])
+        else:
+            at, until = int(previous[-1]), numel
         return f"{self.covered} of {numel} elements arrived; elements [{at}, {until}) never did"
 
 

@@ -595,10 +595,17 @@ class SyncClient:
                     self._fail(f"bucket {b.index} of {b.count} of version {b.version} ({b.total_bytes} bytes) arrived "
                                f"where bucket {k} of {count} of version {version} ({len(payload)} bytes) was expected",
                                what)
-                for e in b.entries():  # one at a time: a header of many entries holds none of them
+                late = False
+                for n, e in enumerate(b.entries()):  # one at a time: a header of many entries holds none of them
+                    if n & 1023 == 1023 and time.monotonic() > deadline:  # a bucket of many entries ends by it too
+                        late = True
+                        break
                     collector.accept(e, payload)
             except SyncError as e:
                 self._fail(f"version {version}: {_unprefixed(e)}", what)
+            if late:
+                self._progress += f", bucket {k} parsed in part"
+                self._late(0.0, True, what)
             del b, payload
         try:
             tensors = collector.finish()  # every element of every tensor exactly once
@@ -607,6 +614,13 @@ class SyncClient:
         if not tensors or tensors[0][0] != MANIFEST_NAME:
             self._fail(f"version {version} does not start with its manifest ('{MANIFEST_NAME}'): the server speaks an "
                        "older protocol (update it), or the version is corrupt", what)
+        try:
+            manifest_version = Manifest.decode(tensors[0][1], where=f"the synchronizer at {self.where}").version
+        except SyncError:
+            manifest_version = version  # a manifest that does not parse is refused by VersionStore.accept, naming why
+        if manifest_version != version:  # as the C++ client and the server check
+            self.forget_base()  # as every failure of a fetch: the next one asks for a full version
+            self._fail(f"version {version} carries the manifest of version {manifest_version}", what)
         return version, run, tensors
 
 

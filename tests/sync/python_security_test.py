@@ -6,7 +6,8 @@ server; each must end in a SyncError that names the cause, within bounds of memo
 - a bucket of many entries costs about its own size, not several times it;
 - versions whose chunks overlap, leave gaps, repeat or lie outside their tensor are refused, naming the
   tensor (fixed cases, then a fuzz of random layouts against their expected outcome);
-- a server trickling frames cannot keep a fetch beyond its timeout;
+- a version carrying the manifest of another version is refused;
+- a server trickling frames, or sending 400,000 chunks last first, cannot keep a fetch beyond its timeout;
 - against the real C++ server (sync_server_program): a client refused for too many unauthenticated
   connections from its address is told so; a new trainer run with lower versions reaches a reader that
   holds a version far ahead.
@@ -80,10 +81,10 @@ def align(n):
     return (n + 63) // 64 * 64
 
 
-def craft_bucket(torch, version, index, count, chunks, tight=False):
+def craft_bucket(torch, version, index, count, chunks, tight=False, zeros=False):
     """A bucket holding exactly `chunks` [(name, source, offset, numel)], right or wrong; chunks outside
     their source travel as zeros. `tight`: payloads packed without padding beyond each element's size
-    (many tiny entries)."""
+    (many tiny entries). `zeros`: every payload travels as zeros (quick for many chunks of zeros)."""
     entries, header = [], 40
     for name, src, _, _ in chunks:
         header += 2 + len(name.encode()) + 2 + 8 * src.dim() + 24
@@ -106,7 +107,7 @@ def craft_bucket(torch, version, index, count, chunks, tight=False):
     data = torch.frombuffer(out, dtype=torch.uint8)
     data[: len(head)] = torch.frombuffer(head, dtype=torch.uint8)
     for (name, src, off, n), place in zip(chunks, places):
-        if n > 0 and off >= 0 and off + n <= src.numel():
+        if n > 0 and off >= 0 and off + n <= src.numel() and not (zeros and name == "w"):
             piece = src.reshape(-1)[off: off + n].contiguous().view(torch.uint8)
             data[place: place + piece.numel()] = piece
     return out
@@ -204,6 +205,40 @@ def test_coverage_cases(torch, SyncClient):
                        ("empty", empty, 0, 0)], [("embed.weight", embed, 0, 25000)]])
         got = SyncClient("127.0.0.1", server.port).fetch_newer(-1, timeout=10).named()
         assert torch.equal(got["embed.weight"], embed) and got["empty"].shape == (0, 4)
+    finally:
+        server.close()
+
+
+def test_many_chunks_last_first(torch, SyncClient):
+    """400,000 one-element chunks, every other element of a tensor, sent last first in one bucket: the
+    fetch ends by its 3 s timeout (before: 26 s, each chunk inserted at the front of sorted arrays, and
+    entry parsing never looked at the deadline)."""
+    n = 400000
+    w = torch.zeros(2 * n)
+    chunks = [manifest_chunk(6, {"w": w})] + [("w", w, 2 * k, 1) for k in range(n - 1, -1, -1)]
+    frames = frame(SNAPSHOT_BEGIN, 6, 1, b"r") + frame(BUCKET, 6, 0, craft_bucket(torch, 6, 0, 1, chunks, tight=True,
+                                                                                  zeros=True))
+    server = FakeServer(lambda conn: conn.sendall(frames))
+    try:
+        client = SyncClient("127.0.0.1", server.port)
+        start = time.monotonic()
+        text = expect_error(lambda: client.fetch_newer(-1, timeout=3), "version 6")
+        took = time.monotonic() - start
+        assert took < 4.5, f"a fetch with a 3 s timeout took {took:.1f} s: {text}"
+        assert "never did" in text or "did not finish within the fetch's timeout of 3" in text, text
+        print(f"many chunks last first: {n} chunks, ended after {took:.2f} s: {text[-120:]}")
+    finally:
+        server.close()
+
+
+def test_manifest_of_another_version(torch, SyncClient):
+    """Version 2 carrying the manifest of version 7 (whole and consistent otherwise) is refused, as the
+    C++ client and the server refuse it (before: returned as version 2 with version 7's manifest)."""
+    w = torch.arange(64, dtype=torch.float32)
+    server = FakeServer(lambda conn: send_version(torch, conn, 2, [[manifest_chunk(7, {"w": w}), ("w", w, 0, 64)]]))
+    try:
+        expect_error(lambda: SyncClient("127.0.0.1", server.port).fetch_newer(-1, timeout=10),
+                     "version 2 carries the manifest of version 7")
     finally:
         server.close()
 
@@ -350,6 +385,8 @@ def main() -> int:
     test_large_frame_header(torch, SyncClient)  # first: it reads the process's peak memory
     test_many_entries(torch, SyncClient)
     test_coverage_cases(torch, SyncClient)
+    test_manifest_of_another_version(torch, SyncClient)
+    test_many_chunks_last_first(torch, SyncClient)
     test_coverage_fuzz(torch, SyncClient, SyncError)
     test_trickle(torch, SyncClient)
     test_real_server(torch, SyncClient, args.server)

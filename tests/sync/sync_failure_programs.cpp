@@ -252,8 +252,12 @@ int hostile_broadcast() {
     asio::ip::tcp::socket sock(io);
     sock.connect({asio::ip::make_address("127.0.0.1"), port});
     test::handshake_without_secret(sock, sync::Role::publish);
-    const auto begin = sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 2, buckets.size());
+    // The trainer's own run (this process's, as its client sent with version 1): its loss is the trainer's.
+    const std::string& run = sync::detail::process_run();
+    const auto begin =
+        sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 2, buckets.size(), run.data(), run.size());
     asio::write(sock, asio::buffer(&begin, sizeof(begin)));
+    asio::write(sock, asio::buffer(run));
     for (int k = 0; k < 3; ++k) {
       const auto f = sync::detail::make_frame(sync::detail::FrameKind::bucket, 2, k, buckets[k].const_data_ptr(),
                                               buckets[k].nbytes());

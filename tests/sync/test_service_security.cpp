@@ -505,10 +505,134 @@ TEST_CASE("security: a publish that never completes holds nobody back", "[securi
   // Readers are served the latest complete version meanwhile...
   fxs::SynchronizerClient reader("127.0.0.1", port, {.secret = "s"});
   CHECK(bit_equal(reader.fetch_newer(fxs::no_version, 1s), weights_of(10)));
-  // ...and the real trainer's next publish supersedes the stalled one.
+  // ...the real trainer's next publish commits beside the stalled one (each connection stages its own)...
   trainer.publish(11, weights_of(11));
   CHECK(bit_equal(reader.fetch_newer(10, 5s), weights_of(11)));
+  // ...and the stalled one is closed at its io_timeout.
+  const auto start = std::chrono::steady_clock::now();
   CHECK(stalled.closed_by_server());
+  CHECK(std::chrono::steady_clock::now() - start < 2500ms);
+}
+
+/// About 8 MiB of weights for version v (bit-checkable like weights_of).
+std::vector<fxs::NamedTensor> large_weights_of(int64_t v) {
+  return {{"embed.weight", at::arange(int64_t{2} << 20, at::kFloat).mul_(0.001).add_(static_cast<double>(v))},
+          {"steps", at::full({1}, v, at::kLong)}};
+}
+
+TEST_CASE("security: publishers never void one another: one that only starts publishes costs the trainer no version",
+          "[security]") {
+  fxs::SynchronizerServer server({.secret = "s", .io_timeout = 2000ms});
+  const auto port = server.port();
+  std::atomic<bool> stop{false};
+  std::atomic<int> started{0};
+  // Holding the publish secret, it starts a publish every 20 ms and abandons it: half of the
+  // connections closed at once, half left open mid-publish until the server's io_timeout.
+  std::thread attacker([&] {
+    std::vector<RawConnection> stalled;
+    for (int64_t i = 0; !stop; ++i) {
+      RawConnection c(port);
+      bool welcomed = false;
+      if (c.handshake(fxs::Role::publish, "s", &welcomed) && welcomed &&
+          c.send_payload(sd::FrameKind::publish_begin, 1000000 + i, 4, "another-run")) {
+        ++started;
+      }
+      if (i % 2 == 0) stalled.push_back(std::move(c));
+      if (stalled.size() > 32) stalled.erase(stalled.begin());
+      std::this_thread::sleep_for(20ms);
+    }
+  });
+  // The trainer publishes 20 versions of 8 MiB in 1 MiB buckets: each publish spans several of the
+  // attacker's starts. Before, each start cancelled the trainer's unfinished publish.
+  fxs::SynchronizerClient trainer("127.0.0.1", port, {.bucket_bytes = 1 << 20, .secret = "s"});
+  int committed = 0;
+  std::string first_error;
+  for (int64_t v = 0; v < 20; ++v) {
+    try {
+      trainer.publish(v, large_weights_of(v));
+      ++committed;
+    } catch (const fsdpx::SyncError& e) {
+      if (first_error.empty()) first_error = e.what();
+    }
+  }
+  stop = true;
+  attacker.join();
+  INFO(first_error);
+  CHECK(committed == 20);
+  CHECK(started >= 10);
+  fxs::SynchronizerClient reader("127.0.0.1", port, {.secret = "s"});
+  CHECK(bit_equal(reader.fetch_newer(fxs::no_version, 5s), large_weights_of(19)));
+}
+
+TEST_CASE("security: two publishers at once each get every version committed or refused with the true reason",
+          "[security]") {
+  fxs::SynchronizerServer server({.secret = "s"});
+  const auto port = server.port();
+  // Each of two publishers sends 12 versions of 8 MiB in 1 MiB buckets at the same time as the other;
+  // the outcome of each publish is kept.
+  const auto race = [&](const std::string& run_a, const std::string& run_b) {
+    std::vector<std::string> errors;
+    std::mutex mutex;
+    int committed = 0;
+    std::vector<std::thread> publishers;
+    for (const std::string& run : {run_a, run_b}) {
+      publishers.emplace_back([&, run] {
+        fxs::SynchronizerClient c("127.0.0.1", port, {.bucket_bytes = 1 << 20, .secret = "s", .run = run});
+        for (int64_t v = 0; v < 12; ++v) {
+          try {
+            c.publish(v, large_weights_of(v));
+            std::lock_guard lock(mutex);
+            ++committed;
+          } catch (const fsdpx::SyncError& e) {
+            std::lock_guard lock(mutex);
+            errors.push_back(e.what());
+          }
+        }
+      });
+    }
+    for (auto& t : publishers) t.join();
+    return std::pair{committed, errors};
+  };
+  // Two runs (an old trainer left running beside a new one): each version takes over from the other's.
+  const auto taken_over_before = server.stats().runs_taken_over;
+  const auto [committed, errors] = race("trainer-a", "trainer-b");
+  INFO((errors.empty() ? std::string() : errors.front()));
+  CHECK(committed == 24);
+  CHECK(errors.empty());
+  CHECK(server.stats().runs_taken_over > taken_over_before);
+  // One run from two connections: the versions of a run only increase, so a publish is committed or
+  // refused saying exactly that (never "the connection was reset").
+  const auto [committed_same, errors_same] = race("trainer-c", "trainer-c");
+  CHECK(committed_same + static_cast<int>(errors_same.size()) == 24);
+  CHECK(committed_same >= 12);
+  for (const std::string& e : errors_same) CHECK_THAT(e, Catch::Contains("is not newer than"));
+}
+
+TEST_CASE("security: unfinished publishes share one version's room, the stalest dropped and told why", "[security]") {
+  // Room for one 8 MiB version and a half: a stalled publish holding 6 MiB is dropped for the trainer's.
+  fxs::SynchronizerServer server(
+      {.secret = "s", .max_bucket_bytes = 2 << 20, .max_version_bytes = 12 << 20, .io_timeout = 5000ms});
+  const auto port = server.port();
+  RawConnection stalled(port);
+  bool welcomed = false;
+  REQUIRE(stalled.handshake(fxs::Role::publish, "s", &welcomed));
+  REQUIRE(welcomed);
+  const auto buckets = fxs::pack_buckets(large_weights_of(100), 1 << 20, 100);
+  REQUIRE(buckets.size() >= 8);
+  stalled.send_payload(sd::FrameKind::publish_begin, 100, buckets.size(), "another-run");
+  for (size_t i = 0; i < 6; ++i) stalled.send_bucket(100, i, buckets[i]);
+  std::this_thread::sleep_for(200ms);
+  fxs::SynchronizerClient trainer("127.0.0.1", port, {.bucket_bytes = 1 << 20, .secret = "s"});
+  trainer.publish(1, large_weights_of(1));
+  CHECK(server.latest_version() == 1);
+  // The stalled publisher finishes late and hears why its version was not taken.
+  for (size_t i = 6; i < buckets.size(); ++i) stalled.send_bucket(100, i, buckets[i]);
+  stalled.send_frame(sd::make_frame(sd::FrameKind::publish_end, 100));
+  const auto reply = stalled.recv_frame();
+  REQUIRE(reply);
+  CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
+  CHECK_THAT(reply->second, Catch::Contains("version 100 was dropped before its end to make room for version 1") &&
+                                Catch::Contains("max_version_bytes (12582912)"));
 }
 
 TEST_CASE(
@@ -1190,4 +1314,46 @@ TEST_CASE("security: connections waiting to authenticate are bounded per address
   // Once they are gone, the client is served.
   fxs::SynchronizerClient reader("127.0.0.1", port2);
   CHECK(reader.fetch_newer(fxs::no_version, 5s).version == 1);
+}
+
+TEST_CASE("security: silent sockets from many addresses cannot starve the server: the oldest is closed for a new one",
+          "[security]") {
+  fxs::SynchronizerServer server({.max_handshakes = 64, .max_handshakes_per_address = 8, .handshake_timeout = 5000ms});
+  const auto port = server.port();
+  server.publish(1, weights_of(1));
+  // 10 addresses of 127/8, 8 silent connections each (80, beyond max_handshakes), renewed as the server
+  // closes them. Before, the 64 held the pool and every honest client was refused until one timed out.
+  std::atomic<bool> stop{false};
+  std::thread attacker([&] {
+    std::vector<std::vector<RawConnection>> held(10);
+    while (!stop) {
+      for (int a = 0; a < 10 && !stop; ++a) {
+        // Drop those the server closed (a hello is what a held one gets), then hold 8 again.
+        std::erase_if(held[a], [](RawConnection& c) {
+          if (!c.readable()) return false;
+          auto frame = c.recv_frame();
+          return !(frame && frame->first.kind == static_cast<uint16_t>(sd::FrameKind::hello));
+        });
+        const std::string source = "127.0.0." + std::to_string(2 + a);
+        while (held[a].size() < 8 && !stop) {
+          RawConnection c(port, 100ms, source.c_str());
+          if (!c.ok()) break;
+          held[a].push_back(std::move(c));
+        }
+      }
+      std::this_thread::sleep_for(20ms);
+    }
+  });
+  const auto attacked_by = std::chrono::steady_clock::now() + 10s;
+  while (server.stats().handshaking < 64 && std::chrono::steady_clock::now() < attacked_by)
+    std::this_thread::sleep_for(10ms);
+  CHECK(server.stats().handshaking == 64);
+  for (int i = 0; i < 5; ++i) {
+    fxs::SynchronizerClient reader("127.0.0.1", port, {.connect_timeout = 500ms});
+    CHECK(bit_equal(reader.fetch_newer(fxs::no_version, 5s), weights_of(1)));
+    std::this_thread::sleep_for(100ms);
+  }
+  stop = true;
+  attacker.join();
+  CHECK(server.stats().refused_over_limit >= 5);
 }

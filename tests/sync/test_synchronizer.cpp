@@ -474,8 +474,12 @@ TEST_CASE("service: a trainer lost mid-publish fails waiting readers at once, an
     sock.connect({asio::ip::make_address("127.0.0.1"), server.port()});
     test::handshake_without_secret(sock, sync::Role::publish);
     const auto buckets = pack_buckets(versioned(2), 16 << 10, 2);
-    const auto begin = sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 2, buckets.size());
+    // The trainer's own run (this process's, as its client sent with version 1): its loss is the trainer's.
+    const std::string& run = sync::detail::process_run();
+    const auto begin =
+        sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 2, buckets.size(), run.data(), run.size());
     asio::write(sock, asio::buffer(&begin, sizeof(begin)));
+    asio::write(sock, asio::buffer(run));
     const auto f = sync::detail::make_frame(sync::detail::FrameKind::bucket, 2, 0, buckets[0].const_data_ptr(),
                                             buckets[0].nbytes());
     asio::write(sock, asio::buffer(&f, sizeof(f)));

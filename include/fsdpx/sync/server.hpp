@@ -54,9 +54,11 @@ struct ServerOptions {
 
   // Limits: what one peer, and all of them together, can make the server hold.
   int64_t max_bucket_bytes = int64_t{256} << 20;  // one bucket frame; clients' bucket_bytes must fit
-  int64_t max_version_bytes = int64_t{64} << 30;  // one version (one publish is staged at a time), bookkeeping included
+  // One version, bookkeeping included, and all unfinished publishes together (each publishing connection
+  // stages its own; those that progressed least recently are dropped, their publishers told why, to make room).
+  int64_t max_version_bytes = int64_t{64} << 30;
   int max_connections = 512;
-  int max_handshakes = 64;                            // of those, at most this many before their handshake ends
+  int max_handshakes = 64;  // of those, at most this many before their handshake ends (a new one closes the oldest)
   int max_handshakes_per_address = 16;                // and at most this many of those from one peer address
   std::chrono::milliseconds handshake_timeout{3000};  // from accept to a proven secret
   std::chrono::milliseconds idle_timeout{std::chrono::minutes(30)};  // between requests
@@ -68,7 +70,7 @@ struct ServerStats {
   int64_t accepted = 0;
   int64_t live = 0;
   int64_t handshaking = 0;         // live, not yet authenticated
-  int64_t refused_over_limit = 0;  // refused at once (told why): max_connections, max_handshakes or per address
+  int64_t refused_over_limit = 0;  // refused (told why): max_connections, per address, or the oldest handshake closed
   int64_t runs_taken_over = 0;     // versions of a new run that superseded the previous run's
   int64_t failed_auth = 0;         // wrong or missing secret, a malformed handshake, a failed TLS handshake
   int64_t protocol_errors = 0;     // frames refused after the handshake

@@ -20,6 +20,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <deque>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -69,6 +70,8 @@ class Session : public std::enable_shared_from_this<Session> {
   ~Session();
   void start();
   void wake();
+  bool in_handshake_pool() const { return in_handshake_pool_; }
+  void evict_unauthenticated(const std::string& why);
 
  private:
   struct Pending {
@@ -78,6 +81,9 @@ class Session : public std::enable_shared_from_this<Session> {
     int64_t bytes = 0;      // frames received, kept or not: what allowed_payload bounds
     uint64_t received = 0;  // buckets received, kept or not
     std::vector<at::Tensor> buckets;
+    int64_t held_bytes = 0;    // of `buckets`
+    int64_t staged_bytes = 0;  // held_bytes and the coverage's bookkeeping: its share of ServerCore::staged_bytes
+    std::chrono::steady_clock::time_point last_progress = std::chrono::steady_clock::now();
     VersionCoverage coverage;  // every element of every tensor exactly once, or no commit
     std::string rejected;      // why the publish will not commit (told at its end frame); its buckets are dropped
   };
@@ -92,6 +98,11 @@ class Session : public std::enable_shared_from_this<Session> {
   void on_auth();
   void begin_publish();
   void on_bucket();
+  void make_staging_room();
+  void stage(Pending p);
+  void unstage();
+  void drop_staged(const std::string& why);
+  bool publishes_served_run() const;
   void end_publish();
   void check_fetch();
   void send(FrameHeader frame, std::string text = {}, bool then_close = false);
@@ -101,6 +112,7 @@ class Session : public std::enable_shared_from_this<Session> {
   uint64_t allowed_payload(FrameKind kind) const;
 
   void send_hello();
+  void leave_handshake_pool();
   std::string small_text() const { return std::string(reinterpret_cast<const char*>(small_.data()), in_.length); }
 
   ServerCore* core_;
@@ -112,11 +124,14 @@ class Session : public std::enable_shared_from_this<Session> {
   at::Tensor payload_;
   Nonce server_nonce_{};
   std::optional<Role> role_;
+  bool in_handshake_pool_ = true;  // counted in stats.handshaking and handshaking_from
+  bool hello_sent_ = false;
   std::optional<Pending> pending_;
   bool closed_ = false;
   bool is_publisher_ = false;
   bool said_goodbye_ = false;
   int64_t last_published_ = no_version;
+  std::string publish_run_;  // the run label of this connection's publishes
   // deadlines: one watchdog, re-armed for each wait
   asio::steady_timer watchdog_;
   uint64_t watch_generation_ = 0;
@@ -145,8 +160,12 @@ struct ServerCore {
   // Touched on the io thread only.
   std::string publisher_lost;  // why readers should stop waiting; cleared by the next publish
   std::vector<std::weak_ptr<Session>> waiters;
-  Session* publishing = nullptr;                          // the one connection staging a version, if any
+  // Unfinished publishes, one per publishing connection, holding staged_bytes together (at most
+  // max_version_bytes: when a bucket needs room, the publishes that progressed least recently are dropped).
+  std::vector<Session*> staging;
+  int64_t staged_bytes = 0;
   std::unordered_map<std::string, int> handshaking_from;  // unauthenticated connections per peer address
+  std::deque<std::weak_ptr<Session>> handshake_order;     // unauthenticated connections, oldest first
   ServerStats stats;                                      // written on the io thread; read through post()
   // Runs (the io thread and publish() in process): the label of the run whose versions are served.
   std::mutex runs_mutex;
@@ -249,6 +268,28 @@ struct ServerCore {
     }
     waiters.push_back(std::move(s));
   }
+  /// Drops the entries of connections no longer in their handshake from the front: the list holds
+  /// about the connections accepted within one handshake_timeout (and no session's memory beyond it).
+  void prune_handshake_order() {
+    while (!handshake_order.empty()) {
+      const std::shared_ptr<Session> s = handshake_order.front().lock();
+      if (s && s->in_handshake_pool()) return;
+      handshake_order.pop_front();
+    }
+  }
+  void evict_oldest_handshake() {
+    prune_handshake_order();
+    if (!handshake_order.empty()) {
+      std::shared_ptr<Session> oldest = handshake_order.front().lock();
+      handshake_order.pop_front();
+      if (oldest) {
+        return oldest->evict_unauthenticated(::fsdpx::detail::str(
+            "it had not proved a secret when the server's pool of unauthenticated connections was full "
+            "(max_handshakes ",
+            options.max_handshakes, ") and a new connection came: the oldest is closed to make room"));
+      }
+    }
+  }
   void accept() {
     acceptor.async_accept([this](const boost::system::error_code& ec, tcp::socket socket) {
       if (ec == asio::error::operation_aborted || !acceptor.is_open()) return;
@@ -286,19 +327,22 @@ struct ServerCore {
       if (stats.live >= options.max_connections) {
         refuse_at_accept(socket, ::fsdpx::detail::str("too many connections (", stats.live, "; max_connections ",
                                                       options.max_connections, ")"));
-      } else if (stats.handshaking >= options.max_handshakes) {
-        refuse_at_accept(socket, ::fsdpx::detail::str("too many unauthenticated connections (", stats.handshaking,
-                                                      "; max_handshakes ", options.max_handshakes, ")"));
       } else if (from_address >= options.max_handshakes_per_address) {
         refuse_at_accept(
             socket, ::fsdpx::detail::str("too many unauthenticated connections from ", address, " (", from_address,
                                          "; max_handshakes_per_address ", options.max_handshakes_per_address, ")"));
       } else {
         try {
+          // A full pool of unauthenticated connections (silent sockets from many addresses, say) makes
+          // room by closing its oldest: an honest client, whose handshake takes a round trip, is served.
+          if (stats.handshaking >= options.max_handshakes) evict_oldest_handshake();
           boost::system::error_code ignored;
           socket.set_option(tcp::no_delay(true), ignored);
           socket.set_option(asio::socket_base::keep_alive(true), ignored);
-          std::make_shared<Session>(this, std::move(socket))->start();
+          auto session = std::make_shared<Session>(this, std::move(socket));
+          prune_handshake_order();
+          handshake_order.push_back(session);
+          session->start();
         } catch (const std::exception&) {
           ++stats.handler_errors;  // e.g. no memory for the session: this connection is dropped
         }
@@ -324,13 +368,28 @@ inline Session::Session(ServerCore* core, tcp::socket socket)
 
 inline Session::~Session() {
   --core_->stats.live;
-  if (!role_) {
-    --core_->stats.handshaking;
-    if (auto it = core_->handshaking_from.find(address_); it != core_->handshaking_from.end() && --it->second <= 0) {
-      core_->handshaking_from.erase(it);
-    }
+  leave_handshake_pool();
+  unstage();
+}
+
+inline void Session::leave_handshake_pool() {
+  if (!in_handshake_pool_) return;
+  in_handshake_pool_ = false;
+  --core_->stats.handshaking;
+  if (auto it = core_->handshaking_from.find(address_); it != core_->handshaking_from.end() && --it->second <= 0) {
+    core_->handshaking_from.erase(it);
   }
-  if (core_->publishing == this) core_->publishing = nullptr;
+}
+
+/// Closes a connection still in its handshake at once, its slot freed now; counted as refused over a limit.
+inline void Session::evict_unauthenticated(const std::string& why) {
+  ++core_->stats.refused_over_limit;
+  leave_handshake_pool();
+  // A plain connection whose hello went out has no write in flight: the reason goes as an error frame.
+  if (!core_->tls && hello_sent_) {
+    ServerCore::write_plain_error(stream_.socket(), "the server closed the connection: " + why, refused_busy);
+  }
+  on_closed(asio::error::connection_aborted);
 }
 
 /// Runs a step of this connection's protocol; whatever it throws ends this connection only.
@@ -370,6 +429,7 @@ inline void Session::send_hello() {
                                             asio::buffer(owned->second)};
   stream_.async_write(buffers, [self = shared_from_this(), owned](const boost::system::error_code& ec, size_t) {
     if (ec) return self->on_closed(ec);
+    self->hello_sent_ = true;
     self->guarded([&] { self->read_header(); });
   });
 }
@@ -529,10 +589,7 @@ inline void Session::on_auth() {
     proof = handshake_mac(secret.value, server_label, role, client_nonce, server_nonce_);
   }
   role_ = role;
-  --core_->stats.handshaking;
-  if (auto it = core_->handshaking_from.find(address_); it != core_->handshaking_from.end() && --it->second <= 0) {
-    core_->handshaking_from.erase(it);
-  }
+  leave_handshake_pool();
   ++watch_generation_;  // the handshake's deadline no longer applies
   send(make_frame(FrameKind::welcome, no_version, static_cast<uint64_t>(role), proof.data(), proof.size()),
        std::string(reinterpret_cast<const char*>(proof.data()), proof.size()));
@@ -540,12 +597,6 @@ inline void Session::on_auth() {
 
 inline void Session::begin_publish() {
   if (pending_) return refuse("a publish inside a publish", &ServerStats::protocol_errors);
-  if (Session* other = core_->publishing; other != nullptr && other != this) {
-    // One publish is staged at a time, and the newest wins: a publisher that stalled mid-version
-    // (its io_timeout would end it) never holds the trainer's next version back.
-    other->said_goodbye_ = true;  // superseded, not lost: readers are not told the trainer is gone
-    other->refuse("a publish from another connection superseded this unfinished one", &ServerStats::protocol_errors);
-  }
   const auto& o = core_->options;
   Pending p;
   p.version = in_.version;
@@ -563,10 +614,42 @@ inline void Session::begin_publish() {
   }
   is_publisher_ = true;
   said_goodbye_ = false;
-  core_->publisher_lost.clear();
-  core_->publishing = this;
-  pending_ = std::move(p);
+  publish_run_ = p.run;
+  if (publishes_served_run()) core_->publisher_lost.clear();
+  stage(std::move(p));
   read_header();
+}
+
+/// Each publishing connection stages its own version: publishers never cancel one another, and a
+/// publish's fate (committed, or refused with the reason) is told at its end frame.
+inline void Session::stage(Pending p) {
+  pending_ = std::move(p);
+  core_->staging.push_back(this);
+}
+
+inline void Session::unstage() {
+  if (!pending_) return;
+  core_->staged_bytes -= pending_->staged_bytes;
+  std::erase(core_->staging, this);
+  pending_.reset();
+}
+
+/// The publish will not commit, for `why` (told at its end frame); what it held is freed now.
+inline void Session::drop_staged(const std::string& why) {
+  Pending& p = *pending_;
+  if (p.rejected.empty()) p.rejected = why;
+  p.buckets.clear();
+  p.coverage = VersionCoverage();
+  p.held_bytes = 0;
+  core_->staged_bytes -= p.staged_bytes;
+  p.staged_bytes = 0;
+}
+
+/// Whether this connection publishes the run being served (or would be the first): its loss is the
+/// trainer's, which readers waiting for a newer version must hear of. Another publisher's is not.
+inline bool Session::publishes_served_run() const {
+  std::lock_guard lock(core_->runs_mutex);
+  return core_->current_run.empty() || core_->current_run == publish_run_;
 }
 
 /// A bucket of the publish: checked (its place in the version, its header, and that its chunks cover
@@ -596,22 +679,51 @@ inline void Session::on_bucket() {
       p.rejected = std::string(unprefixed(e.what()));
     }
   }
-  if (p.rejected.empty()) {
-    p.buckets.push_back(std::move(payload_));
+  if (!p.rejected.empty()) {
+    drop_staged(p.rejected);  // it will not commit: nothing more is held for it
   } else {
-    p.buckets.clear();  // it will not commit: nothing more is held for it
-    p.coverage = VersionCoverage();
+    p.held_bytes += static_cast<int64_t>(payload_.nbytes());
+    p.buckets.push_back(std::move(payload_));
+    const int64_t staged = p.held_bytes + p.coverage.bookkeeping_bytes();
+    core_->staged_bytes += staged - p.staged_bytes;
+    p.staged_bytes = staged;
+    p.last_progress = std::chrono::steady_clock::now();
+    make_staging_room();
   }
   payload_ = at::Tensor();
   read_header();
+}
+
+/// Keeps all unfinished publishes within max_version_bytes together (this one alone fits: see
+/// allowed_payload) by dropping the others that progressed least recently: a publisher that stalled
+/// never holds an active one back, and two honest publishers whose versions fit side by side never
+/// meet this.
+inline void Session::make_staging_room() {
+  const int64_t limit = core_->options.max_version_bytes;
+  while (core_->staged_bytes > limit) {
+    Session* stalest = nullptr;
+    for (Session* s : core_->staging) {
+      if (s != this && s->pending_->staged_bytes > 0 &&
+          (stalest == nullptr || s->pending_->last_progress < stalest->pending_->last_progress)) {
+        stalest = s;
+      }
+    }
+    if (stalest == nullptr) return;
+    const auto idle = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                            stalest->pending_->last_progress);
+    stalest->drop_staged(::fsdpx::detail::str(
+        "version ", stalest->pending_->version, " was dropped before its end to make room for version ",
+        pending_->version, " from another publisher (", peer_, "): the server stages at most max_version_bytes (",
+        limit, ") of unfinished publishes together, and this one's last bucket came ", idle.count(),
+        " ms before; publish it again"));
+  }
 }
 
 inline void Session::end_publish() {
   if (!pending_ || in_.version != pending_->version)
     return refuse("an end frame outside its publish", &ServerStats::protocol_errors);
   Pending p = std::move(*pending_);
-  pending_.reset();
-  core_->publishing = nullptr;
+  unstage();
   if (p.rejected.empty() && p.received != p.count) {
     p.rejected = ::fsdpx::detail::str("version ", p.version, " ended after ", p.received, " of ", p.count, " buckets");
   }
@@ -753,12 +865,11 @@ inline void Session::refuse(const std::string& why, int64_t ServerStats::* count
   if (closed_ || closing_) return;
   try {
     ++(core_->stats.*counter);
-    if (is_publisher_ && !said_goodbye_ && role_ == Role::publish) {
+    if (is_publisher_ && !said_goodbye_ && role_ == Role::publish && publishes_served_run()) {
       core_->publisher_lost = "the trainer's connection (" + peer_ + ") sent " + why;
       core_->wake_waiters();
     }
-    pending_.reset();
-    if (core_->publishing == this) core_->publishing = nullptr;
+    unstage();
     std::string text = "the synchronizer server refused the connection from " + peer_ + ": " + why;
     send(make_frame(FrameKind::error, no_version), std::move(text), /*then_close=*/true);
     closing_ = true;  // a read still in flight (a superseded publisher's) is ignored when it ends
@@ -774,14 +885,15 @@ inline void Session::on_closed(const boost::system::error_code& ec) {
   if (closed_) return;
   closed_ = true;
   ++watch_generation_;
-  if (is_publisher_ && !said_goodbye_ && role_ == Role::publish && core_->publisher_lost.empty()) {
+  if (is_publisher_ && !said_goodbye_ && role_ == Role::publish && core_->publisher_lost.empty() &&
+      publishes_served_run()) {
     // A trainer that vanishes (killed, crashed, network gone) will not publish again: readers waiting for
     // a newer version are told now instead of at their timeout.
     try {
       core_->publisher_lost =
           pending_ ? ::fsdpx::detail::str("the trainer publishing to this synchronizer (", peer_,
                                           ") disconnected in the middle of version ", pending_->version, " (",
-                                          pending_->buckets.size(), " of ", pending_->count,
+                                          pending_->received, " of ", pending_->count,
                                           " buckets received; the partial version was discarded): ", ec.message())
                    : ::fsdpx::detail::str("the trainer publishing to this synchronizer (", peer_,
                                           ") disconnected without saying goodbye after version ", last_published_, ": ",
@@ -790,8 +902,7 @@ inline void Session::on_closed(const boost::system::error_code& ec) {
     } catch (...) {
     }
   }
-  pending_.reset();
-  if (core_->publishing == this) core_->publishing = nullptr;
+  unstage();
   boost::system::error_code ignored;
   watchdog_.cancel();
   fetch_timer_.cancel();
