@@ -3,13 +3,14 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <fstream>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include <fsdpx/core/flat_param.hpp>
 #include <fsdpx/memory/host.hpp>
+
+#include "../support/process_memory.hpp"
 
 using namespace fsdpx::core;
 using namespace fsdpx::memory;
@@ -129,15 +130,7 @@ TEST_CASE("step buffers: a block given back is reused, the cache never holds mor
 
 #if defined(__linux__)
 namespace {
-/// The process's resident memory (VmRSS), in bytes.
-int64_t resident_bytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  }
-  return -1;
-}
+int64_t resident_bytes() { return fsdpx::test::status_bytes("VmRSS"); }
 }  // namespace
 
 TEST_CASE(

@@ -12,19 +12,13 @@
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/models.hpp>
 
+#include "../support/process_memory.hpp"
+
 namespace models = fsdpx::models;
 using Sharded = fsdpx::Fsdp<models::CausalLM, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::FullPrecision,
                             fsdpx::ShardedStateDict, fsdpx::WrapModules<models::DecoderLayerImpl>>;
 
-/// A field of /proc/self/status in bytes (VmRSS, VmHWM).
-int64_t status_bytes(const std::string& field) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
-  }
-  return -1;
-}
+using fsdpx::test::status_bytes;
 
 int main(int argc, char** argv) {
   auto world = fsdpx::dist::MpiCommunicator::world();

@@ -272,9 +272,12 @@ FSDPX_DECL std::vector<at::Tensor> pack_buckets(const std::vector<NamedTensor>& 
 class TensorCollector {
  public:
   /// `max_bytes`: the most the tensors of one version may take together; a sender announcing more is
-  /// refused before the allocation.
-  explicit TensorCollector(at::Device device = at::kCPU, int64_t max_bytes = std::numeric_limits<int64_t>::max())
-      : device_(device), max_bytes_(max_bytes) {}
+  /// refused before the allocation. `huge_pages`: host tensors from memory::empty_buffer (2 MiB pages
+  /// from 2 MiB); a receiver of untrusted peers passes false, so that scattered one-element chunks
+  /// touch 4 KiB of memory each, not 2 MiB (1,024 of them, a 40 KB bucket, touched 2 GiB).
+  explicit TensorCollector(at::Device device = at::kCPU, int64_t max_bytes = std::numeric_limits<int64_t>::max(),
+                           bool huge_pages = true)
+      : device_(device), max_bytes_(max_bytes), huge_pages_(huge_pages) {}
 
   FSDPX_DECL void accept(const BucketEntry& e, const at::Tensor& chunk);
 
@@ -297,6 +300,7 @@ class TensorCollector {
 
   at::Device device_;
   int64_t max_bytes_;
+  bool huge_pages_;
   int64_t allocated_ = 0;
   std::unordered_map<std::string, size_t> index_;
   std::vector<NamedTensor> tensors_;

@@ -425,8 +425,9 @@ FSDPX_DECL std::unordered_map<std::string, size_t>::iterator TensorCollector::ad
   FSDPX_CHECK_AS(SyncError, cost <= max_bytes_ - allocated_, "received weights: tensor '", e.name, "' of ", bytes,
                  " bytes would take the version beyond its limit of ", max_bytes_, " bytes");
   allocated_ += cost;
+  const auto options = at::TensorOptions().dtype(e.dtype).device(device_);
   tensors_.push_back(
-      {e.name, memory::empty_buffer(numel, at::TensorOptions().dtype(e.dtype).device(device_)).view(e.shape)});
+      {e.name, (huge_pages_ ? memory::empty_buffer(numel, options) : at::empty({numel}, options)).view(e.shape)});
   received_.emplace_back();
   return index_.emplace(e.name, tensors_.size() - 1).first;
 }

@@ -419,7 +419,7 @@ class ClientConnection {
     if (begin.aux == 0 || begin.aux > static_cast<uint64_t>(options_.max_version_bytes / bucket_prefix_bytes)) {
       fail(::fsdpx::detail::str("a version of ", begin.aux, " buckets"), what);
     }
-    TensorCollector collector(at::kCPU, options_.max_version_bytes);
+    TensorCollector collector(at::kCPU, options_.max_version_bytes, /*huge_pages=*/false);  // the server is a peer
     std::vector<NamedTensor> tensors;
     for (uint64_t k = 0; k < begin.aux; ++k) {
       fetch_progress_ =

@@ -737,7 +737,7 @@ inline void Session::end_publish() {
     try {
       // The version's tensors (a copy of its chunks) go to the store: a full version replaces the held
       // one, a delta is applied to it; every CRC-32C is checked. The buckets as they came are served.
-      TensorCollector collector(at::kCPU, core_->options.max_version_bytes);
+      TensorCollector collector(at::kCPU, core_->options.max_version_bytes, /*huge_pages=*/false);  // a peer's
       for (const at::Tensor& bucket : p.buckets) {
         const BucketLayout b = decode_header(bucket.const_data_ptr<uint8_t>(), bucket.numel(), "publisher " + peer_);
         for (const auto& e : b.entries) collector.accept(e, entry_view(bucket, e));
