@@ -872,7 +872,7 @@ inline void Session::refuse(const std::string& why, int64_t ServerStats::* count
     unstage();
     std::string text = "the synchronizer server refused the connection from " + peer_ + ": " + why;
     send(make_frame(FrameKind::error, no_version), std::move(text), /*then_close=*/true);
-    closing_ = true;  // a read still in flight (a superseded publisher's) is ignored when it ends
+    closing_ = true;  // a read still in flight (a bucket the peer was still sending) is ignored when it ends
     fetch_timer_.cancel();
     boost::system::error_code ignored;
     stream_.socket().shutdown(tcp::socket::shutdown_receive, ignored);
