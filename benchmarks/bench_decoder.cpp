@@ -11,9 +11,9 @@
 //             each with LibTorch's AdamW, or with fsdpx::FusedAdamW (ATen's fused kernel): plain-fused, ...
 // The configurations run in turn on one loaded model (loading dominates a short run's time). One sample
 // of TOKENS tokens per rank. FSDPX_SYNC_DEBUG=1 also reports the host synchronizations of one step of
-// each (CUDA's sync debug mode). One RESULT line per configuration (rank 0): the median step over the
-// timed steps (slowest rank) and the peak memory (largest rank: allocated GPU memory since the
-// configuration began, or the process's RSS).
+// each (CUDA's sync debug mode); FSDPX_PROFILE=DIR writes a trace of one step of each (cuda_profile.hpp).
+// One RESULT line per configuration (rank 0): the median step over the timed steps (slowest rank) and the
+// peak memory (largest rank: allocated GPU memory since the configuration began, or the process's RSS).
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
@@ -35,6 +35,7 @@
 #endif
 
 #include "../examples/common/memory.hpp"
+#include "cuda_profile.hpp"
 #include "timing.hpp"
 
 namespace models = fsdpx::models;
@@ -160,6 +161,7 @@ int run(fsdpx::dist::AnyCommunicator world, const c10::Device& device, const Run
     if (std::getenv("FSDPX_SYNC_DEBUG") != nullptr) report_host_syncs(device, unsynchronized_step);
     std::vector<double> times;
     for (int i = 0; i < r.steps; ++i) times.push_back(fsdpx::bench::time_once(world, step));
+    fsdpx::bench::profile_step(fsdpx::bench::trace_name("fsdpx-" + config.name, world.rank(), world.size()), step);
     auto peak = at::tensor({peak_gib(device)}, at::kDouble).to(device);
     world.all_reduce(peak, fsdpx::dist::ReduceOp::max);
     const double seconds = fsdpx::bench::median(times);

@@ -5,9 +5,10 @@
 //   mpiexec -n 2 bench_gpt fsdpx      [steps=6 warmup=2 batch=8 seq=256 dim=384 layers=6 vocab=8192 heads=6]
 //   bench_gpt unsharded               [same]                  CPU, float32
 //   torchrun --no-python bench_gpt fsdpx-cuda    [same]      NCCL, BF16Mixed, one GPU per rank
+//   torchrun --no-python bench_gpt fsdpx-cuda-fused  [same]  the same, stepped by FusedAdamW
 //   bench_gpt libtorch-cuda                      [same]      plain LibTorch, bf16 autocast
 // CUDA modes print tokens/s, peak allocated GPU memory and MFU (peak: FSDPX_PEAK_TFLOPS, default
-// 989 = H100 SXM dense bf16).
+// 989 = H100 SXM dense bf16); FSDPX_PROFILE=DIR writes a trace of one step (cuda_profile.hpp).
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -31,6 +32,7 @@
 
 #include "../examples/common/gpt.hpp"
 #include "../examples/common/memory.hpp"
+#include "cuda_profile.hpp"
 
 using fsdpx::examples::BlockImpl;
 using fsdpx::examples::Gpt;
@@ -65,9 +67,13 @@ int run_cuda(const std::string& mode, const GptConfig& config, int64_t batch, in
   using Sharded = fsdpx::Fsdp<Gpt, fsdpx::FullShard, fsdpx::NoOffload, fsdpx::BF16Mixed, fsdpx::ShardedStateDict,
                               fsdpx::WrapModules<BlockImpl>>;
   std::unique_ptr<Sharded> sharded;
-  if (mode == "fsdpx-cuda") {
+  if (mode == "fsdpx-cuda" || mode == "fsdpx-cuda-fused") {
     sharded = std::make_unique<Sharded>(model, fsdpx::dist::nccl_world());
-    optimizer = std::make_unique<torch::optim::AdamW>(fsdpx::make_adamw(*sharded, options));
+    if (mode == "fsdpx-cuda-fused") {
+      optimizer = std::make_unique<fsdpx::FusedAdamW>(fsdpx::make_adamw<fsdpx::FusedAdamW>(*sharded, options));
+    } else {
+      optimizer = std::make_unique<torch::optim::AdamW>(fsdpx::make_adamw(*sharded, options));
+    }
     step = [&] {
       optimizer->zero_grad();
       (*sharded)(x, y).backward();
@@ -92,6 +98,10 @@ int run_cuda(const std::string& mode, const GptConfig& config, int64_t batch, in
   for (int s = 0; s < steps; ++s) step();
   torch::cuda::synchronize();
   const double seconds = std::chrono::duration<double>(Clock::now() - t0).count();
+  fsdpx::bench::profile_step(fsdpx::bench::trace_name(mode + "-gpt", env.rank, env.world_size), [&] {
+    step();
+    torch::cuda::synchronize();
+  });
   const double tokens_per_s = static_cast<double>(per * config.seq * steps) / seconds;  // per GPU
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(index);
   const double peak_gib =
@@ -124,10 +134,11 @@ int main(int argc, char** argv) {
   config.vocab = arg(argc, argv, 8, 8192);
   config.heads = arg(argc, argv, 9, 6);
 #if defined(FSDPX_WITH_NCCL)
-  if (mode == "fsdpx-cuda" || mode == "libtorch-cuda") return run_cuda(mode, config, batch, steps, warmup);
+  if (mode == "fsdpx-cuda" || mode == "fsdpx-cuda-fused" || mode == "libtorch-cuda")
+    return run_cuda(mode, config, batch, steps, warmup);
 #endif
   FSDPX_CHECK(mode == "fsdpx" || mode == "unsharded", "bench_gpt: unknown mode '", mode,
-              "' (fsdpx, unsharded; with NCCL also fsdpx-cuda, libtorch-cuda)");
+              "' (fsdpx, unsharded; with NCCL also fsdpx-cuda, fsdpx-cuda-fused, libtorch-cuda)");
 
   at::manual_seed(0);
   Gpt model(config);

@@ -31,6 +31,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from cuda_profile import profile_step  # benchmarks/ is on the path: scripts run as benchmarks/NAME.py
+
 SHAPES = {
     "qwen2-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                        num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
@@ -110,6 +112,7 @@ def fsdp2(path, tokens, steps, warmup, configs, device):
         for _ in range(warmup):
             step()
         seconds = statistics.median(timed() for _ in range(steps))
+        profile_step(f"fsdp2-{config}" + (f"-rank{rank}" if world > 1 else ""), step)
         if cuda:
             peak = torch.cuda.max_memory_allocated() / 2**30
         else:

@@ -2,11 +2,12 @@
 (fully_shard) or DDP under torchrun. Prints one RESULT line like bench_gpt.
 
     torchrun --standalone --nproc-per-node=2 benchmarks/fsdp2_gpt.py fsdp2|ddp [steps warmup batch seq dim layers vocab heads]
-    torchrun --standalone --nproc-per-node=1 benchmarks/fsdp2_gpt.py fsdp2-cuda [same]
+    torchrun --standalone --nproc-per-node=1 benchmarks/fsdp2_gpt.py fsdp2-cuda|fsdp2-cuda-fused [same]
 
 CPU modes use gloo and float32; fsdp2-cuda uses NCCL and MixedPrecisionPolicy(bf16 params, fp32
 reduce), the counterpart of fsdpx's BF16Mixed, and reports tokens/s, peak GPU memory and MFU
-(peak: FSDPX_PEAK_TFLOPS, default 989 = H100 SXM dense bf16).
+(peak: FSDPX_PEAK_TFLOPS, default 989 = H100 SXM dense bf16); -fused steps AdamW with fused=True.
+FSDPX_PROFILE=DIR writes a trace of one CUDA step (benchmarks/cuda_profile.py).
 """
 import math
 import os
@@ -18,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+
+from cuda_profile import profile_step  # benchmarks/ is on the path: scripts run as benchmarks/NAME.py
 
 
 class Block(nn.Module):
@@ -58,6 +61,8 @@ class GPT(nn.Module):
 
 def main():
     mode = sys.argv[1]
+    fused = mode.endswith("-fused")
+    mode = mode.removesuffix("-fused")
     defaults = [6, 2, 8, 256, 384, 6, 8192, 6]
     given = [int(a) for a in sys.argv[2:]]
     steps, warmup, batch, seq, dim, layers, vocab, heads = given + defaults[len(given):]
@@ -83,7 +88,8 @@ def main():
         run = nn.parallel.DistributedDataParallel(model)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-4)
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-4,
+                            fused=fused or None)
     torch.manual_seed(1)
     tokens = torch.randint(vocab, (batch, seq + 1))
     per = batch // world
@@ -104,12 +110,14 @@ def main():
             step()
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
+        profile_step(f"pytorch-{mode}{'-fused' if fused else ''}-gpt" + (f"-rank{rank}" if world > 1 else ""),
+                     lambda: (step(), torch.cuda.synchronize()))
         tps = per * seq * steps / seconds
         flops = 6.0 * params + 12.0 * layers * seq * dim
         peak = float(os.environ.get("FSDPX_PEAK_TFLOPS", "989")) * 1e12
         if rank == 0:
-            print(f"RESULT contender=pytorch-{mode} world={world} params={params} batch={batch} seq={seq} "
-                  f"step_ms={seconds * 1000 / steps:.1f} tokens_per_s_per_gpu={tps:.0f} "
+            print(f"RESULT contender=pytorch-{mode}{'-fused' if fused else ''} world={world} params={params} "
+                  f"batch={batch} seq={seq} step_ms={seconds * 1000 / steps:.1f} tokens_per_s_per_gpu={tps:.0f} "
                   f"peak_gpu_gib={torch.cuda.max_memory_allocated() / 2**30:.2f} mfu={tps * flops / peak:.3f}", flush=True)
         dist.destroy_process_group()
         return
@@ -125,8 +133,8 @@ def main():
     stats = torch.tensor([times[len(times) // 2], resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0], dtype=torch.float64)
     dist.all_reduce(stats, op=dist.ReduceOp.MAX)
     if rank == 0:
-        print(f"RESULT contender=pytorch-{mode} world={world} params={params} batch={batch} seq={seq} "
-              f"step_ms={stats[0].item():.1f} peak_rss_mib={stats[1].item():.0f}", flush=True)
+        print(f"RESULT contender=pytorch-{mode}{'-fused' if fused else ''} world={world} params={params} batch={batch} "
+              f"seq={seq} step_ms={stats[0].item():.1f} peak_rss_mib={stats[1].item():.0f}", flush=True)
     dist.destroy_process_group()
 
 

@@ -2,12 +2,15 @@
 # The GPU runs of docs/gpu.md in one command, for the lent GPU machine (CUDA PyTorch, nvcc, NCCL; no MPI,
 # Boost or Catch2, no network): configure NCCL-only, build the GPU tests and benchmarks, then the decoder
 # beside PyTorch FSDP2 + transformers (benchmarks/run_decoder_bench.sh: a random Qwen2-1.5B-shaped folder
-# made there), `ctest -L gpu`, then the toy GPT's throughput comparison (fsdpx-cuda, libtorch-cuda, FSDP2).
+# made there), `ctest -L gpu`, then the toy GPT's throughput comparison (fsdpx-cuda, libtorch-cuda, FSDP2),
+# and on request (`profile`, not part of all) one traced step of the decoder and the GPT on each side, with
+# fused AdamW on both, summarised by benchmarks/trace_summary.py (traces in TRACES).
 # The whole script fits in about 6 minutes of device time, so that a rerun after a fix fits one lease.
-#   tools/gpu_check.sh [build|decoder|test|bench|all]...      (default: all, in that order)
+#   tools/gpu_check.sh [build|decoder|test|bench|profile|all]...   (default: all = all but profile, in that order)
 # The machine has no package registry: the Debian packages it lacks (catch2, nlohmann-json3-dev) travel
 # as .deb files in .gpu/ (ignored by git; `apt-get download` them there) and are unpacked into a prefix.
-# Env: DEBS (default .gpu), BUILD_DIR (default build-gpu),
+# Env: DEBS (default .gpu), BUILD_DIR (default build-gpu), TARGETS (what the build step builds),
+#      TRACES (the profile step's folder, default /tmp/fsdpx-traces),
 #      REPEAT (the decoder's rounds, default 2), GPT_REPEAT (the GPT's, default 1), JOBS,
 #      BENCH_ARGS (bench_gpt's "steps warmup batch seq dim layers vocab heads"),
 #      and run_decoder_bench.sh's TOKENS, STEPS, WARMUP, OPTIMS, CONFIGS, SHAPE, MODEL_DIR.
@@ -24,7 +27,11 @@ steps=("$@")
 status=0
 note() { printf '\n==== %s (at %d s)\n' "$*" "$SECONDS"; }  # the phases' times: the script must fit one lease
 fail() { echo "FAILED: $*"; [[ $status -ne 0 ]] || status=1; }
-want() { local s; for s in "${steps[@]}"; do [[ $s == all || $s == "$1" ]] && return 0; done; return 1; }
+want() {  # all means every step but profile
+  local s
+  for s in "${steps[@]}"; do [[ $s == "$1" || ($s == all && $1 != profile) ]] && return 0; done
+  return 1
+}
 
 if want build; then
   note "machine"
@@ -42,7 +49,7 @@ if want build; then
         -DFSDPX_BUILD_EXAMPLES=OFF -DFSDPX_BUILD_TOOLS=OFF 2>&1 | grep -E "fsdpx|Error|error" || true
   [[ -f $BUILD/build.ninja ]] || fail "configure"
   note "build"
-  cmake --build "$BUILD" -j "$JOBS" --target fsdpx_nccl_tests fsdpx_gpu_parity bench_gpt bench_decoder 2>&1 | grep -E -A8 "error|FAILED" | head -150
+  cmake --build "$BUILD" -j "$JOBS" --target ${TARGETS:-fsdpx_nccl_tests fsdpx_gpu_parity bench_gpt bench_decoder} 2>&1 | grep -E -A8 "error|FAILED" | head -150
   [[ ${PIPESTATUS[0]} -eq 0 ]] || fail "build"
 fi
 
@@ -67,6 +74,24 @@ if want bench; then
      python3 -m torch.distributed.run --standalone --nproc-per-node=1 benchmarks/fsdp2_gpt.py fsdp2-cuda "${ARGS[@]}" 2>&1 | tail -5) ||
       fail "fsdp2-cuda"
   done
+fi
+if want profile; then
+  traces=${TRACES:-/tmp/fsdpx-traces} model=${MODEL_DIR:-/tmp/decoder_bench_model}
+  note "profile: one traced step per side, fused AdamW (traces in $traces)"
+  [[ -f $model/config.json ]] || python3 benchmarks/decoder_bench.py make "$model" --shape qwen2-1.5b --device cuda
+  export FSDPX_PROFILE=$traces RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1
+  torchrun=(python3 -m torch.distributed.run --standalone --nproc-per-node=1)
+  (unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR
+   "${torchrun[@]}" --no-python "$BUILD/benchmarks/bench_decoder" cuda "$model" 4096 2 2 plain-fused ckpt-fused 2>&1 |
+     grep -E "RESULT|rror") || fail "fsdpx decoder profile"
+  (unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR
+   "${torchrun[@]}" benchmarks/decoder_bench.py fsdp2 "$model" 4096 2 2 plain-fused ckpt-fused --device cuda 2>&1 |
+     grep -E "RESULT|rror") || fail "fsdp2 decoder profile"
+  MASTER_PORT=29531 "$BUILD/benchmarks/bench_gpt" fsdpx-cuda-fused "${ARGS[@]}" 2>&1 | tail -3 || fail "fsdpx gpt profile"
+  (unset RANK WORLD_SIZE LOCAL_RANK MASTER_ADDR
+   "${torchrun[@]}" benchmarks/fsdp2_gpt.py fsdp2-cuda-fused "${ARGS[@]}" 2>&1 | tail -3) || fail "fsdp2 gpt profile"
+  unset FSDPX_PROFILE
+  python3 benchmarks/trace_summary.py "$traces"/*.json || fail "trace summary"
 fi
 note "done"
 exit $status

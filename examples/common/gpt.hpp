@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cmath>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,13 @@ struct GptConfig {
   bool tied = false;
 };
 
+// Through at::linear, as PyTorch's F.linear, rather than torch::nn::Linear's forward: LibTorch's
+// functional linear multiplies and then adds the bias for inputs of more than two dimensions, where
+// at::linear folds the bias into the product (cuBLASLt's epilogue on a GPU: one kernel, not two).
+inline at::Tensor linear(const torch::nn::Linear& layer, const at::Tensor& x) {
+  return at::linear(x, layer->weight, layer->bias.defined() ? std::optional<at::Tensor>(layer->bias) : std::nullopt);
+}
+
 struct BlockImpl : torch::nn::Module {
   BlockImpl(const GptConfig& c) : heads(c.heads) {
     ln1 = register_module("ln1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
@@ -34,12 +42,12 @@ struct BlockImpl : torch::nn::Module {
   }
   at::Tensor forward(const at::Tensor& x) {
     const auto B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads;
-    auto q_k_v = qkv(ln1(x)).view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});
+    auto q_k_v = linear(qkv, ln1(x)).view({B, T, 3, heads, hd}).permute({2, 0, 3, 1, 4});
     auto att = at::matmul(q_k_v[0], q_k_v[1].transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
     att = att.masked_fill(at::ones({T, T}, at::TensorOptions().dtype(at::kBool).device(x.device())).triu(1), -1e9);
     auto y = at::matmul(at::softmax(att, -1), q_k_v[2]).transpose(1, 2).reshape({B, T, C});
-    auto h = x + proj(y);
-    return h + fc2(torch::gelu(fc(ln2(h))));
+    auto h = x + linear(proj, y);
+    return h + linear(fc2, torch::gelu(linear(fc, ln2(h))));
   }
   int64_t heads;
   torch::nn::LayerNorm ln1{nullptr}, ln2{nullptr};
@@ -66,7 +74,7 @@ struct GptImpl : torch::nn::Module {
     auto x = tok(idx) + pos(at::arange(idx.size(1), at::TensorOptions().dtype(at::kLong).device(idx.device())));
     for (auto& b : blocks) x = fsdpx::forward(b, x);
     x = ln_f(x);
-    return config.tied ? at::linear(x, tok->weight) : head(x);
+    return at::linear(x, config.tied ? tok->weight : head->weight);
   }
   GptConfig config;
   torch::nn::Embedding tok{nullptr}, pos{nullptr};
