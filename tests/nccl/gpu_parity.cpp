@@ -9,8 +9,10 @@
 #include <catch2/catch.hpp>
 
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <optional>
+#include <vector>
 
 #include <c10/cuda/CUDAFunctions.h>
 
@@ -152,6 +154,44 @@ TEST_CASE("GPU: packed samples: variable-length flash attention equals attention
       logits_error, logits_bound, gradients_error, gradient_bound);
   CHECK(logits_error <= logits_bound);
   CHECK(gradients_error <= gradient_bound);
+}
+
+// Issue 51: Ulysses' two all-to-alls on a device, over NCCL, around causal attention in bfloat16 (SDPA
+// picks flash or cuDNN there), forward and backward, against the same attention without them. At one rank
+// each exchange copies the rank's own block on the GPU, so the outputs must be equal bit for bit; the
+// gradients may differ by the attention backward's own nondeterminism (atomic sums in float32, rounded
+// to bfloat16 once: at most one bfloat16 ulp of the largest gradient). What this proves is the device
+// path: NCCL's all_to_all on CUDA tensors, ordered on the caller's stream, and autograd through it.
+TEST_CASE("GPU: Ulysses exchanges over NCCL around bfloat16 attention equal the attention alone", "[gpu][ulysses]") {
+  auto& ctx = parity_context();
+  const auto options = at::TensorOptions().dtype(at::kBFloat16).device(ctx.device);
+  const int64_t batch = 2, tokens = 1024, heads = 8, head_dim = 64;
+  at::manual_seed(5);
+  const at::Tensor q0 = at::randn({batch, tokens, heads, head_dim}, options),
+                   k0 = at::randn({batch, tokens, heads, head_dim}, options),
+                   v0 = at::randn({batch, tokens, heads, head_dim}, options),
+                   upstream = at::randn({batch, tokens, heads, head_dim}, options.dtype(at::kFloat));
+  const auto run = [&](bool exchange) {
+    const at::Tensor q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true),
+                     v = v0.clone().requires_grad_(true);
+    const auto to_heads = [&](const at::Tensor& x) { return exchange ? models::sequence_to_heads(x, ctx.comm) : x; };
+    at::Tensor y = at::scaled_dot_product_attention(to_heads(q).transpose(1, 2), to_heads(k).transpose(1, 2),
+                                                    to_heads(v).transpose(1, 2), {}, 0.0, /*is_causal=*/true)
+                       .transpose(1, 2)
+                       .contiguous();
+    if (exchange) y = models::heads_to_sequence(y, ctx.comm);
+    (y.to(at::kFloat) * upstream).sum().backward();
+    return std::vector<at::Tensor>{y.detach(), q.grad(), k.grad(), v.grad()};
+  };
+  const auto exchanged = run(true), alone = run(false);
+  CHECK(at::equal(exchanged[0], alone[0]));
+  const double ulp = std::ldexp(1.0, -7);  // bfloat16's spacing relative to a value in [1, 2)
+  for (size_t i = 1; i < exchanged.size(); ++i) {
+    const double error = (exchanged[i] - alone[i]).abs().max().item<double>();
+    const double scale = alone[i].abs().max().item<double>();
+    INFO("gradient " << i << ": largest difference " << error << ", largest gradient " << scale);
+    CHECK(error <= ulp * scale);
+  }
 }
 
 // Issue 34: a mixture of experts on CUDA in bfloat16: the grouped products (at::_grouped_mm, the default
