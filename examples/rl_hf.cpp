@@ -17,14 +17,15 @@
 // of a group sample the same prompts (generation runs with the group off) and take their rank 0's
 // rollouts, pack them into rows of a multiple of P tokens and each take a slice of every row for the
 // log-probs and the step (Ulysses).
-//   5. send the new weights to the rollout ranks (WeightBroadcaster, bfloat16) and checkpoint in the
-//      background every --save-every steps (CheckpointCoordinator; --resume continues from the newest).
+//   5. send the new weights to the rollout ranks (WeightBroadcaster, bfloat16; with --delta each version
+//      as the delta from the one before, checked on arrival) and checkpoint in the background every
+//      --save-every steps (CheckpointCoordinator; --resume continues from the newest).
 // Rollout ranks receive every version into an unsharded bfloat16 copy and report the reward of its
 // samples on held-out prompts, always with the same seed (what a rollout engine would do with the weights).
 //
 //   mpiexec -n 3 rl_hf --model DIR [--trainers 2] [--steps 8] [--prompts 2] [--samples 4] [--new-tokens 12]
 //                      [--lr 1e-3] [--kl-beta 0.02] [--eos ID] [--save-every 4] [--ckpt-dir DIR] [--resume]
-//                      [--sequence-parallel P]
+//                      [--sequence-parallel P] [--delta]
 //   torchrun --nproc-per-node=3 --no-python rl_hf ...     (GPUs: NCCL, one GPU per rank)
 #include <algorithm>
 #include <cmath>
@@ -69,6 +70,7 @@ struct Args {
   std::string ckpt_dir = "rl_hf_checkpoints";
   bool resume = false;
   int sequence_parallel = 1;  // trainer ranks per sequence group
+  bool delta = false;         // weight versions as deltas (cut versions)
 };
 
 /// This rank's positions [first, first + n) of rows' [rows, T - 1] next-token values (log_probs' layout).
@@ -118,6 +120,7 @@ int main(int argc, char** argv) try {
   app.add_option("--sequence-parallel", args.sequence_parallel,
                  "trainer ranks that split each packed row (Ulysses); must divide the trainers and the attention heads")
       ->check(CLI::PositiveNumber);
+  app.add_flag("--delta", args.delta, "send each weight version to the rollouts as the delta from the one before");
   CLI11_PARSE(app, argc, argv);
 
   auto [world, device] = fsdpx::examples::init_world();
@@ -158,7 +161,9 @@ int main(int argc, char** argv) try {
     if (groups) {
       auto first = at::full({1}, start + 1, at::TensorOptions().dtype(at::kLong).device(device));
       world.broadcast(first, 0);  // the rollouts learn which version comes first
-      sender.emplace(policy, groups->model_update, fsdpx::sync::BroadcastOptions{.dtype = at::kBFloat16});
+      fsdpx::sync::BroadcastOptions options{.dtype = at::kBFloat16};
+      if (args.delta) options.delta = fsdpx::sync::DeltaOptions{};  // receivers need none: each version says its kind
+      sender.emplace(policy, groups->model_update, options);
     }
 #if defined(FSDPX_WITH_BOOST)
     std::optional<fsdpx::CheckpointCoordinator> ckpt;
@@ -290,8 +295,9 @@ int main(int argc, char** argv) try {
       const at::Tensor fresh =
           out.sequences.narrow(1, held_out.size(1), out.sequences.size(1) - held_out.size(1)).cpu();
       if (groups->rollout->rank() == 0) {
-        std::printf("rollout: version %lld  reward of held-out samples %.3f\n", static_cast<long long>(version),
-                    rewards(fresh, out.generated_lengths.cpu()).mean().item<double>());
+        std::printf("rollout: version %lld  reward of held-out samples %.3f%s\n", static_cast<long long>(version),
+                    rewards(fresh, out.generated_lengths.cpu()).mean().item<double>(),
+                    receiver.last_was_delta() ? "  (delta)" : "");
         std::fflush(stdout);
       }
     }

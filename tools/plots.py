@@ -10,6 +10,7 @@ import argparse
 import csv
 import math
 import os
+import re
 import sys
 from xml.sax.saxutils import escape
 
@@ -177,6 +178,58 @@ def collectives(data, out):
                colors=[COLORS[0], COLORS[0], COLORS[1], COLORS[1]], labels=False)
 
 
+def soak_chart(path, title, x_label, x_max, warmup, series):
+    """Resident memory of each process against a numeric x (steps or seconds: samples are not evenly
+    spaced), with a dashed line where warm-up ends."""
+    svg = Svg(title, x_label, "VmRSS (MiB)")
+    plot_w, plot_h = W - LEFT - RIGHT, H - TOP - BOTTOM
+    xticks = nice_ticks(x_max)
+    yticks = nice_ticks(1.3 * max(v for _, pts in series for _, v in pts))  # room above the lines for the legend
+    to_x = lambda v: LEFT + plot_w * v / xticks[-1]
+    to_y = lambda v: TOP + plot_h * (1 - v / yticks[-1])
+    svg.y_axis(yticks, to_y)
+    for t in xticks:
+        svg.add(f'<text x="{to_x(t):.1f}" y="{H - BOTTOM + 18}" text-anchor="middle">{fmt(t)}</text>')
+    wx = to_x(warmup)
+    svg.add(f'<line x1="{wx:.1f}" y1="{TOP}" x2="{wx:.1f}" y2="{H - BOTTOM}" stroke="#7f7f7f" stroke-dasharray="4 4"/>')
+    svg.add(f'<text x="{wx + 4:.1f}" y="{H - BOTTOM - 6}" fill="#7f7f7f">end of warm-up</text>')
+    for k, (_, pts) in enumerate(series):
+        svg.add(f'<polyline fill="none" stroke="{COLORS[k % len(COLORS)]}" stroke-width="2" points="'
+                + " ".join(f"{to_x(x):.1f},{to_y(y):.1f}" for x, y in pts) + '"/>')
+    svg.legend([name for name, _ in series], x=W - RIGHT - 150)
+    svg.write(path)
+
+
+def comments_of(path):
+    with open(path) as f:
+        return "".join(line for line in f if line.startswith("#"))
+
+
+def rl_soak(data, out):
+    """RSS of each rl_hf process against the step."""
+    path = os.path.join(data, "rl_soak.csv")
+    rows, comments = read_csv(path), comments_of(path)
+    steps = int(re.search(r"--steps (\d+)", comments).group(1))  # the last sample may come before the last step
+    warmup = int(re.search(r"Warm-up: (\d+) steps", comments).group(1))
+    names = {"rank0_mib": "rank 0 (trainer)", "rank1_mib": "rank 1 (trainer)", "rank2_mib": "rank 2 (rollout)"}
+    series = [(name, [(int(r["step"]), float(r[key])) for r in rows if r[key]]) for key, name in names.items()]
+    soak_chart(os.path.join(out, "rl_soak.svg"), f"Resident memory per process over {steps:,} RL steps (rl_hf)",
+               "step", steps, warmup, series)
+
+
+def sync_soak(data, out):
+    """RSS of the synchronizer's server, publisher and readers against time, over a burst of versions."""
+    path = os.path.join(data, "sync_soak.csv")
+    rows, comments = read_csv(path), comments_of(path)
+    versions = int(re.search(r"--versions (\d+)", comments).group(1))
+    warm_version = int(re.search(r"Warm-up: (\d+) versions", comments).group(1))
+    warmup = next(float(r["seconds"]) for r in rows if int(r["versions"]) >= warm_version)
+    keys = [k for k in rows[0] if k.endswith("_mib")]
+    series = [(k[:-4].replace("_", " "), [(float(r["seconds"]), float(r[k])) for r in rows if r[k]]) for k in keys]
+    soak_chart(os.path.join(out, "sync_soak.svg"), f"Synchronizer service over a burst of {versions:,} versions",
+               "seconds", float(rows[-1]["seconds"]), warmup, series)
+
+
 def main():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -184,7 +237,7 @@ def main():
     p.add_argument("--out", default=os.path.join(root, "docs", "img"))
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    for plot in (memory_per_rank, gpt_step_time, collectives):
+    for plot in (memory_per_rank, gpt_step_time, collectives, rl_soak, sync_soak):
         plot(args.data, args.out)
     return 0
 

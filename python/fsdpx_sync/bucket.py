@@ -34,10 +34,21 @@ DTYPES = {
 ESIZE = {code: torch.empty(0, dtype=dt).element_size() for code, dt in DTYPES.items()}
 # Bytes an entry takes in a header at the least: a count the header cannot hold is refused at once.
 MIN_ENTRY_BYTES = 2 + 1 + 1 + 3 * 8
-# What a tensor costs in Python beyond its bytes (the tensor object, its storage, the dict entries):
-# counted against max_version_bytes, so that a version of many tiny tensors is not free.
-TENSOR_BOOKKEEPING = 1024
+# A receiver's bookkeeping costs memory whatever the bytes that came with it: a bucket's entries, or a
+# version's tensors, may make it hold at most BOOKKEEPING_FLOOR more than the bytes that arrived (the C++
+# receivers' rule, include/fsdpx/sync/bucket.hpp, with Python's costs: upper bounds, docs/sync.md "Bounds").
+BOOKKEEPING_FLOOR = 64 << 20
+PARSED_ENTRY_BYTES = 256  # what the C++ reader holds per parsed entry: the same count is refused here
+TENSOR_BOOKKEEPING = 2048  # a received tensor besides its elements (two tensor objects, three dict entries)
 RANGE_BOOKKEEPING = 64  # a range of received elements (chunks out of order)
+
+
+def bookkeeping_problem(bookkeeping: int, arrived: int, what: str) -> Optional[str]:
+    """Why `bookkeeping` bytes of bookkeeping are too many after `arrived` bytes, or None."""
+    if bookkeeping <= BOOKKEEPING_FLOOR + arrived:
+        return None
+    return (f"{what} would make this receiver hold {bookkeeping} bytes of bookkeeping for {arrived} bytes that "
+            f"arrived (at most {BOOKKEEPING_FLOOR} more than the bytes): too many entries or tensors for their bytes")
 
 _NAME_LEN = struct.Struct("<H")
 _DTYPE_NDIM = struct.Struct("<BB")
@@ -131,6 +142,10 @@ def decode_bucket(data, where: str) -> Bucket:
         b.fail(f"bucket index {index} of {count}")
     if count_entries > (header_bytes - PREFIX_BYTES) // MIN_ENTRY_BYTES:
         b.fail(f"{count_entries} entries cannot fit in a header of {header_bytes} bytes")
+    problem = bookkeeping_problem(count_entries * PARSED_ENTRY_BYTES, total_bytes - header_bytes,
+                                  f"its {count_entries} entries")
+    if problem is not None:
+        b.fail(problem)
     return b
 
 
@@ -222,18 +237,24 @@ class Collector:
         self.tensors: Dict[str, torch.Tensor] = {}
         self.flat: Dict[str, torch.Tensor] = {}
         self.received: Dict[str, Coverage] = {}
-        self.max_bytes, self.allocated = max_bytes, 0
+        self.max_bytes, self.allocated = max_bytes, 0  # the tensors' bytes
+        self.arrived = self.bookkeeping = 0  # the chunks' bytes accepted; what is held beyond the tensors' bytes
 
-    def _charge(self, cost: int, what: str):
-        if self.allocated + cost > self.max_bytes:
-            raise SyncError(f"fsdpx: received weights: {what} would take the version beyond max_version_bytes "
-                            f"({self.max_bytes}, bookkeeping included)")
-        self.allocated += cost
+    def _charge_bookkeeping(self, cost: int, what: str):
+        self.bookkeeping += cost
+        problem = bookkeeping_problem(self.bookkeeping, self.arrived, what)
+        if problem is not None:
+            raise SyncError(f"fsdpx: received weights: {problem}")
 
     def accept(self, e: Entry, bucket):
         t = self.tensors.get(e.name)
         if t is None:
-            self._charge(e.nbytes + TENSOR_BOOKKEEPING + len(e.name), f"tensor '{e.name}' of {e.nbytes} bytes")
+            if self.allocated + e.nbytes > self.max_bytes:
+                raise SyncError(f"fsdpx: received weights: tensor '{e.name}' of {e.nbytes} bytes would take the "
+                                f"version beyond max_version_bytes ({self.max_bytes})")
+            self.allocated += e.nbytes
+            self._charge_bookkeeping(TENSOR_BOOKKEEPING + len(e.name),
+                                     f"tensor '{e.name}', the {len(self.tensors) + 1}th,")
             try:
                 t = self.tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
             except RuntimeError as err:
@@ -247,8 +268,9 @@ class Collector:
         problem = coverage.add(e.element_offset, e.numel, t.numel())
         if problem is not None:
             raise SyncError(f"fsdpx: received weights are not whole: '{e.name}': {problem}")
+        self.arrived += e.numel * t.element_size()
         if len(coverage.starts) > ranges:
-            self._charge(RANGE_BOOKKEEPING, f"the scattered chunks of '{e.name}'")
+            self._charge_bookkeeping(RANGE_BOOKKEEPING, f"the chunks of '{e.name}', so scattered,")
         if e.numel:
             chunk = torch.frombuffer(bucket, dtype=e.dtype, count=e.numel, offset=e.byte_offset)
             self.flat[e.name][e.element_offset : e.element_offset + e.numel].copy_(chunk)

@@ -592,9 +592,10 @@ class SyncClient:
             try:
                 b = decode_bucket(payload, f"synchronizer {self.where}")
                 if b.version != version or b.index != k or b.count != count or b.total_bytes != len(payload):
-                    self._fail(f"bucket {b.index} of {b.count} of version {b.version} ({b.total_bytes} bytes) arrived "
-                               f"where bucket {k} of {count} of version {version} ({len(payload)} bytes) was expected",
-                               what)
+                    raise SyncError(f"fsdpx: weight bucket out of order from synchronizer {self.where}: bucket "
+                                    f"{b.index} of {b.count} of version {b.version} ({b.total_bytes} bytes) arrived "
+                                    f"where bucket {k} of {count} of version {version} ({len(payload)} bytes) was "
+                                    "expected")
                 late = False
                 for n, e in enumerate(b.entries()):  # one at a time: a header of many entries holds none of them
                     if n & 1023 == 1023 and time.monotonic() > deadline:  # a bucket of many entries ends by it too

@@ -4,10 +4,13 @@ server; each must end in a SyncError that names the cause, within bounds of memo
 
 - a frame header announcing a 1 GiB bucket commits only the bytes that arrive;
 - a bucket of many entries costs about its own size, not several times it;
+- the shared list of receiver checks (receiver_cases.py), which the C++ client runs too;
+- a version of many empty tensors is refused once their bookkeeping outgrows its bytes by a floor, and a
+  bucket describing more entries than its bytes allow is refused before they are parsed;
 - versions whose chunks overlap, leave gaps, repeat or lie outside their tensor are refused, naming the
   tensor (fixed cases, then a fuzz of random layouts against their expected outcome);
 - a version carrying the manifest of another version is refused;
-- a server trickling frames, or sending 400,000 chunks last first, cannot keep a fetch beyond its timeout;
+- a server trickling frames, or sending 250,000 chunks last first, cannot keep a fetch beyond its timeout;
 - against the real C++ server (sync_server_program): a client refused for too many unauthenticated
   connections from its address is told so; a new trainer run with lower versions reaches a reader that
   holds a version far ahead.
@@ -16,6 +19,7 @@ server; each must end in a SyncError that names the cause, within bounds of memo
 """
 
 import argparse
+import json
 import os
 import random
 import resource
@@ -27,9 +31,8 @@ import threading
 import time
 import tracemalloc
 
-from peer_support import HEADER, MAGIC, PROTOCOL, frame, recv_exact, recv_frame  # noqa: E402,F401
-HELLO, WELCOME, FETCH, SNAPSHOT_BEGIN, BUCKET = 10, 12, 5, 6, 2
-CODES = {"float32": 1, "bfloat16": 3, "int64": 8, "uint8": 6}
+from peer_support import (BUCKET, FETCH, HEADER, HELLO, MAGIC, PROTOCOL, SNAPSHOT_BEGIN, WELCOME,  # noqa: F401
+                          craft_bucket, frame, manifest_chunk, recv_exact, recv_frame, send_version)
 
 
 
@@ -75,56 +78,6 @@ class FakeServer:
                 pass
         self.thread.join()
         self.sock.close()
-
-
-def align(n):
-    return (n + 63) // 64 * 64
-
-
-def craft_bucket(torch, version, index, count, chunks, tight=False, zeros=False):
-    """A bucket holding exactly `chunks` [(name, source, offset, numel)], right or wrong; chunks outside
-    their source travel as zeros. `tight`: payloads packed without padding beyond each element's size
-    (many tiny entries). `zeros`: every payload travels as zeros (quick for many chunks of zeros)."""
-    entries, header = [], 40
-    for name, src, _, _ in chunks:
-        header += 2 + len(name.encode()) + 2 + 8 * src.dim() + 24
-    offset = align(header)
-    header_bytes = offset
-    places = []
-    for name, src, off, n in chunks:
-        offset = -(-offset // src.element_size()) * src.element_size()
-        places.append(offset)
-        nbytes = max(n, 0) * src.element_size()
-        offset += nbytes if tight else align(nbytes)
-    total = offset
-    head = bytearray(struct.pack("<IHHIIQqII", 0x42535846, 1, int(index + 1 == count), len(chunks), header_bytes, total,
-                                 version, index, count))
-    for (name, src, off, n), place in zip(chunks, places):
-        code = CODES[str(src.dtype).replace("torch.", "")]
-        head += struct.pack("<H", len(name.encode())) + name.encode() + struct.pack("<BB", code, src.dim())
-        head += struct.pack(f"<{src.dim()}q", *src.shape) + struct.pack("<qqQ", off, n, place)
-    out = bytearray(total)
-    data = torch.frombuffer(out, dtype=torch.uint8)
-    data[: len(head)] = torch.frombuffer(head, dtype=torch.uint8)
-    for (name, src, off, n), place in zip(chunks, places):
-        if n > 0 and off >= 0 and off + n <= src.numel() and not (zeros and name == "w"):
-            piece = src.reshape(-1)[off: off + n].contiguous().view(torch.uint8)
-            data[place: place + piece.numel()] = piece
-    return out
-
-
-def send_version(torch, conn, version, buckets, run="fake"):
-    crafted = [craft_bucket(torch, version, i, len(buckets), b) for i, b in enumerate(buckets)]
-    conn.sendall(frame(SNAPSHOT_BEGIN, version, len(crafted), run.encode()))
-    for i, b in enumerate(crafted):
-        conn.sendall(frame(BUCKET, version, i, b))
-
-
-def manifest_chunk(version, sources):
-    """The chunk of a version's manifest (protocol 4: every version starts with it) for these tensors."""
-    from fsdpx_sync.delta import MANIFEST_NAME, full_manifest
-    m = full_manifest(version, list(sources.items())).encode()
-    return (MANIFEST_NAME, m, 0, m.numel())
 
 
 def expect_error(fn, *needles):
@@ -180,6 +133,84 @@ def test_many_entries(torch, SyncClient):
         server.close()
 
 
+def rss_bytes():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def rss_growth_during(fn):
+    """fn()'s result and the most this process's resident memory grew while it ran (sampled every 5 ms)."""
+    base, peak, done = rss_bytes(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], rss_bytes() - base)
+            time.sleep(0.005)
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        return fn(), peak
+    finally:
+        done.set()
+        sampler.join()
+
+
+def empty_tensors(torch, first, count):
+    empty = torch.empty(0)
+    return [(f"t{i}", empty, 0, 0) for i in range(first, first + count)]
+
+
+def test_many_empty_tensors(torch, SyncClient):
+    """4 buckets of 150,000 distinct empty tensors: refused once their bookkeeping outgrows the bytes that
+    came by the C++ receiver's floor (before: 1.5 million of them cost 2.39 GiB and 22.5 s), in memory
+    bounded by that floor; and a bucket of 400,000 empty entries is refused before they are parsed."""
+    from fsdpx_sync.bucket import BOOKKEEPING_FLOOR
+    per_bucket, count = 150000, 4
+    buckets = [craft_bucket(torch, 9, k, count, empty_tensors(torch, k * per_bucket, per_bucket), tight=True)
+               for k in range(count)]
+    frames = frame(SNAPSHOT_BEGIN, 9, count, b"empties") + b"".join(frame(BUCKET, 9, k, b) for k, b in enumerate(buckets))
+    del buckets
+    server = FakeServer(lambda conn: conn.sendall(frames))
+    try:
+        client = SyncClient("127.0.0.1", server.port)
+        start = time.monotonic()
+        text, grew = rss_growth_during(lambda: expect_error(lambda: client.fetch_newer(-1, timeout=3), "version 9",
+                                                            "too many entries or tensors for their bytes"))
+        took = time.monotonic() - start
+        assert took < 3, f"refused after {took:.1f} s: {text}"
+        assert grew[0] < 2 * BOOKKEEPING_FLOOR, f"resident memory grew by {grew[0]} bytes: {text}"
+        print(f"many empty tensors: refused after {took:.2f} s, resident memory grew by {grew[0] >> 20} MiB: "
+              f"{text[-160:]}")
+    finally:
+        server.close()
+    bucket = craft_bucket(torch, 3, 0, 1, empty_tensors(torch, 0, 400000), tight=True)
+    frames = frame(SNAPSHOT_BEGIN, 3, 1, b"entries") + frame(BUCKET, 3, 0, bucket)
+    server = FakeServer(lambda conn: conn.sendall(frames))
+    try:
+        expect_error(lambda: SyncClient("127.0.0.1", server.port).fetch_newer(-1, timeout=10),
+                     "its 400000 entries would make this receiver hold", "too many entries or tensors for their bytes")
+    finally:
+        server.close()
+
+
+def test_shared_receiver_cases(SyncClient, folder):
+    """The crafted versions of receiver_cases.py (the same frames the C++ client is given): each refused
+    saying what the list says both receivers say."""
+    with open(os.path.join(folder, "cases.json")) as f:
+        cases = json.load(f)
+    for case in cases:
+        with open(os.path.join(folder, case["frames"]), "rb") as f:
+            data = f.read()
+        server = FakeServer(lambda conn: conn.sendall(data))
+        try:
+            text = expect_error(lambda: SyncClient("127.0.0.1", server.port).fetch_newer(-1, timeout=10),
+                                *case["expected"])
+            print(f"shared case refused, {case['name']}: {text[-140:]}")
+        finally:
+            server.close()
+    assert len(cases) >= 16, f"only {len(cases)} shared cases in {folder}"
+
+
 def test_coverage_cases(torch, SyncClient):
     embed = torch.arange(40000, dtype=torch.float32).view(200, 200)
     empty = torch.empty(0, 4)
@@ -210,10 +241,10 @@ def test_coverage_cases(torch, SyncClient):
 
 
 def test_many_chunks_last_first(torch, SyncClient):
-    """400,000 one-element chunks, every other element of a tensor, sent last first in one bucket: the
-    fetch ends by its 3 s timeout (before: 26 s, each chunk inserted at the front of sorted arrays, and
-    entry parsing never looked at the deadline)."""
-    n = 400000
+    """250,000 one-element chunks, every other element of a tensor, sent last first in one bucket (as many
+    as a bucket of their bytes may describe): the fetch ends by its 3 s timeout (before: 400,000 took 26 s,
+    each chunk inserted at the front of sorted arrays, and entry parsing never looked at the deadline)."""
+    n = 250000
     w = torch.zeros(2 * n)
     chunks = [manifest_chunk(6, {"w": w})] + [("w", w, 2 * k, 1) for k in range(n - 1, -1, -1)]
     frames = frame(SNAPSHOT_BEGIN, 6, 1, b"r") + frame(BUCKET, 6, 0, craft_bucket(torch, 6, 0, 1, chunks, tight=True,
@@ -376,6 +407,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--package", required=True)
     ap.add_argument("--server", required=True)
+    ap.add_argument("--cases", required=True, help="the folder receiver_cases.py wrote")
     args = ap.parse_args()
     sys.path.insert(0, args.package)
     import torch
@@ -387,6 +419,8 @@ def main() -> int:
     test_coverage_cases(torch, SyncClient)
     test_manifest_of_another_version(torch, SyncClient)
     test_many_chunks_last_first(torch, SyncClient)
+    test_many_empty_tensors(torch, SyncClient)
+    test_shared_receiver_cases(SyncClient, args.cases)
     test_coverage_fuzz(torch, SyncClient, SyncError)
     test_trickle(torch, SyncClient)
     test_real_server(torch, SyncClient, args.server)

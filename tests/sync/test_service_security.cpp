@@ -30,6 +30,7 @@
 
 #include <fsdpx/sync/detail/handshake.hpp>  // the handshake and frames, built by hand to attack the server
 #include <fsdpx/sync/detail/frame.hpp>
+#include <fsdpx/detail/json.hpp>
 #include <fsdpx/sync/service.hpp>
 
 #include "../support/process_memory.hpp"
@@ -1250,6 +1251,110 @@ TEST_CASE("security: scattered one-element chunks of a huge tensor touch 4 KiB e
   // Before: 2.16 GiB resident (each chunk faulted a whole 2 MiB page in); now about 4 KiB a chunk.
   INFO("bucket " << bucket.nbytes() << " bytes, peak grew by " << (peak_rss_bytes() - peak_before) << " bytes");
   CHECK(peak_rss_bytes() - peak_before < (int64_t{64} << 20));
+}
+
+/// `count` distinct empty tensors, named from `first` on, as the chunks of one bucket.
+std::vector<Chunk> empty_tensors(int first, int count) {
+  const at::Tensor empty = at::empty({0}, at::kFloat);
+  std::vector<Chunk> chunks;
+  chunks.reserve(static_cast<size_t>(count));
+  for (int i = first; i < first + count; ++i) chunks.push_back({"t" + std::to_string(i), empty, 0, 0});
+  return chunks;
+}
+
+TEST_CASE("security: a version of many empty tensors is refused before its bookkeeping outgrows its bytes",
+          "[security]") {
+  // 4 buckets of 150,000 distinct empty tensors (7 MB of header each). Before: the client held every
+  // tensor (1.85 GiB and 7.2 s for 1.5 million); now each tensor's bookkeeping counts against the bytes
+  // that came, and the version is refused at most detail::bookkeeping_floor beyond them.
+  constexpr int per_bucket = 150000, count = 4;
+  std::vector<at::Tensor> buckets;
+  for (int k = 0; k < count; ++k)
+    buckets.push_back(craft_bucket(9, k, count, empty_tensors(k * per_bucket, per_bucket)));
+  FakeServer server([&](RawConnection& conn) {
+    if (!conn.recv_frame()) return;
+    conn.send_payload(sd::FrameKind::snapshot_begin, 9, count, "empties");
+    for (int k = 0; k < count; ++k) {
+      if (!conn.send_bucket(9, k, buckets[k])) return;
+    }
+    conn.closed_by_server();
+  });
+  const int64_t peak_before = peak_rss_bytes();
+  fxs::SynchronizerClient reader("127.0.0.1", server.port());
+  const auto start = std::chrono::steady_clock::now();
+  CHECK_THROWS_WITH(reader.fetch_newer(fxs::no_version, 3s),
+                    Catch::Contains("version 9") && Catch::Contains("too many entries or tensors for their bytes"));
+  CHECK(std::chrono::steady_clock::now() - start < 3s);
+  const int64_t grew = peak_rss_bytes() - peak_before;
+  INFO("peak grew by " << grew << " bytes");
+  CHECK(grew < 2 * sd::bookkeeping_floor);
+}
+
+TEST_CASE("security: the server refuses a publish of many empty tensors, naming why, and keeps serving", "[security]") {
+  fxs::SynchronizerServer server;
+  const auto port = server.port();
+  server.publish(1, weights_of(1));
+  RawConnection publisher(port);
+  REQUIRE(publisher.handshake(fxs::Role::publish, ""));
+  constexpr int per_bucket = 150000, count = 4;
+  std::vector<at::Tensor> buckets;
+  for (int k = 0; k < count; ++k)
+    buckets.push_back(craft_bucket(2, k, count, empty_tensors(k * per_bucket, per_bucket)));
+  const auto reply = publisher.publish(2, "raw", buckets);
+  REQUIRE(reply);
+  CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
+  CHECK_THAT(reply->second,
+             Catch::Contains("version 2") && Catch::Contains("too many entries or tensors for their bytes"));
+  fxs::SynchronizerClient reader("127.0.0.1", port);
+  CHECK(reader.fetch_newer(fxs::no_version, 5s).version == 1);
+}
+
+TEST_CASE("security: a bucket may not describe more entries than its bytes allow: refused before they are parsed",
+          "[security]") {
+  // 400,000 empty entries in one 18 MB bucket: 100 MB of parsed entries for no payload at all.
+  const at::Tensor bucket = craft_bucket(3, 0, 1, empty_tensors(0, 400000));
+  FakeServer server([&](RawConnection& conn) {
+    if (!conn.recv_frame()) return;
+    conn.send_payload(sd::FrameKind::snapshot_begin, 3, 1, "entries");
+    conn.send_bucket(3, 0, bucket);
+    conn.closed_by_server();
+  });
+  fxs::SynchronizerClient reader("127.0.0.1", server.port());
+  CHECK_THROWS_WITH(reader.fetch_newer(fxs::no_version, 10s),
+                    Catch::Contains("its 400000 entries would make this receiver hold") &&
+                        Catch::Contains("too many entries or tensors for their bytes"));
+}
+
+// The receiver checks both languages run (tests/sync/receiver_cases.py writes the crafted frames; the
+// Python receiver is given the same files in sync_python_security). Hidden: its CTest entry,
+// sync_receiver_cases_cpp, names the folder (FSDPX_RECEIVER_CASES) after the generator ran.
+TEST_CASE("security: the shared receiver checks: every crafted version is refused saying what both receivers say",
+          "[.][security][receiver_cases]") {
+  const char* folder = std::getenv("FSDPX_RECEIVER_CASES");
+  REQUIRE(folder != nullptr);
+  const auto read = [&](const std::string& name) {
+    std::ifstream in(std::string(folder) + "/" + name, std::ios::binary);
+    REQUIRE(in);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const auto cases = fsdpx::detail::Json::parse(read("cases.json"));
+  REQUIRE(cases.size() >= 16);
+  for (const auto& c : cases) {
+    const std::string name = c.at("name"), frames = read(c.at("frames"));
+    INFO(name);
+    FakeServer server([&](RawConnection& conn) {
+      if (!conn.recv_frame()) return;  // the fetch
+      if (conn.send_bytes(frames.data(), frames.size())) conn.closed_by_server();
+    });
+    fxs::SynchronizerClient reader("127.0.0.1", server.port());
+    try {
+      reader.fetch_newer(fxs::no_version, 10s);
+      FAIL("the version was accepted");
+    } catch (const fsdpx::SyncError& e) {
+      const std::string text = e.what();
+      for (const std::string expected : c.at("expected")) CHECK_THAT(text, Catch::Contains(expected));
+    }
+  }
 }
 
 TEST_CASE("security: connections waiting to authenticate are bounded per address, and a refused client is told why",

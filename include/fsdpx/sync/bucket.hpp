@@ -20,6 +20,7 @@
 
 #include <algorithm>
 #include <bit>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <limits>
@@ -126,6 +127,19 @@ inline constexpr int64_t alignment = 64;
 inline constexpr int max_ndim = 16;
 
 inline int64_t align_up(int64_t n) { return (n + alignment - 1) / alignment * alignment; }
+
+// A receiver's bookkeeping (parsed header entries; a tensor, its name, index and coverage) costs memory
+// whatever the bytes that came with it: a bucket of many empty entries, or a version of many empty
+// tensors, may make it hold at most bookkeeping_floor more than the bytes that arrived. The per-item
+// costs are upper bounds of what LibTorch and the standard library take (docs/sync.md, "Bounds").
+// python/fsdpx_sync/bucket.py applies the same rule with Python's costs.
+inline constexpr int64_t bookkeeping_floor = int64_t{64} << 20;
+inline constexpr int64_t parsed_entry_bytes = 256;         // a BucketEntry held while its bucket is read
+inline constexpr int64_t tensor_bookkeeping_bytes = 1536;  // a received tensor besides its elements
+inline constexpr int64_t range_bookkeeping_bytes = 64;     // a range of a tensor's chunks out of order
+
+/// Why `bookkeeping` bytes of bookkeeping are too many after `arrived` bytes, or empty.
+FSDPX_DECL std::string bookkeeping_problem(int64_t bookkeeping, int64_t arrived, std::string_view what);
 
 inline int64_t entry_header_bytes(const std::string& name, size_t ndim) {
   return 2 + static_cast<int64_t>(name.size()) + 2 + 8 * static_cast<int64_t>(ndim) + 24;
@@ -248,8 +262,11 @@ FSDPX_DECL std::vector<uint8_t> encode_header(const BucketLayout& b);
 inline constexpr int64_t bucket_prefix_bytes = detail::prefix_bytes;
 
 /// Parses and validates a bucket header from `data` (at least the header's bytes). `where` names the
-/// source in errors ("broadcast from trainer", "synchronizer 127.0.0.1:5000").
-FSDPX_DECL BucketLayout decode_header(const uint8_t* data, int64_t available, std::string_view where);
+/// source in errors ("broadcast from trainer", "synchronizer 127.0.0.1:5000"). A header may describe no
+/// more entries than detail::bookkeeping_floor and the bucket's payload bytes allow; a `deadline` (a
+/// fetch's) is checked while entries are parsed.
+FSDPX_DECL BucketLayout decode_header(const uint8_t* data, int64_t available, std::string_view where,
+                                      std::optional<std::chrono::steady_clock::time_point> deadline = std::nullopt);
 
 /// The chunk of `bucket` (a 1-D uint8 tensor) that entry `e` occupies, as a 1-D tensor of its dtype.
 inline at::Tensor entry_view(const at::Tensor& bucket, const BucketEntry& e) {
@@ -272,9 +289,10 @@ FSDPX_DECL std::vector<at::Tensor> pack_buckets(const std::vector<NamedTensor>& 
 class TensorCollector {
  public:
   /// `max_bytes`: the most the tensors of one version may take together; a sender announcing more is
-  /// refused before the allocation. `huge_pages`: host tensors from memory::empty_buffer (2 MiB pages
-  /// from 2 MiB); a receiver of untrusted peers passes false, so that scattered one-element chunks
-  /// touch 4 KiB of memory each, not 2 MiB (1,024 of them, a 40 KB bucket, touched 2 GiB).
+  /// refused before the allocation. Their bookkeeping may exceed the bytes that arrived by at most
+  /// detail::bookkeeping_floor: a version of many empty tensors is refused, not held. `huge_pages`: host tensors from
+  /// memory::empty_buffer (2 MiB pages from 2 MiB); a receiver of untrusted peers passes false, so that scattered
+  /// one-element chunks touch 4 KiB of memory each, not 2 MiB (1,024 of them, a 40 KB bucket, touched 2 GiB).
   explicit TensorCollector(at::Device device = at::kCPU, int64_t max_bytes = std::numeric_limits<int64_t>::max(),
                            bool huge_pages = true)
       : device_(device), max_bytes_(max_bytes), huge_pages_(huge_pages) {}
@@ -301,7 +319,9 @@ class TensorCollector {
   at::Device device_;
   int64_t max_bytes_;
   bool huge_pages_;
-  int64_t allocated_ = 0;
+  int64_t allocated_ = 0;    // the tensors' bytes
+  int64_t arrived_ = 0;      // the chunks' bytes accepted
+  int64_t bookkeeping_ = 0;  // beyond the tensors' bytes (detail::bookkeeping_problem)
   std::unordered_map<std::string, size_t> index_;
   std::vector<NamedTensor> tensors_;
   std::vector<detail::Coverage> received_;

@@ -203,10 +203,12 @@ inline std::shared_ptr<const EncodedSnapshot> encode_snapshot(int64_t version, s
   return s;
 }
 
-/// Checks that `bucket` is bucket `index` of `count` of `version`; returns its layout.
+/// Checks that `bucket` is bucket `index` of `count` of `version`; returns its layout. `deadline`: as
+/// decode_header's.
 inline BucketLayout check_bucket(const at::Tensor& bucket, int64_t version, uint64_t index, uint64_t count,
-                                 std::string_view where) {
-  BucketLayout b = decode_header(bucket.const_data_ptr<uint8_t>(), bucket.numel(), where);
+                                 std::string_view where,
+                                 std::optional<std::chrono::steady_clock::time_point> deadline = std::nullopt) {
+  BucketLayout b = decode_header(bucket.const_data_ptr<uint8_t>(), bucket.numel(), where, deadline);
   FSDPX_CHECK_AS(SyncError,
                  b.version == version && b.index == index && b.count == count && b.total_bytes == bucket.numel(),
                  "weight bucket out of order from ", where, ": expected bucket ", index, " of ", count, " of version ",

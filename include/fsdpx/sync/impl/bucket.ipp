@@ -87,7 +87,8 @@ FSDPX_DECL std::string VersionCoverage::add(const BucketEntry& e, uint32_t bucke
     it = index_.emplace(e.name, tensors_.size()).first;
     tensors_.push_back({e.name, e.dtype, e.shape, e.tensor_numel(), {}});
     // A name, a shape and a map node per tensor: a version of many tiny tensors is not free.
-    bookkeeping_ += 192 + 2 * static_cast<int64_t>(e.name.size()) + 8 * static_cast<int64_t>(e.shape.size());
+    bookkeeping_ += detail::tensor_bookkeeping_bytes + 2 * static_cast<int64_t>(e.name.size()) +
+                    8 * static_cast<int64_t>(e.shape.size());
   }
   Tensor& t = tensors_[it->second];
   if (t.dtype != e.dtype || t.shape != e.shape) {
@@ -99,7 +100,8 @@ FSDPX_DECL std::string VersionCoverage::add(const BucketEntry& e, uint32_t bucke
   if (std::string problem = t.coverage.add(e.element_offset, e.numel, t.numel); !problem.empty()) {
     return ::fsdpx::detail::str("tensor '", e.name, "': ", problem, " (bucket ", bucket, ")");
   }
-  bookkeeping_ += 64 * (static_cast<int64_t>(t.coverage.ranges()) - static_cast<int64_t>(ranges));
+  bookkeeping_ +=
+      detail::range_bookkeeping_bytes * (static_cast<int64_t>(t.coverage.ranges()) - static_cast<int64_t>(ranges));
   return {};
 }
 
@@ -226,7 +228,15 @@ FSDPX_DECL std::vector<uint8_t> encode_header(const BucketLayout& b) {
   return out;
 }
 
-FSDPX_DECL BucketLayout decode_header(const uint8_t* data, int64_t available, std::string_view where) {
+FSDPX_DECL std::string detail::bookkeeping_problem(int64_t bookkeeping, int64_t arrived, std::string_view what) {
+  if (bookkeeping <= bookkeeping_floor + arrived) return {};
+  return ::fsdpx::detail::str(what, " would make this receiver hold ", bookkeeping, " bytes of bookkeeping for ",
+                              arrived, " bytes that arrived (at most ", bookkeeping_floor,
+                              " more than the bytes): too many entries or tensors for their bytes");
+}
+
+FSDPX_DECL BucketLayout decode_header(const uint8_t* data, int64_t available, std::string_view where,
+                                      std::optional<std::chrono::steady_clock::time_point> deadline) {
   detail::Reader r(data, available, where);
   if (r.get<uint32_t>("the magic number") != detail::bucket_magic) r.fail("bad magic number (not a weight bucket)");
   if (const auto f = r.get<uint16_t>("the format"); f != detail::bucket_format) {
@@ -253,8 +263,18 @@ FSDPX_DECL BucketLayout decode_header(const uint8_t* data, int64_t available, st
   if (n > (b.header_bytes - detail::prefix_bytes) / min_entry_bytes) {
     r.fail(::fsdpx::detail::str(n, " entries cannot fit in a header of ", b.header_bytes, " bytes"));
   }
+  if (std::string problem =
+          detail::bookkeeping_problem(static_cast<int64_t>(n) * detail::parsed_entry_bytes,
+                                      b.total_bytes - b.header_bytes, ::fsdpx::detail::str("its ", n, " entries"));
+      !problem.empty()) {
+    r.fail(problem);
+  }
   b.entries.reserve(n);
   for (uint32_t i = 0; i < n; ++i) {
+    if (deadline && i % 4096 == 4095 && std::chrono::steady_clock::now() >= *deadline) {
+      throw SyncError(::fsdpx::detail::str("fsdpx: weight bucket (", where, "): the fetch's deadline passed while its ",
+                                           n, "-entry header was parsed (", i, " entries read)"));
+    }
     BucketEntry e;
     const auto len = body.get<uint16_t>("an entry's name length");
     e.name = body.get_string(len, "an entry's name");
@@ -370,12 +390,13 @@ FSDPX_DECL bool TensorCollector::cover(size_t index, const BucketEntry& e) {
     problems_.push_back(::fsdpx::detail::str("'", e.name, "': ", problem));
     return false;
   }
+  arrived_ += e.nbytes();
   // Chunks out of order cost a range each: counted, so that a sender cannot grow the bookkeeping freely.
   if (c.ranges() > ranges) {
-    allocated_ += 64;
-    FSDPX_CHECK_AS(SyncError, allocated_ <= max_bytes_, "received weights: the chunks of '", e.name,
-                   "' arrive so scattered that their bookkeeping takes the version beyond its limit of ", max_bytes_,
-                   " bytes");
+    bookkeeping_ += detail::range_bookkeeping_bytes;
+    const std::string problem = detail::bookkeeping_problem(
+        bookkeeping_, arrived_, ::fsdpx::detail::str("the chunks of '", e.name, "', so scattered,"));
+    FSDPX_CHECK_AS(SyncError, problem.empty(), "received weights: ", problem);
   }
   return true;
 }
@@ -420,11 +441,14 @@ FSDPX_DECL std::string TensorCollector::join(const std::vector<std::string>& ite
 FSDPX_DECL std::unordered_map<std::string, size_t>::iterator TensorCollector::add(const BucketEntry& e) {
   const int64_t numel = e.tensor_numel();
   const int64_t bytes = numel * static_cast<int64_t>(c10::elementSize(e.dtype));  // checked by decode_header
-  // Each tensor also costs its bookkeeping, so that a sender cannot make many empty ones for free.
-  const int64_t cost = bytes + 256 + static_cast<int64_t>(e.name.size());
-  FSDPX_CHECK_AS(SyncError, cost <= max_bytes_ - allocated_, "received weights: tensor '", e.name, "' of ", bytes,
+  FSDPX_CHECK_AS(SyncError, bytes <= max_bytes_ - allocated_, "received weights: tensor '", e.name, "' of ", bytes,
                  " bytes would take the version beyond its limit of ", max_bytes_, " bytes");
-  allocated_ += cost;
+  // Each tensor also costs its bookkeeping, so that a sender cannot make many empty ones for free.
+  bookkeeping_ += detail::tensor_bookkeeping_bytes + static_cast<int64_t>(e.name.size());
+  const std::string problem = detail::bookkeeping_problem(
+      bookkeeping_, arrived_, ::fsdpx::detail::str("tensor '", e.name, "', the ", tensors_.size() + 1, "th,"));
+  FSDPX_CHECK_AS(SyncError, problem.empty(), "received weights: ", problem);
+  allocated_ += bytes;
   const auto options = at::TensorOptions().dtype(e.dtype).device(device_);
   tensors_.push_back(
       {e.name, (huge_pages_ ? memory::empty_buffer(numel, options) : at::empty({numel}, options)).view(e.shape)});

@@ -428,8 +428,18 @@ class ClientConnection {
           read_frame(options_.io_timeout, what, /*small=*/false, /*keep_payload=*/true).first;
       if (frame.kind != static_cast<uint16_t>(detail::FrameKind::bucket)) fail("a bucket frame was expected", what);
       try {
-        const BucketLayout b = detail::check_bucket(payload_, begin.version, k, begin.aux, "synchronizer " + where_);
-        for (const auto& e : b.entries) collector.accept(e, entry_view(payload_, e));
+        const BucketLayout b =
+            detail::check_bucket(payload_, begin.version, k, begin.aux, "synchronizer " + where_, deadline);
+        for (size_t i = 0; i < b.entries.size(); ++i) {
+          // A header of many entries takes time to take in: the fetch's deadline holds within it too.
+          if (i % 4096 == 4095 && std::chrono::steady_clock::now() >= deadline) {
+            fail(::fsdpx::detail::str("version ", begin.version, ": did not finish within the fetch's wait of ",
+                                      wait.count(), " ms (bucket ", k, " of ", begin.aux, ": ", i, " of ",
+                                      b.entries.size(), " entries taken in)"),
+                 what);
+          }
+          collector.accept(b.entries[i], entry_view(payload_, b.entries[i]));
+        }
       } catch (const SyncError& e) {
         fail(::fsdpx::detail::str("version ", begin.version, ": ", detail::unprefixed(e.what())), what);
       }

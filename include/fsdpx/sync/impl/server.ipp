@@ -674,6 +674,9 @@ inline void Session::on_bucket() {
                                             ") with the bookkeeping of its ", b.entries.size(), "-entry buckets");
           break;
         }
+        p.rejected =
+            bookkeeping_problem(p.coverage.bookkeeping_bytes(), p.bytes, ::fsdpx::detail::str("version ", p.version));
+        if (!p.rejected.empty()) break;
       }
     } catch (const SyncError& e) {
       p.rejected = std::string(unprefixed(e.what()));
