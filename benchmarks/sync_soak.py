@@ -86,12 +86,17 @@ def main():
 
     processes = [host, publisher] + readers
     rows = []
-    while any(p.poll() is None for p in [publisher] + readers):
-        rows.append((time.monotonic() - start, published[0], [rss_mib(p.pid) for p in processes]))
-        time.sleep(0.25)
+    try:
+        while any(p.poll() is None for p in [publisher] + readers):
+            rows.append((time.monotonic() - start, published[0], [rss_mib(p.pid) for p in processes]))
+            time.sleep(0.25)
+    finally:  # interrupted or not, no process outlives the script
+        for p in [publisher] + readers:
+            if p.poll() is None:
+                p.terminate()
+        host.stdin.close()
+        host.wait()
     took = time.monotonic() - start
-    host.stdin.close()
-    host.wait()
     outputs = [r.stdout.read().strip() for r in readers]
     failed = [n for n, p in zip(names[1:], [publisher] + readers) if p.returncode != 0]
     if failed:

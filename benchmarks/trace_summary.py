@@ -45,7 +45,7 @@ def summarize(path, top):
         print(f"## {os.path.basename(path)}: no GPU activity in the trace\n")
         return
     intervals = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in gpu]
-    span = max(b for _, b in intervals) - min(a for a, _ in intervals)
+    span = max(max(b for _, b in intervals) - min(a for a, _ in intervals), 1e-9)  # one instant: no division by 0
     busy = union_length(intervals)
     by_family, by_kernel = {}, {}
     for e in gpu:
@@ -54,7 +54,7 @@ def summarize(path, top):
         by_family[label] = by_family.get(label, 0.0) + dur
         count, total = by_kernel.get(e["name"], (0, 0.0))
         by_kernel[e["name"]] = (count + 1, total + dur)
-    kernel_sum = sum(by_family.values())
+    kernel_sum = max(sum(by_family.values()), 1e-9)
     print(f"## {os.path.basename(path)}")
     print(f"GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms ({busy / span:.0%}), idle {(span - busy) / 1e3:.1f} ms;"
           f" {len(gpu)} kernels and copies, {kernel_sum / 1e3:.1f} ms summed over streams\n")

@@ -78,6 +78,7 @@ fi
 if want profile; then
   traces=${TRACES:-/tmp/fsdpx-traces} model=${MODEL_DIR:-/tmp/decoder_bench_model}
   note "profile: one traced step per side, fused AdamW (traces in $traces)"
+  rm -rf "$traces"  # this run's traces only
   [[ -f $model/config.json ]] || python3 benchmarks/decoder_bench.py make "$model" --shape qwen2-1.5b --device cuda
   export FSDPX_PROFILE=$traces RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1
   torchrun=(python3 -m torch.distributed.run --standalone --nproc-per-node=1)

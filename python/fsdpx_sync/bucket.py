@@ -34,21 +34,25 @@ DTYPES = {
 ESIZE = {code: torch.empty(0, dtype=dt).element_size() for code, dt in DTYPES.items()}
 # Bytes an entry takes in a header at the least: a count the header cannot hold is refused at once.
 MIN_ENTRY_BYTES = 2 + 1 + 1 + 3 * 8
-# A receiver's bookkeeping costs memory whatever the bytes that came with it: a bucket's entries, or a
-# version's tensors, may make it hold at most BOOKKEEPING_FLOOR more than the bytes that arrived (the C++
-# receivers' rule, include/fsdpx/sync/bucket.hpp, with Python's costs: upper bounds, docs/sync.md "Bounds").
-BOOKKEEPING_FLOOR = 64 << 20
-PARSED_ENTRY_BYTES = 256  # what the C++ reader holds per parsed entry: the same count is refused here
+# A receiver's bookkeeping costs memory whatever the bytes that came with it: a bucket's parsed entries may
+# exceed the bytes at hand by at most HEADER_BOOKKEEPING_FLOOR, a version's tensors and manifest entries the
+# bytes that arrived by at most VERSION_BOOKKEEPING_FLOOR: the C++ receivers' rule
+# (include/fsdpx/sync/bucket.hpp) with the same per-tensor cost, so that what the server commits, every
+# receiver accepts (upper bounds of Python's costs: docs/sync.md, "Bounds on bookkeeping").
+HEADER_BOOKKEEPING_FLOOR = 64 << 20
+VERSION_BOOKKEEPING_FLOOR = 256 << 20
+PARSED_ENTRY_BYTES = 256  # what the C++ reader holds per parsed entry: the same counts are refused here
 TENSOR_BOOKKEEPING = 2048  # a received tensor besides its elements (two tensor objects, three dict entries)
 RANGE_BOOKKEEPING = 64  # a range of received elements (chunks out of order)
 
 
-def bookkeeping_problem(bookkeeping: int, arrived: int, what: str) -> Optional[str]:
-    """Why `bookkeeping` bytes of bookkeeping are too many after `arrived` bytes, or None."""
-    if bookkeeping <= BOOKKEEPING_FLOOR + arrived:
+def bookkeeping_problem(bookkeeping: int, arrived: int, floor: int, what: str) -> Optional[str]:
+    """Why `bookkeeping` bytes of bookkeeping are too many after `arrived` bytes with this `floor`, or None."""
+    if bookkeeping - arrived <= floor:
         return None
     return (f"{what} would make this receiver hold {bookkeeping} bytes of bookkeeping for {arrived} bytes that "
-            f"arrived (at most {BOOKKEEPING_FLOOR} more than the bytes): too many entries or tensors for their bytes")
+            f"arrived (at most {floor} more than the bytes): too many entries or tensors for their bytes")
+
 
 _NAME_LEN = struct.Struct("<H")
 _DTYPE_NDIM = struct.Struct("<BB")
@@ -142,8 +146,8 @@ def decode_bucket(data, where: str) -> Bucket:
         b.fail(f"bucket index {index} of {count}")
     if count_entries > (header_bytes - PREFIX_BYTES) // MIN_ENTRY_BYTES:
         b.fail(f"{count_entries} entries cannot fit in a header of {header_bytes} bytes")
-    problem = bookkeeping_problem(count_entries * PARSED_ENTRY_BYTES, total_bytes - header_bytes,
-                                  f"its {count_entries} entries")
+    problem = bookkeeping_problem(count_entries * PARSED_ENTRY_BYTES, min(total_bytes, len(view)) - header_bytes,
+                                  HEADER_BOOKKEEPING_FLOOR, f"its {count_entries} entries")
     if problem is not None:
         b.fail(problem)
     return b
@@ -242,7 +246,7 @@ class Collector:
 
     def _charge_bookkeeping(self, cost: int, what: str):
         self.bookkeeping += cost
-        problem = bookkeeping_problem(self.bookkeeping, self.arrived, what)
+        problem = bookkeeping_problem(self.bookkeeping, self.arrived, VERSION_BOOKKEEPING_FLOOR, what)
         if problem is not None:
             raise SyncError(f"fsdpx: received weights: {problem}")
 
@@ -253,7 +257,7 @@ class Collector:
                 raise SyncError(f"fsdpx: received weights: tensor '{e.name}' of {e.nbytes} bytes would take the "
                                 f"version beyond max_version_bytes ({self.max_bytes})")
             self.allocated += e.nbytes
-            self._charge_bookkeeping(TENSOR_BOOKKEEPING + len(e.name),
+            self._charge_bookkeeping(TENSOR_BOOKKEEPING + 2 * len(e.name),  # the name kept twice, as in C++
                                      f"tensor '{e.name}', the {len(self.tensors) + 1}th,")
             try:
                 t = self.tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)

@@ -21,7 +21,7 @@ from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 
-from .bucket import DTYPES, ESIZE, MAX_NDIM
+from .bucket import DTYPES, ESIZE, MAX_NDIM, VERSION_BOOKKEEPING_FLOOR, bookkeeping_problem
 from .checksum import crc32c, tensor_bytes, tensor_crc32c
 from .errors import SyncError
 
@@ -38,6 +38,7 @@ _NAME_LEN = struct.Struct("<H")
 _DTYPE_NDIM = struct.Struct("<BB")
 # An entry's fixed fields: a count the bytes cannot hold is refused before anything is parsed.
 MIN_ENTRY_BYTES = 2 + 1 + 1 + 1 + 1 + 2 + 4 + 8
+MANIFEST_ENTRY_BOOKKEEPING = 512  # a decoded entry, its name and its place in the name set (about 275 in Python)
 _CODES = {dtype: code for code, dtype in DTYPES.items()}
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _INT64_MAX = (1 << 63) - 1
@@ -178,6 +179,10 @@ class Manifest:
             fail(f"version {version} with base {base_version} ({'a delta' if delta else 'full'})")
         if count > (size - _PREFIX.size) // MIN_ENTRY_BYTES:
             fail(f"{count} tensors cannot fit in {size} bytes")
+        problem = bookkeeping_problem(count * MANIFEST_ENTRY_BOOKKEEPING, size, VERSION_BOOKKEEPING_FLOOR,
+                                      f"its {count} entries")
+        if problem is not None:
+            fail(problem)
         m = cls(version, [], base_version, base_digest, digest)
         seen = set()
         for _ in range(count):

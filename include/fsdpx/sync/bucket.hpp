@@ -128,18 +128,22 @@ inline constexpr int max_ndim = 16;
 
 inline int64_t align_up(int64_t n) { return (n + alignment - 1) / alignment * alignment; }
 
-// A receiver's bookkeeping (parsed header entries; a tensor, its name, index and coverage) costs memory
-// whatever the bytes that came with it: a bucket of many empty entries, or a version of many empty
-// tensors, may make it hold at most bookkeeping_floor more than the bytes that arrived. The per-item
-// costs are upper bounds of what LibTorch and the standard library take (docs/sync.md, "Bounds").
-// python/fsdpx_sync/bucket.py applies the same rule with Python's costs.
-inline constexpr int64_t bookkeeping_floor = int64_t{64} << 20;
-inline constexpr int64_t parsed_entry_bytes = 256;         // a BucketEntry held while its bucket is read
-inline constexpr int64_t tensor_bookkeeping_bytes = 1536;  // a received tensor besides its elements
-inline constexpr int64_t range_bookkeeping_bytes = 64;     // a range of a tensor's chunks out of order
+// A receiver's bookkeeping (a bucket's parsed entries; a version's tensors with their names, indexes and
+// coverage, and its manifest's entries) costs memory whatever the bytes that came with it. Each may exceed
+// the bytes that arrived by at most its floor: a bucket's parsed entries by header_bookkeeping_floor, a
+// version's tensors and manifest by version_bookkeeping_floor (an honest delta of a model of 100,000
+// tensors that barely changed stays within it). The per-item costs are upper bounds of what LibTorch and
+// the standard library take (docs/sync.md, "Bounds on bookkeeping"); python/fsdpx_sync/bucket.py applies
+// the same rule and the same per-tensor cost, so that what the server commits every receiver accepts.
+inline constexpr int64_t header_bookkeeping_floor = int64_t{64} << 20;
+inline constexpr int64_t version_bookkeeping_floor = int64_t{256} << 20;
+inline constexpr int64_t parsed_entry_bytes = 256;                // a BucketEntry held while its bucket is read
+inline constexpr int64_t tensor_bookkeeping_bytes = 2048;         // a received tensor besides its elements
+inline constexpr int64_t range_bookkeeping_bytes = 64;            // a range of a tensor's chunks out of order
+inline constexpr int64_t manifest_entry_bookkeeping_bytes = 512;  // a decoded manifest entry (as Python counts it)
 
-/// Why `bookkeeping` bytes of bookkeeping are too many after `arrived` bytes, or empty.
-FSDPX_DECL std::string bookkeeping_problem(int64_t bookkeeping, int64_t arrived, std::string_view what);
+/// Why `bookkeeping` bytes of bookkeeping are too many after `arrived` bytes with this `floor`, or empty.
+FSDPX_DECL std::string bookkeeping_problem(int64_t bookkeeping, int64_t arrived, int64_t floor, std::string_view what);
 
 inline int64_t entry_header_bytes(const std::string& name, size_t ndim) {
   return 2 + static_cast<int64_t>(name.size()) + 2 + 8 * static_cast<int64_t>(ndim) + 24;
@@ -263,8 +267,8 @@ inline constexpr int64_t bucket_prefix_bytes = detail::prefix_bytes;
 
 /// Parses and validates a bucket header from `data` (at least the header's bytes). `where` names the
 /// source in errors ("broadcast from trainer", "synchronizer 127.0.0.1:5000"). A header may describe no
-/// more entries than detail::bookkeeping_floor and the bucket's payload bytes allow; a `deadline` (a
-/// fetch's) is checked while entries are parsed.
+/// more entries than detail::header_bookkeeping_floor and the payload bytes at hand allow; a `deadline`
+/// (a fetch's) is checked while entries are parsed.
 FSDPX_DECL BucketLayout decode_header(const uint8_t* data, int64_t available, std::string_view where,
                                       std::optional<std::chrono::steady_clock::time_point> deadline = std::nullopt);
 
@@ -290,9 +294,9 @@ class TensorCollector {
  public:
   /// `max_bytes`: the most the tensors of one version may take together; a sender announcing more is
   /// refused before the allocation. Their bookkeeping may exceed the bytes that arrived by at most
-  /// detail::bookkeeping_floor: a version of many empty tensors is refused, not held. `huge_pages`: host tensors from
-  /// memory::empty_buffer (2 MiB pages from 2 MiB); a receiver of untrusted peers passes false, so that scattered
-  /// one-element chunks touch 4 KiB of memory each, not 2 MiB (1,024 of them, a 40 KB bucket, touched 2 GiB).
+  /// detail::version_bookkeeping_floor: a version of many empty tensors is refused, not held. `huge_pages`: host
+  /// tensors from memory::empty_buffer (2 MiB pages from 2 MiB); a receiver of untrusted peers passes false, so that
+  /// scattered one-element chunks touch 4 KiB of memory each, not 2 MiB (1,024 of them, a 40 KB bucket, touched 2 GiB).
   explicit TensorCollector(at::Device device = at::kCPU, int64_t max_bytes = std::numeric_limits<int64_t>::max(),
                            bool huge_pages = true)
       : device_(device), max_bytes_(max_bytes), huge_pages_(huge_pages) {}

@@ -228,10 +228,11 @@ FSDPX_DECL std::vector<uint8_t> encode_header(const BucketLayout& b) {
   return out;
 }
 
-FSDPX_DECL std::string detail::bookkeeping_problem(int64_t bookkeeping, int64_t arrived, std::string_view what) {
-  if (bookkeeping <= bookkeeping_floor + arrived) return {};
+FSDPX_DECL std::string detail::bookkeeping_problem(int64_t bookkeeping, int64_t arrived, int64_t floor,
+                                                   std::string_view what) {
+  if (bookkeeping - arrived <= floor) return {};  // both at most a few GiB: no overflow
   return ::fsdpx::detail::str(what, " would make this receiver hold ", bookkeeping, " bytes of bookkeeping for ",
-                              arrived, " bytes that arrived (at most ", bookkeeping_floor,
+                              arrived, " bytes that arrived (at most ", floor,
                               " more than the bytes): too many entries or tensors for their bytes");
 }
 
@@ -263,17 +264,20 @@ FSDPX_DECL BucketLayout decode_header(const uint8_t* data, int64_t available, st
   if (n > (b.header_bytes - detail::prefix_bytes) / min_entry_bytes) {
     r.fail(::fsdpx::detail::str(n, " entries cannot fit in a header of ", b.header_bytes, " bytes"));
   }
+  // The payload at hand, not the total the header claims: a header cannot buy itself room by lying.
+  const int64_t payload = std::min(b.total_bytes, available) - b.header_bytes;
   if (std::string problem =
-          detail::bookkeeping_problem(static_cast<int64_t>(n) * detail::parsed_entry_bytes,
-                                      b.total_bytes - b.header_bytes, ::fsdpx::detail::str("its ", n, " entries"));
+          detail::bookkeeping_problem(static_cast<int64_t>(n) * detail::parsed_entry_bytes, payload,
+                                      detail::header_bookkeeping_floor, ::fsdpx::detail::str("its ", n, " entries"));
       !problem.empty()) {
     r.fail(problem);
   }
   b.entries.reserve(n);
   for (uint32_t i = 0; i < n; ++i) {
     if (deadline && i % 4096 == 4095 && std::chrono::steady_clock::now() >= *deadline) {
-      throw SyncError(::fsdpx::detail::str("fsdpx: weight bucket (", where, "): the fetch's deadline passed while its ",
-                                           n, "-entry header was parsed (", i, " entries read)"));
+      throw SyncError(::fsdpx::detail::str("fsdpx: weight bucket (", where,
+                                           "): did not finish within the fetch's wait (the deadline passed while its ",
+                                           n, "-entry header was parsed, ", i, " entries read)"));
     }
     BucketEntry e;
     const auto len = body.get<uint16_t>("an entry's name length");
@@ -394,8 +398,9 @@ FSDPX_DECL bool TensorCollector::cover(size_t index, const BucketEntry& e) {
   // Chunks out of order cost a range each: counted, so that a sender cannot grow the bookkeeping freely.
   if (c.ranges() > ranges) {
     bookkeeping_ += detail::range_bookkeeping_bytes;
-    const std::string problem = detail::bookkeeping_problem(
-        bookkeeping_, arrived_, ::fsdpx::detail::str("the chunks of '", e.name, "', so scattered,"));
+    const std::string problem =
+        detail::bookkeeping_problem(bookkeeping_, arrived_, detail::version_bookkeeping_floor,
+                                    ::fsdpx::detail::str("the chunks of '", e.name, "', so scattered,"));
     FSDPX_CHECK_AS(SyncError, problem.empty(), "received weights: ", problem);
   }
   return true;
@@ -444,9 +449,10 @@ FSDPX_DECL std::unordered_map<std::string, size_t>::iterator TensorCollector::ad
   FSDPX_CHECK_AS(SyncError, bytes <= max_bytes_ - allocated_, "received weights: tensor '", e.name, "' of ", bytes,
                  " bytes would take the version beyond its limit of ", max_bytes_, " bytes");
   // Each tensor also costs its bookkeeping, so that a sender cannot make many empty ones for free.
-  bookkeeping_ += detail::tensor_bookkeeping_bytes + static_cast<int64_t>(e.name.size());
-  const std::string problem = detail::bookkeeping_problem(
-      bookkeeping_, arrived_, ::fsdpx::detail::str("tensor '", e.name, "', the ", tensors_.size() + 1, "th,"));
+  bookkeeping_ += detail::tensor_bookkeeping_bytes + 2 * static_cast<int64_t>(e.name.size());  // kept twice
+  const std::string problem =
+      detail::bookkeeping_problem(bookkeeping_, arrived_, detail::version_bookkeeping_floor,
+                                  ::fsdpx::detail::str("tensor '", e.name, "', the ", tensors_.size() + 1, "th,"));
   FSDPX_CHECK_AS(SyncError, problem.empty(), "received weights: ", problem);
   allocated_ += bytes;
   const auto options = at::TensorOptions().dtype(e.dtype).device(device_);

@@ -432,11 +432,10 @@ class ClientConnection {
             detail::check_bucket(payload_, begin.version, k, begin.aux, "synchronizer " + where_, deadline);
         for (size_t i = 0; i < b.entries.size(); ++i) {
           // A header of many entries takes time to take in: the fetch's deadline holds within it too.
-          if (i % 4096 == 4095 && std::chrono::steady_clock::now() >= deadline) {
-            fail(::fsdpx::detail::str("version ", begin.version, ": did not finish within the fetch's wait of ",
-                                      wait.count(), " ms (bucket ", k, " of ", begin.aux, ": ", i, " of ",
-                                      b.entries.size(), " entries taken in)"),
-                 what);
+          if (i % 4096 == 4095 && std::chrono::steady_clock::now() >= deadline) {  // told once, by the catch
+            throw SyncError(::fsdpx::detail::str("fsdpx: did not finish within the fetch's wait of ", wait.count(),
+                                                 " ms (bucket ", k, " of ", begin.aux, ": ", i, " of ",
+                                                 b.entries.size(), " entries taken in)"));
           }
           collector.accept(b.entries[i], entry_view(payload_, b.entries[i]));
         }

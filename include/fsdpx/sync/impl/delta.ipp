@@ -445,6 +445,12 @@ FSDPX_DECL Manifest Manifest::decode(const at::Tensor& bytes, std::string_view w
   if (count > (host.numel() - detail::manifest_prefix_bytes) / min_entry_bytes) {
     r.fail(::fsdpx::detail::str(count, " tensors cannot fit in ", host.numel(), " bytes"));
   }
+  if (std::string problem = detail::bookkeeping_problem(
+          static_cast<int64_t>(count) * detail::manifest_entry_bookkeeping_bytes, host.numel(),
+          detail::version_bookkeeping_floor, ::fsdpx::detail::str("its ", count, " entries"));
+      !problem.empty()) {
+    r.fail(problem);
+  }
   m.entries.reserve(count);
   std::unordered_set<std::string_view> names;
   for (uint32_t i = 0; i < count; ++i) {

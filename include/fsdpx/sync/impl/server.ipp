@@ -674,8 +674,8 @@ inline void Session::on_bucket() {
                                             ") with the bookkeeping of its ", b.entries.size(), "-entry buckets");
           break;
         }
-        p.rejected =
-            bookkeeping_problem(p.coverage.bookkeeping_bytes(), p.bytes, ::fsdpx::detail::str("version ", p.version));
+        p.rejected = bookkeeping_problem(p.coverage.bookkeeping_bytes(), p.bytes, version_bookkeeping_floor,
+                                         ::fsdpx::detail::str("version ", p.version));
         if (!p.rejected.empty()) break;
       }
     } catch (const SyncError& e) {
