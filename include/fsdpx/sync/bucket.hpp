@@ -294,9 +294,10 @@ class TensorCollector {
  public:
   /// `max_bytes`: the most the tensors of one version may take together; a sender announcing more is
   /// refused before the allocation. Their bookkeeping may exceed the bytes that arrived by at most
-  /// detail::version_bookkeeping_floor: a version of many empty tensors is refused, not held. `huge_pages`: host
-  /// tensors from memory::empty_buffer (2 MiB pages from 2 MiB); a receiver of untrusted peers passes false, so that
-  /// scattered one-element chunks touch 4 KiB of memory each, not 2 MiB (1,024 of them, a 40 KB bucket, touched 2 GiB).
+  /// detail::version_bookkeeping_floor: a version of many empty tensors is refused, not held.
+  /// `huge_pages`: host tensors from memory::empty_buffer (2 MiB pages from 2 MiB); a receiver of
+  /// untrusted peers passes false, so that scattered one-element chunks touch 4 KiB of memory each, not
+  /// 2 MiB (1,024 of them, a 40 KB bucket, touched 2 GiB).
   explicit TensorCollector(at::Device device = at::kCPU, int64_t max_bytes = std::numeric_limits<int64_t>::max(),
                            bool huge_pages = true)
       : device_(device), max_bytes_(max_bytes), huge_pages_(huge_pages) {}
