@@ -15,7 +15,6 @@ import argparse
 import collections
 import datetime
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -24,7 +23,8 @@ import tempfile
 import threading
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from soak_support import ROOT, commit, machine, rss_mib  # benchmarks/ is on the path: run as benchmarks/rl_soak.py
+
 RANKS = 3
 STEP_LINE = re.compile(r"^trainer: step (\d+) ")
 DELTA_LINE = re.compile(r"^rollout: version \d+ .*\(delta\)")
@@ -60,33 +60,6 @@ def rank_processes(root_pid, known):
                     continue
             found[known[pid]] = pid
     return found
-
-
-def rss_mib(pid):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024  # kB
-    except OSError:
-        pass
-    return None  # exited
-
-
-def machine():
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    mem = next(int(line.split()[1]) for line in open("/proc/meminfo") if line.startswith("MemTotal:"))
-    return f"{os.cpu_count()} x {cpu}, {mem / 2**20:.0f} GiB, {platform.platform()}"
-
-
-def commit():
-    try:
-        sha = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
-        dirty = subprocess.run(["git", "-C", ROOT, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True).stdout
-        return sha.strip() + (" + uncommitted changes" if dirty.strip() else "")
-    except OSError:
-        return "?"
 
 
 def main():

@@ -11,7 +11,6 @@ memory swings with each version in flight (a reader) is flat when these do not r
 """
 import argparse
 import os
-import platform
 import random
 import statistics
 import subprocess
@@ -21,13 +20,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-
-def rss_mib(pid):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):
-        return None  # the process ended
+from soak_support import commit, machine, rss_mib  # noqa: E402  (benchmarks/ is on the path)
 
 
 def follow_in_python(port):
@@ -108,8 +101,8 @@ def main():
     os.makedirs(os.path.dirname(os.path.abspath(args.csv)), exist_ok=True)
     with open(args.csv, "w") as f:
         f.write(f"# benchmarks/sync_soak.py --versions {args.versions} --mib {args.mib} --cpp-readers "
-                f"{args.cpp_readers} --python-readers {args.python_readers}; {platform.processor() or platform.machine()}, "
-                f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}; resident MiB per process\n"
+                f"{args.cpp_readers} --python-readers {args.python_readers}; resident MiB per process\n"
+                f"# Machine: {machine()}. Build: {commit()}. Measured {time.strftime('%Y-%m-%d')}\n"
                 f"# Warm-up: {warm_versions} versions\n")
         f.write("seconds,versions," + ",".join(f"{n}_mib" for n in names) + "\n")
         for t, v, mibs in rows:

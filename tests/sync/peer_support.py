@@ -128,3 +128,10 @@ def manifest_chunk(version, sources):
     from fsdpx_sync.delta import MANIFEST_NAME, full_manifest
     m = full_manifest(version, list(sources.items())).encode()
     return (MANIFEST_NAME, m, 0, m.numel())
+
+
+def empty_tensors(torch, first, count):
+    """Chunks of `count` distinct empty tensors named t<first>, t<first + 1>, ...: what a bucket of many
+    entries and no bytes holds."""
+    empty = torch.empty(0)
+    return [(f"t{i}", empty, 0, 0) for i in range(first, first + count)]

@@ -11,7 +11,7 @@ import os
 import struct
 import sys
 
-from peer_support import BUCKET, SNAPSHOT_BEGIN, craft_bucket, frame, manifest_chunk, version_frames
+from peer_support import BUCKET, SNAPSHOT_BEGIN, craft_bucket, empty_tensors, frame, manifest_chunk, version_frames
 
 
 def cases(torch):
@@ -39,7 +39,6 @@ def cases(torch):
                            [("embed.weight", embed, 20000, 20000)]])]
     bad_checksum = bytearray(frame(BUCKET, 5, 0, in_order[0]))
     struct.pack_into("<Q", bad_checksum, 24, 12345)  # the header's checksum field
-    empties = torch.empty(0)
     return [
         ("first half twice", version([[("embed.weight", embed, 0, 20000), ("empty", empty, 0, 0)],
                                       [("embed.weight", embed, 0, 20000)]]),
@@ -72,11 +71,11 @@ def cases(torch):
         ("a bucket beyond max_bucket_bytes", frame(SNAPSHOT_BEGIN, 5, 1, b"fake")
          + struct.pack("<IHHqQQQ", 0x32535846, BUCKET, 0, 5, 2 << 30, 0, 0),
          ["a bucket frame of 2147483648 bytes (at most 1073741824 allowed here)"]),
-        ("many empty tensors", version_frames(torch, 9, [[(f"t{k * 150000 + i}", empties, 0, 0) for i in range(150000)]
-                                                         for k in range(4)], tight=True),
+        ("many empty tensors", version_frames(torch, 9, [empty_tensors(torch, k * 150000, 150000) for k in range(4)],
+                                              tight=True),
          ["version 9", "too many entries or tensors for their bytes"]),
         ("more entries than their bytes allow",
-         version_frames(torch, 4, [[(f"t{i}", empties, 0, 0) for i in range(400000)]], tight=True),
+         version_frames(torch, 4, [empty_tensors(torch, 0, 400000)], tight=True),
          ["version 4", "its 400000 entries would make this receiver hold", "too many entries or tensors for their bytes"]),
     ]
 
