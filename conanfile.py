@@ -135,4 +135,4 @@ class FsdpxConan(ConanFile):
         self.cpp_info.includedirs = ["include"]
         self.cpp_info.bindirs = []
         self.cpp_info.libdirs = []
-        self.cpp_info.defines = ["FSDPX_WITH_MPI=1", "FSDPX_WITH_BOOST=1", "FSDPX_WITH_OPENSSL=1", "FSDPX_WITH_ZLIB=1"]  # for non-CMake generators
+        self.cpp_info.defines = ["FSDPX_WITH_MPI=1", "FSDPX_WITH_BOOST=1", "FSDPX_WITH_SYNC_SERVICE=1", "FSDPX_WITH_ZLIB=1"]  # for non-CMake generators

@@ -17,6 +17,9 @@
 
 #include <fsdpx/models.hpp>
 #include <fsdpx/sync.hpp>
+#if defined(FSDPX_WITH_SYNC_SERVICE)
+#include <fsdpx/sync/service.hpp>
+#endif
 
 namespace fxs = fsdpx::sync;
 
@@ -50,8 +53,8 @@ int main(int argc, char** argv) {
   std::fprintf(stderr, "bench_delta_sync: %lld parameters, %lld layers\n", static_cast<long long>(params),
                static_cast<long long>(layers));
 
-  fxs::SynchronizerServer server_a({.bucket_bytes = 64 << 20, .max_bucket_bytes = 256 << 20});
-  fxs::SynchronizerServer server_b({.bucket_bytes = 64 << 20, .max_bucket_bytes = 256 << 20});
+  fxs::SynchronizerServer server_a({.bucket_bytes = 64 << 20, .limits = {.max_bucket_bytes = 256 << 20}});
+  fxs::SynchronizerServer server_b({.bucket_bytes = 64 << 20, .limits = {.max_bucket_bytes = 256 << 20}});
   fxs::SynchronizerClient delta_publisher("127.0.0.1", server_a.port(), {.bucket_bytes = 64 << 20});
   fxs::SynchronizerClient full_publisher("127.0.0.1", server_b.port(),
                                          {.bucket_bytes = 64 << 20, .delta = {.enabled = false}});

@@ -37,7 +37,7 @@ int main(int argc, char** argv) {
       SynchronizerClient client("127.0.0.1", static_cast<uint16_t>(std::stoi(argv[2])));
       for (int i = 0; i < std::stoi(argv[3]); ++i) {
         const auto start = std::chrono::steady_clock::now();
-        const WeightSnapshot s = client.fetch_newer(no_version, std::chrono::seconds(10));
+        const WeightVersion s = client.fetch_newer(no_version, std::chrono::seconds(10));
         const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         std::printf("SECONDS %.6f BYTES %lld\n", seconds, static_cast<long long>(s.nbytes()));
       }

@@ -2,7 +2,8 @@
 # What including fsdpx costs a translation unit: the time to compile a file with <torch/torch.h> alone,
 # then with <fsdpx/fsdp.hpp> (the user's one include) header-only, then compiled once
 # (FSDPX_SEPARATE_COMPILATION, fsdpx/detail/config.hpp: the out-of-line parts live in
-# <fsdpx/impl/src.hpp>, compiled once per program) with fsdpx's layers added one by one. The flags are
+# <fsdpx/impl/src.hpp>, compiled once per program) with fsdpx's layers added one by one; each mode also
+# with the TCP sync service's header (<fsdpx/sync/service.hpp>, not in fsdp.hpp) added. The flags are
 # a CMake consumer's of fsdpx::fsdpx, taken from the configured build's train_gpt target (Release,
 # MPI, Boost, OpenSSL). The variants run in turn, REPEAT rounds; the median wall and CPU (user +
 # system) times and their ratios to torch alone are printed, then one compile of impl/src.hpp.
@@ -24,9 +25,12 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 
 sep="#define FSDPX_SEPARATE_COMPILATION 1"
-names=(torch "fsdp.hpp header-only" "compiled once: dist" "compiled once: core" "+ checkpoint" "+ sync = fsdp.hpp")
+names=(torch "fsdp.hpp header-only" "+ sync service, h-o" "compiled once: dist" "compiled once: core" "+ checkpoint"
+       "+ sync = fsdp.hpp" "+ sync service")
 headers=(""
          "#include <fsdpx/fsdp.hpp>"
+         "#include <fsdpx/fsdp.hpp>
+#include <fsdpx/sync/service.hpp>"
          "$sep
 #include <fsdpx/policies.hpp>
 #include <fsdpx/dist.hpp>"
@@ -40,7 +44,10 @@ headers=(""
 #include <fsdpx/core/fsdp.hpp>
 #include <fsdpx/checkpoint.hpp>"
          "$sep
-#include <fsdpx/fsdp.hpp>")
+#include <fsdpx/fsdp.hpp>"
+         "$sep
+#include <fsdpx/fsdp.hpp>
+#include <fsdpx/sync/service.hpp>")
 for i in "${!names[@]}"; do
   printf '#include <torch/torch.h>\n%s\nint main() { return 0; }\n' "${headers[$i]}" > "$work/tu$i.cpp"
 done

@@ -27,12 +27,9 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <string>
-
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <torch/optim.h>
@@ -68,7 +65,7 @@ struct Args {
 /// A file of token ids read in windows by positioned reads (a corpus may be far larger than memory).
 class TokenFile {
  public:
-  TokenFile(const fs::path& path, const std::string& dtype) : path_(path), fd_(path, O_RDONLY) {
+  TokenFile(const fs::path& path, const std::string& dtype) : path_(path) {
     if (dtype == "uint16") {
       type_ = at::kUInt16;
     } else if (dtype == "uint32") {
@@ -78,12 +75,17 @@ class TokenFile {
     } else {
       FSDPX_CHECK(false, "finetune: --data-dtype must be uint16, uint32 or int64, not '", dtype, "'");
     }
-    struct stat st{};
-    FSDPX_CHECK_AS(fsdpx::IoError, ::fstat(fd_.get(), &st) == 0, "finetune: cannot stat --data '", path.string(), "'");
+    std::error_code ec;
+    const bool regular = fs::is_regular_file(path, ec);
+    const auto bytes = regular ? static_cast<int64_t>(fs::file_size(path, ec)) : 0;
     const int64_t width = static_cast<int64_t>(c10::elementSize(type_));
-    FSDPX_CHECK_AS(fsdpx::IoError, S_ISREG(st.st_mode) && st.st_size % width == 0, "finetune: --data '", path.string(),
-                   "' is not a file of ", dtype, " token ids (", st.st_size, " bytes)");
-    tokens_ = st.st_size / width;
+    FSDPX_CHECK_AS(fsdpx::IoError, regular && !ec, "finetune: --data '", path.string(), "' is not a regular file",
+                   ec ? ": " + ec.message() : std::string());
+    in_.open(path, std::ios::binary);  // only a regular file: opening a FIFO would block
+    FSDPX_CHECK_AS(fsdpx::IoError, in_.is_open(), "finetune: cannot open --data '", path.string(), "'");
+    FSDPX_CHECK_AS(fsdpx::IoError, bytes % width == 0, "finetune: --data '", path.string(), "' is not a file of ",
+                   dtype, " token ids (", bytes, " bytes)");
+    tokens_ = bytes / width;
   }
   int64_t size() const { return tokens_; }
 
@@ -93,20 +95,17 @@ class TokenFile {
     at::Tensor raw = at::empty({static_cast<int64_t>(starts.size()), length}, at::TensorOptions().dtype(type_));
     for (size_t i = 0; i < starts.size(); ++i) {
       auto* p = static_cast<char*>(raw[static_cast<int64_t>(i)].data_ptr());
-      int64_t done = 0;
-      while (done < length * width) {
-        const ssize_t k =
-            ::pread(fd_.get(), p + done, static_cast<size_t>(length * width - done), starts[i] * width + done);
-        FSDPX_CHECK_AS(fsdpx::IoError, k > 0, "finetune: reading --data '", path_.string(), "' failed");
-        done += k;
-      }
+      in_.seekg(starts[i] * width);
+      in_.read(p, length * width);
+      FSDPX_CHECK_AS(fsdpx::IoError, in_.gcount() == length * width, "finetune: reading --data '", path_.string(),
+                     "' failed at token ", starts[i]);
     }
     return raw.to(at::kLong);
   }
 
  private:
   fs::path path_;
-  fsdpx::detail::Fd fd_;  // closes itself, also when the constructor throws
+  mutable std::ifstream in_;  // windows() reads at positions: a const reader moves the stream
   at::ScalarType type_ = at::kUInt32;
   int64_t tokens_ = 0;
 };

@@ -14,11 +14,11 @@
 // directory; --keep-names writes them as the checkpoint names them.
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <optional>
 #include <regex>
 #include <string>
 
-#include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/checkpoint/merge.hpp>
 #include <fsdpx/hf/safetensors.hpp>
@@ -80,7 +80,7 @@ int main(int argc, char** argv) try {
 
   // A root (train_gpt's --ckpt-dir) or one step (global_step_<N> or its actor/).
   fs::path dir = *input;
-  if (!fs::exists(ckpt::detail::model_dir(dir) / ckpt::config_file)) {
+  if (!fs::exists(ckpt::model_dir(dir) / ckpt::config_file)) {
     if (!step) step = ckpt::find_latest_checkpoint(dir, /*weights_only=*/true);
     FSDPX_CHECK(step.has_value(), "merge: '", dir.string(), "' holds no committed checkpoint (no ",
                 ckpt::state_dict_iteration_file, ", no global_step_<N>/actor/", ckpt::config_file, ")");
@@ -95,9 +95,10 @@ int main(int argc, char** argv) try {
               report.kind.c_str(), report.checksums_verified ? "checksums verified" : "checksums not verified");
 
   // The step's model description, if the job left one (train_gpt does).
-  const fs::path config = ckpt::detail::model_dir(dir) / "huggingface" / "config.json";
-  const bool gpt2 = fs::exists(config) && std::regex_search(fsdpx::detail::read_text(config, "model configuration"),
-                                                            std::regex(R"("model_type"\s*:\s*"gpt2")"));
+  const fs::path config = ckpt::model_dir(dir) / "huggingface" / "config.json";
+  std::ifstream config_in(config);
+  const std::string config_text((std::istreambuf_iterator<char>(config_in)), std::istreambuf_iterator<char>());
+  const bool gpt2 = std::regex_search(config_text, std::regex(R"("model_type"\s*:\s*"gpt2")"));
   if (gpt2 && !keep_names) {
     for (auto& [name, t] : tensors) {
       bool transpose = false;

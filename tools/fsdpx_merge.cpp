@@ -84,7 +84,7 @@ int64_t parse_size(const std::string& text) {
 }
 
 bool is_step_dir(const fs::path& dir) {
-  const fs::path d = ckpt::detail::model_dir(dir);
+  const fs::path d = ckpt::model_dir(dir);
   std::error_code ec;
   if (fs::exists(d / ckpt::config_file, ec)) return true;
   for (const auto& e : fs::directory_iterator(d, ec)) {
@@ -98,7 +98,7 @@ fs::path resolve_step_dir(const fs::path& path, std::optional<int64_t> step) {
   FSDPX_CHECK_AS(fsdpx::IoError, fs::is_directory(path), "'", path.string(), "' is not a directory");
   if (is_step_dir(path)) {
     if (step) usage_error(str("--step is for a checkpoint root; '", path.string(), "' is a step directory"));
-    return ckpt::detail::model_dir(path);
+    return ckpt::model_dir(path);
   }
   if (!step) {
     step = ckpt::read_iteration_file(path / ckpt::checkpointed_iteration_file);

@@ -3,7 +3,7 @@
 #   Debian packages (compiler, CMake, Open MPI, Catch2, Boost, OpenSSL, nlohmann/json, CLI11): installed when root, else printed;
 #   LibTorch: PyTorch 2.13.0 in .venv, unless Torch_DIR or CMAKE_PREFIX_PATH already points at one (the
 #   Python-side tests still get torch in .venv);
-#   Conan (packaging) and clang-format (the layout) in .venv; NCCL headers (nvidia-nccl-cu13) in .venv when nvcc is present.
+#   Conan (packaging), clang-format (the layout), pytest, ruff and mypy (the Python tests) in .venv; NCCL headers (nvidia-nccl-cu13) in .venv when nvcc is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -63,6 +63,9 @@ has_module safetensors || { say "installing safetensors into $VENV (checkpoint i
 has_module google_crc32c || { say "installing google-crc32c into $VENV (fast CRC-32C for the Python receiver; optional)"; pip_install google-crc32c || say "could not install google-crc32c: the Python receiver checks frames with its torch CRC-32C"; }
 has_module transformers || { say "installing transformers into $VENV (the LR schedules and the Hugging Face models are tested against its own)"; pip_install transformers; }
 has_module setuptools || { say "installing setuptools into $VENV (pip-installs python/fsdpx_sync in its test)"; pip_install setuptools; }
+has_module pytest || { say "installing pytest into $VENV (runs the Python tests, tests/sync/python_*_test.py)"; pip_install pytest; }
+has_module ruff || { say "installing ruff into $VENV (the python_lint test)"; pip_install ruff; }
+has_module mypy || { say "installing mypy into $VENV (the python_lint test)"; pip_install mypy; }
 # The layout's one clang-format (tools/check_format.sh, the `format` test): another version lays out differently.
 CLANG_FORMAT_VERSION=19.1.7
 [[ $("$VENV/bin/clang-format" --version 2>/dev/null) == *" $CLANG_FORMAT_VERSION"* ]] ||

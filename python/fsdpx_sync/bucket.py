@@ -6,47 +6,41 @@ from __future__ import annotations
 
 import struct
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, NamedTuple, Optional, Tuple
+from typing import NamedTuple, NoReturn
 
 import torch
 
+from .checksum import BytesLike
 from .errors import SyncError
+from .wire import (
+    BUCKET_FORMAT,
+    BUCKET_MAGIC,
+    BUCKET_PREFIX,
+    DTYPE_CODES,
+    DTYPE_NDIM,
+    ENTRY_PLACE,
+    HEADER_BOOKKEEPING_FLOOR,
+    MAX_NDIM,
+    MIN_ENTRY_BYTES,
+    NAME_LEN,
+    PARSED_ENTRY_BYTES,
+    PREFIX_BYTES,
+    RANGE_BOOKKEEPING,
+    TENSOR_BOOKKEEPING,
+    VERSION_BOOKKEEPING_FLOOR,
+)
 
-BUCKET_MAGIC = 0x42535846  # "FXSB"
-BUCKET_FORMAT = 1
-PREFIX_BYTES = 40
-MAX_NDIM = 16
+__all__ = ["BUCKET_MAGIC", "BUCKET_FORMAT", "PREFIX_BYTES", "MAX_NDIM", "DTYPES", "ESIZE", "MIN_ENTRY_BYTES",
+           "HEADER_BOOKKEEPING_FLOOR", "VERSION_BOOKKEEPING_FLOOR", "PARSED_ENTRY_BYTES", "TENSOR_BOOKKEEPING",
+           "RANGE_BOOKKEEPING", "bookkeeping_problem", "Entry", "Bucket", "decode_bucket", "Coverage", "Collector"]
 
-DTYPES = {
-    1: torch.float32,
-    2: torch.float64,
-    3: torch.bfloat16,
-    4: torch.float16,
-    5: torch.int8,
-    6: torch.uint8,
-    7: torch.int32,
-    8: torch.int64,
-    9: torch.bool,
-}
-
-
+DTYPES: dict[int, torch.dtype] = {code: getattr(torch, name) for name, code in DTYPE_CODES.items()}
 ESIZE = {code: torch.empty(0, dtype=dt).element_size() for code, dt in DTYPES.items()}
-# Bytes an entry takes in a header at the least: a count the header cannot hold is refused at once.
-MIN_ENTRY_BYTES = 2 + 1 + 1 + 3 * 8
-# A receiver's bookkeeping costs memory whatever the bytes that came with it: a bucket's parsed entries may
-# exceed the bytes at hand by at most HEADER_BOOKKEEPING_FLOOR, a version's tensors and manifest entries the
-# bytes that arrived by at most VERSION_BOOKKEEPING_FLOOR: the C++ receivers' rule
-# (include/fsdpx/sync/bucket.hpp) with the same per-tensor cost, so that what the server commits, every
-# receiver accepts (upper bounds of Python's costs: docs/sync.md, "Bounds on bookkeeping").
-HEADER_BOOKKEEPING_FLOOR = 64 << 20
-VERSION_BOOKKEEPING_FLOOR = 256 << 20
-PARSED_ENTRY_BYTES = 256  # what the C++ reader holds per parsed entry: the same counts are refused here
-TENSOR_BOOKKEEPING = 2048  # a received tensor besides its elements (two tensor objects, three dict entries)
-RANGE_BOOKKEEPING = 64  # a range of received elements (chunks out of order)
 
 
-def bookkeeping_problem(bookkeeping: int, arrived: int, floor: int, what: str) -> Optional[str]:
+def bookkeeping_problem(bookkeeping: int, arrived: int, floor: int, what: str) -> str | None:
     """Why `bookkeeping` bytes of bookkeeping are too many after `arrived` bytes with this `floor`, or None."""
     if bookkeeping - arrived <= floor:
         return None
@@ -54,16 +48,12 @@ def bookkeeping_problem(bookkeeping: int, arrived: int, floor: int, what: str) -
             f"arrived (at most {floor} more than the bytes): too many entries or tensors for their bytes")
 
 
-_NAME_LEN = struct.Struct("<H")
-_DTYPE_NDIM = struct.Struct("<BB")
-_PLACE = struct.Struct("<qqQ")  # element offset, element count, byte offset
-_PREFIX = struct.Struct("<IHHIIQqII")
 
 
 class Entry(NamedTuple):
     name: str
     dtype: torch.dtype
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     element_offset: int
     numel: int
     byte_offset: int
@@ -86,55 +76,58 @@ class Bucket:
     view: memoryview
     where: str
 
-    def fail(self, why: str):
+    def fail(self, why: str) -> NoReturn:
         raise SyncError(f"fsdpx: a corrupt weight bucket from {self.where}: {why}")
 
     def entries(self) -> Iterator[Entry]:
         """Each entry, bounds-checked before it is yielded."""
         view, limit, pos = self.view, self.header_bytes, PREFIX_BYTES
 
-        def need(n: int, what: str):
+        def need(n: int, what: str) -> None:
             if pos + n > limit:
                 self.fail(f"the header ends inside {what} ({limit} header bytes)")
 
         for _ in range(self.entry_count):
             need(2, "an entry's name length")
-            (length,) = _NAME_LEN.unpack_from(view, pos)
+            (length,) = NAME_LEN.unpack_from(view, pos)
             pos += 2
             need(length, "an entry's name")
             name = str(view[pos : pos + length], "utf-8", "replace")
             pos += length
             need(2, "an entry's dtype and rank")
-            code, ndim = _DTYPE_NDIM.unpack_from(view, pos)
+            code, ndim = DTYPE_NDIM.unpack_from(view, pos)
             pos += 2
             if code not in DTYPES:
                 self.fail(f"entry '{name}' has unknown dtype code {code}")
             if ndim > MAX_NDIM:
                 self.fail(f"entry '{name}' has {ndim} dimensions")
-            need(8 * ndim + _PLACE.size, "an entry's shape and place")
+            need(8 * ndim + ENTRY_PLACE.size, "an entry's shape and place")
             shape = struct.unpack_from(f"<{ndim}q", view, pos)
             pos += 8 * ndim
-            element_offset, numel, byte_offset = _PLACE.unpack_from(view, pos)
-            pos += _PLACE.size
+            element_offset, numel, byte_offset = ENTRY_PLACE.unpack_from(view, pos)
+            pos += ENTRY_PLACE.size
             if any(d < 0 for d in shape):
                 self.fail(f"entry '{name}' has a negative dimension")
             tensor_numel = 1
             for d in shape:
                 tensor_numel *= d
             esize = ESIZE[code]
-            if (numel < 0 or element_offset < 0 or element_offset + numel > tensor_numel or byte_offset < self.header_bytes
-                    or byte_offset % esize or byte_offset + numel * esize > self.total_bytes):
+            if (numel < 0 or element_offset < 0 or element_offset + numel > tensor_numel
+                    or byte_offset < self.header_bytes or byte_offset % esize
+                    or byte_offset + numel * esize > self.total_bytes):
                 self.fail(f"entry '{name}' (elements {element_offset}+{numel} of {tensor_numel} at byte {byte_offset}) "
                           f"lies outside the bucket of {self.total_bytes} bytes")
-            yield Entry(name, DTYPES[code], shape, element_offset, numel, byte_offset, tensor_numel, tensor_numel * esize)
+            yield Entry(name, DTYPES[code], shape, element_offset, numel, byte_offset, tensor_numel,
+                        tensor_numel * esize)
 
 
-def decode_bucket(data, where: str) -> Bucket:
+def decode_bucket(data: BytesLike, where: str) -> Bucket:
     """Parses and checks a bucket's prefix; its entries come from Bucket.entries(), each checked."""
     view = memoryview(data).cast("B")
     if len(view) < PREFIX_BYTES:
         raise SyncError(f"fsdpx: a corrupt weight bucket from {where}: it ends inside its prefix ({len(view)} bytes)")
-    magic, fmt, flags, count_entries, header_bytes, total_bytes, version, index, count = _PREFIX.unpack_from(view, 0)
+    prefix = BUCKET_PREFIX.unpack_from(view, 0)
+    magic, fmt, flags, count_entries, header_bytes, total_bytes, version, index, count = prefix
     b = Bucket(bool(flags & 1), header_bytes, total_bytes, version, index, count, count_entries, view, where)
     if magic != BUCKET_MAGIC:
         b.fail("bad magic number (not a weight bucket)")
@@ -163,11 +156,11 @@ class Coverage:
 
     __slots__ = ("starts", "ends", "covered", "empty_seen")
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.starts, self.ends = array("q"), array("q")
         self.covered, self.empty_seen = 0, False
 
-    def add(self, begin: int, n: int, numel: int) -> Optional[str]:
+    def add(self, begin: int, n: int, numel: int) -> str | None:
         """Records elements [begin, begin + n); the reason it cannot, or None."""
         end = begin + n
         if begin < 0 or n < 0 or end > numel:
@@ -190,7 +183,7 @@ class Coverage:
         self.covered += n
         return self.overlap() if self.covered > numel else None
 
-    def _sorted(self) -> Tuple[torch.Tensor, torch.Tensor]:
+    def _sorted(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The ranges by start (one sort in C, however many chunks came)."""
         if not self.starts:
             return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
@@ -199,7 +192,7 @@ class Coverage:
         order = torch.argsort(starts)
         return starts[order], ends[order]
 
-    def overlap(self) -> Optional[str]:
+    def overlap(self) -> str | None:
         """The first elements that arrived twice, in words; None when no two ranges overlap. Sorted by
         start, the first overlap lies between neighbours."""
         starts, ends = self._sorted()
@@ -213,7 +206,7 @@ class Coverage:
         return (f"elements [{a}, {b}) arrived twice (chunks [{int(starts[i])}, {int(ends[i])}) and [{a}, "
                 f"{int(ends[i + 1])}) overlap)")
 
-    def gap(self, numel: int) -> Optional[str]:
+    def gap(self, numel: int) -> str | None:
         """None when all ``numel`` elements arrived exactly once; else the first elements that arrived
         twice, or the first range that did not arrive."""
         if numel == 0:
@@ -237,20 +230,20 @@ class Coverage:
 class Collector:
     """Assembles whole tensors from chunks; every element of every tensor must arrive exactly once."""
 
-    def __init__(self, max_bytes: int):
-        self.tensors: Dict[str, torch.Tensor] = {}
-        self.flat: Dict[str, torch.Tensor] = {}
-        self.received: Dict[str, Coverage] = {}
+    def __init__(self, max_bytes: int) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.flat: dict[str, torch.Tensor] = {}
+        self.received: dict[str, Coverage] = {}
         self.max_bytes, self.allocated = max_bytes, 0  # the tensors' bytes
         self.arrived = self.bookkeeping = 0  # the chunks' bytes accepted; what is held beyond the tensors' bytes
 
-    def _charge_bookkeeping(self, cost: int, what: str):
+    def _charge_bookkeeping(self, cost: int, what: str) -> None:
         self.bookkeeping += cost
         problem = bookkeeping_problem(self.bookkeeping, self.arrived, VERSION_BOOKKEEPING_FLOOR, what)
         if problem is not None:
             raise SyncError(f"fsdpx: received weights: {problem}")
 
-    def accept(self, e: Entry, bucket):
+    def accept(self, e: Entry, bucket: BytesLike) -> None:
         t = self.tensors.get(e.name)
         if t is None:
             if self.allocated + e.nbytes > self.max_bytes:
@@ -279,13 +272,14 @@ class Collector:
             chunk = torch.frombuffer(bucket, dtype=e.dtype, count=e.numel, offset=e.byte_offset)
             self.flat[e.name][e.element_offset : e.element_offset + e.numel].copy_(chunk)
 
-    def finish(self) -> List[Tuple[str, torch.Tensor]]:
+    def finish(self) -> list[tuple[str, torch.Tensor]]:
         missing = []
         for n, t in self.tensors.items():
             gap = self.received[n].gap(t.numel())
             if gap is not None:
                 missing.append(f"'{n}': {gap}")
         if missing:
+            more = f"; and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise SyncError("fsdpx: received weights are not whole (every element of every tensor must arrive exactly "
-                            "once): " + "; ".join(missing[:8]) + (f"; and {len(missing) - 8} more" if len(missing) > 8 else ""))
+                            "once): " + "; ".join(missing[:8]) + more)
         return list(self.tensors.items())

@@ -23,6 +23,7 @@ failure is in its timeout error).
 
 from __future__ import annotations
 
+import contextlib
 import io
 import itertools
 import json
@@ -30,19 +31,21 @@ import os
 import socket
 import stat
 import time
-from typing import Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 
 from .checksum import crc32c
 from .client import WeightVersion
 from .errors import SyncError
+from .wire import (
+    CHECKPOINT_FORMAT_VERSION as FORMAT_VERSION,
+    COMMIT_RECORD,
+    MAX_RECORD_FILE_BYTES,
+    MAX_WORLD_SIZE,
+    STATE_DICT_ITERATION_FILE,
+)
 
-STATE_DICT_ITERATION_FILE = "latest_state_dict_iteration.txt"
-COMMIT_RECORD = "fsdp_config.json"
-FORMAT_VERSION = 1
-MAX_WORLD_SIZE = 1 << 17  # as fsdpx's readers: a record cannot make this one allocate without bound
-MAX_RECORD_FILE_BYTES = 16 << 20  # as fsdpx's readers: the most bytes read from an iteration file or commit record
 _lease_counter = itertools.count()
 
 
@@ -77,7 +80,7 @@ def step_dir(root: str, step: int) -> str:
     return os.path.join(root, f"global_step_{step}", "actor")
 
 
-def read_iteration_file(root: str) -> Optional[int]:
+def read_iteration_file(root: str) -> int | None:
     path = os.path.join(root, STATE_DICT_ITERATION_FILE)
     try:
         text = _read_regular_file(path, "iteration file", MAX_RECORD_FILE_BYTES).decode("utf-8", errors="replace")
@@ -92,7 +95,7 @@ def read_iteration_file(root: str) -> Optional[int]:
     return step
 
 
-def read_commit_record(directory: str) -> Optional[dict]:
+def read_commit_record(directory: str) -> dict[str, Any] | None:
     """The step's commit record, checked; None when the step is not committed."""
     path = os.path.join(directory, COMMIT_RECORD)
     try:
@@ -105,7 +108,8 @@ def read_commit_record(directory: str) -> Optional[dict]:
         raise SyncError(f"fsdpx: '{path}' is not an fsdpx commit record (no \"format\": \"fsdpx\")")
     version = record.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
-        raise SyncError(f"fsdpx: commit record '{path}': format version {version}; this reader knows up to {FORMAT_VERSION}")
+        raise SyncError(f"fsdpx: commit record '{path}': format version {version}; this reader knows up to "
+                        f"{FORMAT_VERSION}")
     world = record.get("world_size")
     if not isinstance(world, int) or not 0 < world <= MAX_WORLD_SIZE:
         raise SyncError(f"fsdpx: commit record '{path}': world_size is {world!r}")
@@ -120,7 +124,7 @@ def read_commit_record(directory: str) -> Optional[dict]:
 class Lease:
     """Pins a committed step against the trainer's rotation while it is read (fsdpx's CheckpointLease)."""
 
-    def __init__(self, root: str, step: int):
+    def __init__(self, root: str, step: int) -> None:
         if read_commit_record(step_dir(root, step)) is None:
             raise SyncError(f"fsdpx: cannot lease step {step}: it is not (or no longer) committed")
         host = socket.gethostname()
@@ -129,10 +133,8 @@ class Lease:
         tmp = self.path + ".tmp"
         try:
             os.makedirs(leases, exist_ok=True)
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.remove(tmp)  # whatever is there (a crash's leftover, a FIFO) is replaced, never written through
-            except FileNotFoundError:
-                pass
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NONBLOCK | os.O_CLOEXEC, 0o644)
             try:
                 os.write(fd, f"{host} {os.getpid()}\n".encode())
@@ -146,20 +148,18 @@ class Lease:
             self.release()
             raise SyncError(f"fsdpx: cannot lease step {step}: it is not (or no longer) committed")
 
-    def release(self):
-        try:
+    def release(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
             os.remove(self.path)
-        except FileNotFoundError:
-            pass
 
-    def __enter__(self):
+    def __enter__(self) -> Lease:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.release()
 
 
-def _load_rank_file(path: str, info, rank: int, world: int) -> dict:
+def _load_rank_file(path: str, info: object, rank: int, world: int) -> dict[str, Any]:
     """Rank `rank`'s model file, checked against its commit record's entry `info` on the bytes read."""
     if not isinstance(info, dict) or not isinstance(info.get("bytes"), int) or not isinstance(info.get("crc32c"), int):
         raise SyncError(f"fsdpx: '{path}' is not listed with its size and CRC-32C in {COMMIT_RECORD}")
@@ -175,14 +175,15 @@ def _load_rank_file(path: str, info, rank: int, world: int) -> dict:
         sd = torch.load(io.BytesIO(data), weights_only=True)  # checked bytes, never the file again
     except Exception as e:  # a crafted file whose record matches it: the unpickler's own error, named
         raise SyncError(f"fsdpx: '{path}' is not a readable torch.save file: {e}") from None
-    if not isinstance(sd, dict) or sd.get("component") != "model" or sd.get("world_size") != world or sd.get("rank") != rank:
+    if (not isinstance(sd, dict) or sd.get("component") != "model" or sd.get("world_size") != world
+            or sd.get("rank") != rank):
         raise SyncError(f"fsdpx: '{path}' does not hold rank {rank}'s model state dict of world size {world}")
     if not isinstance(sd.get("entries", {}), dict):
         raise SyncError(f"fsdpx: '{path}': \"entries\" is not a dict")
     return sd
 
 
-def read_step(root: str, step: int, dtype: Optional[torch.dtype] = None) -> WeightVersion:
+def read_step(root: str, step: int, dtype: torch.dtype | None = None) -> WeightVersion:
     """The committed weights of `step`, merged (the caller holds a Lease); SyncError naming what is wrong.
     Every element of every tensor must be in exactly one rank's file; nothing is allocated beyond what
     the files hold."""
@@ -193,12 +194,13 @@ def read_step(root: str, step: int, dtype: Optional[torch.dtype] = None) -> Weig
     if "model" not in record.get("components", []):
         raise SyncError(f"fsdpx: step {step}: its commit record does not commit the model")
     if record.get("state_dict_kind") == "local":
-        raise SyncError(f"fsdpx: step {step} holds \"local\" state dicts, which only the model that saved them can read")
+        raise SyncError(f"fsdpx: step {step} holds \"local\" state dicts, which only the model that saved them can "
+                        "read")
     world = record["world_size"]
     files = record.get("files", {})
     # name -> (shape, dtype, [(begin, end, flat slice, path)]): the slices first, the whole tensors after
     # their coverage is checked, so a crafted shape cannot make this allocate what no file holds.
-    pieces: Dict[str, Tuple[List[int], torch.dtype, List[Tuple[int, int, torch.Tensor, str]]]] = {}
+    pieces: dict[str, tuple[list[int], torch.dtype, list[tuple[int, int, torch.Tensor, str]]]] = {}
     for rank in range(world):
         name = f"model_world_size_{world}_rank_{rank}.pt"
         path = os.path.join(directory, name)
@@ -216,10 +218,12 @@ def read_step(root: str, step: int, dtype: Optional[torch.dtype] = None) -> Weig
             for d in shape:
                 numel *= d
             if not 0 <= begin <= end <= numel or t.numel() != end - begin:
-                raise SyncError(f"fsdpx: '{path}': entry '{tname}' holds {t.numel()} elements for [{begin}, {end}) of {numel}")
+                raise SyncError(f"fsdpx: '{path}': entry '{tname}' holds {t.numel()} elements for [{begin}, {end}) "
+                                f"of {numel}")
             known = pieces.setdefault(tname, (shape, t.dtype, []))
             if known[0] != shape or known[1] != t.dtype:
-                raise SyncError(f"fsdpx: '{path}': '{tname}' is {t.dtype} {shape} here, {known[1]} {known[0]} in a lower rank's file")
+                raise SyncError(f"fsdpx: '{path}': '{tname}' is {t.dtype} {shape} here, {known[1]} {known[0]} in a "
+                                "lower rank's file")
             known[2].append((begin, end, t.reshape(-1), path))
     tensors = []
     for tname in sorted(pieces):  # name order, as fsdpx's merge
@@ -253,15 +257,17 @@ class CheckpointWatcher:
     """Follows a checkpoint root: poll() returns the newest committed weights when they are newer than
     the last returned (else None, at once); wait_newer(have) blocks until a step newer than `have`."""
 
-    def __init__(self, root: str, *, poll_interval: float = 0.2, timeout: float = 300.0, dtype: Optional[torch.dtype] = None):
+    def __init__(self, root: str, *, poll_interval: float = 0.2, timeout: float = 300.0,
+                 dtype: torch.dtype | None = None):
         self.root = root
         self.poll_interval = poll_interval
         self.timeout = timeout
         self.dtype = dtype
         self.last = -1
-        self.last_failure: Optional[str] = None
+        self.last_failure: str | None = None
+        self._loaded: WeightVersion | None = None  # the step load_newer_into loaded last
 
-    def poll(self) -> Optional[WeightVersion]:
+    def poll(self) -> WeightVersion | None:
         tried = set()
         while True:
             step = read_iteration_file(self.root)
@@ -277,7 +283,32 @@ class CheckpointWatcher:
             self.last = step
             return weights
 
-    def wait_newer(self, have: int = -1, timeout: Optional[float] = None) -> WeightVersion:
+    def load_newer_into(self, module: torch.nn.Module, timeout: float | None = None) -> int:
+        """The newest committed step newer than the one returned last, loaded into ``module`` by name
+        (``WeightVersion.load_into``, strict: checked before anything is copied), waiting up to
+        ``timeout``; returns the step. The verb every receiver shares (C++: sync::Receiver;
+        SyncClient.load_newer_into)."""
+        weights = self.wait_newer(self.last, timeout)
+        weights.load_into(module)
+        self._loaded = weights
+        return weights.version
+
+    def last_version(self) -> int:
+        """The step returned last (-1 before the first)."""
+        return self.last
+
+    def last_was_delta(self) -> bool:
+        """A checkpoint is read whole: never a delta."""
+        return False
+
+    def verify(self, module: torch.nn.Module) -> bool:
+        """True when ``module`` holds the step load_newer_into loaded last, exactly (each tensor's CRC-32C
+        as read); otherwise a SyncError naming the tensors that differ."""
+        if self._loaded is None:
+            raise SyncError("fsdpx: CheckpointWatcher.verify: no step was loaded into a module yet (load_newer_into)")
+        return self._loaded.verify(module)
+
+    def wait_newer(self, have: int = -1, timeout: float | None = None) -> WeightVersion:
         self.last = max(self.last, have)
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         while True:

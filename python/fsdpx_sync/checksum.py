@@ -11,15 +11,18 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable, List, Optional
+from collections.abc import Sequence
+from typing import Any, Callable, Union
 
 import torch
 
-_POLY = 0x82F63B78  # reflected Castagnoli polynomial
+from .wire import CRC32C_POLYNOMIAL as _POLY
+
+BytesLike = Union[bytes, bytearray, memoryview]  # what a frame's payload, or a file's bytes, arrive as
 _PIECE = 64 << 10
 
 
-def _make_table() -> List[int]:
+def _make_table() -> list[int]:
     table = []
     for i in range(256):
         c = i
@@ -32,7 +35,7 @@ def _make_table() -> List[int]:
 _TABLE = _make_table()
 
 
-def _readonly_array(view: memoryview):
+def _readonly_array(view: memoryview) -> Any:
     """A read-only numpy view of ``view`` (no copy), or None without numpy: the C CRC-32C reads
     read-only buffers only, and a writable buffer would otherwise be copied."""
     try:
@@ -44,20 +47,20 @@ def _readonly_array(view: memoryview):
     return array
 
 
-def _native() -> Optional[Callable[[bytes], int]]:
+def _native() -> Callable[[BytesLike], int] | None:
     try:
-        import google_crc32c  # type: ignore
+        import google_crc32c
 
-        def value(data) -> int:
+        def value(data: BytesLike) -> int:
             # It reads only read-only buffers: a writable one is read through a read-only numpy view,
             # or (without numpy) copied a piece at a time, never whole at once (a bucket's copy would
             # double the receiver's memory).
             view = memoryview(data).cast("B")
             if view.readonly:
-                return google_crc32c.value(view.obj if isinstance(view.obj, bytes) else bytes(view))
+                return int(google_crc32c.value(view.obj if isinstance(view.obj, bytes) else bytes(view)))
             array = _readonly_array(view)
             if array is not None:
-                return google_crc32c.value(array)
+                return int(google_crc32c.value(array))
             crc = 0
             for at in range(0, len(view), _PIECE):
                 crc = google_crc32c.extend(crc, bytes(view[at : at + _PIECE]))
@@ -67,9 +70,9 @@ def _native() -> Optional[Callable[[bytes], int]]:
     except ImportError:
         pass
     try:
-        import crc32c as _c  # type: ignore
+        import crc32c as _c
 
-        return lambda data: _c.crc32c(data)
+        return lambda data: int(_c.crc32c(data))
     except ImportError:
         return None
 
@@ -79,7 +82,7 @@ _NATIVE = _native()
 # ---- GF(2) linear maps on the 32-bit CRC register, as the images of its 32 bits -----------------
 
 
-def _apply(columns: List[int], x: int) -> int:
+def _apply(columns: Sequence[int], x: int) -> int:
     y, j = 0, 0
     while x:
         if x & 1:
@@ -89,7 +92,7 @@ def _apply(columns: List[int], x: int) -> int:
     return y
 
 
-def _compose(a: List[int], b: List[int]) -> List[int]:
+def _compose(a: Sequence[int], b: Sequence[int]) -> list[int]:
     """a after b."""
     return [_apply(a, col) for col in b]
 
@@ -98,7 +101,7 @@ _ONE_ZERO_BYTE = [_TABLE[(1 << j) & 0xFF] ^ ((1 << j) >> 8) for j in range(32)]
 
 
 @functools.lru_cache(maxsize=256)
-def _zeros_map(nbytes: int) -> tuple:
+def _zeros_map(nbytes: int) -> tuple[int, ...]:
     """The map that feeding ``nbytes`` zero bytes applies to the register."""
     result = [1 << j for j in range(32)]
     power = list(_ONE_ZERO_BYTE)
@@ -166,18 +169,18 @@ def _raw(data: torch.Tensor) -> int:
     rest = data[count * chunk :]
     if rest.numel():
         tail = int(_raw_chunks(rest.view(1, -1))[0])
-        state = _apply(list(_zeros_map(rest.numel())), state) ^ tail
+        state = _apply(_zeros_map(rest.numel()), state) ^ tail
     return state
 
 
-def crc32c(data, value: int = 0) -> int:
+def crc32c(data: BytesLike | torch.Tensor, value: int = 0) -> int:
     """CRC-32C of ``data`` (bytes, bytearray, memoryview or a uint8 tensor), continuing ``value``."""
     if not isinstance(data, torch.Tensor) and _NATIVE is not None and value == 0:
         return _NATIVE(data)
     return crc32c_torch(data, value)
 
 
-def crc32c_torch(data, value: int = 0) -> int:
+def crc32c_torch(data: BytesLike | torch.Tensor, value: int = 0) -> int:
     """The same, always computed with torch (the fallback; tested against the native one)."""
     if not isinstance(data, torch.Tensor):
         view = memoryview(data).cast("B")
@@ -188,7 +191,7 @@ def crc32c_torch(data, value: int = 0) -> int:
     if tensor.dtype != torch.uint8:
         tensor = tensor.view(torch.uint8)
     init = (value ^ 0xFFFFFFFF) & 0xFFFFFFFF
-    return _apply(list(_zeros_map(tensor.numel())), init) ^ _raw(tensor.contiguous()) ^ 0xFFFFFFFF
+    return _apply(_zeros_map(tensor.numel()), init) ^ _raw(tensor.contiguous()) ^ 0xFFFFFFFF
 
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
@@ -203,7 +206,7 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
         return memoryview(b"")
     flat = flat.view(torch.uint8)
     try:
-        return memoryview(flat.numpy())
+        return flat.numpy().data
     except (ImportError, RuntimeError, TypeError):  # no numpy: the memory itself, the tensor kept alive by the array
         import ctypes
 

@@ -20,53 +20,57 @@ of arrival").
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import os
-import secrets as _secrets
-import select
-import socket
-import ssl
 import struct
 import time
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Callable
 
 import torch
 
 from .bucket import PREFIX_BYTES, Collector, decode_bucket
-from .checksum import crc32c
 from .delta import MANIFEST_NAME, Manifest, VersionStore, full_manifest, verify as _verify
 from .engines import flatten_buckets
 from .errors import SyncError
+from .manifest import Target
+from .transport import GROW, Connection, handshake_mac
+from .wire import (
+    ACK,
+    AUTH,
+    BUCKET,
+    CLIENT_LABEL,
+    ERROR,
+    FETCH,
+    FETCH_HOLDS_BASE,
+    FRAME_MAGIC,
+    GOODBYE,
+    HEADER,
+    HELLO,
+    KIND_NAMES,
+    MAX_BUCKET_BYTES,
+    MAX_RUN,
+    MAX_TEXT,
+    MAX_VERSION_BYTES,
+    NONCE,
+    PROTOCOL,
+    PUBLISH_BEGIN,
+    PUBLISH_END,
+    REFUSED_BUSY,
+    ROLE_FETCH,
+    ROLE_PUBLISH,
+    SERVER_LABEL,
+    SNAPSHOT_BEGIN,
+    TIMEOUT,
+    WELCOME,
+)
 
-FRAME_MAGIC = 0x32535846  # "FXS2"
-PROTOCOL = 4
-FETCH_HOLDS_BASE = 1  # a fetch's flags: the reader holds version `have` exactly, of the digest that follows
-HEADER = struct.Struct("<IHHqQQQ")  # magic, kind, flags, version, length, checksum, aux
-MAX_TEXT = 64 << 10
-MAX_RUN = 256  # a run's identity, or its label
-REFUSED_BUSY = 1  # an error frame's aux: refused at accept for a limit, try again later
-NONCE = 32
-GROW = 1 << 20  # a payload's buffer grows as its bytes arrive, from this much
-_ZEROS = bytes(GROW)
-CLIENT_LABEL = b"fsdpx-sync-2 client"
-SERVER_LABEL = b"fsdpx-sync-2 server"
-ROLE_PUBLISH, ROLE_FETCH = 1, 2
-
-(PUBLISH_BEGIN, BUCKET, PUBLISH_END, ACK, FETCH, SNAPSHOT_BEGIN, TIMEOUT, ERROR, GOODBYE, HELLO, AUTH,
- WELCOME) = range(1, 13)
-KIND_NAMES = {1: "publish_begin", 2: "bucket", 3: "publish_end", 4: "ack", 5: "fetch", 6: "snapshot_begin",
-              7: "timeout", 8: "error", 9: "goodbye", 10: "hello", 11: "auth", 12: "welcome"}
-
-
-def handshake_mac(secret: bytes, label: bytes, role: int, first: bytes, second: bytes) -> bytes:
-    return hmac.new(secret, label + struct.pack("<Q", role) + first + second, hashlib.sha256).digest()
-
-
-class _Busy(Exception):
-    """The server refused the connection at accept for one of its limits: try again later."""
+# Where they were defined before wire.py: still importable from here.
+__all__ = ["WeightVersion", "SyncClient", "handshake_mac", "GROW", "FRAME_MAGIC", "PROTOCOL", "FETCH_HOLDS_BASE",
+           "HEADER", "MAX_TEXT", "MAX_RUN", "REFUSED_BUSY", "NONCE", "CLIENT_LABEL", "SERVER_LABEL", "ROLE_PUBLISH",
+           "ROLE_FETCH", "PUBLISH_BEGIN", "BUCKET", "PUBLISH_END", "ACK", "FETCH", "SNAPSHOT_BEGIN", "TIMEOUT", "ERROR",
+           "GOODBYE", "HELLO", "AUTH", "WELCOME", "KIND_NAMES"]
+Fetched = tuple[int, str, list[tuple[str, torch.Tensor]]]  # version, run label, received tensors (manifest first)
 
 
 @dataclass
@@ -82,19 +86,19 @@ class WeightVersion:
     not modify them in place (clone first)."""
 
     version: int
-    tensors: List[Tuple[str, torch.Tensor]] = field(default_factory=list)
+    tensors: list[tuple[str, torch.Tensor]] = field(default_factory=list)
     run: str = ""
-    manifest: Optional[Manifest] = None
+    manifest: Manifest | None = None
     is_delta: bool = False
-    changed_names: Optional[List[str]] = None
+    changed_names: list[str] | None = None
 
-    def __iter__(self) -> Iterator[Tuple[str, torch.Tensor]]:
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.tensors)
 
     def __len__(self) -> int:
         return len(self.tensors)
 
-    def named(self) -> dict:
+    def named(self) -> dict[str, torch.Tensor]:
         return dict(self.tensors)
 
     def _manifest(self) -> Manifest:
@@ -108,30 +112,30 @@ class WeightVersion:
         return self._manifest().digest
 
     @property
-    def checksums(self) -> Dict[str, int]:
+    def checksums(self) -> dict[str, int]:
         """name -> CRC-32C of the tensor's bytes in this version."""
         return self._manifest().checksums
 
-    def changed(self) -> List[Tuple[str, torch.Tensor]]:
+    def changed(self) -> list[tuple[str, torch.Tensor]]:
         """(name, tensor) of the tensors this version changed (all of them for a full version)."""
         if not self.is_delta or self.changed_names is None:
             return list(self.tensors)
         wanted = set(self.changed_names)
         return [(n, t) for n, t in self.tensors if n in wanted]
 
-    def verify(self, target) -> bool:
+    def verify(self, target: Target) -> bool:
         """True when ``target`` (a module, a WeightVersion, a mapping or (name, tensor) pairs) holds
         this version exactly: every tensor's CRC-32C (of its bytes in the version's dtype) is the
         manifest's, none is missing, none is extra. Otherwise a SyncError naming the tensors."""
         return _verify(target, self._manifest())
 
-    def for_vllm(self, changed_only: bool = True) -> List[Tuple[str, torch.Tensor]]:
+    def for_vllm(self, changed_only: bool = True) -> list[tuple[str, torch.Tensor]]:
         """What vLLM's ``model.load_weights(weights)`` takes: (name, whole tensor) pairs; of a delta,
         only the tensors it changed (``changed_only``), else every tensor."""
         return self.changed() if changed_only else list(self.tensors)
 
     def for_sglang(self, bucket_bytes: int = 512 << 20, changed_only: bool = True,
-                   metadata_class=None) -> List[Dict[str, Any]]:
+                   metadata_class: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
         """SGLang's "flattened_bucket" payloads (``engines.flatten_buckets``): one dict per bucket,
         ``{"flattened_tensor": ..., "metadata": [FlattenedTensorMetadata, ...]}``, tensors grouped by
         dtype, at most ``bucket_bytes`` each (a larger tensor alone); of a delta only the changed
@@ -139,7 +143,7 @@ class WeightVersion:
         load_format="flattened_bucket")``; ``metadata_class=dict`` gives plain dicts."""
         return flatten_buckets(self.changed() if changed_only else self.tensors, bucket_bytes, metadata_class)
 
-    def load_into(self, module: torch.nn.Module, strict: bool = True) -> Tuple[List[str], List[str]]:
+    def load_into(self, module: torch.nn.Module, strict: bool = True) -> tuple[list[str], list[str]]:
         """Copies every tensor into the module's parameter or persistent buffer of the same name (cast
         to its dtype, on its device): the names of module.state_dict(), as transformers' models have
         them. Strict: a missing, unexpected or wrong-shaped name is an error listing all of them,
@@ -147,7 +151,7 @@ class WeightVersion:
         tied LM head) needs only one of its names. Returns (missing, unexpected)."""
         targets = module.state_dict(keep_vars=True)  # persistent buffers only: never a rotary cache
         received = self.named()
-        aliases = {}  # id of the tensor -> its names
+        aliases: dict[int, list[str]] = {}  # id of the tensor -> its names
         for n, t in targets.items():
             aliases.setdefault(id(t), []).append(n)
         missing = [n for n, t in targets.items() if not any(a in received for a in aliases[id(t)])]
@@ -155,7 +159,7 @@ class WeightVersion:
         wrong = [f"{n}: {tuple(received[n].shape)} received, {tuple(t.shape)} in the module"
                  for n, t in targets.items() if n in received and received[n].shape != t.shape]
         if wrong or (strict and (missing or unexpected)):
-            parts = []
+            parts: list[str] = []
             if missing:
                 parts.append("missing: " + ", ".join(missing[:10]) + (" ..." if len(missing) > 10 else ""))
             if unexpected:
@@ -170,225 +174,31 @@ class WeightVersion:
         return missing, unexpected
 
 
-class SyncClient:
+class SyncClient(Connection):
     """One connection to a synchronizer server, for fetching (role "fetch") or, rarely from Python,
     nothing else. Not thread-safe: one client per thread."""
 
-    def __init__(self, host: str, port: int, *, secret: Optional[str] = None, connect_timeout: float = 10.0,
-                 io_timeout: float = 60.0, max_bucket_bytes: int = 1 << 30, max_version_bytes: int = 64 << 30,
-                 tls: bool = False, tls_ca_file: Optional[str] = None, tls_server_name: Optional[str] = None,
-                 keep_base: bool = True):
+    def __init__(self, host: str, port: int, *, secret: str | None = None, connect_timeout: float = 10.0,
+                 io_timeout: float = 60.0, max_bucket_bytes: int = MAX_BUCKET_BYTES,
+                 max_version_bytes: int = MAX_VERSION_BYTES, tls: bool = False, tls_ca_file: str | None = None,
+                 tls_server_name: str | None = None, keep_base: bool = True):
         """tls: speak TLS to a server that does; its certificate must be signed by an authority of
         ``tls_ca_file`` (PEM; None: the system's) and name ``tls_server_name`` (default: ``host``).
 
         keep_base: remember the version returned last (fetch_newer: its tensors, shared with the
         WeightVersion, no copy; fetch_newer_into: the module's own tensors) so that the next fetch of a
         version newer than it may arrive as a delta. False: every fetch asks for a full version."""
-        self.where = f"{host}:{port}"
-        self.address = (host, port)
-        self._tls = None
-        if tls:
-            context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=tls_ca_file)
-            context.minimum_version = ssl.TLSVersion.TLSv1_2
-            self._tls = (context, tls_server_name or host)
-        if secret is None:
-            secret = os.environ.get("FSDPX_SYNC_FETCH_SECRET") or os.environ.get("FSDPX_SYNC_SECRET") or ""
-        self._secret = secret.encode() if isinstance(secret, str) else bytes(secret)
-        self.connect_timeout, self.io_timeout = connect_timeout, io_timeout
-        self.max_bucket_bytes, self.max_version_bytes = max_bucket_bytes, max_version_bytes
-        self._sock: Optional[socket.socket] = None
-        self._last: Tuple[int, str] = (-1, "")  # the version fetched last, and its run's label
-        self._last_manifest: Optional[Manifest] = None
+        super().__init__(host, port, secret=secret, connect_timeout=connect_timeout, io_timeout=io_timeout,
+                         max_bucket_bytes=max_bucket_bytes, tls=tls, tls_ca_file=tls_ca_file,
+                         tls_server_name=tls_server_name)
+        self.max_version_bytes = max_version_bytes
+        self._last: tuple[int, str] = (-1, "")  # the version fetched last, and its run's label
+        self._last_manifest: Manifest | None = None
         self.keep_base = keep_base
         # The version the next delta may be applied to: the tensors fetch_newer returned last (copy-on-
         # write), or a module's (in place) when _base_module is set (a weak reference to it).
-        self._base: Optional[VersionStore] = None
-        self._base_module: Optional[weakref.ref] = None
-        self._deadline: Optional[float] = None  # while fetching: when the whole fetch must end
-        self._timeout, self._progress = 0.0, ""
-
-    # ---- connection ------------------------------------------------------------------------------
-
-    def _connect(self, what: str):
-        """Connects and authenticates. A server that refuses the connection for a limit (too many
-        connections waiting to authenticate) is asked again until connect_timeout; then the error says
-        which limit."""
-        deadline = time.monotonic() + self.connect_timeout
-        while True:
-            try:
-                return self._connect_once(deadline)
-            except _Busy as busy:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise SyncError(
-                        f"fsdpx: {what} from the synchronizer at {self.where}: {busy}; asked again for "
-                        f"{self.connect_timeout} s (connect_timeout). Too many connections wait to authenticate: many "
-                        "clients connecting at once, or a peer holding connections open (the server's max_handshakes "
-                        "and max_handshakes_per_address)") from None
-                time.sleep(min(left, 0.1))
-
-    def _connect_once(self, deadline: float):
-        self.close()
-        last = "no attempt"
-        while True:
-            try:
-                sock = socket.create_connection(self.address, timeout=max(0.05, deadline - time.monotonic()))
-                break
-            except OSError as e:
-                last = str(e)
-            if time.monotonic() >= deadline:
-                raise SyncError(f"fsdpx: could not connect to the synchronizer at {self.where} within "
-                                f"{self.connect_timeout} s: {last} (is the server running, and is the address right?)")
-            time.sleep(0.05)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        if self._tls is not None:
-            context, name = self._tls
-            sock.settimeout(max(1.0, deadline - time.monotonic()))
-            try:
-                sock = context.wrap_socket(sock, server_hostname=name)
-            except (ssl.SSLError, OSError) as e:
-                sock.close()
-                hint = ""
-                if isinstance(e, ssl.SSLCertVerificationError):
-                    hint = (" (the server's certificate is not signed by the trusted authorities, or does not name "
-                            f"{name!r})")
-                elif "WRONG_VERSION_NUMBER" in str(e) or "record layer failure" in str(e):
-                    hint = " (the server does not speak TLS: is TLS set on both the server and the client?)"
-                raise SyncError(f"fsdpx: the TLS handshake with the synchronizer at {self.where} failed: {e}{hint}") from None
-        self._sock = sock
-        try:
-            self._handshake()
-        except BaseException:
-            self.close()
-            raise
-
-    def _handshake(self):
-        what = "the handshake"
-        hello, nonce = self._read_frame(self.io_timeout, what, text=True)
-        if hello[1] == ERROR:
-            self.close()
-            text = nonce.decode("utf-8", "replace")
-            if hello[6] == REFUSED_BUSY:
-                raise _Busy(text)
-            raise SyncError(f"fsdpx: the synchronizer at {self.where} refused the connection: {text}")
-        if hello[1] != HELLO or hello[6] != PROTOCOL or len(nonce) != NONCE:
-            self._fail(f"the server did not start with a protocol {PROTOCOL} hello", what)
-        mine = _secrets.token_bytes(NONCE)
-        mac = handshake_mac(self._secret, CLIENT_LABEL, ROLE_FETCH, nonce, mine) if self._secret else bytes(32)
-        self._write_frame(AUTH, -1, ROLE_FETCH, mine + mac, what)
-        reply, payload = self._read_frame(self.io_timeout, what, text=True)
-        if reply[1] == ERROR:
-            hint = "" if self._secret else " (this client has no secret: pass secret= or set FSDPX_SYNC_SECRET)"
-            raise SyncError(f"fsdpx: the synchronizer at {self.where} refused to let this client fetch: "
-                            f"{payload.decode('utf-8', 'replace')}{hint}")
-        if reply[1] != WELCOME or len(payload) != 32:
-            self._fail("the server answered the handshake with something other than a welcome", what)
-        if self._secret:
-            expected = handshake_mac(self._secret, SERVER_LABEL, ROLE_FETCH, mine, nonce)
-            if not hmac.compare_digest(expected, bytes(payload)):
-                self._fail("the server did not prove it holds the fetch secret (it runs without one, or with "
-                           "another): its weights are not trusted", what)
-
-    def close(self):
-        if self._sock is not None:
-            try:
-                self._sock.close()
-            finally:
-                self._sock = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
-    # ---- frames ----------------------------------------------------------------------------------
-
-    def _fail(self, why: str, what: str):
-        self.close()
-        raise SyncError(f"fsdpx: {what} from the synchronizer at {self.where}: {why}")
-
-    def _frame_deadline(self, timeout: float) -> Tuple[float, bool]:
-        """When a frame must have arrived: within ``timeout``, and within the fetch's deadline (True when
-        that comes first)."""
-        deadline = time.monotonic() + timeout
-        if self._deadline is not None and self._deadline < deadline:
-            return self._deadline, True
-        return deadline, False
-
-    def _late(self, timeout: float, by_fetch: bool, what: str):
-        if by_fetch:
-            progress = f" ({self._progress})" if self._progress else ""
-            self._fail(f"it did not finish within the fetch's timeout of {self._timeout} s{progress}: the server or the "
-                       "network is slow or stalled, or the version is too large to arrive in that time (the timeout "
-                       "covers the transfer: pass a longer one)", what)
-        self._fail(f"it did not answer within {timeout} s (the server or the trainer behind it is stalled or "
-                   "unreachable)", what)
-
-    def _recv_into(self, view: memoryview, deadline: Tuple[float, bool], timeout: float, what: str) -> int:
-        """Fills ``view`` by ``deadline`` (from _frame_deadline)."""
-        assert self._sock is not None
-        got = 0
-        while got < len(view):
-            left = deadline[0] - time.monotonic()
-            if left <= 0:
-                self._late(timeout, deadline[1], what)
-            self._sock.settimeout(left)
-            try:
-                n = self._sock.recv_into(view[got:])
-            except socket.timeout:
-                continue
-            except OSError as e:
-                self._fail(f"the connection failed: {e}", what)
-            if n == 0:
-                self._fail("the server closed the connection (it exited, crashed or was stopped)", what)
-            got += n
-        return got
-
-    def _recv_payload(self, length: int, deadline: Tuple[float, bool], what: str) -> bytearray:
-        """``length`` bytes. The buffer grows as they arrive (doubling from 1 MiB): a header that
-        announces a large frame makes the client hold only what was actually sent."""
-        buf = bytearray(min(length, GROW))
-        got = 0
-        while True:
-            got += self._recv_into(memoryview(buf)[got:], deadline, self.io_timeout, what)
-            if got == length:
-                return buf
-            target = min(length, 2 * len(buf))
-            while len(buf) < target:  # zeros from a shared block: no buffer of the whole size at once
-                buf += _ZEROS[: target - len(buf)]
-
-    def _write_frame(self, kind: int, version: int, aux: int, payload: bytes, what: str):
-        assert self._sock is not None
-        header = HEADER.pack(FRAME_MAGIC, kind, 0, version, len(payload), crc32c(payload) if payload else 0, aux)
-        deadline, _ = self._frame_deadline(self.io_timeout)
-        self._sock.settimeout(max(0.001, deadline - time.monotonic()))
-        try:
-            self._sock.sendall(header + payload)
-        except OSError as e:
-            self._fail(f"the connection failed: {e}", what)
-
-    def _read_frame(self, timeout: float, what: str, text: bool = False):
-        """(header fields, payload as a bytearray). Sizes are checked before anything is allocated, and
-        the payload's buffer grows only as its bytes arrive. The header comes within ``timeout``, the
-        payload within io_timeout, both within the fetch's deadline."""
-        raw = bytearray(HEADER.size)
-        self._recv_into(memoryview(raw), self._frame_deadline(timeout), timeout, what)
-        h = HEADER.unpack(raw)
-        magic, kind, _flags, _version, length, checksum, _aux = h
-        if magic != FRAME_MAGIC:
-            self._fail("a frame without the synchronizer's magic number (FXS2)", what)
-        if kind not in KIND_NAMES:
-            self._fail(f"a frame of unknown kind {kind}", what)
-        limit = (MAX_RUN if kind == SNAPSHOT_BEGIN else MAX_TEXT if (text or kind == ERROR)
-                 else self.max_bucket_bytes if kind == BUCKET else 0)
-        if length > limit:
-            self._fail(f"a {KIND_NAMES[kind]} frame of {length} bytes (at most {limit} allowed here)", what)
-        payload = self._recv_payload(length, self._frame_deadline(self.io_timeout), what) if length else bytearray()
-        if (crc32c(payload) if length else 0) != checksum:
-            self._fail("a frame whose checksum does not match its payload (corrupted in transit)", what)
-        return h, payload
+        self._base: VersionStore | None = None
+        self._base_module: weakref.ref[torch.nn.Module] | None = None
 
     # ---- fetching --------------------------------------------------------------------------------
 
@@ -397,9 +207,22 @@ class SyncClient:
         """The version a delta may be applied to (-1: none; the next fetch asks for a full version)."""
         return -1 if self._base is None else self._base.version
 
-    def forget_base(self):
+    def forget_base(self) -> None:
         """The next fetch asks for a full version."""
         self._base, self._base_module = None, None
+
+    def last_version(self) -> int:
+        """The version fetched last (-1 before the first fetch)."""
+        return self._last[0]
+
+    def last_was_delta(self) -> bool:
+        """Whether the version fetched last arrived as a delta."""
+        return self._last_manifest is not None and self._last_manifest.is_delta
+
+    def load_newer_into(self, module: torch.nn.Module, timeout: float = 60.0) -> int:
+        """``fetch_newer_into(module, self.last_version(), timeout)``, returning the version: the verb
+        every receiver shares (C++: sync::Receiver; CheckpointWatcher.load_newer_into)."""
+        return self.fetch_newer_into(module, self.last_version(), timeout).version
 
     def fetch_newer(self, have: int = -1, timeout: float = 60.0) -> WeightVersion:
         """The newest version once it is newer than ``have`` (-1: any), waiting up to ``timeout``
@@ -426,6 +249,7 @@ class SyncClient:
             raise SyncError(f"{e}; {_KEPT}") from None
         del received
         m = store.manifest
+        assert m is not None  # accepted: the store holds the version
         if self.keep_base:
             self._base, self._base_module = store, None
         else:
@@ -448,8 +272,9 @@ class SyncClient:
         self._check_have(have)
         where = f"the synchronizer at {self.where}"
         base = None
-        if (self.keep_base and self._base is not None and self._base_module is not None
-                and self._base_module() is module and have != -1 and self._base.version == have):
+        if (self.keep_base and self._base is not None and self._base.manifest is not None
+                and self._base_module is not None and self._base_module() is module and have != -1
+                and self._base.version == have):
             targets = self._adoptable(module, self._base.manifest)
             if targets is not None:
                 base = VersionStore()
@@ -458,15 +283,17 @@ class SyncClient:
         store = base if base is not None else VersionStore()
         try:
             with torch.no_grad():
-                changed = store.accept(received, in_place=True, where=where)  # a delta: into the module, undone on failure
+                # A delta lands in the module, undone on failure.
+                changed = store.accept(received, in_place=True, where=where)
                 del received
                 m = store.manifest
+                assert m is not None  # accepted: the store holds the version
                 adopted = True
                 if not m.is_delta:
                     WeightVersion(version, store.named(), run, m).load_into(module, strict=True)
                     targets = self._adoptable(module, m)
                     adopted = targets is not None
-                    if adopted:
+                    if targets is not None:
                         store.adopt(targets, m)
         except SyncError as e:
             self.forget_base()
@@ -479,11 +306,12 @@ class SyncClient:
         return WeightVersion(version, store.named(), run, m, m.is_delta, changed)
 
     @staticmethod
-    def _adoptable(module: torch.nn.Module, manifest: Manifest) -> Optional[List[Tuple[str, torch.Tensor]]]:
+    def _adoptable(module: torch.nn.Module, manifest: Manifest) -> list[tuple[str, torch.Tensor]] | None:
         """The module's tensors of the version's names, in its order, when a delta can land in them in
         place: each contiguous, of the version's dtype and shape, no two sharing memory. Else None."""
         state = module.state_dict(keep_vars=True)
-        out, spans = [], []
+        out: list[tuple[str, torch.Tensor]] = []
+        spans: list[tuple[str, int, int]] = []
         for e in manifest.entries:
             t = state.get(e.name)
             if t is None or t.dtype != e.dtype or tuple(t.shape) != e.shape or not t.is_contiguous():
@@ -497,7 +325,7 @@ class SyncClient:
                 return None  # one tensor under two names the trainer both sent: a delta would land twice
         return out
 
-    def verify(self, target, version: Union[None, WeightVersion, Manifest] = None) -> bool:
+    def verify(self, target: Target, version: None | WeightVersion | Manifest = None) -> bool:
         """"Do I hold version V exactly": True when ``target`` (a module, a WeightVersion, a mapping or
         (name, tensor) pairs) holds ``version`` (default: the version this client returned last), every
         tensor's CRC-32C of its bytes in the version's dtype the manifest's, none missing, none extra;
@@ -513,49 +341,32 @@ class SyncClient:
         return _verify(target, manifest)
 
     @staticmethod
-    def _check_have(have: int):
+    def _check_have(have: int) -> None:
         if have < -1:
             raise SyncError(f"fsdpx: fetching a version newer than {have}: versions are >= 0 (-1: any)")
 
-    def _fetch(self, have: int, timeout: float, base: Optional[VersionStore]):
+    def _fetch(self, have: int, timeout: float, base: VersionStore | None) -> Fetched:
         """(version, run label, received tensors, the manifest first), asking for a delta from ``base``."""
         what = f"fetching a version newer than {have}"
         if self._sock is None or self._closed_by_server():
             self._connect(what)
         return self._fetch_once(have, timeout, what, base)
 
-    def _closed_by_server(self) -> bool:
-        """Between requests nothing may wait on the connection: a hang-up (the server's idle_timeout)
-        or anything unasked for, seen without blocking, means a fresh connection."""
-        assert self._sock is not None
-        ready, _, _ = select.select([self._sock], [], [], 0)
-        if not ready:
-            return False
-        if isinstance(self._sock, ssl.SSLSocket):
-            return True  # TLS bytes unasked for (the server sends no session tickets): a close or an alert
-        try:
-            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
-            return True
-        return True
-
-    def _fetch_once(self, have: int, timeout: float, what: str, base: Optional[VersionStore]):
+    def _fetch_once(self, have: int, timeout: float, what: str, base: VersionStore | None) -> Fetched:
         timeout = min(max(timeout, 0.0), 365 * 24 * 3600.0)
         # The whole fetch ends by this deadline, whatever the server sends: a server trickling frames,
         # each within io_timeout, cannot keep it longer.
-        self._deadline, self._timeout, self._progress = time.monotonic() + timeout, timeout, ""
+        deadline = time.monotonic() + timeout
+        self._deadline, self._timeout, self._progress = deadline, timeout, ""
         try:
-            return self._fetch_stream(have, what, base)
+            return self._fetch_stream(have, what, base, deadline)
         except BaseException:
             self.close()  # mid-stream, the connection is out of step: the next fetch opens a fresh one
             raise
         finally:
             self._deadline = None
 
-    def _fetch_stream(self, have: int, what: str, base: Optional[VersionStore]):
-        deadline = self._deadline
+    def _fetch_stream(self, have: int, what: str, base: VersionStore | None, deadline: float) -> Fetched:
         # The run of the version this client fetched last: a version of another run is newer.
         have_run = self._last[1] if have != -1 and have == self._last[0] else ""
         # flags, digest: whether this client holds `have` exactly (then a delta from it may come).
@@ -573,7 +384,8 @@ class SyncClient:
         kind, version, count = begin[1], begin[3], begin[6]
         if kind == TIMEOUT:
             raise SyncError(f"fsdpx: no weight version newer than {have} was published within {self._timeout} s (the "
-                            f"synchronizer at {self.where} has version {version}); the trainer may be slow, stopped or dead")
+                            f"synchronizer at {self.where} has version {version}); the trainer may be slow, stopped or "
+                            "dead")
         if kind == ERROR:
             raise SyncError(f"fsdpx: the synchronizer at {self.where} answered: {text.decode('utf-8', 'replace')}")
         if kind != SNAPSHOT_BEGIN:

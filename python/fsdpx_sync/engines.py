@@ -18,7 +18,9 @@ dtype viewed as that dtype is itself). ``unflatten_bucket`` reads both layouts.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, NamedTuple, Tuple
+import functools
+from collections.abc import Iterable
+from typing import Any, Callable, NamedTuple
 
 import torch
 
@@ -34,19 +36,19 @@ class FlattenedTensorMetadata(NamedTuple):
     numel: int
 
 
-def _metadata_class():
+def _metadata_class() -> Callable[..., Any]:
     """SGLang's own class where SGLang is installed (its unpickler in the engine admits only its own
     and torch's classes), else this package's equivalent."""
     try:
-        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as theirs  # type: ignore
+        from sglang.srt.weight_sync.tensor_bucket import FlattenedTensorMetadata as theirs
 
-        return theirs
+        return theirs  # type: ignore[no-any-return]
     except Exception:
         return FlattenedTensorMetadata
 
 
-def flatten_buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
-                    metadata_class=None) -> List[Dict[str, Any]]:
+def flatten_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = 512 << 20,
+                    metadata_class: Callable[..., Any] | None = None) -> list[dict[str, Any]]:
     """Buckets of SGLang's "flattened_bucket" format: tensors grouped by dtype (in the order each dtype
     first appears, tensors in their order), each bucket at most ``bucket_bytes`` (a single larger tensor
     gets a bucket of its own): ``{"flattened_tensor": the tensors flattened and concatenated, 1-D, in
@@ -55,15 +57,15 @@ def flatten_buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_by
     if bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be positive, not {bucket_bytes}")
     make = metadata_class or _metadata_class()
-    by_dtype: Dict[torch.dtype, List[Tuple[str, torch.Tensor]]] = {}
+    by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     for name, t in named_tensors:
         by_dtype.setdefault(t.dtype, []).append((name, t))
-    buckets: List[Dict[str, Any]] = []
-    for dtype, tensors in by_dtype.items():
-        group: List[Tuple[str, torch.Tensor]] = []
+    buckets: list[dict[str, Any]] = []
+    for _dtype, tensors in by_dtype.items():
+        group: list[tuple[str, torch.Tensor]] = []
         size = 0
 
-        def close():
+        def close(group: list[tuple[str, torch.Tensor]]) -> None:
             flats = [t.detach().reshape(-1) for _, t in group]
             flat = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
             meta, at = [], 0
@@ -76,23 +78,28 @@ def flatten_buckets(named_tensors: Iterable[Tuple[str, torch.Tensor]], bucket_by
         for name, t in tensors:
             nbytes = t.numel() * t.element_size()
             if group and size + nbytes > bucket_bytes:
-                close()
+                close(group)
                 group, size = [], 0
             group.append((name, t))
             size += nbytes
         if group:
-            close()
+            close(group)
     return buckets
 
 
-def unflatten_bucket(bucket: Dict[str, Any]) -> List[Tuple[str, torch.Tensor]]:
+def _field(metadata: Any, key: str) -> Any:
+    """A field of one tensor's metadata: a dict's item, or an attribute of SGLang's class or ours."""
+    return metadata[key] if isinstance(metadata, dict) else getattr(metadata, key)
+
+
+def unflatten_bucket(bucket: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
     """The (name, tensor) pairs of a "flattened_bucket" bucket (views of its flattened tensor), as
     SGLang rebuilds them: of one dtype indexed in elements (``flatten_buckets``), or bytes of several
     dtypes indexed in bytes (SGLang's newer FlattenedTensorBucket)."""
     flat = bucket["flattened_tensor"]
     out = []
     for m in bucket["metadata"]:
-        get = (lambda k: m[k]) if isinstance(m, dict) else (lambda k: getattr(m, k))
+        get = functools.partial(_field, m)
         piece = flat[get("start_idx") : get("end_idx")]
         if piece.dtype != get("dtype"):  # bytes of another dtype
             try:

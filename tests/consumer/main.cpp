@@ -3,6 +3,9 @@
 
 #include <ATen/ATen.h>
 #include <fsdpx/fsdp.hpp>
+#if defined(FSDPX_WITH_SYNC_SERVICE)  // find_package(fsdpx COMPONENTS sync_service), fsdpx::sync_service
+#include <fsdpx/sync/service.hpp>
+#endif
 
 int main() {
   auto world = fsdpx::dist::MpiCommunicator::world();
@@ -19,7 +22,7 @@ int main() {
     std::fprintf(stderr, "consumer: a checkpoint was found where there is none\n");
     return 1;
   }
-#if defined(FSDPX_WITH_BOOST) && defined(FSDPX_WITH_OPENSSL)
+#if defined(FSDPX_WITH_SYNC_SERVICE)
   fsdpx::sync::SynchronizerServer server;  // 127.0.0.1, a port the system picks; stopped at the end
   if (server.port() == 0) {
     std::fprintf(stderr, "consumer: the synchronizer server has no port\n");

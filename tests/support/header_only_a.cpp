@@ -3,6 +3,9 @@
 // defined twice and fails to link. The rest of the suite compiles fsdpx once (fsdpx::separate).
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/models.hpp>
+#if defined(FSDPX_WITH_SYNC_SERVICE)
+#include <fsdpx/sync/service.hpp>
+#endif
 
 int header_only_b();
 

@@ -22,6 +22,9 @@
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/models.hpp>
 #include <fsdpx/sync.hpp>
+#if defined(FSDPX_WITH_SYNC_SERVICE)
+#include <fsdpx/sync/service.hpp>
+#endif
 
 #include "../core/models.hpp"
 

@@ -6,150 +6,176 @@ that Hugging Face model (fsdpx's decoder, loaded with models::from_pretrained) a
 version into transformers' own class of the model, by name, strict (its tied head needs no copy of its
 own), bit-exact.
 
-    python_receiver_test.py --package <python/> --program <python_peer_program> --mpiexec <mpiexec>
-                            --work <dir> [--hf-model <folder>] [-- mpiexec flags...]
+    python -m pytest python_receiver_test.py --package <python/> --program <python_peer_program>
+           --mpiexec <mpiexec> --work <dir> [--hf-model <folder>] [--mpiexec-flag=<flag> ...]
+
+fsdpx_sync is imported only from the installed copy (the `package` fixture), never from the sources.
 """
 
+from __future__ import annotations
+
+import importlib.metadata
 import os
 import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
 
-from peer_support import build_module, peer_args
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from peer_support import Peer, build_module
 
 VERSIONS = 4
+SECRET = "python-receiver-test-secret"
+Check = Callable[[int, Any, dict[str, torch.Tensor]], None]  # (version, WeightVersion, what the trainer wrote)
 
 
-def main() -> int:
-    args = peer_args(lambda ap: ap.add_argument("--hf-model"))
-    # Installable with pip, offline, depending on torch only.
-    # From a copy: pip's build leaves its build/ and egg-info beside the sources.
-    source = os.path.join(args.work, "package")
-    shutil.copytree(args.package, source)
-    site = os.path.join(args.work, "site")
+@pytest.fixture(scope="module")
+def package(request: pytest.FixtureRequest, work: str) -> ModuleType:
+    """fsdpx_sync, pip-installed (offline, depending on torch only) from a copy of --package (pip's build
+    leaves its build/ and egg-info beside the sources) into <work>/site, and imported from there."""
+    assert "fsdpx_sync" not in sys.modules, "fsdpx_sync was imported before it was installed"
+    source = os.path.join(work, "package")
+    shutil.copytree(request.config.getoption("package"), source)
+    site = os.path.join(work, "site")
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation",
                     "--disable-pip-version-check", "--target", site, source], check=True)
     sys.path.insert(0, site)
-    import torch
-    from safetensors.torch import load_file
-
     import fsdpx_sync
-    from fsdpx_sync import SyncClient, SyncError
 
-    assert fsdpx_sync.__file__.startswith(site), fsdpx_sync.__file__
-    from fsdpx_sync.checksum import crc32c_torch
-    assert fsdpx_sync.crc32c(b"123456789") == 0xE3069283 == crc32c_torch(b"123456789")
-    # The torch fallback and the native CRC-32C (when installed) equal the bytewise definition.
-    from fsdpx_sync.checksum import _TABLE
+    assert fsdpx_sync.__file__ is not None and fsdpx_sync.__file__.startswith(site), fsdpx_sync.__file__
+    return fsdpx_sync
+
+
+def test_installed(package: ModuleType, work: str) -> None:
+    """The version is the package's one (pyproject reads fsdpx_sync.__version__), its annotations typed (PEP 561)."""
+    assert importlib.metadata.version("fsdpx-sync") == package.__version__
+    assert os.path.isfile(os.path.join(os.path.dirname(package.__file__), "py.typed"))
+
+
+def test_crc32c(package: ModuleType) -> None:
+    """The torch fallback and the native CRC-32C (when installed) equal the bytewise definition."""
+    from fsdpx_sync.checksum import _TABLE, crc32c_torch
+
+    assert package.crc32c(b"123456789") == 0xE3069283 == crc32c_torch(b"123456789")
     for n in (0, 1, 63, 64, 65, 4095, 70001):
         data = bytearray(os.urandom(n))
         c = 0xFFFFFFFF
         for b in data:
             c = _TABLE[(c ^ b) & 0xFF] ^ (c >> 8)
-        assert crc32c_torch(data) == fsdpx_sync.crc32c(data) == c ^ 0xFFFFFFFF, n
-        assert crc32c_torch(data[n // 2:], crc32c_torch(data[: n // 2])) == crc32c_torch(data), n
+        assert crc32c_torch(data) == package.crc32c(data) == c ^ 0xFFFFFFFF, n
+        assert crc32c_torch(data[n // 2 :], crc32c_torch(data[: n // 2])) == crc32c_torch(data), n
 
-    secret = "python-receiver-test-secret"
-    env = dict(os.environ, FSDPX_SYNC_SECRET=secret)
-    state = {"module": None}
 
-    def check_gpt(v, weights, expected):
+def gpt_check() -> Check:
+    """Each version of the GPT loaded into a module of its names (the step counter a buffer), strict: the
+    first version also shows that a name the module has and the version lacks is reported."""
+    from fsdpx_sync import SyncError
+
+    module: torch.nn.Module | None = None
+
+    def check(v: int, weights: Any, expected: dict[str, torch.Tensor]) -> None:
+        nonlocal module
         got = weights.named()
         assert got["step_count"].dtype == torch.float32 and torch.all(got["step_count"] == v)
-        if state["module"] is None:
-            module = state["module"] = build_module(torch, expected, buffers={"step_count"})
+        if module is None:
+            module = build_module(expected, buffers={"step_count"})
             # Strict: a name the module lacks is named in the error, and nothing is copied.
             extra = torch.nn.Module()
             extra.register_parameter("not_sent", torch.nn.Parameter(torch.zeros(1)))
             module.add_module("extra", extra)
-            try:
+            with pytest.raises(SyncError, match="missing: extra.not_sent"):
                 weights.load_into(module)
-                raise AssertionError("a missing name was not reported")
-            except SyncError as e:
-                assert "missing: extra.not_sent" in str(e), e
             del module.extra
-        module = state["module"]
         weights.load_into(module)  # vLLM's load_weights takes the same pairs: iter(weights)
         for name, t in module.state_dict().items():
             assert torch.equal(t, expected[name].to(t.dtype)), f"version {v}: {name} was not loaded"
 
-    receive(args, [], env, secret, SyncClient, SyncError, load_file, torch, check_gpt, "a GPT")
+    return check
 
-    # TLS: a self-signed certificate for 127.0.0.1; the client verifies it, and refuses another.
-    cert, key, other = (os.path.join(args.work, f) for f in ("cert.pem", "key.pem", "other.pem"))
+
+def test_gpt(package: ModuleType, peer: Peer) -> None:
+    receive(peer, [], dict(os.environ, FSDPX_SYNC_SECRET=SECRET), gpt_check(), "a GPT")
+
+
+def test_gpt_over_tls(package: ModuleType, peer: Peer) -> None:
+    """A self-signed certificate for 127.0.0.1: the client verifies it, and refuses another."""
+    from fsdpx_sync import SyncClient, SyncError
+
+    cert, key, other = (os.path.join(peer.work, f) for f in ("cert.pem", "key.pem", "other.pem"))
     for c, k in ((cert, key), (other, other + ".key")):
-        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-                        "-days", "2", "-subj", "/CN=fsdpx-test", "-addext", "subjectAltName=IP:127.0.0.1",
+        subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1",
+                        "-nodes", "-days", "2", "-subj", "/CN=fsdpx-test", "-addext", "subjectAltName=IP:127.0.0.1",
                         "-keyout", k, "-out", c], check=True, capture_output=True)
-    tls_env = dict(env, FSDPX_TEST_TLS_CERT=cert, FSDPX_TEST_TLS_KEY=key)
-    state["module"] = None
 
-    def refusals(port):
-        try:
-            SyncClient("127.0.0.1", port, secret=secret, tls=True, tls_ca_file=other).fetch_newer(-1, timeout=5)
-            raise AssertionError("a server whose certificate is signed by someone else was trusted")
-        except SyncError as e:
-            assert "TLS handshake" in str(e) and "certificate" in str(e), e
-        try:
-            SyncClient("127.0.0.1", port, secret=secret, io_timeout=3, connect_timeout=3).fetch_newer(-1, timeout=2)
-            raise AssertionError("a plain client was served by a TLS server")
-        except SyncError:
-            pass
+    def refusals(port: int) -> None:
+        with pytest.raises(SyncError) as refused:
+            SyncClient("127.0.0.1", port, secret=SECRET, tls=True, tls_ca_file=other).fetch_newer(-1, timeout=5)
+        assert "TLS handshake" in str(refused.value) and "certificate" in str(refused.value), refused.value
+        with pytest.raises(SyncError):  # a plain client is not served by a TLS server
+            SyncClient("127.0.0.1", port, secret=SECRET, io_timeout=3, connect_timeout=3).fetch_newer(-1, timeout=2)
 
-    receive(args, [], tls_env, secret, SyncClient, SyncError, load_file, torch, check_gpt, "a GPT over TLS",
-            client_options=dict(tls=True, tls_ca_file=cert), before=refusals)
-
-    if args.hf_model:
-        from transformers import AutoModelForCausalLM
-        hf = AutoModelForCausalLM.from_pretrained(args.hf_model, dtype=torch.float32)
-        tied = hf.config.tie_word_embeddings
-
-        def check_hf(v, weights, expected):
-            assert "lm_head.weight" not in weights.named() or not tied, "a tied head was sent twice"
-            weights.load_into(hf)  # strict, by transformers' own names
-            for name, t in hf.state_dict().items():
-                source = "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
-                assert torch.equal(t, expected[source].to(t.dtype)), f"version {v}: {name} was not loaded"
-
-        receive(args, [args.hf_model], env, secret, SyncClient, SyncError, load_file, torch, check_hf,
-                f"transformers' {type(hf).__name__}")
-    return 0
+    env = dict(os.environ, FSDPX_SYNC_SECRET=SECRET, FSDPX_TEST_TLS_CERT=cert, FSDPX_TEST_TLS_KEY=key)
+    receive(peer, [], env, gpt_check(), "a GPT over TLS", {"tls": True, "tls_ca_file": cert}, before=refusals)
 
 
-def receive(args, program_args, env, secret, SyncClient, SyncError, load_file, torch, check, what, client_options=None,
-            before=None):
+def test_hf_model(package: ModuleType, peer: Peer, hf_model: str) -> None:
+    """The trainer fine-tunes the Hugging Face model; every version loads into transformers' own class."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(hf_model, dtype=torch.float32)
+    tied = hf.config.tie_word_embeddings
+
+    def check(v: int, weights: Any, expected: dict[str, torch.Tensor]) -> None:
+        assert "lm_head.weight" not in weights.named() or not tied, "a tied head was sent twice"
+        weights.load_into(hf)  # strict, by transformers' own names
+        for name, t in hf.state_dict().items():
+            source = "model.embed_tokens.weight" if tied and name == "lm_head.weight" else name
+            assert torch.equal(t, expected[source].to(t.dtype)), f"version {v}: {name} was not loaded"
+
+    receive(peer, [hf_model], dict(os.environ, FSDPX_SYNC_SECRET=SECRET), check,
+            f"transformers' {type(hf).__name__}")
+
+
+def receive(peer: Peer, program_args: list[str], env: dict[str, str], check: Check, what: str,
+            client_options: dict[str, Any] | None = None, before: Callable[[int], None] | None = None) -> None:
     """Starts the trainer, receives every version, checks it bit-exact against what the trainer wrote,
     then `check(version, weights, expected)`. `before(port)` runs once the server listens."""
+    from fsdpx_sync import SyncClient, SyncError, checksum
+
     client_options = client_options or {}
-    for f in os.listdir(args.work):
+    for f in os.listdir(peer.work):
         if f == "port" or f.startswith("ack_") or f.startswith("expected_") or f == "abort":
-            os.remove(os.path.join(args.work, f))
-    trainer = subprocess.Popen([args.mpiexec, *args.mpiexec_flags, "-n", "2", args.program, args.work, str(VERSIONS),
-                                *program_args], env=env)
+            os.remove(os.path.join(peer.work, f))
+    trainer = subprocess.Popen(peer.command(VERSIONS, *program_args), env=env)
     try:
-        port_file = os.path.join(args.work, "port")
+        port_file = os.path.join(peer.work, "port")
         deadline = time.monotonic() + 120
         while not os.path.exists(port_file):
             if trainer.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the trainer did not start its synchronizer")
             time.sleep(0.05)
-        port = int(open(port_file).read())
+        with open(port_file) as f:
+            port = int(f.read())
 
-        try:
+        with pytest.raises(SyncError) as refused:
             SyncClient("127.0.0.1", port, secret="wrong", **client_options).fetch_newer(-1, timeout=5)
-            raise AssertionError("a wrong secret was accepted")
-        except SyncError as e:
-            assert "refused to let this client fetch" in str(e) and "authentication failed" in str(e), e
+        text = str(refused.value)
+        assert "refused to let this client fetch" in text and "authentication failed" in text, text
         if before is not None:
             before(port)
 
-        client = SyncClient("127.0.0.1", port, secret=secret, **client_options)
+        client = SyncClient("127.0.0.1", port, secret=SECRET, **client_options)
         have = -1
         for v in range(1, VERSIONS + 1):
             weights = client.fetch_newer(have, timeout=120)
             assert weights.version == v, f"version {weights.version} arrived where {v} was expected"
-            expected = load_file(os.path.join(args.work, f"expected_{v}.safetensors"))
+            expected = load_file(os.path.join(peer.work, f"expected_{v}.safetensors"))
             got = weights.named()
             assert list(got) == list(expected), (list(got), list(expected))
             for name, t in expected.items():
@@ -159,21 +185,15 @@ def receive(args, program_args, env, secret, SyncClient, SyncError, load_file, t
             assert any(n.endswith("weight") and t.dtype == torch.bfloat16 for n, t in got.items())
             check(v, weights, expected)
             have = v
-            open(os.path.join(args.work, f"ack_{v}"), "w").close()
+            open(os.path.join(peer.work, f"ack_{v}"), "w").close()
         client.close()
         rc = trainer.wait(timeout=120)
         assert rc == 0, f"the trainer exited with {rc}"
     except BaseException:
-        open(os.path.join(args.work, "abort"), "w").close()
+        open(os.path.join(peer.work, "abort"), "w").close()
         try:
             trainer.wait(timeout=30)
         except subprocess.TimeoutExpired:
             trainer.kill()
         raise
-    from fsdpx_sync import checksum
-    print(f"python receiver, {what}: {VERSIONS} versions received bit-exact (CRC-32C: "
-          f"{checksum.implementation()})")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    print(f"python receiver, {what}: {VERSIONS} versions received bit-exact (CRC-32C: {checksum.implementation()})")

@@ -3,36 +3,49 @@
 deletes older ones while Python may be reading them; every fourth step is saved again with the
 optimizer, rewriting its commit record). Python follows the root: every version it returns is newer
 than the last, equals the trainer's side file of that step bit for bit, loads into a module by name
-(strict), and it reaches the last step. Then, on a copy of a committed step: a corrupted model file,
-a missing one and an uncommitted step are refused with errors naming them.
+(strict), and it reaches the last step. Then, on copies of the last committed step: a corrupted model
+file, a missing one and an uncommitted step are refused with errors naming them, and so are the files a
+hostile or unlucky writer leaves.
 
-    python_watcher_test.py --package <python/> --program <python_peer_program> --mpiexec <mpiexec> --work <dir> [-- flags]
+    python -m pytest python_watcher_test.py --package <python/> --program <python_peer_program>
+           --mpiexec <mpiexec> --work <dir> [--mpiexec-flag=<flag> ...]
 """
 
+from __future__ import annotations
+
+import json
 import os
+import re
 import shutil
 import subprocess
-import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-from peer_support import build_module, peer_args
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fsdpx_sync import CheckpointWatcher, SyncError
+from fsdpx_sync.checkpoint import read_iteration_file, read_step
+from fsdpx_sync.checksum import crc32c
+from fsdpx_sync.wire import COMMIT_RECORD, STATE_DICT_ITERATION_FILE
+from peer_support import Peer, build_module
 
 STEPS = 24
+StateDict = dict[str, Any]
 
 
-def main() -> int:
-    args = peer_args()
-    sys.path.insert(0, args.package)  # the package's sources as they are (sync_python_receiver pip-installs it)
-    import torch
-    from safetensors.torch import load_file
-
-    from fsdpx_sync import CheckpointWatcher, SyncError
-    from fsdpx_sync.checkpoint import read_step
-
-    root = os.path.join(args.work, "ckpt")
-    trainer = subprocess.Popen([args.mpiexec, *args.mpiexec_flags, "-n", "2", args.program, args.work, str(STEPS),
-                                "--checkpoints"])
+@pytest.fixture(scope="module")
+def followed(peer: Peer) -> tuple[str, list[int]]:
+    """The trainer saves STEPS steps while the watcher follows its root: (the root, the steps returned).
+    Each step returned is newer than the last, bit-exact against the trainer's side file, and loads into a
+    module by name."""
+    root = os.path.join(peer.work, "ckpt")
+    trainer = subprocess.Popen(peer.command(STEPS, "--checkpoints"))
     watcher = CheckpointWatcher(root, poll_interval=0.01)
-    seen = []
+    seen: list[int] = []
     module = None
     try:
         have = -1
@@ -41,13 +54,13 @@ def main() -> int:
                 raise RuntimeError(f"the trainer exited with {trainer.returncode}")
             w = watcher.wait_newer(have, timeout=120)
             assert w.version > have, (w.version, have)
-            side = load_file(os.path.join(args.work, f"side_{w.version}.safetensors"))
+            side = load_file(os.path.join(peer.work, f"side_{w.version}.safetensors"))
             got = w.named()
             assert sorted(got) == sorted(side), (sorted(got), sorted(side))
             for name, t in side.items():
                 assert got[name].dtype == t.dtype and torch.equal(got[name], t), f"step {w.version}: {name} differs"
             if module is None:
-                module = build_module(torch, side, fill=0.0)
+                module = build_module(side, fill=0.0)
             w.load_into(module)
             assert all(torch.equal(t, side[n]) for n, t in module.state_dict().items())
             seen.append(w.version)
@@ -56,119 +69,121 @@ def main() -> int:
     except BaseException:
         trainer.kill()
         raise
-    assert len(seen) >= 2, seen
+    return root, seen
+
+
+def test_follows_the_trainer(followed: tuple[str, list[int]]) -> None:
+    _, seen = followed
+    assert len(seen) >= 2 and seen[-1] == STEPS, seen
     print(f"python watcher: {len(seen)} of {STEPS} committed steps read while the trainer saved and rotated "
           f"({seen[:6]}{' ...' if len(seen) > 6 else ''}), each bit-exact")
 
-    # Bad steps, on a copy of the last committed one.
-    bad_root = os.path.join(args.work, "bad")
-    src = os.path.join(root, f"global_step_{STEPS}")
-    shutil.copytree(src, os.path.join(bad_root, f"global_step_{STEPS}"), ignore=shutil.ignore_patterns(".leases"))
-    actor = os.path.join(bad_root, f"global_step_{STEPS}", "actor")
+
+@pytest.fixture
+def fresh(followed: tuple[str, list[int]], peer: Peer, request: pytest.FixtureRequest) -> tuple[str, str]:
+    """A copy of the last committed step in a root of its own (<work>/bad/<test>): (the root, the step's
+    actor folder)."""
+    root = os.path.join(peer.work, "bad", re.sub(r"\W+", "_", request.node.name))
+    shutil.rmtree(root, ignore_errors=True)
+    step = os.path.join(root, f"global_step_{STEPS}")
+    shutil.copytree(os.path.join(followed[0], f"global_step_{STEPS}"), step, ignore=shutil.ignore_patterns(".leases"))
+    return root, os.path.join(step, "actor")
+
+
+def test_load_newer_into(fresh: tuple[str, str], peer: Peer) -> None:
+    """The verb every receiver shares: the newest step into a module, then verify() against what was read."""
+    root, _ = fresh
+    Path(root, STATE_DICT_ITERATION_FILE).write_text(f"{STEPS}\n")
+    side = load_file(os.path.join(peer.work, f"side_{STEPS}.safetensors"))
+    module = build_module(side, fill=0.0)
+    watcher = CheckpointWatcher(root)
+    with pytest.raises(SyncError, match="no step was loaded"):
+        watcher.verify(module)
+    assert watcher.load_newer_into(module, timeout=10) == STEPS
+    assert watcher.last_version() == STEPS and not watcher.last_was_delta()
+    assert all(torch.equal(t, side[n]) for n, t in module.state_dict().items())
+    assert watcher.verify(module)
+    with torch.no_grad():
+        next(iter(module.parameters())).view(-1)[0] += 1
+    with pytest.raises(SyncError, match="differ"):
+        watcher.verify(module)
+    refused(lambda: watcher.load_newer_into(module, timeout=0.2), f"no committed step newer than {STEPS}")
+
+
+def refused(fn: Callable[[], object], fragment: str) -> None:
+    """fn() raises a SyncError naming `fragment`, at once (no hang)."""
+    start = time.monotonic()
+    with pytest.raises(SyncError) as error:
+        fn()
+    assert fragment in str(error.value), (fragment, str(error.value))
+    assert time.monotonic() - start < 10, "refused, but slowly"
+
+
+def test_corrupt_missing_uncommitted(fresh: tuple[str, str]) -> None:
+    """A corrupted model file, then a missing one, then an uncommitted step: each refused, naming the cause."""
+    root, actor = fresh
     victim = os.path.join(actor, "model_world_size_2_rank_1.pt")
-    data = bytearray(open(victim, "rb").read())
+    data = bytearray(Path(victim).read_bytes())
     data[len(data) // 2] ^= 0xFF
-    open(victim, "wb").write(bytes(data))
-
-    def refused(fragment):
-        try:
-            read_step(bad_root, STEPS)
-        except SyncError as e:
-            assert fragment in str(e), (fragment, str(e))
-            return
-        raise AssertionError(f"a bad step was read ({fragment})")
-
-    refused(f"'{victim}' does not match the CRC-32C")
+    Path(victim).write_bytes(bytes(data))
+    refused(lambda: read_step(root, STEPS), f"'{victim}' does not match the CRC-32C")
     os.remove(victim)
-    refused(f"'{victim}' is missing")
-    os.remove(os.path.join(actor, "fsdp_config.json"))
-    refused(f"step {STEPS} of '{bad_root}' is not committed")
-    with open(os.path.join(bad_root, "latest_state_dict_iteration.txt"), "w") as f:
-        f.write(f"{STEPS}\n")
-    try:
-        CheckpointWatcher(bad_root).wait_newer(-1, timeout=0.3)
-        raise AssertionError("an uncommitted step was returned")
-    except SyncError as e:
-        assert "not (or no longer) committed" in str(e), e
-    print("python watcher: a corrupted, a missing and an uncommitted step are refused, naming the cause")
-    hostile_steps(args, src, torch)
-    print("PASSED")
-    return 0
+    refused(lambda: read_step(root, STEPS), f"'{victim}' is missing")
+    os.remove(os.path.join(actor, COMMIT_RECORD))
+    refused(lambda: read_step(root, STEPS), f"step {STEPS} of '{root}' is not committed")
+    Path(root, STATE_DICT_ITERATION_FILE).write_text(f"{STEPS}\n")
+    refused(lambda: CheckpointWatcher(root).wait_newer(-1, timeout=0.3), "not (or no longer) committed")
 
 
-def hostile_steps(args, src, torch):
-    """Files a hostile or unlucky writer leaves: special files, huge files, rank files whose slices
-    overlap, are malformed or declare a tensor no file holds. Each is a SyncError naming the cause,
-    at once (no hang) and without allocating what the files claim."""
-    import json
-    import time
-
-    from fsdpx_sync import CheckpointWatcher, SyncError
-    from fsdpx_sync.checkpoint import read_iteration_file, read_step
-    from fsdpx_sync.checksum import crc32c
-
-    n = 0
-
-    def fresh():
-        nonlocal n
-        n += 1
-        root = os.path.join(args.work, f"hostile{n}")
-        shutil.rmtree(root, ignore_errors=True)
-        shutil.copytree(src, os.path.join(root, f"global_step_{STEPS}"), ignore=shutil.ignore_patterns(".leases"))
-        return root, os.path.join(root, f"global_step_{STEPS}", "actor")
-
-    def refused(fn, fragment):
-        start = time.monotonic()
-        try:
-            fn()
-        except SyncError as e:
-            assert fragment in str(e), (fragment, str(e))
-            assert time.monotonic() - start < 10, "refused, but slowly"
-            return
-        raise AssertionError(f"accepted: {fragment}")
-
-    # A FIFO as the iteration file or the commit record: refused at once, never opened for a blocking read.
-    root, actor = fresh()
-    os.mkfifo(os.path.join(root, "latest_state_dict_iteration.txt"))
+def test_fifos(fresh: tuple[str, str]) -> None:
+    """A FIFO as the iteration file or the commit record: refused at once, never opened for a blocking read."""
+    root, actor = fresh
+    os.mkfifo(os.path.join(root, STATE_DICT_ITERATION_FILE))
     refused(lambda: read_iteration_file(root), "is not a regular file")
     refused(lambda: CheckpointWatcher(root).poll(), "is not a regular file")
-    os.remove(os.path.join(actor, "fsdp_config.json"))
-    os.mkfifo(os.path.join(actor, "fsdp_config.json"))
+    os.remove(os.path.join(actor, COMMIT_RECORD))
+    os.mkfifo(os.path.join(actor, COMMIT_RECORD))
     refused(lambda: read_step(root, STEPS), "is not a regular file")
-    # A 2 GiB commit record (NUL-padded, sparse): refused by its size, not read.
-    root, actor = fresh()
-    os.truncate(os.path.join(actor, "fsdp_config.json"), 2 << 30)
+
+
+def test_huge_commit_record(fresh: tuple[str, str]) -> None:
+    """A 2 GiB commit record (NUL-padded, sparse): refused by its size, not read."""
+    root, actor = fresh
+    os.truncate(os.path.join(actor, COMMIT_RECORD), 2 << 30)
     refused(lambda: read_step(root, STEPS), "has 2147483648 bytes; it may have at most 16777216")
 
-    def crafted(edit, fragment):
-        """Rank 1's file rewritten by `edit(state dict of rank 0, state dict of rank 1)` with a record that matches it."""
-        root, actor = fresh()
-        files = [os.path.join(actor, f"model_world_size_2_rank_{r}.pt") for r in range(2)]
-        sds = [torch.load(f, weights_only=True) for f in files]
-        edit(sds[0], sds[1])
-        torch.save(sds[1], files[1])
-        record_path = os.path.join(actor, "fsdp_config.json")
-        record = json.load(open(record_path))
-        data = open(files[1], "rb").read()
-        record["files"][os.path.basename(files[1])] = {"bytes": len(data), "crc32c": crc32c(data)}
-        json.dump(record, open(record_path, "w"))
-        refused(lambda: read_step(root, STEPS), fragment)
 
-    def overlap(sd0, sd1):  # rank 1 also holds rank 0's first slice of a tensor
-        name = next(k for k, e in sd0["entries"].items() if e["end"] > e["begin"])
-        sd1["entries"][name] = sd0["entries"][name]
-    crafted(overlap, "some of which another rank's file holds too")
-
-    def malformed(sd0, sd1):
-        name = next(iter(sd1["entries"]))
-        del sd1["entries"][name]["data"]
-    crafted(malformed, "is malformed")
-
-    def huge(sd0, sd1):  # a tensor of 2^40 elements that no file holds: named, never allocated
-        sd1["entries"]["crafted.weight"] = {"shape": [1 << 20, 1 << 20], "begin": 0, "end": 0, "data": torch.zeros(0)}
-    crafted(huge, "elements [0, 1099511627776) of 'crafted.weight' are in no rank's file")
-    print("python watcher: FIFOs, a 2 GiB record, overlapping, malformed and oversized slices are refused, naming the cause")
+def overlap(sd0: StateDict, sd1: StateDict) -> None:  # rank 1 also holds rank 0's first slice of a tensor
+    name = next(k for k, e in sd0["entries"].items() if e["end"] > e["begin"])
+    sd1["entries"][name] = sd0["entries"][name]
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def malformed(sd0: StateDict, sd1: StateDict) -> None:
+    name = next(iter(sd1["entries"]))
+    del sd1["entries"][name]["data"]
+
+
+def huge(sd0: StateDict, sd1: StateDict) -> None:  # a tensor of 2^40 elements that no file holds: never allocated
+    sd1["entries"]["crafted.weight"] = {"shape": [1 << 20, 1 << 20], "begin": 0, "end": 0, "data": torch.zeros(0)}
+
+
+@pytest.mark.parametrize(("edit", "fragment"), [
+    (overlap, "some of which another rank's file holds too"),
+    (malformed, "is malformed"),
+    (huge, "elements [0, 1099511627776) of 'crafted.weight' are in no rank's file"),
+], ids=["overlapping slices", "a malformed slice", "a slice of a tensor no file holds"])
+def test_crafted_rank_file(fresh: tuple[str, str], edit: Callable[[StateDict, StateDict], None],
+                           fragment: str) -> None:
+    """Rank 1's file rewritten by `edit(state dict of rank 0, state dict of rank 1)`, with a commit record
+    that matches it: refused, naming the cause, without allocating what the files claim."""
+    root, actor = fresh
+    files = [os.path.join(actor, f"model_world_size_2_rank_{r}.pt") for r in range(2)]
+    sds = [torch.load(f, weights_only=True) for f in files]
+    edit(sds[0], sds[1])
+    torch.save(sds[1], files[1])
+    record_path = Path(actor, COMMIT_RECORD)
+    record = json.loads(record_path.read_text())
+    data = Path(files[1]).read_bytes()
+    record["files"][os.path.basename(files[1])] = {"bytes": len(data), "crc32c": crc32c(data)}
+    record_path.write_text(json.dumps(record))
+    refused(lambda: read_step(root, STEPS), fragment)

@@ -5,40 +5,51 @@ they refuse it. One list, so that a check one receiver makes and the other does 
 
     receiver_cases.py --package <python/> --out DIR     writes DIR/cases.json and DIR/<case>.bin
 """
+from __future__ import annotations
+
 import argparse
 import json
 import os
 import struct
 import sys
 
-from peer_support import BUCKET, SNAPSHOT_BEGIN, craft_bucket, empty_tensors, frame, manifest_chunk, version_frames
 
-
-def cases(torch):
+def cases() -> list[tuple[str, bytes, list[str]]]:
     """[(name, the bytes a server sends after the fetch, [what each receiver's refusal must say])]"""
+    import torch
+
+    from frame_support import Chunk, craft_bucket, empty_tensors, frame, manifest_chunk, version_frames
+    from fsdpx_sync.wire import (
+        BUCKET,
+        FRAME_MAGIC,
+        HEADER,
+        MANIFEST_NAME,
+        MAX_BUCKET_BYTES,
+        PREFIX_BYTES,
+        SNAPSHOT_BEGIN,
+    )
+
     embed = torch.arange(40000, dtype=torch.float32).view(200, 200)
     empty = torch.empty(0, 4)
     whole = {"embed.weight": embed, "empty": empty}
 
-    def version(buckets, v=5, manifest_of=None, **craft):
+    def version(buckets: list[list[Chunk]], v: int = 5, manifest_of: int | None = None) -> bytes:
         if manifest_of is not None or v == 5:
             buckets[0].insert(0, manifest_chunk(v if manifest_of is None else manifest_of, whole))
-        return version_frames(torch, v, buckets, **craft)
+        return version_frames(v, buckets)
 
-    def patched(offset, fmt, value):  # one bucket of embed whose bytes at `offset` are replaced
-        b = craft_bucket(torch, 5, 0, 1, [manifest_chunk(5, whole), ("embed.weight", embed, 0, 40000),
+    def patched(offset: int, fmt: str, value: int) -> bytes:  # one bucket of embed whose bytes at `offset` are replaced
+        b = craft_bucket(5, 0, 1, [manifest_chunk(5, whole), ("embed.weight", embed, 0, 40000),
                                           ("empty", empty, 0, 0)])
         struct.pack_into(fmt, b, offset, value)
         return frame(SNAPSHOT_BEGIN, 5, 1, b"fake") + frame(BUCKET, 5, 0, b)
 
-    from fsdpx_sync.bucket import PREFIX_BYTES
-    from fsdpx_sync.delta import MANIFEST_NAME
     first_entry = PREFIX_BYTES + 2 + len(MANIFEST_NAME)  # the manifest's entry comes first: its dtype code, rank
-    in_order = [craft_bucket(torch, 5, k, 2, c) for k, c in
+    in_order = [craft_bucket(5, k, 2, c) for k, c in
                 enumerate([[manifest_chunk(5, whole), ("embed.weight", embed, 0, 20000), ("empty", empty, 0, 0)],
                            [("embed.weight", embed, 20000, 20000)]])]
     bad_checksum = bytearray(frame(BUCKET, 5, 0, in_order[0]))
-    struct.pack_into("<Q", bad_checksum, 24, 12345)  # the header's checksum field
+    struct.pack_into("<Q", bad_checksum, struct.calcsize("<IHHqQ"), 12345)  # the header's checksum field
     return [
         ("first half twice", version([[("embed.weight", embed, 0, 20000), ("empty", empty, 0, 0)],
                                       [("embed.weight", embed, 0, 20000)]]),
@@ -57,7 +68,7 @@ def cases(torch):
         ("the manifest of another version", version([[("embed.weight", embed, 0, 40000), ("empty", empty, 0, 0)]],
                                                     v=2, manifest_of=7),
          ["version 2 carries the manifest of version 7"]),
-        ("no manifest", version_frames(torch, 3, [[("embed.weight", embed, 0, 40000), ("empty", empty, 0, 0)]]),
+        ("no manifest", version_frames(3, [[("embed.weight", embed, 0, 40000), ("empty", empty, 0, 0)]]),
          ["version 3 does not start with its manifest"]),
         ("bad bucket magic", patched(0, "<I", 0x12345678), ["version 5", "bad magic number (not a weight bucket)"]),
         ("unknown dtype code", patched(first_entry, "<B", 99), ["version 5", "has unknown dtype code 99"]),
@@ -69,27 +80,26 @@ def cases(torch):
          ["a frame whose checksum does not match its payload (corrupted in transit)"]),
         ("a version of no buckets", frame(SNAPSHOT_BEGIN, 5, 0, b"fake"), ["a version of 0 buckets"]),
         ("a bucket beyond max_bucket_bytes", frame(SNAPSHOT_BEGIN, 5, 1, b"fake")
-         + struct.pack("<IHHqQQQ", 0x32535846, BUCKET, 0, 5, 2 << 30, 0, 0),
-         ["a bucket frame of 2147483648 bytes (at most 1073741824 allowed here)"]),
-        ("many empty tensors", version_frames(torch, 9, [empty_tensors(torch, k * 150000, 150000) for k in range(4)],
-                                              tight=True),
+         + HEADER.pack(FRAME_MAGIC, BUCKET, 0, 5, 2 * MAX_BUCKET_BYTES, 0, 0),
+         [f"a bucket frame of {2 * MAX_BUCKET_BYTES} bytes (at most {MAX_BUCKET_BYTES} allowed here)"]),
+        ("many empty tensors", version_frames(9, [empty_tensors(k * 150000, 150000) for k in range(4)], tight=True),
          ["version 9", "too many entries or tensors for their bytes"]),
         ("more entries than their bytes allow",
-         version_frames(torch, 4, [empty_tensors(torch, 0, 400000)], tight=True),
-         ["version 4", "its 400000 entries would make this receiver hold", "too many entries or tensors for their bytes"]),
+         version_frames(4, [empty_tensors(0, 400000)], tight=True),
+         ["version 4", "its 400000 entries would make this receiver hold",
+          "too many entries or tensors for their bytes"]),
     ]
 
 
-def main():
+def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--package", required=True)
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    sys.path.insert(0, args.package)
-    import torch
+    sys.path.insert(0, os.path.abspath(args.package))  # before frame_support and the cases import fsdpx_sync
     os.makedirs(args.out, exist_ok=True)
     index = []
-    for n, (name, data, expected) in enumerate(cases(torch)):
+    for n, (name, data, expected) in enumerate(cases()):
         path = f"case{n:02d}.bin"
         with open(os.path.join(args.out, path), "wb") as f:
             f.write(data)

@@ -29,6 +29,9 @@
 
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/sync.hpp>
+#if defined(FSDPX_WITH_SYNC_SERVICE)
+#include <fsdpx/sync/service.hpp>
+#endif
 
 #include "../core/models.hpp"
 #include "../support/expect.hpp"
@@ -199,7 +202,7 @@ int hostile_broadcast() {
     if (rc == 0) rc = expect_error<SyncError>([&] { receiver.receive(); }, needles);
   };
   const auto expect_exact = [&](int64_t version, const std::vector<NamedTensor>& want, bool delta) {
-    const WeightSnapshot s = receiver.receive();
+    const WeightVersion s = receiver.receive();
     bool ok =
         s.version == version && s.tensors.size() == want.size() && s.manifest && receiver.last_was_delta() == delta;
     for (size_t i = 0; ok && i < want.size(); ++i)
@@ -294,7 +297,7 @@ int main(int argc, char** argv) {
     const uint16_t port = server.port();
     if (write(fds[1], &port, sizeof(port)) != static_cast<ssize_t>(sizeof(port))) return 7;
     SynchronizerClient reader("127.0.0.1", port);
-    const WeightSnapshot first = reader.fetch_newer(no_version, 20s);
+    const WeightVersion first = reader.fetch_newer(no_version, 20s);
     if (first.version != 1) return 5;
     const auto t0 = std::chrono::steady_clock::now();
     const int rc =

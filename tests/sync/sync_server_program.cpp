@@ -22,8 +22,8 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    sync::SynchronizerServer server(
-        {.max_handshakes_per_address = std::stoi(argv[1]), .handshake_timeout = std::chrono::milliseconds(5000)});
+    sync::SynchronizerServer server({.limits = {.max_handshakes_per_address = std::stoi(argv[1]),
+                                                .handshake_timeout = std::chrono::milliseconds(5000)}});
     std::cout << "port " << server.port() << std::endl;
     std::string line;
     while (std::getline(std::cin, line)) {

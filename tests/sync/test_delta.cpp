@@ -13,6 +13,9 @@
 #include <torch/torch.h>
 
 #include <fsdpx/sync.hpp>
+#if defined(FSDPX_WITH_SYNC_SERVICE)
+#include <fsdpx/sync/service.hpp>
+#endif
 
 namespace fxs = fsdpx::sync;
 using fxs::DeltaEncoding;
@@ -291,7 +294,7 @@ TEST_CASE("delta: verify says whether weights are exactly a version, naming what
   REQUIRE_THROWS_WITH(fxs::verify(mine, m), Catch::Contains("'steps' is missing"));
 }
 
-#if defined(FSDPX_WITH_BOOST) && defined(FSDPX_WITH_OPENSSL)
+#if defined(FSDPX_WITH_SYNC_SERVICE)
 
 #include <fsdpx/models.hpp>
 
@@ -368,7 +371,7 @@ TEST_CASE(
   // At lr 1e-3 nearly every bfloat16 element moves each step: a delta would be as large as the version,
   // so the publisher sends it full (and readers take it as any full version).
   const bool deltas = lr < 1e-4;
-  fxs::WeightSnapshot previous;
+  fxs::WeightVersion previous;
   std::vector<NamedTensor> previous_weights;
   for (int step = 1; step <= 6; ++step) {
     train_step(trainer_model, opt, step);
@@ -485,7 +488,7 @@ TEST_CASE(
   require_same(reader.fetch_newer(have, 5s).tensors, wire_weights(*model));
 }
 
-#endif  // FSDPX_WITH_BOOST && FSDPX_WITH_OPENSSL
+#endif  // FSDPX_WITH_SYNC_SERVICE
 
 TEST_CASE(
     "delta in process: a SynchronizerReader's module holds the trainer's weights bit for bit after real AdamW "
@@ -510,7 +513,7 @@ TEST_CASE(
   // By fewest bytes even at lr 1e-3, where most bfloat16 elements move, the XOR of the bits compresses
   // below 90% of the version: deltas whenever they are on.
   const bool deltas = enabled;
-  std::shared_ptr<const fxs::WeightSnapshot> previous;
+  std::shared_ptr<const fxs::WeightVersion> previous;
   std::vector<NamedTensor> previous_weights;
   for (int step = 1; step <= 5; ++step) {
     INFO("step " << step);

@@ -296,7 +296,7 @@ std::vector<fxs::NamedTensor> weights_of(int64_t v) {
   return w;
 }
 
-bool bit_equal(const fxs::WeightSnapshot& s, const std::vector<fxs::NamedTensor>& expected) {
+bool bit_equal(const fxs::WeightVersion& s, const std::vector<fxs::NamedTensor>& expected) {
   if (s.tensors.size() != expected.size()) return false;
   for (size_t i = 0; i < expected.size(); ++i) {
     const auto& got = s.tensors[i];
@@ -473,7 +473,7 @@ TEST_CASE(
 }
 
 TEST_CASE("security: a publish that never completes holds nobody back", "[security]") {
-  fxs::SynchronizerServer server({.secret = "s", .io_timeout = 1500ms});
+  fxs::SynchronizerServer server({.secret = "s", .limits = {.io_timeout = 1500ms}});
   const auto port = server.port();
   {
     // A fetch for versions newer than -2 (or INT64_MIN) before anything is published is refused.
@@ -520,7 +520,7 @@ std::vector<fxs::NamedTensor> large_weights_of(int64_t v) {
 
 TEST_CASE("security: publishers never void one another: one that only starts publishes costs the trainer no version",
           "[security]") {
-  fxs::SynchronizerServer server({.secret = "s", .io_timeout = 2000ms});
+  fxs::SynchronizerServer server({.secret = "s", .limits = {.io_timeout = 2000ms}});
   const auto port = server.port();
   std::atomic<bool> stop{false};
   std::atomic<int> started{0};
@@ -609,7 +609,7 @@ TEST_CASE("security: two publishers at once each get every version committed or 
 TEST_CASE("security: unfinished publishes share one version's room, the stalest dropped and told why", "[security]") {
   // Room for one 8 MiB version and a half: a stalled publish holding 6 MiB is dropped for the trainer's.
   fxs::SynchronizerServer server(
-      {.secret = "s", .max_bucket_bytes = 2 << 20, .max_version_bytes = 12 << 20, .io_timeout = 5000ms});
+      {.secret = "s", .limits = {.max_bucket_bytes = 2 << 20, .max_version_bytes = 12 << 20, .io_timeout = 5000ms}});
   const auto port = server.port();
   RawConnection stalled(port);
   bool welcomed = false;
@@ -639,12 +639,12 @@ TEST_CASE(
     "[security]") {
   fxs::SynchronizerServer server({.publish_secret = "trainer-only",
                                   .fetch_secret = "readers",
-                                  .max_bucket_bytes = 1 << 20,
-                                  .max_version_bytes = 16 << 20,
-                                  .max_connections = 256,
-                                  .handshake_timeout = 1000ms,
-                                  .idle_timeout = 3000ms,
-                                  .io_timeout = 1000ms});
+                                  .limits = {.max_bucket_bytes = 1 << 20,
+                                             .max_version_bytes = 16 << 20,
+                                             .max_connections = 256,
+                                             .handshake_timeout = 1000ms,
+                                             .idle_timeout = 3000ms,
+                                             .io_timeout = 1000ms}});
   const auto port = server.port();
   constexpr int64_t versions = 40;
   std::atomic<int64_t> fetched{fxs::no_version};
@@ -777,7 +777,7 @@ TEST_CASE(
 }
 
 TEST_CASE("security: idle and half-open connections are closed, and the connection cap holds", "[security]") {
-  fxs::SynchronizerServer server({.max_connections = 8, .handshake_timeout = 500ms, .idle_timeout = 800ms});
+  fxs::SynchronizerServer server({.limits = {.max_connections = 8, .handshake_timeout = 500ms, .idle_timeout = 800ms}});
   const auto port = server.port();
   server.publish(1, weights_of(1));
   std::vector<RawConnection> silent;
@@ -802,7 +802,7 @@ TEST_CASE("security: idle and half-open connections are closed, and the connecti
 }
 
 TEST_CASE("security: the server's deadlines never pass for a lost trainer, and clients outlive them", "[security]") {
-  fxs::SynchronizerServer server({.handshake_timeout = 300ms, .idle_timeout = 600ms});
+  fxs::SynchronizerServer server({.limits = {.handshake_timeout = 300ms, .idle_timeout = 600ms}});
   const auto port = server.port();
   // Constructed long before its first use: the server closed the connection at its handshake deadline.
   fxs::SynchronizerClient trainer("127.0.0.1", port);
@@ -823,7 +823,7 @@ TEST_CASE("security: the server's deadlines never pass for a lost trainer, and c
 }
 
 TEST_CASE("security: out of file descriptors, the server pauses accepting instead of spinning", "[security]") {
-  fxs::SynchronizerServer server({.handshake_timeout = 3000ms});
+  fxs::SynchronizerServer server({.limits = {.handshake_timeout = 3000ms}});
   const auto port = server.port();
   server.publish(1, weights_of(1));
   rlimit saved{};
@@ -897,8 +897,10 @@ TEST_CASE("security: TLS: versions travel encrypted, the server's certificate is
           "[security]") {
   const auto [cert, key] = self_signed_certificate("server");
   const auto [other_cert, other_key] = self_signed_certificate("other");
-  fxs::SynchronizerServer server(
-      {.secret = "s", .tls_certificate_file = cert, .tls_private_key_file = key, .handshake_timeout = 1500ms});
+  fxs::SynchronizerServer server({.secret = "s",
+                                  .tls_certificate_file = cert,
+                                  .tls_private_key_file = key,
+                                  .limits = {.handshake_timeout = 1500ms}});
   const auto port = server.port();
   const fxs::ClientOptions tls{.secret = "s", .tls = true, .tls_ca_file = cert};
   fxs::SynchronizerClient trainer("127.0.0.1", port, tls);
@@ -1344,7 +1346,8 @@ TEST_CASE("security: the shared receiver checks: every crafted version is refuse
 
 TEST_CASE("security: connections waiting to authenticate are bounded per address, and a refused client is told why",
           "[security]") {
-  fxs::SynchronizerServer server({.max_handshakes = 64, .max_handshakes_per_address = 8, .handshake_timeout = 500ms});
+  fxs::SynchronizerServer server(
+      {.limits = {.max_handshakes = 64, .max_handshakes_per_address = 8, .handshake_timeout = 500ms}});
   const auto port = server.port();
   server.publish(1, weights_of(1));
   // 64 silent connections from 127.0.0.2, renewed as the server closes them (its handshake deadline).
@@ -1403,7 +1406,7 @@ TEST_CASE("security: connections waiting to authenticate are bounded per address
 
   // From the client's own address, the slots cannot be told apart: the client asks again until its
   // connect_timeout, then says which limit refused it.
-  fxs::SynchronizerServer local({.max_handshakes_per_address = 8, .handshake_timeout = 5000ms});
+  fxs::SynchronizerServer local({.limits = {.max_handshakes_per_address = 8, .handshake_timeout = 5000ms}});
   local.publish(1, weights_of(1));
   const auto port2 = local.port();
   std::vector<RawConnection> silent;
@@ -1425,7 +1428,8 @@ TEST_CASE("security: connections waiting to authenticate are bounded per address
 
 TEST_CASE("security: silent sockets from many addresses cannot starve the server: the oldest is closed for a new one",
           "[security]") {
-  fxs::SynchronizerServer server({.max_handshakes = 64, .max_handshakes_per_address = 8, .handshake_timeout = 5000ms});
+  fxs::SynchronizerServer server(
+      {.limits = {.max_handshakes = 64, .max_handshakes_per_address = 8, .handshake_timeout = 5000ms}});
   const auto port = server.port();
   server.publish(1, weights_of(1));
   // 10 addresses of 127/8, 8 silent connections each (80, beyond max_handshakes), renewed as the server

@@ -18,6 +18,9 @@
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/models.hpp>
 #include <fsdpx/sync.hpp>
+#if defined(FSDPX_WITH_SYNC_SERVICE)
+#include <fsdpx/sync/service.hpp>
+#endif
 
 #include "../core/models.hpp"
 #include "../support/bit_equal.hpp"
@@ -118,8 +121,7 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
     WeightBroadcaster sender(fsdp, s.groups.model_update,
                              {.bucket_bytes = bucket_bytes,
                               .dtype = send_dtype,
-                              .keep_gather_buffers = keep_gather_buffers,
-                              .direct_bytes = direct_bytes});
+                              .tuning = {.keep_gather_buffers = keep_gather_buffers, .direct_bytes = direct_bytes}});
     CHECK(sender.is_sender() == (trainer.rank() == 0));
     std::unique_ptr<SynchronizerServer> server;
     auto port = at::zeros({1}, at::kInt);
@@ -169,7 +171,7 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
 
   for (int step = 0; step < steps; ++step) {
     // Rollout 0 loads into its module; another takes the tensors.
-    WeightSnapshot received;
+    WeightVersion received;
     if (s.rollout_index == 0) {
       received.version = receiver.receive_into(*rollout);
       for (const auto& [name, t] : params_and_buffers(rollout)) received.tensors.push_back({name, t});
@@ -204,7 +206,7 @@ void run_sync(std::optional<at::ScalarType> send_dtype, at::ScalarType rollout_d
     }
     if (late_joiner && step == steps - 1) {
       SynchronizerClient late("127.0.0.1", server_port);
-      const WeightSnapshot snap = late.fetch_newer(no_version, std::chrono::seconds(30));
+      const WeightVersion snap = late.fetch_newer(no_version, std::chrono::seconds(30));
       CHECK(snap.version == version_of(step));
       REQUIRE(snap.tensors.size() == reference.size());
       for (const auto& t : snap.tensors) {
@@ -258,10 +260,11 @@ void run_delta_sync(bool keep_gather_buffers, FsdpOptions options = {}) {
     WeightBroadcaster sender(fsdp, s.groups.model_update,
                              {.bucket_bytes = 8 << 10,
                               .dtype = wire,
-                              .keep_gather_buffers = keep_gather_buffers,
+
                               // By fewest bytes: the same encodings every run (by time, a loaded machine
                               // may send a tampered tensor whole, replacing it instead of failing).
-                              .delta = DeltaOptions{.link_bytes_per_second = 0}});
+                              .delta = DeltaOptions{.link_bytes_per_second = 0},
+                              .tuning = {.keep_gather_buffers = keep_gather_buffers}});
     for (int step = 0; step < steps; ++step) {
       train_step(fsdp, model, optimizer, trainer, step);
       sender.broadcast(step + 1);
@@ -295,7 +298,7 @@ void run_delta_sync(bool keep_gather_buffers, FsdpOptions options = {}) {
         before[p.key()] = t.clone();
       }
     }
-    WeightSnapshot received;
+    WeightVersion received;
     bool failed = false;
     if (s.rollout_index == 0) {
       try {

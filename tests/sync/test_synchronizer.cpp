@@ -14,9 +14,12 @@
 
 #include <fsdpx/detail/crc32c.hpp>
 #include <fsdpx/sync.hpp>
+#if defined(FSDPX_WITH_SYNC_SERVICE)
+#include <fsdpx/sync/service.hpp>
+#endif
 
 #include "../support/bit_equal.hpp"
-#if defined(FSDPX_WITH_BOOST) && defined(FSDPX_WITH_OPENSSL)
+#if defined(FSDPX_WITH_SYNC_SERVICE)
 #include "raw_handshake.hpp"
 #endif
 
@@ -50,7 +53,7 @@ std::vector<NamedTensor> versioned(int64_t version, int64_t scale = 1) {
 }
 
 /// A snapshot is torn if any of its tensors disagrees with its version.
-void require_consistent(const WeightSnapshot& s, int64_t scale = 1) {
+void require_consistent(const WeightVersion& s, int64_t scale = 1) {
   REQUIRE(s.tensors.size() == 6);
   for (int i = 0; i < 6; ++i) {
     const auto& t = s.tensors[i].tensor;
@@ -339,7 +342,7 @@ TEST_CASE("CRC-32C matches the reference values, in one piece and in parts", "[s
 }
 
 // ---- the TCP service --------------------------------------------------------------------------------
-#if defined(FSDPX_WITH_BOOST) && defined(FSDPX_WITH_OPENSSL)
+#if defined(FSDPX_WITH_SYNC_SERVICE)
 
 TEST_CASE("service: publish over TCP, fetch newer versions, late readers get the newest, versions never go back",
           "[service]") {
@@ -379,6 +382,30 @@ TEST_CASE("service: publish over TCP, fetch newer versions, late readers get the
   CHECK(bit_equal(m->norm->weight.detach(), weights[2].tensor));
 }
 
+TEST_CASE("service: load_newer_into, the receivers' verb, fetches from the version loaded last, as a delta",
+          "[service]") {
+  static_assert(Receiver<SynchronizerClient> && Receiver<SynchronizerReader>);
+  SynchronizerServer server;
+  Tiny m;
+  std::vector<NamedTensor> weights;
+  for (const auto& p : m->named_parameters()) weights.push_back({p.key(), at::randn(p.value().sizes())});
+  server.publish(1, weights);
+  SynchronizerClient reader("127.0.0.1", server.port());
+  CHECK(reader.last_version() == no_version);
+  CHECK(reader.load_newer_into(*m, 5s) == 1);
+  CHECK_FALSE(reader.last_was_delta());
+  reader.verify(*m);
+  weights[0].tensor = weights[0].tensor.clone();
+  weights[0].tensor.view(-1)[0] += 1;  // one element changes: a delta
+  server.publish(2, weights);
+  CHECK(reader.load_newer_into(*m, 5s) == 2);
+  CHECK(reader.last_version() == 2);
+  CHECK(reader.last_was_delta());
+  CHECK(bit_equal(m->named_parameters()[weights[0].name].detach(), weights[0].tensor));
+  reader.verify(*m);
+  CHECK_THROWS_WITH(reader.load_newer_into(*m, 100ms), Catch::Contains("newer than 2"));
+}
+
 TEST_CASE("service under load: many readers, repeated publishes, a reader leaving mid-transfer, nothing torn",
           "[service]") {
   SynchronizerServer server({.bucket_bytes = 64 << 10});
@@ -393,7 +420,7 @@ TEST_CASE("service under load: many readers, repeated publishes, a reader leavin
         SynchronizerClient c("127.0.0.1", server.port(), {.io_timeout = 10000ms});
         int64_t have = no_version;
         while (!done || have < versions - 1) {
-          WeightSnapshot s;
+          WeightVersion s;
           try {
             s = c.fetch_newer(have, 200ms);
           } catch (const SyncError& e) {

@@ -124,7 +124,7 @@ struct Root {
 };
 
 void require_weights(const WeightVersion& v, int64_t step, at::ScalarType dtype = at::kFloat) {
-  REQUIRE(v.step == step);
+  REQUIRE(v.version == step);
   const auto expected = weights(step);
   REQUIRE(v.tensors.size() == expected.size());
   for (size_t i = 0; i < expected.size(); ++i) {
@@ -178,6 +178,36 @@ TEST_CASE("watcher: returns the newest committed step, merged from the shards bi
     CHECK(leased);
     CHECK_FALSE(ckpt::is_leased(root.path / "global_step_4"));
   }
+}
+
+TEST_CASE("watcher: load_newer_into, the receivers' verb, loads the newest step and verifies the module against it",
+          "[watcher]") {
+  static_assert(Receiver<CheckpointWatcher>);
+  Root root("verb");
+  CheckpointWatcher watcher(root.path, fast());
+  Net net;
+  CHECK_THROWS_WITH(watcher.verify(*net), Catch::Contains("no step was loaded"));
+  root.save(1);
+  root.save(2);
+  CHECK(watcher.load_newer_into(*net, 2s) == 2);
+  CHECK(watcher.last_version() == 2);
+  CHECK_FALSE(watcher.last_was_delta());
+  CHECK(bit_equal(net->fc->weight.detach(), weights(2)[1].tensor));
+  watcher.verify(*net);
+  {
+    at::NoGradGuard no_grad;
+    net->scale[0] += 1;
+  }
+  CHECK_THROWS_WITH(watcher.verify(*net), Catch::Contains("'scale' differs"));
+  CHECK_THROWS_WITH(watcher.load_newer_into(*net, 50ms), Catch::Contains("newer than step 2"));
+  // A module the step does not fit is refused before anything is copied, and the step stays to be loaded.
+  root.save(3);
+  torch::nn::Linear other(6, 4);
+  const at::Tensor before = other->weight.detach().clone();
+  CHECK_THROWS_AS(watcher.load_newer_into(*other, 2s), SyncError);
+  CHECK(bit_equal(other->weight.detach(), before));
+  CHECK(watcher.load_newer_into(*net, 2s) == 3);
+  watcher.verify(*net);
 }
 
 TEST_CASE("watcher: an uncommitted step is never read", "[watcher]") {

@@ -55,10 +55,10 @@ struct MergeReport {
   std::vector<std::string> warnings;
 };
 
-namespace detail {
-
-/// The step directory's model files: `dir` itself, or dir/actor when `dir` is global_step_<N>.
+/// Where a step directory's model files are: `dir` itself, or dir/actor when `dir` is global_step_<N>.
 FSDPX_DECL fs::path model_dir(const fs::path& dir);
+
+namespace detail {
 
 FSDPX_DECL std::string local_kind_message(const fs::path& what);
 

@@ -12,6 +12,8 @@ namespace fsdpx::detail {
 
 class Crc32c {
  public:
+  /// Castagnoli's polynomial, reflected.
+  static constexpr uint32_t polynomial = 0x82f63b78u;
   void update(const void* data, size_t n) {
     const auto* p = static_cast<const unsigned char*>(data);
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -46,8 +48,6 @@ class Crc32c {
   }
 
  private:
-  static constexpr uint32_t polynomial = 0x82f63b78u;  // reflected
-
   /// a * b modulo the polynomial, both reflected (bit 31 is x^0).
   static uint32_t multiply(uint32_t a, uint32_t b) {
     uint32_t product = 0;

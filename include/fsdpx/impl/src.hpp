@@ -33,8 +33,13 @@
 #include <fsdpx/checkpoint/impl/layout.ipp>
 #include <fsdpx/checkpoint/impl/merge.ipp>
 #include <fsdpx/checkpoint/impl/resume.ipp>
+#include <fsdpx/sync/impl/wire.ipp>
 #include <fsdpx/sync/impl/bucket.ipp>
+#include <fsdpx/sync/impl/receive.ipp>
+#include <fsdpx/sync/impl/load.ipp>
+#include <fsdpx/sync/impl/manifest.ipp>
 #include <fsdpx/sync/impl/delta.ipp>
+#include <fsdpx/sync/impl/held_version.ipp>
 #include <fsdpx/sync/impl/broadcast.ipp>
 #include <fsdpx/sync/impl/synchronizer.ipp>
 #include <fsdpx/sync/impl/watcher.ipp>
@@ -44,7 +49,7 @@
 #include <fsdpx/checkpoint/impl/worker_pool.ipp>
 #include <fsdpx/checkpoint/impl/coordinator.ipp>
 #endif
-#if defined(FSDPX_WITH_BOOST) && defined(FSDPX_WITH_OPENSSL)  // the TCP weight-sync service
+#if defined(FSDPX_WITH_SYNC_SERVICE)  // the TCP weight-sync service
 #include <fsdpx/sync/impl/client.ipp>
 #include <fsdpx/sync/impl/server.ipp>
 #endif

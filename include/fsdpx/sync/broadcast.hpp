@@ -18,16 +18,8 @@
 // each cast by its owner (a gather to that rank, not an all-gather; other replicas sit out); only
 // trainer rank 0 broadcasts.
 //
-// On the wire, per version: an announcement {magic, version, kind, base version, base digest, flags}
-// (a small broadcast), and, when it names a base, one all-reduce (minimum) in which each receiver says
-// whether it holds that base. Then a preamble {magic, version, bucket count, largest header,
-// direct_bytes, largest bucket} and the header sizes (two small broadcasts); then, per bucket, its
-// self-describing header (a small broadcast of its own) and its payload in segments: a chunk of at
-// least direct_bytes alone, runs of smaller chunks together (detail::segments_of, derived from the
-// header on both sides). A lone chunk is sent straight from where it lies (the gather buffer, or the
-// sending rank's own shard) when no cast is needed, and received straight into the destination
-// parameter (or tensor) when the dtypes match; the rest goes through two staging buckets on each side,
-// so that packing and unpacking overlap the broadcasts.
+// On the wire, per version: an announcement, the buckets' sizes, then each bucket's header and its
+// payload in segments; sync/detail/broadcast_wire.hpp describes it (once) and docs/sync.md specifies it.
 //
 // Two kinds of version (docs/sync.md, "Delta versions and proof of arrival"):
 // - streamed (the default): the units' parameters as above, then the version's manifest (a CRC-32C per
@@ -59,7 +51,10 @@
 #include <fsdpx/detail/crc32c.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/detail/receive.hpp>
 #include <fsdpx/sync/delta.hpp>
+#include <fsdpx/sync/detail/broadcast_wire.hpp>
+#include <fsdpx/sync/detail/held_version.hpp>
 
 namespace fsdpx::sync {
 
@@ -124,25 +119,22 @@ std::vector<NamedTensor> gather_full_state_dict(F& fsdp, bool collect, const Gat
 
 // ---- the trainer side: broadcasting ---------------------------------------------------------------
 
+// (GCC warns about the deprecated members in the implicit constructors, at this line: not at the users'
+// code. Reading or writing one still warns where it is done.)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 struct BroadcastOptions {
   /// Capacity of each of the two buckets (header included). Larger buckets mean fewer collectives;
   /// a tensor larger than a bucket is split.
   int64_t bucket_bytes = int64_t{32} << 20;
   /// The rollout dtype; default: each unit's compute dtype.
   std::optional<at::ScalarType> dtype;
-  /// Gather each unit to the sending rank only, already cast to the rollout dtype by each rank, into
-  /// two buffers the broadcaster keeps there (the size of the largest unit), instead of through the
-  /// unit's own unshard() on every rank, which allocates and frees the full parameters every time (on
-  /// the CPU: page faults on every byte, which cost more than the broadcast itself; docs/sync.md,
-  /// "Measured"). The sending rank's own shard is read in place when it already is in the rollout
-  /// dtype. Same values, bit for bit (the same casts of the same shards). false: no memory is kept
-  /// between syncs. Must agree on all trainer ranks.
-  bool keep_gather_buffers = true;
-  /// Chunks of at least this many bytes travel in a broadcast of their own: sent straight from the
-  /// gather buffer or the sending rank's shard (keep_gather_buffers) and received straight into the
-  /// rollout's parameter (or tensor) when its dtype matches. Smaller ones
-  /// are packed together, in one broadcast per run. Only the sender sets it (it travels in the preamble).
-  int64_t direct_bytes = int64_t{64} << 10;
+  /// Deprecated: tuning.keep_gather_buffers; when set, it wins, for one release.
+  [[deprecated("BroadcastOptions::keep_gather_buffers is now BroadcastOptions::tuning.keep_gather_buffers")]]
+  std::optional<bool> keep_gather_buffers;
+  /// Deprecated: tuning.direct_bytes; when set, it wins, for one release.
+  [[deprecated("BroadcastOptions::direct_bytes is now BroadcastOptions::tuning.direct_bytes")]]
+  std::optional<int64_t> direct_bytes;
   /// Each version's manifest travels (a CRC-32C per tensor, computed by the sending rank; on a GPU
   /// through host copies of each unit), and receivers check what arrived against it.
   bool checksums = true;
@@ -152,103 +144,31 @@ struct BroadcastOptions {
   /// link moves bytes faster than a pass over the host copies compares them (NVLink, InfiniBand,
   /// shared memory); deltas pay off over slow links. Only the sending rank's value matters.
   std::optional<DeltaOptions> delta;
+  // Which guarantee a receiver gets on a failure follows from `delta`: streamed (std::nullopt) writes into
+  // the module as the version arrives and checks it after (a corrupted transport is a SyncError once the
+  // module changed; the next version repairs it); cut (a DeltaOptions) stages and checks every tensor
+  // first (the module keeps its weights, bit for bit).
+
+  /// Advanced: how the bytes move, not what arrives. The defaults are the fastest measured on CPU ranks
+  /// (docs/sync.md, "Measured").
+  struct Tuning {
+    /// Gather each unit to the sending rank only, already cast to the rollout dtype by each rank, into
+    /// two buffers the broadcaster keeps there (the size of the largest unit), instead of through the
+    /// unit's own unshard() on every rank, which allocates and frees the full parameters every time (on
+    /// the CPU: page faults on every byte, which cost more than the broadcast itself; docs/sync.md,
+    /// "Measured"). The sending rank's own shard is read in place when it already is in the rollout
+    /// dtype. Same values, bit for bit (the same casts of the same shards). false: no memory is kept
+    /// between syncs. Must agree on all trainer ranks.
+    bool keep_gather_buffers = true;
+    /// Chunks of at least this many bytes travel in a broadcast of their own: sent straight from the
+    /// gather buffer or the sending rank's shard (keep_gather_buffers) and received straight into the
+    /// rollout's parameter (or tensor) when its dtype matches. Smaller ones
+    /// are packed together, in one broadcast per run. Only the sender sets it (it travels in the preamble).
+    int64_t direct_bytes = int64_t{64} << 10;
+  };
+  Tuning tuning = {};
 };
-
-namespace detail {
-inline constexpr int64_t preamble_magic = 0x46585357'50524533;  // "FXSWPRE3"
-inline constexpr int64_t preamble_longs = 6;
-inline constexpr int64_t announce_magic = 0x46585357'414e4e31;  // "FXSWANN1"
-/// A preamble's bucket count saying the sender failed after announcing the version: nothing follows.
-inline constexpr int64_t aborted_version = -1;
-inline constexpr int64_t announce_longs = 6;
-/// The most bytes a version's manifest may take on the wire (checked before the allocation).
-inline constexpr int64_t max_manifest_bytes = int64_t{1} << 30;
-
-/// A version, as announced before it travels (the first broadcast of every version).
-struct Announcement {
-  enum Kind : int64_t { streamed = 0, cut = 1 };
-  int64_t version = no_version;
-  Kind kind = streamed;
-  int64_t base_version = no_version;  // cut: the version a delta would come from (no_version: none)
-  uint32_t base_digest = 0;
-  bool checksums = false;  // streamed: the manifest follows the buckets
-};
-
-/// Wraps a bucket sink (TensorCollector, ModuleLoader) and computes each tensor's CRC-32C from its
-/// chunks as they arrive, in the dtype they travel in (before a module casts them), to check against
-/// the version's manifest. Chunks of one tensor must come in order (the receiver hands them over so).
-template <class Sink>
-class ChecksumSink {
- public:
-  explicit ChecksumSink(Sink& sink) : sink_(sink) {}
-  void accept(const BucketEntry& e, const at::Tensor& chunk) {
-    add(e, chunk);
-    sink_.accept(e, chunk);
-  }
-  at::Tensor destination(const BucketEntry& e) {
-    at::Tensor d = sink_.destination(e);
-    if (d.defined()) direct_[{e.name, e.element_offset}] = d;
-    return d;
-  }
-  void accepted(const BucketEntry& e) {
-    const auto it = direct_.find({e.name, e.element_offset});
-    if (it != direct_.end()) {
-      add(e, it->second);
-      direct_.erase(it);
-    }
-    sink_.accepted(e);
-  }
-  /// The size of the manifest of exactly the tensors that arrived (what the sender's must be).
-  int64_t manifest_bytes() const { return manifest_bytes_; }
-  /// Every tensor of `manifest` arrived with its CRC-32C, and nothing else did: a SyncError naming the
-  /// tensors that differ otherwise.
-  void check(const Manifest& manifest, std::string_view where) const {
-    std::vector<std::string> problems;
-    for (const ManifestEntry& m : manifest.entries) {
-      const auto it = crcs_.find(m.name);
-      if (it == crcs_.end()) {
-        problems.push_back(::fsdpx::detail::str("'", m.name, "' never arrived"));
-      } else if (it->second.value() != m.crc) {
-        problems.push_back(::fsdpx::detail::str("'", m.name, "' does not match its checksum (CRC-32C)"));
-      }
-    }
-    for (const auto& [name, crc] : crcs_) {
-      if (manifest.find(name) == nullptr)
-        problems.push_back(::fsdpx::detail::str("'", name, "' is not in the manifest"));
-    }
-    FSDPX_CHECK_AS(SyncError, problems.empty(), "version ", manifest.version, " from ", where,
-                   " did not arrive intact (the transport corrupted it, or the sender is not fsdpx): ",
-                   TensorCollector::join(problems));
-  }
-
- private:
-  void add(const BucketEntry& e, const at::Tensor& chunk) {
-    auto [it, fresh] = crcs_.try_emplace(e.name);
-    if (fresh) manifest_bytes_ += 20 + static_cast<int64_t>(e.name.size() + 8 * e.shape.size());  // its entry
-    const at::Tensor host = chunk.is_cpu() ? chunk.contiguous() : chunk.cpu();
-    it->second.update(host.const_data_ptr(), host.nbytes());
-  }
-  Sink& sink_;
-  int64_t manifest_bytes_ = 48;                                   // the manifest's prefix
-  std::map<std::pair<std::string, int64_t>, at::Tensor> direct_;  // received in place, not yet accepted
-  std::unordered_map<std::string, ::fsdpx::detail::Crc32c> crcs_;
-};
-
-/// One broadcast of a bucket's payload: entries [first, last] of the bucket, bytes [begin, end) of it.
-struct Segment {
-  size_t first = 0, last = 0;
-  int64_t begin = 0, end = 0;
-  bool single() const { return first == last; }
-};
-
-/// How a bucket's payload travels, decided from its header alone (so both sides agree): an entry of
-/// at least `direct_min` bytes is a broadcast of its own (sent from where the data lies and received
-/// where it belongs); each run of consecutive smaller entries is one broadcast of the bytes they span
-/// in the bucket's layout. Empty entries carry no bytes and are in no segment.
-FSDPX_DECL std::vector<Segment> segments_of(const BucketLayout& b, int64_t direct_min);
-
-inline at::Tensor as_bytes(const at::Tensor& t) { return t.view(at::kByte); }
-}  // namespace detail
+#pragma GCC diagnostic pop
 
 class WeightBroadcaster {
  public:
@@ -279,11 +199,7 @@ class WeightBroadcaster {
   FSDPX_DECL void broadcast(int64_t version);
 
  private:
-  // The wire, per version: the preamble {magic, version, bucket count, largest header, direct_min,
-  // largest bucket} and the header sizes (two small broadcasts); then for each bucket its header (a
-  // broadcast of its own) followed by its payload segments (detail::segments_of). A large entry whose
-  // data already lies in the gather buffer in the rollout dtype is broadcast from there (no copy);
-  // everything else is cast/packed into one of two staging buckets first.
+  // One version on the wire (sync/detail/broadcast_wire.hpp describes it).
   FSDPX_DECL void send(int64_t version);
   /// A streamed version: the units' parameters as they are gathered, then its manifest.
   FSDPX_DECL void send_streamed(int64_t version);
@@ -291,12 +207,13 @@ class WeightBroadcaster {
   /// against base_ (a delta when `receivers_hold` it), sent as tensors, then base_ holds it.
   FSDPX_DECL void send_cut(int64_t version, bool receivers_hold);
   /// Plans `specs` into buckets, encodes their headers (on the device), and sends the preamble (with
-  /// `direct_min`) and the header sizes; the staging buckets then fit the largest bucket.
+  /// `direct_bytes`) and the header sizes; the staging buckets then fit the largest bucket.
   struct Planned {
     std::vector<BucketLayout> plan;
     std::vector<at::Tensor> headers;  // each bucket's, kept until the version is sent
   };
-  FSDPX_DECL Planned plan_and_send_preamble(const std::vector<TensorSpec>& specs, int64_t version, int64_t direct_min);
+  FSDPX_DECL Planned plan_and_send_preamble(const std::vector<TensorSpec>& specs, int64_t version,
+                                            int64_t direct_bytes);
   /// Sends whole tensors (host or device) through the two staging buckets: the preamble, the header
   /// sizes, then per bucket its header and payload.
   FSDPX_DECL void send_tensors(int64_t version, const std::vector<NamedTensor>& tensors);
@@ -463,7 +380,7 @@ class WeightReceiver {
 
   /// Receives the next version as tensors (on ReceiveOptions::device), with its manifest. A delta is
   /// applied to fresh copies of the tensors it touches (snapshots returned before never change).
-  FSDPX_DECL WeightSnapshot receive();
+  FSDPX_DECL WeightVersion receive();
 
   /// "Do I hold the version received last, exactly?": every tensor's CRC-32C against its manifest.
   void verify(torch::nn::Module& module) const { held_.verify(module); }
@@ -517,11 +434,11 @@ class WeightReceiver {
     FSDPX_CHECK_AS(SyncError, p[2] != detail::aborted_version, "the trainer could not send version ", version,
                    " (it failed after announcing it, before sending any of it; its own error says why): nothing "
                    "was received");
-    const int64_t n = p[2], largest_header = p[3], direct_min = p[4], largest = p[5];
+    const int64_t n = p[2], largest_header = p[3], direct_bytes = p[4], largest = p[5];
     bytes_in_place_ = 0;
     FSDPX_CHECK_AS(
         SyncError,
-        n >= 0 && direct_min > 0 && largest >= largest_header && (n == 0 || largest_header >= bucket_prefix_bytes),
+        n >= 0 && direct_bytes > 0 && largest >= largest_header && (n == 0 || largest_header >= bucket_prefix_bytes),
         "corrupt weight-sync preamble: ", n, " buckets of at most ", largest, " bytes, headers of at most ",
         largest_header, " bytes");
     std::vector<int64_t> header_sizes(static_cast<size_t>(n));
@@ -583,7 +500,7 @@ class WeightReceiver {
         if (layout.entries[i].nbytes() == 0)
           sink.accept(layout.entries[i], entry_view(buffers_[k % 2], layout.entries[i]));
       }
-      for (const detail::Segment& sg : detail::segments_of(layout, direct_min)) {
+      for (const detail::Segment& sg : detail::segments_of(layout, direct_bytes)) {
         at::Tensor into;
         if (sg.single()) into = sink.destination(layout.entries[sg.first]);
         if (into.defined() && into.device() == options_.device && into.is_contiguous()) {

@@ -17,6 +17,7 @@
 #include <fsdpx/detail/config.hpp>
 #include <fsdpx/sync/bucket.hpp>
 #include <fsdpx/sync/delta.hpp>
+#include <fsdpx/sync/detail/held_version.hpp>
 #include <fsdpx/sync/detail/auth.hpp>  // Role, secrets (public API in both modes)
 
 namespace fsdpx::sync {
@@ -87,7 +88,7 @@ class SynchronizerClient {
   /// applied to fresh copies of the tensors it touches (snapshots returned before never change), and
   /// every tensor written is checked against the version's CRC-32C. The returned tensors are the base of
   /// the next delta: treat them as read-only (clone one to change it).
-  FSDPX_DECL WeightSnapshot fetch_newer(int64_t have, std::chrono::milliseconds wait);
+  FSDPX_DECL WeightVersion fetch_newer(int64_t have, std::chrono::milliseconds wait);
 
   /// fetch_newer, into `module`'s parameters and buffers by name; returns the version. When the last
   /// version this client fetched went into this module and `have` is it, a delta lands in place (only
@@ -96,6 +97,15 @@ class SynchronizerClient {
   /// module keeps its previous weights, bit for bit (the next fetch then asks for a full version).
   /// Deltas need the module's tensors contiguous and of the sent dtypes; otherwise versions come full.
   FSDPX_DECL int64_t fetch_newer_into(torch::nn::Module& module, int64_t have, std::chrono::milliseconds wait);
+
+  /// fetch_newer_into(module, last_version(), wait): the receivers' verb (sync::Receiver).
+  int64_t load_newer_into(torch::nn::Module& module, std::chrono::milliseconds wait) {
+    return fetch_newer_into(module, last_version(), wait);
+  }
+  /// The version fetched last (no_version before the first fetch).
+  FSDPX_DECL int64_t last_version() const;
+  /// Whether the last fetch (or publish) came as a delta: last_transfer().delta.
+  bool last_was_delta() const { return last_transfer().delta; }
 
   /// "Do I hold the version fetched last, exactly?": every tensor's CRC-32C against its manifest. A
   /// SyncError naming what differs, or nothing. (Any version: sync::verify(tensors, *snapshot.manifest).)
@@ -117,6 +127,7 @@ class SynchronizerClient {
  private:
   std::unique_ptr<detail::ClientConnection> connection_;
 };
+static_assert(Receiver<SynchronizerClient>);
 
 }  // namespace fsdpx::sync
 

@@ -1,6 +1,7 @@
-// Delta versions and proof of arrival: what a version's receiver must end with (the manifest: a CRC-32C
-// per tensor and a digest over them), and a version cut against the one before it so that only what
-// changed travels. The wire format is docs/sync.md's "Delta versions and proof of arrival".
+// Delta versions: a version cut against the one before it so that only what changed travels, and the
+// store on each end that holds the version the next delta is cut from or applied to. What a receiver
+// must end with, the manifest, is sync/manifest.hpp. The wire format is docs/sync.md's "Delta versions
+// and proof of arrival".
 //
 // A version is a list of named tensors: the manifest first (`manifest_name`, uint8), then what travels
 // (a full version: every tensor; a delta: per tensor nothing, sparse indices and values, the tensor, or
@@ -24,54 +25,9 @@
 
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/manifest.hpp>
 
 namespace fsdpx::sync {
-
-/// The name of a version's manifest tensor: it starts with a dot, which no module's name can.
-inline constexpr std::string_view manifest_name = ".fsdpx.manifest";
-
-/// How one tensor of a version travels (docs/sync.md's table).
-enum class DeltaEncoding : uint8_t { unchanged = 0, sparse = 1, full = 2, xor_zlib = 3 };
-
-FSDPX_DECL const char* to_string(DeltaEncoding e);
-
-/// One tensor of a version: what the receiver must hold after it, and how it travels.
-struct ManifestEntry {
-  std::string name;
-  at::ScalarType dtype = at::kFloat;
-  std::vector<int64_t> shape;
-  DeltaEncoding encoding = DeltaEncoding::full;
-  uint8_t index_bytes = 0;  // sparse: 4 or 8
-  uint32_t crc = 0;         // CRC-32C of the final bytes
-  int64_t changed = -1;     // elements whose bits differ from the base; -1 in a full version
-
-  FSDPX_DECL int64_t numel() const;
-  int64_t nbytes() const { return numel() * static_cast<int64_t>(c10::elementSize(dtype)); }
-};
-
-/// What a version must be: its tensors (names, dtypes, shapes, CRCs) and, for a delta, its base.
-struct Manifest {
-  int64_t version = no_version;
-  int64_t base_version = no_version;  // no_version: a full version
-  uint32_t base_digest = 0;
-  uint32_t digest = 0;
-  std::vector<ManifestEntry> entries;
-
-  bool is_delta() const { return base_version != no_version; }
-  /// CRC-32C over every entry's name, dtype, shape and CRC: one number for the whole version.
-  FSDPX_DECL uint32_t compute_digest() const;
-  /// The same version as a full one: what the tensors are, not how they travelled.
-  FSDPX_DECL Manifest whole() const;
-  /// The entry named `name`, or nullptr.
-  FSDPX_DECL const ManifestEntry* find(std::string_view name) const;
-  /// The manifest tensor (uint8, 1-D) as it travels.
-  FSDPX_DECL at::Tensor encode() const;
-  /// Parses and checks a manifest tensor; every failure is a SyncError naming `where`.
-  FSDPX_DECL static Manifest decode(const at::Tensor& bytes, std::string_view where);
-};
-
-/// CRC-32C of a tensor's bytes, row-major (a contiguous host copy is made only when needed).
-FSDPX_DECL uint32_t tensor_crc32c(const at::Tensor& t);
 
 /// How a publisher cuts deltas.
 struct DeltaOptions {
@@ -148,82 +104,6 @@ class VersionStore {
   std::optional<Manifest> manifest_;
   std::vector<NamedTensor> tensors_;
 };
-
-namespace detail {
-
-/// What one receiver holds of the last version it took (the TCP client, a WeightReceiver, a
-/// SynchronizerReader): its own copy, or a module's tensors after a whole version was loaded into
-/// them; the next delta is applied to it. Copy-on-write for its own copy (tensors handed out before
-/// never change), in place for a module's. On any failure it holds nothing (the next version must come
-/// full) and the module keeps its previous weights, bit for bit.
-class HeldVersion {
- public:
-  /// Before taking a version into `module` (nullptr: into its own copy): what is held stays the base
-  /// only if the next version lands where it lies (the same module, its tensors the same memory,
-  /// dtypes and shapes: Module::to or place_on_huge_pages move them) and nothing wrote them in place
-  /// since (their version counters: a write that bypasses them, straight to memory, is caught by the
-  /// next delta's checksums instead).
-  FSDPX_DECL void prepare(torch::nn::Module* module);
-  /// The version a delta may be cut from (after prepare), or nullptr.
-  const Manifest* base() const { return store_.empty() ? nullptr : &store_.manifest(); }
-  /// True when the base is version `version` of digest `digest`.
-  bool holds(int64_t version, uint32_t digest) const { return store_.holds(version, digest); }
-
-  /// Takes a received version (its manifest first) into its own copy: a delta is applied to the base
-  /// (copy-on-write), a full version checked whole. Returns the version's tensors (read-only: the next
-  /// delta's base) and its manifest.
-  FSDPX_DECL std::pair<std::vector<NamedTensor>, std::shared_ptr<const Manifest>> take(
-      std::vector<NamedTensor> received, std::string_view where);
-  /// Takes a received version into `module`: a delta in place into the module's tensors (they are the
-  /// base); a full version staged, checked whole and against the module, then loaded, and the module's
-  /// tensors become the base (when each is contiguous, of the sent dtype and in memory of its own).
-  FSDPX_DECL void take_into(torch::nn::Module& module, std::vector<NamedTensor> received, std::string_view where);
-  /// A whole version already landed in `module` by other means (a broadcast received in place, checked
-  /// on the way): the module's tensors become the base, as after take_into.
-  FSDPX_DECL void loaded_into(torch::nn::Module& module, const Manifest& manifest);
-  /// A version was taken without a base for deltas (only its manifest, for verify()).
-  FSDPX_DECL void taken(const Manifest& manifest);
-
-  /// Holds nothing any more; verify() still knows the last manifest.
-  FSDPX_DECL void forget();
-  /// "Do I hold the version taken last, exactly?" (sync::verify against its manifest).
-  FSDPX_DECL void verify(torch::nn::Module& module) const;
-  FSDPX_DECL void verify(const std::vector<NamedTensor>& tensors) const;
-  /// The manifest of the version taken last, or nullptr.
-  FSDPX_DECL std::shared_ptr<const Manifest> last_manifest() const;
-
-  /// Names and shapes of a whole version against the module's, before anything is copied: a mismatch
-  /// is a SyncError and leaves the module as it was (load_into reports after copying what it could).
-  FSDPX_DECL static void check_loadable(torch::nn::Module& module, const std::vector<NamedTensor>& tensors);
-
- private:
-  FSDPX_DECL void adopt(torch::nn::Module& module, const Manifest& manifest);
-  FSDPX_DECL bool still_adopted(torch::nn::Module& module) const;
-  /// Notes the module's tensors' version counters: any in-place write after this (load_state_dict,
-  /// copy_, an optimizer) makes them no delta's base.
-  FSDPX_DECL void note_writes();
-
-  VersionStore store_;
-  torch::nn::Module* target_ = nullptr;  // the module whose tensors store_ aliases; nullptr: its own copy
-  std::vector<int64_t> counters_;        // their version counters after the last version landed
-  std::shared_ptr<const Manifest> last_manifest_;
-};
-
-}  // namespace detail
-
-/// The manifest of a full version of `tensors` (every CRC computed).
-FSDPX_DECL Manifest full_manifest(int64_t version, const std::vector<NamedTensor>& tensors);
-
-/// Splits a received version into its manifest and its other tensors (checked: the manifest comes
-/// first, once). `where` names the sender.
-FSDPX_DECL std::pair<Manifest, std::vector<NamedTensor>> split_manifest(std::vector<NamedTensor> received,
-                                                                        std::string_view where);
-
-/// "Do I hold version V exactly": every tensor of `manifest` is in `tensors` (by name) with its dtype,
-/// shape and CRC-32C, and nothing else is. A SyncError naming what differs, otherwise nothing.
-FSDPX_DECL void verify(const std::vector<NamedTensor>& tensors, const Manifest& manifest);
-/// The same for a module's parameters and buffers (by name, as load_into fills them).
-FSDPX_DECL void verify(torch::nn::Module& module, const Manifest& manifest);
 
 }  // namespace fsdpx::sync
 

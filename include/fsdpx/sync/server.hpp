@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -28,6 +29,21 @@
 #include <fsdpx/sync/synchronizer.hpp>
 
 namespace fsdpx::sync {
+
+/// What one peer, and all of them together, can make the synchronizer server hold, and how long it waits
+/// (ServerOptions::limits; docs/sync.md, "Limits and deadlines").
+struct ServerLimits {
+  int64_t max_bucket_bytes = int64_t{256} << 20;  // one bucket frame; clients' bucket_bytes must fit
+  // One version, bookkeeping included, and all unfinished publishes together (each publishing connection
+  // stages its own; those that progressed least recently are dropped, their publishers told why, to make room).
+  int64_t max_version_bytes = int64_t{64} << 30;
+  int max_connections = 512;
+  int max_handshakes = 64;  // of those, at most this many before their handshake ends (a new one closes the oldest)
+  int max_handshakes_per_address = 16;                // and at most this many of those from one peer address
+  std::chrono::milliseconds handshake_timeout{3000};  // from accept to a proven secret
+  std::chrono::milliseconds idle_timeout{std::chrono::minutes(30)};  // between requests
+  std::chrono::milliseconds io_timeout{60000};  // within a frame, between a publish's frames, per bucket sent
+};
 
 struct ServerOptions {
   std::string host = "127.0.0.1";
@@ -52,17 +68,22 @@ struct ServerOptions {
   /// process (as ClientOptions::run). A version of a new run takes over from the previous run's.
   std::string run;
 
-  // Limits: what one peer, and all of them together, can make the server hold.
-  int64_t max_bucket_bytes = int64_t{256} << 20;  // one bucket frame; clients' bucket_bytes must fit
-  // One version, bookkeeping included, and all unfinished publishes together (each publishing connection
-  // stages its own; those that progressed least recently are dropped, their publishers told why, to make room).
-  int64_t max_version_bytes = int64_t{64} << 30;
-  int max_connections = 512;
-  int max_handshakes = 64;  // of those, at most this many before their handshake ends (a new one closes the oldest)
-  int max_handshakes_per_address = 16;                // and at most this many of those from one peer address
-  std::chrono::milliseconds handshake_timeout{3000};  // from accept to a proven secret
-  std::chrono::milliseconds idle_timeout{std::chrono::minutes(30)};  // between requests
-  std::chrono::milliseconds io_timeout{60000};  // within a frame, between a publish's frames, per bucket sent
+  /// Deprecated, for one release: the limits spelled flat, before they moved to `limits` (ServerLimits).
+  /// Each one set here wins over its `limits` twin. (Not marked [[deprecated]]: GCC would then warn
+  /// wherever a ServerOptions is made, flat spellings or not.)
+  std::optional<int64_t> max_bucket_bytes;
+  std::optional<int64_t> max_version_bytes;
+  std::optional<int> max_connections;
+  std::optional<int> max_handshakes;
+  std::optional<int> max_handshakes_per_address;
+  std::optional<std::chrono::milliseconds> handshake_timeout;
+  std::optional<std::chrono::milliseconds> idle_timeout;
+  std::optional<std::chrono::milliseconds> io_timeout;
+
+  /// Advanced: what one peer, and all of them together, can make the server hold, and how long it
+  /// waits. The defaults serve a trainer and hundreds of rollouts on a trusted network and bound what an
+  /// untrusted one can cost (docs/sync.md, "Limits and deadlines").
+  ServerLimits limits = {};
 };
 
 /// What the server has seen: for monitoring and for the tests that attack it.

@@ -37,6 +37,7 @@
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
 #include <fsdpx/sync/delta.hpp>
+#include <fsdpx/sync/detail/held_version.hpp>
 
 namespace fsdpx::sync {
 namespace detail {
@@ -136,11 +137,11 @@ class Synchronizer {
   FSDPX_DECL void publish(int64_t version, std::vector<NamedTensor> tensors);
 
   /// The newest snapshot, or nullptr before the first publish.
-  std::shared_ptr<const WeightSnapshot> latest() const { return snapshot_of(slot_.latest().second); }
+  std::shared_ptr<const WeightVersion> latest() const { return snapshot_of(slot_.latest().second); }
   int64_t latest_version() const { return slot_.version(); }
 
   /// The newest snapshot once its version exceeds `have` (no_version: any); SyncError after `timeout`.
-  std::shared_ptr<const WeightSnapshot> wait_newer(int64_t have, std::chrono::milliseconds timeout) const {
+  std::shared_ptr<const WeightVersion> wait_newer(int64_t have, std::chrono::milliseconds timeout) const {
     return snapshot_of(slot_.wait_newer(have, timeout).second);
   }
 
@@ -151,11 +152,11 @@ class Synchronizer {
   friend class SynchronizerReader;
   /// A version as readers get it: the snapshot, and the delta from the version before (empty: none).
   struct Published {
-    WeightSnapshot snapshot;
+    WeightVersion snapshot;
     std::vector<NamedTensor> delta;  // as it would travel: its manifest first
   };
-  static std::shared_ptr<const WeightSnapshot> snapshot_of(const std::shared_ptr<const Published>& p) {
-    return p ? std::shared_ptr<const WeightSnapshot>(p, &p->snapshot) : nullptr;
+  static std::shared_ptr<const WeightVersion> snapshot_of(const std::shared_ptr<const Published>& p) {
+    return p ? std::shared_ptr<const WeightVersion>(p, &p->snapshot) : nullptr;
   }
 
   SynchronizerOptions options_;
@@ -188,6 +189,7 @@ class SynchronizerReader {
   int64_t last_version_ = no_version;
   bool last_was_delta_ = false;
 };
+static_assert(Receiver<SynchronizerReader>);
 
 }  // namespace fsdpx::sync
 

@@ -45,6 +45,7 @@
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/load.hpp>
 
 namespace fsdpx::sync {
 
@@ -60,23 +61,6 @@ struct WatcherOptions {
   /// before its lease; "leased" after the lease and the commit record were checked, before any
   /// model file is read.
   std::function<void(std::string_view stage, int64_t step)> on_stage;
-};
-
-/// One committed step's weights, whole, in name order.
-struct WeightVersion {
-  int64_t step = no_version;
-  std::vector<NamedTensor> tensors;
-
-  /// The tensor named `name`; a SyncError naming it when absent.
-  const at::Tensor& at(std::string_view name) const {
-    for (const auto& t : tensors) {
-      if (t.name == name) return t.tensor;
-    }
-    throw SyncError(::fsdpx::detail::str("fsdpx: the weights of step ", step, " have no tensor '", name, "'"));
-  }
-  /// Copies the tensors into `module`'s parameters by name, with the receivers' checks (sync::load_into:
-  /// unknown, missing and mis-shaped names are one SyncError).
-  void load_into(torch::nn::Module& module) const { sync::load_into(module, tensors); }
 };
 
 namespace detail {
@@ -115,8 +99,18 @@ class CheckpointWatcher {
   FSDPX_DECL WeightVersion wait_newer(int64_t version, std::chrono::milliseconds timeout);
   WeightVersion wait_newer(int64_t version) { return wait_newer(version, options_.timeout); }
 
+  /// The newest committed step newer than the one returned last, into `module`'s parameters and buffers
+  /// by name, waiting up to `wait`; returns the step (the receivers' verb: sync::Receiver). Names and
+  /// shapes are checked before anything is copied (a mismatch leaves the module as it was).
+  FSDPX_DECL int64_t load_newer_into(torch::nn::Module& module, std::chrono::milliseconds wait);
+  /// "Does `module` hold the step loaded last by load_newer_into, exactly?": each tensor's CRC-32C as read.
+  FSDPX_DECL void verify(torch::nn::Module& module) const;
+
   /// The step of the last weights returned (no_version before the first).
+  int64_t last_version() const { return last_returned_; }
   int64_t last_step() const { return last_returned_; }
+  /// A checkpoint is read whole: never a delta.
+  bool last_was_delta() const { return false; }
   /// The newest step the iteration file was seen to name (no_version when none).
   int64_t newest_step_seen() const { return newest_seen_; }
   /// Why the last failed attempt to read a step failed; cleared when a step is returned.
@@ -137,7 +131,9 @@ class CheckpointWatcher {
   std::string last_error_;
   int64_t failed_step_ = no_version;
   std::vector<detail::FileStamp> failed_stamps_;
+  std::shared_ptr<const Manifest> loaded_manifest_;  // of the step load_newer_into loaded last
 };
+static_assert(Receiver<CheckpointWatcher>);
 
 }  // namespace fsdpx::sync
 

@@ -4,7 +4,7 @@
 
 #include <fsdpx/checkpoint/merge.hpp>
 
-namespace fsdpx::checkpoint::detail {
+namespace fsdpx::checkpoint {
 
 FSDPX_DECL fs::path model_dir(const fs::path& dir) {
   const auto has_checkpoint = [](const fs::path& d) {
@@ -20,6 +20,8 @@ FSDPX_DECL fs::path model_dir(const fs::path& dir) {
   return dir;
 }
 
+namespace detail {
+
 FSDPX_DECL std::string local_kind_message(const fs::path& what) {
   return ::fsdpx::detail::str("fsdpx: '", what.string(),
                               "' holds a \"local\" state dict (each unit's raw, padded "
@@ -28,12 +30,10 @@ FSDPX_DECL std::string local_kind_message(const fs::path& what) {
                               "a full or sharded state dict, or save with ShardedStateDict/FullStateDict");
 }
 
-}  // namespace fsdpx::checkpoint::detail
-
-namespace fsdpx::checkpoint {
+}  // namespace detail
 
 FSDPX_DECL fs::path huggingface_dir(const fs::path& step_dir) {
-  const fs::path dir = detail::model_dir(step_dir);
+  const fs::path dir = model_dir(step_dir);
   std::error_code ec;
   for (const fs::path& hf : {dir / "huggingface", dir.parent_path() / "huggingface"}) {
     if (fs::is_directory(hf, ec) && !fs::is_symlink(hf, ec)) return hf;
@@ -50,7 +50,7 @@ FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const Mer
   MergeReport local_report;
   MergeReport& rep = report != nullptr ? *report : local_report;
   rep = MergeReport{};
-  const fs::path dir = detail::model_dir(step_dir);
+  const fs::path dir = model_dir(step_dir);
   rep.dir = dir;
   FSDPX_CHECK_AS(IoError, fs::is_directory(dir), "checkpoint directory '", dir.string(), "' does not exist");
   const auto warn = [&](const std::string& w) {

@@ -3,9 +3,9 @@
 // detail/handshake.hpp, used by the service's implementation only.
 #pragma once
 
-#if !defined(FSDPX_WITH_OPENSSL)
+#if !defined(FSDPX_WITH_SYNC_SERVICE)
 #error \
-    "fsdpx/sync (the TCP synchronizer service) needs OpenSSL's libcrypto for its HMAC handshake: configure fsdpx where OpenSSL is installed (Debian: libssl-dev), so that FSDPX_WITH_OPENSSL is set."
+    "fsdpx/sync/service.hpp (the TCP synchronizer service) is a component of its own: link fsdpx::sync_service (find_package(fsdpx COMPONENTS sync_service); it needs Boost.Asio and OpenSSL where fsdpx was configured, Debian: libboost-dev libssl-dev), or, without CMake, define FSDPX_WITH_SYNC_SERVICE and link libssl and libcrypto. The broadcast, the in-process Synchronizer and the watcher (<fsdpx/sync.hpp>) need neither."
 #endif
 
 #include <cstdint>

@@ -75,12 +75,15 @@ inline constexpr uint64_t refused_busy = 1;
 /// base (another publisher's version came between): the publisher sends the version full.
 inline constexpr uint64_t refused_base = 2;
 
+/// A fetch's flag: the reader holds version `have` (the frame's version) exactly, of the digest that follows.
+inline constexpr uint32_t fetch_holds_base = 1;
+
 /// What a fetch's payload starts with: whether the reader holds version `have` (the frame's version)
 /// exactly, and its digest; the label of its run follows.
 struct FetchBase {
-  uint32_t flags = 0;  // bit 0: the reader holds the base
+  uint32_t flags = 0;  // fetch_holds_base
   uint32_t digest = 0;
-  bool holds() const { return (flags & 1u) != 0; }
+  bool holds() const { return (flags & fetch_holds_base) != 0; }
 };
 static_assert(sizeof(FetchBase) == 8 && std::is_trivially_copyable_v<FetchBase>);
 inline constexpr uint64_t max_fetch_bytes = sizeof(FetchBase) + max_run_bytes;

@@ -9,7 +9,7 @@
 // docs/sync.md ("Authentication") is the specification the Python receiver follows.
 #pragma once
 
-#include <fsdpx/sync/detail/auth.hpp>  // first: its #error explains a build without OpenSSL
+#include <fsdpx/sync/detail/auth.hpp>  // first: its #error explains a build without the sync service
 
 #include <openssl/crypto.h>
 #include <openssl/evp.h>

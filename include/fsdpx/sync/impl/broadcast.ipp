@@ -54,7 +54,13 @@ FSDPX_DECL WeightBroadcaster::WeightBroadcaster(core::ShardedModel& model,
                                                 std::optional<dist::AnyCommunicator> update_group,
                                                 BroadcastOptions options)
     : model_(&model), group_(std::move(update_group)), options_(options) {
-  if (options_.keep_gather_buffers) {
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  // The deprecated flat spellings, where set, into `tuning` (the one place the broadcaster reads).
+  if (options_.keep_gather_buffers) options_.tuning.keep_gather_buffers = *options_.keep_gather_buffers;
+  if (options_.direct_bytes) options_.tuning.direct_bytes = *options_.direct_bytes;
+#pragma GCC diagnostic pop
+  if (options_.tuning.keep_gather_buffers) {
     // Collective over the shard group (every trainer rank constructs a broadcaster): a duplicate of
     // it, so these gathers never interleave with the model's own.
     auto& shard = model.mesh().shard_group();
@@ -67,8 +73,8 @@ FSDPX_DECL WeightBroadcaster::WeightBroadcaster(core::ShardedModel& model,
   }
   FSDPX_CHECK(options_.bucket_bytes >= 4096, "WeightBroadcaster: bucket_bytes must be at least 4096, got ",
               options_.bucket_bytes);
-  FSDPX_CHECK(options_.direct_bytes >= 1, "WeightBroadcaster: direct_bytes must be positive, got ",
-              options_.direct_bytes);
+  FSDPX_CHECK(options_.tuning.direct_bytes >= 1, "WeightBroadcaster: direct_bytes must be positive, got ",
+              options_.tuning.direct_bytes);
   if (group_) {
     FSDPX_CHECK(group_->rank() == 0, "WeightBroadcaster: this trainer rank is rank ", group_->rank(),
                 " of the model-update group '", group_->name(), "'; the sending trainer rank must be its rank 0");
@@ -209,14 +215,14 @@ FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
   }
   const std::vector<NamedTensor> buffers = module_buffers(*model_);
   for (const auto& b : buffers) specs.push_back({b.name, b.tensor.sizes().vec(), b.tensor.scalar_type()});
-  const Planned planned = plan_and_send_preamble(specs, version, options_.direct_bytes);
+  const Planned planned = plan_and_send_preamble(specs, version, options_.tuning.direct_bytes);
   const auto& plan = planned.plan;
   const auto& headers = planned.headers;
   const int64_t n = static_cast<int64_t>(plan.size());
   const c10::Device device = model_->unit(0).options().device;
   const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
   std::vector<std::vector<detail::Segment>> segments;
-  for (const auto& b : plan) segments.push_back(detail::segments_of(b, options_.direct_bytes));
+  for (const auto& b : plan) segments.push_back(detail::segments_of(b, options_.tuning.direct_bytes));
 
   // Broadcasts in flight, each tagged with the memory it reads: staging bucket 0/1, memory that stays
   // (lasting_tag: headers, the rank's own shard), or gather slot s (gather_tag + s).
@@ -294,7 +300,7 @@ FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
                            : std::pair{p.param.detach().reshape({-1}).narrow(0, entry.element_offset, entry.numel),
                                        false};
                    // Gathered data is in the wire dtype already; the parameters are cast while packed.
-                   const bool direct = data.lasting && entry.nbytes() >= options_.direct_bytes;
+                   const bool direct = data.lasting && entry.nbytes() >= options_.tuning.direct_bytes;
                    return std::tuple{chunk, direct, in_gather_buffer ? gather_tag + slot : lasting_tag};
                  });
                }
@@ -316,7 +322,7 @@ FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
 }
 
 FSDPX_DECL WeightBroadcaster::Planned WeightBroadcaster::plan_and_send_preamble(const std::vector<TensorSpec>& specs,
-                                                                                int64_t version, int64_t direct_min) {
+                                                                                int64_t version, int64_t direct_bytes) {
   Planned out;
   out.plan = plan_buckets(specs, options_.bucket_bytes, version);
   const int64_t n = static_cast<int64_t>(out.plan.size());
@@ -336,7 +342,7 @@ FSDPX_DECL WeightBroadcaster::Planned WeightBroadcaster::plan_and_send_preamble(
   const auto longs = at::TensorOptions().dtype(at::kLong).device(device);
   preamble_sent_ = true;
   group_->broadcast(
-      at::tensor({detail::preamble_magic, version, n, largest_header, direct_min, largest}, at::kLong).to(longs), 0);
+      at::tensor({detail::preamble_magic, version, n, largest_header, direct_bytes, largest}, at::kLong).to(longs), 0);
   if (n > 0) group_->broadcast(at::tensor(header_sizes, at::kLong).to(longs), 0);
   ensure_buffers(largest, device);
   return out;
@@ -400,11 +406,11 @@ FSDPX_DECL int64_t WeightReceiver::receive_into(torch::nn::Module& module) {
   });
 }
 
-FSDPX_DECL WeightSnapshot WeightReceiver::receive() {
+FSDPX_DECL WeightVersion WeightReceiver::receive() {
   return translating([&] {
     const detail::Announcement a = read_announcement();
     last_was_delta_ = false;
-    WeightSnapshot out;
+    WeightVersion out;
     out.version = a.version;
     TensorCollector collector(options_.device);
     if (a.kind == detail::Announcement::cut) {
@@ -500,13 +506,13 @@ FSDPX_DECL BucketLayout WeightReceiver::read_header(const at::Tensor& bucket, co
 
 namespace fsdpx::sync::detail {
 
-FSDPX_DECL std::vector<Segment> segments_of(const BucketLayout& b, int64_t direct_min) {
+FSDPX_DECL std::vector<Segment> segments_of(const BucketLayout& b, int64_t direct_bytes) {
   std::vector<Segment> out;
   bool run = false;  // the last segment is a run of small entries that may grow
   for (size_t i = 0; i < b.entries.size(); ++i) {
     const BucketEntry& e = b.entries[i];
     if (e.nbytes() == 0) continue;
-    if (e.nbytes() >= direct_min) {
+    if (e.nbytes() >= direct_bytes) {
       out.push_back({i, i, e.byte_offset, e.byte_offset + e.nbytes()});
       run = false;
     } else if (run && out.back().last + 1 == i) {

@@ -30,7 +30,7 @@ FSDPX_DECL void Synchronizer::publish(int64_t version, std::vector<NamedTensor> 
   } else {
     manifest = full_manifest(version, tensors);
   }
-  published->snapshot = WeightSnapshot{version, std::move(tensors), {}, std::make_shared<const Manifest>(manifest)};
+  published->snapshot = WeightVersion{version, std::move(tensors), {}, std::make_shared<const Manifest>(manifest)};
   slot_.publish(version, published);
   base_.clear();
   // The next delta's base: this version's own tensors, which never change (no copy is kept).
@@ -51,7 +51,7 @@ FSDPX_DECL int64_t SynchronizerReader::load_newer_into(torch::nn::Module& module
   if (delta) {
     received = published->delta;
   } else {
-    const WeightSnapshot& s = published->snapshot;
+    const WeightVersion& s = published->snapshot;
     received.reserve(s.tensors.size() + 1);
     received.push_back({std::string(manifest_name), s.manifest->encode()});
     received.insert(received.end(), s.tensors.begin(), s.tensors.end());

@@ -11,6 +11,7 @@
 #include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/checkpoint/merge.hpp>
 #include <fsdpx/sync/watcher.hpp>
+#include <fsdpx/sync/detail/held_version.hpp>
 
 namespace fsdpx::sync {
 
@@ -33,6 +34,28 @@ FSDPX_DECL WeightVersion CheckpointWatcher::wait_newer(int64_t version, std::chr
       "; the last step loaded: ", last_returned_ == no_version ? std::string("none") : std::to_string(last_returned_),
       "); the trainer may be slow, stopped or dead",
       last_error_.empty() ? std::string() : "; the last attempt failed: " + last_error_));
+}
+
+FSDPX_DECL int64_t CheckpointWatcher::load_newer_into(torch::nn::Module& module, std::chrono::milliseconds wait) {
+  const int64_t before = last_returned_;
+  const WeightVersion v = wait_newer(last_returned_, wait);
+  try {
+    detail::HeldVersion::check_loadable(module, v.tensors);
+  } catch (...) {
+    last_returned_ = before;  // not loaded: the next call reads it again
+    throw;
+  }
+  auto manifest = std::make_shared<const Manifest>(full_manifest(v.version, v.tensors));
+  v.load_into(module);
+  loaded_manifest_ = std::move(manifest);
+  return v.version;
+}
+
+FSDPX_DECL void CheckpointWatcher::verify(torch::nn::Module& module) const {
+  FSDPX_CHECK_AS(SyncError, loaded_manifest_ != nullptr,
+                 "CheckpointWatcher::verify: no step was loaded into a module "
+                 "yet (load_newer_into)");
+  sync::verify(module, *loaded_manifest_);
 }
 
 FSDPX_DECL std::optional<WeightVersion> CheckpointWatcher::try_load(int64_t after) {
@@ -95,7 +118,11 @@ FSDPX_DECL WeightVersion CheckpointWatcher::load(int64_t step, const std::filesy
   FSDPX_CHECK_AS(IoError, before == detail::stamp_model_files(dir), "a model file in '", dir.string(),
                  "' was replaced or changed while it was read");
   WeightVersion v;
-  v.step = step;
+  v.version = step;
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+  v.step = step;  // the deprecated name, for one release
+#pragma GCC diagnostic pop
   v.tensors.reserve(merged.size());
   for (auto& [name, t] : merged) v.tensors.push_back({std::move(name), std::move(t)});
   last_returned_ = step;

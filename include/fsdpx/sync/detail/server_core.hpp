@@ -1,0 +1,351 @@
+// The synchronizer server's parts (sync/impl/server.ipp): the version it serves, its shared state and
+// admission (ServerCore: which versions are taken, which connections are accepted), and one connection's
+// protocol (Session; its functions are in sync/impl/server_session.ipp). Internal: included by the
+// server's implementation only.
+#pragma once
+
+#include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/post.hpp>
+#include <boost/asio/read.hpp>
+#include <boost/asio/steady_timer.hpp>
+#include <boost/asio/write.hpp>
+#include <boost/asio/io_context.hpp>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <deque>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <thread>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+#include <fsdpx/dist/types.hpp>
+#include <fsdpx/error.hpp>
+#include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/detail/receive.hpp>
+#include <fsdpx/sync/delta.hpp>
+#include <fsdpx/sync/detail/handshake.hpp>
+#include <fsdpx/sync/detail/frame.hpp>
+#include <fsdpx/sync/detail/stream.hpp>
+#include <fsdpx/sync/synchronizer.hpp>
+#include <fsdpx/sync/server.hpp>
+
+namespace fsdpx::sync::detail {
+
+namespace asio = boost::asio;
+using tcp = asio::ip::tcp;
+
+struct ServerCore;
+
+/// The newest version as the server serves it: a delta from the version before (when it has one) for
+/// readers that hold that one, the full version for everyone else (built on first demand when the
+/// version arrived as a delta: most readers then never need it).
+struct ServedVersion {
+  std::string run;
+  uint32_t digest = 0;
+  int64_t base_version = no_version;
+  uint32_t base_digest = 0;
+  std::shared_ptr<const EncodedSnapshot> delta;
+  mutable std::shared_ptr<const EncodedSnapshot> full;  // guarded by ServerCore::store_mutex
+};
+
+class Session : public std::enable_shared_from_this<Session> {
+ public:
+  Session(ServerCore* core, tcp::socket socket);
+  ~Session();
+  void start();
+  void wake();
+  bool in_handshake_pool() const { return in_handshake_pool_; }
+  void evict_unauthenticated(const std::string& why);
+
+ private:
+  struct Pending {
+    int64_t version = no_version;
+    uint64_t count = 0;
+    std::string run;
+    int64_t bytes = 0;      // frames received, kept or not: what allowed_payload bounds
+    uint64_t received = 0;  // buckets received, kept or not
+    std::vector<at::Tensor> buckets;
+    int64_t held_bytes = 0;    // of `buckets`
+    int64_t staged_bytes = 0;  // held_bytes and the coverage's bookkeeping: its share of ServerCore::staged_bytes
+    std::chrono::steady_clock::time_point last_progress = std::chrono::steady_clock::now();
+    VersionCoverage coverage;  // every element of every tensor exactly once, or no commit
+    std::string rejected;      // why the publish will not commit (told at its end frame); its buckets are dropped
+  };
+
+  template <class Fn>
+  void guarded(Fn&& fn);
+  void arm(std::chrono::milliseconds after);
+  void read_header();
+  void on_header(const boost::system::error_code& ec);
+  void on_payload(const boost::system::error_code& ec);
+  void handle();
+  void on_auth();
+  void begin_publish();
+  void on_bucket();
+  void make_staging_room();
+  void stage(Pending p);
+  void unstage();
+  void drop_staged(const std::string& why);
+  bool publishes_served_run() const;
+  void end_publish();
+  void check_fetch();
+  void send(FrameHeader frame, std::string text = {}, bool then_close = false);
+  void send_bucket(std::shared_ptr<const EncodedSnapshot> snapshot, size_t index);
+  void refuse(const std::string& why, int64_t ServerStats::* counter);
+  void on_closed(const boost::system::error_code& ec);
+  uint64_t allowed_payload(FrameKind kind) const;
+
+  void send_hello();
+  void leave_handshake_pool();
+  std::string small_text() const { return std::string(reinterpret_cast<const char*>(small_.data()), in_.length); }
+
+  ServerCore* core_;
+  Stream stream_;
+  std::string peer_;
+  std::string address_;  // the peer's address, as counted in core_->handshaking_from
+  FrameHeader in_;
+  std::array<uint8_t, std::max<size_t>(2 * nonce_bytes, max_fetch_bytes)> small_{};  // handshakes, runs, fetches
+  at::Tensor payload_;
+  Nonce server_nonce_{};
+  std::optional<Role> role_;
+  bool in_handshake_pool_ = true;  // counted in stats.handshaking and handshaking_from
+  bool hello_sent_ = false;
+  std::optional<Pending> pending_;
+  bool closed_ = false;
+  bool is_publisher_ = false;
+  bool said_goodbye_ = false;
+  int64_t last_published_ = no_version;
+  std::string publish_run_;  // the run label of this connection's publishes
+  // deadlines: one watchdog, re-armed for each wait
+  asio::steady_timer watchdog_;
+  uint64_t watch_generation_ = 0;
+  // fetch
+  int64_t have_ = no_version;
+  std::string have_run_;  // the run of the reader's version (empty: unknown; compared by number only)
+  FetchBase have_base_;   // whether the reader holds version have_ exactly, and its digest
+  std::chrono::steady_clock::time_point deadline_;
+  asio::steady_timer fetch_timer_;
+  bool waiting_ = false;
+  bool listed_ = false;   // in core_->waiters
+  bool closing_ = false;  // refused: its last frame is being sent, nothing more is read
+};
+
+struct ServerCore {
+  // State first: it outlives the io_context, whose destruction destroys the sessions its pending
+  // handlers hold (they update the counters as they go).
+  ServerOptions options;
+  Secret publish_secret, fetch_secret;
+  VersionedSlot<ServedVersion> slot;
+  // The newest version's tensors (deltas are applied to them, in place; the full version is built from
+  // them on demand). Lock order: store_mutex, then runs_mutex.
+  std::mutex store_mutex;
+  VersionStore store;
+  int64_t served_full = 0, served_delta = 0;  // io thread
+  // Touched on the io thread only.
+  std::string publisher_lost;  // why readers should stop waiting; cleared by the next publish
+  std::vector<std::weak_ptr<Session>> waiters;
+  // Unfinished publishes, one per publishing connection, holding staged_bytes together (at most
+  // max_version_bytes: when a bucket needs room, the publishes that progressed least recently are dropped).
+  std::vector<Session*> staging;
+  int64_t staged_bytes = 0;
+  std::unordered_map<std::string, int> handshaking_from;  // unauthenticated connections per peer address
+  std::deque<std::weak_ptr<Session>> handshake_order;     // unauthenticated connections, oldest first
+  ServerStats stats;                                      // written on the io thread; read through post()
+  // Runs (the io thread and publish() in process): the label of the run whose versions are served.
+  std::mutex runs_mutex;
+  std::string current_run;
+  std::atomic<int64_t> runs_taken_over{0};
+  std::optional<asio::ssl::context> tls;  // set: every connection speaks TLS
+  asio::io_context io;
+  tcp::acceptor acceptor{io};
+  asio::steady_timer accept_pause{io};
+
+  const Secret& secret(Role r) const { return r == Role::publish ? publish_secret : fetch_secret; }
+
+  /// Why version `version` of the run labelled `run` (run_label) cannot be published now; empty when
+  /// it can. Versions of one run only increase; a version of another run takes over whatever its number:
+  /// a trainer that restarted, or resumed from an earlier checkpoint, is never locked out, nor is a
+  /// trainer whose versions someone else published over (without a secret, anyone local may publish;
+  /// no one learns a run's identity from what readers see, so no one can publish as that run).
+  /// Caller holds runs_mutex.
+  std::string admission(const std::string& run, int64_t version) const {
+    if (version < 0) return ::fsdpx::detail::str("version ", version, " is negative");
+    const int64_t latest = slot.version();
+    if (latest == no_version || run != current_run || version > latest) return {};
+    return ::fsdpx::detail::str(
+        "version ", version, " is not newer than ", latest,
+        ", the latest version this trainer run published (the "
+        "versions of one run only increase). A trainer that restarted, or resumed from an earlier checkpoint, takes "
+        "over as a new run: each process is a new run by default; a run identity given in ClientOptions::run must "
+        "change when the trainer restarts");
+  }
+
+  /// Makes the version `make()` builds (it updates `store`) the version served, when admission()
+  /// allows; else returns why not, `store` untouched. make() throws when the version cannot be taken.
+  template <class Make>
+  std::string commit(const std::string& run, int64_t version, Make&& make) {
+    std::scoped_lock lock(store_mutex, runs_mutex);
+    if (std::string why = admission(run, version); !why.empty()) return why;
+    std::shared_ptr<ServedVersion> served = make();
+    served->run = run;
+    if (slot.version() != no_version && run != current_run) ++runs_taken_over;
+    current_run = run;
+    slot.replace(version, std::move(served));
+    return {};
+  }
+
+  /// The snapshot for a reader of `latest` that holds `have` (per `base`); the full one is built now
+  /// if it was not yet. Caller holds store_mutex; `latest` is the newest version.
+  std::shared_ptr<const EncodedSnapshot> snapshot_for(const ServedVersion& latest, int64_t version, int64_t have,
+                                                      FetchBase base) {
+    if (latest.delta && base.holds() && have == latest.base_version && base.digest == latest.base_digest) {
+      ++served_delta;
+      return latest.delta;
+    }
+    if (!latest.full) {
+      FSDPX_CHECK_AS(SyncError, store.version() == version && store.digest() == latest.digest,
+                     "synchronizer server: internal error: the held weights are not the newest version");
+      latest.full = encode_snapshot(version, latest.run, pack_full(store, options.bucket_bytes));
+    }
+    ++served_full;
+    return latest.full;
+  }
+
+  /// The buckets of the full version `store` holds (its manifest first).
+  static std::vector<at::Tensor> pack_full(const VersionStore& store, int64_t bucket_bytes) {
+    Manifest m = store.manifest().whole();
+    std::vector<NamedTensor> tensors{{std::string(manifest_name), m.encode()}};
+    tensors.insert(tensors.end(), store.tensors().begin(), store.tensors().end());
+    return pack_buckets(tensors, bucket_bytes, m.version);
+  }
+
+  /// Refuses a connection at accept, saying why in an error frame (the client may try again later).
+  /// Plain TCP only: a TLS client would need a TLS handshake first, the work the limit saves.
+  void refuse_at_accept(tcp::socket& socket, const std::string& why) {
+    ++stats.refused_over_limit;
+    if (!tls) write_plain_error(socket, "the server refused the connection: " + why, refused_busy);
+    boost::system::error_code ignored;
+    socket.close(ignored);
+  }
+  /// One error frame in plain TCP, then the sending side shut: what a plain client reads as the reason.
+  static void write_plain_error(tcp::socket& socket, const std::string& text, uint64_t aux) {
+    boost::system::error_code ignored;
+    FrameHeader h = make_frame(FrameKind::error, no_version, aux, text.data(), text.size());
+    std::string frame(reinterpret_cast<const char*>(&h), sizeof(h));
+    frame += text;
+    // Nothing was sent on the connection yet: one non-blocking write into its empty buffer never waits.
+    socket.non_blocking(true, ignored);
+    socket.write_some(asio::buffer(frame), ignored);
+    socket.shutdown(tcp::socket::shutdown_send, ignored);
+  }
+  void wake_waiters() {
+    auto list = std::move(waiters);
+    waiters.clear();
+    for (auto& w : list) {
+      if (auto s = w.lock()) s->wake();
+    }
+  }
+  /// Each waiting session is listed once; entries of closed ones are dropped as the list grows.
+  void add_waiter(std::weak_ptr<Session> s) {
+    if (waiters.size() > 2 * static_cast<size_t>(stats.live) + 16) {
+      std::erase_if(waiters, [](const auto& w) { return w.expired(); });
+    }
+    waiters.push_back(std::move(s));
+  }
+  /// Drops the entries of connections no longer in their handshake from the front: the list holds
+  /// about the connections accepted within one handshake_timeout (and no session's memory beyond it).
+  void prune_handshake_order() {
+    while (!handshake_order.empty()) {
+      const std::shared_ptr<Session> s = handshake_order.front().lock();
+      if (s && s->in_handshake_pool()) return;
+      handshake_order.pop_front();
+    }
+  }
+  void evict_oldest_handshake() {
+    prune_handshake_order();
+    if (!handshake_order.empty()) {
+      std::shared_ptr<Session> oldest = handshake_order.front().lock();
+      handshake_order.pop_front();
+      if (oldest) {
+        return oldest->evict_unauthenticated(::fsdpx::detail::str(
+            "it had not proved a secret when the server's pool of unauthenticated connections was full "
+            "(max_handshakes ",
+            options.limits.max_handshakes, ") and a new connection came: the oldest is closed to make room"));
+      }
+    }
+  }
+  void accept() {
+    acceptor.async_accept([this](const boost::system::error_code& ec, tcp::socket socket) {
+      if (ec == asio::error::operation_aborted || !acceptor.is_open()) return;
+      try {
+        on_accept(ec, std::move(socket));
+      } catch (...) {
+        ++stats.handler_errors;
+        pause_accepting();  // whatever failed, accepting goes on
+      }
+    });
+  }
+  void pause_accepting() {
+    accept_pause.expires_after(std::chrono::milliseconds(100));
+    accept_pause.async_wait([this](const boost::system::error_code& e) {
+      if (!e) accept();
+    });
+  }
+  void on_accept(const boost::system::error_code& ec, tcp::socket socket) {
+    {
+      if (ec) {
+        // Out of descriptors (EMFILE/ENFILE) or memory: the pending connection stays in the backlog.
+        // Accepting again at once would spin; pause, so live connections are served meanwhile.
+        ++stats.accept_errors;
+        return pause_accepting();
+      }
+      ++stats.accepted;
+      // Connections still proving a secret have caps of their own, in all and per peer address: peers
+      // without a secret cannot take the slots of authenticated ones, and one address cannot take all
+      // the slots of the others. A refused client is told which limit it met.
+      boost::system::error_code aec;
+      const auto remote = socket.remote_endpoint(aec);
+      const std::string address = aec ? std::string("?") : remote.address().to_string();
+      const auto from = handshaking_from.find(address);
+      const int from_address = from == handshaking_from.end() ? 0 : from->second;
+      if (stats.live >= options.limits.max_connections) {
+        refuse_at_accept(socket, ::fsdpx::detail::str("too many connections (", stats.live, "; max_connections ",
+                                                      options.limits.max_connections, ")"));
+      } else if (from_address >= options.limits.max_handshakes_per_address) {
+        refuse_at_accept(socket, ::fsdpx::detail::str("too many unauthenticated connections from ", address, " (",
+                                                      from_address, "; max_handshakes_per_address ",
+                                                      options.limits.max_handshakes_per_address, ")"));
+      } else {
+        try {
+          // A full pool of unauthenticated connections (silent sockets from many addresses, say) makes
+          // room by closing its oldest: an honest client, whose handshake takes a round trip, is served.
+          if (stats.handshaking >= options.limits.max_handshakes) evict_oldest_handshake();
+          boost::system::error_code ignored;
+          socket.set_option(tcp::no_delay(true), ignored);
+          socket.set_option(asio::socket_base::keep_alive(true), ignored);
+          auto session = std::make_shared<Session>(this, std::move(socket));
+          prune_handshake_order();
+          handshake_order.push_back(session);
+          session->start();
+        } catch (const std::exception&) {
+          ++stats.handler_errors;  // e.g. no memory for the session: this connection is dropped
+        }
+      }
+      accept();
+    }
+  }
+};
+
+}  // namespace fsdpx::sync::detail

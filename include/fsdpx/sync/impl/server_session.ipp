@@ -1,0 +1,570 @@
+// One connection of the synchronizer server (detail::Session): the handshake, the frames of a publish
+// and of a fetch, the deadlines, and how a connection ends. Included by sync/impl/server.ipp.
+#pragma once
+
+#include <fsdpx/sync/detail/server_core.hpp>
+
+namespace fsdpx::sync::detail {
+
+inline Session::Session(ServerCore* core, tcp::socket socket)
+    : core_(core),
+      stream_(std::move(socket), core->tls ? &*core->tls : nullptr),
+      watchdog_(core->io),
+      fetch_timer_(core->io) {
+  boost::system::error_code ec;
+  const auto ep = stream_.socket().remote_endpoint(ec);
+  address_ = ec ? std::string("?") : ep.address().to_string();
+  peer_ = ec ? std::string("?") : address_ + ":" + std::to_string(ep.port());
+  ++core_->stats.live;
+  ++core_->stats.handshaking;
+  ++core_->handshaking_from[address_];
+}
+
+inline Session::~Session() {
+  --core_->stats.live;
+  leave_handshake_pool();
+  unstage();
+}
+
+inline void Session::leave_handshake_pool() {
+  if (!in_handshake_pool_) return;
+  in_handshake_pool_ = false;
+  --core_->stats.handshaking;
+  if (auto it = core_->handshaking_from.find(address_); it != core_->handshaking_from.end() && --it->second <= 0) {
+    core_->handshaking_from.erase(it);
+  }
+}
+
+/// Closes a connection still in its handshake at once, its slot freed now; counted as refused over a limit.
+inline void Session::evict_unauthenticated(const std::string& why) {
+  ++core_->stats.refused_over_limit;
+  leave_handshake_pool();
+  // A plain connection whose hello went out has no write in flight: the reason goes as an error frame.
+  if (!core_->tls && hello_sent_) {
+    ServerCore::write_plain_error(stream_.socket(), "the server closed the connection: " + why, refused_busy);
+  }
+  on_closed(asio::error::connection_aborted);
+}
+
+/// Runs a step of this connection's protocol; whatever it throws ends this connection only.
+template <class Fn>
+void Session::guarded(Fn&& fn) {
+  try {
+    fn();
+  } catch (const std::exception& e) {
+    refuse(std::string("the server could not handle it: ") + e.what(), &ServerStats::handler_errors);
+  } catch (...) {
+    refuse("the server could not handle it", &ServerStats::handler_errors);
+  }
+}
+
+inline void Session::start() {
+  guarded([&] {
+    // The whole handshake (TLS's, then the secret's), not each frame of it, must end within handshake_timeout.
+    arm(core_->options.limits.handshake_timeout);
+    stream_.async_handshake(asio::ssl::stream_base::server,
+                            [self = shared_from_this()](const boost::system::error_code& ec) {
+                              if (ec) {
+                                if (!self->closed_)
+                                  ++self->core_->stats.failed_auth;  // not TLS, or no acceptable version or cipher
+                                return self->on_closed(ec);
+                              }
+                              self->guarded([&] { self->send_hello(); });
+                            });
+  });
+}
+
+inline void Session::send_hello() {
+  server_nonce_ = fresh_nonce();
+  FrameHeader hello = make_frame(FrameKind::hello, no_version, protocol_version, server_nonce_.data(), nonce_bytes);
+  hello.flags = static_cast<uint16_t>((core_->publish_secret.empty() ? 0 : 1) | (core_->fetch_secret.empty() ? 0 : 2));
+  auto owned = std::make_shared<std::pair<FrameHeader, Nonce>>(hello, server_nonce_);
+  std::array<asio::const_buffer, 2> buffers{asio::buffer(&owned->first, sizeof(FrameHeader)),
+                                            asio::buffer(owned->second)};
+  stream_.async_write(buffers, [self = shared_from_this(), owned](const boost::system::error_code& ec, size_t) {
+    if (ec) return self->on_closed(ec);
+    self->hello_sent_ = true;
+    self->guarded([&] { self->read_header(); });
+  });
+}
+
+/// Closes the connection when `after` passes before the next arm() or close.
+inline void Session::arm(std::chrono::milliseconds after) {
+  const uint64_t generation = ++watch_generation_;
+  watchdog_.expires_after(std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::min(after, std::chrono::milliseconds(std::chrono::hours(24 * 365)))));
+  watchdog_.async_wait([self = shared_from_this(), generation](const boost::system::error_code& ec) {
+    if (ec || generation != self->watch_generation_ || self->closed_) return;
+    ++self->core_->stats.timed_out;
+    // The server ending an idle connection is no sign that the trainer is gone (it reconnects for its
+    // next publish); a publish that stalls midway is.
+    if (!self->pending_) self->said_goodbye_ = true;
+    // A TLS client starts the TLS handshake at once; a peer that sent nothing by the deadline is most
+    // likely a client without TLS, waiting for a plain hello: it is told so, in plain, not just dropped.
+    if (self->stream_.tls_not_started()) {
+      ServerCore::write_plain_error(
+          self->stream_.socket(),
+          ::fsdpx::detail::str(
+              "this synchronizer speaks TLS, and no TLS handshake began within its handshake_timeout of ",
+              self->core_->options.limits.handshake_timeout.count(),
+              " ms: set TLS on the client (ClientOptions::tls and tls_ca_file; "
+              "Python: tls=True, tls_ca_file=...)"),
+          0);
+    }
+    self->on_closed(asio::error::timed_out);
+  });
+}
+
+inline void Session::read_header() {
+  if (closed_ || closing_) return;
+  if (role_) arm(pending_ ? core_->options.limits.io_timeout : core_->options.limits.idle_timeout);
+  stream_.async_read(asio::buffer(&in_, sizeof(in_)),
+                     [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
+                       self->guarded([&] { self->on_header(ec); });
+                     });
+}
+
+inline uint64_t Session::allowed_payload(FrameKind kind) const {
+  if (!role_) return kind == FrameKind::auth ? 2 * nonce_bytes : 0;
+  if (kind == FrameKind::publish_begin) return max_run_bytes;
+  if (kind == FrameKind::fetch) return max_fetch_bytes;
+  if (kind == FrameKind::bucket && pending_) {
+    const int64_t room =
+        core_->options.limits.max_version_bytes - pending_->bytes - pending_->coverage.bookkeeping_bytes();
+    return static_cast<uint64_t>(std::max<int64_t>(0, std::min(core_->options.limits.max_bucket_bytes, room)));
+  }
+  return 0;
+}
+
+inline void Session::on_header(const boost::system::error_code& ec) {
+  if (closing_) return;
+  if (ec) return on_closed(ec);
+  const auto kind = FrameKind(in_.kind);
+  if (const std::string problem = frame_problem(in_, allowed_payload(kind)); !problem.empty()) {
+    return refuse(problem, role_ ? &ServerStats::protocol_errors : &ServerStats::failed_auth);
+  }
+  if (!role_ && kind != FrameKind::auth) {
+    return refuse(::fsdpx::detail::str("a ", to_string(kind), " frame before the handshake"),
+                  &ServerStats::failed_auth);
+  }
+  if (in_.length == 0) {
+    payload_ = at::Tensor();
+    return on_payload({});
+  }
+  if (role_) arm(core_->options.limits.io_timeout);
+  void* into = small_.data();
+  if (kind == FrameKind::bucket) {
+    payload_ = at::empty({static_cast<int64_t>(in_.length)}, at::kByte);
+    into = payload_.data_ptr();
+  }
+  stream_.async_read(asio::buffer(into, in_.length),
+                     [self = shared_from_this()](const boost::system::error_code& e, size_t) {
+                       self->guarded([&] { self->on_payload(e); });
+                     });
+}
+
+inline void Session::on_payload(const boost::system::error_code& ec) {
+  if (closing_) return;
+  if (ec) return on_closed(ec);
+  const void* data = payload_.defined() ? payload_.const_data_ptr() : static_cast<const void*>(small_.data());
+  if (frame_checksum(data, in_.length) != in_.checksum) {
+    return refuse(::fsdpx::detail::str("a ", to_string(FrameKind(in_.kind)),
+                                       " frame whose checksum does not match its "
+                                       "payload (corrupted in transit)"),
+                  role_ ? &ServerStats::protocol_errors : &ServerStats::failed_auth);
+  }
+  handle();
+}
+
+inline void Session::handle() {
+  const auto kind = FrameKind(in_.kind);
+  if (kind == FrameKind::auth) return on_auth();
+  const bool may_publish = role_ == Role::publish;
+  switch (kind) {
+    case FrameKind::publish_begin:
+    case FrameKind::bucket:
+    case FrameKind::publish_end:
+    case FrameKind::goodbye:
+      if (!may_publish) {
+        return refuse(::fsdpx::detail::str("a ", to_string(kind), " frame on a connection authenticated to fetch only"),
+                      &ServerStats::protocol_errors);
+      }
+      break;
+    default: break;
+  }
+  switch (kind) {
+    case FrameKind::publish_begin: return begin_publish();
+    case FrameKind::bucket: return on_bucket();
+    case FrameKind::publish_end: return end_publish();
+    case FrameKind::fetch: {
+      if (in_.version < no_version) {
+        return refuse(::fsdpx::detail::str("a fetch for versions newer than ", in_.version, " (versions are >= 0)"),
+                      &ServerStats::protocol_errors);
+      }
+      if (in_.length < sizeof(FetchBase)) {
+        return refuse(::fsdpx::detail::str("a fetch of ", in_.length, " bytes (protocol ", protocol_version,
+                                           " starts it with the reader's base: 8 bytes)"),
+                      &ServerStats::protocol_errors);
+      }
+      have_ = in_.version;
+      std::memcpy(&have_base_, small_.data(), sizeof(FetchBase));
+      have_run_ = small_text().substr(sizeof(FetchBase));
+      // A wait is capped by idle_timeout: a reader that crashed while waiting frees its slot then.
+      const auto cap = static_cast<uint64_t>(std::max<int64_t>(0, core_->options.limits.idle_timeout.count()));
+      deadline_ = dist::deadline_after(std::chrono::milliseconds(std::min(in_.aux, cap)));
+      return check_fetch();
+    }
+    case FrameKind::goodbye: said_goodbye_ = true; return read_header();
+    default:
+      return refuse(::fsdpx::detail::str("an unexpected ", to_string(kind), " frame"), &ServerStats::protocol_errors);
+  }
+}
+
+inline void Session::on_auth() {
+  if (role_) return refuse("a second handshake", &ServerStats::protocol_errors);
+  if (in_.aux != static_cast<uint64_t>(Role::publish) && in_.aux != static_cast<uint64_t>(Role::fetch)) {
+    return refuse(::fsdpx::detail::str("a handshake for unknown role ", in_.aux), &ServerStats::failed_auth);
+  }
+  if (in_.length != 2 * nonce_bytes) {
+    return refuse(::fsdpx::detail::str("a handshake of ", in_.length, " bytes (", 2 * nonce_bytes, " expected)"),
+                  &ServerStats::failed_auth);
+  }
+  const Role role = Role(in_.aux);
+  const Secret& secret = core_->secret(role);
+  Nonce client_nonce;
+  std::copy_n(small_.begin(), nonce_bytes, client_nonce.begin());
+  Mac proof{};
+  if (!secret.empty()) {
+    const Mac expected = handshake_mac(secret.value, client_label, role, server_nonce_, client_nonce);
+    if (!same_mac(expected, small_.data() + nonce_bytes)) {
+      return refuse(::fsdpx::detail::str("authentication failed: the connection did not prove it holds the ",
+                                         to_string(role), " secret"),
+                    &ServerStats::failed_auth);
+    }
+    proof = handshake_mac(secret.value, server_label, role, client_nonce, server_nonce_);
+  }
+  role_ = role;
+  leave_handshake_pool();
+  ++watch_generation_;  // the handshake's deadline no longer applies
+  send(make_frame(FrameKind::welcome, no_version, static_cast<uint64_t>(role), proof.data(), proof.size()),
+       std::string(reinterpret_cast<const char*>(proof.data()), proof.size()));
+}
+
+inline void Session::begin_publish() {
+  if (pending_) return refuse("a publish inside a publish", &ServerStats::protocol_errors);
+  const auto& o = core_->options;
+  Pending p;
+  p.version = in_.version;
+  p.count = in_.aux;
+  p.run = run_label(small_text());  // readers see the label, never the identity
+  {
+    // Said now, so the publisher learns it at its end frame without the server keeping its buckets;
+    // checked again at the commit (another publisher may commit meanwhile).
+    std::lock_guard lock(core_->runs_mutex);
+    p.rejected = core_->admission(p.run, p.version);
+  }
+  // Every bucket holds at least a header; a count no version could fill is refused at once.
+  if (p.count == 0 || p.count > static_cast<uint64_t>(o.limits.max_version_bytes / bucket_prefix_bytes)) {
+    return refuse(::fsdpx::detail::str("a publish of ", p.count, " buckets"), &ServerStats::protocol_errors);
+  }
+  is_publisher_ = true;
+  said_goodbye_ = false;
+  publish_run_ = p.run;
+  if (publishes_served_run()) core_->publisher_lost.clear();
+  stage(std::move(p));
+  read_header();
+}
+
+/// Each publishing connection stages its own version: publishers never cancel one another, and a
+/// publish's fate (committed, or refused with the reason) is told at its end frame.
+inline void Session::stage(Pending p) {
+  pending_ = std::move(p);
+  core_->staging.push_back(this);
+}
+
+inline void Session::unstage() {
+  if (!pending_) return;
+  core_->staged_bytes -= pending_->staged_bytes;
+  std::erase(core_->staging, this);
+  pending_.reset();
+}
+
+/// The publish will not commit, for `why` (told at its end frame); what it held is freed now.
+inline void Session::drop_staged(const std::string& why) {
+  Pending& p = *pending_;
+  if (p.rejected.empty()) p.rejected = why;
+  p.buckets.clear();
+  p.coverage = VersionCoverage();
+  p.held_bytes = 0;
+  core_->staged_bytes -= p.staged_bytes;
+  p.staged_bytes = 0;
+}
+
+/// Whether this connection publishes the run being served (or would be the first): its loss is the
+/// trainer's, which readers waiting for a newer version must hear of. Another publisher's is not.
+inline bool Session::publishes_served_run() const {
+  std::lock_guard lock(core_->runs_mutex);
+  return core_->current_run.empty() || core_->current_run == publish_run_;
+}
+
+/// A bucket of the publish: checked (its place in the version, its header, and that its chunks cover
+/// elements no other chunk did) and kept; or, once the publish is rejected, counted and dropped.
+inline void Session::on_bucket() {
+  if (!pending_) return refuse("a bucket outside a publish", &ServerStats::protocol_errors);
+  Pending& p = *pending_;
+  p.bytes += static_cast<int64_t>(in_.length);
+  const uint64_t index = p.received++;
+  if (p.rejected.empty()) {
+    try {
+      const BucketLayout b = check_bucket(payload_, p.version, index, p.count, "publisher " + peer_);
+      const int64_t limit = core_->options.limits.max_version_bytes;
+      for (const BucketEntry& e : b.entries) {
+        if (std::string problem = p.coverage.add(e, b.index); !problem.empty()) {
+          p.rejected = ::fsdpx::detail::str("version ", p.version, " is not whole: ", problem);
+          break;
+        }
+        // Many tiny tensors, or scattered chunks, cost bookkeeping beyond their bytes: counted too.
+        if (p.coverage.bookkeeping_bytes() > limit - p.bytes) {
+          p.rejected = ::fsdpx::detail::str("version ", p.version, " takes more than max_version_bytes (", limit,
+                                            ") with the bookkeeping of its ", b.entries.size(), "-entry buckets");
+          break;
+        }
+        p.rejected = bookkeeping_problem(p.coverage.bookkeeping_bytes(), p.bytes, version_bookkeeping_floor,
+                                         ::fsdpx::detail::str("version ", p.version));
+        if (!p.rejected.empty()) break;
+      }
+    } catch (const SyncError& e) {
+      p.rejected = std::string(unprefixed(e.what()));
+    }
+  }
+  if (!p.rejected.empty()) {
+    drop_staged(p.rejected);  // it will not commit: nothing more is held for it
+  } else {
+    p.held_bytes += static_cast<int64_t>(payload_.nbytes());
+    p.buckets.push_back(std::move(payload_));
+    const int64_t staged = p.held_bytes + p.coverage.bookkeeping_bytes();
+    core_->staged_bytes += staged - p.staged_bytes;
+    p.staged_bytes = staged;
+    p.last_progress = std::chrono::steady_clock::now();
+    make_staging_room();
+  }
+  payload_ = at::Tensor();
+  read_header();
+}
+
+/// Keeps all unfinished publishes within max_version_bytes together (this one alone fits: see
+/// allowed_payload) by dropping the others that progressed least recently: a publisher that stalled
+/// never holds an active one back, and two honest publishers whose versions fit side by side never
+/// meet this.
+inline void Session::make_staging_room() {
+  const int64_t limit = core_->options.limits.max_version_bytes;
+  while (core_->staged_bytes > limit) {
+    Session* stalest = nullptr;
+    for (Session* s : core_->staging) {
+      if (s != this && s->pending_->staged_bytes > 0 &&
+          (stalest == nullptr || s->pending_->last_progress < stalest->pending_->last_progress)) {
+        stalest = s;
+      }
+    }
+    if (stalest == nullptr) return;
+    const auto idle = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
+                                                                            stalest->pending_->last_progress);
+    stalest->drop_staged(::fsdpx::detail::str(
+        "version ", stalest->pending_->version, " was dropped before its end to make room for version ",
+        pending_->version, " from another publisher (", peer_, "): the server stages at most max_version_bytes (",
+        limit, ") of unfinished publishes together, and this one's last bucket came ", idle.count(),
+        " ms before; publish it again"));
+  }
+}
+
+inline void Session::end_publish() {
+  if (!pending_ || in_.version != pending_->version)
+    return refuse("an end frame outside its publish", &ServerStats::protocol_errors);
+  Pending p = std::move(*pending_);
+  unstage();
+  if (p.rejected.empty() && p.received != p.count) {
+    p.rejected = ::fsdpx::detail::str("version ", p.version, " ended after ", p.received, " of ", p.count, " buckets");
+  }
+  if (p.rejected.empty()) {
+    if (std::string missing = p.coverage.missing(); !missing.empty()) {
+      p.rejected = ::fsdpx::detail::str("version ", p.version, " is not whole: ", missing);
+    }
+  }
+  uint64_t refusal = 0;
+  if (p.rejected.empty()) {
+    try {
+      // The version's tensors (a copy of its chunks) go to the store: a full version replaces the held
+      // one, a delta is applied to it; every CRC-32C is checked. The buckets as they came are served.
+      TensorCollector collector(at::kCPU, core_->options.limits.max_version_bytes, /*huge_pages=*/false);  // a peer's
+      for (const at::Tensor& bucket : p.buckets) {
+        const BucketLayout b = decode_header(bucket.const_data_ptr<uint8_t>(), bucket.numel(), "publisher " + peer_);
+        for (const auto& e : b.entries) collector.accept(e, entry_view(bucket, e));
+      }
+      std::vector<NamedTensor> tensors = collector.finish();
+      const std::string where = "publisher " + peer_;
+      const Manifest manifest = split_manifest(tensors, where).first;
+      FSDPX_CHECK_AS(SyncError, manifest.version == p.version, "version ", p.version,
+                     " carries the manifest of version ", manifest.version);
+      p.rejected = core_->commit(p.run, p.version, [&] {
+        if (manifest.is_delta() && !core_->store.holds(manifest.base_version, manifest.base_digest)) {
+          refusal = refused_base;
+          throw SyncError(::fsdpx::detail::str(
+              "fsdpx: version ", p.version, " is a delta from version ", manifest.base_version, " (digest ",
+              manifest.base_digest, "), which this server does not hold (it holds ",
+              core_->store.empty() ? std::string("none") : ::fsdpx::detail::str("version ", core_->store.version()),
+              "): send it full"));
+        }
+        // Frame headers are made anew: a reader gets the server's, never fields a publisher chose. Made
+        // before the store changes, so that nothing after it can fail and leave store and slot apart.
+        auto snapshot = encode_snapshot(p.version, p.run, std::move(p.buckets));
+        auto served = std::make_shared<ServedVersion>();
+        served->digest = manifest.digest;
+        core_->store.accept(std::move(tensors), VersionStore::Apply::owned, where);
+        if (manifest.is_delta()) {
+          served->base_version = manifest.base_version;
+          served->base_digest = manifest.base_digest;
+          served->delta = std::move(snapshot);
+        } else {
+          served->full = std::move(snapshot);
+        }
+        return served;
+      });
+    } catch (const SyncError& e) {
+      p.rejected = std::string(unprefixed(e.what()));
+    }
+    if (p.rejected.empty()) {
+      last_published_ = p.version;
+      core_->wake_waiters();
+    }
+  }
+  if (!p.rejected.empty()) return send(make_frame(FrameKind::error, p.version, refusal), p.rejected);
+  send(make_frame(FrameKind::ack, p.version));
+}
+
+inline void Session::check_fetch() {
+  if (closed_ || closing_) return;
+  std::unique_lock store_lock(core_->store_mutex);
+  auto [version, latest] = core_->slot.latest();
+  // Newer: a higher version, or any version of another run than the reader's (a new run took over,
+  // maybe with lower versions: the reader gets a whole version of it).
+  if (latest != nullptr && (version > have_ || (!have_run_.empty() && latest->run != have_run_))) {
+    std::shared_ptr<const EncodedSnapshot> snapshot = core_->snapshot_for(*latest, version, have_, have_base_);
+    store_lock.unlock();
+    ++watch_generation_;
+    arm(core_->options.limits.io_timeout);
+    std::array<asio::const_buffer, 2> begin{asio::buffer(&snapshot->begin, sizeof(FrameHeader)),
+                                            asio::buffer(snapshot->run)};
+    stream_.async_write(begin, [self = shared_from_this(), snapshot](const boost::system::error_code& ec, size_t) {
+      if (ec) return self->on_closed(ec);
+      self->guarded([&] { self->send_bucket(snapshot, 0); });
+    });
+    return;
+  }
+  store_lock.unlock();
+  if (!core_->publisher_lost.empty()) {
+    return send(make_frame(FrameKind::error, version),
+                ::fsdpx::detail::str("no weight version newer than ", have_, " will come (latest: ", version,
+                                     "): ", core_->publisher_lost));
+  }
+  if (std::chrono::steady_clock::now() >= deadline_) return send(make_frame(FrameKind::timeout, version));
+  waiting_ = true;
+  ++watch_generation_;  // the fetch's own deadline governs now
+  if (!listed_) {
+    listed_ = true;
+    core_->add_waiter(weak_from_this());
+  }
+  fetch_timer_.expires_at(deadline_);
+  fetch_timer_.async_wait([self = shared_from_this()](const boost::system::error_code&) {
+    self->waiting_ = false;
+    self->guarded([&] { self->check_fetch(); });
+  });
+}
+
+inline void Session::wake() {
+  listed_ = false;
+  if (waiting_) fetch_timer_.cancel();
+}
+
+/// One bucket at a time, each within io_timeout: a reader that stops reading is closed, and holds
+/// the (immutable, shared) snapshot no longer than that.
+inline void Session::send_bucket(std::shared_ptr<const EncodedSnapshot> s, size_t index) {
+  if (closed_ || closing_) return;
+  if (index == s->buckets.size()) return read_header();
+  arm(core_->options.limits.io_timeout);
+  std::array<asio::const_buffer, 2> buffers{
+      asio::buffer(&s->headers[index], sizeof(FrameHeader)),
+      asio::buffer(s->buckets[index].const_data_ptr(), s->buckets[index].nbytes())};
+  stream_.async_write(buffers, [self = shared_from_this(), s, index](const boost::system::error_code& ec, size_t) {
+    if (ec) return self->on_closed(ec);  // the reader left mid-transfer: nothing else is affected
+    self->guarded([&] { self->send_bucket(s, index + 1); });
+  });
+}
+
+inline void Session::send(FrameHeader frame, std::string text, bool then_close) {
+  if (closed_ || closing_) return;
+  if (text.size() > max_error_bytes) text.resize(max_error_bytes);  // texts can quote what peers sent
+  auto owned = std::make_shared<std::pair<FrameHeader, std::string>>(frame, std::move(text));
+  if (!owned->second.empty()) {
+    owned->first.length = owned->second.size();
+    owned->first.checksum = frame_checksum(owned->second.data(), owned->second.size());
+  }
+  arm(core_->options.limits.io_timeout);
+  std::array<asio::const_buffer, 2> buffers{asio::buffer(&owned->first, sizeof(FrameHeader)),
+                                            asio::buffer(owned->second)};
+  stream_.async_write(buffers,
+                      [self = shared_from_this(), owned, then_close](const boost::system::error_code& ec, size_t) {
+                        if (ec || then_close) return self->on_closed(ec ? ec : asio::error::connection_aborted);
+                        self->guarded([&] { self->read_header(); });
+                      });
+}
+
+/// Tells the peer why, then closes; counted under `counter`. Never throws.
+inline void Session::refuse(const std::string& why, int64_t ServerStats::* counter) {
+  if (closed_ || closing_) return;
+  try {
+    ++(core_->stats.*counter);
+    if (is_publisher_ && !said_goodbye_ && role_ == Role::publish && publishes_served_run()) {
+      core_->publisher_lost = "the trainer's connection (" + peer_ + ") sent " + why;
+      core_->wake_waiters();
+    }
+    unstage();
+    std::string text = "the synchronizer server refused the connection from " + peer_ + ": " + why;
+    send(make_frame(FrameKind::error, no_version), std::move(text), /*then_close=*/true);
+    closing_ = true;  // a read still in flight (a bucket the peer was still sending) is ignored when it ends
+    fetch_timer_.cancel();
+    boost::system::error_code ignored;
+    stream_.socket().shutdown(tcp::socket::shutdown_receive, ignored);
+  } catch (...) {
+    on_closed(asio::error::connection_aborted);
+  }
+}
+
+inline void Session::on_closed(const boost::system::error_code& ec) {
+  if (closed_) return;
+  closed_ = true;
+  ++watch_generation_;
+  if (is_publisher_ && !said_goodbye_ && role_ == Role::publish && core_->publisher_lost.empty() &&
+      publishes_served_run()) {
+    // A trainer that vanishes (killed, crashed, network gone) will not publish again: readers waiting for
+    // a newer version are told now instead of at their timeout.
+    try {
+      core_->publisher_lost =
+          pending_ ? ::fsdpx::detail::str("the trainer publishing to this synchronizer (", peer_,
+                                          ") disconnected in the middle of version ", pending_->version, " (",
+                                          pending_->received, " of ", pending_->count,
+                                          " buckets received; the partial version was discarded): ", ec.message())
+                   : ::fsdpx::detail::str("the trainer publishing to this synchronizer (", peer_,
+                                          ") disconnected without saying goodbye after version ", last_published_, ": ",
+                                          ec.message());
+      core_->wake_waiters();
+    } catch (...) {
+    }
+  }
+  unstage();
+  boost::system::error_code ignored;
+  watchdog_.cancel();
+  fetch_timer_.cancel();
+  stream_.socket().close(ignored);
+}
+
+}  // namespace fsdpx::sync::detail
