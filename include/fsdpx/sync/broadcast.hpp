@@ -143,11 +143,11 @@ struct BroadcastOptions {
   /// (std::nullopt): every version streamed whole from the gather buffers, which is faster where the
   /// link moves bytes faster than a pass over the host copies compares them (NVLink, InfiniBand,
   /// shared memory); deltas pay off over slow links. Only the sending rank's value matters.
+  /// The two give a receiver different guarantees on a failure: streamed writes into the module as the
+  /// version arrives and checks it after (a corrupted transport is a SyncError once the module
+  /// changed; the next version repairs it); cut stages and checks every tensor first (the module keeps
+  /// its weights, bit for bit).
   std::optional<DeltaOptions> delta;
-  // Which guarantee a receiver gets on a failure follows from `delta`: streamed (std::nullopt) writes into
-  // the module as the version arrives and checks it after (a corrupted transport is a SyncError once the
-  // module changed; the next version repairs it); cut (a DeltaOptions) stages and checks every tensor
-  // first (the module keeps its weights, bit for bit).
 
   /// Advanced: how the bytes move, not what arrives. The defaults are the fastest measured on CPU ranks
   /// (docs/sync.md, "Measured").
@@ -162,8 +162,8 @@ struct BroadcastOptions {
     bool keep_gather_buffers = true;
     /// Chunks of at least this many bytes travel in a broadcast of their own: sent straight from the
     /// gather buffer or the sending rank's shard (keep_gather_buffers) and received straight into the
-    /// rollout's parameter (or tensor) when its dtype matches. Smaller ones
-    /// are packed together, in one broadcast per run. Only the sender sets it (it travels in the preamble).
+    /// rollout's parameter (or tensor) when its dtype matches. Smaller ones are packed together, in one
+    /// broadcast per run. Only the sender sets it (it travels in the preamble).
     int64_t direct_bytes = int64_t{64} << 10;
   };
   Tuning tuning = {};

@@ -22,13 +22,13 @@
 
 namespace fsdpx::sync {
 
-/// A complete set of weights under one version: what every receiver hands out (the in-process
-/// Synchronizer's snapshots, a TCP fetch, a broadcast received as tensors, a step the checkpoint watcher
-/// read). The Python receiver's fsdpx_sync.WeightVersion is the same.
-// (GCC warns about the deprecated member in WeightVersion's implicit constructors, at this line: not
+// (GCC warns about the deprecated member in WeightVersion's implicit constructors, at the struct: not
 // at the users' code, which uses only `version`. Reading or writing `step` still warns where it is done.)
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wdeprecated-declarations"
+/// A complete set of weights under one version: what every receiver hands out (the in-process
+/// Synchronizer's snapshots, a TCP fetch, a broadcast received as tensors, a step the checkpoint watcher
+/// read). The Python receiver's fsdpx_sync.WeightVersion is the same.
 struct WeightVersion {
   int64_t version = no_version;
   std::vector<NamedTensor> tensors;
