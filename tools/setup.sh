@@ -64,8 +64,13 @@ has_module google_crc32c || { say "installing google-crc32c into $VENV (fast CRC
 has_module transformers || { say "installing transformers into $VENV (the LR schedules and the Hugging Face models are tested against its own)"; pip_install transformers; }
 has_module setuptools || { say "installing setuptools into $VENV (pip-installs python/fsdpx_sync in its test)"; pip_install setuptools; }
 has_module pytest || { say "installing pytest into $VENV (runs the Python tests, tests/sync/python_*_test.py)"; pip_install pytest; }
-has_module ruff || { say "installing ruff into $VENV (the python_lint test)"; pip_install ruff; }
-has_module mypy || { say "installing mypy into $VENV (the python_lint test)"; pip_install mypy; }
+# The linters pinned, as clang-format below: another version finds other things (the python_lint test).
+RUFF_VERSION=0.17.6
+MYPY_VERSION=2.4.1
+[[ $("$VENV/bin/python" -m ruff --version 2>/dev/null) == "ruff $RUFF_VERSION" ]] ||
+  { say "installing ruff $RUFF_VERSION into $VENV (the python_lint test)"; pip_install "ruff==$RUFF_VERSION"; }
+[[ $("$VENV/bin/python" -m mypy --version 2>/dev/null) == "mypy $MYPY_VERSION"* ]] ||
+  { say "installing mypy $MYPY_VERSION into $VENV (the python_lint test)"; pip_install "mypy==$MYPY_VERSION"; }
 # The layout's one clang-format (tools/check_format.sh, the `format` test): another version lays out differently.
 CLANG_FORMAT_VERSION=19.1.7
 [[ $("$VENV/bin/clang-format" --version 2>/dev/null) == *" $CLANG_FORMAT_VERSION"* ]] ||
