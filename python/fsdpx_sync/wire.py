@@ -37,7 +37,7 @@ CLIENT_LABEL = b"fsdpx-sync-2 client"
 SERVER_LABEL = b"fsdpx-sync-2 server"
 ROLE_PUBLISH, ROLE_FETCH = 1, 2
 
-# ---- the weight bucket (fsdpx/sync/bucket.hpp) -----------------------------------------------------------
+# ---- the weight bucket (fsdpx/sync/detail/wire.hpp) ------------------------------------------------------
 
 BUCKET_MAGIC = 0x42535846  # "FXSB"
 BUCKET_FORMAT = 1
@@ -68,7 +68,7 @@ TENSOR_BOOKKEEPING = 2048  # a received tensor besides its elements (two tensor 
 RANGE_BOOKKEEPING = 64  # a range of received elements (chunks out of order)
 MANIFEST_ENTRY_BOOKKEEPING = 512  # a decoded entry, its name and its place in the name set (about 275 in Python)
 
-# ---- the manifest and the delta encodings (fsdpx/sync/delta.hpp) -----------------------------------------
+# ---- the manifest and the delta encodings (fsdpx/sync/manifest.hpp) --------------------------------------
 
 MANIFEST_NAME = ".fsdpx.manifest"
 MANIFEST_MAGIC = 0x4D535846  # "FXSM"

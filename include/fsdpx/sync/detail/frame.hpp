@@ -61,7 +61,7 @@ inline const char* to_string(FrameKind k) {
 
 inline constexpr uint32_t frame_magic = 0x32535846;  // "FXS2"
 /// 3: runs (publish_begin, fetch and snapshot_begin carry one) and refusals at accept.
-/// 4: every version carries its manifest (sync/delta.hpp); versions may travel as deltas, and a fetch
+/// 4: every version carries its manifest (sync/manifest.hpp); versions may travel as deltas, and a fetch
 /// says which version (and digest) the reader holds.
 inline constexpr uint64_t protocol_version = 4;
 /// Error texts are short; a longer one is refused, not allocated.
