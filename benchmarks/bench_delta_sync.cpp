@@ -115,19 +115,19 @@ int main(int argc, char** argv) {
         bits.add_((torch::rand({bits.numel()}) < fraction).to(torch::kShort));
         next.push_back({w.name, t});
       }
-      fxs::VersionStore publisher, server, receiver;
+      fxs::detail::VersionStore publisher, server, receiver;
       auto first = publisher.cut(1, weights);
-      server.accept(first.tensors, fxs::VersionStore::Apply::owned, "bench");
-      receiver.accept(first.tensors, fxs::VersionStore::Apply::owned, "bench");
+      server.accept(first.tensors, fxs::detail::VersionStore::Apply::owned, "bench");
+      receiver.accept(first.tensors, fxs::detail::VersionStore::Apply::owned, "bench");
       publisher.commit(std::move(first));
       double t = monotonic();
       auto delta = publisher.cut(2, next);
       const double cut = monotonic() - t;
       t = monotonic();
-      server.accept(delta.tensors, fxs::VersionStore::Apply::owned, "bench");
+      server.accept(delta.tensors, fxs::detail::VersionStore::Apply::owned, "bench");
       const double owned = monotonic() - t;
       t = monotonic();
-      receiver.accept(delta.tensors, fxs::VersionStore::Apply::in_place, "bench");
+      receiver.accept(delta.tensors, fxs::detail::VersionStore::Apply::in_place, "bench");
       const double in_place = monotonic() - t;
       t = monotonic();
       publisher.commit(std::move(delta));

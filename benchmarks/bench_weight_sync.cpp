@@ -118,7 +118,7 @@ int main(int argc, char** argv) {
   // bytes into preallocated memory over the trainer group (what the gathers cost without unit buffers
   // allocated and freed, i.e. without page faults).
   const double gathers = time_collective(world, args.iters, [&] {
-    if (fsdp) sync::for_each_unsharded_unit(fsdp->sharded(), [](core::Unit&) {});
+    if (fsdp) sync::detail::for_each_unsharded_unit(fsdp->sharded(), [](core::Unit&) {});
   });
   at::Tensor gather_out, gather_in;
   if (groups.trainer) {

@@ -7,11 +7,10 @@
 #pragma once
 
 #include <fsdpx/sync/weights.hpp>
-#include <fsdpx/sync/bucket.hpp>
-#include <fsdpx/sync/detail/receive.hpp>  // TensorCollector, ModuleLoader: for buckets received by hand
 #include <fsdpx/sync/load.hpp>
 #include <fsdpx/sync/manifest.hpp>
 #include <fsdpx/sync/delta.hpp>
 #include <fsdpx/sync/broadcast.hpp>
 #include <fsdpx/sync/synchronizer.hpp>
 #include <fsdpx/sync/watcher.hpp>
+#include <fsdpx/sync/compat.hpp>  // the names made internal in 2026-11, deprecated

@@ -76,9 +76,9 @@ int trainer_exits() {
 /// What WeightBroadcaster sends after a version's announcement, by hand: the preamble, the header sizes
 /// and each bucket of `tensors` (its header, then its payload in one broadcast per run).
 void send_buckets(dist::AnyCommunicator& g, int64_t version, const std::vector<NamedTensor>& tensors) {
-  std::vector<TensorSpec> specs;
+  std::vector<sync::detail::TensorSpec> specs;
   for (const auto& t : tensors) specs.push_back({t.name, t.tensor.sizes().vec(), t.tensor.scalar_type()});
-  const auto plan = plan_buckets(specs, 64 << 10, version);
+  const auto plan = sync::detail::plan_buckets(specs, 64 << 10, version);
   constexpr int64_t staged = std::numeric_limits<int64_t>::max();
   int64_t largest = 0, largest_header = 0;
   std::vector<int64_t> header_sizes;
@@ -94,10 +94,10 @@ void send_buckets(dist::AnyCommunicator& g, int64_t version, const std::vector<N
   g.broadcast(at::tensor(header_sizes, at::kLong), 0);
   for (const auto& b : plan) {
     auto bucket = at::zeros({b.total_bytes}, at::kByte);
-    write_header(bucket, b);
+    sync::detail::write_header(bucket, b);
     for (const auto& e : b.entries) {
       for (const auto& t : tensors) {
-        if (t.name == e.name && e.numel > 0) pack_entry(bucket, e, t.tensor);
+        if (t.name == e.name && e.numel > 0) sync::detail::pack_entry(bucket, e, t.tensor);
       }
     }
     g.broadcast(bucket.narrow(0, 0, b.header_bytes), 0);
@@ -156,12 +156,12 @@ int hostile_broadcast() {
     send_buckets(g, 7, v1);
     send_manifest(lying.encode().numel(), lying.encode());
 
-    VersionStore store;  // cut versions: 8 whole, then a delta from it that writes outside its tensor
-    EncodedVersion e8 = store.cut(8, v1);
+    sync::detail::VersionStore store;  // cut versions: 8 whole, then a delta from it that writes outside its tensor
+    sync::detail::EncodedVersion e8 = store.cut(8, v1);
     announce(8, cut, no_version, 0, 0);
     send_buckets(g, 8, e8.tensors);
     store.commit(std::move(e8));
-    EncodedVersion d9 = store.cut(9, v2);
+    sync::detail::EncodedVersion d9 = store.cut(9, v2);
     for (auto& t : d9.tensors) {
       if (t.name == "a.weight") {
         const uint32_t outside = 1u << 30;
@@ -174,16 +174,16 @@ int hostile_broadcast() {
     announce(10, cut, 8, int64_t{store.digest()}, 0);  // the receiver dropped version 8 when 9 failed
     if (vote() != 0) return 11;
     store.clear();
-    EncodedVersion e10 = store.cut(10, v2);
+    sync::detail::EncodedVersion e10 = store.cut(10, v2);
     send_buckets(g, 10, e10.tensors);
     store.commit(std::move(e10));
     announce(11, cut, 10, int64_t{store.digest()}, 0);  // an honest delta
     if (vote() != 1) return 12;
-    EncodedVersion d11 = store.cut(11, v3);
+    sync::detail::EncodedVersion d11 = store.cut(11, v3);
     if (!d11.manifest.is_delta()) return 13;
     send_buckets(g, 11, d11.tensors);
     store.commit(std::move(d11));
-    VersionStore other;  // a delta cut from a version the receiver never held, announced as from 11
+    sync::detail::VersionStore other;  // a delta cut from a version the receiver never held, announced as from 11
     other.commit(other.cut(3, v1));
     announce(12, cut, 11, int64_t{store.digest()}, 0);
     if (vote() != 1) return 14;
@@ -192,6 +192,15 @@ int hostile_broadcast() {
     if (vote() != 0) return 15;
     store.clear();
     send_buckets(g, 13, store.cut(13, v3).tensors);
+    Manifest lying14 = full_manifest(14, v1);  // streamed into a module: it fails after the module changed
+    lying14.entries[1].crc ^= 1u;
+    lying14.digest = lying14.compute_digest();
+    announce(14, streamed, no_version, 0, 1);
+    send_buckets(g, 14, v1);
+    send_manifest(lying14.encode().numel(), lying14.encode());
+    announce(15, streamed, no_version, 0, 1);  // the next, honest version repairs it
+    send_buckets(g, 15, v2);
+    send_manifest(full_manifest(15, v2).encode().numel(), full_manifest(15, v2).encode());
     world.barrier();
     return 0;
   }
@@ -226,6 +235,25 @@ int hostile_broadcast() {
   expect_exact(11, v3, true);
   expect({"it is a delta from version 3", "this receiver holds version 11"});
   expect_exact(13, v3, false);
+  // A streamed version into a module that fails its check: the error says the module holds parts of two
+  // versions, and last_version() no longer claims one; the next version repairs both.
+  torch::nn::Module module;
+  for (const char* name : {"a", "b"}) {
+    auto layer = std::make_shared<torch::nn::Module>();
+    layer->register_parameter("weight", at::zeros({512, 512}), /*requires_grad=*/false);
+    module.register_module(name, layer);
+  }
+  if (rc == 0) {
+    rc = expect_error<SyncError>([&] { receiver.receive_into(module); },
+                                 {"version 14 from the trainer over 'model_update' did not arrive intact",
+                                  "'b.weight' does not match its checksum", "parts of it and of version 13",
+                                  "no whole version until the next one arrives"});
+  }
+  if (rc == 0 && receiver.last_version() != no_version) rc = 21;
+  if (rc == 0 && (receiver.receive_into(module) != 15 || receiver.last_version() != 15 ||
+                  !at::equal(module.named_parameters()["a.weight"], v2[0].tensor) ||
+                  !at::equal(module.named_parameters()["b.weight"], v2[1].tensor)))
+    rc = 22;
   world.barrier();
   if (rc == 0) std::printf("HOSTILE-BROADCAST-REFUSED: every crafted frame was refused naming its cause\n");
   return rc;
@@ -249,7 +277,7 @@ int hostile_broadcast() {
     trainer.close();
     std::this_thread::sleep_for(300ms);
     // Version 2: a few buckets, then death (no goodbye, no end frame).
-    const auto buckets = pack_buckets(weights(2), 64 << 10, 2);
+    const auto buckets = sync::detail::pack_buckets(weights(2), 64 << 10, 2);
     namespace asio = boost::asio;
     asio::io_context io;
     asio::ip::tcp::socket sock(io);

@@ -20,7 +20,7 @@
 namespace fxs = fsdpx::sync;
 using fxs::DeltaEncoding;
 using fxs::NamedTensor;
-using fxs::VersionStore;
+using fxs::detail::VersionStore;
 
 namespace {
 
@@ -64,7 +64,7 @@ std::vector<NamedTensor> step(const std::vector<NamedTensor>& w) {
 }
 
 /// The payload of `name` in an encoded version (its tensors after the manifest).
-at::Tensor& payload(fxs::EncodedVersion& v, const std::string& name) {
+at::Tensor& payload(fxs::detail::EncodedVersion& v, const std::string& name) {
   for (auto& t : v.tensors) {
     if (t.name == name) return t.tensor;
   }
@@ -107,14 +107,14 @@ TEST_CASE("delta: a manifest round-trips, and its digest covers every tensor's n
 
 TEST_CASE("delta: each encoding carries the next version bit for bit, in place and copy-on-write", "[sync][delta]") {
   const auto v1 = weights(2);
-  VersionStore publisher;
+  fxs::detail::VersionStore publisher;
   auto full = publisher.cut(1, v1);
   REQUIRE_FALSE(full.manifest.is_delta());
   REQUIRE(full.bytes > full.full_bytes);  // the manifest rides along
   const auto sent_full = full.tensors;
   publisher.commit(std::move(full));
-  VersionStore receiver;
-  receiver.accept(sent_full, VersionStore::Apply::copy_on_write, "test");
+  fxs::detail::VersionStore receiver;
+  receiver.accept(sent_full, fxs::detail::VersionStore::Apply::copy_on_write, "test");
   require_same(receiver.tensors(), v1);
   REQUIRE(receiver.holds(1, publisher.digest()));
 
@@ -140,13 +140,13 @@ TEST_CASE("delta: each encoding carries the next version bit for bit, in place a
   require_same(publisher.tensors(), v2);
 
   SECTION("copy-on-write: the tensors handed out before keep their values") {
-    receiver.accept(sent, VersionStore::Apply::copy_on_write, "test");
+    receiver.accept(sent, fxs::detail::VersionStore::Apply::copy_on_write, "test");
     require_same(receiver.tensors(), v2);
     for (size_t i = 0; i < before.size(); ++i) CHECK(same_bits(before[i], v1[i].tensor));
     CHECK(receiver.tensors()[1].tensor.is_same(before[1]));  // unchanged: shared, not copied
   }
   SECTION("in place: the held tensors are the ones written") {
-    receiver.accept(sent, VersionStore::Apply::in_place, "test");
+    receiver.accept(sent, fxs::detail::VersionStore::Apply::in_place, "test");
     require_same(receiver.tensors(), v2);
     for (size_t i = 0; i < before.size(); ++i) CHECK(receiver.tensors()[i].tensor.is_same(before[i]));
   }
@@ -164,7 +164,7 @@ TEST_CASE("delta: by fewest bytes, dense small changes travel as compressed XOR,
   auto bits = v2[0].tensor.view({-1}).view(torch::kShort);
   const auto mask = torch::rand({bits.numel()}) < 0.3;
   bits.add_(mask.to(torch::kShort));
-  VersionStore publisher;
+  fxs::detail::VersionStore publisher;
   publisher.commit(publisher.cut(1, v1));
   const auto by_bytes = publisher.cut(2, v2, {.link_bytes_per_second = 0});
   REQUIRE(by_bytes.manifest.entries[0].encoding == DeltaEncoding::xor_zlib);
@@ -180,10 +180,11 @@ TEST_CASE("delta: by fewest bytes, dense small changes travel as compressed XOR,
   CHECK_FALSE(all.manifest.is_delta());
   CHECK(all.bytes > all.full_bytes);
 
-  VersionStore receiver;
-  receiver.accept(copy(publisher.cut(1, v1).tensors), VersionStore::Apply::in_place, "test");  // a full version 1
+  fxs::detail::VersionStore receiver;
+  receiver.accept(copy(publisher.cut(1, v1).tensors), fxs::detail::VersionStore::Apply::in_place,
+                  "test");  // a full version 1
   // (the store above already holds 1: cutting 1 again against it sends it full)
-  receiver.accept(by_bytes.tensors, VersionStore::Apply::in_place, "test");
+  receiver.accept(by_bytes.tensors, fxs::detail::VersionStore::Apply::in_place, "test");
   require_same(receiver.tensors(), v2);
 }
 
@@ -192,17 +193,17 @@ TEST_CASE("delta: by fewest bytes, dense small changes travel as compressed XOR,
 TEST_CASE("delta: a damaged or misdirected delta is refused naming the tensor, and the receiver keeps its weights",
           "[sync][delta][security]") {
   const auto v1 = weights(4);
-  VersionStore publisher;
+  fxs::detail::VersionStore publisher;
   auto full = publisher.cut(1, v1);
-  VersionStore receiver;
-  receiver.accept(full.tensors, VersionStore::Apply::in_place, "test");
+  fxs::detail::VersionStore receiver;
+  receiver.accept(full.tensors, fxs::detail::VersionStore::Apply::in_place, "test");
   publisher.commit(std::move(full));
   const auto v2 = step(v1);
   auto delta = publisher.cut(2, v2);
   const auto held_before = copy(receiver.tensors());
   const auto refused = [&](const std::string& why) {
-    for (const auto mode :
-         {VersionStore::Apply::in_place, VersionStore::Apply::owned, VersionStore::Apply::copy_on_write}) {
+    for (const auto mode : {fxs::detail::VersionStore::Apply::in_place, fxs::detail::VersionStore::Apply::owned,
+                            fxs::detail::VersionStore::Apply::copy_on_write}) {
       REQUIRE_THROWS_WITH(receiver.accept(delta.tensors, mode, "test"), Catch::Contains(why));
       require_same(receiver.tensors(), held_before);
       REQUIRE(receiver.version() == 1);
@@ -245,8 +246,9 @@ TEST_CASE("delta: a damaged or misdirected delta is refused naming the tensor, a
     refused("tensor 'blocks.0.fc.weight' (full): arrived as");
   }
   SECTION("a delta cut from another base") {
-    receiver.accept(copy(VersionStore().cut(5, v1).tensors), VersionStore::Apply::in_place, "test");
-    REQUIRE_THROWS_WITH(receiver.accept(delta.tensors, VersionStore::Apply::in_place, "test"),
+    receiver.accept(copy(fxs::detail::VersionStore().cut(5, v1).tensors), fxs::detail::VersionStore::Apply::in_place,
+                    "test");
+    REQUIRE_THROWS_WITH(receiver.accept(delta.tensors, fxs::detail::VersionStore::Apply::in_place, "test"),
                         Catch::Contains("it is a delta from version 1") && Catch::Contains("holds version 5"));
     require_same(receiver.tensors(), held_before);
   }
@@ -255,10 +257,10 @@ TEST_CASE("delta: a damaged or misdirected delta is refused naming the tensor, a
     std::vector<NamedTensor> x1{{"w", torch::zeros({4096}, torch::kBFloat16)}};
     auto x2 = copy(x1);
     x2[0].tensor.view(torch::kShort).narrow(0, 0, 4096).fill_(1);
-    VersionStore p;
+    fxs::detail::VersionStore p;
     auto first = p.cut(1, x1);
-    VersionStore r;
-    r.accept(first.tensors, VersionStore::Apply::in_place, "test");
+    fxs::detail::VersionStore r;
+    r.accept(first.tensors, fxs::detail::VersionStore::Apply::in_place, "test");
     p.commit(std::move(first));
     auto xd = p.cut(2, x2, {.link_bytes_per_second = 0, .xor_min_changed = 1});
     REQUIRE(xd.manifest.entries[0].encoding == DeltaEncoding::xor_zlib);
@@ -272,10 +274,10 @@ TEST_CASE("delta: a damaged or misdirected delta is refused naming the tensor, a
       return t;
     };
     xd.tensors[1].tensor = bomb(int64_t{64} << 20);
-    REQUIRE_THROWS_WITH(r.accept(xd.tensors, VersionStore::Apply::in_place, "test"),
+    REQUIRE_THROWS_WITH(r.accept(xd.tensors, fxs::detail::VersionStore::Apply::in_place, "test"),
                         Catch::Contains("tensor 'w' (xor): the stream inflates beyond the tensor's 8192 bytes"));
     xd.tensors[1].tensor = bomb(100);
-    REQUIRE_THROWS_WITH(r.accept(xd.tensors, VersionStore::Apply::in_place, "test"),
+    REQUIRE_THROWS_WITH(r.accept(xd.tensors, fxs::detail::VersionStore::Apply::in_place, "test"),
                         Catch::Contains("tensor 'w' (xor): the stream inflates to 100 bytes, the tensor has 8192"));
     require_same(r.tensors(), x1);
   }

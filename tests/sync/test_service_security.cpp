@@ -238,12 +238,12 @@ struct Chunk {
 
 /// A bucket laid out as plan_buckets would, but holding exactly the chunks given, right or wrong.
 at::Tensor craft_bucket(int64_t version, uint32_t index, uint32_t count, const std::vector<Chunk>& chunks) {
-  fxs::BucketLayout b;
+  fxs::detail::BucketLayout b;
   b.version = version;
   b.index = index;
   b.count = count;
   b.last = index + 1 == count;
-  int64_t header = fxs::bucket_prefix_bytes;
+  int64_t header = fxs::detail::prefix_bytes;
   for (const auto& c : chunks)
     header += sd::entry_header_bytes(c.name, c.shape.empty() ? c.source.dim() : c.shape.size());
   int64_t offset = sd::align_up(header);
@@ -255,11 +255,11 @@ at::Tensor craft_bucket(int64_t version, uint32_t index, uint32_t count, const s
   }
   b.total_bytes = offset;
   at::Tensor bucket = at::zeros({offset}, at::kByte);
-  fxs::write_header(bucket, b);
+  fxs::detail::write_header(bucket, b);
   for (size_t i = 0; i < chunks.size(); ++i) {
     const auto& c = chunks[i];
     if (c.offset >= 0 && c.numel > 0 && c.offset + c.numel <= c.source.numel())
-      fxs::pack_entry(bucket, b.entries[i], c.source);
+      fxs::detail::pack_entry(bucket, b.entries[i], c.source);
   }
   return bucket;
 }
@@ -271,7 +271,7 @@ std::vector<at::Tensor> craft_version(int64_t version, std::vector<std::vector<C
   if (!whole.empty()) {
     const at::Tensor manifest = fxs::full_manifest(version, whole).encode();
     buckets.front().insert(buckets.front().begin(),
-                           Chunk{std::string(fxs::manifest_name), manifest, 0, manifest.numel()});
+                           Chunk{std::string(fxs::detail::manifest_name), manifest, 0, manifest.numel()});
   }
   std::vector<at::Tensor> out;
   for (size_t i = 0; i < buckets.size(); ++i) {
@@ -495,7 +495,7 @@ TEST_CASE("security: a publish that never completes holds nobody back", "[securi
   REQUIRE(stalled.handshake(fxs::Role::publish, "s", &welcomed));
   REQUIRE(welcomed);
   std::vector<sd::FrameHeader> unused;
-  const auto buckets = fxs::pack_buckets(weights_of(11), 64 << 10, 11);
+  const auto buckets = fxs::detail::pack_buckets(weights_of(11), 64 << 10, 11);
   REQUIRE(buckets.size() >= 2);
   stalled.send_frame(sd::make_frame(sd::FrameKind::publish_begin, 11, buckets.size()));
   stalled.send_frame(sd::make_frame(sd::FrameKind::bucket, 11, 0, buckets[0].const_data_ptr(), buckets[0].nbytes()),
@@ -615,7 +615,7 @@ TEST_CASE("security: unfinished publishes share one version's room, the stalest 
   bool welcomed = false;
   REQUIRE(stalled.handshake(fxs::Role::publish, "s", &welcomed));
   REQUIRE(welcomed);
-  const auto buckets = fxs::pack_buckets(large_weights_of(100), 1 << 20, 100);
+  const auto buckets = fxs::detail::pack_buckets(large_weights_of(100), 1 << 20, 100);
   REQUIRE(buckets.size() >= 8);
   stalled.send_payload(sd::FrameKind::publish_begin, 100, buckets.size(), "another-run");
   for (size_t i = 0; i < 6; ++i) stalled.send_bucket(100, i, buckets[i]);
@@ -631,6 +631,30 @@ TEST_CASE("security: unfinished publishes share one version's room, the stalest 
   CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
   CHECK_THAT(reply->second, Catch::Contains("version 100 was dropped before its end to make room for version 1") &&
                                 Catch::Contains("max_version_bytes (12582912)"));
+}
+
+TEST_CASE("security: a publisher refused mid-version hears why, though it keeps sending (the server drains, no reset)",
+          "[security]") {
+  // 8 MiB of buckets against a room of 4 MiB: refused at the fifth bucket, while the peer still sends.
+  fxs::SynchronizerServer server(
+      {.secret = "s", .limits = {.max_bucket_bytes = 1 << 20, .max_version_bytes = 4 << 20}});
+  RawConnection raw(server.port());
+  REQUIRE(raw.handshake(fxs::Role::publish, "s"));
+  const auto buckets = fxs::detail::pack_buckets(large_weights_of(3), 1 << 20, 3);
+  REQUIRE(buckets.size() >= 8);
+  raw.send_payload(sd::FrameKind::publish_begin, 3, buckets.size(), "run");
+  for (size_t i = 0; i < buckets.size(); ++i) CHECK(raw.send_bucket(3, i, buckets[i]));
+  CHECK(raw.send_frame(sd::make_frame(sd::FrameKind::publish_end, 3)));
+  const auto reply = raw.recv_frame();
+  REQUIRE(reply);
+  CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
+  CHECK_THAT(reply->second, Catch::Contains("version 3 takes more than max_version_bytes (4194304)"));
+  CHECK(server.latest_version() == fxs::no_version);
+  // The client stops sending once the server spoke, and throws the server's reason.
+  fxs::SynchronizerClient trainer("127.0.0.1", server.port(), {.bucket_bytes = 1 << 20, .secret = "s"});
+  CHECK_THROWS_WITH(trainer.publish(4, large_weights_of(4)), Catch::Contains("more than max_version_bytes"));
+  trainer.publish(5, weights_of(5));  // the next, smaller version is taken on a fresh connection
+  CHECK(server.latest_version() == 5);
 }
 
 TEST_CASE(
@@ -1126,7 +1150,7 @@ TEST_CASE("security: a crafted delta is refused naming the tensor, and the serve
   const auto v1 = weights_of(1);
   fxs::SynchronizerClient("127.0.0.1", port).publish(1, v1);
   // The publisher's side of version 1, as the server holds it (the same manifest: names, shapes, CRCs).
-  fxs::VersionStore base;
+  fxs::detail::VersionStore base;
   base.commit(base.cut(1, v1));
   auto v2 = weights_of(1);
   for (auto& t : v2) t.tensor = t.tensor.clone();
@@ -1138,7 +1162,7 @@ TEST_CASE("security: a crafted delta is refused naming the tensor, and the serve
   fxs::SynchronizerClient reader("127.0.0.1", port);
   const auto refused = [&](std::vector<fxs::NamedTensor> tensors, const std::string& why, uint64_t aux = 0) {
     INFO(why);
-    const auto reply = publisher.publish(2, "raw", fxs::pack_buckets(tensors, 64 << 10, 2));
+    const auto reply = publisher.publish(2, "raw", fxs::detail::pack_buckets(tensors, 64 << 10, 2));
     REQUIRE(reply);
     CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
     CHECK(reply->first.aux == aux);
@@ -1169,11 +1193,11 @@ TEST_CASE("security: a crafted delta is refused naming the tensor, and the serve
   auto other = weights_of(1);
   for (auto& t : other) t.tensor = t.tensor.clone();
   other[3].tensor.add_(1);  // another version 1: one element apart
-  fxs::VersionStore elsewhere;
+  fxs::detail::VersionStore elsewhere;
   elsewhere.commit(elsewhere.cut(1, other));
   refused(elsewhere.cut(2, v2).tensors, "which this server does not hold", sd::refused_base);
   // The intact delta is taken, and a reader holding version 1 gets it as a delta, exact.
-  const auto reply = publisher.publish(2, "raw", fxs::pack_buckets(delta.tensors, 64 << 10, 2));
+  const auto reply = publisher.publish(2, "raw", fxs::detail::pack_buckets(delta.tensors, 64 << 10, 2));
   REQUIRE(reply);
   CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::ack));
   const auto s = reader.fetch_newer(1, 5s);

@@ -79,14 +79,14 @@ TORCH_MODULE(Tiny);
 
 TEST_CASE("buckets round-trip every dtype, split large tensors, and carry empty ones", "[bucket]") {
   const auto tensors = mixed_tensors();
-  std::vector<BucketLayout> layouts;
-  const auto buckets = pack_buckets(tensors, 16 << 10, /*version=*/7, &layouts);
+  std::vector<sync::detail::BucketLayout> layouts;
+  const auto buckets = sync::detail::pack_buckets(tensors, 16 << 10, /*version=*/7, &layouts);
   REQUIRE(buckets.size() >= 4);
   int big_chunks = 0;
-  TensorCollector collector;
+  sync::detail::TensorCollector collector;
   for (size_t k = 0; k < buckets.size(); ++k) {
     REQUIRE(buckets[k].numel() <= 16 << 10);
-    const auto b = decode_header(buckets[k].const_data_ptr<uint8_t>(), buckets[k].numel(), "test");
+    const auto b = sync::detail::decode_header(buckets[k].const_data_ptr<uint8_t>(), buckets[k].numel(), "test");
     CHECK(b.version == 7);
     CHECK(b.index == k);
     CHECK(b.count == buckets.size());
@@ -95,7 +95,7 @@ TEST_CASE("buckets round-trip every dtype, split large tensors, and carry empty 
     for (const auto& e : b.entries) {
       CHECK(e.byte_offset % 64 == 0);
       if (e.name == "big.weight") ++big_chunks;
-      collector.accept(e, entry_view(buckets[k], e));
+      collector.accept(e, sync::detail::entry_view(buckets[k], e));
     }
   }
   CHECK(big_chunks >= 3);
@@ -109,19 +109,19 @@ TEST_CASE("buckets round-trip every dtype, split large tensors, and carry empty 
 }
 
 TEST_CASE("a corrupt bucket header is a SyncError that says what is wrong", "[bucket]") {
-  const auto buckets = pack_buckets(mixed_tensors(), 16 << 10, 1);
+  const auto buckets = sync::detail::pack_buckets(mixed_tensors(), 16 << 10, 1);
   auto bad = buckets[0].clone();
   bad.data_ptr<uint8_t>()[0] ^= 0xff;
-  CHECK_THROWS_WITH(decode_header(bad.const_data_ptr<uint8_t>(), bad.numel(), "test"),
+  CHECK_THROWS_WITH(sync::detail::decode_header(bad.const_data_ptr<uint8_t>(), bad.numel(), "test"),
                     Catch::Contains("corrupt weight bucket (test): bad magic number"));
-  CHECK_THROWS_AS(decode_header(buckets[0].const_data_ptr<uint8_t>(), 30, "test"), SyncError);
+  CHECK_THROWS_AS(sync::detail::decode_header(buckets[0].const_data_ptr<uint8_t>(), 30, "test"), SyncError);
   // An entry pointing past the bucket's end.
   auto past = buckets[0].clone();
-  const auto layout = decode_header(past.const_data_ptr<uint8_t>(), past.numel(), "test");
-  BucketLayout moved = layout;
+  const auto layout = sync::detail::decode_header(past.const_data_ptr<uint8_t>(), past.numel(), "test");
+  sync::detail::BucketLayout moved = layout;
   moved.entries[0].byte_offset = layout.total_bytes;
-  write_header(past, moved);
-  CHECK_THROWS_WITH(decode_header(past.const_data_ptr<uint8_t>(), past.numel(), "test"),
+  sync::detail::write_header(past, moved);
+  CHECK_THROWS_WITH(sync::detail::decode_header(past.const_data_ptr<uint8_t>(), past.numel(), "test"),
                     Catch::Contains("lies outside the bucket"));
 }
 
@@ -194,7 +194,8 @@ TEST_CASE("chunk breaks: no chunk spans one, whatever the bucket size, and bad b
   const std::vector<int64_t> breaks = {300, 301, 999};
   for (const int64_t capacity : {int64_t{4096}, int64_t{1} << 20}) {
     INFO("capacity " << capacity);
-    const auto plan = plan_buckets({{"a", {4}, at::kFloat}, {"w", {10, 100}, at::kFloat, breaks}}, capacity, 3);
+    const auto plan =
+        sync::detail::plan_buckets({{"a", {4}, at::kFloat}, {"w", {10, 100}, at::kFloat, breaks}}, capacity, 3);
     int64_t covered = 0;
     for (const auto& b : plan) {
       for (const auto& e : b.entries) {
@@ -206,9 +207,9 @@ TEST_CASE("chunk breaks: no chunk spans one, whatever the bucket size, and bad b
     }
     CHECK(covered == 1000);
   }
-  CHECK_THROWS_WITH(plan_buckets({{"w", {10}, at::kFloat, {5, 2}}}, 1 << 20, 0),
+  CHECK_THROWS_WITH(sync::detail::plan_buckets({{"w", {10}, at::kFloat, {5, 2}}}, 1 << 20, 0),
                     Catch::Contains("breaks of 'w' must ascend"));
-  CHECK_THROWS_WITH(plan_buckets({{"w", {10}, at::kFloat, {11}}}, 1 << 20, 0),
+  CHECK_THROWS_WITH(sync::detail::plan_buckets({{"w", {10}, at::kFloat, {11}}}, 1 << 20, 0),
                     Catch::Contains("within its 10 elements"));
 }
 
@@ -219,7 +220,7 @@ TEST_CASE("a tensor split over buckets is split at aligned elements, whatever th
     for (const auto dtype : {at::kFloat, at::kBFloat16, at::kByte}) {
       INFO("capacity " << capacity << ", " << dtype);
       const int64_t esize = static_cast<int64_t>(c10::elementSize(dtype));
-      const auto plan = plan_buckets({{"a", {3}, dtype}, {"w", {4000, 777}, dtype}}, capacity, 1);
+      const auto plan = sync::detail::plan_buckets({{"a", {3}, dtype}, {"w", {4000, 777}, dtype}}, capacity, 1);
       int64_t covered = 0;
       for (const auto& b : plan) {
         for (const auto& e : b.entries) {
@@ -236,9 +237,9 @@ TEST_CASE("a tensor split over buckets is split at aligned elements, whatever th
 }
 
 TEST_CASE("a bucket too small for one element of a tensor is refused", "[bucket]") {
-  CHECK_THROWS_WITH(plan_buckets({{std::string(4100, 'x'), {2}, at::kFloat}}, 4096, 0),
+  CHECK_THROWS_WITH(sync::detail::plan_buckets({{std::string(4100, 'x'), {2}, at::kFloat}}, 4096, 0),
                     Catch::Contains("cannot fit a bucket of 4096 bytes"));
-  CHECK_THROWS_WITH(plan_buckets({{"c", {2}, at::kComplexFloat}}, 1 << 20, 0),
+  CHECK_THROWS_WITH(sync::detail::plan_buckets({{"c", {2}, at::kComplexFloat}}, 1 << 20, 0),
                     Catch::Contains("cannot send tensors of dtype"));
 }
 
@@ -500,7 +501,7 @@ TEST_CASE("service: a trainer lost mid-publish fails waiting readers at once, an
     asio::ip::tcp::socket sock(io);
     sock.connect({asio::ip::make_address("127.0.0.1"), server.port()});
     test::handshake_without_secret(sock, sync::Role::publish);
-    const auto buckets = pack_buckets(versioned(2), 16 << 10, 2);
+    const auto buckets = sync::detail::pack_buckets(versioned(2), 16 << 10, 2);
     // The trainer's own run (this process's, as its client sent with version 1): its loss is the trainer's.
     const std::string& run = sync::detail::process_run();
     const auto begin =
@@ -553,7 +554,7 @@ TEST_CASE("service: a corrupted frame is refused by its checksum", "[service]") 
   asio::ip::tcp::socket sock(io);
   sock.connect({asio::ip::make_address("127.0.0.1"), server.port()});
   test::handshake_without_secret(sock, sync::Role::publish);
-  const auto buckets = pack_buckets(versioned(0), 1 << 20, 0);
+  const auto buckets = sync::detail::pack_buckets(versioned(0), 1 << 20, 0);
   const auto begin = sync::detail::make_frame(sync::detail::FrameKind::publish_begin, 0, buckets.size());
   asio::write(sock, asio::buffer(&begin, sizeof(begin)));
   auto f =

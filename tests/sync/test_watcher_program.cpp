@@ -111,9 +111,9 @@ TEST_CASE(
     int64_t last = no_version;
     std::vector<int64_t> seen;
     const auto check = [&](const WeightVersion& v) {
-      INFO("step " << v.step);
-      CHECK(v.step > last);
-      const auto side = ckpt::detail::load_ivalue(side_file(job.side, v.step)).toGenericDict();
+      INFO("step " << v.version);
+      CHECK(v.version > last);
+      const auto side = ckpt::detail::load_ivalue(side_file(job.side, v.version)).toGenericDict();
       REQUIRE(static_cast<size_t>(side.size()) == v.tensors.size());
       for (const auto& t : v.tensors) {
         INFO(t.name);
@@ -125,8 +125,8 @@ TEST_CASE(
         INFO("loaded " << p.key());
         CHECK(bit_equal(p.value().detach(), side.at(p.key()).toTensor()));
       }
-      last = v.step;
-      seen.push_back(v.step);
+      last = v.version;
+      seen.push_back(v.version);
     };
     check(watcher.wait_newer(no_version));
     std::optional<int64_t> final_step;
@@ -160,7 +160,7 @@ TEST_CASE("a watcher whose trainer stopped ends in a SyncError naming the root a
   } else {
     CheckpointWatcher watcher(job.root, {.poll_interval = 5ms, .timeout = 60s});
     int64_t have = no_version;
-    while (have < 2) have = watcher.wait_newer(have).step;
+    while (have < 2) have = watcher.wait_newer(have).version;
     const auto t0 = std::chrono::steady_clock::now();
     try {
       watcher.wait_newer(have, 1500ms);

@@ -83,7 +83,7 @@ int main() {
   nlohmann::ordered_json s;
   s["handshake_client_label"] = std::string(d::client_label);
   s["handshake_server_label"] = std::string(d::server_label);
-  s["manifest_name"] = std::string(fsdpx::sync::manifest_name);
+  s["manifest_name"] = std::string(d::manifest_name);
   s["state_dict_iteration_file"] = std::string(ckpt::state_dict_iteration_file);
   s["commit_record"] = std::string(ckpt::config_file);
   std::printf("%s\n", nlohmann::ordered_json{{"constants", c}, {"strings", s}}.dump(2).c_str());

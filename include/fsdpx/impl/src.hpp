@@ -38,7 +38,7 @@
 #include <fsdpx/sync/impl/receive.ipp>
 #include <fsdpx/sync/impl/load.ipp>
 #include <fsdpx/sync/impl/manifest.ipp>
-#include <fsdpx/sync/impl/delta.ipp>
+#include <fsdpx/sync/impl/version_store.ipp>
 #include <fsdpx/sync/impl/held_version.ipp>
 #include <fsdpx/sync/impl/broadcast.ipp>
 #include <fsdpx/sync/impl/synchronizer.ipp>

@@ -1,6 +1,6 @@
 // Weight sync by broadcast: the trainer's full parameters, gathered unit by unit from the sharded
 // model, go from trainer rank 0 to every rollout rank of a model-update group (MPI on CPUs, NCCL on
-// GPUs), packed into double-buffered weight buckets (fsdpx/sync/bucket.hpp).
+// GPUs), packed into double-buffered weight buckets (sync/detail/bucket.hpp).
 //
 //   auto groups = fsdpx::sync::split_trainer_rollout(world, /*trainers=*/2);   // collective over world
 //   if (groups.is_trainer()) {
@@ -50,9 +50,10 @@
 #include <fsdpx/dist/any.hpp>
 #include <fsdpx/detail/crc32c.hpp>
 #include <fsdpx/error.hpp>
-#include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/detail/bucket.hpp>
+#include <fsdpx/sync/weights.hpp>
 #include <fsdpx/sync/detail/receive.hpp>
-#include <fsdpx/sync/delta.hpp>
+#include <fsdpx/sync/detail/version_store.hpp>
 #include <fsdpx/sync/detail/broadcast_wire.hpp>
 #include <fsdpx/sync/detail/held_version.hpp>
 
@@ -80,6 +81,8 @@ FSDPX_DECL TrainerRolloutGroups split_trainer_rollout(const dist::AnyCommunicato
 
 // ---- the trainer side: gathering ------------------------------------------------------------------
 
+namespace detail {
+
 /// Runs `fn(unit)` for every unit of `model` in order, each unsharded meanwhile, with the next unit's
 /// gather in flight. Collective over the trainer ranks. Units unsharded before the call stay so; the
 /// others are resharded after their turn, so at most two units are full at a time.
@@ -97,15 +100,17 @@ void for_each_unsharded_unit(core::ShardedModel& model, Fn&& fn) {
   }
 }
 
-struct GatherOptions {
-  std::optional<at::ScalarType> dtype;  // default: each unit's compute dtype
-  at::Device device = at::kCPU;
-};
-
 /// The module's buffers (running statistics, rotary tables, counters: replicated, so any rank's are
 /// everyone's), by name. They travel with every version in their own dtype, exactly; a receiver casts
 /// them to its module's dtype on loading.
 FSDPX_DECL std::vector<NamedTensor> module_buffers(const core::ShardedModel& model);
+
+}  // namespace detail
+
+struct GatherOptions {
+  std::optional<at::ScalarType> dtype;  // default: each unit's compute dtype
+  at::Device device = at::kCPU;
+};
 
 /// The full parameters (on `device`, cast to `dtype`), in unit order, then the buffers (on `device`,
 /// in their own dtype), all as fresh tensors. Collective over the trainer ranks; only ranks with
@@ -119,21 +124,16 @@ std::vector<NamedTensor> gather_full_state_dict(F& fsdp, bool collect, const Gat
 
 // ---- the trainer side: broadcasting ---------------------------------------------------------------
 
-// (GCC warns about the deprecated members in the implicit constructors, at this line: not at the users'
-// code. Reading or writing one still warns where it is done.)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
 struct BroadcastOptions {
   /// Capacity of each of the two buckets (header included). Larger buckets mean fewer collectives;
   /// a tensor larger than a bucket is split.
   int64_t bucket_bytes = int64_t{32} << 20;
   /// The rollout dtype; default: each unit's compute dtype.
   std::optional<at::ScalarType> dtype;
-  /// Deprecated: tuning.keep_gather_buffers; when set, it wins, for one release.
-  [[deprecated("BroadcastOptions::keep_gather_buffers is now BroadcastOptions::tuning.keep_gather_buffers")]]
+  /// Deprecated, for one release: tuning.keep_gather_buffers and tuning.direct_bytes spelled flat; each
+  /// one set here wins over its twin. (Not marked [[deprecated]]: GCC then warns wherever a BroadcastOptions
+  /// is made with designated initializers, naming these fields or not.)
   std::optional<bool> keep_gather_buffers;
-  /// Deprecated: tuning.direct_bytes; when set, it wins, for one release.
-  [[deprecated("BroadcastOptions::direct_bytes is now BroadcastOptions::tuning.direct_bytes")]]
   std::optional<int64_t> direct_bytes;
   /// Each version's manifest travels (a CRC-32C per tensor, computed by the sending rank; on a GPU
   /// through host copies of each unit), and receivers check what arrived against it.
@@ -144,9 +144,9 @@ struct BroadcastOptions {
   /// link moves bytes faster than a pass over the host copies compares them (NVLink, InfiniBand,
   /// shared memory); deltas pay off over slow links. Only the sending rank's value matters.
   /// The two give a receiver different guarantees on a failure: streamed writes into the module as the
-  /// version arrives and checks it after (a corrupted transport is a SyncError once the module
-  /// changed; the next version repairs it); cut stages and checks every tensor first (the module keeps
-  /// its weights, bit for bit).
+  /// version arrives and checks it after (a failure midway is a SyncError once the module changed, which
+  /// says so, and WeightReceiver::last_version() is no_version until the next version repairs it); cut
+  /// stages and checks every tensor first (the module keeps its weights, bit for bit).
   std::optional<DeltaOptions> delta;
 
   /// Advanced: how the bytes move, not what arrives. The defaults are the fastest measured on CPU ranks
@@ -168,7 +168,6 @@ struct BroadcastOptions {
   };
   Tuning tuning = {};
 };
-#pragma GCC diagnostic pop
 
 class WeightBroadcaster {
  public:
@@ -193,6 +192,8 @@ class WeightBroadcaster {
     int64_t full_bytes = 0;        // cut versions: the bytes of the version's tensors (what whole sends)
   };
   const Stats& last_stats() const { return stats_; }
+  /// Whether the last version went as a delta (cut versions only): every receiver's last_was_delta().
+  bool last_was_delta() const { return stats_.delta; }
 
   /// Sends the current weights as `version` (e.g. the training step; strictly increasing). Collective:
   /// every trainer rank (the gathers) and every rank of the model-update group (the broadcast).
@@ -209,10 +210,10 @@ class WeightBroadcaster {
   /// Plans `specs` into buckets, encodes their headers (on the device), and sends the preamble (with
   /// `direct_bytes`) and the header sizes; the staging buckets then fit the largest bucket.
   struct Planned {
-    std::vector<BucketLayout> plan;
+    std::vector<detail::BucketLayout> plan;
     std::vector<at::Tensor> headers;  // each bucket's, kept until the version is sent
   };
-  FSDPX_DECL Planned plan_and_send_preamble(const std::vector<TensorSpec>& specs, int64_t version,
+  FSDPX_DECL Planned plan_and_send_preamble(const std::vector<detail::TensorSpec>& specs, int64_t version,
                                             int64_t direct_bytes);
   /// Sends whole tensors (host or device) through the two staging buckets: the preamble, the header
   /// sizes, then per bucket its header and payload.
@@ -256,7 +257,7 @@ class WeightBroadcaster {
   void walk_units(Before&& before_gather, Fn&& fn) {
     if (!gather_) {
       // The module's parameters are valid while their unit is unsharded (not after fn returns).
-      for_each_unsharded_unit(*model_, [&](core::Unit& u) { fn(0, u, UnitData{}); });
+      detail::for_each_unsharded_unit(*model_, [&](core::Unit& u) { fn(0, u, UnitData{}); });
       return;
     }
     if (gather_root_ < 0) return;  // the sending rank is in another shard group
@@ -340,7 +341,7 @@ class WeightBroadcaster {
   int gather_root_ = -1;                         // the sending rank in gather_; -1: not in this group
   std::array<at::Tensor, 2> gathered_;           // root: full units; others: cast shards (wire dtype)
   std::array<at::Tensor, 2> buffers_;            // buckets (sender only)
-  VersionStore base_;                            // cut versions: what was sent last (sender only)
+  detail::VersionStore base_;                    // cut versions: what was sent last (sender only)
   bool preamble_sent_ = false;                   // this version's preamble went out (no abort possible)
   Stats stats_;
 };
@@ -386,6 +387,8 @@ class WeightReceiver {
   void verify(torch::nn::Module& module) const { held_.verify(module); }
   void verify(const std::vector<NamedTensor>& tensors) const { held_.verify(tensors); }
 
+  /// The version the module (or the tensors handed out) holds whole; no_version after a streamed
+  /// version failed midway (the module then holds parts of two versions until the next one arrives).
   int64_t last_version() const { return last_version_; }
   /// Payload bytes of the last version received straight into their destination (no unpacking copy).
   int64_t last_bytes_in_place() const { return bytes_in_place_; }
@@ -398,16 +401,28 @@ class WeightReceiver {
   auto translating(Fn&& fn) {
     try {
       return fn();
-    } catch (const SyncError&) {
-      throw;
+    } catch (const SyncError& e) {
+      if (streaming_into_module_ == no_version) throw;
+      throw SyncError(::fsdpx::detail::str(e.what(), torn_module()));
     } catch (const Error& e) {
       throw SyncError(::fsdpx::detail::str("fsdpx: receiving weights from the trainer over '", group_.name(),
                                            "' (rank ", group_.rank(), " of ", group_.size(), ", last version ",
                                            last_version_,
                                            ") failed; the sending trainer rank may have exited or "
                                            "crashed: ",
-                                           e.what()));
+                                           e.what(), torn_module()));
     }
+  }
+  /// After a streamed version failed midway: says so, and that the module holds no whole version.
+  std::string torn_module() {
+    if (streaming_into_module_ == no_version) return {};
+    const int64_t version = std::exchange(streaming_into_module_, no_version);
+    const int64_t before = std::exchange(last_version_, no_version);
+    return ::fsdpx::detail::str(
+        ". The module was being written as version ", version,
+        " arrived (a streamed version): it now holds parts of it and of version ", before,
+        ", and no whole version until the next one arrives (BroadcastOptions::delta stages each version and "
+        "keeps the module's weights on any failure)");
   }
 
   /// The next version's announcement (the first broadcast of every version), checked.
@@ -438,7 +453,7 @@ class WeightReceiver {
     bytes_in_place_ = 0;
     FSDPX_CHECK_AS(
         SyncError,
-        n >= 0 && direct_bytes > 0 && largest >= largest_header && (n == 0 || largest_header >= bucket_prefix_bytes),
+        n >= 0 && direct_bytes > 0 && largest >= largest_header && (n == 0 || largest_header >= detail::prefix_bytes),
         "corrupt weight-sync preamble: ", n, " buckets of at most ", largest, " bytes, headers of at most ",
         largest_header, " bytes");
     std::vector<int64_t> header_sizes(static_cast<size_t>(n));
@@ -457,7 +472,7 @@ class WeightReceiver {
     }
     // Per bucket in flight: its broadcasts, and what to do with each entry once they are done.
     struct InFlight {
-      BucketLayout layout;
+      detail::BucketLayout layout;
       std::vector<dist::Work> works;
       std::vector<size_t> staged, direct;  // entries to unpack from the staging bucket / received in place
     };
@@ -472,8 +487,8 @@ class WeightReceiver {
         if (st == f.staged.size() || (d < f.direct.size() && f.direct[d] < f.staged[st])) {
           sink.accepted(f.layout.entries[f.direct[d++]]);
         } else {
-          const BucketEntry& e = f.layout.entries[f.staged[st++]];
-          sink.accept(e, entry_view(buffers_[k % 2], e));
+          const detail::BucketEntry& e = f.layout.entries[f.staged[st++]];
+          sink.accept(e, detail::entry_view(buffers_[k % 2], e));
         }
       }
       f = InFlight{};
@@ -486,7 +501,7 @@ class WeightReceiver {
     dist::Work header = post_header(0);
     for (int64_t k = 0; k < n; ++k) {
       header.wait_stream();
-      BucketLayout layout = read_header(headers_[k % 2].narrow(0, 0, header_sizes[k]), where);
+      detail::BucketLayout layout = read_header(headers_[k % 2].narrow(0, 0, header_sizes[k]), where);
       FSDPX_CHECK_AS(SyncError,
                      layout.version == version && layout.index == k && layout.count == n &&
                          layout.header_bytes == header_sizes[k] && layout.total_bytes <= largest,
@@ -498,7 +513,7 @@ class WeightReceiver {
       InFlight& f = flight[k % 2];
       for (size_t i = 0; i < layout.entries.size(); ++i) {
         if (layout.entries[i].nbytes() == 0)
-          sink.accept(layout.entries[i], entry_view(buffers_[k % 2], layout.entries[i]));
+          sink.accept(layout.entries[i], detail::entry_view(buffers_[k % 2], layout.entries[i]));
       }
       for (const detail::Segment& sg : detail::segments_of(layout, direct_bytes)) {
         at::Tensor into;
@@ -520,12 +535,13 @@ class WeightReceiver {
     finish(n - 1);
   }
 
-  FSDPX_DECL static BucketLayout read_header(const at::Tensor& bucket, const std::string& where);
+  FSDPX_DECL static detail::BucketLayout read_header(const at::Tensor& bucket, const std::string& where);
 
   dist::AnyCommunicator group_;
   ReceiveOptions options_;
   int64_t last_version_ = no_version;
-  std::array<at::Tensor, 2> buffers_;  // staging buckets
+  int64_t streaming_into_module_ = no_version;  // a streamed version being written into a module
+  std::array<at::Tensor, 2> buffers_;           // staging buckets
   std::array<at::Tensor, 2> headers_;
   int64_t bytes_in_place_ = 0;
   bool last_was_delta_ = false;

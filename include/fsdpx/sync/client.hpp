@@ -15,8 +15,9 @@
 #include <torch/nn/module.h>
 
 #include <fsdpx/detail/config.hpp>
-#include <fsdpx/sync/bucket.hpp>
-#include <fsdpx/sync/delta.hpp>
+#include <fsdpx/sync/detail/bucket.hpp>
+#include <fsdpx/sync/weights.hpp>
+#include <fsdpx/sync/detail/version_store.hpp>
 #include <fsdpx/sync/detail/held_version.hpp>
 #include <fsdpx/sync/detail/auth.hpp>  // Role, secrets (public API in both modes)
 

@@ -14,7 +14,8 @@
 
 namespace fsdpx::sync {
 
-/// Loads whole named tensors into `module`'s parameters and buffers by name, with ModuleLoader's checks.
+/// Loads whole named tensors into `module`'s parameters and buffers by name, with every receiver's
+/// checks (names, shapes, each element exactly once; what does not fit is named).
 FSDPX_DECL void load_into(torch::nn::Module& module, const std::vector<NamedTensor>& tensors);
 
 /// Moves `module`'s CPU parameters of memory::huge_page_bytes or more into memory::empty_host() memory

@@ -17,7 +17,7 @@
 #include <torch/nn/module.h>
 
 #include <fsdpx/error.hpp>
-#include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/named_tensor.hpp>
 
 namespace fsdpx::sync {
 
@@ -29,10 +29,9 @@ inline constexpr int64_t manifest_prefix_bytes = 48;
 inline constexpr int64_t manifest_min_entry_bytes = 2 + 1 + 1 + 1 + 1 + 2 + 4 + 8;
 /// A sparse entry's indices take 4 bytes in a tensor of at most this many elements, else 8.
 inline constexpr int64_t narrow_index_limit = int64_t{1} << 32;
-}  // namespace detail
-
 /// The name of a version's manifest tensor: it starts with a dot, which no module's name can.
 inline constexpr std::string_view manifest_name = ".fsdpx.manifest";
+}  // namespace detail
 
 /// How one tensor of a version travels (docs/sync.md's table).
 enum class DeltaEncoding : uint8_t { unchanged = 0, sparse = 1, full = 2, xor_zlib = 3 };
@@ -80,16 +79,18 @@ FSDPX_DECL uint32_t tensor_crc32c(const at::Tensor& t);
 /// The manifest of a full version of `tensors` (every CRC computed).
 FSDPX_DECL Manifest full_manifest(int64_t version, const std::vector<NamedTensor>& tensors);
 
-/// Splits a received version into its manifest and its other tensors (checked: the manifest comes
-/// first, once). `where` names the sender.
-FSDPX_DECL std::pair<Manifest, std::vector<NamedTensor>> split_manifest(std::vector<NamedTensor> received,
-                                                                        std::string_view where);
-
 /// "Do I hold version V exactly": every tensor of `manifest` is in `tensors` (by name) with its dtype,
 /// shape and CRC-32C, and nothing else is. A SyncError naming what differs, otherwise nothing.
 FSDPX_DECL void verify(const std::vector<NamedTensor>& tensors, const Manifest& manifest);
 /// The same for a module's parameters and buffers (by name, as load_into fills them).
 FSDPX_DECL void verify(torch::nn::Module& module, const Manifest& manifest);
+
+namespace detail {
+/// Splits a received version into its manifest and its other tensors (checked: the manifest comes
+/// first, once). `where` names the sender.
+FSDPX_DECL std::pair<Manifest, std::vector<NamedTensor>> split_manifest(std::vector<NamedTensor> received,
+                                                                        std::string_view where);
+}  // namespace detail
 
 }  // namespace fsdpx::sync
 

@@ -23,8 +23,9 @@
 #include <vector>
 
 #include <fsdpx/detail/config.hpp>
-#include <fsdpx/sync/bucket.hpp>
-#include <fsdpx/sync/delta.hpp>
+#include <fsdpx/sync/detail/bucket.hpp>
+#include <fsdpx/sync/weights.hpp>
+#include <fsdpx/sync/detail/version_store.hpp>
 #include <fsdpx/sync/detail/auth.hpp>  // Role, secrets (public API in both modes)
 #include <fsdpx/sync/synchronizer.hpp>
 

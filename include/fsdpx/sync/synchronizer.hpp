@@ -35,8 +35,9 @@
 
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
-#include <fsdpx/sync/bucket.hpp>
-#include <fsdpx/sync/delta.hpp>
+#include <fsdpx/sync/detail/bucket.hpp>
+#include <fsdpx/sync/weights.hpp>
+#include <fsdpx/sync/detail/version_store.hpp>
 #include <fsdpx/sync/detail/held_version.hpp>
 
 namespace fsdpx::sync {
@@ -161,8 +162,8 @@ class Synchronizer {
 
   SynchronizerOptions options_;
   detail::VersionedSlot<Published> slot_;
-  std::mutex publish_mutex_;  // one publish at a time: the delta base is the version before
-  VersionStore base_;         // the newest version's tensors (aliases), when they can be a delta's base
+  std::mutex publish_mutex_;   // one publish at a time: the delta base is the version before
+  detail::VersionStore base_;  // the newest version's tensors (aliases), when they can be a delta's base
 };
 
 /// One rollout's reader of a Synchronizer: loads each newer version into a module, in place. Once the

@@ -44,7 +44,8 @@
 
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
-#include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/detail/bucket.hpp>
+#include <fsdpx/sync/weights.hpp>
 #include <fsdpx/sync/load.hpp>
 
 namespace fsdpx::sync {

@@ -29,7 +29,7 @@
 
 #include <fsdpx/detail/crc32c.hpp>
 #include <fsdpx/error.hpp>
-#include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/detail/bucket.hpp>
 #include <fsdpx/sync/detail/receive.hpp>
 #include <fsdpx/sync/manifest.hpp>
 

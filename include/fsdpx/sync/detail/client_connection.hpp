@@ -31,9 +31,9 @@
 
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
-#include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/detail/bucket.hpp>
 #include <fsdpx/sync/detail/receive.hpp>
-#include <fsdpx/sync/delta.hpp>
+#include <fsdpx/sync/detail/version_store.hpp>
 #include <fsdpx/sync/detail/handshake.hpp>
 #include <fsdpx/sync/detail/frame.hpp>
 #include <fsdpx/sync/detail/stream.hpp>
@@ -94,7 +94,7 @@ class ClientConnection {
     authenticate(Role::publish, what);
     // A delta from what this client published last, when the server still holds that; else, or when
     // the server says it holds another version (another publisher came between), the version full.
-    EncodedVersion v = published_store_.cut(version, tensors, options_.delta);
+    detail::EncodedVersion v = published_store_.cut(version, tensors, options_.delta);
     if (const std::string refused = send_version(version, v.tensors, run, what); !refused.empty()) {
       FSDPX_CHECK_AS(SyncError, v.manifest.is_delta() && last_error_aux_ == detail::refused_base,
                      "the synchronizer at ", where_, " refused version ", version, ": ", refused);
@@ -178,13 +178,18 @@ class ClientConnection {
   void reconnect_if_closed() {
     if (!is_open()) return connect(options_.connect_timeout);  // after an earlier error
     if (!role_) return;                                        // the server's hello is waiting: authenticate() reads it
-    pollfd p{stream_->socket().native_handle(), POLLIN, 0};
-    if (::poll(&p, 1, 0) <= 0) return;
+    if (!readable_now()) return;
     char c;
-    const ssize_t n = ::recv(p.fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-    if ((p.revents & (POLLHUP | POLLERR)) != 0 || n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {
+    const ssize_t n = ::recv(stream_->socket().native_handle(), &c, 1, MSG_PEEK | MSG_DONTWAIT);
+    if (n >= 0 || (errno != EAGAIN && errno != EWOULDBLOCK)) {  // anything, a hang-up, or an error
       connect(options_.connect_timeout);
     }
+  }
+
+  /// Whether the server sent something (or hung up) that has not been read yet; never blocks.
+  bool readable_now() {
+    pollfd p{stream_->socket().native_handle(), POLLIN, 0};
+    return ::poll(&p, 1, 0) > 0;
   }
 
   bool is_open() { return stream_ && stream_->socket().is_open(); }
@@ -455,25 +460,28 @@ class ClientConnection {
   /// (its error frame's aux in last_error_aux_).
   std::string send_version(int64_t version, const std::vector<NamedTensor>& tensors, const std::string& run,
                            const std::string& what) {
-    std::vector<TensorSpec> specs;
+    std::vector<detail::TensorSpec> specs;
     for (const auto& t : tensors) specs.push_back({t.name, t.tensor.sizes().vec(), t.tensor.scalar_type()});
-    const auto plan = plan_buckets(specs, options_.bucket_bytes, version);
+    const auto plan = detail::plan_buckets(specs, options_.bucket_bytes, version);
     write_frame(detail::make_frame(detail::FrameKind::publish_begin, version, plan.size(), run.data(), run.size()),
                 run.data(), what);
     at::Tensor bucket;
     size_t next = 0;
-    for (const BucketLayout& b : plan) {
+    bool refused = false;
+    for (const detail::BucketLayout& b : plan) {
+      // The server says nothing during a publish unless it refuses it: then stop sending, and read why.
+      if ((refused = readable_now())) break;
       if (!bucket.defined() || bucket.numel() < b.total_bytes) bucket = at::empty({b.total_bytes}, at::kByte);
       const at::Tensor view = bucket.narrow(0, 0, b.total_bytes);
-      write_header(view, b);
+      detail::write_header(view, b);
       for (const auto& e : b.entries) {
         while (tensors[next].name != e.name) ++next;  // the plan follows the tensors' order
-        pack_entry(view, e, tensors[next].tensor.to(at::kCPU));
+        detail::pack_entry(view, e, tensors[next].tensor.to(at::kCPU));
       }
       write_frame(detail::make_frame(detail::FrameKind::bucket, version, b.index, view.const_data_ptr(), b.total_bytes),
                   view.const_data_ptr(), what);
     }
-    write_frame(detail::make_frame(detail::FrameKind::publish_end, version), nullptr, what);
+    if (!refused) write_frame(detail::make_frame(detail::FrameKind::publish_end, version), nullptr, what);
     const auto [reply, text] = read_frame(options_.io_timeout, what);
     if (reply.kind == static_cast<uint16_t>(detail::FrameKind::error)) {
       last_error_aux_ = reply.aux;
@@ -504,7 +512,7 @@ class ClientConnection {
   detail::HeldVersion held_;
   // What this client published last (the base of its next delta), and whether its tensors are the
   // caller's (handed over: never written).
-  VersionStore published_store_;
+  detail::VersionStore published_store_;
   bool base_is_callers_ = false;
   uint64_t last_error_aux_ = 0;
   SynchronizerClient::Transfer last_transfer_;

@@ -1,6 +1,6 @@
 // The byte kernels of delta versions: which elements of two tensors differ (compared as bits, in
 // parallel), their sparse payload, the XOR of two buffers, and zlib (RFC 1950) in pieces its 32-bit
-// counters can take. Internals of sync/impl/delta.ipp, manifest.ipp and held_version.ipp; no user
+// counters can take. Internals of sync/impl/version_store.ipp, manifest.ipp and held_version.ipp; no user
 // includes this.
 #pragma once
 

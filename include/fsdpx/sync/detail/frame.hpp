@@ -22,7 +22,7 @@
 
 #include <fsdpx/detail/crc32c.hpp>
 #include <fsdpx/error.hpp>
-#include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/detail/bucket.hpp>
 
 namespace fsdpx::sync::detail {
 

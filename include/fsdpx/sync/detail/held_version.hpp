@@ -12,7 +12,7 @@
 
 #include <torch/nn/module.h>
 
-#include <fsdpx/sync/delta.hpp>
+#include <fsdpx/sync/detail/version_store.hpp>
 #include <fsdpx/sync/load.hpp>
 #include <fsdpx/sync/manifest.hpp>
 

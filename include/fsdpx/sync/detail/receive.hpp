@@ -17,13 +17,11 @@
 #include <torch/nn/module.h>
 
 #include <fsdpx/error.hpp>
-#include <fsdpx/sync/chunks.hpp>
-#include <fsdpx/sync/detail/wire.hpp>  // the bookkeeping bounds
+#include <fsdpx/sync/detail/bucket.hpp>  // BucketEntry
+#include <fsdpx/sync/detail/wire.hpp>    // the bookkeeping bounds
 #include <fsdpx/sync/named_tensor.hpp>
 
-namespace fsdpx::sync {
-
-namespace detail {
+namespace fsdpx::sync::detail {
 
 /// Which elements of one tensor have arrived: disjoint [begin, end) ranges, merged where they touch,
 /// so chunks that arrive in order take one range. Readers and the server count a tensor whole only
@@ -72,14 +70,12 @@ class VersionCoverage {
   int64_t bookkeeping_ = 0;
 };
 
-}  // namespace detail
-
 /// Assembles whole tensors from chunks, allocating each on first sight (on `device`).
 class TensorCollector {
  public:
   /// `max_bytes`: the most the tensors of one version may take together; a sender announcing more is
   /// refused before the allocation. Their bookkeeping may exceed the bytes that arrived by at most
-  /// detail::version_bookkeeping_floor: a version of many empty tensors is refused, not held.
+  /// version_bookkeeping_floor: a version of many empty tensors is refused, not held.
   /// `huge_pages`: host tensors from memory::empty_buffer (2 MiB pages from 2 MiB); a receiver of
   /// untrusted peers passes false, so that scattered one-element chunks touch 4 KiB of memory each, not
   /// 2 MiB (1,024 of them, a 40 KB bucket, touched 2 GiB).
@@ -111,10 +107,10 @@ class TensorCollector {
   bool huge_pages_;
   int64_t allocated_ = 0;    // the tensors' bytes
   int64_t arrived_ = 0;      // the chunks' bytes accepted
-  int64_t bookkeeping_ = 0;  // beyond the tensors' bytes (detail::bookkeeping_problem)
+  int64_t bookkeeping_ = 0;  // beyond the tensors' bytes (bookkeeping_problem)
   std::unordered_map<std::string, size_t> index_;
   std::vector<NamedTensor> tensors_;
-  std::vector<detail::Coverage> received_;
+  std::vector<Coverage> received_;
   std::vector<std::string> problems_;
 };
 
@@ -141,7 +137,7 @@ class ModuleLoader {
   struct Target {
     std::string name;
     at::Tensor param;
-    detail::Coverage received;
+    Coverage received;
     bool reported = false;  // a mismatch was already recorded
   };
   /// Records `e` in its target's coverage; false (a problem noted) when it overlaps or lies outside.
@@ -152,7 +148,7 @@ class ModuleLoader {
   std::vector<std::string> problems_;
 };
 
-}  // namespace fsdpx::sync
+}  // namespace fsdpx::sync::detail
 
 #if defined(FSDPX_HEADER_ONLY)
 #include <fsdpx/sync/impl/receive.ipp>

@@ -32,9 +32,9 @@
 
 #include <fsdpx/dist/types.hpp>
 #include <fsdpx/error.hpp>
-#include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/detail/bucket.hpp>
 #include <fsdpx/sync/detail/receive.hpp>
-#include <fsdpx/sync/delta.hpp>
+#include <fsdpx/sync/detail/version_store.hpp>
 #include <fsdpx/sync/detail/handshake.hpp>
 #include <fsdpx/sync/detail/frame.hpp>
 #include <fsdpx/sync/detail/stream.hpp>
@@ -59,6 +59,11 @@ struct ServedVersion {
   std::shared_ptr<const EncodedSnapshot> delta;
   mutable std::shared_ptr<const EncodedSnapshot> full;  // guarded by ServerCore::store_mutex
 };
+
+/// How long, and for how many bytes, a server that refused an authenticated peer keeps reading (and
+/// dropping) what it still sends, so that the refusal reaches it instead of a reset.
+inline constexpr std::chrono::milliseconds linger_time{2000};
+inline constexpr int64_t linger_bytes = int64_t{256} << 20;
 
 class Session : public std::enable_shared_from_this<Session> {
  public:
@@ -104,6 +109,8 @@ class Session : public std::enable_shared_from_this<Session> {
   void send(FrameHeader frame, std::string text = {}, bool then_close = false);
   void send_bucket(std::shared_ptr<const EncodedSnapshot> snapshot, size_t index);
   void refuse(const std::string& why, int64_t ServerStats::* counter);
+  void linger();
+  void drain();
   void on_closed(const boost::system::error_code& ec);
   uint64_t allowed_payload(FrameKind kind) const;
 
@@ -140,6 +147,11 @@ class Session : public std::enable_shared_from_this<Session> {
   bool waiting_ = false;
   bool listed_ = false;   // in core_->waiters
   bool closing_ = false;  // refused: its last frame is being sent, nothing more is read
+  // lingering close (refuse): what the peer still sends is read and dropped, so that the refusal it was
+  // sent is not destroyed by the reset a close with unread data would send
+  bool reading_ = false;    // a read of the stream is in flight
+  bool lingering_ = false;  // the refusal went out: what arrives now is drained
+  int64_t drained_ = 0;
 };
 
 struct ServerCore {

@@ -25,16 +25,20 @@ FSDPX_DECL TrainerRolloutGroups split_trainer_rollout(const dist::AnyCommunicato
   return g;
 }
 
+namespace detail {
+
 FSDPX_DECL std::vector<NamedTensor> module_buffers(const core::ShardedModel& model) {
   std::vector<NamedTensor> out;
   for (const auto& [name, buffer] : model.named_buffers()) out.push_back({name, buffer.detach()});
   return out;
 }
 
+}  // namespace detail
+
 FSDPX_DECL std::vector<NamedTensor> gather_full_state_dict(core::ShardedModel& model, bool collect,
                                                            const GatherOptions& options) {
   std::vector<NamedTensor> out;
-  for_each_unsharded_unit(model, [&](core::Unit& u) {
+  detail::for_each_unsharded_unit(model, [&](core::Unit& u) {
     if (!collect) return;
     for (const auto& p : u.layout().params()) {
       // copy=true: the parameter is a view of a buffer the next reshard frees.
@@ -43,7 +47,7 @@ FSDPX_DECL std::vector<NamedTensor> gather_full_state_dict(core::ShardedModel& m
     }
   });
   if (collect) {
-    for (auto& b : module_buffers(model)) {
+    for (auto& b : detail::module_buffers(model)) {
       out.push_back({std::move(b.name), b.tensor.to(options.device, /*non_blocking=*/false, /*copy=*/true)});
     }
   }
@@ -54,12 +58,9 @@ FSDPX_DECL WeightBroadcaster::WeightBroadcaster(core::ShardedModel& model,
                                                 std::optional<dist::AnyCommunicator> update_group,
                                                 BroadcastOptions options)
     : model_(&model), group_(std::move(update_group)), options_(options) {
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wdeprecated-declarations"
   // The deprecated flat spellings, where set, into `tuning` (the one place the broadcaster reads).
   if (options_.keep_gather_buffers) options_.tuning.keep_gather_buffers = *options_.keep_gather_buffers;
   if (options_.direct_bytes) options_.tuning.direct_bytes = *options_.direct_bytes;
-#pragma GCC diagnostic pop
   if (options_.tuning.keep_gather_buffers) {
     // Collective over the shard group (every trainer rank constructs a broadcaster): a duplicate of
     // it, so these gathers never interleave with the model's own.
@@ -155,11 +156,11 @@ FSDPX_DECL void WeightBroadcaster::send_cut(int64_t version, bool receivers_hold
                  current.push_back({p.name, std::move(host)});
                }
              });
-  for (auto& b : module_buffers(*model_)) {
+  for (auto& b : detail::module_buffers(*model_)) {
     current.push_back({std::move(b.name), b.tensor.to(at::kCPU, /*non_blocking=*/false, /*copy=*/true).contiguous()});
   }
   if (!receivers_hold) base_.clear();  // some receiver lacks the base: the version goes whole
-  EncodedVersion v = base_.cut(version, current, *options_.delta);
+  detail::EncodedVersion v = base_.cut(version, current, *options_.delta);
   stats_.delta = v.manifest.is_delta();
   stats_.full_bytes = v.full_bytes;
   send_tensors(version, v.tensors);
@@ -167,7 +168,7 @@ FSDPX_DECL void WeightBroadcaster::send_cut(int64_t version, bool receivers_hold
 }
 
 FSDPX_DECL void WeightBroadcaster::send_tensors(int64_t version, const std::vector<NamedTensor>& tensors) {
-  std::vector<TensorSpec> specs;
+  std::vector<detail::TensorSpec> specs;
   std::unordered_map<std::string_view, const at::Tensor*> by_name;
   for (const auto& t : tensors) {
     specs.push_back({t.name, t.tensor.sizes().vec(), t.tensor.scalar_type()});
@@ -185,8 +186,8 @@ FSDPX_DECL void WeightBroadcaster::send_tensors(int64_t version, const std::vect
     for (auto& w : pending[k % 2]) w.wait_stream();  // the staging bucket is free again
     pending[k % 2].clear();
     sent_headers.push_back(group_->broadcast_async(headers[k], 0));
-    for (const BucketEntry& e : plan[k].entries) {
-      if (e.numel > 0) pack_entry(buffers_[k % 2], e, *by_name.at(e.name));
+    for (const detail::BucketEntry& e : plan[k].entries) {
+      if (e.numel > 0) detail::pack_entry(buffers_[k % 2], e, *by_name.at(e.name));
     }
     for (const detail::Segment& sg : detail::segments_of(plan[k], staged_only)) {
       pending[k % 2].push_back(group_->broadcast_async(buffers_[k % 2].narrow(0, sg.begin, sg.end - sg.begin), 0));
@@ -200,12 +201,12 @@ FSDPX_DECL void WeightBroadcaster::send_tensors(int64_t version, const std::vect
 
 FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
   using Clock = std::chrono::steady_clock;
-  std::vector<TensorSpec> specs;
+  std::vector<detail::TensorSpec> specs;
   for (size_t i = 0; i < model_->num_units(); ++i) {
     const core::Unit& u = model_->unit(i);
     const auto [own_begin, own_end] = own_range(u);
     for (const auto& p : u.layout().params()) {
-      TensorSpec s{p.name, p.shape, wire_dtype(u)};
+      detail::TensorSpec s{p.name, p.shape, wire_dtype(u)};
       // A chunk never spans the edge of this rank's own shard, which is read from elsewhere.
       for (const int64_t edge : {own_begin, own_end}) {
         if (edge > p.offset && edge < p.offset + p.numel) s.breaks.push_back(edge - p.offset);
@@ -213,7 +214,7 @@ FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
       specs.push_back(std::move(s));
     }
   }
-  const std::vector<NamedTensor> buffers = module_buffers(*model_);
+  const std::vector<NamedTensor> buffers = detail::module_buffers(*model_);
   for (const auto& b : buffers) specs.push_back({b.name, b.tensor.sizes().vec(), b.tensor.scalar_type()});
   const Planned planned = plan_and_send_preamble(specs, version, options_.tuning.direct_bytes);
   const auto& plan = planned.plan;
@@ -263,9 +264,9 @@ FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
   // the tag of the memory it reads}.
   const auto send_tensor = [&](const std::string& name, auto&& chunk_of) {
     while (k < n && e < plan[k].entries.size() && plan[k].entries[e].name == name) {
-      const BucketEntry& entry = plan[k].entries[e];
+      const detail::BucketEntry& entry = plan[k].entries[e];
       const auto [chunk, direct, tag] = chunk_of(entry);
-      if (!direct && entry.numel > 0) entry_view(buffers_[k % 2], entry).copy_(chunk);
+      if (!direct && entry.numel > 0) detail::entry_view(buffers_[k % 2], entry).copy_(chunk);
       ++e;
       send_segments(direct ? chunk : at::Tensor(), tag);
       if (e == plan[k].entries.size()) {
@@ -293,7 +294,7 @@ FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
              [&](int slot, core::Unit& u, const UnitData& data) {
                for (const auto& p : u.layout().params()) {
                  record(p.name, p.shape, wire_dtype(u), [&](auto&& update) { for_each_piece(u, p, data, update); });
-                 send_tensor(p.name, [&](const BucketEntry& entry) {
+                 send_tensor(p.name, [&](const detail::BucketEntry& entry) {
                    const auto [chunk, in_gather_buffer] =
                        data.lasting
                            ? data.range(p.offset + entry.element_offset, entry.numel)
@@ -307,7 +308,7 @@ FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
              });
   for (const auto& b : buffers) {
     record(b.name, b.tensor.sizes().vec(), b.tensor.scalar_type(), [&](auto&& update) { update(b.tensor); });
-    send_tensor(b.name, [&](const BucketEntry& entry) {
+    send_tensor(b.name, [&](const detail::BucketEntry& entry) {
       return std::tuple{b.tensor.reshape({-1}).narrow(0, entry.element_offset, entry.numel), false, lasting_tag};
     });
   }
@@ -321,10 +322,10 @@ FSDPX_DECL void WeightBroadcaster::send_streamed(int64_t version) {
   }
 }
 
-FSDPX_DECL WeightBroadcaster::Planned WeightBroadcaster::plan_and_send_preamble(const std::vector<TensorSpec>& specs,
-                                                                                int64_t version, int64_t direct_bytes) {
+FSDPX_DECL WeightBroadcaster::Planned WeightBroadcaster::plan_and_send_preamble(
+    const std::vector<detail::TensorSpec>& specs, int64_t version, int64_t direct_bytes) {
   Planned out;
-  out.plan = plan_buckets(specs, options_.bucket_bytes, version);
+  out.plan = detail::plan_buckets(specs, options_.bucket_bytes, version);
   const int64_t n = static_cast<int64_t>(out.plan.size());
   const c10::Device device = model_->unit(0).options().device;
   int64_t largest = 0, largest_header = 0;
@@ -334,7 +335,7 @@ FSDPX_DECL WeightBroadcaster::Planned WeightBroadcaster::plan_and_send_preamble(
     largest = std::max(largest, b.total_bytes);
     largest_header = std::max(largest_header, b.header_bytes);
     stats_.bytes += b.total_bytes;
-    auto bytes = encode_header(b);
+    auto bytes = detail::encode_header(b);
     out.headers.push_back(
         at::from_blob(bytes.data(), {static_cast<int64_t>(bytes.size())}, at::kByte).to(device, false, true));
   }
@@ -380,7 +381,7 @@ FSDPX_DECL int64_t WeightReceiver::receive_into(torch::nn::Module& module) {
     if (a.kind == detail::Announcement::cut) {
       held_.prepare(&module);
       vote(a);
-      TensorCollector collector(options_.device);
+      detail::TensorCollector collector(options_.device);
       receive_buckets(collector, a.version);
       std::vector<NamedTensor> received = in_wire_order(collector.finish());
       const bool delta = Manifest::decode(received.front().tensor, where()).is_delta();
@@ -388,9 +389,10 @@ FSDPX_DECL int64_t WeightReceiver::receive_into(torch::nn::Module& module) {
       last_was_delta_ = delta;
     } else {
       held_ = detail::HeldVersion{};  // the module is written as the version arrives
-      ModuleLoader loader(module);
+      streaming_into_module_ = a.version;
+      detail::ModuleLoader loader(module);
       if (a.checksums) {
-        detail::ChecksumSink<ModuleLoader> checked(loader);
+        detail::ChecksumSink<detail::ModuleLoader> checked(loader);
         receive_buckets(checked, a.version);
         const Manifest manifest = receive_manifest(a.version, checked.manifest_bytes());  // before any error
         loader.finish();
@@ -400,6 +402,7 @@ FSDPX_DECL int64_t WeightReceiver::receive_into(torch::nn::Module& module) {
         receive_buckets(loader, a.version);
         loader.finish();
       }
+      streaming_into_module_ = no_version;
     }
     last_version_ = a.version;
     return a.version;
@@ -412,7 +415,7 @@ FSDPX_DECL WeightVersion WeightReceiver::receive() {
     last_was_delta_ = false;
     WeightVersion out;
     out.version = a.version;
-    TensorCollector collector(options_.device);
+    detail::TensorCollector collector(options_.device);
     if (a.kind == detail::Announcement::cut) {
       held_.prepare(nullptr);
       vote(a);
@@ -424,7 +427,7 @@ FSDPX_DECL WeightVersion WeightReceiver::receive() {
     } else {
       held_ = detail::HeldVersion{};
       if (a.checksums) {
-        detail::ChecksumSink<TensorCollector> checked(collector);
+        detail::ChecksumSink<detail::TensorCollector> checked(collector);
         receive_buckets(checked, a.version);
         const Manifest manifest = receive_manifest(a.version, checked.manifest_bytes());
         out.tensors = collector.finish();
@@ -444,10 +447,10 @@ FSDPX_DECL WeightVersion WeightReceiver::receive() {
 FSDPX_DECL std::vector<NamedTensor> WeightReceiver::in_wire_order(std::vector<NamedTensor> collected) const {
   // A collector lists tensors as first received, and a lone chunk of a later bucket may be received
   // (in place) before an earlier bucket is unpacked: the manifest goes back to the front.
-  const auto it =
-      std::find_if(collected.begin(), collected.end(), [](const NamedTensor& t) { return t.name == manifest_name; });
-  FSDPX_CHECK_AS(SyncError, it != collected.end(), "a cut version from ", where(), " has no manifest ('", manifest_name,
-                 "'): the sender is not fsdpx, or the version is corrupt");
+  const auto it = std::find_if(collected.begin(), collected.end(),
+                               [](const NamedTensor& t) { return t.name == detail::manifest_name; });
+  FSDPX_CHECK_AS(SyncError, it != collected.end(), "a cut version from ", where(), " has no manifest ('",
+                 detail::manifest_name, "'): the sender is not fsdpx, or the version is corrupt");
   std::rotate(collected.begin(), it, it + 1);
   return collected;
 }
@@ -491,26 +494,26 @@ FSDPX_DECL Manifest WeightReceiver::receive_manifest(int64_t version, int64_t ex
   return m;
 }
 
-FSDPX_DECL BucketLayout WeightReceiver::read_header(const at::Tensor& bucket, const std::string& where) {
-  if (bucket.is_cpu()) return decode_header(bucket.const_data_ptr<uint8_t>(), bucket.numel(), where);
+FSDPX_DECL detail::BucketLayout WeightReceiver::read_header(const at::Tensor& bucket, const std::string& where) {
+  if (bucket.is_cpu()) return detail::decode_header(bucket.const_data_ptr<uint8_t>(), bucket.numel(), where);
   // On a device: the prefix tells the header's size, then the header itself comes to the host.
-  const auto prefix = bucket.narrow(0, 0, bucket_prefix_bytes).cpu();
+  const auto prefix = bucket.narrow(0, 0, detail::prefix_bytes).cpu();
   uint32_t header_bytes = 0;
   std::memcpy(&header_bytes, prefix.const_data_ptr<uint8_t>() + 12, sizeof(header_bytes));
-  const int64_t h = std::clamp<int64_t>(header_bytes, bucket_prefix_bytes, bucket.numel());
+  const int64_t h = std::clamp<int64_t>(header_bytes, detail::prefix_bytes, bucket.numel());
   const auto header = bucket.narrow(0, 0, h).cpu();
-  return decode_header(header.const_data_ptr<uint8_t>(), h, where);
+  return detail::decode_header(header.const_data_ptr<uint8_t>(), h, where);
 }
 
 }  // namespace fsdpx::sync
 
 namespace fsdpx::sync::detail {
 
-FSDPX_DECL std::vector<Segment> segments_of(const BucketLayout& b, int64_t direct_bytes) {
+FSDPX_DECL std::vector<Segment> segments_of(const detail::BucketLayout& b, int64_t direct_bytes) {
   std::vector<Segment> out;
   bool run = false;  // the last segment is a run of small entries that may grow
   for (size_t i = 0; i < b.entries.size(); ++i) {
-    const BucketEntry& e = b.entries[i];
+    const detail::BucketEntry& e = b.entries[i];
     if (e.nbytes() == 0) continue;
     if (e.nbytes() >= direct_bytes) {
       out.push_back({i, i, e.byte_offset, e.byte_offset + e.nbytes()});

@@ -1,42 +1,42 @@
-// Out-of-line functions of fsdpx/sync/bucket.hpp: included by it (header-only) or by fsdpx/impl/src.hpp
+// Out-of-line functions of fsdpx/sync/detail/bucket.hpp: included by it (header-only) or by fsdpx/impl/src.hpp
 // (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
-#include <fsdpx/sync/bucket.hpp>
+#include <fsdpx/sync/detail/bucket.hpp>
 
-namespace fsdpx::sync {
+namespace fsdpx::sync::detail {
 
 FSDPX_DECL std::vector<BucketLayout> plan_buckets(const std::vector<TensorSpec>& specs, int64_t capacity,
                                                   int64_t version) {
   FSDPX_CHECK(capacity >= 4096, "weight sync: a bucket must hold at least 4096 bytes, got ", capacity);
   std::vector<BucketLayout> buckets;
   BucketLayout cur;
-  int64_t header_raw = detail::prefix_bytes;
+  int64_t header_raw = prefix_bytes;
   int64_t payload = 0;  // aligned payload bytes so far
   const auto close = [&] {
-    int64_t offset = detail::align_up(header_raw);
+    int64_t offset = align_up(header_raw);
     cur.header_bytes = offset;
     for (auto& e : cur.entries) {
       e.byte_offset = offset;
-      offset += detail::align_up(e.nbytes());
+      offset += align_up(e.nbytes());
     }
     cur.total_bytes = offset;
     buckets.push_back(std::move(cur));
     cur = BucketLayout{};
-    header_raw = detail::prefix_bytes;
+    header_raw = prefix_bytes;
     payload = 0;
   };
   // A chunk smaller than this starts a new bucket instead (avoids slivers of large tensors).
   const int64_t min_chunk_bytes = std::min<int64_t>(capacity / 16, 1 << 20);
   for (const TensorSpec& s : specs) {
-    FSDPX_CHECK(s.shape.size() <= static_cast<size_t>(detail::max_ndim), "weight sync: tensor '", s.name, "' has ",
-                s.shape.size(), " dimensions; at most ", detail::max_ndim, " can travel");
+    FSDPX_CHECK(s.shape.size() <= static_cast<size_t>(max_ndim), "weight sync: tensor '", s.name, "' has ",
+                s.shape.size(), " dimensions; at most ", max_ndim, " can travel");
     FSDPX_CHECK(s.name.size() < 65536, "weight sync: a tensor name is longer than 65535 bytes");
-    detail::dtype_code(s.dtype);  // checks the dtype can travel
+    dtype_code(s.dtype);  // checks the dtype can travel
     const int64_t esize = static_cast<int64_t>(c10::elementSize(s.dtype));
-    const int64_t entry = detail::entry_header_bytes(s.name, s.shape.size());
-    FSDPX_CHECK(detail::align_up(detail::prefix_bytes + entry) + detail::alignment <= capacity, "weight sync: tensor '",
-                s.name, "' cannot fit a bucket of ", capacity, " bytes even as one element; raise bucket_bytes");
+    const int64_t entry = entry_header_bytes(s.name, s.shape.size());
+    FSDPX_CHECK(align_up(prefix_bytes + entry) + alignment <= capacity, "weight sync: tensor '", s.name,
+                "' cannot fit a bucket of ", capacity, " bytes even as one element; raise bucket_bytes");
     const int64_t total = c10::multiply_integers(s.shape);
     FSDPX_CHECK(std::is_sorted(s.breaks.begin(), s.breaks.end()) &&
                     (s.breaks.empty() || (s.breaks.front() >= 0 && s.breaks.back() <= total)),
@@ -46,7 +46,7 @@ FSDPX_DECL std::vector<BucketLayout> plan_buckets(const std::vector<TensorSpec>&
     while (true) {
       while (next_break != s.breaks.end() && *next_break <= done) ++next_break;
       const int64_t limit = next_break == s.breaks.end() ? total : *next_break;  // this chunk ends by here
-      const int64_t free_bytes = capacity - detail::align_up(header_raw + entry) - payload;
+      const int64_t free_bytes = capacity - align_up(header_raw + entry) - payload;
       // Room for the rest, or for a chunk worth sending (one element in an empty bucket; none for an
       // empty tensor, which still travels as an entry so the receiver learns its shape).
       int64_t need = total == 0 ? 0 : std::max(esize, std::min((limit - done) * esize, min_chunk_bytes));
@@ -61,7 +61,7 @@ FSDPX_DECL std::vector<BucketLayout> plan_buckets(const std::vector<TensorSpec>&
         // A split lands on an aligned element, so that a chunk sent or received in place starts as
         // aligned as its tensor (a copy between misaligned addresses is far slower). An empty bucket
         // holds at least `alignment` bytes (checked above), so only a started one can be too full.
-        n -= (done + n) % std::max<int64_t>(1, detail::alignment / esize);
+        n -= (done + n) % std::max<int64_t>(1, alignment / esize);
         if (n <= 0) {
           FSDPX_CHECK(!cur.entries.empty(), "weight sync: internal error splitting '", s.name, "'");
           close();
@@ -70,7 +70,7 @@ FSDPX_DECL std::vector<BucketLayout> plan_buckets(const std::vector<TensorSpec>&
       }
       cur.entries.push_back({s.name, s.dtype, s.shape, done, n, 0});
       header_raw += entry;
-      payload += detail::align_up(n * esize);
+      payload += align_up(n * esize);
       done += n;
       if (done >= total) break;
     }
@@ -88,9 +88,9 @@ FSDPX_DECL std::vector<BucketLayout> plan_buckets(const std::vector<TensorSpec>&
 FSDPX_DECL std::vector<uint8_t> encode_header(const BucketLayout& b) {
   std::vector<uint8_t> out;
   out.reserve(static_cast<size_t>(b.header_bytes));
-  detail::Writer w(out);
-  w.put<uint32_t>(detail::bucket_magic);
-  w.put<uint16_t>(detail::bucket_format);
+  Writer w(out);
+  w.put<uint32_t>(bucket_magic);
+  w.put<uint16_t>(bucket_format);
   w.put<uint16_t>(b.last ? 1 : 0);
   w.put<uint32_t>(static_cast<uint32_t>(b.entries.size()));
   w.put<uint32_t>(static_cast<uint32_t>(b.header_bytes));
@@ -101,7 +101,7 @@ FSDPX_DECL std::vector<uint8_t> encode_header(const BucketLayout& b) {
   for (const BucketEntry& e : b.entries) {
     w.put<uint16_t>(static_cast<uint16_t>(e.name.size()));
     w.put_bytes(e.name);
-    w.put<uint8_t>(detail::dtype_code(e.dtype));
+    w.put<uint8_t>(dtype_code(e.dtype));
     w.put<uint8_t>(static_cast<uint8_t>(e.shape.size()));
     for (const int64_t d : e.shape) w.put<int64_t>(d);
     w.put<int64_t>(e.element_offset);
@@ -116,10 +116,10 @@ FSDPX_DECL std::vector<uint8_t> encode_header(const BucketLayout& b) {
 
 FSDPX_DECL BucketLayout decode_header(const uint8_t* data, int64_t available, std::string_view where,
                                       std::optional<std::chrono::steady_clock::time_point> deadline) {
-  detail::Reader r(data, available, where);
-  if (r.get<uint32_t>("the magic number") != detail::bucket_magic) r.fail("bad magic number (not a weight bucket)");
-  if (const auto f = r.get<uint16_t>("the format"); f != detail::bucket_format) {
-    r.fail(::fsdpx::detail::str("format ", f, ", this build reads format ", detail::bucket_format));
+  Reader r(data, available, where);
+  if (r.get<uint32_t>("the magic number") != bucket_magic) r.fail("bad magic number (not a weight bucket)");
+  if (const auto f = r.get<uint16_t>("the format"); f != bucket_format) {
+    r.fail(::fsdpx::detail::str("format ", f, ", this build reads format ", bucket_format));
   }
   BucketLayout b;
   b.last = (r.get<uint16_t>("the flags") & 1) != 0;
@@ -129,23 +129,22 @@ FSDPX_DECL BucketLayout decode_header(const uint8_t* data, int64_t available, st
   b.version = r.get<int64_t>("the version");
   b.index = r.get<uint32_t>("the bucket index");
   b.count = r.get<uint32_t>("the bucket count");
-  if (b.header_bytes > available || b.header_bytes < detail::prefix_bytes || b.total_bytes < b.header_bytes) {
+  if (b.header_bytes > available || b.header_bytes < prefix_bytes || b.total_bytes < b.header_bytes) {
     r.fail(::fsdpx::detail::str("header size ", b.header_bytes, " / total size ", b.total_bytes, " inconsistent with ",
                                 available, " bytes available"));
   }
   if (b.index >= b.count) r.fail(::fsdpx::detail::str("bucket index ", b.index, " of ", b.count));
-  detail::Reader body(data, b.header_bytes, where);
-  body.get_string(detail::prefix_bytes, "the prefix");
+  Reader body(data, b.header_bytes, where);
+  body.get_string(prefix_bytes, "the prefix");
   // An entry takes at least its fixed fields: a count the header cannot hold is refused before anything
   // is reserved for it.
-  if (n > (b.header_bytes - detail::prefix_bytes) / detail::min_entry_bytes) {
+  if (n > (b.header_bytes - prefix_bytes) / min_entry_bytes) {
     r.fail(::fsdpx::detail::str(n, " entries cannot fit in a header of ", b.header_bytes, " bytes"));
   }
   // The payload at hand, not the total the header claims: a header cannot buy itself room by lying.
   const int64_t payload = std::min(b.total_bytes, available) - b.header_bytes;
-  if (std::string problem =
-          detail::bookkeeping_problem(static_cast<int64_t>(n) * detail::parsed_entry_bytes, payload,
-                                      detail::header_bookkeeping_floor, ::fsdpx::detail::str("its ", n, " entries"));
+  if (std::string problem = bookkeeping_problem(static_cast<int64_t>(n) * parsed_entry_bytes, payload,
+                                                header_bookkeeping_floor, ::fsdpx::detail::str("its ", n, " entries"));
       !problem.empty()) {
     r.fail(problem);
   }
@@ -160,11 +159,11 @@ FSDPX_DECL BucketLayout decode_header(const uint8_t* data, int64_t available, st
     const auto len = body.get<uint16_t>("an entry's name length");
     e.name = body.get_string(len, "an entry's name");
     const auto code = body.get<uint8_t>("an entry's dtype");
-    const auto dtype = detail::dtype_from_code(code);
+    const auto dtype = dtype_from_code(code);
     if (!dtype) body.fail(::fsdpx::detail::str("entry '", e.name, "' has unknown dtype code ", int(code)));
     e.dtype = *dtype;
     const auto ndim = body.get<uint8_t>("an entry's rank");
-    if (ndim > detail::max_ndim) body.fail(::fsdpx::detail::str("entry '", e.name, "' has ", int(ndim), " dimensions"));
+    if (ndim > max_ndim) body.fail(::fsdpx::detail::str("entry '", e.name, "' has ", int(ndim), " dimensions"));
     for (int d = 0; d < ndim; ++d) {
       e.shape.push_back(body.get<int64_t>("an entry's shape"));
       if (e.shape.back() < 0) body.fail(::fsdpx::detail::str("entry '", e.name, "' has a negative dimension"));
@@ -231,4 +230,4 @@ FSDPX_DECL std::vector<at::Tensor> pack_buckets(const std::vector<NamedTensor>& 
   return out;
 }
 
-}  // namespace fsdpx::sync
+}  // namespace fsdpx::sync::detail

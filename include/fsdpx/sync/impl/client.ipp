@@ -59,10 +59,11 @@ inline ClientConnection::Received ClientConnection::fetch_once(int64_t have, det
                               " for a request newer than ", have),
          what);
   }
-  if (begin.aux == 0 || begin.aux > static_cast<uint64_t>(options_.max_version_bytes / bucket_prefix_bytes)) {
+  if (begin.aux == 0 || begin.aux > static_cast<uint64_t>(options_.max_version_bytes / detail::prefix_bytes)) {
     fail(::fsdpx::detail::str("a version of ", begin.aux, " buckets"), what);
   }
-  TensorCollector collector(at::kCPU, options_.max_version_bytes, /*huge_pages=*/false);  // the server is a peer
+  detail::TensorCollector collector(at::kCPU, options_.max_version_bytes,
+                                    /*huge_pages=*/false);  // the server is a peer
   std::vector<NamedTensor> tensors;
   for (uint64_t k = 0; k < begin.aux; ++k) {
     fetch_progress_ = ::fsdpx::detail::str("version ", begin.version, ": ", k, " of ", begin.aux, " buckets received");
@@ -70,7 +71,7 @@ inline ClientConnection::Received ClientConnection::fetch_once(int64_t have, det
         read_frame(options_.io_timeout, what, /*small=*/false, /*keep_payload=*/true).first;
     if (frame.kind != static_cast<uint16_t>(detail::FrameKind::bucket)) fail("a bucket frame was expected", what);
     try {
-      const BucketLayout b =
+      const detail::BucketLayout b =
           detail::check_bucket(payload_, begin.version, k, begin.aux, "synchronizer " + where_, deadline);
       for (size_t i = 0; i < b.entries.size(); ++i) {
         // A header of many entries takes time to take in: the fetch's deadline holds within it too.
@@ -79,7 +80,7 @@ inline ClientConnection::Received ClientConnection::fetch_once(int64_t have, det
                                                " ms (bucket ", k, " of ", begin.aux, ": ", i, " of ", b.entries.size(),
                                                " entries taken in)"));
         }
-        collector.accept(b.entries[i], entry_view(payload_, b.entries[i]));
+        collector.accept(b.entries[i], detail::entry_view(payload_, b.entries[i]));
       }
     } catch (const SyncError& e) {
       fail(::fsdpx::detail::str("version ", begin.version, ": ", detail::unprefixed(e.what())), what);
@@ -97,8 +98,8 @@ inline ClientConnection::Received ClientConnection::fetch_once(int64_t have, det
   for (const auto& t : tensors) bytes += static_cast<int64_t>(t.tensor.nbytes());
   last_transfer_ = {begin.version, false, bytes, 0};
   // Its manifest first, and of this version: what the caller applies is checked against it.
-  if (tensors.empty() || tensors.front().name != manifest_name) {
-    fail(::fsdpx::detail::str("version ", begin.version, " does not start with its manifest ('", manifest_name,
+  if (tensors.empty() || tensors.front().name != detail::manifest_name) {
+    fail(::fsdpx::detail::str("version ", begin.version, " does not start with its manifest ('", detail::manifest_name,
                               "'): the server speaks another protocol, or the version is corrupt"),
          what);
   }

@@ -8,9 +8,9 @@
 namespace fsdpx::sync {
 
 FSDPX_DECL void load_into(torch::nn::Module& module, const std::vector<NamedTensor>& tensors) {
-  ModuleLoader loader(module);
+  detail::ModuleLoader loader(module);
   for (const auto& t : tensors) {
-    BucketEntry e{t.name, t.tensor.scalar_type(), t.tensor.sizes().vec(), 0, t.tensor.numel(), 0};
+    detail::BucketEntry e{t.name, t.tensor.scalar_type(), t.tensor.sizes().vec(), 0, t.tensor.numel(), 0};
     loader.accept(e, t.tensor.reshape({-1}));
   }
   loader.finish();

@@ -230,19 +230,23 @@ FSDPX_DECL Manifest full_manifest(int64_t version, const std::vector<NamedTensor
   return m;
 }
 
+namespace detail {
+
 FSDPX_DECL std::pair<Manifest, std::vector<NamedTensor>> split_manifest(std::vector<NamedTensor> received,
                                                                         std::string_view where) {
-  FSDPX_CHECK_AS(SyncError, !received.empty() && received.front().name == manifest_name, "a weight version from ",
-                 where, " does not start with its manifest ('", manifest_name,
+  FSDPX_CHECK_AS(SyncError, !received.empty() && received.front().name == detail::manifest_name,
+                 "a weight version from ", where, " does not start with its manifest ('", detail::manifest_name,
                  "'): the sender speaks an older protocol, or the version is corrupt");
   Manifest m = Manifest::decode(received.front().tensor, where);
   received.erase(received.begin());
   for (const auto& t : received) {
-    FSDPX_CHECK_AS(SyncError, t.name != manifest_name, "weight version ", m.version, " from ", where,
+    FSDPX_CHECK_AS(SyncError, t.name != detail::manifest_name, "weight version ", m.version, " from ", where,
                    " carries two manifests");
   }
   return {std::move(m), std::move(received)};
 }
+
+}  // namespace detail
 
 FSDPX_DECL void verify(const std::vector<NamedTensor>& tensors, const Manifest& manifest) {
   std::vector<std::string> problems;
@@ -270,7 +274,7 @@ FSDPX_DECL void verify(const std::vector<NamedTensor>& tensors, const Manifest& 
     problems.push_back(::fsdpx::detail::str("'", name, "' is not in version ", manifest.version));
   }
   FSDPX_CHECK_AS(SyncError, problems.empty(), "these weights are not version ", manifest.version, " (digest ",
-                 manifest.digest, "): ", TensorCollector::join(problems));
+                 manifest.digest, "): ", detail::TensorCollector::join(problems));
 }
 
 FSDPX_DECL void verify(torch::nn::Module& module, const Manifest& manifest) {

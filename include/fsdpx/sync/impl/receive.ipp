@@ -5,9 +5,7 @@
 #include <fsdpx/memory/host.hpp>
 #include <fsdpx/sync/detail/receive.hpp>
 
-namespace fsdpx::sync {
-
-namespace detail {
+namespace fsdpx::sync::detail {
 
 FSDPX_DECL std::string Coverage::add(int64_t begin, int64_t n, int64_t numel) {
   int64_t end = 0;
@@ -66,8 +64,8 @@ FSDPX_DECL std::string VersionCoverage::add(const BucketEntry& e, uint32_t bucke
     it = index_.emplace(e.name, tensors_.size()).first;
     tensors_.push_back({e.name, e.dtype, e.shape, e.tensor_numel(), {}});
     // A name, a shape and a map node per tensor: a version of many tiny tensors is not free.
-    bookkeeping_ += detail::tensor_bookkeeping_bytes + 2 * static_cast<int64_t>(e.name.size()) +
-                    8 * static_cast<int64_t>(e.shape.size());
+    bookkeeping_ +=
+        tensor_bookkeeping_bytes + 2 * static_cast<int64_t>(e.name.size()) + 8 * static_cast<int64_t>(e.shape.size());
   }
   Tensor& t = tensors_[it->second];
   if (t.dtype != e.dtype || t.shape != e.shape) {
@@ -79,8 +77,7 @@ FSDPX_DECL std::string VersionCoverage::add(const BucketEntry& e, uint32_t bucke
   if (std::string problem = t.coverage.add(e.element_offset, e.numel, t.numel); !problem.empty()) {
     return ::fsdpx::detail::str("tensor '", e.name, "': ", problem, " (bucket ", bucket, ")");
   }
-  bookkeeping_ +=
-      detail::range_bookkeeping_bytes * (static_cast<int64_t>(t.coverage.ranges()) - static_cast<int64_t>(ranges));
+  bookkeeping_ += range_bookkeeping_bytes * (static_cast<int64_t>(t.coverage.ranges()) - static_cast<int64_t>(ranges));
   return {};
 }
 
@@ -95,15 +92,13 @@ FSDPX_DECL std::string VersionCoverage::missing() const {
   return ::fsdpx::detail::str(problems.size(), " tensor(s) did not arrive whole: ", TensorCollector::join(problems));
 }
 
-}  // namespace detail
-
 FSDPX_DECL bool TensorCollector::cover(size_t index, const BucketEntry& e) {
   const at::Tensor& t = tensors_[index].tensor;
   if (t.sizes().vec() != e.shape || t.scalar_type() != e.dtype) {
     problems_.push_back(::fsdpx::detail::str("'", e.name, "' arrived with two different shapes or dtypes"));
     return false;
   }
-  detail::Coverage& c = received_[index];
+  Coverage& c = received_[index];
   const size_t ranges = c.ranges();
   if (std::string problem = c.add(e.element_offset, e.numel, t.numel()); !problem.empty()) {
     problems_.push_back(::fsdpx::detail::str("'", e.name, "': ", problem));
@@ -112,10 +107,10 @@ FSDPX_DECL bool TensorCollector::cover(size_t index, const BucketEntry& e) {
   arrived_ += e.nbytes();
   // Chunks out of order cost a range each: counted, so that a sender cannot grow the bookkeeping freely.
   if (c.ranges() > ranges) {
-    bookkeeping_ += detail::range_bookkeeping_bytes;
+    bookkeeping_ += range_bookkeeping_bytes;
     const std::string problem =
-        detail::bookkeeping_problem(bookkeeping_, arrived_, detail::version_bookkeeping_floor,
-                                    ::fsdpx::detail::str("the chunks of '", e.name, "', so scattered,"));
+        bookkeeping_problem(bookkeeping_, arrived_, version_bookkeeping_floor,
+                            ::fsdpx::detail::str("the chunks of '", e.name, "', so scattered,"));
     FSDPX_CHECK_AS(SyncError, problem.empty(), "received weights: ", problem);
   }
   return true;
@@ -164,10 +159,10 @@ FSDPX_DECL std::unordered_map<std::string, size_t>::iterator TensorCollector::ad
   FSDPX_CHECK_AS(SyncError, bytes <= max_bytes_ - allocated_, "received weights: tensor '", e.name, "' of ", bytes,
                  " bytes would take the version beyond its limit of ", max_bytes_, " bytes");
   // Each tensor also costs its bookkeeping, so that a sender cannot make many empty ones for free.
-  bookkeeping_ += detail::tensor_bookkeeping_bytes + 2 * static_cast<int64_t>(e.name.size());  // kept twice
+  bookkeeping_ += tensor_bookkeeping_bytes + 2 * static_cast<int64_t>(e.name.size());  // kept twice
   const std::string problem =
-      detail::bookkeeping_problem(bookkeeping_, arrived_, detail::version_bookkeeping_floor,
-                                  ::fsdpx::detail::str("tensor '", e.name, "', the ", tensors_.size() + 1, "th,"));
+      bookkeeping_problem(bookkeeping_, arrived_, version_bookkeeping_floor,
+                          ::fsdpx::detail::str("tensor '", e.name, "', the ", tensors_.size() + 1, "th,"));
   FSDPX_CHECK_AS(SyncError, problem.empty(), "received weights: ", problem);
   allocated_ += bytes;
   const auto options = at::TensorOptions().dtype(e.dtype).device(device_);
@@ -260,4 +255,4 @@ FSDPX_DECL void ModuleLoader::finish() {
                  TensorCollector::join(problems_));
 }
 
-}  // namespace fsdpx::sync
+}  // namespace fsdpx::sync::detail

@@ -34,7 +34,7 @@ FSDPX_DECL SynchronizerServer::SynchronizerServer(ServerOptions options)
   const ServerOptions& o = core.options;
   FSDPX_CHECK_AS(
       SyncError,
-      o.limits.max_bucket_bytes >= bucket_prefix_bytes && o.limits.max_version_bytes >= o.limits.max_bucket_bytes &&
+      o.limits.max_bucket_bytes >= detail::prefix_bytes && o.limits.max_version_bytes >= o.limits.max_bucket_bytes &&
           o.limits.max_connections >= 1 && o.limits.max_handshakes >= 1 && o.limits.max_handshakes_per_address >= 1,
       "synchronizer server: inconsistent limits (max_bucket_bytes ", o.limits.max_bucket_bytes, ", max_version_bytes ",
       o.limits.max_version_bytes, ", max_connections ", o.limits.max_connections, ", max_handshakes ",
@@ -112,11 +112,11 @@ FSDPX_DECL void SynchronizerServer::publish(int64_t version, const std::vector<N
   const std::string refused = core.commit(run, version, [&] {
     // Cut against the version held: readers that hold it get the delta; the full version is built from
     // the store when a reader needs it (or now, when there is no delta).
-    EncodedVersion cut = core.store.cut(version, tensors, core.options.delta);
+    detail::EncodedVersion cut = core.store.cut(version, tensors, core.options.delta);
     auto served = std::make_shared<detail::ServedVersion>();
     served->digest = cut.manifest.digest;
     auto snapshot =
-        detail::encode_snapshot(version, run, pack_buckets(cut.tensors, core.options.bucket_bytes, version));
+        detail::encode_snapshot(version, run, detail::pack_buckets(cut.tensors, core.options.bucket_bytes, version));
     if (cut.manifest.is_delta()) {
       served->base_version = cut.manifest.base_version;
       served->base_digest = cut.manifest.base_digest;

@@ -95,6 +95,7 @@ inline void Session::arm(std::chrono::milliseconds after) {
       std::min(after, std::chrono::milliseconds(std::chrono::hours(24 * 365)))));
   watchdog_.async_wait([self = shared_from_this(), generation](const boost::system::error_code& ec) {
     if (ec || generation != self->watch_generation_ || self->closed_) return;
+    if (self->lingering_) return self->on_closed(asio::error::timed_out);  // refused already, counted there
     ++self->core_->stats.timed_out;
     // The server ending an idle connection is no sign that the trainer is gone (it reconnects for its
     // next publish); a publish that stalls midway is.
@@ -118,8 +119,10 @@ inline void Session::arm(std::chrono::milliseconds after) {
 inline void Session::read_header() {
   if (closed_ || closing_) return;
   if (role_) arm(pending_ ? core_->options.limits.io_timeout : core_->options.limits.idle_timeout);
+  reading_ = true;
   stream_.async_read(asio::buffer(&in_, sizeof(in_)),
                      [self = shared_from_this()](const boost::system::error_code& ec, size_t) {
+                       self->reading_ = false;
                        self->guarded([&] { self->on_header(ec); });
                      });
 }
@@ -137,9 +140,18 @@ inline uint64_t Session::allowed_payload(FrameKind kind) const {
 }
 
 inline void Session::on_header(const boost::system::error_code& ec) {
-  if (closing_) return;
+  if (closing_) return lingering_ ? drain() : void();
   if (ec) return on_closed(ec);
   const auto kind = FrameKind(in_.kind);
+  const int64_t max_version = core_->options.limits.max_version_bytes;
+  if (kind == FrameKind::bucket && pending_ && in_.magic == frame_magic &&
+      in_.length <= static_cast<uint64_t>(core_->options.limits.max_bucket_bytes) &&
+      in_.length > allowed_payload(kind)) {
+    return refuse(
+        ::fsdpx::detail::str("version ", pending_->version, " takes more than max_version_bytes (", max_version,
+                             "): ", pending_->bytes, " bytes arrived, and a bucket of ", in_.length, " more"),
+        &ServerStats::protocol_errors);
+  }
   if (const std::string problem = frame_problem(in_, allowed_payload(kind)); !problem.empty()) {
     return refuse(problem, role_ ? &ServerStats::protocol_errors : &ServerStats::failed_auth);
   }
@@ -157,14 +169,16 @@ inline void Session::on_header(const boost::system::error_code& ec) {
     payload_ = at::empty({static_cast<int64_t>(in_.length)}, at::kByte);
     into = payload_.data_ptr();
   }
+  reading_ = true;
   stream_.async_read(asio::buffer(into, in_.length),
                      [self = shared_from_this()](const boost::system::error_code& e, size_t) {
+                       self->reading_ = false;
                        self->guarded([&] { self->on_payload(e); });
                      });
 }
 
 inline void Session::on_payload(const boost::system::error_code& ec) {
-  if (closing_) return;
+  if (closing_) return lingering_ ? drain() : void();
   if (ec) return on_closed(ec);
   const void* data = payload_.defined() ? payload_.const_data_ptr() : static_cast<const void*>(small_.data());
   if (frame_checksum(data, in_.length) != in_.checksum) {
@@ -264,7 +278,7 @@ inline void Session::begin_publish() {
     p.rejected = core_->admission(p.run, p.version);
   }
   // Every bucket holds at least a header; a count no version could fill is refused at once.
-  if (p.count == 0 || p.count > static_cast<uint64_t>(o.limits.max_version_bytes / bucket_prefix_bytes)) {
+  if (p.count == 0 || p.count > static_cast<uint64_t>(o.limits.max_version_bytes / prefix_bytes)) {
     return refuse(::fsdpx::detail::str("a publish of ", p.count, " buckets"), &ServerStats::protocol_errors);
   }
   is_publisher_ = true;
@@ -513,7 +527,9 @@ inline void Session::send(FrameHeader frame, std::string text, bool then_close) 
                                             asio::buffer(owned->second)};
   stream_.async_write(buffers,
                       [self = shared_from_this(), owned, then_close](const boost::system::error_code& ec, size_t) {
-                        if (ec || then_close) return self->on_closed(ec ? ec : asio::error::connection_aborted);
+                        if (ec) return self->on_closed(ec);
+                        if (then_close)
+                          return self->role_ ? self->linger() : self->on_closed(asio::error::connection_aborted);
                         self->guarded([&] { self->read_header(); });
                       });
 }
@@ -530,13 +546,43 @@ inline void Session::refuse(const std::string& why, int64_t ServerStats::* count
     unstage();
     std::string text = "the synchronizer server refused the connection from " + peer_ + ": " + why;
     send(make_frame(FrameKind::error, no_version), std::move(text), /*then_close=*/true);
-    closing_ = true;  // a read still in flight (a bucket the peer was still sending) is ignored when it ends
+    closing_ = true;  // a read still in flight (a bucket the peer was still sending) is dropped when it ends
     fetch_timer_.cancel();
-    boost::system::error_code ignored;
-    stream_.socket().shutdown(tcp::socket::shutdown_receive, ignored);
+    if (!role_) {  // a peer that never authenticated gets no more of the server's time
+      boost::system::error_code ignored;
+      stream_.socket().shutdown(tcp::socket::shutdown_receive, ignored);
+    }
   } catch (...) {
     on_closed(asio::error::connection_aborted);
   }
+}
+
+/// The refusal was sent to an authenticated peer, which may still be sending (a publisher mid-version):
+/// closing now, with its bytes unread, would reset the connection, and a reset can destroy the refusal
+/// before the peer reads it. So the server half-closes and reads what still arrives, dropping it, until
+/// the peer closes, for at most linger_time and linger_bytes; then it closes.
+inline void Session::linger() {
+  if (closed_) return;
+  lingering_ = true;
+  boost::system::error_code ignored;
+  stream_.socket().shutdown(tcp::socket::shutdown_send, ignored);
+  arm(std::min(core_->options.limits.io_timeout, linger_time));
+  if (!reading_) drain();  // else the read in flight drains when it ends
+}
+
+inline void Session::drain() {
+  if (closed_) return;
+  auto scratch = std::make_shared<std::array<uint8_t, 64 << 10>>();
+  reading_ = true;
+  stream_.socket().async_read_some(asio::buffer(*scratch),
+                                   [self = shared_from_this(), scratch](const boost::system::error_code& ec, size_t n) {
+                                     self->reading_ = false;
+                                     if (ec) return self->on_closed(ec);  // the peer closed (or the watchdog did): done
+                                     self->drained_ += static_cast<int64_t>(n);
+                                     if (self->drained_ > linger_bytes)
+                                       return self->on_closed(asio::error::connection_aborted);
+                                     self->drain();
+                                   });
 }
 
 inline void Session::on_closed(const boost::system::error_code& ec) {

@@ -23,7 +23,7 @@ FSDPX_DECL void Synchronizer::publish(int64_t version, std::vector<NamedTensor> 
                                 [](const NamedTensor& t) { return t.tensor.is_cpu() && t.tensor.is_contiguous(); });
   Manifest manifest;
   if (options_.delta.enabled && host) {
-    EncodedVersion cut = base_.cut(version, tensors, options_.delta);
+    detail::EncodedVersion cut = base_.cut(version, tensors, options_.delta);
     manifest = cut.manifest;
     if (cut.manifest.is_delta()) published->delta = std::move(cut.tensors);
     manifest = manifest.whole();  // the snapshot's: what the tensors are, not how they would travel
@@ -53,7 +53,7 @@ FSDPX_DECL int64_t SynchronizerReader::load_newer_into(torch::nn::Module& module
   } else {
     const WeightVersion& s = published->snapshot;
     received.reserve(s.tensors.size() + 1);
-    received.push_back({std::string(manifest_name), s.manifest->encode()});
+    received.push_back({std::string(detail::manifest_name), s.manifest->encode()});
     received.insert(received.end(), s.tensors.begin(), s.tensors.end());
   }
   held_.take_into(module, std::move(received), where);

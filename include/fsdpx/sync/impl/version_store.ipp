@@ -1,8 +1,8 @@
-// Out-of-line functions of fsdpx/sync/delta.hpp: included by it (header-only) or by fsdpx/impl/src.hpp
-// (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
+// Out-of-line functions of fsdpx/sync/detail/version_store.hpp: included by it (header-only) or by
+// fsdpx/impl/src.hpp (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
-#include <fsdpx/sync/delta.hpp>
+#include <fsdpx/sync/detail/version_store.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -16,9 +16,7 @@
 #include <fsdpx/detail/crc32c.hpp>
 #include <fsdpx/sync/detail/delta_codec.hpp>
 
-namespace fsdpx::sync {
-
-namespace detail {
+namespace fsdpx::sync::detail {
 
 /// Whether, by a sample, the delta of `fresh` from `held` would carry 90% or more of the version's bytes
 /// (what cut() then sends whole): every 64th run of 4 KiB of every tensor is compared, and the XOR of up
@@ -102,8 +100,6 @@ struct Undo {
   DeltaEncoding encoding;
 };
 
-}  // namespace detail
-
 FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<NamedTensor>& tensors,
                                             const DeltaOptions& options) const {
   EncodedVersion out;
@@ -118,7 +114,7 @@ FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<N
     delta = b.name == tensors[i].name && b.dtype == t.scalar_type() && b.shape == t.sizes().vec() &&
             (t.numel() == 0 || t.const_data_ptr() != tensors_[i].tensor.const_data_ptr());
   }
-  if (delta && detail::delta_cannot_pay(tensors, tensors_, options)) delta = false;  // no comparison pass
+  if (delta && delta_cannot_pay(tensors, tensors_, options)) delta = false;  // no comparison pass
   if (delta) {
     m.base_version = manifest_->version;
     m.base_digest = manifest_->digest;
@@ -130,8 +126,8 @@ FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<N
   hosts.reserve(tensors.size());
   for (size_t i = 0; i < tensors.size(); ++i) {
     const NamedTensor& nt = tensors[i];
-    const at::Tensor t = detail::host_contiguous(nt.tensor);
-    detail::dtype_code(t.scalar_type());  // checks the dtype can travel
+    const at::Tensor t = host_contiguous(nt.tensor);
+    dtype_code(t.scalar_type());  // checks the dtype can travel
     ManifestEntry e{nt.name, t.scalar_type(), t.sizes().vec(), DeltaEncoding::full, 0, 0, -1};
     const int64_t esize = static_cast<int64_t>(t.element_size());
     const int64_t full_bytes = static_cast<int64_t>(t.nbytes());
@@ -145,7 +141,7 @@ FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<N
       continue;
     }
     const at::Tensor& base = tensors_[i].tensor;
-    const detail::ChangeCount changes = detail::count_changed(t, base);
+    const ChangeCount changes = count_changed(t, base);
     e.changed = changes.total;
     if (e.changed == 0) {
       e.crc = manifest_->entries[i].crc;  // the same bits as the base's
@@ -157,12 +153,12 @@ FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<N
     // Each candidate's cost: its bytes over the link, plus (xor) compressing and inflating them.
     const double rate = options.link_bytes_per_second;
     const auto cost = [&](double bytes, double seconds) { return rate > 0 ? bytes / rate + seconds : bytes; };
-    e.index_bytes = t.numel() > detail::narrow_index_limit ? 8 : 4;
+    e.index_bytes = t.numel() > narrow_index_limit ? 8 : 4;
     const int64_t sparse_bytes = e.changed * (e.index_bytes + esize);
     double best = std::min(cost(static_cast<double>(sparse_bytes), 0), cost(static_cast<double>(full_bytes), 0));
     e.encoding = sparse_bytes < full_bytes ? DeltaEncoding::sparse : DeltaEncoding::full;
     std::vector<uint8_t> packed;
-    if (detail::has_zlib && e.changed >= options.xor_min_changed) {
+    if (has_zlib && e.changed >= options.xor_min_changed) {
       // A sample first (4 slices of 16 KiB across the tensor, XORed and compressed), timed: the whole is
       // XORed and compressed only if the sample says it would win.
       constexpr int64_t slice = 16 << 10;
@@ -173,8 +169,8 @@ FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<N
         const int64_t at = slices == 1 ? 0 : s * (full_bytes - slice) / 3;
         const int64_t len = std::min(slice, full_bytes - at);
         const auto start = std::chrono::steady_clock::now();
-        detail::xor_into(detail::bytes_of(t) + at, detail::bytes_of(base) + at, len, bits.data());
-        const auto z = detail::deflate_bytes(bits.data(), len, options.zlib_level);
+        xor_into(bytes_of(t) + at, bytes_of(base) + at, len, bits.data());
+        const auto z = deflate_bytes(bits.data(), len, options.zlib_level);
         seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         sample_in += static_cast<double>(len);
         sample_out += static_cast<double>(z.size());
@@ -184,8 +180,8 @@ FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<N
       if (cost(sample_out * scale, 2 * seconds * scale) < 0.9 * best) {
         const auto start = std::chrono::steady_clock::now();
         std::vector<uint8_t> all(static_cast<size_t>(full_bytes));
-        detail::xor_into(detail::bytes_of(t), detail::bytes_of(base), full_bytes, all.data());
-        packed = detail::deflate_bytes(all.data(), full_bytes, options.zlib_level);
+        xor_into(bytes_of(t), bytes_of(base), full_bytes, all.data());
+        packed = deflate_bytes(all.data(), full_bytes, options.zlib_level);
         const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
         if (const double c = cost(static_cast<double>(packed.size()), 2 * took); c < best) {
           best = c;
@@ -195,7 +191,7 @@ FSDPX_DECL EncodedVersion VersionStore::cut(int64_t version, const std::vector<N
     }
     switch (e.encoding) {
       case DeltaEncoding::sparse:
-        out.tensors.push_back({nt.name, detail::sparse_payload(t, base, changes, e.index_bytes)});
+        out.tensors.push_back({nt.name, sparse_payload(t, base, changes, e.index_bytes)});
         break;
       case DeltaEncoding::xor_zlib: {
         at::Tensor payload = at::empty({static_cast<int64_t>(packed.size())}, at::kByte);
@@ -250,9 +246,9 @@ FSDPX_DECL void VersionStore::commit(EncodedVersion v) {
     const at::Tensor& payload = v.tensors[next++].tensor;
     at::Tensor held = tensors_[i].tensor;
     if (e.encoding == DeltaEncoding::sparse) {
-      const uint8_t* p = detail::bytes_of(payload);
+      const uint8_t* p = bytes_of(payload);
       uint8_t* dst = static_cast<uint8_t*>(held.data_ptr());
-      detail::with_widths(static_cast<int64_t>(held.element_size()), e.index_bytes, [&]<int E, int W>() {
+      with_widths(static_cast<int64_t>(held.element_size()), e.index_bytes, [&]<int E, int W>() {
         const uint8_t* values = p + e.changed * W;
         for (int64_t k = 0; k < e.changed; ++k) {
           uint64_t idx = 0;
@@ -288,15 +284,15 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
   std::unordered_map<std::string_view, size_t> by_name;
   for (size_t i = 0; i < rest.size(); ++i) {
     if (!by_name.emplace(rest[i].name, i).second) {
-      detail::delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", rest[i].name, "' arrived twice"));
+      delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", rest[i].name, "' arrived twice"));
     }
   }
   for (const auto& t : rest) {
     const ManifestEntry* e = m.find(t.name);
     if (e == nullptr || e->encoding == DeltaEncoding::unchanged) {
-      detail::delta_fail(where, m.version,
-                         ::fsdpx::detail::str("tensor '", t.name, "' arrived but its manifest ",
-                                              e ? "says it is unchanged" : "does not list it"));
+      delta_fail(where, m.version,
+                 ::fsdpx::detail::str("tensor '", t.name, "' arrived but its manifest ",
+                                      e ? "says it is unchanged" : "does not list it"));
     }
   }
   at::NoGradGuard no_grad;
@@ -306,18 +302,18 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
     for (const ManifestEntry& e : m.entries) {
       const auto it = by_name.find(e.name);
       if (it == by_name.end())
-        detail::delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", e.name, "' never arrived"));
+        delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", e.name, "' never arrived"));
       const at::Tensor& t = rest[it->second].tensor;
       if (t.scalar_type() != e.dtype || t.sizes().vec() != e.shape) {
-        detail::delta_fail(where, m.version,
-                           ::fsdpx::detail::str("tensor '", e.name, "' arrived as ", t.scalar_type(), " ", t.sizes(),
-                                                ", its manifest says ", e.dtype, " ", c10::IntArrayRef(e.shape)));
+        delta_fail(where, m.version,
+                   ::fsdpx::detail::str("tensor '", e.name, "' arrived as ", t.scalar_type(), " ", t.sizes(),
+                                        ", its manifest says ", e.dtype, " ", c10::IntArrayRef(e.shape)));
       }
       if (tensor_crc32c(t) != e.crc) {
-        detail::delta_fail(where, m.version,
-                           ::fsdpx::detail::str("tensor '", e.name,
-                                                "' does not match its checksum "
-                                                "(CRC-32C): it was corrupted on the way or made wrongly"));
+        delta_fail(where, m.version,
+                   ::fsdpx::detail::str("tensor '", e.name,
+                                        "' does not match its checksum "
+                                        "(CRC-32C): it was corrupted on the way or made wrongly"));
       }
       held.push_back({e.name, t.contiguous()});
     }
@@ -326,7 +322,7 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
     return;
   }
   if (!manifest_ || !holds(m.base_version, m.base_digest)) {
-    detail::delta_fail(
+    delta_fail(
         where, m.version,
         ::fsdpx::detail::str(
             "it is a delta from version ", m.base_version, " (digest ", m.base_digest, ") but this receiver holds ",
@@ -336,36 +332,35 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
   }
   const Manifest& base = *manifest_;
   if (base.entries.size() != m.entries.size()) {
-    detail::delta_fail(
-        where, m.version,
-        ::fsdpx::detail::str("its delta lists ", m.entries.size(), " tensors, its base ", base.entries.size()));
+    delta_fail(where, m.version,
+               ::fsdpx::detail::str("its delta lists ", m.entries.size(), " tensors, its base ", base.entries.size()));
   }
   for (size_t i = 0; i < m.entries.size(); ++i) {
     const ManifestEntry& e = m.entries[i];
     const ManifestEntry& b = base.entries[i];
     if (e.name != b.name || e.dtype != b.dtype || e.shape != b.shape) {
-      detail::delta_fail(where, m.version,
-                         ::fsdpx::detail::str("tensor '", e.name, "' (", e.dtype, " ", c10::IntArrayRef(e.shape),
-                                              ") is not tensor '", b.name, "' of its base at the same place"));
+      delta_fail(where, m.version,
+                 ::fsdpx::detail::str("tensor '", e.name, "' (", e.dtype, " ", c10::IntArrayRef(e.shape),
+                                      ") is not tensor '", b.name, "' of its base at the same place"));
     }
     if (e.encoding == DeltaEncoding::unchanged && e.crc != b.crc) {
-      detail::delta_fail(where, m.version,
-                         ::fsdpx::detail::str("tensor '", e.name,
-                                              "' is unchanged, but its checksum "
-                                              "differs from its base's"));
+      delta_fail(where, m.version,
+                 ::fsdpx::detail::str("tensor '", e.name,
+                                      "' is unchanged, but its checksum "
+                                      "differs from its base's"));
     }
     if (e.encoding != DeltaEncoding::unchanged && !by_name.contains(e.name)) {
-      detail::delta_fail(where, m.version,
-                         ::fsdpx::detail::str("tensor '", e.name, "' (", to_string(e.encoding), ") never arrived"));
+      delta_fail(where, m.version,
+                 ::fsdpx::detail::str("tensor '", e.name, "' (", to_string(e.encoding), ") never arrived"));
     }
   }
   std::vector<NamedTensor> next = tensors_;
-  std::vector<detail::Undo> undo;
+  std::vector<Undo> undo;
   std::vector<std::pair<at::Tensor, at::Tensor>> deferred;  // in place: (held, sent whole), copied last
   const auto roll_back = [&] {
     for (auto u = undo.rbegin(); u != undo.rend(); ++u) {
       at::Tensor held = tensors_[u->index].tensor;
-      at::Tensor bits = held.view({-1}).view(detail::bits_dtype(held.scalar_type()));
+      at::Tensor bits = held.view({-1}).view(bits_dtype(held.scalar_type()));
       switch (u->encoding) {
         case DeltaEncoding::sparse: bits.index_copy_(0, u->indices, u->saved); break;
         case DeltaEncoding::full: held.copy_(u->saved); break;
@@ -379,8 +374,8 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
       if (e.encoding == DeltaEncoding::unchanged) continue;
       const at::Tensor& payload = rest[by_name.at(e.name)].tensor;
       const auto bad = [&](const std::string& why) {
-        detail::delta_fail(where, m.version,
-                           ::fsdpx::detail::str("tensor '", e.name, "' (", to_string(e.encoding), "): ", why));
+        delta_fail(where, m.version,
+                   ::fsdpx::detail::str("tensor '", e.name, "' (", to_string(e.encoding), "): ", why));
       };
       const bool whole = e.encoding == DeltaEncoding::full;
       if (whole && (payload.scalar_type() != e.dtype || payload.sizes().vec() != e.shape)) {
@@ -392,7 +387,7 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
                                                            : tensors_[i].tensor;
       const int64_t esize = static_cast<int64_t>(c10::elementSize(e.dtype));
       const int64_t numel = e.numel();
-      const at::ScalarType bits_type = detail::bits_dtype(e.dtype);
+      const at::ScalarType bits_type = bits_dtype(e.dtype);
       at::Tensor flat_bits = target.view({-1}).view(bits_type);
       if (whole) {
         if (payload.scalar_type() != e.dtype || payload.sizes().vec() != e.shape) {
@@ -409,13 +404,13 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
         }
       } else {
         if (payload.scalar_type() != at::kByte || payload.dim() != 1) bad("its payload is not 1-D uint8");
-        const at::Tensor bytes = detail::host_contiguous(payload);
+        const at::Tensor bytes = host_contiguous(payload);
         if (e.encoding == DeltaEncoding::sparse) {
           int64_t expected = 0;
           if (__builtin_mul_overflow(e.changed, e.index_bytes + esize, &expected) || bytes.numel() != expected) {
             bad(::fsdpx::detail::str(bytes.numel(), " bytes where ", e.changed, " changes take ", expected));
           }
-          const uint8_t* p = detail::bytes_of(bytes);
+          const uint8_t* p = bytes_of(bytes);
           at::Tensor indices = at::empty({e.changed}, at::kLong);
           int64_t* ip = indices.mutable_data_ptr<int64_t>();
           int64_t previous = -1;
@@ -443,9 +438,9 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
             // On the host: one loop keeps the old values (for the undo) and writes the new ones.
             at::Tensor old = mode != Apply::copy_on_write ? at::empty({e.changed}, bits_type) : at::Tensor();
             uint8_t* dst = static_cast<uint8_t*>(target.data_ptr());
-            const uint8_t* src = detail::bytes_of(values);
+            const uint8_t* src = bytes_of(values);
             uint8_t* keep = old.defined() ? static_cast<uint8_t*>(old.data_ptr()) : nullptr;
-            detail::with_widths(esize, 8, [&]<int E, int W>() {
+            with_widths(esize, 8, [&]<int E, int W>() {
               for (int64_t k = 0; k < e.changed; ++k) {
                 if (keep) std::memcpy(keep + k * E, dst + ip[k] * E, E);
                 std::memcpy(dst + ip[k] * E, src + k * E, E);
@@ -460,8 +455,8 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
           }
         } else {
           at::Tensor inflated = at::empty({numel * esize}, at::kByte);
-          if (std::string why = detail::inflate_exactly(detail::bytes_of(bytes), bytes.numel(),
-                                                        inflated.mutable_data_ptr<uint8_t>(), numel * esize);
+          if (std::string why =
+                  inflate_exactly(bytes_of(bytes), bytes.numel(), inflated.mutable_data_ptr<uint8_t>(), numel * esize);
               !why.empty()) {
             bad(why);
           }
@@ -484,4 +479,4 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
   manifest_ = std::move(m);
 }
 
-}  // namespace fsdpx::sync
+}  // namespace fsdpx::sync::detail
