@@ -7,6 +7,12 @@
 //       --throw-at           that rank throws after that step (a failure between steps)
 //   checkpoint_job verify --root R          loads the newest committed step (checksums on)
 //   checkpoint_job compare A B [--tol T]    two full state dict files, equal (or within T)
+//   checkpoint_job dcp-save --root R --steps N --out F [--hybrid] [--fail-rank K]
+//                                           trains N steps, saves the model as PyTorch DCP in R
+//                                           (checkpoint/dcp_writer.hpp) and its full parameters as a plain
+//                                           dict (torch.load) in F; --fail-rank: that rank's disk is full
+//   checkpoint_job dcp-cover                cover_flat_range on every range of small shapes
+#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -14,10 +20,13 @@
 #include <thread>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include <unistd.h>
 
 #include <fsdpx/checkpoint.hpp>
+#include <fsdpx/checkpoint/dcp_writer.hpp>
+#include <fsdpx/checkpoint/detail/torch_io.hpp>
 #include <fsdpx/dist/mpi.hpp>
 
 #include "checkpoint_common.hpp"
@@ -39,6 +48,7 @@ struct Args {
   int slow_rank = -1, slow_ms = 0;
   int64_t throw_step = -1;
   int throw_rank = -1;
+  int fail_rank = -1;
   double tol = 0;
 };
 
@@ -66,6 +76,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--slow-save") std::tie(args.slow_rank, args.slow_ms) = pair_arg(k, next());
     else if (k == "--throw-at") std::tie(args.throw_step, args.throw_rank) = pair_arg(k, next());
     else if (k == "--tol") args.tol = std::stod(next());
+    else if (k == "--fail-rank") args.fail_rank = std::stoi(next());
     else if (args.a.empty()) args.a = k;
     else args.b = k;
   }
@@ -134,6 +145,87 @@ int train(Model& model, dist::AnyCommunicator world, const Args& args) {
   return failed.item<int>() != 0 ? 3 : 0;
 }
 
+/// Trains, then saves DCP (the model's parameters and buffers) and the reference the Python side reads.
+template <class Model>
+int dcp_save(Model& model, dist::AnyCommunicator world, const Args& args) {
+  auto opt = make_adamw(model, adamw_options());
+  torch::manual_seed(42);
+  for (int64_t step = 1; step <= args.steps; ++step) train_step(model, opt, world);
+  if (world.rank() == args.fail_rank) ::fsdpx::detail::inject_write_error(ENOSPC, 100);
+  try {
+    checkpoint::dcp::save_model(args.root, model);
+  } catch (const IoError& e) {
+    std::fprintf(stderr, "rank %d: DCP save failed: %s\n", world.rank(), e.what());
+    return 3;
+  }
+  const StateDict full = full_state_dict(model.sharded());
+  if (world.rank() == 0) {
+    c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
+    for (const TensorSlice& t : full.entries) dict.insert(t.name, t.data());
+    checkpoint::detail::save_ivalue(args.out, dict);
+    std::printf("saved DCP of %zu tensors at %d ranks\n", full.entries.size(), world.size());
+  }
+  return 0;
+}
+
+/// Every range of every shape of up to 3 dimensions of sizes 0 to 3 (and 0-d): the boxes lie within the
+/// shape, follow one another in flat order without gap or overlap, cover the range, and are few.
+int dcp_cover() {
+  int64_t checked = 0;
+  const auto check = [&](const std::vector<int64_t>& shape) {
+    int64_t numel = 1;
+    for (const int64_t d : shape) numel *= d;
+    std::vector<int64_t> strides(shape.size(), 1);
+    for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
+    for (int64_t b = 0; b <= numel; ++b) {
+      for (int64_t e = b; e <= numel; ++e) {
+        const auto boxes = checkpoint::dcp::cover_flat_range(shape, b, e);
+        int64_t at = b;
+        for (const auto& c : boxes) {
+          int64_t first = 0, n = 1;
+          for (size_t d = 0; d < shape.size(); ++d) {
+            if (c.offsets[d] < 0 || c.sizes[d] < 1 || c.offsets[d] + c.sizes[d] > shape[d]) return false;
+            first += c.offsets[d] * strides[d];
+            n *= c.sizes[d];
+          }
+          // contiguous in flat order: every dimension after the first that is not whole has size 1 before it
+          for (size_t d = 1; d < shape.size(); ++d) {
+            if (c.sizes[d] != shape[d]) {
+              for (size_t k = 0; k < d; ++k)
+                if (c.sizes[k] != 1) return false;
+            }
+          }
+          if (first != at) return false;
+          at += n;
+          ++checked;
+        }
+        const size_t most = shape.empty() ? 1 : 2 * shape.size() - 1;
+        if (at != e || boxes.size() > most) return false;
+      }
+    }
+    return true;
+  };
+  std::vector<std::vector<int64_t>> shapes{{}};
+  for (int64_t a = 0; a <= 3; ++a) {
+    shapes.push_back({a});
+    for (int64_t b = 0; b <= 3; ++b) {
+      shapes.push_back({a, b});
+      for (int64_t c = 0; c <= 3; ++c) shapes.push_back({a, b, c});
+    }
+  }
+  shapes.push_back({5, 7, 3, 2});
+  for (const auto& shape : shapes) {
+    if (!check(shape)) {
+      std::fprintf(stderr, "dcp-cover: wrong boxes for a shape of %zu dimensions\n", shape.size());
+      return 1;
+    }
+  }
+  // A range that is a box already is one box.
+  if (checkpoint::dcp::cover_flat_range(std::vector<int64_t>{4, 3}, 3, 9).size() != 1) return 1;
+  std::printf("dcp-cover: %zu shapes, %lld boxes, all exact\n", shapes.size(), static_cast<long long>(checked));
+  return 0;
+}
+
 int compare(const Args& args) {
   const StateDict a = checkpoint::load_state_dict_file(args.a), b = checkpoint::load_state_dict_file(args.b);
   if (a.entries.size() != b.entries.size()) {
@@ -157,6 +249,7 @@ int compare(const Args& args) {
 int main(int argc, char** argv) {
   const Args args = parse(argc, argv);
   if (args.mode == "compare") return compare(args);
+  if (args.mode == "dcp-cover") return dcp_cover();
   auto mpi = dist::MpiCommunicator::world();
   dist::AnyCommunicator world(mpi);
   try {
@@ -168,6 +261,14 @@ int main(int argc, char** argv) {
       }
       CkptModel<> model(ResMlp(), world);
       return train(model, world, args);
+    }
+    if (args.mode == "dcp-save") {
+      if (args.hybrid) {
+        CkptModel<HybridShard<2>> model(ResMlp(), world);
+        return dcp_save(model, world, args);
+      }
+      CkptModel<> model(ResMlp(), world);
+      return dcp_save(model, world, args);
     }
     if (args.mode == "verify") {
       CkptModel<> model(ResMlp(), world);
@@ -184,6 +285,6 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "checkpoint_job rank %d: %s\n", world.rank(), e.what());
     return 2;
   }
-  std::fprintf(stderr, "usage: checkpoint_job train|verify|compare ...\n");
+  std::fprintf(stderr, "usage: checkpoint_job train|verify|compare|dcp-save|dcp-cover ...\n");
   return 64;
 }

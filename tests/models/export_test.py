@@ -6,7 +6,9 @@ For each source model: 5 AdamW steps at 2 ranks (the program checks them against
 save_pretrained, then here: transformers' from_pretrained reports no missing, unexpected or mismatched
 tensors, its logits equal fsdpx's within the bound the rounding model gives (the program writes it beside
 them; tests/support/rounding.py must reproduce it), and the tokenizer and generation files came
-along byte for byte.
+along byte for byte. The program also saves the trained weights as PyTorch Distributed Checkpoint
+(checkpoint::dcp::save_model): torch's dcp.load, with no process group, reads them into a fresh transformers
+model of the config (fsdpx's module names are transformers' own), whose logits equal fsdpx's too.
 """
 import filecmp
 import json
@@ -15,19 +17,60 @@ import os
 import shutil
 import subprocess
 import sys
+import warnings
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "support"))
 import rounding  # noqa: E402
+
+
+def check_dcp_save(name, out, config, files, ref):
+    """The DCP save holds fsdpx's float32 masters under fsdpx's names: the export's tensors, unrounded, and
+    for a dense model transformers' own state dict, which dcp.load fills (its logits then equal fsdpx's).
+    transformers 5 holds a mixture's experts stacked in memory, where fsdpx (as the hub's files) keeps one
+    tensor per expert: for those, the export's per-expert tensors are the check."""
+    md = FileSystemReader(out + ".dcp").read_metadata()
+    saved = {k: torch.empty(list(e.size), dtype=e.properties.dtype) for k, e in md.state_dict_metadata.items()}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp_load(saved, checkpoint_id=out + ".dcp", no_dist=True)
+    exported = {}
+    for f in files:
+        exported.update(load_file(os.path.join(out, f)))
+    tied = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
+    assert set(exported) - tied <= set(saved), f"{name}: the DCP save lacks {sorted(set(exported) - set(saved))}"
+    for k, t in exported.items():
+        if k in saved:
+            assert torch.equal(saved[k].to(t.dtype), t), f"{name}: '{k}' differs between the DCP save and the export"
+    fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32)
+    state = fresh.state_dict()
+    stacked = {k for k in set(state) - set(saved) - tied if ".mlp.experts." in k}
+    assert set(state) - set(saved) - tied == stacked, f"{name}: the DCP save lacks {sorted(set(state) - set(saved))}"
+    if stacked:
+        print(f"{name}: the DCP save equals the export's {len(exported)} tensors (experts per expert, as the hub's)")
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp_load({k: v for k, v in state.items() if k in saved}, checkpoint_id=out + ".dcp", no_dist=True)
+    with torch.no_grad():
+        dcp_logits = fresh.eval()(ref["input_ids"]).logits
+    dcp_err = ((dcp_logits - ref["logits"]).abs().max() / ref["logits"].abs().max()).item()
+    dcp_bound = rounding.logits_bound(config, ref["input_ids"].shape[1], "float32")
+    print(f"{name}: transformers after dcp.load of fsdpx's DCP save vs fsdpx: relative error {dcp_err:.2e} "
+          f"(bound {dcp_bound:.2e})")
+    assert dcp_err <= dcp_bound, f"{name}: logits from the DCP save differ by {dcp_err:.2e} (bound {dcp_bound:.2e})"
 
 
 def check(program, fixtures, work, mpiexec, name, max_shard_bytes):
     source = os.path.join(fixtures, name)
     out = os.path.join(work, name)
     shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(out + ".dcp", ignore_errors=True)
     cmd = [mpiexec[0], "-n", "2", *mpiexec[1:], program, source, out, str(max_shard_bytes)]
     print("+", " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
@@ -52,6 +95,7 @@ def check(program, fixtures, work, mpiexec, name, max_shard_bytes):
     assert math.isclose(bound, mirrored, rel_tol=1e-12), f"{name}: rounding.py gives {mirrored}, decoder_path.hpp {bound}"
     print(f"{name}: transformers on the export vs fsdpx: relative error {err:.2e} (bound {bound:.2e})")
     assert err <= bound, f"{name}: logits differ by {err:.2e} of their scale (bound {bound:.2e})"
+    check_dcp_save(name, out, config, files, ref)
     with open(os.path.join(source, "config.json")) as f:
         source_config = json.load(f)
     assert config["dtype"] == source_config["dtype"], (config["dtype"], source_config["dtype"])

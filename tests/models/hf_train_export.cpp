@@ -6,7 +6,8 @@
 // each step compared from the same weights (tests/support/step_parity.hpp: the loss, every gradient and
 // updated weight within the bounds the arithmetic gives), then save_pretrained, then the sharded model's
 // logits on fixed tokens and their bound against another computation of them (the export's dtype) into
-// <out folder>.logits.safetensors for the Python side to compare with transformers' on the export.
+// <out folder>.logits.safetensors for the Python side to compare with transformers' on the export; and the
+// trained weights as PyTorch Distributed Checkpoint in <out folder>.dcp (checkpoint::dcp::save_model).
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -78,6 +79,8 @@ int main(int argc, char** argv) {
     if (rank == 0)
       std::printf("exported %zu safetensors files, %lld bytes\n", saved.files.size(),
                   static_cast<long long>(saved.total_size));
+    // The same weights as PyTorch Distributed Checkpoint, for transformers' dcp.load (export_test.py).
+    fsdpx::checkpoint::dcp::save_model(out.string() + ".dcp", model);
     at::manual_seed(99);
     const at::Tensor ids = at::randint(1, vocab, {2, seq}, at::kLong);
     const at::Tensor logits = model(ids);

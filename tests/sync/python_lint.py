@@ -1,5 +1,6 @@
-"""The python_lint test: ruff over the fsdpx_sync package (python/fsdpx_sync) and the Python sync tests
-(tests/sync/*.py), mypy --strict over the package, both with python/pyproject.toml's settings. Fails on
+"""The python_lint test: ruff over the fsdpx_sync package (python/fsdpx_sync), the Python sync tests
+(tests/sync/*.py) and the pytest checkpoint tests (tests/checkpoint: conftest.py, python_*_test.py), mypy
+--strict over the package and those checkpoint tests, both with python/pyproject.toml's settings. Fails on
 any finding; exits 77 (CTest: skipped) when ruff or mypy is not installed (tools/setup.sh installs both
 into .venv).
 
@@ -41,9 +42,13 @@ def main() -> int:
     ruff_cache = ["--cache-dir", os.path.join(args.cache, "ruff")] if args.cache else ["--no-cache"]
     mypy_cache = ["--cache-dir", os.path.join(args.cache, "mypy") if args.cache else os.devnull]
     package = os.path.join(PYTHON, "fsdpx_sync")
+    checkpoint = os.path.join(HERE, "..", "checkpoint")
+    checkpoint_tests = sorted([os.path.join(checkpoint, "conftest.py"),
+                               *glob.glob(os.path.join(checkpoint, "python_*_test.py"))])
     ruff = run("ruff", [sys.executable, "-m", "ruff", "check", "--config", CONFIG, *ruff_cache, package,
-                        *sorted(glob.glob(os.path.join(HERE, "*.py")))])
-    mypy = run("mypy", [sys.executable, "-m", "mypy", "--config-file", CONFIG, *mypy_cache, package])
+                        *sorted(glob.glob(os.path.join(HERE, "*.py"))), *checkpoint_tests])
+    mypy = run("mypy", [sys.executable, "-m", "mypy", "--config-file", CONFIG, *mypy_cache, package,
+                        *checkpoint_tests])
     return 0 if ruff and mypy else 1
 
 

@@ -1,5 +1,6 @@
 // Resuming from a checkpoint: the newest committed step (or a chosen one), loaded into a model of
-// the same or a different world size and mesh, with optimizer, RNG and client state.
+// the same or a different world size and mesh, with optimizer, RNG and client state; or the weights of a
+// PyTorch Distributed Checkpoint folder (dcp_reader.hpp).
 #pragma once
 
 #include <fsdpx/detail/config.hpp>
@@ -13,6 +14,7 @@
 
 #include <torch/optim/optimizer.h>
 
+#include <fsdpx/checkpoint/dcp_reader.hpp>
 #include <fsdpx/checkpoint/extra_state.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
@@ -56,6 +58,12 @@ FSDPX_DECL void for_each_saved_file(const fs::path& dir, const CommitRecord& rec
                                     std::optional<int> only_rank, bool verify,
                                     const std::function<void(const StateDict&)>& fn);
 
+/// load_checkpoint of a PyTorch Distributed Checkpoint folder (LightRFT's step folder: the model's DCP in the
+/// folder itself, the optimizer's in optim_states/): the weights. Its optimizer, scheduler and client state
+/// are not read yet (each asked for is missing: an error, or a warning with allow_missing).
+FSDPX_DECL ResumeInfo load_dcp_checkpoint(const fs::path& dir, core::ShardedModel& model, bool want_optimizer,
+                                          bool want_scheduler, const LoadOptions& options);
+
 }  // namespace checkpoint::detail
 
 /// Loads the newest committed checkpoint under `root` (or options.step) into `model` and, when given
@@ -71,6 +79,9 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
   using checkpoint::fs::path;
   const bool want_optimizer = optimizer != nullptr && options.load_optimizer;
   const bool want_scheduler = scheduler != nullptr && options.load_scheduler;
+  if (checkpoint::dcp::is_checkpoint(root)) {  // a folder with a .metadata: PyTorch's DCP, not fsdpx's layout
+    return checkpoint::detail::load_dcp_checkpoint(root, model.sharded(), want_optimizer, want_scheduler, options);
+  }
   std::optional<int64_t> step = options.step;
   if (!step) step = checkpoint::find_latest_checkpoint(root, /*weights_only=*/!want_optimizer);
   if (!step && want_optimizer && options.allow_missing)

@@ -107,8 +107,13 @@ namespace detail {
 /// Each buffer as one whole entry, in its own dtype, copied to host memory (every rank holds the same
 /// copy, as the module keeps them; sharded state dicts take world rank 0's).
 FSDPX_DECL void add_buffers(StateDict& sd, const core::ShardedModel& model);
-/// Registers every buffer as a whole target of `loader`.
-FSDPX_DECL void add_buffer_targets(SliceLoader& loader, const core::ShardedModel& model);
+/// Registers every buffer as a whole target of `loader` (those `wanted` admits, when given).
+FSDPX_DECL void add_buffer_targets(SliceLoader& loader, const core::ShardedModel& model,
+                                   const std::function<bool(const std::string&)>& wanted = {});
+/// Registers this rank's slice of every parameter (those `wanted` admits, when given) as a target of `loader`;
+/// a parameter it holds none of is registered empty, so that its name is still checked.
+FSDPX_DECL void add_param_targets(SliceLoader& loader, core::ShardedModel& model,
+                                  const std::function<bool(const std::string&)>& wanted = {});
 }  // namespace detail
 
 /// This rank's slices of every parameter (float32 master values), copied to host memory.

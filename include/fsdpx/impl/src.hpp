@@ -33,6 +33,10 @@
 #include <fsdpx/checkpoint/impl/layout.ipp>
 #include <fsdpx/checkpoint/impl/merge.ipp>
 #include <fsdpx/checkpoint/impl/resume.ipp>
+#include <fsdpx/checkpoint/impl/pickle.ipp>
+#include <fsdpx/checkpoint/impl/dcp_metadata.ipp>
+#include <fsdpx/checkpoint/impl/dcp_reader.ipp>
+#include <fsdpx/checkpoint/impl/dcp_writer.ipp>
 #include <fsdpx/sync/impl/wire.ipp>
 #include <fsdpx/sync/impl/bucket.ipp>
 #include <fsdpx/sync/impl/receive.ipp>

@@ -6,9 +6,13 @@
 
 #include <fsdpx/detail/config.hpp>
 
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <optional>
+#include <string>
+#include <vector>
 
 #include <ATen/core/ivalue.h>
 
@@ -20,6 +24,11 @@ namespace fsdpx::checkpoint::detail {
 
 namespace fs = std::filesystem;
 
+/// Streams `value` in torch.save's zip format to `sink`, piece by piece in order: what save_ivalue writes,
+/// for a file that holds several archives (DCP's data files). The first exception of `sink` is rethrown.
+FSDPX_DECL void write_ivalue(const c10::IValue& value, const std::function<void(const void*, size_t)>& sink,
+                             bool compute_record_crc32 = false);
+
 /// Writes `value` durably in torch.save's zip format (Python: torch.load(path, weights_only=True)).
 FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const c10::IValue& value,
                                                     bool compute_record_crc32 = false);
@@ -29,6 +38,16 @@ FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const 
 /// size) is an IoError that names it.
 FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> expected_crc32c = std::nullopt,
                                    int64_t max_bytes = std::numeric_limits<int64_t>::max());
+
+/// Reads the torch.save archive at bytes [offset, offset + length) of the regular file `path` (a DCP data
+/// file holds one per chunk), with positioned reads of what the archive's records need and nothing outside
+/// the range. A range past the file's end, or a truncated or corrupt archive, is an IoError naming `what`.
+FSDPX_DECL c10::IValue load_ivalue_range(const fs::path& path, int64_t offset, int64_t length, const std::string& what);
+
+/// The pickle (data.pkl) of the torch.save archive at [offset, offset + length) of `path`, unparsed, for a
+/// reader that runs nothing (detail/pickle.hpp); more than `max_bytes` is refused before it is read.
+FSDPX_DECL std::vector<std::byte> read_archive_pickle(const fs::path& path, int64_t offset, int64_t length,
+                                                      const std::string& what, int64_t max_bytes);
 
 }  // namespace fsdpx::checkpoint::detail
 

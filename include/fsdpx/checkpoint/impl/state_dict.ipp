@@ -70,10 +70,30 @@ FSDPX_DECL void set_group_hyperparameters(torch::optim::OptimizerOptions& o,
   });
 }
 
-FSDPX_DECL void add_buffer_targets(SliceLoader& loader, const core::ShardedModel& model) {
+FSDPX_DECL void add_buffer_targets(SliceLoader& loader, const core::ShardedModel& model,
+                                   const std::function<bool(const std::string&)>& wanted) {
   for (const auto& [name, b] : model.named_buffers()) {
+    if (wanted && !wanted(name)) continue;
     FSDPX_CHECK(b.is_contiguous(), "buffer '", name, "' is not contiguous; state dicts load buffers in place");
     loader.add_target(name, b.sizes().vec(), 0, b.numel(), b.detach().view({-1}));
+  }
+}
+
+FSDPX_DECL void add_param_targets(SliceLoader& loader, core::ShardedModel& model,
+                                  const std::function<bool(const std::string&)>& wanted) {
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    core::Unit& u = model.unit(i);
+    const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
+    for (const core::ParamInfo& p : u.layout().params()) {
+      if (wanted && !wanted(p.name)) continue;
+      const core::FlatRange r = u.held_range(p);
+      if (r.begin < r.end) {
+        loader.add_target(p.name, p.shape, r.begin - p.offset, r.end - p.offset,
+                          u.shard().narrow(0, r.begin - base, r.size()));
+      } else {
+        loader.add_target(p.name, p.shape, 0, 0, u.shard().narrow(0, 0, 0));  // known name, nothing to copy
+      }
+    }
   }
 }
 
@@ -142,19 +162,7 @@ FSDPX_DECL void load_model_state_dict(
   model.reshard_all();             // the next forward gathers the loaded shards
   detail::SliceLoader loader("model", model.options().inference_only);
   std::optional<StateDictKind> kind;
-  for (size_t i = 0; i < model.num_units(); ++i) {
-    core::Unit& u = model.unit(i);
-    const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
-    for (const core::ParamInfo& p : u.layout().params()) {
-      const core::FlatRange r = u.held_range(p);
-      if (r.begin < r.end) {
-        loader.add_target(p.name, p.shape, r.begin - p.offset, r.end - p.offset,
-                          u.shard().narrow(0, r.begin - base, r.size()));
-      } else {
-        loader.add_target(p.name, p.shape, 0, 0, u.shard().narrow(0, 0, 0));  // known name, nothing to copy
-      }
-    }
-  }
+  detail::add_param_targets(loader, model);
   detail::SliceLoader local("model (local)", model.options().inference_only);
   for (size_t i = 0; i < model.num_units(); ++i) {
     core::Unit& u = model.unit(i);

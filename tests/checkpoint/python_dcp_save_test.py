@@ -1,0 +1,92 @@
+"""fsdpx saves PyTorch Distributed Checkpoint (CTest: checkpoint_dcp_save_python).
+
+fsdpx_checkpoint_job trains a sharded model for two steps at 2 and 3 ranks (3: shard boundaries inside
+rows, so tensors are saved as several boxes, partial rows among them) and at 4 (HybridShard: the
+replicas write nothing), saves it with checkpoint::dcp::save_model, and writes its full parameters with
+torch.save. Here torch's own dcp.load, with no process group, reads the checkpoint into a plain state
+dict equal to them bit for bit, and format_utils.dcp_to_torch_save converts it; and fsdpx reads it back at
+another world size (fsdpx_dcp_load_program, checkpoint/dcp_reader.hpp), bit for bit. A rank whose disk is
+full fails the save on every rank, and no .metadata is written.
+
+    python -m pytest python_dcp_save_test.py --job <fsdpx_checkpoint_job> --tool <fsdpx_dcp_load_program>
+        --mpiexec "<mpiexec> [flags]"
+"""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import load
+
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+
+
+def run_job(mpiexec: list[str], ranks: int, job: str, *args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([*mpiexec, "-n", str(ranks), job, *map(str, args)], check=False, capture_output=True,
+                          text=True, timeout=240)
+
+
+def test_boxes_cover_every_range(job: str) -> None:
+    done = subprocess.run([job, "dcp-cover"], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "all exact" in done.stdout
+
+
+@pytest.mark.parametrize(("ranks", "mesh"), [(2, []), (3, []), (4, ["--hybrid"])])
+def test_torch_and_fsdpx_load_what_fsdpx_saved(job: str, tool: str, mpiexec: list[str], work: Path, ranks: int,
+                                               mesh: list[str]) -> None:
+    root, reference = work / f"dcp_np{ranks}", work / f"reference_np{ranks}.pt"
+    done = run_job(mpiexec, ranks, job, "dcp-save", "--root", root, "--steps", 2, "--out", reference, *mesh)
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected: dict[str, torch.Tensor] = torch.load(reference, weights_only=True)
+    assert expected
+
+    md = FileSystemReader(str(root)).read_metadata()
+    assert set(md.state_dict_metadata) == set(expected)
+    boxes = 0
+    for fqn, entry in md.state_dict_metadata.items():
+        assert isinstance(entry, TensorStorageMetadata)
+        assert list(entry.size) == list(expected[fqn].shape)
+        assert entry.properties.dtype == expected[fqn].dtype
+        boxes += len(entry.chunks)
+    if ranks == 3:  # shard boundaries fall inside rows: some tensors are cut into several boxes
+        assert boxes > len(expected)
+    files = sorted(p.name for p in root.iterdir())
+    assert ".metadata" in files and not any(name.endswith(".tmp") for name in files)
+    if mesh:  # HybridShard<2> at 4 ranks: replica ranks 2 and 3 hold copies and write nothing
+        assert "__2_0.distcp" not in files and "__3_0.distcp" not in files
+
+    loaded = {fqn: torch.full_like(t, float("nan")) for fqn, t in expected.items()}
+    load(loaded, checkpoint_id=str(root), no_dist=True)
+    for fqn, t in expected.items():
+        assert torch.equal(loaded[fqn], t), fqn
+
+    converted = work / f"converted_np{ranks}.pt"
+    dcp_to_torch_save(str(root), str(converted))
+    whole: dict[str, torch.Tensor] = torch.load(converted, weights_only=True)
+    assert set(whole) == set(expected)
+    for fqn, t in expected.items():
+        assert torch.equal(whole[fqn], t), fqn
+
+    other = 3 if ranks == 2 else 2  # fsdpx reads it back at another world size, each rank its own boxes
+    done = run_job(mpiexec, other, tool, "model", root, reference)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_a_full_disk_on_one_rank_fails_every_rank_and_writes_no_metadata(job: str, mpiexec: list[str],
+                                                                          work: Path) -> None:
+    root = work / "dcp_full_disk"
+    done = run_job(mpiexec, 2, job, "dcp-save", "--root", root, "--steps", 1, "--out", work / "unused.pt",
+                   "--fail-rank", "1")
+    assert done.returncode != 0, done.stdout
+    assert done.stderr.count("DCP save failed") == 2, done.stderr
+    assert "rank 1 could not write its data file, so no .metadata was written" in done.stderr
+    assert "No space left on device" in done.stderr or "ENOSPC" in done.stderr or "full" in done.stderr, done.stderr
+    assert not (root / ".metadata").exists()
+    assert not any(p.name.endswith(".tmp") for p in root.iterdir())
