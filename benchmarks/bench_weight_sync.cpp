@@ -4,7 +4,7 @@
 //
 //   mpiexec -n 3 bench_weight_sync [--trainers 2] [--dim 1024] [--layers 4] [--vocab 8192]
 //                                  [--dtype f32|bf16] [--buckets 4,16,64] [--iters 5]
-//                                  [--rollout-pages huge|default]
+//                                  [--rollout-pages huge|default] [--checksums on|off]
 //
 // World ranks [0, trainers) hold the GPT sharded with fsdpx (FullShard, blocks as units); the others
 // are rollouts with a plain copy. The sync and the raw broadcast alternate, iteration by iteration, so
@@ -41,6 +41,7 @@ struct Args {
   std::vector<int64_t> buckets_mib = {4, 16, 64};
   int iters = 5;
   bool rollout_huge_pages = true;
+  bool checksums = true;  // BroadcastOptions::checksums: the manifest's CRC-32Cs, computed on both ends
 };
 
 Args parse(int argc, char** argv) {
@@ -53,6 +54,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--vocab") a.vocab = std::stoll(v);
     else if (k == "--dtype") a.dtype = v;
     else if (k == "--iters") a.iters = std::stoi(v);
+    else if (k == "--checksums") a.checksums = v != "off";
     else if (k == "--rollout-pages") {
       if (v != "huge" && v != "default") {
         std::fprintf(stderr, "--rollout-pages takes huge or default, not %s\n", v.c_str());
@@ -142,7 +144,7 @@ int main(int argc, char** argv) {
   int64_t version = 0;
   at::Tensor raw_buffer = at::empty({0}, at::kByte);
   for (const int64_t mib : args.buckets_mib) {
-    sync::BroadcastOptions options{.bucket_bytes = mib << 20, .dtype = dtype};
+    sync::BroadcastOptions options{.bucket_bytes = mib << 20, .dtype = dtype, .checksums = args.checksums};
     std::optional<sync::WeightBroadcaster> sender;
     std::optional<sync::WeightReceiver> receiver;
     if (fsdp) {
