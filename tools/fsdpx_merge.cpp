@@ -1,5 +1,6 @@
 // fsdpx-merge: a checkpoint's model shards -> the full state dict, as safetensors (Hugging Face's
-// model.safetensors layout, sharded with an index when large) or as a torch.load file (model.pt).
+// model.safetensors layout, sharded with an index when large) or as a torch.load file (model.pt). The
+// checkpoint is fsdpx's, or a PyTorch Distributed Checkpoint (DCP) folder as torch wrote it.
 //
 //   fsdpx-merge <checkpoint root or step dir> --out <dir> [--step N] [--format safetensors|torch]
 //               [--dtype float32|bfloat16|float16] [--max-shard-size 5GB] [--no-verify]
@@ -13,9 +14,11 @@
 #include <iostream>
 #include <optional>
 #include <string>
+#include <variant>
 #include <vector>
 
 #include <fsdpx/detail/file_io.hpp>
+#include <fsdpx/checkpoint/dcp_reader.hpp>
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
@@ -37,7 +40,9 @@ constexpr const char* usage =
     "Merges the model shards of an fsdpx checkpoint (…/global_step_<N>/actor/model_world_size_<W>_rank_<r>.pt)\n"
     "into the full state dict.\n"
     "  <path>            a checkpoint root (the step is read from latest_checkpointed_iteration.txt, else\n"
-    "                    latest_state_dict_iteration.txt) or a step directory (global_step_<N> or its actor/)\n"
+    "                    latest_state_dict_iteration.txt) or a step directory (global_step_<N> or its actor/),\n"
+    "                    or a PyTorch Distributed Checkpoint folder (a .metadata and __<rank>_<n>.distcp files:\n"
+    "                    its tensors under their saved names; bytes entries, optim_states/ and .pt files aside)\n"
     "  --out DIR         where to write; created when missing\n"
     "  --step N          with a root: merge global_step_<N> instead of the latest\n"
     "  --format F        safetensors (default: model.safetensors, or model-0000i-of-0000n.safetensors and\n"
@@ -50,6 +55,22 @@ constexpr const char* usage =
     "config.json is written only beside the tensor names it implies: a Llama, Qwen2 or Qwen3 config whose\n"
     "tensors (names and shapes) are all there, in transformers' names; otherwise it is left out, with a warning,\n"
     "since from_pretrained would start every tensor it does not find from random weights.\n";
+
+/// A PyTorch Distributed Checkpoint folder's tensors, whole, under their saved names (each read from its
+/// chunks, checked as dcp::Reader checks them); bytes entries (an optimizer's param groups) are left aside.
+fsdpx::hf::NamedTensors merge_dcp(const fs::path& dir, const ckpt::MergeOptions& options) {
+  const ckpt::dcp::Reader reader(dir);
+  fsdpx::hf::NamedTensors out;
+  for (const auto& [fqn, entry] : reader.metadata().entries) {
+    if (!std::holds_alternative<ckpt::dcp::TensorEntry>(entry)) continue;
+    at::Tensor t = reader.read(fqn);
+    if (options.dtype && at::isFloatingType(t.scalar_type())) t = t.to(*options.dtype);
+    out.emplace_back(fqn, std::move(t));
+  }
+  FSDPX_CHECK_AS(fsdpx::IoError, !out.empty(), "fsdpx-merge: the DCP checkpoint in '", dir.string(),
+                 "' holds no tensor");
+  return out;
+}
 
 [[noreturn]] void usage_error(const std::string& msg) {
   throw fsdpx::ConfigError(str("fsdpx-merge: ", msg, "\n", usage));
@@ -172,22 +193,30 @@ int run(int argc, char** argv) {
   if (!input) usage_error("no checkpoint path");
   if (!out) usage_error("--out DIR is required");
 
-  const fs::path dir = resolve_step_dir(*input, step);
+  const bool dcp = ckpt::dcp::is_checkpoint(*input);
+  if (dcp && step) usage_error("--step applies to an fsdpx checkpoint root, not to a DCP folder");
+  const fs::path dir = dcp ? *input : resolve_step_dir(*input, step);
   options.warn = [](const std::string& w) { std::cerr << "fsdpx-merge: warning: " << w << "\n"; };
-  ckpt::MergeReport report;
-  fsdpx::hf::NamedTensors tensors = ckpt::merge_checkpoint(dir, options, &report);
+  fsdpx::hf::NamedTensors tensors;
+  if (dcp) {
+    tensors = merge_dcp(dir, options);
+    std::cout << "fsdpx-merge: read the PyTorch Distributed Checkpoint in " << dir.string() << "\n";
+  } else {
+    ckpt::MergeReport report;
+    tensors = ckpt::merge_checkpoint(dir, options, &report);
+    std::cout << "fsdpx-merge: read " << report.files.size() << " model files (world size " << report.world_size << ", "
+              << report.kind << (report.step ? str(", step ", *report.step) : std::string()) << ", "
+              << (report.committed ? (report.complete ? "committed" : "weights committed")
+                                   : "NOT committed: no fsdp_config.json")
+              << ", checksums " << (report.checksums_verified ? "verified" : "not verified") << ") from "
+              << report.dir.string() << "\n";
+  }
   int64_t elements = 0, bytes = 0;
   for (const auto& [name, t] : tensors) {
     elements += t.numel();
     bytes += t.numel() * static_cast<int64_t>(t.element_size());
   }
-  std::cout << "fsdpx-merge: read " << report.files.size() << " model files (world size " << report.world_size << ", "
-            << report.kind << (report.step ? str(", step ", *report.step) : std::string()) << ", "
-            << (report.committed ? (report.complete ? "committed" : "weights committed")
-                                 : "NOT committed: no fsdp_config.json")
-            << ", checksums " << (report.checksums_verified ? "verified" : "not verified") << ") from "
-            << report.dir.string() << "\n"
-            << "fsdpx-merge: " << tensors.size() << " tensors, " << elements << " elements, " << bytes << " bytes\n";
+  std::cout << "fsdpx-merge: " << tensors.size() << " tensors, " << elements << " elements, " << bytes << " bytes\n";
 
   // config.json: written only beside the names it implies (renamed to them when the family is known).
   std::optional<fsdpx::detail::Json> config;

@@ -18,6 +18,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "fsdpx_dcp_load_program (load a DCP checkpoint)")
     group.addoption("--work", help="a work folder, emptied first (default: a temporary one)")
     group.addoption("--job", help="fsdpx_checkpoint_job (its dcp-save and dcp-cover modes)")
+    group.addoption("--merge", help="fsdpx-merge (optional: its DCP input is checked when given)")
     group.addoption("--mpiexec", help="the MPI launcher and its flags, one string (\"mpiexec --oversubscribe\")")
 
 
@@ -36,6 +37,11 @@ def tool(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def job(request: pytest.FixtureRequest) -> str:
     return required(request, "job")
+
+
+@pytest.fixture(scope="session")
+def merge(request: pytest.FixtureRequest) -> str:
+    return required(request, "merge")
 
 
 @pytest.fixture(scope="session")

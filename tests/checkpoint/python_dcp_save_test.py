@@ -5,11 +5,12 @@ rows, so tensors are saved as several boxes, partial rows among them) and at 4 (
 replicas write nothing), saves it with checkpoint::dcp::save_model, and writes its full parameters with
 torch.save. Here torch's own dcp.load, with no process group, reads the checkpoint into a plain state
 dict equal to them bit for bit, and format_utils.dcp_to_torch_save converts it; and fsdpx reads it back at
-another world size (fsdpx_dcp_load_program, checkpoint/dcp_reader.hpp), bit for bit. A rank whose disk is
-full fails the save on every rank, and no .metadata is written.
+another world size (fsdpx_dcp_load_program, checkpoint/dcp_reader.hpp), bit for bit, and fsdpx-merge turns
+the DCP folder into model.safetensors holding them. A rank whose disk is full fails the save on every rank,
+and no .metadata is written.
 
     python -m pytest python_dcp_save_test.py --job <fsdpx_checkpoint_job> --tool <fsdpx_dcp_load_program>
-        --mpiexec "<mpiexec> [flags]"
+        --merge <fsdpx-merge> --mpiexec "<mpiexec> [flags]"
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
@@ -39,8 +41,8 @@ def test_boxes_cover_every_range(job: str) -> None:
 
 
 @pytest.mark.parametrize(("ranks", "mesh"), [(2, []), (3, []), (4, ["--hybrid"])])
-def test_torch_and_fsdpx_load_what_fsdpx_saved(job: str, tool: str, mpiexec: list[str], work: Path, ranks: int,
-                                               mesh: list[str]) -> None:
+def test_torch_and_fsdpx_load_what_fsdpx_saved(job: str, tool: str, merge: str, mpiexec: list[str], work: Path,
+                                               ranks: int, mesh: list[str]) -> None:
     root, reference = work / f"dcp_np{ranks}", work / f"reference_np{ranks}.pt"
     done = run_job(mpiexec, ranks, job, "dcp-save", "--root", root, "--steps", 2, "--out", reference, *mesh)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -77,6 +79,15 @@ def test_torch_and_fsdpx_load_what_fsdpx_saved(job: str, tool: str, mpiexec: lis
     other = 3 if ranks == 2 else 2  # fsdpx reads it back at another world size, each rank its own boxes
     done = run_job(mpiexec, other, tool, "model", root, reference)
     assert done.returncode == 0, done.stdout + done.stderr
+
+    merged = work / f"merged_np{ranks}"
+    done = subprocess.run([merge, str(root), "--out", str(merged)], check=False, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    tensors = load_file(merged / "model.safetensors")
+    assert set(tensors) == set(expected)
+    for fqn, t in expected.items():
+        assert torch.equal(tensors[fqn], t), fqn
 
 
 def test_a_full_disk_on_one_rank_fails_every_rank_and_writes_no_metadata(job: str, mpiexec: list[str],
