@@ -18,7 +18,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     "fsdpx_dcp_load_program (load a DCP checkpoint)")
     group.addoption("--work", help="a work folder, emptied first (default: a temporary one)")
     group.addoption("--job", help="fsdpx_checkpoint_job (its dcp-save and dcp-cover modes)")
-    group.addoption("--merge", help="fsdpx-merge (optional: its DCP input is checked when given)")
+    group.addoption("--merge", help="fsdpx-merge (its DCP input)")
+    group.addoption("--inspect", help="fsdpx-inspect (its DCP input; built only with CLI11: skipped without)")
     group.addoption("--mpiexec", help="the MPI launcher and its flags, one string (\"mpiexec --oversubscribe\")")
 
 
@@ -42,6 +43,14 @@ def job(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def merge(request: pytest.FixtureRequest) -> str:
     return required(request, "merge")
+
+
+@pytest.fixture(scope="session")
+def inspect(request: pytest.FixtureRequest) -> str:
+    value = request.config.getoption("inspect")
+    if not value:
+        pytest.skip("no --inspect: fsdpx-inspect is built only where CLI11 is found (tools/setup.sh installs it)")
+    return str(value)
 
 
 @pytest.fixture(scope="session")

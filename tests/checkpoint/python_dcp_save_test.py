@@ -6,11 +6,12 @@ replicas write nothing), saves it with checkpoint::dcp::save_model, and writes i
 torch.save. Here torch's own dcp.load, with no process group, reads the checkpoint into a plain state
 dict equal to them bit for bit, and format_utils.dcp_to_torch_save converts it; and fsdpx reads it back at
 another world size (fsdpx_dcp_load_program, checkpoint/dcp_reader.hpp), bit for bit, and fsdpx-merge turns
-the DCP folder into model.safetensors holding them. A rank whose disk is full fails the save on every rank,
-and no .metadata is written.
+the DCP folder into model.safetensors holding them; fsdpx-inspect --verify reads every chunk, and names the
+one a damaged data file spoils. A rank whose disk is full fails the save on every rank, and no .metadata is
+written.
 
     python -m pytest python_dcp_save_test.py --job <fsdpx_checkpoint_job> --tool <fsdpx_dcp_load_program>
-        --merge <fsdpx-merge> --mpiexec "<mpiexec> [flags]"
+        --merge <fsdpx-merge> [--inspect <fsdpx-inspect>] --mpiexec "<mpiexec> [flags]"
 """
 
 from __future__ import annotations
@@ -101,3 +102,21 @@ def test_a_full_disk_on_one_rank_fails_every_rank_and_writes_no_metadata(job: st
     assert "No space left on device" in done.stderr or "ENOSPC" in done.stderr or "full" in done.stderr, done.stderr
     assert not (root / ".metadata").exists()
     assert not any(p.name.endswith(".tmp") for p in root.iterdir())
+
+
+def test_inspect_verifies_a_dcp_folder_and_names_a_damaged_chunk(job: str, inspect: str, mpiexec: list[str],
+                                                                  work: Path) -> None:
+    root = work / "dcp_inspect"
+    done = run_job(mpiexec, 3, job, "dcp-save", "--root", root, "--steps", 1, "--out", work / "inspect_ref.pt")
+    assert done.returncode == 0, done.stdout + done.stderr
+    done = subprocess.run([inspect, str(root), "--tensors", "--verify"], check=False, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "PyTorch Distributed Checkpoint" in done.stdout
+    assert "verify: every chunk and bytes entry reads" in done.stdout
+    data = root / "__1_0.distcp"
+    with data.open("r+b") as f:  # the first chunk's archive is no longer a zip
+        f.write(b"XXXXXXXX")
+    done = subprocess.run([inspect, str(root), "--verify"], check=False, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "__1_0.distcp" in done.stderr and "is not a torch.save archive" in done.stderr, done.stderr
