@@ -15,6 +15,7 @@
 
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
 #include <fsdpx/detail/json.hpp>
+#include <fsdpx/dist/outcome.hpp>
 
 namespace fsdpx::checkpoint::dcp {
 
@@ -192,38 +193,29 @@ FSDPX_DECL RankData decode_rank_data(std::string_view bytes, int rank) {
 FSDPX_DECL ::fsdpx::detail::WrittenFile save_model(const fs::path& dir, core::ShardedModel& model,
                                                    const SavedName& name_of) {
   dist::AnyCommunicator& world = model.mesh().world();
-  const StateDict sd = sharded_state_dict(model);  // collective-free: each rank's own slices
-  // Every rank takes part in the exchange whatever happened to it, and says what failed instead.
-  std::string mine;
-  try {
+  // Every rank takes part in each collective whatever happened to it: dist::agree_on_outcome tells all
+  // of them what failed where, and every rank throws.
+  std::optional<RankData> mine;
+  std::exception_ptr failure = dist::capture_failure([&] {
     std::error_code ec;
     fs::create_directories(dir, ec);
     FSDPX_CHECK_AS(IoError, !ec, "cannot create '", dir.string(), "': ", ec.message());
-    mine = "ok" + encode_rank_data(write_rank_data(dir, world.rank(), sd, name_of));
-  } catch (const std::exception& e) {
-    mine = std::string("failed") + e.what();
-  }
-  const std::vector<std::string> all = detail::all_gather_bytes(world, mine);
+    mine = write_rank_data(dir, world.rank(), sharded_state_dict(model), name_of);
+  });
+  dist::agree_on_outcome<IoError>(
+      world, failure,
+      ::fsdpx::detail::str("the DCP save's data files in '", dir.string(), "' (no .metadata is written)"));
   std::vector<RankData> ranks;
-  for (int r = 0; r < static_cast<int>(all.size()); ++r) {
-    FSDPX_CHECK_AS(IoError, all[r].starts_with("ok"), "fsdpx: DCP save to '", dir.string(), "': rank ", r,
-                   " could not write its data file, so no .metadata was written: ",
-                   std::string_view(all[r]).substr(std::string_view("failed").size()));
-    ranks.push_back(decode_rank_data(std::string_view(all[r]).substr(2), r));
-  }
-  // Rank 0 writes .metadata; then every rank learns whether it could.
+  const std::vector<std::string> all = detail::all_gather_bytes(world, encode_rank_data(*mine));
+  for (int r = 0; r < static_cast<int>(all.size()); ++r) ranks.push_back(decode_rank_data(all[r], r));
+  // Rank 0 writes .metadata, last; then every rank learns whether it could.
   ::fsdpx::detail::WrittenFile written;
-  std::string outcome = "ok";
-  if (world.rank() == 0) {
-    try {
-      written = write_metadata(dir / metadata_file_name, make_metadata(ranks));
-    } catch (const std::exception& e) {
-      outcome = e.what();
-    }
-  }
-  const std::vector<std::string> outcomes = detail::all_gather_bytes(world, outcome);
-  FSDPX_CHECK_AS(IoError, outcomes[0] == "ok", "fsdpx: DCP save to '", dir.string(),
-                 "': rank 0 could not write .metadata: ", outcomes[0]);
+  failure =
+      world.rank() == 0
+          ? dist::capture_failure([&] { written = write_metadata(dir / metadata_file_name, make_metadata(ranks)); })
+          : nullptr;
+  dist::agree_on_outcome<IoError>(world, failure,
+                                  ::fsdpx::detail::str("writing the DCP save's .metadata in '", dir.string(), "'"));
   return written;
 }
 
