@@ -8,9 +8,11 @@
 //   checkpoint_job verify --root R          loads the newest committed step (checksums on)
 //   checkpoint_job compare A B [--tol T]    two full state dict files, equal (or within T)
 //   checkpoint_job dcp-save --root R --steps N --out F [--hybrid] [--fail-rank K]
-//                                           trains N steps, saves the model as PyTorch DCP in R
-//                                           (checkpoint/dcp_writer.hpp) and its full parameters as a plain
-//                                           dict (torch.load) in F; --fail-rank: that rank's disk is full
+//                                           trains N steps, saves the model as PyTorch DCP in R and the
+//                                           AdamW state in R/optim_states (checkpoint/dcp_writer.hpp), reads
+//                                           that back into another AdamW (equal, bit for bit), and writes the
+//                                           full parameters as a plain dict (torch.load) in F;
+//                                           --fail-rank: that rank's disk is full
 //   checkpoint_job dcp-cover                cover_flat_range on every range of small shapes
 #include <cerrno>
 #include <cstdio>
@@ -154,10 +156,38 @@ int dcp_save(Model& model, dist::AnyCommunicator world, const Args& args) {
   if (world.rank() == args.fail_rank) ::fsdpx::detail::inject_write_error(ENOSPC, 100);
   try {
     checkpoint::dcp::save_model(args.root, model);
+    checkpoint::dcp::save_optimizer(std::filesystem::path(args.root) / "optim_states", model, opt);
   } catch (const IoError& e) {
     std::fprintf(stderr, "rank %d: DCP save failed: %s\n", world.rank(), e.what());
     return 3;
   }
+  // The optimizer's state read back into another AdamW (other hyperparameters, no state): equal to the
+  // saved one, bit for bit, and so are the hyperparameters and the step counts.
+  auto back = make_adamw(model, torch::optim::AdamWOptions(0.5));
+  load_optimizer_state_dict(back, model.sharded(), std::filesystem::path(args.root) / "optim_states");
+  int64_t states = 0;
+  for (size_t g = 0; g < opt.param_groups().size(); ++g) {
+    const auto& want = dynamic_cast<const torch::optim::AdamWOptions&>(opt.param_groups()[g].options());
+    const auto& got = dynamic_cast<const torch::optim::AdamWOptions&>(back.param_groups()[g].options());
+    if (!(want == got)) {
+      std::fprintf(stderr, "rank %d: param group %zu's hyperparameters differ after the DCP round trip\n", world.rank(),
+                   g);
+      return 1;
+    }
+    for (size_t i = 0; i < opt.param_groups()[g].params().size(); ++i) {
+      const auto& saved = dynamic_cast<torch::optim::AdamWParamState&>(
+          *opt.state().at(opt.param_groups()[g].params()[i].unsafeGetTensorImpl()));
+      const auto& read = dynamic_cast<torch::optim::AdamWParamState&>(
+          *back.state().at(back.param_groups()[g].params()[i].unsafeGetTensorImpl()));
+      if (saved.step() != read.step() || !at::equal(saved.exp_avg(), read.exp_avg()) ||
+          !at::equal(saved.exp_avg_sq(), read.exp_avg_sq())) {
+        std::fprintf(stderr, "rank %d: an AdamW state differs after the DCP round trip\n", world.rank());
+        return 1;
+      }
+      ++states;
+    }
+  }
+  std::printf("rank %d: %lld AdamW states read back from DCP equal\n", world.rank(), static_cast<long long>(states));
   const StateDict full = full_state_dict(model.sharded());
   if (world.rank() == 0) {
     c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());

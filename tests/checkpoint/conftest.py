@@ -7,9 +7,13 @@ each module as one CTest entry): their options and the work folder.
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
+
+# tests/support's Python helpers (gloo_ranks: torch's own FSDP2 on gloo ranks), for the test modules here
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "support"))
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import io
 import json
-import multiprocessing
 import os
 import pickle
 import shutil
@@ -25,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from gloo_ranks import run_gloo_ranks
 from torch.distributed.checkpoint.filesystem import FileSystemReader, _StorageInfo
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
@@ -163,24 +162,19 @@ def test_single_process_checkpoint(tool: str, work: Path) -> None:
     assert loaded["optim"]["param_groups"][0]["lr"] == 1e-3
 
 
-def fsdp_rank(rank: int, store: str, path: str) -> None:
+def fsdp_rank(rank: int, path: str) -> None:
     """One of 2 gloo ranks: an FSDP2 model and its Adam state saved with DCP, each tensor in 2 chunks."""
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
-        for layer in model:
-            fully_shard(layer)
-        fully_shard(model)
-        optim = torch.optim.Adam(model.parameters(), lr=1e-2)
-        model(torch.randn(2, 5)).sum().backward()
-        optim.step()
-        save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)},
-                 checkpoint_id=path)
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3), torch.nn.Linear(3, 2))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-2)
+    model(torch.randn(2, 5)).sum().backward()
+    optim.step()
+    save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optim)}, checkpoint_id=path)
 
 
 def full_tensors(ckpt: Path) -> StateDict:
@@ -195,13 +189,7 @@ def full_tensors(ckpt: Path) -> StateDict:
 
 def test_two_rank_fsdp_checkpoint(tool: str, work: Path) -> None:
     ckpt = work / "fsdp"
-    spawn = multiprocessing.get_context("spawn")
-    ranks = [spawn.Process(target=fsdp_rank, args=(rank, str(work / "store"), str(ckpt))) for rank in range(2)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=120)
-    assert [p.exitcode for p in ranks] == [0, 0]
+    run_gloo_ranks(fsdp_rank, 2, work, str(ckpt))
     md = FileSystemReader(str(ckpt)).read_metadata()
     weight = md.state_dict_metadata["model.0.weight"]
     assert isinstance(weight, TensorStorageMetadata) and len(weight.chunks) == 2

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing
 import os
 import pickle
 import shutil
@@ -25,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
+from gloo_ranks import run_gloo_ranks
 from torch import nn
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -132,34 +131,23 @@ def test_nested_checkpoint_and_plain_values(tool: str, mpiexec: list[str], work:
     assert "missing: " in message and "not in the model: " in message and "model.head.bias" in message, message
 
 
-def fsdp_rank(rank: int, store: str, path: str, reference: str) -> None:
+def fsdp_rank(rank: int, path: str, reference: str) -> None:
     """One of 3 gloo ranks: the model under FSDP2 (each block a unit, as fsdpx wraps it), saved with DCP."""
     from torch.distributed.fsdp import fully_shard
 
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=3)
-    try:
-        model = make_model()
-        for i in range(3):
-            fully_shard(model.get_submodule(f"r{i}"))
-        fully_shard(model)
-        save(get_model_state_dict(model), checkpoint_id=path)
-        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        if rank == 0:
-            torch.save(dict(full), reference)
-    finally:
-        dist.destroy_process_group()
+    model = make_model()
+    for i in range(3):
+        fully_shard(model.get_submodule(f"r{i}"))
+    fully_shard(model)
+    save(get_model_state_dict(model), checkpoint_id=path)
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        torch.save(dict(full), reference)
 
 
 def test_three_rank_fsdp2_checkpoint(tool: str, mpiexec: list[str], work: Path) -> None:
     ckpt, reference = work / "fsdp", work / "fsdp_reference.pt"
-    spawn = multiprocessing.get_context("spawn")
-    ranks = [spawn.Process(target=fsdp_rank, args=(r, str(work / "store"), str(ckpt), str(reference)))
-             for r in range(3)]
-    for p in ranks:
-        p.start()
-    for p in ranks:
-        p.join(timeout=120)
-    assert [p.exitcode for p in ranks] == [0, 0, 0]
+    run_gloo_ranks(fsdp_rank, 3, work, str(ckpt), str(reference))
     with open(ckpt / ".metadata", "rb") as f:
         md: Metadata = pickle.load(f)
     head = md.state_dict_metadata["head.weight"]  # [5, 24]: rows 2, 2 and 1

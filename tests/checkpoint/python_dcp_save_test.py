@@ -2,13 +2,14 @@
 
 fsdpx_checkpoint_job trains a sharded model for two steps at 2 and 3 ranks (3: shard boundaries inside
 rows, so tensors are saved as several boxes, partial rows among them) and at 4 (HybridShard: the
-replicas write nothing), saves it with checkpoint::dcp::save_model, and writes its full parameters with
-torch.save. Here torch's own dcp.load, with no process group, reads the checkpoint into a plain state
-dict equal to them bit for bit, and format_utils.dcp_to_torch_save converts it; and fsdpx reads it back at
-another world size (fsdpx_dcp_load_program, checkpoint/dcp_reader.hpp), bit for bit, and fsdpx-merge turns
-the DCP folder into model.safetensors holding them; fsdpx-inspect --verify reads every chunk, and names the
-one a damaged data file spoils. A rank whose disk is full fails the save on every rank, and no .metadata is
-written.
+replicas write nothing), saves it with checkpoint::dcp::save_model and its AdamW state with save_optimizer
+(read back by fsdpx, equal; here in get_optimizer_state_dict's layout, with torch.optim.AdamW's keys), and
+writes its full parameters with torch.save. Here torch's own dcp.load, with no process group, reads the
+checkpoint into a plain state dict equal to them bit for bit, and format_utils.dcp_to_torch_save converts
+it; and fsdpx reads it back at another world size (fsdpx_dcp_load_program, checkpoint/dcp_reader.hpp), bit
+for bit, and fsdpx-merge turns the DCP folder into model.safetensors holding them; fsdpx-inspect --verify
+reads every chunk, and names the one a damaged data file spoils. A rank whose disk is full fails the save on
+every rank, and no .metadata is written.
 
     python -m pytest python_dcp_save_test.py --job <fsdpx_checkpoint_job> --tool <fsdpx_dcp_load_program>
         --merge <fsdpx-merge> [--inspect <fsdpx-inspect>] --mpiexec "<mpiexec> [flags]"
@@ -16,6 +17,7 @@ written.
 
 from __future__ import annotations
 
+import io
 import subprocess
 from pathlib import Path
 
@@ -24,8 +26,8 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict_loader import load
+from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys, load
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 
@@ -41,12 +43,48 @@ def test_boxes_cover_every_range(job: str) -> None:
     assert "all exact" in done.stdout
 
 
+def check_optimizer_save(root: Path, params: dict[str, torch.Tensor], done: subprocess.CompletedProcess[str],
+                         mesh: list[str]) -> None:
+    """The AdamW state fsdpx saved (checkpoint::dcp::save_optimizer) in the layout of get_optimizer_state_dict: per
+    parameter its moments in its shape and its step count, the two param groups of make_adamw with every key
+    torch.optim.AdamW holds, their params naming every parameter once. fsdpx read it back equal (checkpoint_job)."""
+    assert done.stdout.count("AdamW states read back from DCP equal") >= 2, done.stdout
+    files = {p.name for p in root.iterdir()}
+    assert ".metadata" in files and not any(name.endswith(".tmp") for name in files)
+    if mesh:
+        assert "__2_0.distcp" not in files and "__3_0.distcp" not in files
+    state = _load_state_dict_from_keys(checkpoint_id=str(root))
+    assert set(state["state"]) == set(params)
+    for fqn, p in params.items():
+        s = state["state"][fqn]
+        assert set(s) == {"exp_avg", "exp_avg_sq", "step"}, (fqn, set(s))
+        assert s["exp_avg"].shape == p.shape and s["exp_avg_sq"].shape == p.shape and s["exp_avg_sq"].min() >= 0
+        assert s["step"].dtype == torch.float32 and s["step"].shape == () and s["step"].item() == 2
+    python_keys = set(torch.optim.AdamW([torch.zeros(1)]).param_groups[0])
+    groups = state["param_groups"]
+    assert [set(g) for g in groups] == [python_keys, python_keys]
+    assert [g["weight_decay"] for g in groups] == [0.1, 0.0] and all(g["decoupled_weight_decay"] for g in groups)
+    assert all(g["lr"] == 1e-2 and g["eps"] == 1e-6 and g["betas"] == (0.9, 0.999) for g in groups), groups
+    assert sorted(groups[0]["params"] + groups[1]["params"]) == sorted(params)
+    assert all(params[n].dim() >= 2 for n in groups[0]["params"])
+    assert all(params[n].dim() < 2 for n in groups[1]["params"])
+    # each bytes entry is a torch.save archive of plain values, which torch's weights_only unpickler reads too
+    md = FileSystemReader(str(root)).read_metadata()
+    for index, info in md.storage_data.items():
+        if isinstance(md.state_dict_metadata[index.fqn], BytesStorageMetadata):
+            with open(root / info.relative_path, "rb") as f:
+                f.seek(info.offset)
+                value = torch.load(io.BytesIO(f.read(info.length)), weights_only=True)
+            _, g, key = md.planner_data[index.fqn]
+            assert value == groups[g][key], (index.fqn, value)
+
+
 @pytest.mark.parametrize(("ranks", "mesh"), [(2, []), (3, []), (4, ["--hybrid"])])
 def test_torch_and_fsdpx_load_what_fsdpx_saved(job: str, tool: str, merge: str, mpiexec: list[str], work: Path,
                                                ranks: int, mesh: list[str]) -> None:
     root, reference = work / f"dcp_np{ranks}", work / f"reference_np{ranks}.pt"
-    done = run_job(mpiexec, ranks, job, "dcp-save", "--root", root, "--steps", 2, "--out", reference, *mesh)
-    assert done.returncode == 0, done.stdout + done.stderr
+    done_save = run_job(mpiexec, ranks, job, "dcp-save", "--root", root, "--steps", 2, "--out", reference, *mesh)
+    assert done_save.returncode == 0, done_save.stdout + done_save.stderr
     expected: dict[str, torch.Tensor] = torch.load(reference, weights_only=True)
     assert expected
 
@@ -80,6 +118,8 @@ def test_torch_and_fsdpx_load_what_fsdpx_saved(job: str, tool: str, merge: str, 
     other = 3 if ranks == 2 else 2  # fsdpx reads it back at another world size, each rank its own boxes
     done = run_job(mpiexec, other, tool, "model", root, reference)
     assert done.returncode == 0, done.stdout + done.stderr
+
+    check_optimizer_save(root / "optim_states", expected, done_save, mesh)
 
     merged = work / f"merged_np{ranks}"
     done = subprocess.run([merge, str(root), "--out", str(merged)], check=False, capture_output=True, text=True,

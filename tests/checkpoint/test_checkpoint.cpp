@@ -21,6 +21,7 @@
 #include "../support/mpi_world.hpp"
 #include "checkpoint_common.hpp"
 
+#include <fsdpx/checkpoint/dcp_writer.hpp>
 #include <fsdpx/checkpoint/merge.hpp>
 #include <fsdpx/detail/json.hpp>
 
@@ -964,4 +965,45 @@ TEST_CASE("at the saving topology, a layout changed by freezing restores the opt
     CHECK(at::equal(own.entries[i].data(), every.entries[i].data()));
   }
   world.barrier();
+}
+
+TEST_CASE("dcp writer: what each rank wrote reaches rank 0 whole, and an entry saved twice is refused", "[dcp]") {
+  namespace dcp = fsdpx::checkpoint::dcp;
+  namespace w = dcp::detail;
+  using Step = dcp::PathStep;
+  w::RankData r0;
+  r0.relative_path = "__0_0.distcp";
+  r0.tensors.push_back({"state.w.exp_avg", c10::kFloat, {2, 3}, {Step("state"), Step("w"), Step("exp_avg")}});
+  r0.pieces.push_back({"state.w.exp_avg", dcp::Chunk{{0, 0}, {1, 3}}, 0, 100});
+  r0.bytes.push_back({"param_groups.0.lr", {Step("param_groups"), Step(int64_t{0}), Step("lr")}, 100, 50});
+  w::RankData r1;
+  r1.relative_path = "__1_0.distcp";
+  r1.tensors.push_back(r0.tensors.front());
+  r1.pieces.push_back({"state.w.exp_avg", dcp::Chunk{{1, 0}, {1, 3}}, 0, 90});
+  const w::RankData back = w::decode_rank_data(w::encode_rank_data(r0), 0);
+  CHECK(back.relative_path == r0.relative_path);
+  REQUIRE(back.tensors.size() == 1);
+  CHECK((back.tensors[0].path == r0.tensors[0].path));
+  REQUIRE(back.bytes.size() == 1);
+  CHECK((back.bytes[0].path == r0.bytes[0].path));  // the group index stays an int, the keys strings
+  CHECK(std::holds_alternative<int64_t>(back.bytes[0].path[1]));
+  CHECK((back.bytes[0].offset == 100 && back.bytes[0].length == 50));
+
+  const std::vector<w::RankData> ranks{back, w::decode_rank_data(w::encode_rank_data(r1), 1)};
+  const dcp::Metadata md = w::make_metadata(ranks);
+  const auto& t = std::get<dcp::TensorEntry>(md.entries.at("state.w.exp_avg"));
+  CHECK(t.chunks.size() == 2);
+  CHECK(std::holds_alternative<dcp::BytesEntry>(md.entries.at("param_groups.0.lr")));
+  CHECK(md.storage.at({"param_groups.0.lr", std::nullopt}).offset == 100);
+  CHECK((md.planner_data->at("state.w.exp_avg") == r0.tensors[0].path));
+  CHECK((md.planner_data->at("param_groups.0.lr") == r0.bytes[0].path));
+  CHECK((dcp::parse_metadata(dcp::serialize_metadata(md)) == md));
+
+  std::vector<w::RankData> twice = ranks;
+  twice[1].bytes = twice[0].bytes;
+  CHECK_THROWS_WITH(w::make_metadata(twice), Catch::Contains("'param_groups.0.lr' is saved twice"));
+  twice = ranks;
+  twice[1].tensors[0].size = {3, 2};
+  CHECK_THROWS_WITH(w::make_metadata(twice), Catch::Contains("the ranks disagree on 'state.w.exp_avg'"));
+  CHECK_THROWS_WITH(w::decode_rank_data("{\"path\": 3}", 1), Catch::Contains("what rank 1 wrote cannot be read"));
 }

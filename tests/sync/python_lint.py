@@ -1,6 +1,7 @@
 """The python_lint test: ruff over the fsdpx_sync package (python/fsdpx_sync), the Python sync tests
-(tests/sync/*.py) and the pytest checkpoint tests (tests/checkpoint: conftest.py, python_*_test.py), mypy
---strict over the package and those checkpoint tests, both with python/pyproject.toml's settings. Fails on
+(tests/sync/*.py), the pytest checkpoint tests (tests/checkpoint: conftest.py, python_*_test.py) and the FSDP2
+interop test with its helper (tests/models/dcp_interop_test.py, tests/support/gloo_ranks.py), mypy --strict over
+the package and those tests, both with python/pyproject.toml's settings. Fails on
 any finding; exits 77 (CTest: skipped) when ruff or mypy is not installed (tools/setup.sh installs both
 into .venv).
 
@@ -43,8 +44,11 @@ def main() -> int:
     mypy_cache = ["--cache-dir", os.path.join(args.cache, "mypy") if args.cache else os.devnull]
     package = os.path.join(PYTHON, "fsdpx_sync")
     checkpoint = os.path.join(HERE, "..", "checkpoint")
+    # with the helper they share with tests/models' FSDP2 interop test, and that test
     checkpoint_tests = sorted([os.path.join(checkpoint, "conftest.py"),
-                               *glob.glob(os.path.join(checkpoint, "python_*_test.py"))])
+                               *glob.glob(os.path.join(checkpoint, "python_*_test.py")),
+                               os.path.join(HERE, "..", "support", "gloo_ranks.py"),
+                               os.path.join(HERE, "..", "models", "dcp_interop_test.py")])
     ruff = run("ruff", [sys.executable, "-m", "ruff", "check", "--config", CONFIG, *ruff_cache, package,
                         *sorted(glob.glob(os.path.join(HERE, "*.py"))), *checkpoint_tests])
     mypy = run("mypy", [sys.executable, "-m", "mypy", "--config-file", CONFIG, *mypy_cache, package,

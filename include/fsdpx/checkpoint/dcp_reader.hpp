@@ -25,6 +25,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <torch/optim/optimizer.h>
 
 #include <fsdpx/checkpoint/dcp_metadata.hpp>
 #include <fsdpx/core/sharded_model.hpp>
@@ -94,6 +95,10 @@ class Reader {
   mutable int64_t bytes_read_ = 0;
 };
 
+/// The Python value of a torch.save file of plain values (LightRFT's scheduler_state.pt and client_state.pt beside
+/// a DCP checkpoint), read as read_bytes reads a bytes entry: anything but plain values is an IoError naming it.
+FSDPX_DECL c10::IValue read_plain_file(const fs::path& path, const ReaderOptions& options = {});
+
 inline at::Tensor Reader::read(const std::string& fqn, int64_t begin, int64_t end) const {
   const TensorEntry& t = tensor(fqn);
   FSDPX_CHECK(begin >= 0 && begin <= end, "reading elements [", begin, ", ", end, ") of DCP tensor '", fqn, "'");
@@ -140,6 +145,24 @@ FSDPX_DECL void load_model_state_dict(core::ShardedModel& model, const checkpoin
 inline void load_model_state_dict(core::ShardedModel& model, const std::filesystem::path& dir,
                                   const DcpLoadOptions& options = {}) {
   load_model_state_dict(model, checkpoint::dcp::Reader(dir), options);
+}
+
+/// Loads an optimizer's state (an optimizer over `model`'s shards, as make_adamw builds) from a DCP
+/// checkpoint in the layout of torch's `get_optimizer_state_dict` (FSDP2's, LightRFT's `optim_states/`,
+/// what checkpoint::dcp::save_optimizer writes): each rank reads its own range of every parameter's
+/// `state.<name>.<key>` (exp_avg, exp_avg_sq, ...) and its `state.<name>.step`, and each param group's
+/// hyperparameters (`param_groups.<g>.lr`, ...) when the checkpoint has as many groups as the optimizer;
+/// a group whose parameters are not the checkpoint's group's is an Error naming the parameter. A parameter
+/// without saved state (frozen when saved) starts afresh. `options.prefix` is the optimizer's key in a
+/// combined checkpoint ("optim." for dcp.save({"model": ..., "optim": ...})); `options.file_name` maps the
+/// model's names as for the model. Every rank calls it; it is not collective.
+FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::ShardedModel& model,
+                                          const checkpoint::dcp::Reader& reader, const DcpLoadOptions& options = {});
+
+/// The same for the DCP checkpoint folder `dir`.
+inline void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::ShardedModel& model,
+                                      const std::filesystem::path& dir, const DcpLoadOptions& options = {}) {
+  load_optimizer_state_dict(optimizer, model, checkpoint::dcp::Reader(dir), options);
 }
 
 }  // namespace fsdpx

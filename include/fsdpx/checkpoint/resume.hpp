@@ -40,6 +40,9 @@ struct LoadOptions {
   /// A part asked for that the checkpoint lacks: a warning naming it and ResumeInfo::missing (true),
   /// or an error naming it (false).
   bool allow_missing = false;
+  /// A PyTorch Distributed Checkpoint folder: how its entries meet the model's names (its prefix, name hooks
+  /// and ignored entries; models::dcp_load_options for the decoder). Loading is strict when both say so.
+  DcpLoadOptions dcp;
 };
 
 struct ResumeInfo {
@@ -58,11 +61,14 @@ FSDPX_DECL void for_each_saved_file(const fs::path& dir, const CommitRecord& rec
                                     std::optional<int> only_rank, bool verify,
                                     const std::function<void(const StateDict&)>& fn);
 
-/// load_checkpoint of a PyTorch Distributed Checkpoint folder (LightRFT's step folder: the model's DCP in the
-/// folder itself, the optimizer's in optim_states/): the weights. Its optimizer, scheduler and client state
-/// are not read yet (each asked for is missing: an error, or a warning with allow_missing).
-FSDPX_DECL ResumeInfo load_dcp_checkpoint(const fs::path& dir, core::ShardedModel& model, bool want_optimizer,
-                                          bool want_scheduler, const LoadOptions& options);
+/// load_checkpoint of a PyTorch Distributed Checkpoint folder in LightRFT's layout: the model's DCP in the folder
+/// itself; the optimizer's in optim_states/ (when `optimizer` is given); the LR scheduler's state from
+/// scheduler_state.pt (a torch LR scheduler's state_dict: its last_epoch is the step, its base_lrs the groups'
+/// base LRs; when `scheduler` is given); and client_state.pt's plain values as the client state. A part asked
+/// for that the folder lacks is an error naming it, or with allow_missing a warning and ResumeInfo::missing.
+FSDPX_DECL ResumeInfo load_dcp_checkpoint(const fs::path& dir, core::ShardedModel& model,
+                                          torch::optim::Optimizer* optimizer, LrScheduler* scheduler,
+                                          const LoadOptions& options);
 
 }  // namespace checkpoint::detail
 
@@ -80,7 +86,8 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
   const bool want_optimizer = optimizer != nullptr && options.load_optimizer;
   const bool want_scheduler = scheduler != nullptr && options.load_scheduler;
   if (checkpoint::dcp::is_checkpoint(root)) {  // a folder with a .metadata: PyTorch's DCP, not fsdpx's layout
-    return checkpoint::detail::load_dcp_checkpoint(root, model.sharded(), want_optimizer, want_scheduler, options);
+    return checkpoint::detail::load_dcp_checkpoint(root, model.sharded(), want_optimizer ? optimizer : nullptr,
+                                                   want_scheduler ? scheduler : nullptr, options);
   }
   std::optional<int64_t> step = options.step;
   if (!step) step = checkpoint::find_latest_checkpoint(root, /*weights_only=*/!want_optimizer);

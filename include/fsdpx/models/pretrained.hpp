@@ -26,6 +26,8 @@
 #include <fsdpx/hf/model_folder.hpp>
 #include <fsdpx/hf/model_safetensors.hpp>
 #include <fsdpx/hf/safetensors.hpp>
+#include <fsdpx/checkpoint/dcp_reader.hpp>
+#include <fsdpx/checkpoint/dcp_writer.hpp>
 #include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/fsdp.hpp>
 #include <fsdpx/dist/outcome.hpp>
@@ -105,6 +107,30 @@ inline bool ignored_on_load(const std::string& hf_name, const DecoderConfig& c) 
   if (hf_name.size() > rotary.size() && hf_name.compare(hf_name.size() - rotary.size(), rotary.size(), rotary) == 0)
     return true;
   return c.tie_word_embeddings && hf_name == "lm_head.weight";
+}
+
+/// A decoder's PyTorch Distributed Checkpoint named as torch names the transformers model's state dict
+/// (fsdpx's names are transformers' own): a tied head's weight is saved under "lm_head.weight" too, as
+/// get_model_state_dict lists a tied weight under each of its names, so FSDP2 and plain transformers
+/// models load it strictly; its optimizer state, as torch's, under the embedding's name only.
+inline checkpoint::dcp::SaveOptions dcp_save_options(const DecoderConfig& c) {
+  checkpoint::dcp::SaveOptions o;
+  if (c.tie_word_embeddings) {
+    o.also_saved_as = [](const std::string& name) {
+      return name == "model.embed_tokens.weight" ? std::vector<std::string>{"lm_head.weight"}
+                                                 : std::vector<std::string>{};
+    };
+  }
+  return o;
+}
+
+/// Loading a decoder from a DCP checkpoint (under `prefix`: "model." for dcp.save({"model": ...})): what
+/// transformers ignores (ignored_on_load: a tied head's copy, rotary caches) is not reported as unexpected.
+inline DcpLoadOptions dcp_load_options(const DecoderConfig& c, std::string prefix = {}) {
+  DcpLoadOptions o;
+  o.prefix = std::move(prefix);
+  o.ignore = [c](const std::string& name) { return ignored_on_load(name, c); };
+  return o;
 }
 
 /// A mixture of experts saved with transformers' in-memory layout (save_pretrained(...,

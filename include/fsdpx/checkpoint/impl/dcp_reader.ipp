@@ -4,8 +4,12 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstring>
+#include <map>
+#include <optional>
 #include <set>
+#include <string>
 #include <tuple>
 #include <utility>
 #include <vector>
@@ -77,6 +81,20 @@ class PlainValues {
 };
 
 inline bool no_globals(std::string_view, std::string_view) { return false; }
+
+/// The plain value of the torch.save archive at bytes [offset, offset + length) of `path`: its pickle only,
+/// read by fsdpx's pickle reader with no global admitted (LibTorch's unpickler would make some classes, an
+/// OrderedDict, None; and a plain value has no business holding any).
+inline c10::IValue plain_archive_value(const fs::path& path, int64_t offset, int64_t length, const std::string& what,
+                                       const ReaderOptions& options) {
+  const std::vector<std::byte> data =
+      ::fsdpx::checkpoint::detail::read_archive_pickle(path, offset, length, what, options.max_bytes_entry);
+  ::fsdpx::checkpoint::detail::pickle::Limits limits;
+  limits.max_bytes = options.max_bytes_entry;
+  limits.max_values = options.max_bytes_values;
+  const auto p = ::fsdpx::checkpoint::detail::pickle::parse(data, what, no_globals, limits);
+  return PlainValues(p, what, options.max_bytes_values).value(p.root);
+}
 
 inline std::string box_text(const Chunk& c) {
   return ::fsdpx::detail::str("offsets ", c10::IntArrayRef(c.offsets), ", sizes ", c10::IntArrayRef(c.sizes));
@@ -254,17 +272,17 @@ FSDPX_DECL c10::IValue Reader::read_bytes(const std::string& fqn) const {
   const std::string what =
       ::fsdpx::detail::str("DCP checkpoint '", dir_.string(), "': bytes entry '", fqn, "' at ", place(info));
   check_torch_save(what, info);
-  // The archive's pickle only, read by fsdpx's pickle reader with no global admitted: LibTorch's unpickler
-  // would make some classes (an OrderedDict) None, and a bytes entry has no business holding any.
-  const std::vector<std::byte> data = ::fsdpx::checkpoint::detail::read_archive_pickle(
-      dir_ / info.relative_path, info.offset, info.length, what, options_.max_bytes_entry);
-  ::fsdpx::checkpoint::detail::pickle::Limits limits;
-  limits.max_bytes = options_.max_bytes_entry;
-  limits.max_values = options_.max_bytes_values;
-  const auto p = ::fsdpx::checkpoint::detail::pickle::parse(data, what, detail::no_globals, limits);
   ++chunks_read_;
   bytes_read_ += info.length;
-  return detail::PlainValues(p, what, options_.max_bytes_values).value(p.root);
+  return detail::plain_archive_value(dir_ / info.relative_path, info.offset, info.length, what, options_);
+}
+
+FSDPX_DECL c10::IValue read_plain_file(const fs::path& path, const ReaderOptions& options) {
+  std::error_code ec;
+  const auto size = fs::file_size(path, ec);  // a stat: no open, so nothing that could block
+  FSDPX_CHECK_AS(IoError, !ec, "cannot read '", path.string(), "': ", ec.message());
+  return detail::plain_archive_value(path, 0, static_cast<int64_t>(size), ::fsdpx::detail::str("'", path.string(), "'"),
+                                     options);
 }
 
 }  // namespace fsdpx::checkpoint::dcp
@@ -326,6 +344,142 @@ FSDPX_DECL void load_model_state_dict(core::ShardedModel& model, const checkpoin
     feed(empty_slice(name, *t));  // not in the model: named by finish() when strict
   }
   loader.finish(options.strict);
+}
+
+}  // namespace fsdpx
+
+namespace fsdpx::detail {
+
+/// A number of a DCP param group (a Python float, int or bool); `what` names it in errors.
+inline double group_number(const c10::IValue& v, const std::string& what) {
+  if (v.isDouble()) return v.toDouble();
+  if (v.isInt()) return static_cast<double>(v.toInt());
+  if (v.isBool()) return v.toBool() ? 1.0 : 0.0;
+  throw IoError(::fsdpx::detail::str("fsdpx: ", what, " is ", v.tagKind(), ", not a number"));
+}
+
+/// Param group `g` of a DCP checkpoint's optimizer state (`param_groups.<g>.<key>` under `prefix`) as the
+/// hyperparameters fsdpx restores (group_hyperparameters' keys for `options`' optimizer).
+inline std::map<std::string, std::vector<double>> dcp_param_group(const checkpoint::dcp::Reader& reader,
+                                                                  const std::string& prefix, size_t g,
+                                                                  torch::optim::OptimizerOptions& options) {
+  std::map<std::string, std::vector<double>> out;
+  for (const auto& [key, want] : group_hyperparameters(options)) {
+    const std::string fqn = ::fsdpx::detail::str(prefix, "param_groups.", g, ".", key);
+    FSDPX_CHECK_AS(IoError, reader.has_bytes(fqn), "DCP checkpoint '", reader.dir().string(), "' has no '", fqn,
+                   "': its param group ", g, " was saved by an optimizer of another kind than this one");
+    const c10::IValue v = reader.read_bytes(fqn);
+    const std::string what = ::fsdpx::detail::str("DCP checkpoint '", reader.dir().string(), "': '", fqn, "'");
+    auto& values = out[key];
+    if (v.isTuple() || v.isList()) {
+      const std::vector<c10::IValue> items = v.isTuple() ? v.toTupleRef().elements().vec() : v.toListRef().vec();
+      for (const c10::IValue& item : items) values.push_back(group_number(item, what));
+    } else {
+      values.push_back(group_number(v, what));
+    }
+    FSDPX_CHECK_AS(IoError, values.size() == want.size(), what, " holds ", values.size(), " numbers, not ",
+                   want.size());
+  }
+  return out;
+}
+
+}  // namespace fsdpx::detail
+
+namespace fsdpx {
+
+FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, core::ShardedModel& model,
+                                          const checkpoint::dcp::Reader& reader, const DcpLoadOptions& options) {
+  const auto& entries = reader.metadata().entries;
+  const std::string state_prefix = options.prefix + "state.";
+  // The state keys the checkpoint holds for each model parameter (by the checkpoint's name of it): those
+  // under "state.<name>.", without "step".
+  struct Saved {
+    std::string name;               // the checkpoint's
+    std::vector<std::string> keys;  // exp_avg, exp_avg_sq, ...
+  };
+  std::map<std::string, Saved> saved;  // by the model's name
+  StateDict sd;
+  sd.component = "optim";
+  sd.world_size = 1;  // one saved "rank" holding everything: this rank's ranges, read from the chunks
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    for (const core::ParamInfo& p : model.unit(i).layout().params()) {
+      const auto file = options.file_name ? options.file_name(p.name) : std::optional<std::string>(p.name);
+      if (!file) continue;
+      const std::string base = state_prefix + *file + ".";
+      Saved s{*file, {}};
+      for (auto it = entries.lower_bound(base); it != entries.end() && it->first.starts_with(base); ++it) {
+        const std::string key = it->first.substr(base.size());
+        if (key == "step" || key.find('.') != std::string::npos) continue;
+        const auto* t = std::get_if<checkpoint::dcp::TensorEntry>(&it->second);
+        FSDPX_CHECK_AS(
+            IoError, t != nullptr && t->size == p.shape, "DCP checkpoint '", reader.dir().string(), "': '", it->first,
+            "' is ",
+            t ? ::fsdpx::detail::str("a tensor of shape ", c10::IntArrayRef(t->size)) : std::string("a bytes entry"),
+            ", not the optimizer state of '", p.name, "' of shape ", c10::IntArrayRef(p.shape));
+        s.keys.push_back(key);
+      }
+      if (s.keys.empty()) continue;  // no state saved: frozen, or not stepped, when saved
+      FSDPX_CHECK_AS(IoError, reader.find_tensor(base + "step") != nullptr, "DCP checkpoint '", reader.dir().string(),
+                     "' holds optimizer state for '", *file, "' but no '", base, "step'");
+      sd.trained.push_back(p.name);
+      saved.emplace(p.name, std::move(s));
+    }
+  }
+  // This rank's part of each parameter's state, as optimizer_state_dict would have taken it.
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    const core::Unit& u = model.unit(i);
+    const int64_t base = u.layout().shard_range(u.shard_rank()).begin;
+    for (const auto& op : u.optim_params()) {
+      const int64_t op_begin = base + op.range.begin, op_end = base + op.range.end;
+      for (const core::ParamInfo& p : u.layout().params()) {
+        const int64_t lo = std::max(p.offset, op_begin), hi = std::min(p.offset + p.numel, op_end);
+        const auto it = saved.find(p.name);
+        if (lo >= hi || it == saved.end()) continue;
+        const std::string prefix = state_prefix + it->second.name + ".";
+        const double step = reader.read(prefix + "step").item<double>();
+        FSDPX_CHECK_AS(IoError, step >= 0 && step == std::floor(step) && step < 9.0e15, "DCP checkpoint '",
+                       reader.dir().string(), "': '", prefix, "step' is ", step, ", not a step count");
+        TensorSlice s{p.name, p.shape, lo - p.offset, hi - p.offset, {}, static_cast<int64_t>(step)};
+        for (const std::string& key : it->second.keys) s.tensors[key] = reader.read(prefix + key, s.begin, s.end);
+        sd.entries.push_back(std::move(s));
+      }
+    }
+  }
+  // The param groups' hyperparameters, when the checkpoint has as many groups and each holds the
+  // parameters this rank's group of the same index steps.
+  size_t groups = 0;
+  while (reader.has_bytes(::fsdpx::detail::str(options.prefix, "param_groups.", groups, ".lr"))) ++groups;
+  if (groups == optimizer.param_groups().size()) {
+    for (size_t g = 0; g < groups; ++g) {
+      sd.param_groups.push_back(
+          ::fsdpx::detail::dcp_param_group(reader, options.prefix, g, optimizer.param_groups()[g].options()));
+      const std::string params = ::fsdpx::detail::str(options.prefix, "param_groups.", g, ".params");
+      if (!reader.has_bytes(params)) continue;
+      const c10::IValue listed = reader.read_bytes(params);
+      std::set<std::string> names;
+      if (listed.isList()) {
+        for (const c10::IValue& n : listed.toListRef()) {
+          if (n.isString()) names.insert(n.toStringRef());
+        }
+      }
+      std::set<const c10::TensorImpl*> mine;
+      for (const at::Tensor& t : optimizer.param_groups()[g].params()) mine.insert(t.unsafeGetTensorImpl());
+      for (size_t i = 0; i < model.num_units(); ++i) {
+        const core::Unit& u = model.unit(i);
+        for (const auto& op : u.optim_params()) {
+          if (mine.count(op.tensor.unsafeGetTensorImpl()) == 0) continue;
+          for (const core::ParamInfo& p : u.layout().params()) {
+            const auto it = saved.find(p.name);
+            FSDPX_CHECK(p.decay != op.decay || it == saved.end() || names.count(it->second.name) != 0,
+                        "loading the optimizer state from DCP checkpoint '", reader.dir().string(), "': '", p.name,
+                        "' is in this optimizer's param group ", g, ", but not in the checkpoint's ('", params,
+                        "'); build the optimizer's groups as the saving job did, or load the state only");
+          }
+        }
+      }
+    }
+  }
+  load_optimizer_state_dict(optimizer, model, [&](const auto& fn) { fn(sd); });
 }
 
 }  // namespace fsdpx

@@ -9,11 +9,15 @@
 #include <exception>
 #include <map>
 #include <optional>
+#include <type_traits>
 #include <utility>
+#include <variant>
 
 #include <ATen/ATen.h>
 
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
+#include <fsdpx/checkpoint/state_dict.hpp>
+#include <fsdpx/core/optim.hpp>
 #include <fsdpx/detail/json.hpp>
 #include <fsdpx/dist/outcome.hpp>
 
@@ -104,31 +108,45 @@ FSDPX_DECL std::vector<Chunk> cover_flat_range(std::span<const int64_t> shape, i
   return out;
 }
 
-FSDPX_DECL RankData write_rank_data(const fs::path& dir, int rank, const StateDict& sd, const SavedName& name_of) {
+namespace detail {
+
+FSDPX_DECL RankData write_rank_data(const fs::path& dir, int rank, const RankState& state) {
   RankData out;
   out.relative_path = data_file_name(rank);
   std::optional<::fsdpx::detail::DurableFile> file;  // none for a rank with nothing to save (a replica)
-  for (const TensorSlice& slice : sd.entries) {
-    const std::string fqn = name_of ? name_of(slice.name) : slice.name;
-    if (fqn.empty()) continue;
-    const at::Tensor data = slice.tensors.at("data").contiguous();
-    FSDPX_CHECK_AS(InternalError, data.is_cpu() && data.numel() == slice.end - slice.begin, "the slice of '",
-                   slice.name, "' holds ", data.numel(), " elements on ", data.device(), ", not ",
-                   slice.end - slice.begin, " on the CPU");
-    out.tensors.push_back({fqn, data.scalar_type(), slice.shape});
+  const auto open = [&]() -> ::fsdpx::detail::DurableFile& {
     if (!file) file.emplace(dir / out.relative_path);
-    const std::vector<int64_t> strides = detail::row_major_strides(slice.shape);
-    for (Chunk& chunk : cover_flat_range(slice.shape, slice.begin, slice.end)) {
-      // A view of the slice's memory (no copy): torch.save writes a tensor's whole storage, so the box
-      // is its own storage rather than a view into the slice's.
-      const int64_t first = (chunk.offsets.empty() ? 0 : detail::flat_offset(chunk, strides)) - slice.begin;
+    return *file;
+  };
+  const auto append = [&](const c10::IValue& value) {
+    ::fsdpx::checkpoint::detail::write_ivalue(value, [&](const void* bytes, size_t n) { open().append(bytes, n); });
+  };
+  const auto path_of = [](const std::string& fqn, const std::vector<PathStep>& path) {
+    return path.empty() ? std::vector<PathStep>{PathStep(fqn)} : path;
+  };
+  for (const SavedTensor& t : state.tensors) {
+    const at::Tensor data = t.values.contiguous();
+    FSDPX_CHECK_AS(InternalError, data.is_cpu() && data.numel() == t.end - t.begin, "the part of '", t.fqn,
+                   "' to save holds ", data.numel(), " elements on ", data.device(), ", not ", t.end - t.begin,
+                   " on the CPU");
+    out.tensors.push_back({t.fqn, data.scalar_type(), t.shape, path_of(t.fqn, t.path)});
+    const std::vector<int64_t> strides = row_major_strides(t.shape);
+    for (Chunk& chunk : cover_flat_range(t.shape, t.begin, t.end)) {
+      // A view of the part's memory (no copy): torch.save writes a tensor's whole storage, so the box
+      // is its own storage rather than a view into the part's.
+      const int64_t first = (chunk.offsets.empty() ? 0 : flat_offset(chunk, strides)) - t.begin;
       const at::Tensor box =
           at::from_blob(static_cast<char*>(data.data_ptr()) + first * static_cast<int64_t>(data.element_size()),
                         chunk.sizes, data.options());
-      const int64_t offset = file->bytes();
-      ::fsdpx::checkpoint::detail::write_ivalue(box, [&](const void* bytes, size_t n) { file->append(bytes, n); });
-      out.pieces.push_back({fqn, std::move(chunk), offset, file->bytes() - offset});
+      const int64_t offset = open().bytes();
+      append(box);
+      out.pieces.push_back({t.fqn, std::move(chunk), offset, file->bytes() - offset});
     }
+  }
+  for (const SavedBytes& b : state.bytes) {
+    const int64_t offset = open().bytes();
+    append(b.value);
+    out.bytes.push_back({b.fqn, path_of(b.fqn, b.path), offset, file->bytes() - offset});
   }
   if (file) file->commit();
   return out;
@@ -144,8 +162,8 @@ FSDPX_DECL Metadata make_metadata(std::span<const RankData> ranks) {
       const auto* held = std::get_if<TensorEntry>(&it->second);
       FSDPX_CHECK_AS(IoError, held && held->dtype == t.dtype && held->size == t.size,
                      "DCP save: the ranks disagree on '", t.fqn, "': one holds it as ", c10::toString(t.dtype), " ",
-                     c10::IntArrayRef(t.size));
-      if (fresh) (*md.planner_data)[t.fqn] = {PathStep(t.fqn)};
+                     c10::IntArrayRef(t.size), held ? "" : ", another as a bytes entry");
+      if (fresh) (*md.planner_data)[t.fqn] = t.path;
     }
     for (const RankData::Piece& p : rank.pieces) {
       auto& entry = std::get<TensorEntry>(md.entries.at(p.fqn));
@@ -154,18 +172,49 @@ FSDPX_DECL Metadata make_metadata(std::span<const RankData> ranks) {
       md.storage[StorageIndex{p.fqn, p.chunk.offsets}] = StorageInfo{
           .relative_path = rank.relative_path, .offset = p.offset, .length = p.length, .chunk_index = index};
     }
+    for (const RankData::Bytes& b : rank.bytes) {
+      FSDPX_CHECK_AS(IoError, md.entries.try_emplace(b.fqn, BytesEntry{}).second, "DCP save: '", b.fqn,
+                     "' is saved twice (a bytes entry comes from one rank, and is no tensor)");
+      (*md.planner_data)[b.fqn] = b.path;
+      md.storage[StorageIndex{b.fqn, std::nullopt}] =
+          StorageInfo{.relative_path = rank.relative_path, .offset = b.offset, .length = b.length};
+    }
   }
   validate_metadata(md, "the DCP checkpoint being saved");
   return md;
 }
 
+namespace {
+
+::fsdpx::detail::Json path_json(const std::vector<PathStep>& path) {
+  auto j = ::fsdpx::detail::Json::array();
+  for (const PathStep& step : path) std::visit([&](const auto& v) { j.push_back(v); }, step);
+  return j;
+}
+
+std::vector<PathStep> path_from_json(const ::fsdpx::detail::Json& j) {
+  std::vector<PathStep> path;
+  for (const auto& step : j) {
+    if (step.is_string()) {
+      path.emplace_back(step.get<std::string>());
+    } else {
+      path.emplace_back(step.get<int64_t>());  // anything else: a type error, reported by the caller
+    }
+  }
+  return path;
+}
+
+}  // namespace
+
 FSDPX_DECL std::string encode_rank_data(const RankData& data) {
   ::fsdpx::detail::Json j;
   j["path"] = data.relative_path;
   j["tensors"] = ::fsdpx::detail::Json::array();
-  for (const auto& t : data.tensors) j["tensors"].push_back({t.fqn, dtype_name(t.dtype), t.size});
+  for (const auto& t : data.tensors) j["tensors"].push_back({t.fqn, dtype_name(t.dtype), t.size, path_json(t.path)});
   j["pieces"] = ::fsdpx::detail::Json::array();
   for (const auto& p : data.pieces) j["pieces"].push_back({p.fqn, p.chunk.offsets, p.chunk.sizes, p.offset, p.length});
+  j["bytes"] = ::fsdpx::detail::Json::array();
+  for (const auto& b : data.bytes) j["bytes"].push_back({b.fqn, path_json(b.path), b.offset, b.length});
   return j.dump();
 }
 
@@ -177,12 +226,17 @@ FSDPX_DECL RankData decode_rank_data(std::string_view bytes, int rank) {
     for (const auto& t : j.at("tensors")) {
       const auto dtype = dtype_from_name(t.at(1).get<std::string>());
       FSDPX_CHECK_AS(IoError, dtype.has_value(), "dtype ", t.at(1).dump());
-      out.tensors.push_back({t.at(0).get<std::string>(), *dtype, t.at(2).get<std::vector<int64_t>>()});
+      out.tensors.push_back(
+          {t.at(0).get<std::string>(), *dtype, t.at(2).get<std::vector<int64_t>>(), path_from_json(t.at(3))});
     }
     for (const auto& p : j.at("pieces")) {
       out.pieces.push_back({p.at(0).get<std::string>(),
                             Chunk{p.at(1).get<std::vector<int64_t>>(), p.at(2).get<std::vector<int64_t>>()},
                             p.at(3).get<int64_t>(), p.at(4).get<int64_t>()});
+    }
+    for (const auto& b : j.at("bytes")) {
+      out.bytes.push_back(
+          {b.at(0).get<std::string>(), path_from_json(b.at(1)), b.at(2).get<int64_t>(), b.at(3).get<int64_t>()});
     }
     return out;
   } catch (const std::exception& e) {
@@ -190,9 +244,10 @@ FSDPX_DECL RankData decode_rank_data(std::string_view bytes, int rank) {
   }
 }
 
-FSDPX_DECL ::fsdpx::detail::WrittenFile save_model(const fs::path& dir, core::ShardedModel& model,
-                                                   const SavedName& name_of) {
-  dist::AnyCommunicator& world = model.mesh().world();
+/// save_state with `state` made by `make` inside the part whose failure every rank learns of (taking a
+/// state dict can fail: a host copy out of memory).
+inline ::fsdpx::detail::WrittenFile save_made_state(const fs::path& dir, dist::AnyCommunicator& world,
+                                                    const std::function<RankState()>& make) {
   // Every rank takes part in each collective whatever happened to it: dist::agree_on_outcome tells all
   // of them what failed where, and every rank throws.
   std::optional<RankData> mine;
@@ -200,13 +255,13 @@ FSDPX_DECL ::fsdpx::detail::WrittenFile save_model(const fs::path& dir, core::Sh
     std::error_code ec;
     fs::create_directories(dir, ec);
     FSDPX_CHECK_AS(IoError, !ec, "cannot create '", dir.string(), "': ", ec.message());
-    mine = write_rank_data(dir, world.rank(), sharded_state_dict(model), name_of);
+    mine = write_rank_data(dir, world.rank(), make());
   });
   dist::agree_on_outcome<IoError>(
       world, failure,
       ::fsdpx::detail::str("the DCP save's data files in '", dir.string(), "' (no .metadata is written)"));
   std::vector<RankData> ranks;
-  const std::vector<std::string> all = detail::all_gather_bytes(world, encode_rank_data(*mine));
+  const std::vector<std::string> all = all_gather_bytes(world, encode_rank_data(*mine));
   for (int r = 0; r < static_cast<int>(all.size()); ++r) ranks.push_back(decode_rank_data(all[r], r));
   // Rank 0 writes .metadata, last; then every rank learns whether it could.
   ::fsdpx::detail::WrittenFile written;
@@ -217,6 +272,140 @@ FSDPX_DECL ::fsdpx::detail::WrittenFile save_model(const fs::path& dir, core::Sh
   dist::agree_on_outcome<IoError>(world, failure,
                                   ::fsdpx::detail::str("writing the DCP save's .metadata in '", dir.string(), "'"));
   return written;
+}
+
+/// The names `name` is saved under (none: left out).
+inline std::vector<std::string> saved_names(const SaveOptions& options, const std::string& name) {
+  std::string saved = options.saved_name ? options.saved_name(name) : name;
+  if (saved.empty()) return {};
+  std::vector<std::string> out{saved};
+  if (options.also_saved_as) {
+    for (std::string& also : options.also_saved_as(saved)) out.push_back(std::move(also));
+  }
+  return out;
+}
+
+/// The param group of each trained unit's decayed and other parameters, as (unit, decay) -> group, from
+/// every rank's shards (a rank may hold none of a unit's decayed or other elements). Collective.
+inline std::map<std::pair<size_t, bool>, size_t> param_group_of_units(core::ShardedModel& model,
+                                                                      torch::optim::Optimizer& optimizer) {
+  std::map<const c10::TensorImpl*, size_t> group_of_tensor;
+  for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    for (const at::Tensor& t : optimizer.param_groups()[g].params()) group_of_tensor[t.unsafeGetTensorImpl()] = g;
+  }
+  auto mine = ::fsdpx::detail::Json::array();
+  for (size_t i = 0; i < model.num_units(); ++i) {
+    for (const auto& op : model.unit(i).optim_params()) {
+      const auto it = group_of_tensor.find(op.tensor.unsafeGetTensorImpl());
+      if (it != group_of_tensor.end()) mine.push_back({i, op.decay, it->second});
+    }
+  }
+  std::map<std::pair<size_t, bool>, size_t> out;
+  for (const std::string& rank : all_gather_bytes(model.mesh().world(), mine.dump())) {
+    for (const auto& e : ::fsdpx::detail::Json::parse(rank))
+      out[{e.at(0).get<size_t>(), e.at(1).get<bool>()}] = e.at(2).get<size_t>();
+  }
+  return out;
+}
+
+/// Param group `g`'s entries as torch.optim's class of the same name holds them: LibTorch's
+/// hyperparameters, Python's flags at their defaults (LibTorch has none of them), and `params`.
+inline void add_param_group(RankState& state, torch::optim::OptimizerOptions& options, size_t g,
+                            std::vector<std::string> params) {
+  const auto add = [&](const char* key, c10::IValue value) {
+    state.bytes.push_back({::fsdpx::detail::str("param_groups.", g, ".", key),
+                           std::move(value),
+                           {PathStep("param_groups"), PathStep(static_cast<int64_t>(g)), PathStep(key)}});
+  };
+  const bool known = ::fsdpx::detail::visit_optimizer_row<::fsdpx::detail::AsOptions>(options, [&](auto row, auto& o) {
+    add("lr", o.lr());
+    if constexpr (decltype(row)::adam_like) {
+      add("betas", c10::ivalue::Tuple::create({std::get<0>(o.betas()), std::get<1>(o.betas())}));
+      add("eps", o.eps());
+      add("weight_decay", o.weight_decay());
+      add("amsgrad", o.amsgrad());
+      add("capturable", false);
+      add("decoupled_weight_decay", std::is_same_v<decltype(row), ::fsdpx::detail::AdamWRow>);
+    } else {
+      add("momentum", o.momentum());
+      add("dampening", o.dampening());
+      add("weight_decay", o.weight_decay());
+      add("nesterov", o.nesterov());
+    }
+    add("maximize", false);
+    add("foreach", c10::IValue());
+    add("differentiable", false);
+    add("fused", c10::IValue());
+  });
+  FSDPX_CHECK(known, "DCP save: this optimizer's type is not known to fsdpx (", ::fsdpx::detail::known_optimizers,
+              " are)");
+  c10::List<std::string> names;
+  for (std::string& n : params) names.push_back(std::move(n));
+  add("params", names);
+}
+
+}  // namespace detail
+
+FSDPX_DECL ::fsdpx::detail::WrittenFile save_state(const fs::path& dir, dist::AnyCommunicator& world,
+                                                   const RankState& state) {
+  return detail::save_made_state(dir, world, [&] { return state; });
+}
+
+FSDPX_DECL ::fsdpx::detail::WrittenFile save_model(const fs::path& dir, core::ShardedModel& model,
+                                                   const SaveOptions& options) {
+  return detail::save_made_state(dir, model.mesh().world(), [&] {
+    RankState state;
+    for (const TensorSlice& slice : sharded_state_dict(model).entries) {
+      for (const std::string& name : detail::saved_names(options, slice.name))
+        state.tensors.push_back({name, slice.shape, slice.begin, slice.end, slice.tensors.at("data"), {}});
+    }
+    return state;
+  });
+}
+
+FSDPX_DECL ::fsdpx::detail::WrittenFile save_optimizer(const fs::path& dir, core::ShardedModel& model,
+                                                       torch::optim::Optimizer& optimizer, const SaveOptions& options) {
+  const auto group_of = detail::param_group_of_units(model, optimizer);  // collective: before the guarded part
+  const bool rank0 = model.mesh().world().rank() == 0;
+  return detail::save_made_state(dir, model.mesh().world(), [&] {
+    RankState state;
+    const auto at_path = [](const std::string& name, const std::string& key) {
+      return std::vector<PathStep>{PathStep("state"), PathStep(name), PathStep(key)};
+    };
+    for (const TensorSlice& slice : optimizer_state_dict(model, optimizer).entries) {
+      const std::vector<std::string> names = detail::saved_names(options, slice.name);
+      if (names.empty()) continue;
+      const std::string& name = names.front();  // a tied weight's state is saved once, as torch saves it
+      for (const auto& [key, values] : slice.tensors) {
+        state.tensors.push_back(
+            {"state." + name + "." + key, slice.shape, slice.begin, slice.end, values, at_path(name, key)});
+      }
+      // The step count, a float32 scalar as torch.optim keeps it, from the rank holding the first element
+      if (slice.begin == 0) {
+        state.tensors.push_back({"state." + name + ".step",
+                                 {},
+                                 0,
+                                 1,
+                                 at::full({1}, static_cast<double>(slice.step), at::kFloat),
+                                 at_path(name, "step")});
+      }
+    }
+    if (rank0) {
+      for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+        std::vector<std::string> params;
+        for (size_t i = 0; i < model.num_units(); ++i) {
+          for (const core::ParamInfo& p : model.unit(i).layout().params()) {
+            const auto it = group_of.find({i, p.decay});
+            if (it == group_of.end() || it->second != g) continue;
+            if (const auto names = detail::saved_names(options, p.name); !names.empty())
+              params.push_back(names.front());
+          }
+        }
+        detail::add_param_group(state, optimizer.param_groups()[g].options(), g, std::move(params));
+      }
+    }
+    return state;
+  });
 }
 
 }  // namespace fsdpx::checkpoint::dcp

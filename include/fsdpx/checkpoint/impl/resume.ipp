@@ -19,8 +19,31 @@ FSDPX_DECL void for_each_saved_file(const fs::path& dir, const CommitRecord& rec
   }
 }
 
-FSDPX_DECL ResumeInfo load_dcp_checkpoint(const fs::path& dir, core::ShardedModel& model, bool want_optimizer,
-                                          bool want_scheduler, const LoadOptions& options) {
+/// fsdpx's LrScheduler state ({"last_step", "base_lrs"}) from a torch LR scheduler's state_dict (LightRFT's
+/// scheduler_state.pt): its last_epoch is the number of steps taken, its base_lrs each group's base LR.
+inline c10::IValue lr_scheduler_state_from_torch(const c10::IValue& saved, const fs::path& path) {
+  const auto bad = [&](const std::string& why) {
+    return IoError(::fsdpx::detail::str("fsdpx: '", path.string(), "' is not a torch LR scheduler's state: ", why));
+  };
+  if (!saved.isGenericDict()) throw bad(::fsdpx::detail::str("it holds ", saved.tagKind(), ", not a dict"));
+  const auto d = saved.toGenericDict();
+  if (!d.contains("last_epoch") || !d.at("last_epoch").isInt() || d.at("last_epoch").toInt() < 0)
+    throw bad("no integer last_epoch >= 0");
+  if (!d.contains("base_lrs") || !d.at("base_lrs").isList()) throw bad("no list base_lrs");
+  c10::List<double> base_lrs;
+  for (const c10::IValue& lr : d.at("base_lrs").toListRef()) {
+    if (!lr.isDouble() && !lr.isInt()) throw bad("a base_lrs entry is not a number");
+    base_lrs.push_back(lr.isDouble() ? lr.toDouble() : static_cast<double>(lr.toInt()));
+  }
+  c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
+  out.insert("last_step", d.at("last_epoch").toInt());
+  out.insert("base_lrs", base_lrs);
+  return out;
+}
+
+FSDPX_DECL ResumeInfo load_dcp_checkpoint(const fs::path& dir, core::ShardedModel& model,
+                                          torch::optim::Optimizer* optimizer, LrScheduler* scheduler,
+                                          const LoadOptions& options) {
   ResumeInfo info;
   // LightRFT names a step's folder by its tag ("global_step10"): the number it ends with is the step.
   const std::string name = dir.filename().empty() ? dir.parent_path().filename().string() : dir.filename().string();
@@ -33,23 +56,49 @@ FSDPX_DECL ResumeInfo load_dcp_checkpoint(const fs::path& dir, core::ShardedMode
     if (std::sscanf(storage.relative_path.c_str(), "__%d_", &rank) == 1 && rank >= 0 && rank < max_world_size)
       info.saved_world_size = std::max(info.saved_world_size, rank + 1);
   }
-  // Every part asked for is checked before the model is touched, as for fsdpx's own checkpoints.
+  // Every part asked for is checked, and the small ones read, before the model is touched, as for fsdpx's own
+  // checkpoints.
   const auto lacks = [&](const std::string& part, const std::string& why) {
     FSDPX_CHECK_AS(IoError, options.allow_missing, "DCP checkpoint '", dir.string(), "': its ", part,
-                   " is not loaded (", why, "); pass LoadOptions{.load_", part,
-                   " = false} to resume without it, or .allow_missing = true "
-                   "to be warned instead");
+                   " is not loaded (", why, "); pass LoadOptions{.load_",
+                   part == "client state" ? "client_state" : part,
+                   " = false} to resume without it, or .allow_missing = true to be warned instead");
     TORCH_WARN("fsdpx: DCP checkpoint '", dir.string(), "': its ", part, " is not loaded (", why,
                "); resuming without it");
     info.missing.push_back(part);
   };
-  if (want_optimizer) {
-    lacks("optimizer", dcp::is_checkpoint(dir / "optim_states")
-                           ? "fsdpx does not read a DCP optimizer state (optim_states/) yet"
-                           : "the folder has no optim_states/ checkpoint");
+  const fs::path optim_dir = dir / "optim_states", scheduler_file = dir / "scheduler_state.pt",
+                 client_file = dir / "client_state.pt";
+  const bool load_optimizer = optimizer != nullptr && dcp::is_checkpoint(optim_dir);
+  if (optimizer != nullptr && !load_optimizer) lacks("optimizer", "the folder has no optim_states/ checkpoint");
+  std::optional<c10::IValue> scheduler_state;
+  if (scheduler != nullptr) {
+    if (fs::exists(scheduler_file)) {
+      scheduler_state = lr_scheduler_state_from_torch(dcp::read_plain_file(scheduler_file), scheduler_file);
+      scheduler->check_state_dict(*scheduler_state);
+    } else {
+      lacks("scheduler", "the folder has no scheduler_state.pt");
+    }
   }
-  if (want_scheduler) lacks("scheduler", "a DCP checkpoint holds no fsdpx LR scheduler state");
-  load_model_state_dict(model, reader, {.strict = options.strict});
+  if (options.load_client_state && fs::exists(client_file)) {
+    const c10::IValue client = dcp::read_plain_file(client_file);
+    FSDPX_CHECK_AS(IoError, client.isGenericDict(), "DCP checkpoint '", dir.string(), "': client_state.pt holds ",
+                   client.tagKind(), ", not a dict");
+    info.extra.client = client.toGenericDict();
+  } else if (options.load_client_state && optimizer != nullptr) {
+    lacks("client state", "the folder has no client_state.pt");
+  }
+  info.extra.step = info.step;
+  DcpLoadOptions names = options.dcp;
+  names.strict = names.strict && options.strict;
+  load_model_state_dict(model, reader, names);
+  if (load_optimizer) {  // the optimizer's own checkpoint: the model's names, no prefix
+    load_optimizer_state_dict(*optimizer, model, optim_dir, {.file_name = names.file_name});
+  }
+  if (scheduler_state) {
+    scheduler->load_state_dict(*scheduler_state);  // after the optimizer: the LRs the schedule gives
+    info.extra.scheduler = *scheduler_state;
+  }
   return info;
 }
 
