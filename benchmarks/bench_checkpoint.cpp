@@ -9,13 +9,16 @@
 //            time the next backward waits for the background copy (ShardedModel::shard_reader_wait),
 //            and the write throughput (bytes / time from save() to the last durable file), alone
 //            (save then wait) and while training runs on the same cores
-// It prints the ratios the targets are about: blocked / sync (target <= 5%) and write throughput
-// / disk (target >= 80%).
+// The async measurements run for both CheckpointFormat::fsdpx and CheckpointFormat::dcp, taking turns. It
+// prints the ratios the targets are about: blocked / sync (target <= 5%), write throughput / disk (target
+// >= 80%), and DCP's blocked time against fsdpx's format's (target <= 1).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
@@ -105,22 +108,37 @@ int main(int argc, char** argv) {
 
   // Side by side, three rounds, medians (this VM's disk speed drifts within a run): the disk, a
   // synchronous torch::save (+ fsync, so its bytes are on disk as the coordinator's are), and an
-  // async save alone (save() then wait(), nothing else running), timed until both of its files are
-  // durable (the commit and rotation that follow write nothing large).
-  std::atomic<int64_t> written{0};
-  std::vector<double> write_s;
+  // async save alone (save() then wait(), nothing else running) in each format, timed until both of its
+  // components are durable (the commit and rotation that follow write nothing large but DCP's .metadata).
+  struct Async {
+    CheckpointFormat format;
+    const char* name;
+    std::unique_ptr<CheckpointCoordinator> ckpt;
+    std::vector<double> alone_s, write_s;
+    int64_t written = 0;
+    double save_call_s = 0, fence_s = 0, step_s = 0;
+  };
+  std::vector<Async> formats;
+  formats.push_back({CheckpointFormat::fsdpx, "fsdpx", nullptr});
+  formats.push_back({CheckpointFormat::dcp, "dcp", nullptr});
   std::mutex m;
   Clock::time_point save_start;
   int files_done = 0;
-  CheckpointCoordinator ckpt(root / "ckpt", model, {.max_to_keep = 2, .threads = threads});
-  ckpt.add_monitor({.after_save = [&](const SaveEvent& e) {
-    std::lock_guard lock(m);
-    written += e.bytes;
-    if (++files_done == 2) write_s.push_back(seconds_since(save_start));  // model + optim durable
-  }});
-  const auto start_timing = [&] {
+  std::vector<double>* timing = nullptr;  // where the running save's write time goes
+  for (Async& a : formats) {
+    a.ckpt = std::make_unique<CheckpointCoordinator>(
+        root / (std::string("ckpt_") + a.name), model,
+        CheckpointOptions{.max_to_keep = 2, .threads = threads, .format = a.format});
+    a.ckpt->add_monitor({.after_save = [&, w = &a.written](const SaveEvent& e) {
+      std::lock_guard lock(m);
+      *w += e.bytes;
+      if (++files_done == 2 && timing != nullptr) timing->push_back(seconds_since(save_start));  // model + optim
+    }});
+  }
+  const auto start_timing = [&](std::vector<double>& into) {
     std::lock_guard lock(m);
     files_done = 0;
+    timing = &into;
     save_start = Clock::now();
   };
   std::vector<double> disk_runs, sync_runs;
@@ -147,76 +165,84 @@ int main(int argc, char** argv) {
     sync_runs.push_back(seconds_since(t0));
     sync_bytes = static_cast<int64_t>(fs::file_size(sync_file));
     fs::remove(sync_file);
-    settle();
-    start_timing();
-    ckpt.save(10 + rep, model, &opt);
-    ckpt.wait();
+    for (Async& a : formats) {
+      settle();
+      start_timing(a.alone_s);
+      a.ckpt->save(10 + rep, model, &opt);
+      a.ckpt->wait();
+    }
   }
   const auto median = [](std::vector<double> v) {
     std::sort(v.begin(), v.end());
     return v[v.size() / 2];
   };
   const double disk_s = median(disk_runs), sync_s = median(sync_runs);
-  const std::vector<double> alone_s = write_s;
-  write_s.clear();
-  written = 0;
-  double save_call_s = 0, step_s = 0, plain_step_s = 0;
+  double plain_step_s = 0;
   for (int i = 0; i < steps; ++i) {  // steps without saves: the baseline step time
     world.barrier();
     t0 = Clock::now();
     step();
     plain_step_s += seconds_since(t0);
   }
-  const double wait_before = model.sharded().shard_reader_wait().count();
-  for (int i = 0; i < steps; ++i) {
-    ckpt.wait();  // one save at a time, so each write is timed alone
+  // The formats take turns, a save each step, so both see the same drift of the disk and the cores.
+  for (Async& a : formats) a.written = 0;
+  for (int i = 0; i < 2 * steps; ++i) {
+    Async& a = formats[static_cast<size_t>(i % 2)];
+    for (Async& b : formats) b.ckpt->wait();  // one save at a time, so each write is timed alone
     settle();
-    start_timing();
+    const double wait_before = model.sharded().shard_reader_wait().count();
+    start_timing(a.write_s);
     t0 = Clock::now();
-    ckpt.save(100 + i, model, &opt);
-    save_call_s += seconds_since(t0);
+    a.ckpt->save(100 + i, model, &opt);
+    a.save_call_s += seconds_since(t0);
     t0 = Clock::now();
     step();
-    step_s += seconds_since(t0);
+    a.step_s += seconds_since(t0);
+    a.fence_s += model.sharded().shard_reader_wait().count() - wait_before;
   }
-  ckpt.wait();
-  const double fence_s = model.sharded().shard_reader_wait().count() - wait_before;
-  const double blocked_s = (save_call_s + fence_s) / steps;
-  const double write_med_s = median(write_s);
-  const double save_bytes = static_cast<double>(written.load()) / steps;
+  for (Async& a : formats) a.ckpt->wait();
 
   // Worst rank decides (a step waits for the slowest).
-  auto v = at::tensor({disk_s, sync_s, blocked_s, write_med_s, save_call_s / steps, fence_s / steps, step_s / steps,
-                       plain_step_s / steps, median(alone_s)},
-                      at::kDouble);
+  std::vector<double> values{disk_s, sync_s, plain_step_s / steps};
+  for (const Async& a : formats) {
+    values.insert(values.end(), {(a.save_call_s + a.fence_s) / steps, median(a.write_s), a.save_call_s / steps,
+                                 a.fence_s / steps, a.step_s / steps, median(a.alone_s)});
+  }
+  auto v = at::tensor(values, at::kDouble);
   world.all_reduce(v, dist::ReduceOp::max);
   const auto r = v.accessor<double, 1>();
   if (world.rank() == 0) {
     const double mib = static_cast<double>(bytes) / (1 << 20);
+    const double disk_bps = static_cast<double>(bytes) / r[0];
     std::printf(
         "bench_checkpoint: %d ranks, GPT dim %lld x %lld layers, %.1f MiB of shards + AdamW state per rank "
-        "(torch::save file %.1f MiB, fsdpx files %.1f MiB)\n",
+        "(torch::save file %.1f MiB)\n",
         world.size(), static_cast<long long>(cfg.dim), static_cast<long long>(cfg.layers), mib,
-        static_cast<double>(sync_bytes) / (1 << 20), save_bytes / (1 << 20));
+        static_cast<double>(sync_bytes) / (1 << 20));
     std::printf("  disk: write+fsync of %.1f MiB per rank            %8.3f s  %7.0f MiB/s per rank\n", mib, r[0],
                 mib / r[0]);
     std::printf("  sync: torch::save + fsync                         %8.3f s  (the loop is blocked all along)\n", r[1]);
-    std::printf("  async: save() call %.4f s + wait in next backward %.4f s = blocked %.4f s per save\n", r[4], r[5],
-                r[2]);
-    std::printf("  async, alone: save() to durable, nothing else running %5.3f s  %7.0f MiB/s per rank\n", r[8],
-                save_bytes / (1 << 20) / r[8]);
-    std::printf(
-        "  async, during training: background write          %8.3f s  %7.0f MiB/s per rank (sharing the cores)\n", r[3],
-        save_bytes / (1 << 20) / r[3]);
-    std::printf("  step time: %.3f s without saves, %.3f s with a save each step\n", r[7], r[6]);
-    const double disk_bps = static_cast<double>(bytes) / r[0];
-    std::printf(
-        "RATIO blocked/sync = %.3f (target <= 0.05); write throughput/disk = %.2f alone (target >= 0.80), "
-        "%.2f during training; alone vs torch::save's throughput = %.2f\n",
-        r[2] / r[1], (save_bytes / r[8]) / disk_bps, (save_bytes / r[3]) / disk_bps,
-        (save_bytes / r[8]) / (static_cast<double>(sync_bytes) / r[1]));
+    std::printf("  step time without saves: %.3f s\n", r[2]);
+    for (size_t f = 0; f < formats.size(); ++f) {
+      const Async& a = formats[f];
+      const size_t o = 3 + 6 * f;
+      const double save_bytes = static_cast<double>(a.written) / steps;
+      std::printf(
+          "  async %-5s (%.1f MiB per save): save() call %.4f s + wait in next backward %.4f s = blocked "
+          "%.4f s per save\n",
+          a.name, save_bytes / (1 << 20), r[o + 2], r[o + 3], r[o]);
+      std::printf("    alone: save() to durable, nothing else running %5.3f s  %7.0f MiB/s per rank\n", r[o + 5],
+                  save_bytes / (1 << 20) / r[o + 5]);
+      std::printf("    during training: background write %8.3f s  %7.0f MiB/s per rank; step time %.3f s with a save\n",
+                  r[o + 1], save_bytes / (1 << 20) / r[o + 1], r[o + 4]);
+      std::printf(
+          "RATIO %s: blocked/sync = %.3f (target <= 0.05); write throughput/disk = %.2f alone (target >= "
+          "0.80), %.2f during training\n",
+          a.name, r[o] / r[1], (save_bytes / r[o + 5]) / disk_bps, (save_bytes / r[o + 1]) / disk_bps);
+    }
+    std::printf("RATIO dcp/fsdpx: blocked %.2f, write time alone %.2f (target: blocked <= 1, within the spread)\n",
+                r[3 + 6] / r[3], r[3 + 6 + 5] / r[3 + 5]);
   }
-  ckpt.wait();
   world.barrier();
   if (world.rank() == 0) fs::remove_all(root);
   return 0;

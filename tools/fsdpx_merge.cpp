@@ -193,9 +193,11 @@ int run(int argc, char** argv) {
   if (!input) usage_error("no checkpoint path");
   if (!out) usage_error("--out DIR is required");
 
-  const bool dcp = ckpt::dcp::is_checkpoint(*input);
-  if (dcp && step) usage_error("--step applies to an fsdpx checkpoint root, not to a DCP folder");
-  const fs::path dir = dcp ? *input : resolve_step_dir(*input, step);
+  const bool dcp_folder = ckpt::dcp::is_checkpoint(*input);
+  if (dcp_folder && step) usage_error("--step applies to an fsdpx checkpoint root, not to a DCP folder");
+  const fs::path dir = dcp_folder ? *input : resolve_step_dir(*input, step);
+  // A root whose step was saved with CheckpointFormat::dcp: that step's folder is a DCP checkpoint
+  const bool dcp = dcp_folder || ckpt::dcp::is_checkpoint(dir);
   options.warn = [](const std::string& w) { std::cerr << "fsdpx-merge: warning: " << w << "\n"; };
   fsdpx::hf::NamedTensors tensors;
   if (dcp) {

@@ -1,10 +1,11 @@
 // A training job that checkpoints and resumes, run by the resume and crash tests as separate
 // processes (tests/checkpoint/*.sh):
-//   checkpoint_job train --steps N [--root R] [--save-every K] [--keep K] [--resume] [--out F] [--hybrid]
+//   checkpoint_job train --steps N [--root R] [--save-every K] [--keep K] [--resume] [--out F] [--hybrid] [--dcp]
 //                        [--fatal-save-errors] [--slow-save RANK:MS] [--throw-at STEP:RANK]
 //       --fatal-save-errors  a failed save ends the job (by default it is reported and training goes on)
 //       --slow-save          that rank prints "rank R pid P writing step S" and sleeps before each file
 //       --throw-at           that rank throws after that step (a failure between steps)
+//       --dcp                the coordinator saves PyTorch Distributed Checkpoint (CheckpointFormat::dcp)
 //   checkpoint_job verify --root R          loads the newest committed step (checksums on)
 //   checkpoint_job compare A B [--tol T]    two full state dict files, equal (or within T)
 //   checkpoint_job dcp-save --root R --steps N --out F [--hybrid] [--fail-rank K]
@@ -46,6 +47,7 @@ struct Args {
   int keep = 0;
   bool resume = false;
   bool hybrid = false;
+  bool dcp = false;  // train: the coordinator writes PyTorch Distributed Checkpoint (CheckpointFormat::dcp)
   bool fatal_save_errors = false;
   int slow_rank = -1, slow_ms = 0;
   int64_t throw_step = -1;
@@ -74,6 +76,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--keep") args.keep = std::stoi(next());
     else if (k == "--resume") args.resume = true;
     else if (k == "--hybrid") args.hybrid = true;
+    else if (k == "--dcp") args.dcp = true;
     else if (k == "--fatal-save-errors") args.fatal_save_errors = true;
     else if (k == "--slow-save") std::tie(args.slow_rank, args.slow_ms) = pair_arg(k, next());
     else if (k == "--throw-at") std::tie(args.throw_step, args.throw_rank) = pair_arg(k, next());
@@ -101,7 +104,9 @@ int train(Model& model, dist::AnyCommunicator world, const Args& args) {
   }
   std::optional<CheckpointCoordinator> ckpt;
   if (!args.root.empty() && args.save_every > 0)
-    ckpt.emplace(args.root, model, CheckpointOptions{.max_to_keep = args.keep});
+    ckpt.emplace(args.root, model,
+                 CheckpointOptions{.max_to_keep = args.keep,
+                                   .format = args.dcp ? CheckpointFormat::dcp : CheckpointFormat::fsdpx});
   if (ckpt && world.rank() == args.slow_rank) {
     CheckpointMonitor slow;
     slow.before_save = [&args, r = world.rank()](int64_t step, checkpoint::Component) {

@@ -9,7 +9,8 @@ checkpoint into a plain state dict equal to them bit for bit, and format_utils.d
 it; and fsdpx reads it back at another world size (fsdpx_dcp_load_program, checkpoint/dcp_reader.hpp), bit
 for bit, and fsdpx-merge turns the DCP folder into model.safetensors holding them; fsdpx-inspect --verify
 reads every chunk, and names the one a damaged data file spoils. A rank whose disk is full fails the save on
-every rank, and no .metadata is written.
+every rank, and no .metadata is written. And CheckpointCoordinator with CheckpointFormat::dcp saves DCP in the
+background, committed as fsdpx commits, which torch reads and fsdpx resumes at another world size.
 
     python -m pytest python_dcp_save_test.py --job <fsdpx_checkpoint_job> --tool <fsdpx_dcp_load_program>
         --merge <fsdpx-merge> [--inspect <fsdpx-inspect>] --mpiexec "<mpiexec> [flags]"
@@ -18,6 +19,7 @@ every rank, and no .metadata is written.
 from __future__ import annotations
 
 import io
+import json
 import subprocess
 from pathlib import Path
 
@@ -160,3 +162,43 @@ def test_inspect_verifies_a_dcp_folder_and_names_a_damaged_chunk(job: str, inspe
     done = subprocess.run([inspect, str(root), "--verify"], check=False, capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "__1_0.distcp" in done.stderr and "is not a torch.save archive" in done.stderr, done.stderr
+
+
+def test_the_coordinator_saves_dcp_in_the_background_and_resumes_it(job: str, mpiexec: list[str], work: Path) -> None:
+    """CheckpointCoordinator with CheckpointFormat::dcp at 3 ranks: the step folder is a DCP checkpoint (the model's,
+    optim_states/ the optimizer's) that torch reads as it is, committed as fsdpx commits (fsdp_config.json lists
+    every data file and each .metadata, the iteration files name the step); a job of 2 ranks resumes it to the
+    saved state bit for bit."""
+    root, saved, resumed = work / "coordinator_dcp", work / "coordinator_saved.pt", work / "coordinator_resumed.pt"
+    done = run_job(mpiexec, 3, job, "train", "--steps", 4, "--save-every", 2, "--keep", 1, "--root", root, "--out",
+                   saved, "--dcp")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (root / "latest_checkpointed_iteration.txt").read_text().strip() == "4"
+    assert not (root / "global_step_2").exists()  # rotated away: --keep 1
+    step = root / "global_step_4" / "actor"
+    record = json.loads((step / "fsdp_config.json").read_text())
+    assert record["files_format"] == "dcp" and record["complete"], record
+    data_files = {p.name for p in step.glob("__*_0.distcp")}
+    assert data_files == {"__0_0.distcp", "__1_0.distcp", "__2_0.distcp"}
+    assert set(record["files"]) >= {*data_files, ".metadata", "optim_states/.metadata",
+                                    *(f"optim_states/{name}" for name in data_files)}, record["files"]
+    for name, f in record["files"].items():
+        assert (step / name).stat().st_size == f["bytes"], name
+
+    full = torch.load(saved, weights_only=True)  # fsdpx's full state dict file: {"entries": {name: {"data", ...}}}
+    expected = {fqn: e["data"].reshape(e["shape"]) for fqn, e in full["entries"].items()}
+    loaded = {fqn: torch.full_like(t, float("nan")) for fqn, t in expected.items()}
+    load(loaded, checkpoint_id=str(step), no_dist=True)
+    for fqn, t in expected.items():
+        assert torch.equal(loaded[fqn], t), fqn
+    optim = _load_state_dict_from_keys(checkpoint_id=str(step / "optim_states"))
+    assert set(optim["state"]) == set(expected)
+    assert all(s["step"].item() == 4 for s in optim["state"].values())
+    assert len(optim["param_groups"]) == 2
+
+    done = run_job(mpiexec, 2, job, "train", "--steps", 4, "--resume", "--root", root, "--out", resumed, "--dcp")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resumed" in done.stdout, done.stdout
+    done = subprocess.run([job, "compare", str(saved), str(resumed), "--tol", "0"], check=False, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr

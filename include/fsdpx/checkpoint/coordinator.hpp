@@ -45,12 +45,14 @@
 #include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/record_function.h>
 #include <torch/optim/optimizer.h>
 
 #include <fsdpx/detail/json_fwd.hpp>
+#include <fsdpx/checkpoint/dcp_writer.hpp>
 #include <fsdpx/checkpoint/detail/worker_pool.hpp>
 #include <fsdpx/checkpoint/extra_state.hpp>
 #include <fsdpx/checkpoint/format.hpp>
@@ -61,6 +63,19 @@
 #include <fsdpx/dist/communicator.hpp>
 
 namespace fsdpx {
+
+/// The files a step's state is written as. The commit record, the iteration files, rotation and resuming are
+/// the same for both.
+enum class CheckpointFormat {
+  /// fsdpx's own: model_/optim_world_size_W_rank_r.pt, each CRC-32C checked on load.
+  fsdpx,
+  /// PyTorch Distributed Checkpoint in LightRFT's layout: the model's DCP in the step folder, the optimizer's
+  /// in optim_states/ (get_optimizer_state_dict's layout), each `.metadata` written by rank 0 when every
+  /// rank's data file is durable, before the commit record; FSDP2, LightRFT and torch's format_utils read the
+  /// step folder as it is. The extra state (RNG, scheduler, client state) stays fsdpx's file beside them.
+  /// The model's StateDict policy must be sharded or full.
+  dcp,
+};
 
 struct CheckpointOptions {
   /// Keep at most this many committed checkpoints (0: all). The newest committed one is never deleted.
@@ -78,6 +93,9 @@ struct CheckpointOptions {
   /// fsdpx::hf::copy_model_files) rank 0 copies into every step's huggingface/ directory, so a merged
   /// checkpoint is a Hugging Face model directory. A pretrained model's own folder will do. Empty: none.
   std::filesystem::path huggingface_dir;
+  CheckpointFormat format = CheckpointFormat::fsdpx;
+  /// CheckpointFormat::dcp: how the model's tensors are named in it (models::dcp_save_options for the decoder).
+  checkpoint::dcp::SaveOptions dcp_names;
 };
 
 /// What a monitor hears about one file of one save (rank-local).
@@ -119,6 +137,9 @@ struct SaveRequest {
   std::optional<SaveSetup> setup;  // recorded in the commit record when set
   /// When set, fills `model` and `optim` on the coordinator's threads, before the writes.
   std::function<void(SaveRequest&)> snapshot;
+  /// CheckpointFormat::dcp, rank 0: the optimizer's param_groups entries (their parameter lists come from every
+  /// rank's shards, so save() gathers them, collectively, on the calling thread).
+  std::vector<checkpoint::dcp::SavedBytes> optim_param_groups;
 };
 
 /// Describes a save of `model` (by its StateDict policy), the optimizer's state and the extra state.
@@ -203,8 +224,16 @@ class CheckpointCoordinator {
   void save(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer = nullptr,
             const ExtraState* extra = nullptr) {
     rethrow_failure();
+    if (options_.format == CheckpointFormat::dcp) {
+      FSDPX_CHECK(Sharded::StateDictPolicyType::kind != StateDictKind::local,
+                  "CheckpointFormat::dcp writes sharded or full state dicts; this model's StateDict policy is "
+                  "LocalStateDict, whose entries are flat unit shards that name no tensor");
+    }
     wait_for_components(optimizer != nullptr, extra != nullptr);
-    submit(make_save_request(step, model, optimizer, extra), &model.sharded());
+    SaveRequest req = make_save_request(step, model, optimizer, extra);
+    if (options_.format == CheckpointFormat::dcp && optimizer != nullptr)
+      req.optim_param_groups = checkpoint::dcp::param_group_entries(model.sharded(), *optimizer, options_.dcp_names);
+    submit(std::move(req), &model.sharded());
   }
   template <class Sharded>
   void save(int64_t step, Sharded& model, torch::optim::Optimizer& optimizer, const ExtraState& extra) {
@@ -273,6 +302,8 @@ class CheckpointCoordinator {
     std::chrono::steady_clock::time_point deadline;
     bool weights_committed = false;
     std::string waiting_for;  // the first file not yet durable, for reports
+    /// CheckpointFormat::dcp: the components whose .metadata is written, and their files (JSON) for the record.
+    std::map<Component, std::string> dcp_files;
   };
 
   /// Rank 0, tearing down after an error: the step cannot be committed any more (its ranks' files are
@@ -328,6 +359,16 @@ class CheckpointCoordinator {
 
   FSDPX_DECL void write_component(const SaveRequest& req, const std::filesystem::path& dir, Component c, InFlight& slot,
                                   const std::string& snapshot_error);
+
+  /// CheckpointFormat::dcp: this rank's data file of component `c` of the step in `dir` written, and its
+  /// marker's text (the file, its size and CRC-32C, and what it holds where, for rank 0's .metadata).
+  FSDPX_DECL std::pair<::fsdpx::detail::WrittenFile, std::string> write_dcp_component(const SaveRequest& req,
+                                                                                      const std::filesystem::path& dir,
+                                                                                      Component c);
+
+  /// CheckpointFormat::dcp, rank 0: once every rank's data file of `comp` is durable (its markers, in
+  /// `markers` by rank), the component's .metadata, written; the files for the commit record, as JSON.
+  FSDPX_DECL std::string commit_dcp_component(const Commit& c, Component comp, const std::vector<std::string>& markers);
 
   // ---- rank 0: commit ----------------------------------------------------------------------------
 

@@ -31,6 +31,7 @@
 #include <torch/optim/optimizer.h>
 
 #include <fsdpx/checkpoint/dcp_metadata.hpp>
+#include <fsdpx/checkpoint/state_dict.hpp>
 #include <fsdpx/core/sharded_model.hpp>
 #include <fsdpx/dist/any.hpp>
 #include <fsdpx/detail/file_io.hpp>
@@ -88,6 +89,21 @@ struct SaveOptions {
   /// tied weight under each of its names (models::dcp_save_options: a tied LM head).
   std::function<std::vector<std::string>(const std::string&)> also_saved_as;
 };
+
+/// A model state dict (sharded or full: each rank's slices; not local, whose entries are flat unit shards) as
+/// the DCP tensors this rank saves, each under its saved names.
+FSDPX_DECL std::vector<SavedTensor> model_tensors(const StateDict& sd, const SaveOptions& options = {});
+
+/// An optimizer state dict (optimizer_state_dict's: this rank's slices of each parameter's state) as the DCP
+/// tensors this rank saves in get_optimizer_state_dict's layout: state.<name>.<key>, and state.<name>.step
+/// from the rank that holds the parameter's first element.
+FSDPX_DECL std::vector<SavedTensor> optimizer_tensors(const StateDict& sd, const SaveOptions& options = {});
+
+/// The optimizer's param groups as DCP bytes entries (param_groups.<g>.<key>; see save_optimizer), on world
+/// rank 0 (empty on the others). Collective over the model's world: a group's parameters are found from every
+/// rank's shards.
+FSDPX_DECL std::vector<SavedBytes> param_group_entries(core::ShardedModel& model, torch::optim::Optimizer& optimizer,
+                                                       const SaveOptions& options = {});
 
 /// Saves `model`'s parameters and buffers as a DCP checkpoint in `dir`, each under its name (as
 /// `dcp.save(model.state_dict())` or `dcp.save(get_model_state_dict(model))` does): collective over the
@@ -149,6 +165,8 @@ struct RankData {
   std::vector<Tensor> tensors;
   std::vector<Piece> pieces;
   std::vector<Bytes> bytes;
+  /// The data file as written (empty path: none, the rank had nothing to write); not encoded.
+  ::fsdpx::detail::WrittenFile file;
 };
 
 /// Writes `state` as `dir/data_file_name(rank)`, durably, and says what it wrote (no file when there is

@@ -182,24 +182,32 @@ std::optional<ResumeInfo> load_checkpoint(const std::filesystem::path& root, Sha
       load(std::nullopt);  // every file: what does not match the model now is named from the whole checkpoint
     }
   };
-  with_own_file_first([&](std::optional<int> own) {
-    load_model_state_dict(
-        sharded,
-        [&](const auto& fn) {
-          // A full checkpoint is rank 0's file; a local one is each rank's own.
-          const std::optional<int> only = full    ? std::optional<int>(0)
-                                          : local ? std::optional<int>(mesh.world().rank())
-                                                  : own;
-          checkpoint::detail::for_each_saved_file(dir, *record, Component::model, only, options.verify_checksums, fn);
-        },
-        options.strict);
-  });
-  if (load_optimizer) {
+  if (record->files_format == "dcp") {  // CheckpointFormat::dcp: each rank reads the chunks over its shards
+    DcpLoadOptions names = options.dcp;
+    names.strict = names.strict && options.strict;
+    load_model_state_dict(sharded, path(dir), names);
+    if (load_optimizer)
+      load_optimizer_state_dict(*optimizer, sharded, dir / "optim_states", {.file_name = names.file_name});
+  } else {
     with_own_file_first([&](std::optional<int> own) {
-      load_optimizer_state_dict(*optimizer, sharded, [&](const auto& fn) {
-        checkpoint::detail::for_each_saved_file(dir, *record, Component::optim, own, options.verify_checksums, fn);
-      });
+      load_model_state_dict(
+          sharded,
+          [&](const auto& fn) {
+            // A full checkpoint is rank 0's file; a local one is each rank's own.
+            const std::optional<int> only = full    ? std::optional<int>(0)
+                                            : local ? std::optional<int>(mesh.world().rank())
+                                                    : own;
+            checkpoint::detail::for_each_saved_file(dir, *record, Component::model, only, options.verify_checksums, fn);
+          },
+          options.strict);
     });
+    if (load_optimizer) {
+      with_own_file_first([&](std::optional<int> own) {
+        load_optimizer_state_dict(*optimizer, sharded, [&](const auto& fn) {
+          checkpoint::detail::for_each_saved_file(dir, *record, Component::optim, own, options.verify_checksums, fn);
+        });
+      });
+    }
   }
   if (load_scheduler) {
     scheduler->load_state_dict(extra.scheduler);

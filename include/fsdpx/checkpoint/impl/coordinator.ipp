@@ -51,6 +51,11 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedMode
 
   if (rank_ == 0) {
     withdraw_earlier_commit(req.step, dir);
+    // An interrupted run's DCP .metadata would describe other data files than the ones written now.
+    for (const char* prefix : {"", "optim_states/"}) {
+      const auto metadata = dir / prefix / checkpoint::dcp::metadata_file_name;
+      if (std::filesystem::exists(metadata)) fsdpx::detail::remove_durably(metadata);
+    }
     if (!options_.huggingface_dir.empty()) fsdpx::hf::copy_model_files(options_.huggingface_dir, dir / "huggingface");
     // Room for the commit records and iteration files, taken before any shard is written, so a
     // disk that fills up during this save or the next cannot keep a finished step from committing.
@@ -199,13 +204,20 @@ FSDPX_DECL void CheckpointCoordinator::write_component(const SaveRequest& req, c
   const auto start = std::chrono::steady_clock::now();
   try {
     FSDPX_CHECK_AS(IoError, snapshot_error.empty(), "copying the state to host memory failed: ", snapshot_error);
-    const auto written = c == Component::model   ? checkpoint::save_state_dict(event.path, req.model)
-                         : c == Component::optim ? checkpoint::save_state_dict(event.path, *req.optim)
-                                                 : checkpoint::detail::save_ivalue(event.path, *req.extra);
-    event.bytes = written.bytes;
-    fsdpx::detail::write_text_durably(
-        checkpoint::done_marker(dir, c, rank_, run_),
-        ::fsdpx::detail::str(event.path.filename().string(), " ", written.bytes, " ", written.crc32c, "\n"));
+    std::string marker;
+    if (options_.format == CheckpointFormat::dcp && c != Component::extra_state) {
+      const auto [written, text] = write_dcp_component(req, dir, c);
+      if (!written.path.empty()) event.path = written.path;
+      event.bytes = written.bytes;
+      marker = text;
+    } else {
+      const auto written = c == Component::model   ? checkpoint::save_state_dict(event.path, req.model)
+                           : c == Component::optim ? checkpoint::save_state_dict(event.path, *req.optim)
+                                                   : checkpoint::detail::save_ivalue(event.path, *req.extra);
+      event.bytes = written.bytes;
+      marker = ::fsdpx::detail::str(event.path.filename().string(), " ", written.bytes, " ", written.crc32c, "\n");
+    }
+    fsdpx::detail::write_text_durably(checkpoint::done_marker(dir, c, rank_, run_), marker);
   } catch (const std::exception& e) {
     event.error = ::fsdpx::detail::str("fsdpx: checkpoint step ", req.step, ": rank ", rank_, " could not save its ",
                                        to_string(c), ": ", e.what());
@@ -234,6 +246,60 @@ FSDPX_DECL void CheckpointCoordinator::write_component(const SaveRequest& req, c
     if (--own_writes_[req.step] == 0) own_writes_.erase(req.step);
   }
   finish_task();
+}
+
+namespace checkpoint::detail {
+/// Where a step's DCP component lies: the model's in the step folder, the optimizer's in optim_states/
+/// (LightRFT's layout), as a path relative to the step folder ("" or "optim_states/").
+inline std::string dcp_component_prefix(Component c) { return c == Component::model ? "" : "optim_states/"; }
+}  // namespace checkpoint::detail
+
+FSDPX_DECL std::pair<::fsdpx::detail::WrittenFile, std::string> CheckpointCoordinator::write_dcp_component(
+    const SaveRequest& req, const std::filesystem::path& dir, Component c) {
+  namespace dcp = checkpoint::dcp;
+  const std::string prefix = checkpoint::detail::dcp_component_prefix(c);
+  const std::filesystem::path where = dir / prefix;
+  std::error_code ec;
+  std::filesystem::create_directories(where, ec);
+  FSDPX_CHECK_AS(IoError, !ec, "cannot create '", where.string(), "': ", ec.message());
+  dcp::RankState state;
+  if (c == Component::model) {
+    state.tensors = dcp::model_tensors(req.model, options_.dcp_names);
+  } else {
+    state.tensors = dcp::optimizer_tensors(*req.optim, options_.dcp_names);
+    state.bytes = req.optim_param_groups;
+  }
+  const dcp::detail::RankData data = dcp::detail::write_rank_data(where, rank_, state);
+  ::fsdpx::detail::Json marker = ::fsdpx::detail::Json::object();
+  marker["file"] = data.file.path.empty() ? std::string() : prefix + data.relative_path;
+  marker["bytes"] = data.file.bytes;
+  marker["crc32c"] = data.file.crc32c;
+  marker["rank_data"] = dcp::detail::encode_rank_data(data);
+  return {data.file, marker.dump() + "\n"};
+}
+
+FSDPX_DECL std::string CheckpointCoordinator::commit_dcp_component(const Commit& c, Component comp,
+                                                                   const std::vector<std::string>& markers) {
+  namespace dcp = checkpoint::dcp;
+  const std::string prefix = checkpoint::detail::dcp_component_prefix(comp);
+  ::fsdpx::detail::Json files = ::fsdpx::detail::Json::object();
+  std::vector<dcp::detail::RankData> ranks;
+  for (int r = 0; r < static_cast<int>(markers.size()); ++r) {
+    ::fsdpx::detail::Json m;
+    try {
+      m = ::fsdpx::detail::Json::parse(markers[r]);
+      const auto file = m.at("file").get<std::string>();
+      if (!file.empty())
+        files[file] = {{"bytes", m.at("bytes").get<int64_t>()}, {"crc32c", m.at("crc32c").get<uint32_t>()}};
+    } catch (const std::exception& e) {
+      throw IoError(::fsdpx::detail::str("fsdpx: checkpoint step ", c.step, ": rank ", r, "'s ", to_string(comp),
+                                         " marker is corrupt: ", e.what()));
+    }
+    ranks.push_back(dcp::detail::decode_rank_data(m.at("rank_data").get<std::string>(), r));
+  }
+  const auto written = dcp::write_metadata(c.dir / prefix / dcp::metadata_file_name, dcp::detail::make_metadata(ranks));
+  files[prefix + dcp::metadata_file_name] = {{"bytes", written.bytes}, {"crc32c", written.crc32c}};
+  return files.dump();
 }
 
 FSDPX_DECL void CheckpointCoordinator::watch_commit(std::shared_ptr<Commit> commit) {
@@ -277,22 +343,34 @@ FSDPX_DECL bool CheckpointCoordinator::advance_commit(Commit& c) {
     }
   }
   const auto files_of = [&](Component comp) -> std::optional<::fsdpx::detail::Json> {
+    const bool dcp = options_.format == CheckpointFormat::dcp && comp != Component::extra_state;
+    if (const auto it = c.dcp_files.find(comp); it != c.dcp_files.end())
+      return ::fsdpx::detail::Json::parse(it->second);
     ::fsdpx::detail::Json files = ::fsdpx::detail::Json::object();
+    std::vector<std::string> markers;
     for (int r = 0; r < world_size_; ++r) {
       const auto marker = checkpoint::done_marker(c.dir, comp, r, run_);
       if (!std::filesystem::exists(marker)) {
         c.waiting_for = ::fsdpx::detail::str("rank ", r, "'s ", to_string(comp), " file");
         return std::nullopt;
       }
+      const std::string text = fsdpx::detail::read_text(marker, "checkpoint marker");
+      if (dcp) {
+        markers.push_back(text);
+        continue;
+      }
       char name[256] = {};
       long long bytes = 0;
       unsigned long crc = 0;
-      const std::string text = fsdpx::detail::read_text(marker, "checkpoint marker");
       FSDPX_CHECK_AS(IoError, std::sscanf(text.c_str(), "%255s %lld %lu", name, &bytes, &crc) == 3,
                      "checkpoint marker '", marker.string(), "' is corrupt");
       files[name] = {{"bytes", int64_t{bytes}}, {"crc32c", static_cast<uint32_t>(crc)}};
     }
-    return files;
+    if (!dcp) return files;
+    // Every rank's data file is durable: the component's .metadata now (once), before any commit record
+    // names it, so a folder that has one is whole.
+    c.dcp_files[comp] = commit_dcp_component(c, comp, markers);
+    return ::fsdpx::detail::Json::parse(c.dcp_files[comp]);
   };
   std::vector<std::string> done;
   ::fsdpx::detail::Json files = ::fsdpx::detail::Json::object();
@@ -363,6 +441,7 @@ FSDPX_DECL void CheckpointCoordinator::write_config(const Commit& c, const std::
   }
   config["format"] = checkpoint::format_name;
   config["format_version"] = checkpoint::format_version;
+  if (options_.format == CheckpointFormat::dcp) config["files_format"] = "dcp";
   config["step"] = c.step;
   config["world_size"] = world_size_;
   config["complete"] = complete;

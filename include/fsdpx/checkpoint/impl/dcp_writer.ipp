@@ -148,7 +148,7 @@ FSDPX_DECL RankData write_rank_data(const fs::path& dir, int rank, const RankSta
     append(b.value);
     out.bytes.push_back({b.fqn, path_of(b.fqn, b.path), offset, file->bytes() - offset});
   }
-  if (file) file->commit();
+  if (file) out.file = file->commit();
   return out;
 }
 
@@ -351,60 +351,71 @@ FSDPX_DECL ::fsdpx::detail::WrittenFile save_state(const fs::path& dir, dist::An
   return detail::save_made_state(dir, world, [&] { return state; });
 }
 
+FSDPX_DECL std::vector<SavedTensor> model_tensors(const StateDict& sd, const SaveOptions& options) {
+  FSDPX_CHECK(sd.kind != StateDictKind::local, "a DCP checkpoint holds sharded or full state dicts; a local one ",
+              "holds flat unit shards, which name no tensor");
+  std::vector<SavedTensor> out;
+  for (const TensorSlice& slice : sd.entries) {
+    for (const std::string& name : detail::saved_names(options, slice.name))
+      out.push_back({name, slice.shape, slice.begin, slice.end, slice.tensors.at("data"), {}});
+  }
+  return out;
+}
+
+FSDPX_DECL std::vector<SavedTensor> optimizer_tensors(const StateDict& sd, const SaveOptions& options) {
+  std::vector<SavedTensor> out;
+  const auto at_path = [](const std::string& name, const std::string& key) {
+    return std::vector<PathStep>{PathStep("state"), PathStep(name), PathStep(key)};
+  };
+  for (const TensorSlice& slice : sd.entries) {
+    const std::vector<std::string> names = detail::saved_names(options, slice.name);
+    if (names.empty()) continue;
+    const std::string& name = names.front();  // a tied weight's state is saved once, as torch saves it
+    for (const auto& [key, values] : slice.tensors)
+      out.push_back({"state." + name + "." + key, slice.shape, slice.begin, slice.end, values, at_path(name, key)});
+    // The step count, a float32 scalar as torch.optim keeps it, from the rank holding the first element
+    if (slice.begin == 0) {
+      out.push_back({"state." + name + ".step",
+                     {},
+                     0,
+                     1,
+                     at::full({1}, static_cast<double>(slice.step), at::kFloat),
+                     at_path(name, "step")});
+    }
+  }
+  return out;
+}
+
+FSDPX_DECL std::vector<SavedBytes> param_group_entries(core::ShardedModel& model, torch::optim::Optimizer& optimizer,
+                                                       const SaveOptions& options) {
+  const auto group_of = detail::param_group_of_units(model, optimizer);  // collective
+  RankState state;
+  if (model.mesh().world().rank() != 0) return {};
+  for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    std::vector<std::string> params;
+    for (size_t i = 0; i < model.num_units(); ++i) {
+      for (const core::ParamInfo& p : model.unit(i).layout().params()) {
+        const auto it = group_of.find({i, p.decay});
+        if (it == group_of.end() || it->second != g) continue;
+        if (const auto names = detail::saved_names(options, p.name); !names.empty()) params.push_back(names.front());
+      }
+    }
+    detail::add_param_group(state, optimizer.param_groups()[g].options(), g, std::move(params));
+  }
+  return std::move(state.bytes);
+}
+
 FSDPX_DECL ::fsdpx::detail::WrittenFile save_model(const fs::path& dir, core::ShardedModel& model,
                                                    const SaveOptions& options) {
-  return detail::save_made_state(dir, model.mesh().world(), [&] {
-    RankState state;
-    for (const TensorSlice& slice : sharded_state_dict(model).entries) {
-      for (const std::string& name : detail::saved_names(options, slice.name))
-        state.tensors.push_back({name, slice.shape, slice.begin, slice.end, slice.tensors.at("data"), {}});
-    }
-    return state;
-  });
+  return detail::save_made_state(dir, model.mesh().world(),
+                                 [&] { return RankState{model_tensors(sharded_state_dict(model), options), {}}; });
 }
 
 FSDPX_DECL ::fsdpx::detail::WrittenFile save_optimizer(const fs::path& dir, core::ShardedModel& model,
                                                        torch::optim::Optimizer& optimizer, const SaveOptions& options) {
-  const auto group_of = detail::param_group_of_units(model, optimizer);  // collective: before the guarded part
-  const bool rank0 = model.mesh().world().rank() == 0;
+  std::vector<SavedBytes> groups = param_group_entries(model, optimizer, options);  // collective: before the rest
   return detail::save_made_state(dir, model.mesh().world(), [&] {
-    RankState state;
-    const auto at_path = [](const std::string& name, const std::string& key) {
-      return std::vector<PathStep>{PathStep("state"), PathStep(name), PathStep(key)};
-    };
-    for (const TensorSlice& slice : optimizer_state_dict(model, optimizer).entries) {
-      const std::vector<std::string> names = detail::saved_names(options, slice.name);
-      if (names.empty()) continue;
-      const std::string& name = names.front();  // a tied weight's state is saved once, as torch saves it
-      for (const auto& [key, values] : slice.tensors) {
-        state.tensors.push_back(
-            {"state." + name + "." + key, slice.shape, slice.begin, slice.end, values, at_path(name, key)});
-      }
-      // The step count, a float32 scalar as torch.optim keeps it, from the rank holding the first element
-      if (slice.begin == 0) {
-        state.tensors.push_back({"state." + name + ".step",
-                                 {},
-                                 0,
-                                 1,
-                                 at::full({1}, static_cast<double>(slice.step), at::kFloat),
-                                 at_path(name, "step")});
-      }
-    }
-    if (rank0) {
-      for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
-        std::vector<std::string> params;
-        for (size_t i = 0; i < model.num_units(); ++i) {
-          for (const core::ParamInfo& p : model.unit(i).layout().params()) {
-            const auto it = group_of.find({i, p.decay});
-            if (it == group_of.end() || it->second != g) continue;
-            if (const auto names = detail::saved_names(options, p.name); !names.empty())
-              params.push_back(names.front());
-          }
-        }
-        detail::add_param_group(state, optimizer.param_groups()[g].options(), g, std::move(params));
-      }
-    }
-    return state;
+    return RankState{optimizer_tensors(optimizer_state_dict(model, optimizer), options), std::move(groups)};
   });
 }
 
