@@ -9,7 +9,9 @@
 // models::dcp_save_options).
 // resume: the model and its AdamW state loaded from such a checkpoint, whoever wrote it (fsdpx or FSDP2; a folder
 // with scheduler_state.pt through load_checkpoint, as LightRFT's whole step folder, which must say step 2, the
-// scheduler at step 2 and 24 consumed samples in client_state.pt), then the
+// scheduler at step 2 and 24 consumed samples in client_state.pt; a folder without optim_states/ as torchtitan's
+// one DCP of "model.", "optimizer." (flattened), "lr_scheduler." and "train_state.", through load_checkpoint
+// too), then the
 // step on "step2", compared with another computation of that step from the same state, the reference's:
 // "loss", "grad.<name>" (its gradients) and "after.<name>" (its weights after its step), within the bounds of
 // tests/support/step_parity.hpp. Every parameter's step count must be 3 after it (2 restored, then this one).
@@ -111,9 +113,21 @@ int main(int argc, char** argv) {
         return 1;
       }
       if (rank == 0) std::printf("load_checkpoint: step 2, the scheduler at step 2, the client state read\n");
-    } else {
+    } else if (fs::exists(checkpoint / "optim_states")) {
       fsdpx::load_model_state_dict(model.sharded(), checkpoint, models::dcp_load_options(model->config));
       fsdpx::load_optimizer_state_dict(optimizer, model.sharded(), checkpoint / "optim_states");
+    } else {
+      // torchtitan's layout: one DCP of {"model": ..., "optimizer": get_optimizer_state_dict(...,
+      // flatten_optimizer_state_dict=True), "lr_scheduler": ..., "train_state": ...}, resumed by load_checkpoint
+      fsdpx::LrScheduler scheduler(optimizer, fsdpx::LrSchedule::constant());
+      const auto info = fsdpx::load_checkpoint(checkpoint, model, optimizer, scheduler,
+                                               {.dcp = models::dcp_load_options(model->config)});
+      if (info->step != 2 || scheduler.last_step() != 2) {
+        std::fprintf(stderr, "rank %d: load_checkpoint of '%s' (torchtitan's layout): step %lld, scheduler step %lld\n",
+                     rank, argv[4], static_cast<long long>(info->step), static_cast<long long>(scheduler.last_step()));
+        return 1;
+      }
+      if (rank == 0) std::printf("torchtitan's layout: load_checkpoint read train_state.step 2, the scheduler at 2\n");
     }
     const auto reference = read_named(argv[5]);
     const auto gradients = with_prefix(reference, "grad."), after = with_prefix(reference, "after.");

@@ -9,8 +9,10 @@ A Qwen2-shaped Hugging Face model (tied head, q/k/v biases, a sliding-window lay
   element; dcp_to_torch_save converts the checkpoint; FSDP2 takes step 3. fsdpx resumes at 2 ranks from its own
   checkpoint and takes step 3: it equals FSDP2's (loss, every gradient, every updated weight, within the bounds of
   tests/support/step_parity.hpp; the C++ side checks, from FSDP2's gradients and weights written here).
-- FSDP2 at 3 gloo ranks takes steps 1 and 2 from the model folder's weights and saves in LightRFT's layout, then
-  takes step 3. fsdpx resumes from it at 2 ranks and at 4, and its step 3 equals FSDP2's.
+- FSDP2 at 3 gloo ranks takes steps 1 and 2 from the model folder's weights and saves in LightRFT's layout (and in
+  torchtitan's: one DCP of "model", "optimizer" flattened by parameter, "lr_scheduler", "train_state"), then takes
+  step 3. fsdpx resumes from LightRFT's at 2 ranks and at 4, and from torchtitan's at 2 (load_checkpoint both), and
+  its step 3 equals FSDP2's.
 """
 import os
 import shutil
@@ -152,6 +154,11 @@ def fsdp2_train_rank(rank: int, model_dir: str, batches: str, ckpt: str, referen
     if rank == 0:
         torch.save(scheduler.state_dict(), os.path.join(ckpt, "scheduler_state.pt"))
         torch.save({"global_step": 2, "consumed_samples": 2 * ROWS}, os.path.join(ckpt, "client_state.pt"))
+    # torchtitan's step folder: one DCP of the model, the optimizer flattened by parameter, and the train state
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    dcp_save({"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optim, options=flat),
+              "lr_scheduler": scheduler.state_dict(), "train_state": {"step": torch.tensor(2, dtype=torch.int32)}},
+             checkpoint_id=f"{ckpt}_titan")
     step_and_write_reference(model, optim, data["step2"], reference)
 
 
@@ -196,6 +203,8 @@ def main() -> None:
     for ranks in (2, 4):
         out = fsdpx(mpiexec, ranks, job, "resume", model_dir, batches, ckpt, reference)
         assert "PASSED" in out
+    out = fsdpx(mpiexec, 2, job, "resume", model_dir, batches, f"{ckpt}_titan", reference)
+    assert "PASSED" in out and "torchtitan's layout: load_checkpoint" in out
     print("PASSED")
 
 

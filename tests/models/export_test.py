@@ -7,8 +7,9 @@ save_pretrained, then here: transformers' from_pretrained reports no missing, un
 tensors, its logits equal fsdpx's within the bound the rounding model gives (the program writes it beside
 them; tests/support/rounding.py must reproduce it), and the tokenizer and generation files came
 along byte for byte. The program also saves the trained weights as PyTorch Distributed Checkpoint
-(checkpoint::dcp::save_model): torch's dcp.load, with no process group, reads them into a fresh transformers
-model of the config (fsdpx's module names are transformers' own), whose logits equal fsdpx's too.
+(checkpoint::dcp::save_model with models::dcp_save_options: transformers' in-memory names, a tied head under both
+names, a mixture's experts stacked as transformers 5 holds them): torch's dcp.load, with no process group, reads
+them strictly into a fresh transformers model of the config, whose logits equal fsdpx's too.
 """
 import filecmp
 import json
@@ -29,11 +30,27 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import rounding  # noqa: E402
 
 
+def expert_in_stack(saved, key):
+    """An expert's projection (the hub's per-expert name) as a view of transformers 5's stacked tensor of its layer
+    in `saved` (models::stacked_expert_place: each expert's gate rows then its up rows, and its down_proj), or
+    None for any other name."""
+    layer, sep, rest = key.partition(".mlp.experts.")
+    expert, _, proj = rest.partition(".")
+    if not sep or not expert.isdigit() or proj not in ("gate_proj.weight", "up_proj.weight", "down_proj.weight"):
+        return None
+    e = int(expert)
+    if proj == "down_proj.weight":
+        return saved[f"{layer}.mlp.experts.down_proj"][e]
+    gate_up = saved[f"{layer}.mlp.experts.gate_up_proj"][e]
+    inner = gate_up.shape[0] // 2
+    return gate_up[:inner] if proj == "gate_proj.weight" else gate_up[inner:]
+
+
 def check_dcp_save(name, out, config, files, ref):
-    """The DCP save holds fsdpx's float32 masters under fsdpx's names: the export's tensors, unrounded, and
-    for a dense model transformers' own state dict, which dcp.load fills (its logits then equal fsdpx's).
-    transformers 5 holds a mixture's experts stacked in memory, where fsdpx (as the hub's files) keeps one
-    tensor per expert: for those, the export's per-expert tensors are the check."""
+    """The DCP save holds fsdpx's float32 masters as transformers names them in memory: the export's tensors,
+    unrounded (a mixture's experts stacked per layer, as transformers 5 holds them, where the export has the
+    hub's per-expert tensors), and transformers' own whole state dict, which dcp.load fills strictly (its
+    logits then equal fsdpx's)."""
     md = FileSystemReader(out + ".dcp").read_metadata()
     saved = {k: torch.empty(list(e.size), dtype=e.properties.dtype) for k, e in md.state_dict_metadata.items()}
     with warnings.catch_warnings():
@@ -43,18 +60,14 @@ def check_dcp_save(name, out, config, files, ref):
     for f in files:
         exported.update(load_file(os.path.join(out, f)))
     tied = {"lm_head.weight"} if config.get("tie_word_embeddings") else set()
-    assert set(exported) <= set(saved), f"{name}: the DCP save lacks {sorted(set(exported) - set(saved))}"
     assert tied <= set(saved), f"{name}: the DCP save lacks the tied head's name"
     for k, t in exported.items():
-        if k in saved:
-            assert torch.equal(saved[k].to(t.dtype), t), f"{name}: '{k}' differs between the DCP save and the export"
+        got = saved[k] if k in saved else expert_in_stack(saved, k)
+        assert got is not None, f"{name}: the DCP save lacks '{k}'"
+        assert torch.equal(got.to(t.dtype), t), f"{name}: '{k}' differs between the DCP save and the export"
     fresh = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(out), dtype=torch.float32)
     state = fresh.state_dict()
-    stacked = {k for k in set(state) - set(saved) if ".mlp.experts." in k}
-    assert set(state) - set(saved) == stacked, f"{name}: the DCP save lacks {sorted(set(state) - set(saved))}"
-    if stacked:
-        print(f"{name}: the DCP save equals the export's {len(exported)} tensors (experts per expert, as the hub's)")
-        return
+    assert set(state) <= set(saved), f"{name}: the DCP save lacks {sorted(set(state) - set(saved))}"
     # the whole state dict, strictly (a tied head is saved under both its names, as torch's state dicts hold it)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "torch.distributed is disabled")

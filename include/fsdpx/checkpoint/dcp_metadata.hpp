@@ -113,6 +113,14 @@ struct Metadata {
   bool operator==(const Metadata&) const = default;
 };
 
+/// Where a tensor lies inside a larger saved tensor (a mixture's experts, which transformers 5 holds stacked per
+/// layer): that tensor's name and shape, and the element at which this tensor's flattened elements start.
+struct Placement {
+  std::string fqn;
+  std::vector<int64_t> shape;
+  int64_t offset = 0;
+};
+
 /// What reading a `.metadata` may cost; more is refused (an IoError) before it is allocated.
 struct MetadataLimits {
   int64_t max_bytes = int64_t{256} << 20;

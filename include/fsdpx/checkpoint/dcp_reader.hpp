@@ -62,6 +62,11 @@ class Reader {
   /// The tensor entry `fqn`, or an Error naming it.
   FSDPX_DECL const TensorEntry& tensor(const std::string& fqn) const;
   FSDPX_DECL bool has_bytes(const std::string& fqn) const;
+  /// Whether any entry's name starts with `prefix` ("optimizer.state.": a nested part of the state dict).
+  bool has_entry_under(const std::string& prefix) const {
+    const auto it = md_.entries.lower_bound(prefix);
+    return it != md_.entries.end() && it->first.starts_with(prefix);
+  }
 
   /// Elements [begin, end) of tensor `fqn` flattened row-major, 1-D in its dtype, read from the chunks that
   /// overlap them only. Overlapping chunks are fine; an element no chunk holds is an IoError naming the
@@ -130,6 +135,9 @@ struct DcpLoadOptions {
   /// Entries the model deliberately lacks (a tied head's copy, a cached rotary table): neither loaded nor
   /// reported as unexpected.
   std::function<bool(const std::string&)> ignore;
+  /// Where a tensor (by its checkpoint name, after file_name) lies inside a larger entry (the stacked experts
+  /// of models::dcp_load_options); used where the checkpoint has that entry, else the tensor's own is read.
+  std::function<std::optional<checkpoint::dcp::Placement>(const std::string&)> placed_in;
   /// Load the module's buffers too (whole, on every rank).
   bool buffers = true;
 };

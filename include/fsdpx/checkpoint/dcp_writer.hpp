@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -88,6 +89,9 @@ struct SaveOptions {
   /// Further names a model tensor is saved under too (after saved_name), as torch's state dicts hold a
   /// tied weight under each of its names (models::dcp_save_options: a tied LM head).
   std::function<std::vector<std::string>(const std::string&)> also_saved_as;
+  /// Where a tensor (by its saved name) is saved as part of a larger one, as transformers 5 holds a mixture's
+  /// experts stacked (models::dcp_save_options); nullopt: as itself. Its optimizer state goes alike.
+  std::function<std::optional<Placement>(const std::string&)> placed_in;
 };
 
 /// A model state dict (sharded or full: each rank's slices; not local, whose entries are flat unit shards) as

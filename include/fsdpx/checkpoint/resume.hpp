@@ -61,11 +61,15 @@ FSDPX_DECL void for_each_saved_file(const fs::path& dir, const CommitRecord& rec
                                     std::optional<int> only_rank, bool verify,
                                     const std::function<void(const StateDict&)>& fn);
 
-/// load_checkpoint of a PyTorch Distributed Checkpoint folder in LightRFT's layout: the model's DCP in the folder
+/// load_checkpoint of a PyTorch Distributed Checkpoint folder. In LightRFT's layout: the model's DCP in the folder
 /// itself; the optimizer's in optim_states/ (when `optimizer` is given); the LR scheduler's state from
 /// scheduler_state.pt (a torch LR scheduler's state_dict: its last_epoch is the step, its base_lrs the groups'
-/// base LRs; when `scheduler` is given); and client_state.pt's plain values as the client state. A part asked
-/// for that the folder lacks is an error naming it, or with allow_missing a warning and ResumeInfo::missing.
+/// base LRs; when `scheduler` is given); and client_state.pt's plain values as the client state. In torchtitan's
+/// (one DCP with "optimizer.state." or "train_state.step" entries): the model under "model." (or at the top
+/// level), the optimizer's state under "optimizer." (its param groups, flattened by parameter, are not mapped:
+/// the optimizer keeps its own hyperparameters), the scheduler from "lr_scheduler.last_epoch" and
+/// "lr_scheduler.base_lrs", the step from "train_state.step". A part asked for that the folder lacks is an error
+/// naming it, or with allow_missing a warning and ResumeInfo::missing.
 FSDPX_DECL ResumeInfo load_dcp_checkpoint(const fs::path& dir, core::ShardedModel& model,
                                           torch::optim::Optimizer* optimizer, LrScheduler* scheduler,
                                           const LoadOptions& options);

@@ -109,11 +109,40 @@ inline bool ignored_on_load(const std::string& hf_name, const DecoderConfig& c) 
   return c.tie_word_embeddings && hf_name == "lm_head.weight";
 }
 
+/// Where an expert's projection (the hub's per-expert name, "model.layers.L.mlp.experts.E.gate_proj.weight")
+/// lies in transformers 5's stacked experts of its layer: "mlp.experts.gate_up_proj" [experts, 2 x
+/// moe_intermediate, hidden] (each expert's gate rows, then its up rows) or "mlp.experts.down_proj" [experts,
+/// hidden, moe_intermediate]; each projection is a contiguous run of those. nullopt for any other name.
+inline std::optional<checkpoint::dcp::Placement> stacked_expert_place(const DecoderConfig& c, const std::string& name) {
+  const int64_t h = c.hidden_size, inner = c.moe.moe_intermediate_size, experts = c.moe.num_experts;
+  if (experts <= 0 || !name.starts_with("model.layers.")) return std::nullopt;
+  const std::string marker = ".mlp.experts.";
+  const size_t at = name.find(marker);
+  if (at == std::string::npos) return std::nullopt;
+  const std::string layer = name.substr(0, at + marker.size());  // "model.layers.L.mlp.experts."
+  const std::string rest = name.substr(layer.size());            // "E.gate_proj.weight"
+  const size_t dot = rest.find('.');
+  if (dot == 0 || dot == std::string::npos || rest.find_first_not_of("0123456789") != dot || dot > 9)
+    return std::nullopt;
+  const int64_t e = std::stoll(rest.substr(0, dot));
+  const std::string proj = rest.substr(dot + 1);
+  if (e >= experts) return std::nullopt;
+  if (proj == "gate_proj.weight")
+    return checkpoint::dcp::Placement{layer + "gate_up_proj", {experts, 2 * inner, h}, e * 2 * inner * h};
+  if (proj == "up_proj.weight")
+    return checkpoint::dcp::Placement{layer + "gate_up_proj", {experts, 2 * inner, h}, (e * 2 + 1) * inner * h};
+  if (proj == "down_proj.weight")
+    return checkpoint::dcp::Placement{layer + "down_proj", {experts, h, inner}, e * h * inner};
+  return std::nullopt;
+}
+
 /// A decoder's PyTorch Distributed Checkpoint named as torch names the transformers model's state dict
 /// (fsdpx's names are transformers' own): a tied head's weight is saved under "lm_head.weight" too, as
 /// get_model_state_dict lists a tied weight under each of its names, so FSDP2 and plain transformers
-/// models load it strictly; its optimizer state, as torch's, under the embedding's name only.
-inline checkpoint::dcp::SaveOptions dcp_save_options(const DecoderConfig& c) {
+/// models load it strictly; its optimizer state, as torch's, under the embedding's name only. A mixture's
+/// experts are saved stacked, as transformers 5 holds them in memory (stacked_expert_place), unless
+/// `stacked_experts` is false (transformers 4's per-expert modules, the hub's names).
+inline checkpoint::dcp::SaveOptions dcp_save_options(const DecoderConfig& c, bool stacked_experts = true) {
   checkpoint::dcp::SaveOptions o;
   if (c.tie_word_embeddings) {
     o.also_saved_as = [](const std::string& name) {
@@ -121,15 +150,20 @@ inline checkpoint::dcp::SaveOptions dcp_save_options(const DecoderConfig& c) {
                                                  : std::vector<std::string>{};
     };
   }
+  if (stacked_experts && c.moe.num_experts > 0)
+    o.placed_in = [c](const std::string& name) { return stacked_expert_place(c, name); };
   return o;
 }
 
 /// Loading a decoder from a DCP checkpoint (under `prefix`: "model." for dcp.save({"model": ...})): what
-/// transformers ignores (ignored_on_load: a tied head's copy, rotary caches) is not reported as unexpected.
+/// transformers ignores (ignored_on_load: a tied head's copy, rotary caches) is not reported as unexpected,
+/// and a mixture's experts are read from transformers 5's stacked tensors where the checkpoint has them (else
+/// from the hub's per-expert ones).
 inline DcpLoadOptions dcp_load_options(const DecoderConfig& c, std::string prefix = {}) {
   DcpLoadOptions o;
   o.prefix = std::move(prefix);
   o.ignore = [c](const std::string& name) { return ignored_on_load(name, c); };
+  if (c.moe.num_experts > 0) o.placed_in = [c](const std::string& name) { return stacked_expert_place(c, name); };
   return o;
 }
 
@@ -159,10 +193,13 @@ inline void view_stacked_experts(const DecoderConfig& c, fsdpx::hf::SafetensorsD
                    dir.string(), "': gate_up_proj ", c10::IntArrayRef(gate_up->shape), ", down_proj ",
                    c10::IntArrayRef(down->shape));
     for (int64_t e = 0; e < experts; ++e) {
-      const std::string name = l + std::to_string(e) + ".";
-      files.add_view(name + "gate_proj.weight", l + "gate_up_proj", e * 2 * inner * h, {inner, h});
-      files.add_view(name + "up_proj.weight", l + "gate_up_proj", (e * 2 + 1) * inner * h, {inner, h});
-      files.add_view(name + "down_proj.weight", l + "down_proj", e * h * inner, {h, inner});
+      for (const auto& [proj, shape] : {std::pair{"gate_proj.weight", std::vector<int64_t>{inner, h}},
+                                        std::pair{"up_proj.weight", std::vector<int64_t>{inner, h}},
+                                        std::pair{"down_proj.weight", std::vector<int64_t>{h, inner}}}) {
+        const std::string name = l + std::to_string(e) + "." + proj;
+        const auto at = stacked_expert_place(c, name);
+        files.add_view(name, at->fqn, at->offset, shape);
+      }
     }
   }
 }

@@ -295,11 +295,24 @@ FSDPX_DECL void load_model_state_dict(core::ShardedModel& model, const checkpoin
   model.reshard_all();             // the next forward gathers the loaded shards
   // Floating-point values are cast, as from Hugging Face's files: a bf16 checkpoint loads into float32 masters.
   detail::SliceLoader loader("model", /*cast_floating=*/true);
-  std::map<std::string, std::string> file_of;  // model name -> checkpoint name (prefix included)
+  // Where each model tensor is in the checkpoint: an entry of its own, or a run of a larger one (placed_in).
+  struct Source {
+    std::string fqn;  // the entry, prefix included
+    int64_t offset = 0;
+    std::optional<std::vector<int64_t>> placed_shape;  // the larger entry's shape, when placed
+  };
+  std::map<std::string, Source> source_of;  // by the model's name
   const auto wanted = [&](const std::string& name) {
     const auto file = options.file_name ? options.file_name(name) : std::optional<std::string>(name);
-    if (file) file_of.emplace(name, options.prefix + *file);
-    return file.has_value();
+    if (!file) return false;
+    Source src{options.prefix + *file};
+    if (options.placed_in) {
+      // Placed only where the checkpoint has the larger entry: one saved tensor by tensor loads as it is
+      if (auto at = options.placed_in(*file); at && reader.find_tensor(options.prefix + at->fqn) != nullptr)
+        src = {options.prefix + at->fqn, at->offset, std::move(at->shape)};
+    }
+    source_of.emplace(name, std::move(src));
+    return true;
   };
   detail::add_param_targets(loader, model, wanted);
   if (options.buffers) detail::add_buffer_targets(loader, model, wanted);
@@ -310,38 +323,49 @@ FSDPX_DECL void load_model_state_dict(core::ShardedModel& model, const checkpoin
     if (slice) sd.entries.push_back(std::move(*slice));
     loader.load(sd, "data");
   };
-  const auto empty_slice = [](const std::string& name, const checkpoint::dcp::TensorEntry& t) {
-    return TensorSlice{name, t.size, 0, 0, {{"data", at::empty({0}, at::TensorOptions().dtype(t.dtype))}}};
+  const auto empty_slice = [](const std::string& name, const std::vector<int64_t>& shape, c10::ScalarType dtype) {
+    return TensorSlice{name, shape, 0, 0, {{"data", at::empty({0}, at::TensorOptions().dtype(dtype))}}};
   };
   feed({});  // so that a name the checkpoint lacks is missing even where this rank holds none of it
   std::set<std::string> used;
-  std::vector<std::tuple<std::string, std::vector<int64_t>, int64_t, int64_t>> reads;
+  struct Read {
+    std::string name;
+    std::vector<int64_t> shape;  // the saved shape (the model tensor's own, when placed)
+    int64_t begin, end;
+  };
+  std::vector<Read> reads;
   for (const auto& [name, targets] : loader.targets()) {
-    const std::string& file = file_of.at(name);
-    const checkpoint::dcp::TensorEntry* t = reader.find_tensor(file);
+    const Source& src = source_of.at(name);
+    const checkpoint::dcp::TensorEntry* t = reader.find_tensor(src.fqn);
     if (t == nullptr) continue;  // missing: named by finish()
-    used.insert(file);
-    for (const auto& target : targets) {
-      if (target.begin < target.end && t->size == target.shape)
-        reads.emplace_back(name, t->size, target.begin, target.end);
+    used.insert(src.fqn);
+    std::vector<int64_t> shape = t->size;
+    if (src.placed_shape) {
+      FSDPX_CHECK_AS(IoError, t->size == *src.placed_shape && !targets.empty(), "DCP checkpoint '",
+                     reader.dir().string(), "': '", src.fqn, "' has shape ", c10::IntArrayRef(t->size), ", not ",
+                     c10::IntArrayRef(*src.placed_shape), ", the shape '", name, "' lies in from element ", src.offset);
+      shape = targets.front().shape;
     }
-    if (reads.empty() || std::get<0>(reads.back()) != name) reads.emplace_back(name, t->size, 0, 0);
+    for (const auto& target : targets) {
+      if (target.begin < target.end && shape == target.shape) reads.push_back({name, shape, target.begin, target.end});
+    }
+    if (reads.empty() || reads.back().name != name) reads.push_back({name, shape, 0, 0});
   }
   for (const auto& [name, shape, begin, end] : reads) {
-    const std::string& file = file_of.at(name);
-    const checkpoint::dcp::TensorEntry& t = reader.tensor(file);
+    const Source& src = source_of.at(name);
+    const checkpoint::dcp::TensorEntry& t = reader.tensor(src.fqn);
     if (begin == end) {
-      feed(empty_slice(name, t));  // seen (or its shape mismatch named) without a byte read
+      feed(empty_slice(name, shape, t.dtype));  // seen (or its shape mismatch named) without a byte read
       continue;
     }
-    feed(TensorSlice{name, shape, begin, end, {{"data", reader.read(file, begin, end)}}});
+    feed(TensorSlice{name, shape, begin, end, {{"data", reader.read(src.fqn, src.offset + begin, src.offset + end)}}});
   }
   for (const auto& [fqn, entry] : reader.metadata().entries) {
     const auto* t = std::get_if<checkpoint::dcp::TensorEntry>(&entry);
     if (t == nullptr || used.count(fqn) != 0 || fqn.compare(0, options.prefix.size(), options.prefix) != 0) continue;
     const std::string name = fqn.substr(options.prefix.size());
     if (options.ignore && options.ignore(name)) continue;
-    feed(empty_slice(name, *t));  // not in the model: named by finish() when strict
+    feed(empty_slice(name, t->size, t->dtype));  // not in the model: named by finish() when strict
   }
   loader.finish(options.strict);
 }
@@ -394,9 +418,12 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
   // The state keys the checkpoint holds for each model parameter (by the checkpoint's name of it): those
   // under "state.<name>.", without "step".
   struct Saved {
-    std::string name;               // the checkpoint's
+    std::string name;               // the checkpoint's (a larger tensor's, when placed in one)
     std::vector<std::string> keys;  // exp_avg, exp_avg_sq, ...
+    std::vector<int64_t> shape;     // the saved state's shape
+    int64_t offset = 0;             // where this parameter's elements start in it
   };
+
   std::map<std::string, Saved> saved;  // by the model's name
   StateDict sd;
   sd.component = "optim";
@@ -405,22 +432,26 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
     for (const core::ParamInfo& p : model.unit(i).layout().params()) {
       const auto file = options.file_name ? options.file_name(p.name) : std::optional<std::string>(p.name);
       if (!file) continue;
-      const std::string base = state_prefix + *file + ".";
-      Saved s{*file, {}};
+      Saved s{*file, {}, p.shape, 0};
+      if (options.placed_in) {
+        if (auto at = options.placed_in(*file); at && reader.has_entry_under(state_prefix + at->fqn + "."))
+          s = {at->fqn, {}, at->shape, at->offset};
+      }
+      const std::string base = state_prefix + s.name + ".";
       for (auto it = entries.lower_bound(base); it != entries.end() && it->first.starts_with(base); ++it) {
         const std::string key = it->first.substr(base.size());
         if (key == "step" || key.find('.') != std::string::npos) continue;
         const auto* t = std::get_if<checkpoint::dcp::TensorEntry>(&it->second);
         FSDPX_CHECK_AS(
-            IoError, t != nullptr && t->size == p.shape, "DCP checkpoint '", reader.dir().string(), "': '", it->first,
+            IoError, t != nullptr && t->size == s.shape, "DCP checkpoint '", reader.dir().string(), "': '", it->first,
             "' is ",
             t ? ::fsdpx::detail::str("a tensor of shape ", c10::IntArrayRef(t->size)) : std::string("a bytes entry"),
-            ", not the optimizer state of '", p.name, "' of shape ", c10::IntArrayRef(p.shape));
+            ", not the optimizer state of '", p.name, "' (of shape ", c10::IntArrayRef(s.shape), ")");
         s.keys.push_back(key);
       }
       if (s.keys.empty()) continue;  // no state saved: frozen, or not stepped, when saved
       FSDPX_CHECK_AS(IoError, reader.find_tensor(base + "step") != nullptr, "DCP checkpoint '", reader.dir().string(),
-                     "' holds optimizer state for '", *file, "' but no '", base, "step'");
+                     "' holds optimizer state for '", s.name, "' but no '", base, "step'");
       sd.trained.push_back(p.name);
       saved.emplace(p.name, std::move(s));
     }
@@ -440,7 +471,9 @@ FSDPX_DECL void load_optimizer_state_dict(torch::optim::Optimizer& optimizer, co
         FSDPX_CHECK_AS(IoError, step >= 0 && step == std::floor(step) && step < 9.0e15, "DCP checkpoint '",
                        reader.dir().string(), "': '", prefix, "step' is ", step, ", not a step count");
         TensorSlice s{p.name, p.shape, lo - p.offset, hi - p.offset, {}, static_cast<int64_t>(step)};
-        for (const std::string& key : it->second.keys) s.tensors[key] = reader.read(prefix + key, s.begin, s.end);
+        const int64_t at = it->second.offset;
+        for (const std::string& key : it->second.keys)
+          s.tensors[key] = reader.read(prefix + key, at + s.begin, at + s.end);
         sd.entries.push_back(std::move(s));
       }
     }

@@ -9,6 +9,7 @@
 #include <exception>
 #include <map>
 #include <optional>
+#include <set>
 #include <type_traits>
 #include <utility>
 #include <variant>
@@ -285,6 +286,14 @@ inline std::vector<std::string> saved_names(const SaveOptions& options, const st
   return out;
 }
 
+/// Where tensor `name` of `shape` is saved: itself, or a run of a larger tensor (SaveOptions::placed_in).
+inline Placement placement(const SaveOptions& options, const std::string& name, const std::vector<int64_t>& shape) {
+  if (options.placed_in) {
+    if (auto at = options.placed_in(name)) return std::move(*at);
+  }
+  return {name, shape, 0};
+}
+
 /// The param group of each trained unit's decayed and other parameters, as (unit, decay) -> group, from
 /// every rank's shards (a rank may hold none of a unit's decayed or other elements). Collective.
 inline std::map<std::pair<size_t, bool>, size_t> param_group_of_units(core::ShardedModel& model,
@@ -356,8 +365,10 @@ FSDPX_DECL std::vector<SavedTensor> model_tensors(const StateDict& sd, const Sav
               "holds flat unit shards, which name no tensor");
   std::vector<SavedTensor> out;
   for (const TensorSlice& slice : sd.entries) {
-    for (const std::string& name : detail::saved_names(options, slice.name))
-      out.push_back({name, slice.shape, slice.begin, slice.end, slice.tensors.at("data"), {}});
+    for (const std::string& name : detail::saved_names(options, slice.name)) {
+      const Placement at = detail::placement(options, name, slice.shape);
+      out.push_back({at.fqn, at.shape, at.offset + slice.begin, at.offset + slice.end, slice.tensors.at("data"), {}});
+    }
   }
   return out;
 }
@@ -370,17 +381,20 @@ FSDPX_DECL std::vector<SavedTensor> optimizer_tensors(const StateDict& sd, const
   for (const TensorSlice& slice : sd.entries) {
     const std::vector<std::string> names = detail::saved_names(options, slice.name);
     if (names.empty()) continue;
-    const std::string& name = names.front();  // a tied weight's state is saved once, as torch saves it
-    for (const auto& [key, values] : slice.tensors)
-      out.push_back({"state." + name + "." + key, slice.shape, slice.begin, slice.end, values, at_path(name, key)});
+    // A tied weight's state is saved once, as torch saves it; a placed one's as part of the larger tensor's
+    const Placement at = detail::placement(options, names.front(), slice.shape);
+    for (const auto& [key, values] : slice.tensors) {
+      out.push_back({"state." + at.fqn + "." + key, at.shape, at.offset + slice.begin, at.offset + slice.end, values,
+                     at_path(at.fqn, key)});
+    }
     // The step count, a float32 scalar as torch.optim keeps it, from the rank holding the first element
-    if (slice.begin == 0) {
-      out.push_back({"state." + name + ".step",
+    if (at.offset + slice.begin == 0) {
+      out.push_back({"state." + at.fqn + ".step",
                      {},
                      0,
                      1,
                      at::full({1}, static_cast<double>(slice.step), at::kFloat),
-                     at_path(name, "step")});
+                     at_path(at.fqn, "step")});
     }
   }
   return out;
@@ -393,11 +407,15 @@ FSDPX_DECL std::vector<SavedBytes> param_group_entries(core::ShardedModel& model
   if (model.mesh().world().rank() != 0) return {};
   for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
     std::vector<std::string> params;
+    std::set<std::string> listed;  // a larger tensor that several are placed in is listed once
     for (size_t i = 0; i < model.num_units(); ++i) {
       for (const core::ParamInfo& p : model.unit(i).layout().params()) {
         const auto it = group_of.find({i, p.decay});
         if (it == group_of.end() || it->second != g) continue;
-        if (const auto names = detail::saved_names(options, p.name); !names.empty()) params.push_back(names.front());
+        const auto names = detail::saved_names(options, p.name);
+        if (names.empty()) continue;
+        std::string name = detail::placement(options, names.front(), p.shape).fqn;
+        if (listed.insert(name).second) params.push_back(std::move(name));
       }
     }
     detail::add_param_group(state, optimizer.param_groups()[g].options(), g, std::move(params));

@@ -67,32 +67,69 @@ FSDPX_DECL ResumeInfo load_dcp_checkpoint(const fs::path& dir, core::ShardedMode
                "); resuming without it");
     info.missing.push_back(part);
   };
+  // torchtitan's step folder is one DCP: {"model": ..., "optimizer": (flattened by parameter), "lr_scheduler":
+  // ..., "dataloader": ..., "train_state": ...}; newer torchtitan puts the model's entries at the top level.
+  // LightRFT's is the model's DCP, optim_states/, scheduler_state.pt and client_state.pt.
+  const bool titan = reader.has_entry_under("optimizer.state.") || reader.find_tensor("train_state.step") != nullptr;
+  DcpLoadOptions names = options.dcp;
+  names.strict = names.strict && options.strict;
+  if (titan) {
+    // {"model": ...} nests the model's entries under "model."; transformers' own names start with "model." too,
+    // so the nesting is what the model's names are found under
+    const auto nested = [&] {
+      for (size_t i = 0; i < model.num_units(); ++i) {
+        for (const core::ParamInfo& p : model.unit(i).layout().params()) {
+          const auto file = names.file_name ? names.file_name(p.name) : std::optional<std::string>(p.name);
+          if (file && reader.has_entry_under("model." + *file)) return true;
+        }
+      }
+      return false;
+    };
+    if (names.prefix.empty() && nested()) names.prefix = "model.";
+    names.ignore = [user = names.ignore](const std::string& entry) {
+      for (const char* part : {"optimizer.", "lr_scheduler.", "dataloader.", "train_state."}) {
+        if (entry.starts_with(part)) return true;
+      }
+      return user && user(entry);
+    };
+    if (const auto* step = reader.find_tensor("train_state.step"); step != nullptr && step->size.empty())
+      info.step = reader.read("train_state.step").to(at::kLong).item<int64_t>();
+  }
   const fs::path optim_dir = dir / "optim_states", scheduler_file = dir / "scheduler_state.pt",
                  client_file = dir / "client_state.pt";
-  const bool load_optimizer = optimizer != nullptr && dcp::is_checkpoint(optim_dir);
-  if (optimizer != nullptr && !load_optimizer) lacks("optimizer", "the folder has no optim_states/ checkpoint");
+  const bool load_optimizer =
+      optimizer != nullptr && (titan ? reader.has_entry_under("optimizer.state.") : dcp::is_checkpoint(optim_dir));
+  if (optimizer != nullptr && !load_optimizer) {
+    lacks("optimizer", titan ? "it has no optimizer.state entries" : "the folder has no optim_states/ checkpoint");
+  }
   std::optional<c10::IValue> scheduler_state;
   if (scheduler != nullptr) {
-    if (fs::exists(scheduler_file)) {
+    if (titan && reader.has_bytes("lr_scheduler.last_epoch") && reader.has_bytes("lr_scheduler.base_lrs")) {
+      c10::impl::GenericDict saved(c10::StringType::get(), c10::AnyType::get());
+      saved.insert("last_epoch", reader.read_bytes("lr_scheduler.last_epoch"));
+      saved.insert("base_lrs", reader.read_bytes("lr_scheduler.base_lrs"));
+      scheduler_state = lr_scheduler_state_from_torch(saved, dir / "lr_scheduler");
+    } else if (!titan && fs::exists(scheduler_file)) {
       scheduler_state = lr_scheduler_state_from_torch(dcp::read_plain_file(scheduler_file), scheduler_file);
-      scheduler->check_state_dict(*scheduler_state);
     } else {
-      lacks("scheduler", "the folder has no scheduler_state.pt");
+      lacks("scheduler", titan ? "it has no lr_scheduler.last_epoch and lr_scheduler.base_lrs"
+                               : "the folder has no scheduler_state.pt");
     }
+    if (scheduler_state) scheduler->check_state_dict(*scheduler_state);
   }
-  if (options.load_client_state && fs::exists(client_file)) {
+  if (!titan && options.load_client_state && fs::exists(client_file)) {
     const c10::IValue client = dcp::read_plain_file(client_file);
     FSDPX_CHECK_AS(IoError, client.isGenericDict(), "DCP checkpoint '", dir.string(), "': client_state.pt holds ",
                    client.tagKind(), ", not a dict");
     info.extra.client = client.toGenericDict();
-  } else if (options.load_client_state && optimizer != nullptr) {
+  } else if (!titan && options.load_client_state && optimizer != nullptr) {
     lacks("client state", "the folder has no client_state.pt");
   }
   info.extra.step = info.step;
-  DcpLoadOptions names = options.dcp;
-  names.strict = names.strict && options.strict;
   load_model_state_dict(model, reader, names);
-  if (load_optimizer) {  // the optimizer's own checkpoint: the model's names, no prefix
+  if (load_optimizer && titan) {
+    load_optimizer_state_dict(*optimizer, model, reader, {.prefix = "optimizer.", .file_name = names.file_name});
+  } else if (load_optimizer) {  // the optimizer's own checkpoint: the model's names, no prefix
     load_optimizer_state_dict(*optimizer, model, optim_dir, {.file_name = names.file_name});
   }
   if (scheduler_state) {
