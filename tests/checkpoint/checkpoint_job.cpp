@@ -19,6 +19,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <memory>
 #include <string>
 #include <thread>
 #include <tuple>
@@ -193,6 +195,29 @@ int dcp_save(Model& model, dist::AnyCommunicator world, const Args& args) {
     }
   }
   std::printf("rank %d: %lld AdamW states read back from DCP equal\n", world.rank(), static_cast<long long>(states));
+  // An AdamW whose groups are the saved ones swapped (decayed parameters in group 1) is refused, naming a
+  // parameter, by every rank that holds a view of a swapped group (each rank checks the groups it steps).
+  std::vector<torch::optim::OptimizerParamGroup> swapped;
+  swapped.emplace_back(model.parameters(false), std::make_unique<torch::optim::AdamWOptions>(adamw_options()));
+  swapped.emplace_back(model.parameters(true), std::make_unique<torch::optim::AdamWOptions>(adamw_options()));
+  torch::optim::AdamW wrong(std::move(swapped), adamw_options());
+  bool refused = false;
+  try {
+    load_optimizer_state_dict(wrong, model.sharded(), std::filesystem::path(args.root) / "optim_states");
+  } catch (const std::exception& e) {
+    refused = std::strstr(e.what(), "but not in the checkpoint's") != nullptr;
+    if (!refused) {
+      std::fprintf(stderr, "rank %d: swapped param groups refused for another reason: %s\n", world.rank(), e.what());
+      return 1;
+    }
+  }
+  auto any_refused = at::full({1}, refused ? 1 : 0, at::kInt);
+  world.all_reduce(any_refused, dist::ReduceOp::max);
+  if (any_refused.item<int>() != 1) {
+    std::fprintf(stderr, "rank %d: an AdamW with its param groups swapped loaded the DCP state\n", world.rank());
+    return 1;
+  }
+  if (refused) std::printf("rank %d: swapped param groups refused\n", world.rank());
   const StateDict full = full_state_dict(model.sharded());
   if (world.rank() == 0) {
     c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());

@@ -51,6 +51,7 @@ def check_optimizer_save(root: Path, params: dict[str, torch.Tensor], done: subp
     parameter its moments in its shape and its step count, the two param groups of make_adamw with every key
     torch.optim.AdamW holds, their params naming every parameter once. fsdpx read it back equal (checkpoint_job)."""
     assert done.stdout.count("AdamW states read back from DCP equal") >= 2, done.stdout
+    assert "swapped param groups refused" in done.stdout, done.stdout
     files = {p.name for p in root.iterdir()}
     assert ".metadata" in files and not any(name.endswith(".tmp") for name in files)
     if mesh:
