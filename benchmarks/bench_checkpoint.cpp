@@ -30,6 +30,7 @@
 #include <torch/optim.h>
 #include <torch/serialize.h>
 
+#include <fsdpx/dcp.hpp>
 #include <fsdpx/fsdp.hpp>
 
 #include "../examples/common/gpt.hpp"

@@ -151,7 +151,7 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
   fsdpx::LrScheduler scheduler(optimizer, fsdpx::LrSchedule::cosine(args.warmup, args.steps, /*min_lr_ratio=*/0.1));
   int64_t start = 0;
   if (args.resume) {
-    if (const auto info = fsdpx::load_checkpoint(args.ckpt_dir, model, optimizer, scheduler)) {
+    if (const auto info = fsdpx::load_checkpoint(model, args.ckpt_dir, optimizer, scheduler)) {
       start = info->step;
       if (lead)
         std::printf("finetune: resumed from step %lld of %s (saved by %d ranks)\n", static_cast<long long>(start),

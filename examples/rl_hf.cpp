@@ -151,7 +151,7 @@ int main(int argc, char** argv) try {
     auto optimizer = fsdpx::make_adamw(policy, torch::optim::AdamWOptions(args.lr).weight_decay(0.0));
     int64_t start = 0;
     if (args.resume) {
-      if (const auto info = fsdpx::load_checkpoint(args.ckpt_dir, policy, optimizer)) {
+      if (const auto info = fsdpx::load_checkpoint(policy, args.ckpt_dir, optimizer)) {
         start = info->step;
         if (lead)
           std::printf("rl_hf: resumed from step %lld of %s\n", static_cast<long long>(start), args.ckpt_dir.c_str());

@@ -139,13 +139,13 @@ int main(int argc, char** argv) try {
     Gpt frozen(config);
     frozen->to(device);
     Reference reference(frozen, trainers, {.inference_only = true});
-    fsdpx::load_model_state_dict(reference.sharded(), fsdpx::sharded_state_dict(actor.sharded()));
+    fsdpx::load_model_state_dict(reference, fsdpx::sharded_state_dict(actor));
 
     auto optimizer = fsdpx::make_adamw(actor, torch::optim::AdamWOptions(args.lr).weight_decay(0.1));
     fsdpx::LrScheduler scheduler(optimizer, schedule);
     int64_t start = 0;
     if (args.resume) {
-      if (const auto info = fsdpx::load_checkpoint(args.ckpt_dir, actor, optimizer, scheduler)) {
+      if (const auto info = fsdpx::load_checkpoint(actor, args.ckpt_dir, optimizer, scheduler)) {
         start = info->step;
         if (lead) {
           std::printf("rl_trainer: resumed from step %lld of %s (saved by %d trainers); LR %.3g\n",

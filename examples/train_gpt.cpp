@@ -205,7 +205,7 @@ int main(int argc, char** argv) try {
   int64_t start = 0, tokens_seen = 0;
   std::optional<double> first;
   if (args.resume) {
-    if (const auto info = fsdpx::load_checkpoint(root, model, &optimizer)) {
+    if (const auto info = fsdpx::load_checkpoint(model, root, &optimizer)) {
       const auto& c = info->extra.client;
       FSDPX_CHECK(client_int(c, "dim", args.dim) == args.dim && client_int(c, "layers", args.layers) == args.layers &&
                       client_int(c, "seq", args.seq) == args.seq && client_int(c, "batch", args.batch) == args.batch,

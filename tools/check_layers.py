@@ -5,8 +5,11 @@
     tools/check_layers.py --self-test        the checker itself: finds a planted upward include
 
 Every header under include/fsdpx (and every .ipp implementation file) belongs to one layer (its
-folder; the umbrella <fsdpx/fsdp.hpp> and fsdpx/impl/src.hpp are the top). A header may include headers of its own layer and of the layers listed below it, nothing
-else. A header the table does not place is an error too, so a new folder has to be given a layer.
+folder; the umbrella <fsdpx/fsdp.hpp> and fsdpx/impl/src.hpp are the top). A header may include headers of its
+own layer and of the layers listed below it, nothing else. A header the table does not place is an error too,
+so a new folder has to be given a layer. The torch-free layers (the pickle machine) include no LibTorch header,
+directly or through the fsdpx headers they include. A forwarding header left at a moved header's old path may
+include anything, and no header of the library includes it.
 """
 import pathlib
 import re
@@ -21,11 +24,25 @@ ALLOWED = {
     "dist": {"base", "memory"},                      # communicators, meshes, launch environments
     "core": {"base", "memory", "policies", "dist"},  # units, the protocol, Fsdp, optimizers
     "hf": {"base", "memory", "policies", "dist", "core"},  # safetensors, model folders, a model's weights in and out
-    "checkpoint": {"base", "memory", "policies", "dist", "core", "hf"},
-    "sync": {"base", "memory", "policies", "dist", "core", "hf", "checkpoint"},
-    "models": {"base", "memory", "policies", "dist", "core", "hf", "checkpoint"},
-    # fsdp.hpp includes up to sync; impl/src.hpp compiles the models' .ipp files too.
-    "umbrella": {"base", "memory", "policies", "dist", "core", "hf", "checkpoint", "sync", "models"},
+    "pickle": {"base"},                              # Python pickles read and written; torch-free
+    "checkpoint": {"base", "memory", "policies", "dist", "core", "hf", "pickle"},
+    # PyTorch Distributed Checkpoint: a room of its own above the checkpoint layer, whose format seam it fills
+    "dcp": {"base", "memory", "policies", "dist", "core", "hf", "pickle", "checkpoint"},
+    "sync": {"base", "memory", "policies", "dist", "core", "hf", "pickle", "checkpoint"},
+    "models": {"base", "memory", "policies", "dist", "core", "hf", "pickle", "checkpoint"},
+    # fsdp.hpp includes up to sync (not dcp); impl/src.hpp compiles every layer's .ipp files.
+    "umbrella": {"base", "memory", "policies", "dist", "core", "hf", "pickle", "checkpoint", "dcp", "sync", "models"},
+}
+
+# Layers that compile without LibTorch: no <torch/...>, <ATen/...> or <c10/...>, nor an fsdpx header that has one.
+TORCH_FREE = {"pickle"}
+TORCH_INCLUDE = re.compile(r'^\s*#\s*include\s*<((?:torch|ATen|c10)/[^>]+)>', re.MULTILINE)
+
+# Headers left at the path of one that moved, for one release: they forward to the new place (any layer).
+FORWARDING = {
+    "fsdpx/checkpoint/dcp_metadata.hpp",
+    "fsdpx/checkpoint/dcp_reader.hpp",
+    "fsdpx/checkpoint/dcp_writer.hpp",
 }
 
 # Top-level headers: the umbrella, and each layer's own one-include header.
@@ -35,13 +52,14 @@ TOP_LEVEL = {
     "policies.hpp": "policies",
     "dist.hpp": "dist",
     "checkpoint.hpp": "checkpoint",
+    "dcp.hpp": "dcp",
     "sync.hpp": "sync",
     "models.hpp": "models",
     "fsdp.hpp": "umbrella",
 }
 FOLDERS = {"detail": "base", "memory": "memory", "policies": "policies", "dist": "dist", "core": "core",
-           "hf": "hf", "checkpoint": "checkpoint", "sync": "sync", "models": "models",
-           "impl": "umbrella"}  # impl/src.hpp: the separately compiled part, every layer's .ipp files
+           "hf": "hf", "pickle": "pickle", "checkpoint": "checkpoint", "dcp": "dcp", "sync": "sync",
+           "models": "models", "impl": "umbrella"}  # impl/src.hpp: the separately compiled part, every layer's .ipp files
 
 # Backends are peers inside dist: one backend's files never include another's. Only the launcher
 # header, which picks how a world starts, knows several (dist/launch.hpp: NCCL bootstrapped over MPI).
@@ -71,6 +89,22 @@ def layer_of(relative):
     return FOLDERS.get(parts[1])
 
 
+def torch_headers(include_dir, relative, seen=None):
+    """The LibTorch headers `relative` includes, directly or through fsdpx headers, as 'via: <header>' lines."""
+    seen = set() if seen is None else seen
+    if relative in seen:
+        return []
+    seen.add(relative)
+    path = include_dir / relative
+    if not path.exists():
+        return []
+    text = path.read_text(encoding="utf-8")
+    found = [f"{relative} includes <{header}>" for header in TORCH_INCLUDE.findall(text)]
+    for target in INCLUDE.findall(text):
+        found += torch_headers(include_dir, target, seen)
+    return found
+
+
 def check(include_dir):
     include_dir = pathlib.Path(include_dir)
     problems = []
@@ -85,7 +119,16 @@ def check(include_dir):
             problems.append(f"{relative}: in no layer; give its folder one in tools/check_layers.py and "
                             "docs/architecture.md")
             continue
+        if mine in TORCH_FREE:
+            for found in torch_headers(include_dir, relative):
+                problems.append(f"{relative} ({mine}) must compile without LibTorch, but {found}")
         for target in INCLUDE.findall(header.read_text(encoding="utf-8")):
+            if target in FORWARDING:
+                problems.append(f"{relative} includes {target}, a header kept only for programs that include its "
+                                "old path: include the header it forwards to")
+                continue
+            if relative in FORWARDING:
+                continue
             theirs = layer_of(target)
             if theirs is None:
                 problems.append(f"{relative}: includes {target}, which is in no layer")
@@ -117,10 +160,27 @@ def self_test():
         found = check(root)
         assert len(found) == 1 and "backends are peers" in found[0], found
         (root / "fsdpx/dist/nccl.hpp").write_text("#include <fsdpx/error.hpp>\n")
+        (root / "fsdpx/pickle").mkdir()
+        (root / "fsdpx/pickle/pickle.hpp").write_text("#include <fsdpx/error.hpp>\n")
+        assert check(root) == [], check(root)
+        (root / "fsdpx/error.hpp").write_text("#pragma once\n#include <c10/util/Exception.h>\n")  # torch, below
+        found = check(root)
+        assert len(found) == 1 and "must compile without LibTorch" in found[0] and "c10/util" in found[0], found
+        (root / "fsdpx/error.hpp").write_text("#pragma once\n")
+        (root / "fsdpx/checkpoint").mkdir()
+        (root / "fsdpx/dcp").mkdir()
+        (root / "fsdpx/dcp/reader.hpp").write_text("#include <fsdpx/error.hpp>\n")
+        (root / "fsdpx/checkpoint/dcp_reader.hpp").write_text("#include <fsdpx/dcp/reader.hpp>\n")  # forwarding
+        assert check(root) == [], check(root)
+        (root / "fsdpx/core/unit.hpp").write_text("#include <fsdpx/checkpoint/dcp_reader.hpp>\n")
+        found = check(root)
+        assert len(found) == 1 and "old path" in found[0], found
+        (root / "fsdpx/core/unit.hpp").write_text("#include <fsdpx/error.hpp>\n")
         (root / "fsdpx/newlayer").mkdir()
         (root / "fsdpx/newlayer/x.hpp").write_text("\n")
         assert any("in no layer" in p for p in check(root))
-    print("check_layers self-test: an upward include, a backend including another and an unplaced header are found")
+    print("check_layers self-test: an upward include, a backend including another, LibTorch in a torch-free layer, "
+          "an include of a forwarding header and an unplaced header are found")
 
 
 def main(argv):

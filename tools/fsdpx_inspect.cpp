@@ -8,7 +8,7 @@
 //   fsdpx-inspect <DCP folder> [--tensors] [--verify]
 //                                                   a PyTorch Distributed Checkpoint: its entries and files;
 //                                                   --verify reads every chunk and bytes entry through
-//                                                   checkpoint::dcp::Reader's checks; exit 1 naming each problem
+//                                                   dcp::Reader's checks; exit 1 naming each problem
 //
 // Reads only; never writes or leases anything. Exit 0, or 1 with the reason.
 #include <algorithm>
@@ -25,7 +25,7 @@
 #include <CLI/CLI.hpp>
 
 #include <fsdpx/detail/file_io.hpp>
-#include <fsdpx/checkpoint/dcp_reader.hpp>
+#include <fsdpx/dcp.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/error.hpp>
@@ -125,13 +125,13 @@ void print_tensors(const fs::path& dir, const ckpt::CommitRecord& record) {
 /// whole and every bytes entry decoded (DCP records no checksums: what is checked is each chunk's place in
 /// its file, its archive, dtype and shape, not its values). Returns the exit code.
 int inspect_dcp(const fs::path& dir, bool tensors, bool verify) {
-  const ckpt::dcp::Reader reader(dir);  // .metadata read and validated: an IoError naming the cause otherwise
-  const ckpt::dcp::Metadata& md = reader.metadata();
+  const fsdpx::dcp::Reader reader(dir);  // .metadata read and validated: an IoError naming the cause otherwise
+  const fsdpx::dcp::Metadata& md = reader.metadata();
   std::map<std::string, int64_t> files;
   for (const auto& [key, info] : md.storage) files[info.relative_path] += info.length;
   int64_t n_tensors = 0, n_chunks = 0;
   for (const auto& [fqn, entry] : md.entries) {
-    if (const auto* t = std::get_if<ckpt::dcp::TensorEntry>(&entry)) {
+    if (const auto* t = std::get_if<fsdpx::dcp::TensorEntry>(&entry)) {
       ++n_tensors;
       n_chunks += static_cast<int64_t>(t->chunks.size());
       if (tensors)
@@ -150,7 +150,7 @@ int inspect_dcp(const fs::path& dir, bool tensors, bool verify) {
   std::vector<std::string> problems;
   for (const auto& [fqn, entry] : md.entries) {
     try {
-      if (std::holds_alternative<ckpt::dcp::TensorEntry>(entry)) reader.read(fqn);
+      if (std::holds_alternative<fsdpx::dcp::TensorEntry>(entry)) reader.read(fqn);
       else reader.read_bytes(fqn);
     } catch (const std::exception& e) {
       problems.push_back(e.what());
@@ -185,7 +185,7 @@ int run(int argc, char** argv) {
     return app.exit(e);
   }
 
-  if (ckpt::dcp::is_checkpoint(root)) {
+  if (fsdpx::dcp::is_checkpoint(root)) {
     FSDPX_CHECK(!step, "--step applies to an fsdpx checkpoint root, not to a DCP folder");
     return inspect_dcp(root, tensors, verify);
   }

@@ -18,11 +18,11 @@
 #include <vector>
 
 #include <fsdpx/detail/file_io.hpp>
-#include <fsdpx/checkpoint/dcp_reader.hpp>
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
 #include <fsdpx/checkpoint/merge.hpp>
+#include <fsdpx/dcp.hpp>  // DCP folders and steps saved in CheckpointFormat::dcp
 #include <fsdpx/hf/safetensors.hpp>
 #include <fsdpx/error.hpp>
 #include <fsdpx/models/pretrained.hpp>
@@ -55,22 +55,6 @@ constexpr const char* usage =
     "config.json is written only beside the tensor names it implies: a Llama, Qwen2 or Qwen3 config whose\n"
     "tensors (names and shapes) are all there, in transformers' names; otherwise it is left out, with a warning,\n"
     "since from_pretrained would start every tensor it does not find from random weights.\n";
-
-/// A PyTorch Distributed Checkpoint folder's tensors, whole, under their saved names (each read from its
-/// chunks, checked as dcp::Reader checks them); bytes entries (an optimizer's param groups) are left aside.
-fsdpx::hf::NamedTensors merge_dcp(const fs::path& dir, const ckpt::MergeOptions& options) {
-  const ckpt::dcp::Reader reader(dir);
-  fsdpx::hf::NamedTensors out;
-  for (const auto& [fqn, entry] : reader.metadata().entries) {
-    if (!std::holds_alternative<ckpt::dcp::TensorEntry>(entry)) continue;
-    at::Tensor t = reader.read(fqn);
-    if (options.dtype && at::isFloatingType(t.scalar_type())) t = t.to(*options.dtype);
-    out.emplace_back(fqn, std::move(t));
-  }
-  FSDPX_CHECK_AS(fsdpx::IoError, !out.empty(), "fsdpx-merge: the DCP checkpoint in '", dir.string(),
-                 "' holds no tensor");
-  return out;
-}
 
 [[noreturn]] void usage_error(const std::string& msg) {
   throw fsdpx::ConfigError(str("fsdpx-merge: ", msg, "\n", usage));
@@ -193,21 +177,21 @@ int run(int argc, char** argv) {
   if (!input) usage_error("no checkpoint path");
   if (!out) usage_error("--out DIR is required");
 
-  const bool dcp_folder = ckpt::dcp::is_checkpoint(*input);
+  const bool dcp_folder = fsdpx::dcp::is_checkpoint(*input);
   if (dcp_folder && step) usage_error("--step applies to an fsdpx checkpoint root, not to a DCP folder");
   const fs::path dir = dcp_folder ? *input : resolve_step_dir(*input, step);
-  // A root whose step was saved with CheckpointFormat::dcp: that step's folder is a DCP checkpoint
-  const bool dcp = dcp_folder || ckpt::dcp::is_checkpoint(dir);
   options.warn = [](const std::string& w) { std::cerr << "fsdpx-merge: warning: " << w << "\n"; };
-  fsdpx::hf::NamedTensors tensors;
-  if (dcp) {
-    tensors = merge_dcp(dir, options);
-    std::cout << "fsdpx-merge: read the PyTorch Distributed Checkpoint in " << dir.string() << "\n";
+  // A step of either format, or a DCP folder: merge_checkpoint reads it through its format's seam
+  ckpt::MergeReport report;
+  fsdpx::hf::NamedTensors tensors = ckpt::merge_checkpoint(dir, options, &report);
+  if (dcp_folder) {
+    std::cout << "fsdpx-merge: read the PyTorch Distributed Checkpoint in " << dir.string() << " ("
+              << report.files.size() << " data files, world size " << report.world_size << ")\n";
   } else {
-    ckpt::MergeReport report;
-    tensors = ckpt::merge_checkpoint(dir, options, &report);
-    std::cout << "fsdpx-merge: read " << report.files.size() << " model files (world size " << report.world_size << ", "
-              << report.kind << (report.step ? str(", step ", *report.step) : std::string()) << ", "
+    std::cout << "fsdpx-merge: read " << report.files.size()
+              << (report.format == fsdpx::CheckpointFormat::dcp ? " DCP data files" : " model files") << " (world size "
+              << report.world_size << ", " << report.kind
+              << (report.step ? str(", step ", *report.step) : std::string()) << ", "
               << (report.committed ? (report.complete ? "committed" : "weights committed")
                                    : "NOT committed: no fsdp_config.json")
               << ", checksums " << (report.checksums_verified ? "verified" : "not verified") << ") from "

@@ -10,7 +10,7 @@
 //   checkpoint_job compare A B [--tol T]    two full state dict files, equal (or within T)
 //   checkpoint_job dcp-save --root R --steps N --out F [--hybrid] [--fail-rank K]
 //                                           trains N steps, saves the model as PyTorch DCP in R and the
-//                                           AdamW state in R/optim_states (checkpoint/dcp_writer.hpp), reads
+//                                           AdamW state in R/optim_states (dcp/state_dict_saver.hpp), reads
 //                                           that back into another AdamW (equal, bit for bit), and writes the
 //                                           full parameters as a plain dict (torch.load) in F;
 //                                           --fail-rank: that rank's disk is full
@@ -30,7 +30,7 @@
 #include <unistd.h>
 
 #include <fsdpx/checkpoint.hpp>
-#include <fsdpx/checkpoint/dcp_writer.hpp>
+#include <fsdpx/dcp.hpp>
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
 #include <fsdpx/dist/mpi.hpp>
 
@@ -97,7 +97,7 @@ int train(Model& model, dist::AnyCommunicator world, const Args& args) {
   int64_t start = 0;
   ExtraState extra;
   if (args.resume) {
-    if (const auto info = load_checkpoint(args.root, model, opt)) {
+    if (const auto info = load_checkpoint(model, args.root, opt)) {
       start = info->step;
       if (world.rank() == 0)
         std::printf("resumed from step %lld (saved by %d ranks)\n", static_cast<long long>(start),
@@ -162,8 +162,8 @@ int dcp_save(Model& model, dist::AnyCommunicator world, const Args& args) {
   for (int64_t step = 1; step <= args.steps; ++step) train_step(model, opt, world);
   if (world.rank() == args.fail_rank) ::fsdpx::detail::inject_write_error(ENOSPC, 100);
   try {
-    checkpoint::dcp::save_model(args.root, model);
-    checkpoint::dcp::save_optimizer(std::filesystem::path(args.root) / "optim_states", model, opt);
+    dcp::save_model(model, args.root);
+    dcp::save_optimizer(model, opt, std::filesystem::path(args.root) / "optim_states");
   } catch (const IoError& e) {
     std::fprintf(stderr, "rank %d: DCP save failed: %s\n", world.rank(), e.what());
     return 3;
@@ -171,7 +171,7 @@ int dcp_save(Model& model, dist::AnyCommunicator world, const Args& args) {
   // The optimizer's state read back into another AdamW (other hyperparameters, no state): equal to the
   // saved one, bit for bit, and so are the hyperparameters and the step counts.
   auto back = make_adamw(model, torch::optim::AdamWOptions(0.5));
-  load_optimizer_state_dict(back, model.sharded(), std::filesystem::path(args.root) / "optim_states");
+  dcp::load_optimizer(model, back, std::filesystem::path(args.root) / "optim_states");
   int64_t states = 0;
   for (size_t g = 0; g < opt.param_groups().size(); ++g) {
     const auto& want = dynamic_cast<const torch::optim::AdamWOptions&>(opt.param_groups()[g].options());
@@ -203,7 +203,7 @@ int dcp_save(Model& model, dist::AnyCommunicator world, const Args& args) {
   torch::optim::AdamW wrong(std::move(swapped), adamw_options());
   bool refused = false;
   try {
-    load_optimizer_state_dict(wrong, model.sharded(), std::filesystem::path(args.root) / "optim_states");
+    dcp::load_optimizer(model, wrong, std::filesystem::path(args.root) / "optim_states");
   } catch (const std::exception& e) {
     refused = std::strstr(e.what(), "but not in the checkpoint's") != nullptr;
     if (!refused) {
@@ -239,7 +239,7 @@ int dcp_cover() {
     for (size_t d = shape.size(); d-- > 1;) strides[d - 1] = strides[d] * shape[d];
     for (int64_t b = 0; b <= numel; ++b) {
       for (int64_t e = b; e <= numel; ++e) {
-        const auto boxes = checkpoint::dcp::cover_flat_range(shape, b, e);
+        const auto boxes = dcp::cover_flat_range(shape, b, e);
         int64_t at = b;
         for (const auto& c : boxes) {
           int64_t first = 0, n = 1;
@@ -281,7 +281,7 @@ int dcp_cover() {
     }
   }
   // A range that is a box already is one box.
-  if (checkpoint::dcp::cover_flat_range(std::vector<int64_t>{4, 3}, 3, 9).size() != 1) return 1;
+  if (dcp::cover_flat_range(std::vector<int64_t>{4, 3}, 3, 9).size() != 1) return 1;
   std::printf("dcp-cover: %zu shapes, %lld boxes, all exact\n", shapes.size(), static_cast<long long>(checked));
   return 0;
 }
@@ -333,7 +333,7 @@ int main(int argc, char** argv) {
     if (args.mode == "verify") {
       CkptModel<> model(ResMlp(), world);
       auto opt = make_adamw(model, adamw_options());
-      const auto info = load_checkpoint(args.root, model, opt);
+      const auto info = load_checkpoint(model, args.root, opt);
       if (!info) {
         std::printf("verify: no committed checkpoint in %s\n", args.root.c_str());
         return 3;

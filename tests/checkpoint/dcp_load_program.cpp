@@ -11,11 +11,11 @@
 #include <iostream>
 #include <string>
 
-#include <fsdpx/checkpoint/dcp_reader.hpp>
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
 #include <fsdpx/checkpoint/resume.hpp>
 #include <fsdpx/checkpoint/state_dict.hpp>
 #include <fsdpx/core/fsdp.hpp>
+#include <fsdpx/dcp.hpp>
 #include <fsdpx/detail/json.hpp>
 #include <fsdpx/dist/mpi.hpp>
 
@@ -23,7 +23,6 @@
 
 using namespace fsdpx;
 using namespace fsdpx::test;
-namespace dcp = fsdpx::checkpoint::dcp;
 using fsdpx::detail::Json;
 
 namespace {
@@ -59,10 +58,10 @@ int load_model(const std::string& dir, const std::string& reference, const std::
   Model model(ResMlp(), world);
   const dcp::Reader reader(dir);
   if (resume) {  // the resume path: load_checkpoint recognises the folder by its .metadata
-    const auto info = load_checkpoint(dir, model);
+    const auto info = load_checkpoint(model, dir);
     if (world.rank() == 0) std::printf("resumed step %lld\n", static_cast<long long>(info.value().step));
   } else {
-    load_model_state_dict(model.sharded(), reader, {.prefix = prefix});
+    dcp::load_model(model, reader, {.prefix = prefix});
   }
   int64_t chunks = 0;
   for (const auto& [fqn, entry] : reader.metadata().entries) {

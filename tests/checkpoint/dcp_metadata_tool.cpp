@@ -9,10 +9,10 @@
 #include <iostream>
 #include <string>
 
-#include <fsdpx/checkpoint/dcp_metadata.hpp>
+#include <fsdpx/dcp/metadata.hpp>
 #include <fsdpx/detail/json.hpp>
 
-namespace dcp = fsdpx::checkpoint::dcp;
+namespace dcp = fsdpx::dcp;
 using fsdpx::detail::Json;
 
 namespace {
@@ -85,7 +85,7 @@ dcp::Metadata from_json(const Json& j) {
       continue;
     }
     dcp::TensorEntry t;
-    const auto dtype = dcp::dtype_from_name(e.at("dtype").get<std::string>());
+    const auto dtype = fsdpx::torch_dtype_from_name(e.at("dtype").get<std::string>());
     if (!dtype) throw std::runtime_error("unknown dtype " + e.at("dtype").dump());
     t.dtype = *dtype;
     t.size = e.at("size").get<std::vector<int64_t>>();

@@ -2,11 +2,11 @@
 
 fsdpx_checkpoint_job trains a sharded model for two steps at 2 and 3 ranks (3: shard boundaries inside
 rows, so tensors are saved as several boxes, partial rows among them) and at 4 (HybridShard: the
-replicas write nothing), saves it with checkpoint::dcp::save_model and its AdamW state with save_optimizer
+replicas write nothing), saves it with fsdpx::dcp::save_model and its AdamW state with save_optimizer
 (read back by fsdpx, equal; here in get_optimizer_state_dict's layout, with torch.optim.AdamW's keys), and
 writes its full parameters with torch.save. Here torch's own dcp.load, with no process group, reads the
 checkpoint into a plain state dict equal to them bit for bit, and format_utils.dcp_to_torch_save converts
-it; and fsdpx reads it back at another world size (fsdpx_dcp_load_program, checkpoint/dcp_reader.hpp), bit
+it; and fsdpx reads it back at another world size (fsdpx_dcp_load_program, dcp/state_dict_loader.hpp), bit
 for bit, and fsdpx-merge turns the DCP folder into model.safetensors holding them; fsdpx-inspect --verify
 reads every chunk, and names the one a damaged data file spoils. A rank whose disk is full fails the save on
 every rank, and no .metadata is written. And CheckpointCoordinator with CheckpointFormat::dcp saves DCP in the
@@ -47,7 +47,7 @@ def test_boxes_cover_every_range(job: str) -> None:
 
 def check_optimizer_save(root: Path, params: dict[str, torch.Tensor], done: subprocess.CompletedProcess[str],
                          mesh: list[str]) -> None:
-    """The AdamW state fsdpx saved (checkpoint::dcp::save_optimizer) in the layout of get_optimizer_state_dict: per
+    """The AdamW state fsdpx saved (fsdpx::dcp::save_optimizer) in the layout of get_optimizer_state_dict: per
     parameter its moments in its shape and its step count, the two param groups of make_adamw with every key
     torch.optim.AdamW holds, their params naming every parameter once. fsdpx read it back equal (checkpoint_job)."""
     assert done.stdout.count("AdamW states read back from DCP equal") >= 2, done.stdout

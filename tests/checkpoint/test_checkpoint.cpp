@@ -3,6 +3,7 @@
 // failed saves (an injected full disk) and the errors loading names.
 #include <catch2/catch.hpp>
 
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
@@ -18,10 +19,10 @@
 #include <unistd.h>
 
 #include "../support/bn_block.hpp"
-#include "../support/mpi_world.hpp"
 #include "checkpoint_common.hpp"
+#include "fresh_dir.hpp"
 
-#include <fsdpx/checkpoint/dcp_writer.hpp>
+#include <fsdpx/dcp.hpp>
 #include <fsdpx/checkpoint/merge.hpp>
 #include <fsdpx/detail/json.hpp>
 
@@ -30,20 +31,6 @@ using namespace fsdpx::test;
 namespace fs = std::filesystem;
 
 namespace {
-
-dist::AnyCommunicator any_world() { return dist::AnyCommunicator(fsdpx::test::world()); }
-
-/// Rank 0 empties `dir`; everyone waits for it.
-fs::path fresh_dir(const std::string& name) {
-  const fs::path dir = scratch_dir(name + "_np" + std::to_string(fsdpx::test::world().size()));
-  fsdpx::test::world().barrier();  // nobody still reads the previous section's files
-  if (fsdpx::test::world().rank() == 0) {
-    fs::remove_all(dir);
-    fs::create_directories(dir);
-  }
-  fsdpx::test::world().barrier();
-  return dir;
-}
 
 /// A test's set-up: the world, an emptied checkpoint root, a model seeded alike on every rank, its
 /// optimizer and extra state. `auto& [world, root, model, opt, extra] = run;` names them.
@@ -134,7 +121,7 @@ TEST_CASE("sharded, local and full state dicts round trip bit for bit", "[checkp
                                 optimizer_state_dict(a.sharded(), opt_a));
     world.barrier();
     load_files(b, dir, "s", world.size());
-    load_optimizer_state_dict(opt_b, b.sharded(), [&](const auto& fn) {
+    load_optimizer_state_dict(b, opt_b, [&](const auto& fn) {
       for (int r = 0; r < world.size(); ++r)
         fn(checkpoint::load_state_dict_file(dir / ("o" + std::to_string(r) + ".pt")));
     });
@@ -260,7 +247,7 @@ TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkp
   torch::manual_seed(99);
   CkptModel<> resumed(ResMlp(), world);
   auto opt2 = make_adamw(resumed, adamw_options());
-  const auto info = load_checkpoint(root, resumed, opt2);
+  const auto info = load_checkpoint(resumed, root, opt2);
   REQUIRE(info.has_value());
   CHECK(info->step == 3);
   CHECK(info->extra.client.at("data_position").toInt() == 36);
@@ -307,7 +294,7 @@ TEST_CASE("the coordinator commits, rotates, and survives a full disk", "[checkp
   fs::resize_file(extra_file, fs::file_size(extra_file) - 1);
   CkptModel<> again(ResMlp(), world);
   auto opt3 = make_adamw(again, adamw_options());
-  CHECK_THROWS_WITH(load_checkpoint(root, again, opt3, {.verify_checksums = false}),
+  CHECK_THROWS_WITH(load_checkpoint(again, root, opt3, {.verify_checksums = false}),
                     Catch::Contains(extra_file.string()) && Catch::Contains("truncated"));
 }
 
@@ -344,7 +331,7 @@ TEST_CASE("a run that resumes after a crash commits the steps it saves again fro
   torch::manual_seed(8);
   CkptModel<> model(ResMlp(), world);
   auto opt = make_adamw(model, adamw_options());
-  REQUIRE(load_checkpoint(root, model, opt, {.restore_rng = false})->step == 3);
+  REQUIRE(load_checkpoint(model, root, opt, {.restore_rng = false})->step == 3);
   ExtraState extra;
   CheckpointCoordinator run(root, model, {.max_to_keep = 2});
   run.add_monitor({.before_save = [](int64_t, checkpoint::Component) {
@@ -357,7 +344,7 @@ TEST_CASE("a run that resumes after a crash commits the steps it saves again fro
     checkpoint::verify_step(checkpoint::step_dir(root, step), *record, /*verify_checksums=*/true);
     CkptModel<> loaded(ResMlp(), world);
     auto loaded_opt = make_adamw(loaded, adamw_options());
-    CHECK(load_checkpoint(root, loaded, loaded_opt, {.step = step})->step == step);
+    CHECK(load_checkpoint(loaded, root, loaded_opt, {.step = step})->step == step);
     CHECK(same_shards(loaded, model));
   };
   const auto iteration = [&](const char* file) { return checkpoint::read_iteration_file(root / file); };
@@ -808,7 +795,7 @@ struct ResumedStep {
   ResumedStep(const fs::path& dir, int saved_world, dist::AnyCommunicator& comm, const std::vector<std::string>& frozen)
       : model(frozen_mlp(5, frozen), comm), opt(make_adamw(model, adamw_options())) {
     load_files(model, dir, "m", saved_world);
-    load_optimizer_state_dict(opt, model.sharded(), [&](const auto& fn) {
+    load_optimizer_state_dict(model, opt, [&](const auto& fn) {
       for (int r = 0; r < saved_world; ++r)
         fn(checkpoint::load_state_dict_file(dir / ("o" + std::to_string(r) + ".pt")));
     });
@@ -915,7 +902,7 @@ TEST_CASE("resuming another model's checkpoint root names the model, not a part 
   CkptModel<> other(ResMlp(20, 24, 2), world);  // this program's model: 2 blocks, and a scheduler
   auto opt = make_adamw(other, adamw_options());
   LrScheduler scheduler(opt, LrSchedule::constant());
-  CHECK_THROWS_WITH(load_checkpoint(root, other, opt, scheduler),
+  CHECK_THROWS_WITH(load_checkpoint(other, root, opt, scheduler),
                     Catch::Contains("holds another model than this one") && Catch::Contains("r2.") &&
                         !Catch::Contains("has no scheduler"));
   world.barrier();
@@ -942,17 +929,21 @@ TEST_CASE("at the saving topology, a layout changed by freezing restores the opt
     CkptModel<> model(frozen_mlp(9, {"head."}), world);
     auto opt = make_adamw(model, adamw_options());
     if (through_load_checkpoint) {
-      REQUIRE(load_checkpoint(root, model, opt, {.restore_rng = false})->step == 2);
+      REQUIRE(load_checkpoint(model, root, opt, {.restore_rng = false})->step == 2);
     } else {
       const fs::path dir = checkpoint::step_dir(root, 2);
       const auto record = checkpoint::read_commit_record(dir);
       REQUIRE(record);
-      load_model_state_dict(model.sharded(), [&](const auto& fn) {
-        checkpoint::detail::for_each_saved_file(dir, *record, checkpoint::Component::model, std::nullopt, true, fn);
-      });
-      load_optimizer_state_dict(opt, model.sharded(), [&](const auto& fn) {
-        checkpoint::detail::for_each_saved_file(dir, *record, checkpoint::Component::optim, std::nullopt, true, fn);
-      });
+      const auto every_file = [&](checkpoint::Component c) {
+        return [&, c](const std::function<void(const StateDict&)>& fn) {
+          for (int r = 0; r < record->world_size; ++r) {
+            const std::string name = checkpoint::shard_file_name(c, record->world_size, r);
+            fn(checkpoint::load_shard_file(dir, name, record->file(dir, name, true)));
+          }
+        };
+      };
+      load_model_state_dict(model, every_file(checkpoint::Component::model));
+      load_optimizer_state_dict(model, opt, every_file(checkpoint::Component::optim));
     }
     torch::manual_seed(6);
     train_step(model, opt, world);
@@ -968,7 +959,6 @@ TEST_CASE("at the saving topology, a layout changed by freezing restores the opt
 }
 
 TEST_CASE("dcp writer: what each rank wrote reaches rank 0 whole, and an entry saved twice is refused", "[dcp]") {
-  namespace dcp = fsdpx::checkpoint::dcp;
   namespace w = dcp::detail;
   using Step = dcp::PathStep;
   w::RankData r0;
@@ -1006,4 +996,96 @@ TEST_CASE("dcp writer: what each rank wrote reaches rank 0 whole, and an entry s
   twice[1].tensors[0].size = {3, 2};
   CHECK_THROWS_WITH(w::make_metadata(twice), Catch::Contains("the ranks disagree on 'state.w.exp_avg'"));
   CHECK_THROWS_WITH(w::decode_rank_data("{\"path\": 3}", 1), Catch::Contains("what rank 1 wrote cannot be read"));
+}
+
+TEST_CASE("an earlier run's commit of a step is gone before any rank replaces a file of the step",
+          "[checkpoint][coordinator][dcp]") {
+  auto world = any_world();
+  for (const CheckpointFormat format : {CheckpointFormat::fsdpx, CheckpointFormat::dcp}) {
+    const fs::path root = fresh_dir(std::string("rewrite_") + checkpoint::to_string(format));
+    const fs::path dir = checkpoint::step_dir(root, 2);
+    torch::manual_seed(11);
+    CkptModel<> model(ResMlp(), world);
+    auto opt = make_adamw(model, adamw_options());
+    ExtraState extra;
+    {  // the earlier run: step 2 committed (and, in DCP, its .metadata written)
+      CheckpointCoordinator run(root, model, {.format = format});
+      for (int64_t step = 1; step <= 2; ++step) {
+        train_step(model, opt, world);
+        run.save(step, model, opt, extra);
+      }
+      run.wait();
+    }
+    world.barrier();
+    REQUIRE(fs::exists(dir / checkpoint::config_file));
+    CHECK(fs::exists(dir / dcp::metadata_file_name) == (format == CheckpointFormat::dcp));
+
+    // This run saves step 2 again; rank 0, which withdraws the earlier commit, comes late. No rank may start a
+    // file of the step while that commit is there: a reader would take the new files for the old commit's.
+    CheckpointCoordinator run(root, model, {.format = format});
+    std::atomic<int> stale_seen{0};
+    run.add_monitor({.before_save = [&](int64_t, checkpoint::Component) {
+      for (const fs::path& file : {dir / checkpoint::config_file, dir / dcp::metadata_file_name,
+                                   dir / "optim_states" / dcp::metadata_file_name}) {
+        if (fs::exists(file)) ++stale_seen;
+      }
+    }});
+    train_step(model, opt, world);
+    if (world.rank() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    run.save(2, model, opt, extra);
+    run.wait();
+    world.barrier();
+    INFO(checkpoint::to_string(format));
+    CHECK(stale_seen.load() == 0);
+    const auto record = checkpoint::read_commit_record(dir);
+    REQUIRE(record.has_value());
+    CHECK(record->complete);
+    CHECK(record->files_format == format);
+    CkptModel<> loaded(ResMlp(), world);
+    auto loaded_opt = make_adamw(loaded, adamw_options());
+    CHECK(load_checkpoint(loaded, root, loaded_opt, {.step = 2, .restore_rng = false})->step == 2);
+    CHECK(same_shards(loaded, model));
+    world.barrier();
+  }
+}
+
+TEST_CASE("a DCP root whose tensors are saved stacked resumes their optimizer state through load_checkpoint",
+          "[checkpoint][dcp]") {
+  auto world = any_world();
+  const fs::path root = fresh_dir("dcp_stacked");
+  // The blocks' first projections saved as one tensor, as transformers 5 stacks a mixture's experts.
+  const auto stacked = [](const std::string& name) -> std::optional<Placement> {
+    for (int64_t i = 0; i < 3; ++i) {
+      if (name == "r" + std::to_string(i) + ".a.weight") return Placement{"stacked.a.weight", {3, 48, 24}, i * 48 * 24};
+    }
+    return std::nullopt;
+  };
+  torch::manual_seed(41);
+  CkptModel<> model(ResMlp(), world);
+  auto opt = make_adamw(model, adamw_options());
+  for (int i = 0; i < 2; ++i) train_step(model, opt, world);
+  {
+    CheckpointCoordinator run(root, model, {.format = CheckpointFormat::dcp, .dcp_names = {.placed_in = stacked}});
+    ExtraState extra;
+    run.save(2, model, opt, extra);
+    run.wait();
+  }
+  world.barrier();
+  const dcp::Reader saved(checkpoint::step_dir(root, 2) / "optim_states");
+  CHECK(saved.find_tensor("state.stacked.a.weight.exp_avg") != nullptr);
+  CHECK(saved.find_tensor("state.r0.a.weight.exp_avg") == nullptr);
+
+  torch::manual_seed(42);
+  CkptModel<> resumed(ResMlp(), world);
+  auto resumed_opt = make_adamw(resumed, adamw_options());
+  REQUIRE(load_checkpoint(resumed, root, resumed_opt, {.restore_rng = false, .dcp = {.placed_in = stacked}})->step ==
+          2);
+  CHECK(same_shards(resumed, model));
+  // The moments came back with the weights: the next step is the same, bit for bit.
+  torch::manual_seed(43);
+  train_step(model, opt, world);
+  torch::manual_seed(43);
+  train_step(resumed, resumed_opt, world);
+  CHECK(same_shards(resumed, model));
+  world.barrier();
 }

@@ -1,5 +1,5 @@
-// PyTorch Distributed Checkpoint's .metadata (checkpoint/dcp_metadata.hpp) and the restricted pickle
-// reader beneath it (checkpoint/detail/pickle.hpp): a real file torch wrote, crafted files that name
+// PyTorch Distributed Checkpoint's .metadata (dcp/metadata.hpp) and the restricted pickle reader beneath
+// it (pickle/pickle.hpp): a real file torch wrote, crafted files that name
 // other classes, claim more than they hold, end early, nest deeply or hold themselves (each refused with
 // an error naming the cause, none crashing), and the writer's round trip.
 // (python_dcp_metadata_test.py checks the same against torch itself.)
@@ -11,10 +11,11 @@
 #include <string_view>
 #include <vector>
 
-#include <fsdpx/checkpoint/dcp_metadata.hpp>
+#include <fsdpx/dcp/metadata.hpp>
+#include <fsdpx/pickle/pickle.hpp>
 
-namespace dcp = fsdpx::checkpoint::dcp;
-namespace pickle = fsdpx::checkpoint::detail::pickle;
+namespace dcp = fsdpx::dcp;
+namespace pickle = fsdpx::pickle;
 using Catch::Matchers::Contains;
 using namespace std::string_literals;  // literals with NUL bytes in them
 

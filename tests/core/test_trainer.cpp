@@ -233,7 +233,7 @@ TEST_CASE("a run interrupted mid-schedule and resumed at another world size equa
     auto opt = make_adamw(resumed, adamw());
     LrScheduler sched(opt, kSchedule);
     CHECK(sched.last_step() == 0);
-    const auto info = load_checkpoint(root, resumed, opt, sched);
+    const auto info = load_checkpoint(resumed, root, opt, sched);
     REQUIRE(info.has_value());
     CHECK(info->step == 3);
     CHECK(info->saved_world_size == world().size());
@@ -289,7 +289,7 @@ TEST_CASE("resume flags: optimizer, scheduler and client state each load or not,
   const auto has_moments = [](torch::optim::Optimizer& o) { return !o.state().empty(); };
   // Everything at step 2.
   fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
-    const auto info = load_checkpoint(root, m, o, s, {.step = 2});
+    const auto info = load_checkpoint(m, root, o, s, {.step = 2});
     REQUIRE(info);
     CHECK(s.last_step() == 2);
     CHECK(has_moments(o));
@@ -298,7 +298,7 @@ TEST_CASE("resume flags: optimizer, scheduler and client state each load or not,
   // Each flag off leaves its part alone.
   fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
     const auto info = load_checkpoint(
-        root, m, o, s, {.step = 2, .load_optimizer = false, .load_scheduler = false, .load_client_state = false});
+        m, root, o, s, {.step = 2, .load_optimizer = false, .load_scheduler = false, .load_client_state = false});
     REQUIRE(info);
     CHECK(s.last_step() == 0);
     CHECK_FALSE(has_moments(o));
@@ -307,12 +307,12 @@ TEST_CASE("resume flags: optimizer, scheduler and client state each load or not,
   });
   // Step 3 has no scheduler state: an error naming it, or with permission a warning and ResumeInfo::missing.
   fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
-    CHECK_THROWS_WITH(load_checkpoint(root, m, o, s), Catch::Contains("step 3") &&
+    CHECK_THROWS_WITH(load_checkpoint(m, root, o, s), Catch::Contains("step 3") &&
                                                           Catch::Contains("has no scheduler") &&
                                                           Catch::Contains("load_scheduler = false"));
   });
   fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
-    const auto info = load_checkpoint(root, m, o, s, {.allow_missing = true});
+    const auto info = load_checkpoint(m, root, o, s, {.allow_missing = true});
     REQUIRE(info);
     CHECK(info->step == 3);
     CHECK(info->missing == std::vector<std::string>{"scheduler"});
@@ -330,7 +330,7 @@ TEST_CASE("resume flags: optimizer, scheduler and client state each load or not,
     CHECK_THROWS_WITH(s.check_state_dict(bad), Catch::Contains("1 parameter groups but the optimizer has 2"));
   });
   fresh([&](GptFsdp& m, torch::optim::Optimizer& o, LrScheduler& s) {
-    const auto info = load_checkpoint(root, m, o, s, {.load_scheduler = false});
+    const auto info = load_checkpoint(m, root, o, s, {.load_scheduler = false});
     REQUIRE(info);
     CHECK(info->step == 3);
     CHECK(s.last_step() == 0);
@@ -391,7 +391,7 @@ TEST_CASE("a frozen bf16 model: 2 bytes per parameter over W ranks, the unsharde
   const StateDict actor_state = sharded_state_dict(actor.sharded());
   at::manual_seed(99);
   FrozenGpt loaded(Gpt(c), world(), {.inference_only = true});
-  load_model_state_dict(loaded.sharded(), actor_state);
+  load_model_state_dict(loaded, actor_state);
   CHECK(at::equal(loaded.call(&GptImpl::logits, idx).to(at::kFloat), expected));
 }
 
@@ -479,7 +479,7 @@ TEST_CASE("a frozen unit, a tied head and an unused parameter: saved at W ranks,
   if (group) {
     auto resumed = make(7, *group);
     auto opt = make_adamw(*resumed, adamw());
-    const auto info = load_checkpoint(root, *resumed, opt);
+    const auto info = load_checkpoint(*resumed, root, opt);
     REQUIRE(info.has_value());
     CHECK(info->step == 3);
     // Resharded exactly, the frozen block included: the checkpoint's, not the resumed model's own

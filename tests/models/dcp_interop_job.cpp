@@ -24,6 +24,7 @@
 
 #include <torch/optim.h>
 
+#include <fsdpx/dcp.hpp>
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/models.hpp>
 
@@ -93,8 +94,8 @@ int main(int argc, char** argv) {
         if (rank == 0) std::printf("%s: loss of rank 0's rows %.6f\n", step, loss.item<double>());
       }
       const auto names = models::dcp_save_options(model->config);
-      fsdpx::checkpoint::dcp::save_model(checkpoint, model, names);
-      fsdpx::checkpoint::dcp::save_optimizer(checkpoint / "optim_states", model, optimizer, names);
+      fsdpx::dcp::save_model(model, checkpoint, names);
+      fsdpx::dcp::save_optimizer(model, optimizer, checkpoint / "optim_states", names);
       if (rank == 0) std::printf("saved DCP: %s and %s/optim_states\n", argv[4], argv[4]);
       return 0;
     }
@@ -102,7 +103,7 @@ int main(int argc, char** argv) {
       // LightRFT's whole step folder, as load_checkpoint resumes it: the model, the optimizer, the scheduler
       // (a constant LR here, as the Python side's LambdaLR) and the client state
       fsdpx::LrScheduler scheduler(optimizer, fsdpx::LrSchedule::constant());
-      const auto info = fsdpx::load_checkpoint(checkpoint, model, optimizer, scheduler,
+      const auto info = fsdpx::load_checkpoint(model, checkpoint, optimizer, scheduler,
                                                {.dcp = models::dcp_load_options(model->config)});
       const c10::IValue consumed =
           info->extra.client.contains("consumed_samples") ? info->extra.client.at("consumed_samples") : c10::IValue();
@@ -114,13 +115,13 @@ int main(int argc, char** argv) {
       }
       if (rank == 0) std::printf("load_checkpoint: step 2, the scheduler at step 2, the client state read\n");
     } else if (fs::exists(checkpoint / "optim_states")) {
-      fsdpx::load_model_state_dict(model.sharded(), checkpoint, models::dcp_load_options(model->config));
-      fsdpx::load_optimizer_state_dict(optimizer, model.sharded(), checkpoint / "optim_states");
+      fsdpx::dcp::load_model(model, checkpoint, models::dcp_load_options(model->config));
+      fsdpx::dcp::load_optimizer(model, optimizer, checkpoint / "optim_states");
     } else {
       // torchtitan's layout: one DCP of {"model": ..., "optimizer": get_optimizer_state_dict(...,
       // flatten_optimizer_state_dict=True), "lr_scheduler": ..., "train_state": ...}, resumed by load_checkpoint
       fsdpx::LrScheduler scheduler(optimizer, fsdpx::LrSchedule::constant());
-      const auto info = fsdpx::load_checkpoint(checkpoint, model, optimizer, scheduler,
+      const auto info = fsdpx::load_checkpoint(model, checkpoint, optimizer, scheduler,
                                                {.dcp = models::dcp_load_options(model->config)});
       if (info->step != 2 || scheduler.last_step() != 2) {
         std::fprintf(stderr, "rank %d: load_checkpoint of '%s' (torchtitan's layout): step %lld, scheduler step %lld\n",

@@ -7,7 +7,7 @@ save_pretrained, then here: transformers' from_pretrained reports no missing, un
 tensors, its logits equal fsdpx's within the bound the rounding model gives (the program writes it beside
 them; tests/support/rounding.py must reproduce it), and the tokenizer and generation files came
 along byte for byte. The program also saves the trained weights as PyTorch Distributed Checkpoint
-(checkpoint::dcp::save_model with models::dcp_save_options: transformers' in-memory names, a tied head under both
+(fsdpx::dcp::save_model with models::dcp_save_options: transformers' in-memory names, a tied head under both
 names, a mixture's experts stacked as transformers 5 holds them): torch's dcp.load, with no process group, reads
 them strictly into a fresh transformers model of the config, whose logits equal fsdpx's too.
 """

@@ -7,7 +7,7 @@
 // updated weight within the bounds the arithmetic gives), then save_pretrained, then the sharded model's
 // logits on fixed tokens and their bound against another computation of them (the export's dtype) into
 // <out folder>.logits.safetensors for the Python side to compare with transformers' on the export; and the
-// trained weights as PyTorch Distributed Checkpoint in <out folder>.dcp (checkpoint::dcp::save_model, named as
+// trained weights as PyTorch Distributed Checkpoint in <out folder>.dcp (fsdpx::dcp::save_model, named as
 // transformers' state dict: models::dcp_save_options).
 #include <cstdio>
 #include <filesystem>
@@ -15,6 +15,7 @@
 
 #include <torch/optim.h>
 
+#include <fsdpx/dcp.hpp>
 #include <fsdpx/fsdp.hpp>
 #include <fsdpx/models.hpp>
 
@@ -81,7 +82,7 @@ int main(int argc, char** argv) {
       std::printf("exported %zu safetensors files, %lld bytes\n", saved.files.size(),
                   static_cast<long long>(saved.total_size));
     // The same weights as PyTorch Distributed Checkpoint, for transformers' dcp.load (export_test.py).
-    fsdpx::checkpoint::dcp::save_model(out.string() + ".dcp", model, models::dcp_save_options(model->config));
+    fsdpx::dcp::save_model(model, out.string() + ".dcp", models::dcp_save_options(model->config));
     at::manual_seed(99);
     const at::Tensor ids = at::randint(1, vocab, {2, seq}, at::kLong);
     const at::Tensor logits = model(ids);

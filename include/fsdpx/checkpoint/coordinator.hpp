@@ -16,8 +16,13 @@
 //
 // After a crash the job resumes from an older step and saves the steps after it again, into
 // directories the interrupted run left. Markers of that run carry its id, so they are never taken for
-// this run's; its commit record of a step is withdrawn before the step is written again (an
-// iteration file naming that step falls back to the newest step committed before it).
+// this run's; rank 0 withdraws its commit of a step (the commit record and the files that complete it,
+// DCP's .metadata) before the step is written again (an iteration file naming that step falls back to the
+// newest step committed before it), and every other rank waits until they are gone before it replaces a
+// file of the step: no reader meets an old commit that describes new files.
+//
+// The files are written in CheckpointOptions::format, through its checkpoint::StepFormat
+// (checkpoint/step_format.hpp): the coordinator itself is the same for every format.
 //
 // Teardown after an error (the coordinator destroyed while an exception propagates, or after its
 // world communicator failed) waits only for this rank's own writes: rank 0 takes one last look at
@@ -52,30 +57,19 @@
 #include <torch/optim/optimizer.h>
 
 #include <fsdpx/detail/json_fwd.hpp>
-#include <fsdpx/checkpoint/dcp_writer.hpp>
 #include <fsdpx/checkpoint/detail/worker_pool.hpp>
 #include <fsdpx/checkpoint/extra_state.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
-#include <fsdpx/hf/model_folder.hpp>
+#include <fsdpx/checkpoint/names.hpp>
+#include <fsdpx/checkpoint/save_request.hpp>
 #include <fsdpx/checkpoint/state_dict.hpp>
+#include <fsdpx/checkpoint/step_format.hpp>
 #include <fsdpx/core/lr_schedule.hpp>
 #include <fsdpx/dist/communicator.hpp>
+#include <fsdpx/hf/model_folder.hpp>
 
 namespace fsdpx {
-
-/// The files a step's state is written as. The commit record, the iteration files, rotation and resuming are
-/// the same for both.
-enum class CheckpointFormat {
-  /// fsdpx's own: model_/optim_world_size_W_rank_r.pt, each CRC-32C checked on load.
-  fsdpx,
-  /// PyTorch Distributed Checkpoint in LightRFT's layout: the model's DCP in the step folder, the optimizer's
-  /// in optim_states/ (get_optimizer_state_dict's layout), each `.metadata` written by rank 0 when every
-  /// rank's data file is durable, before the commit record; FSDP2, LightRFT and torch's format_utils read the
-  /// step folder as it is. The extra state (RNG, scheduler, client state) stays fsdpx's file beside them.
-  /// The model's StateDict policy must be sharded or full.
-  dcp,
-};
 
 struct CheckpointOptions {
   /// Keep at most this many committed checkpoints (0: all). The newest committed one is never deleted.
@@ -93,9 +87,10 @@ struct CheckpointOptions {
   /// fsdpx::hf::copy_model_files) rank 0 copies into every step's huggingface/ directory, so a merged
   /// checkpoint is a Hugging Face model directory. A pretrained model's own folder will do. Empty: none.
   std::filesystem::path huggingface_dir;
+  /// The files each step is written as (CheckpointFormat::dcp needs <fsdpx/dcp.hpp> in the program).
   CheckpointFormat format = CheckpointFormat::fsdpx;
   /// CheckpointFormat::dcp: how the model's tensors are named in it (models::dcp_save_options for the decoder).
-  checkpoint::dcp::SaveOptions dcp_names;
+  SaveNames dcp_names;
 };
 
 /// What a monitor hears about one file of one save (rank-local).
@@ -117,75 +112,6 @@ struct CheckpointMonitor {
   /// A save or commit of `step` failed; the iteration files did not move.
   std::function<void(int64_t step, const std::string& cause)> on_failure;
 };
-
-/// How the saving job is set up, as a step's commit record (fsdp_config.json) records it.
-struct SaveSetup {
-  int64_t mesh_shard = 1;
-  int64_t mesh_replicate = 1;
-  StateDictKind kind = StateDictKind::sharded;
-  std::string param_dtype, reduce_dtype, master_dtype;  // c10::toString of each
-  std::string backend;                                  // the world communicator's backend_name()
-};
-
-/// What one save writes: host snapshots of the state plus the step's description.
-struct SaveRequest {
-  int64_t step = 0;
-  std::vector<checkpoint::Component> components;
-  StateDict model;
-  std::optional<StateDict> optim;
-  std::optional<c10::IValue> extra;
-  std::optional<SaveSetup> setup;  // recorded in the commit record when set
-  /// When set, fills `model` and `optim` on the coordinator's threads, before the writes.
-  std::function<void(SaveRequest&)> snapshot;
-  /// CheckpointFormat::dcp, rank 0: the optimizer's param_groups entries (their parameter lists come from every
-  /// rank's shards, so save() gathers them, collectively, on the calling thread).
-  std::vector<checkpoint::dcp::SavedBytes> optim_param_groups;
-};
-
-/// Describes a save of `model` (by its StateDict policy), the optimizer's state and the extra state.
-/// Sharded and local state dicts are copied to host memory in the background (the model's next
-/// backward waits for the copy, so it overlaps that step's forward and backward); a full state dict
-/// is gathered here (collective). The RNG states in extra_state are taken now.
-template <class Sharded>
-SaveRequest make_save_request(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer,
-                              const ExtraState* extra) {
-  using checkpoint::Component;
-  SaveRequest req;
-  req.step = step;
-  req.components.push_back(Component::model);
-  if (optimizer != nullptr) req.components.push_back(Component::optim);
-  if (extra != nullptr) req.components.push_back(Component::extra_state);
-  const auto& world = model.mesh().world();
-  constexpr StateDictKind kind = Sharded::StateDictPolicyType::kind;
-  req.model.kind = kind;
-  req.model.world_size = world.size();
-  req.model.rank = world.rank();
-  if constexpr (kind == StateDictKind::full) {
-    req.model = full_state_dict(model.sharded());
-    if (optimizer != nullptr) req.optim = optimizer_state_dict(model.sharded(), *optimizer);
-  } else {
-    core::ShardedModel* sharded = &model.sharded();
-    req.snapshot = [sharded, optimizer](SaveRequest& r) {
-      RECORD_USER_SCOPE("fsdpx::checkpoint_snapshot");
-      r.model = kind == StateDictKind::local ? local_state_dict(*sharded) : sharded_state_dict(*sharded);
-      if (optimizer != nullptr) r.optim = optimizer_state_dict(*sharded, *optimizer);
-    };
-  }
-  if (extra != nullptr) {
-    ExtraState e = *extra;
-    e.step = step;
-    req.extra = checkpoint::extra_state_to_ivalue(e, world.size(), world.rank());
-  }
-  const auto& unit = model.sharded().unit(0).options();
-  req.setup = SaveSetup{model.mesh().shard_size(),
-                        model.mesh().replicate_size(),
-                        kind,
-                        std::string(c10::toString(unit.param_dtype)),
-                        std::string(c10::toString(unit.reduce_dtype)),
-                        std::string(c10::toString(unit.shard_dtype)),
-                        std::string(world.backend_name())};
-  return req;
-}
 
 class CheckpointCoordinator {
  public:
@@ -224,15 +150,9 @@ class CheckpointCoordinator {
   void save(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer = nullptr,
             const ExtraState* extra = nullptr) {
     rethrow_failure();
-    if (options_.format == CheckpointFormat::dcp) {
-      FSDPX_CHECK(Sharded::StateDictPolicyType::kind != StateDictKind::local,
-                  "CheckpointFormat::dcp writes sharded or full state dicts; this model's StateDict policy is "
-                  "LocalStateDict, whose entries are flat unit shards that name no tensor");
-    }
     wait_for_components(optimizer != nullptr, extra != nullptr);
     SaveRequest req = make_save_request(step, model, optimizer, extra);
-    if (options_.format == CheckpointFormat::dcp && optimizer != nullptr)
-      req.optim_param_groups = checkpoint::dcp::param_group_entries(model.sharded(), *optimizer, options_.dcp_names);
+    format_->prepare(req, model.sharded(), optimizer, options_.dcp_names);  // collective for DCP's groups
     submit(std::move(req), &model.sharded());
   }
   template <class Sharded>
@@ -268,6 +188,8 @@ class CheckpointCoordinator {
   }
 
   const std::filesystem::path& root() const { return root_; }
+  /// The format the steps are written in, and its seam (CheckpointOptions::format).
+  const checkpoint::StepFormat& format() const { return *format_; }
 
  private:
   /// Waits until nothing is outstanding, saying what it waits for every report_interval.
@@ -302,8 +224,8 @@ class CheckpointCoordinator {
     std::chrono::steady_clock::time_point deadline;
     bool weights_committed = false;
     std::string waiting_for;  // the first file not yet durable, for reports
-    /// CheckpointFormat::dcp: the components whose .metadata is written, and their files (JSON) for the record.
-    std::map<Component, std::string> dcp_files;
+    /// The components committed so far (StepFormat::commit ran: DCP's .metadata is written), and their files.
+    std::map<Component, std::map<std::string, checkpoint::CommittedFile>> committed;
   };
 
   /// Rank 0, tearing down after an error: the step cannot be committed any more (its ranks' files are
@@ -357,18 +279,22 @@ class CheckpointCoordinator {
     if (!cause.empty()) throw IoError(cause);
   }
 
+  /// Writes this rank's file of component `c` and its marker; `refused`: why it must not be written (the
+  /// snapshot failed, an earlier commit was not withdrawn), a failure of the step.
   FSDPX_DECL void write_component(const SaveRequest& req, const std::filesystem::path& dir, Component c, InFlight& slot,
-                                  const std::string& snapshot_error);
+                                  const std::string& refused);
 
-  /// CheckpointFormat::dcp: this rank's data file of component `c` of the step in `dir` written, and its
-  /// marker's text (the file, its size and CRC-32C, and what it holds where, for rank 0's .metadata).
-  FSDPX_DECL std::pair<::fsdpx::detail::WrittenFile, std::string> write_dcp_component(const SaveRequest& req,
-                                                                                      const std::filesystem::path& dir,
-                                                                                      Component c);
+  /// The files of an earlier commit of the step in `dir` (its commit record and the format's commit_files)
+  /// that are still there.
+  FSDPX_DECL std::vector<std::filesystem::path> earlier_commit_files(const std::filesystem::path& dir) const;
 
-  /// CheckpointFormat::dcp, rank 0: once every rank's data file of `comp` is durable (its markers, in
-  /// `markers` by rank), the component's .metadata, written; the files for the commit record, as JSON.
-  FSDPX_DECL std::string commit_dcp_component(const Commit& c, Component comp, const std::vector<std::string>& markers);
+  /// A rank's thread, before it writes any file of the step in `dir`: once no earlier commit of the step is
+  /// left (rank 0 withdraws it in submit(), before its own writes), calls write({}); until then it looks again
+  /// every poll_interval, and after commit_timeout, or once the world failed or the coordinator tears down after
+  /// an error, calls write(why), which fails the step's writes with that cause.
+  FSDPX_DECL void write_when_withdrawn(int64_t step, const std::filesystem::path& dir,
+                                       std::function<void(const std::string&)> write,
+                                       std::chrono::steady_clock::time_point deadline);
 
   // ---- rank 0: commit ----------------------------------------------------------------------------
 
@@ -389,10 +315,10 @@ class CheckpointCoordinator {
   /// Iteration files only move forward, each write atomic and durable.
   FSDPX_DECL void advance(const char* file, int64_t step);
 
-  /// Rank 0, before `step` is written: an interrupted run's commit record of it is withdrawn, so the
-  /// step is never taken for committed while its files are replaced. An iteration file that names it
-  /// first falls back to the newest step committed before it (or goes, when there is none): readers
-  /// see it move back, never name a step that is not committed.
+  /// Rank 0, before `step` is written: an interrupted run's commit of it (the record, and the format's
+  /// commit_files) is withdrawn, so the step is never taken for committed while its files are replaced. An
+  /// iteration file that names it first falls back to the newest step committed before it (or goes, when
+  /// there is none): readers see it move back, never name a step that is not committed.
   FSDPX_DECL void withdraw_earlier_commit(int64_t step, const std::filesystem::path& dir);
 
   std::filesystem::path root_;
@@ -411,6 +337,7 @@ class CheckpointCoordinator {
   std::map<int64_t, std::string> commit_waits_;  // rank 0: what each of them still waits for
   std::atomic<bool> abandoning_{false};          // tearing down after an error
   std::function<bool()> world_failed_;           // the world communicator failed (empty: cannot tell)
+  const checkpoint::StepFormat* format_;         // options_.format's seam
   std::vector<CheckpointMonitor> monitors_;
   std::shared_ptr<InFlight> in_flight_[3];
   std::mutex iteration_mutex_;

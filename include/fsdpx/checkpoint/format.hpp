@@ -24,9 +24,33 @@
 #include <fsdpx/checkpoint/state_dict.hpp>
 #include <fsdpx/error.hpp>
 
+namespace fsdpx {
+
+/// The files a step's state is written as (CheckpointOptions::format; a commit record's "files_format"). The
+/// commit record, the iteration files, rotation and resuming are the same for both; what differs is behind
+/// checkpoint::StepFormat (checkpoint/step_format.hpp).
+enum class CheckpointFormat {
+  /// fsdpx's own: model_/optim_world_size_W_rank_r.pt, each CRC-32C checked on load.
+  fsdpx,
+  /// PyTorch Distributed Checkpoint in LightRFT's layout: the model's DCP in the step folder, the optimizer's
+  /// in optim_states/ (get_optimizer_state_dict's layout), each `.metadata` written by rank 0 when every
+  /// rank's data file is durable, before the commit record; FSDP2, LightRFT and torch's format_utils read the
+  /// step folder as it is. The extra state (RNG, scheduler, client state) stays fsdpx's file beside them.
+  /// The model's StateDict policy must be sharded or full. Its code is <fsdpx/dcp.hpp>'s: a program that
+  /// writes or reads this format includes that header in one of its translation units.
+  dcp,
+};
+
+}  // namespace fsdpx
+
 namespace fsdpx::checkpoint {
 
 namespace fs = std::filesystem;
+
+/// The commit record's name of a format ("fsdpx", "dcp").
+FSDPX_DECL const char* to_string(CheckpointFormat f);
+/// The format a commit record names; nullopt for a name this fsdpx does not know.
+FSDPX_DECL std::optional<CheckpointFormat> format_from_string(std::string_view name);
 
 inline constexpr int format_version = 1;
 inline constexpr const char* format_name = "fsdpx";

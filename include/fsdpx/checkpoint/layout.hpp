@@ -46,9 +46,9 @@ struct CommitRecord {
   bool complete = false;                       // model, optimizer and extra state are all committed
   std::vector<std::string> components;         // those committed ("model" first: the weights alone)
   std::map<std::string, CommittedFile> files;  // every file of the step: size and CRC-32C
-  /// The files' format: "fsdpx" (its own shard files) or "dcp" (PyTorch Distributed Checkpoint: the model's
-  /// in the step folder, the optimizer's in optim_states/; CheckpointFormat::dcp).
-  std::string files_format = "fsdpx";
+  /// The files' format ("files_format": "fsdpx", its own shard files, when absent; "dcp", PyTorch Distributed
+  /// Checkpoint's, the model's in the step folder and the optimizer's in optim_states/).
+  CheckpointFormat files_format = CheckpointFormat::fsdpx;
 
   /// The entry for file `name` of the step in `dir` (its CRC only when `verify_checksums`); IoError
   /// when the record does not list it.

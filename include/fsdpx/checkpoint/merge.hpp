@@ -44,7 +44,8 @@ struct MergeOptions {
 
 /// What merge_checkpoint found, for a tool to report.
 struct MergeReport {
-  fs::path dir;  // the directory holding the model files
+  CheckpointFormat format = CheckpointFormat::fsdpx;  // the files' format (a folder of DCP: dcp)
+  fs::path dir;                                       // the directory holding the model files
   int world_size = 0;
   bool committed = false;  // fsdp_config.json was there, with the model among its components
   bool complete = false;   // ... and every component (optimizer, extra state) committed too
@@ -58,18 +59,25 @@ struct MergeReport {
 /// Where a step directory's model files are: `dir` itself, or dir/actor when `dir` is global_step_<N>.
 FSDPX_DECL fs::path model_dir(const fs::path& dir);
 
-namespace detail {
-
-FSDPX_DECL std::string local_kind_message(const fs::path& what);
-
-}  // namespace detail
-
 /// The full state dict of the checkpoint in `step_dir` (…/global_step_<N>/actor, or …/global_step_<N>):
 /// every parameter whole, with its saved shape, in name order (the files do not record the model's order: a
 /// rank's file lists only its slices, and nothing says where one unit ends). Reads one model file at
 /// a time; holds only the result. Throws IoError naming the file (or the parameter) on any inconsistency.
+/// A step saved in PyTorch Distributed Checkpoint (CheckpointFormat::dcp), or a DCP folder itself, is read
+/// through DCP's code (<fsdpx/dcp.hpp>): its tensors whole, under their saved names.
 FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOptions& options = {},
                                              MergeReport* report = nullptr);
+
+namespace detail {
+
+FSDPX_DECL std::string local_kind_message(const fs::path& what);
+
+/// merge_checkpoint of fsdpx's own shard files in `dir` (`record`: the step's commit record, nullptr when it
+/// has none: the world size then comes from the file names, with a warning).
+FSDPX_DECL hf::NamedTensors merge_shard_files(const fs::path& dir, const CommitRecord* record,
+                                              const MergeOptions& options, MergeReport& report);
+
+}  // namespace detail
 
 /// The step's huggingface/ folder (config.json, tokenizer files), or an empty path when it has none.
 FSDPX_DECL fs::path huggingface_dir(const fs::path& step_dir);

@@ -28,6 +28,7 @@
 #include <torch/optim/optimizer.h>
 #include <torch/optim/sgd.h>
 
+#include <fsdpx/core/model_ref.hpp>
 #include <fsdpx/core/optim.hpp>
 #include <fsdpx/core/sharded_model.hpp>
 #include <fsdpx/error.hpp>
@@ -117,10 +118,10 @@ FSDPX_DECL void add_param_targets(SliceLoader& loader, core::ShardedModel& model
 }  // namespace detail
 
 /// This rank's slices of every parameter (float32 master values), copied to host memory.
-FSDPX_DECL StateDict sharded_state_dict(const core::ShardedModel& model);
+FSDPX_DECL StateDict sharded_state_dict(ConstShardedModelRef model);
 
 /// Each unit's raw flat shard; loads only into the same model at the same world size and mesh.
-FSDPX_DECL StateDict local_state_dict(const core::ShardedModel& model);
+FSDPX_DECL StateDict local_state_dict(ConstShardedModelRef model);
 
 namespace detail {
 /// Unit `u`'s whole flat buffer of master values. Collective over the shard group.
@@ -129,16 +130,16 @@ FSDPX_DECL at::Tensor gather_unit_shards(core::ShardedModel& model, const core::
 
 /// Every parameter whole, float32 on the CPU: on rank 0 only, or on every rank with `all_ranks`.
 /// Collective: every rank calls it. One unit is gathered at a time.
-FSDPX_DECL StateDict full_state_dict(core::ShardedModel& model, bool all_ranks = false);
+FSDPX_DECL StateDict full_state_dict(ShardedModelRef model, bool all_ranks = false);
 
 /// Loads state dicts saved by any world size (full or sharded), or by this very topology (local).
 /// `for_each_saved(fn)` calls fn once per saved rank's state dict: a checkpoint streams its files.
 /// Every rank calls it; it is not collective.
 FSDPX_DECL void load_model_state_dict(
-    core::ShardedModel& model, const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved,
+    ShardedModelRef model, const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved,
     bool strict = true);
 
-inline void load_model_state_dict(core::ShardedModel& model, const StateDict& sd, bool strict = true) {
+inline void load_model_state_dict(ShardedModelRef model, const StateDict& sd, bool strict = true) {
   load_model_state_dict(model, [&](const auto& fn) { fn(sd); }, strict);
 }
 
@@ -146,13 +147,26 @@ inline void load_model_state_dict(core::ShardedModel& model, const StateDict& sd
 
 /// This rank's slices of the optimizer's state for every parameter, in the sharded layout (so it
 /// reshards on load like the model), plus each param group's hyperparameters.
-FSDPX_DECL StateDict optimizer_state_dict(const core::ShardedModel& model, torch::optim::Optimizer& optimizer);
+FSDPX_DECL StateDict optimizer_state_dict(ConstShardedModelRef model, torch::optim::Optimizer& optimizer);
 
 /// Restores optimizer state saved at any world size into this rank's shards (and the param groups'
-/// hyperparameters when the group count matches). Every rank calls it; it is not collective.
+/// hyperparameters when the group count matches). `for_each_saved(fn)` calls fn once per saved rank's state
+/// dict. Every rank calls it; it is not collective.
 FSDPX_DECL void load_optimizer_state_dict(
-    torch::optim::Optimizer& optimizer, core::ShardedModel& model,
+    ShardedModelRef model, torch::optim::Optimizer& optimizer,
     const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved);
+inline void load_optimizer_state_dict(ShardedModelRef model, torch::optim::Optimizer& optimizer, const StateDict& sd) {
+  load_optimizer_state_dict(model, optimizer, [&](const auto& fn) { fn(sd); });
+}
+/// The order before the model came first (2026-12): one release, deprecated.
+[[deprecated(
+    "fsdpx::load_optimizer_state_dict(optimizer, model, saved) is now load_optimizer_state_dict(model, "
+    "optimizer, saved): the model first, as in every load, save and sync call")]]
+inline void load_optimizer_state_dict(
+    torch::optim::Optimizer& optimizer, core::ShardedModel& model,
+    const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved) {
+  load_optimizer_state_dict(ShardedModelRef(model), optimizer, for_each_saved);
+}
 
 }  // namespace fsdpx
 

@@ -28,6 +28,7 @@
 #include <torch/nn/module.h>
 
 #include <fsdpx/hf/safetensors.hpp>
+#include <fsdpx/core/model_ref.hpp>
 #include <fsdpx/core/sharded_model.hpp>
 #include <fsdpx/dist/any.hpp>
 #include <fsdpx/dist/outcome.hpp>
@@ -87,8 +88,9 @@ FSDPX_DECL void add_buffer_targets(torch::nn::Module& module, const SafetensorsL
 
 /// Loads the safetensors folder `dir` into a sharded model: each rank reads the slices of its own
 /// shards (and the module's buffers whole). Every rank calls it; it is not collective.
-inline SafetensorsLoadReport load_model_safetensors(core::ShardedModel& model, fsdpx::hf::SafetensorsDir& dir,
+inline SafetensorsLoadReport load_model_safetensors(ShardedModelRef model_ref, fsdpx::hf::SafetensorsDir& dir,
                                                     const SafetensorsLoadOptions& options = {}) {
+  core::ShardedModel& model = *model_ref;
   model.wait_for_shard_readers();  // a background checkpoint copy may still read the shards
   model.reshard_all();             // the next forward gathers the loaded shards
   std::vector<hf::detail::LoadTarget> targets;
@@ -159,8 +161,9 @@ inline at::ScalarType saved_dtype(at::ScalarType t, const SafetensorsSaveOptions
 /// a time, and world rank 0 writes. Returns what was written on rank 0 (empty elsewhere). A failure on
 /// rank 0 (a full disk) does not stop the gathers the others are in; it is an error on every rank
 /// once they are done. A rank that cannot allocate a unit's gather says so before anyone gathers it.
-inline fsdpx::hf::SavedSafetensors save_model_safetensors(core::ShardedModel& model, const std::filesystem::path& dir,
+inline fsdpx::hf::SavedSafetensors save_model_safetensors(ShardedModelRef model_ref, const std::filesystem::path& dir,
                                                           const SafetensorsSaveOptions& options = {}) {
+  core::ShardedModel& model = *model_ref;
   auto& world = model.mesh().world();
   const bool writer = world.rank() == 0;
   // The plan (every tensor's name, dtype and shape, in unit order) is known to all without a gather.

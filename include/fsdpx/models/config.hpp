@@ -25,6 +25,7 @@
 #include <fsdpx/detail/file_io.hpp>
 #include <fsdpx/detail/json.hpp>
 #include <fsdpx/error.hpp>
+#include <fsdpx/policies/dtype_names.hpp>
 
 namespace fsdpx::models {
 
@@ -198,23 +199,22 @@ inline const char* causal_lm_architecture(const std::string& model_type) {
 
 namespace detail {
 
+/// The dtypes a model's weights may have (config.json's "dtype", in torch's names: policies/dtype_names.hpp).
+inline bool is_weight_dtype(c10::ScalarType t) {
+  return t == c10::kFloat || t == c10::kBFloat16 || t == c10::kHalf || t == c10::kDouble;
+}
+
 inline c10::ScalarType parse_torch_dtype(const std::string& name, const std::string& doc) {
-  if (name == "float32" || name == "float") return c10::kFloat;
-  if (name == "bfloat16") return c10::kBFloat16;
-  if (name == "float16" || name == "half") return c10::kHalf;
-  if (name == "float64") return c10::kDouble;
+  // "float" and "half" are torch's aliases of float32 and float16 (torch.float, torch.half)
+  const auto t = torch_dtype_from_name(name == "float" ? "float32" : name == "half" ? "float16" : name);
+  if (t && is_weight_dtype(*t)) return *t;
   throw ConfigError(::fsdpx::detail::str("fsdpx: '", doc, "': \"dtype\" is \"", name,
                                          "\"; a model's weights are float32, bfloat16, float16 or float64"));
 }
 
-inline const char* torch_dtype_name(c10::ScalarType t) {
-  switch (t) {
-    case c10::kFloat: return "float32";
-    case c10::kBFloat16: return "bfloat16";
-    case c10::kHalf: return "float16";
-    case c10::kDouble: return "float64";
-    default: break;
-  }
+/// torch's name of a model's weight dtype, for config.json.
+inline const char* weight_dtype_name(c10::ScalarType t) {
+  if (is_weight_dtype(t)) return torch_dtype_name(t);
   throw ConfigError(
       ::fsdpx::detail::str("fsdpx: a Hugging Face model's weights are float32, bfloat16, float16 or float64, not ", t));
 }
@@ -592,8 +592,8 @@ inline ::fsdpx::detail::Json to_hf_config(const DecoderConfig& c, c10::ScalarTyp
     j["sliding_window"] = any ? ::fsdpx::detail::Json(c.sliding_window) : ::fsdpx::detail::Json(nullptr);
   }
   // transformers 5 reads "dtype", 4.x "torch_dtype": both name the weights as written.
-  j["dtype"] = detail::torch_dtype_name(dtype);
-  if (j.contains("torch_dtype")) j["torch_dtype"] = detail::torch_dtype_name(dtype);
+  j["dtype"] = detail::weight_dtype_name(dtype);
+  if (j.contains("torch_dtype")) j["torch_dtype"] = detail::weight_dtype_name(dtype);
   return j;
 }
 

@@ -26,8 +26,7 @@
 #include <fsdpx/hf/model_folder.hpp>
 #include <fsdpx/hf/model_safetensors.hpp>
 #include <fsdpx/hf/safetensors.hpp>
-#include <fsdpx/checkpoint/dcp_reader.hpp>
-#include <fsdpx/checkpoint/dcp_writer.hpp>
+#include <fsdpx/checkpoint/names.hpp>
 #include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/fsdp.hpp>
 #include <fsdpx/dist/outcome.hpp>
@@ -113,7 +112,7 @@ inline bool ignored_on_load(const std::string& hf_name, const DecoderConfig& c) 
 /// lies in transformers 5's stacked experts of its layer: "mlp.experts.gate_up_proj" [experts, 2 x
 /// moe_intermediate, hidden] (each expert's gate rows, then its up rows) or "mlp.experts.down_proj" [experts,
 /// hidden, moe_intermediate]; each projection is a contiguous run of those. nullopt for any other name.
-inline std::optional<checkpoint::dcp::Placement> stacked_expert_place(const DecoderConfig& c, const std::string& name) {
+inline std::optional<Placement> stacked_expert_place(const DecoderConfig& c, const std::string& name) {
   const int64_t h = c.hidden_size, inner = c.moe.moe_intermediate_size, experts = c.moe.num_experts;
   if (experts <= 0 || !name.starts_with("model.layers.")) return std::nullopt;
   const std::string marker = ".mlp.experts.";
@@ -127,12 +126,10 @@ inline std::optional<checkpoint::dcp::Placement> stacked_expert_place(const Deco
   const int64_t e = std::stoll(rest.substr(0, dot));
   const std::string proj = rest.substr(dot + 1);
   if (e >= experts) return std::nullopt;
-  if (proj == "gate_proj.weight")
-    return checkpoint::dcp::Placement{layer + "gate_up_proj", {experts, 2 * inner, h}, e * 2 * inner * h};
+  if (proj == "gate_proj.weight") return Placement{layer + "gate_up_proj", {experts, 2 * inner, h}, e * 2 * inner * h};
   if (proj == "up_proj.weight")
-    return checkpoint::dcp::Placement{layer + "gate_up_proj", {experts, 2 * inner, h}, (e * 2 + 1) * inner * h};
-  if (proj == "down_proj.weight")
-    return checkpoint::dcp::Placement{layer + "down_proj", {experts, h, inner}, e * h * inner};
+    return Placement{layer + "gate_up_proj", {experts, 2 * inner, h}, (e * 2 + 1) * inner * h};
+  if (proj == "down_proj.weight") return Placement{layer + "down_proj", {experts, h, inner}, e * h * inner};
   return std::nullopt;
 }
 
@@ -142,8 +139,8 @@ inline std::optional<checkpoint::dcp::Placement> stacked_expert_place(const Deco
 /// models load it strictly; its optimizer state, as torch's, under the embedding's name only. A mixture's
 /// experts are saved stacked, as transformers 5 holds them in memory (stacked_expert_place), unless
 /// `stacked_experts` is false (transformers 4's per-expert modules, the hub's names).
-inline checkpoint::dcp::SaveOptions dcp_save_options(const DecoderConfig& c, bool stacked_experts = true) {
-  checkpoint::dcp::SaveOptions o;
+inline SaveNames dcp_save_options(const DecoderConfig& c, bool stacked_experts = true) {
+  SaveNames o;
   if (c.tie_word_embeddings) {
     o.also_saved_as = [](const std::string& name) {
       return name == "model.embed_tokens.weight" ? std::vector<std::string>{"lm_head.weight"}
@@ -159,8 +156,8 @@ inline checkpoint::dcp::SaveOptions dcp_save_options(const DecoderConfig& c, boo
 /// transformers ignores (ignored_on_load: a tied head's copy, rotary caches) is not reported as unexpected,
 /// and a mixture's experts are read from transformers 5's stacked tensors where the checkpoint has them (else
 /// from the hub's per-expert ones).
-inline DcpLoadOptions dcp_load_options(const DecoderConfig& c, std::string prefix = {}) {
-  DcpLoadOptions o;
+inline LoadNames dcp_load_options(const DecoderConfig& c, std::string prefix = {}) {
+  LoadNames o;
   o.prefix = std::move(prefix);
   o.ignore = [c](const std::string& name) { return ignored_on_load(name, c); };
   if (c.moe.num_experts > 0) o.placed_in = [c](const std::string& name) { return stacked_expert_place(c, name); };

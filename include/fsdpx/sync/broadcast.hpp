@@ -46,6 +46,7 @@
 #include <torch/nn/module.h>
 
 #include <fsdpx/memory/host.hpp>
+#include <fsdpx/core/model_ref.hpp>
 #include <fsdpx/core/sharded_model.hpp>
 #include <fsdpx/dist/any.hpp>
 #include <fsdpx/detail/crc32c.hpp>
@@ -59,11 +60,10 @@
 
 namespace fsdpx::sync {
 
-/// Anything that exposes its core::ShardedModel (fsdpx::Fsdp<...>).
+/// The concept weight sync took a model by before every call took a ShardedModelRef (2026-12): now
+/// fsdpx::ShardedModelLike.
 template <class F>
-concept HasShardedModel = requires(F& f) {
-  { f.sharded() } -> std::same_as<core::ShardedModel&>;
-};
+concept HasShardedModel = ShardedModelLike<F>;
 
 // ---- groups ---------------------------------------------------------------------------------------
 
@@ -115,12 +115,8 @@ struct GatherOptions {
 /// The full parameters (on `device`, cast to `dtype`), in unit order, then the buffers (on `device`,
 /// in their own dtype), all as fresh tensors. Collective over the trainer ranks; only ranks with
 /// `collect` keep anything (the others return nothing).
-FSDPX_DECL std::vector<NamedTensor> gather_full_state_dict(core::ShardedModel& model, bool collect,
+FSDPX_DECL std::vector<NamedTensor> gather_full_state_dict(ShardedModelRef model, bool collect,
                                                            const GatherOptions& options = {});
-template <HasShardedModel F>
-std::vector<NamedTensor> gather_full_state_dict(F& fsdp, bool collect, const GatherOptions& options = {}) {
-  return gather_full_state_dict(fsdp.sharded(), collect, options);
-}
 
 // ---- the trainer side: broadcasting ---------------------------------------------------------------
 
@@ -173,11 +169,9 @@ class WeightBroadcaster {
  public:
   /// `update_group`: the model-update group on trainer rank 0 (where this process must be rank 0, the
   /// root), std::nullopt on the other trainer ranks.
-  FSDPX_DECL WeightBroadcaster(core::ShardedModel& model, std::optional<dist::AnyCommunicator> update_group,
+  /// `model`: an fsdpx::Fsdp<...> or its core::ShardedModel.
+  FSDPX_DECL WeightBroadcaster(ShardedModelRef model, std::optional<dist::AnyCommunicator> update_group,
                                BroadcastOptions options = {});
-  template <HasShardedModel F>
-  WeightBroadcaster(F& fsdp, std::optional<dist::AnyCommunicator> update_group, BroadcastOptions options = {})
-      : WeightBroadcaster(fsdp.sharded(), std::move(update_group), options) {}
 
   bool is_sender() const { return group_.has_value(); }
   int64_t last_version() const { return last_version_; }

@@ -45,7 +45,7 @@ FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t>
 FSDPX_DECL c10::IValue load_ivalue_range(const fs::path& path, int64_t offset, int64_t length, const std::string& what);
 
 /// The pickle (data.pkl) of the torch.save archive at [offset, offset + length) of `path`, unparsed, for a
-/// reader that runs nothing (detail/pickle.hpp); more than `max_bytes` is refused before it is read.
+/// reader that runs nothing (fsdpx/pickle/pickle.hpp); more than `max_bytes` is refused before it is read.
 FSDPX_DECL std::vector<std::byte> read_archive_pickle(const fs::path& path, int64_t offset, int64_t length,
                                                       const std::string& what, int64_t max_bytes);
 

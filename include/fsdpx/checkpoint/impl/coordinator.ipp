@@ -50,12 +50,7 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedMode
   FSDPX_CHECK_AS(IoError, !ec, "cannot create '", (dir / ".done").string(), "': ", ec.message());
 
   if (rank_ == 0) {
-    withdraw_earlier_commit(req.step, dir);
-    // An interrupted run's DCP .metadata would describe other data files than the ones written now.
-    for (const char* prefix : {"", "optim_states/"}) {
-      const auto metadata = dir / prefix / checkpoint::dcp::metadata_file_name;
-      if (std::filesystem::exists(metadata)) fsdpx::detail::remove_durably(metadata);
-    }
+    withdraw_earlier_commit(req.step, dir);  // before any file of the step is replaced, on any rank
     if (!options_.huggingface_dir.empty()) fsdpx::hf::copy_model_files(options_.huggingface_dir, dir / "huggingface");
     // Room for the commit records and iteration files, taken before any shard is written, so a
     // disk that fills up during this save or the next cannot keep a finished step from committing.
@@ -88,7 +83,8 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedMode
     }
     start_task();
   }
-  pool_.post([this, shared, dir, components, slots, fence] {
+  const auto deadline = dist::deadline_after(options_.commit_timeout);
+  pool_.post([this, shared, dir, components, slots, fence, deadline] {
     std::string snapshot_error;
     try {
       if (shared->snapshot) shared->snapshot(*shared);
@@ -96,11 +92,18 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedMode
       snapshot_error = e.what();
     }
     if (*fence) (*fence)->set_value();  // the shards may change from here on
-    for (size_t i = 0; i < components.size(); ++i) {
-      pool_.post([this, shared, dir, c = components[i], slot = slots[i], snapshot_error] {
-        write_component(*shared, dir, c, *slot, snapshot_error);
-      });
-    }
+    write_when_withdrawn(
+        shared->step, dir,
+        [this, shared, dir, components, slots, snapshot_error](const std::string& not_withdrawn) {
+          const std::string refused =
+              !snapshot_error.empty() ? "copying the state to host memory failed: " + snapshot_error : not_withdrawn;
+          for (size_t i = 0; i < components.size(); ++i) {
+            pool_.post([this, shared, dir, c = components[i], slot = slots[i], refused] {
+              write_component(*shared, dir, c, *slot, refused);
+            });
+          }
+        },
+        deadline);
   });
   if (rank_ == 0) {
     start_task();
@@ -108,8 +111,7 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedMode
       std::lock_guard lock(mutex_);
       pending_commits_.insert(shared->step);
     }
-    watch_commit(std::make_shared<Commit>(
-        Commit{shared->step, dir, components, shared->setup, dist::deadline_after(options_.commit_timeout)}));
+    watch_commit(std::make_shared<Commit>(Commit{shared->step, dir, components, shared->setup, deadline}));
   }
 }
 
@@ -132,6 +134,7 @@ FSDPX_DECL CheckpointCoordinator::CheckpointCoordinator(std::filesystem::path ro
       world_size_(world_size),
       run_(std::move(run)),
       options_(options),
+      format_(&checkpoint::step_format(options.format, "a CheckpointCoordinator (CheckpointOptions::format)")),
       pool_(options.threads) {
   FSDPX_CHECK(world_size >= 1 && rank >= 0 && rank < world_size, "CheckpointCoordinator: rank ", rank,
               " is outside the world of ", world_size);
@@ -196,28 +199,18 @@ FSDPX_DECL void CheckpointCoordinator::record_failure(int64_t step, const std::s
 }
 
 FSDPX_DECL void CheckpointCoordinator::write_component(const SaveRequest& req, const std::filesystem::path& dir,
-                                                       Component c, InFlight& slot, const std::string& snapshot_error) {
+                                                       Component c, InFlight& slot, const std::string& refused) {
   notify([&](const CheckpointMonitor& m) {
     if (m.before_save) m.before_save(req.step, c);
   });
   SaveEvent event{req.step, c, dir / checkpoint::shard_file_name(c, world_size_, rank_)};
   const auto start = std::chrono::steady_clock::now();
   try {
-    FSDPX_CHECK_AS(IoError, snapshot_error.empty(), "copying the state to host memory failed: ", snapshot_error);
-    std::string marker;
-    if (options_.format == CheckpointFormat::dcp && c != Component::extra_state) {
-      const auto [written, text] = write_dcp_component(req, dir, c);
-      if (!written.path.empty()) event.path = written.path;
-      event.bytes = written.bytes;
-      marker = text;
-    } else {
-      const auto written = c == Component::model   ? checkpoint::save_state_dict(event.path, req.model)
-                           : c == Component::optim ? checkpoint::save_state_dict(event.path, *req.optim)
-                                                   : checkpoint::detail::save_ivalue(event.path, *req.extra);
-      event.bytes = written.bytes;
-      marker = ::fsdpx::detail::str(event.path.filename().string(), " ", written.bytes, " ", written.crc32c, "\n");
-    }
-    fsdpx::detail::write_text_durably(checkpoint::done_marker(dir, c, rank_, run_), marker);
+    FSDPX_CHECK_AS(IoError, refused.empty(), refused);
+    const checkpoint::WrittenComponent written = format_->write(req, dir, c, rank_, world_size_, options_.dcp_names);
+    if (!written.file.path.empty()) event.path = written.file.path;
+    event.bytes = written.file.bytes;
+    fsdpx::detail::write_text_durably(checkpoint::done_marker(dir, c, rank_, run_), written.marker);
   } catch (const std::exception& e) {
     event.error = ::fsdpx::detail::str("fsdpx: checkpoint step ", req.step, ": rank ", rank_, " could not save its ",
                                        to_string(c), ": ", e.what());
@@ -248,58 +241,50 @@ FSDPX_DECL void CheckpointCoordinator::write_component(const SaveRequest& req, c
   finish_task();
 }
 
-namespace checkpoint::detail {
-/// Where a step's DCP component lies: the model's in the step folder, the optimizer's in optim_states/
-/// (LightRFT's layout), as a path relative to the step folder ("" or "optim_states/").
-inline std::string dcp_component_prefix(Component c) { return c == Component::model ? "" : "optim_states/"; }
-}  // namespace checkpoint::detail
-
-FSDPX_DECL std::pair<::fsdpx::detail::WrittenFile, std::string> CheckpointCoordinator::write_dcp_component(
-    const SaveRequest& req, const std::filesystem::path& dir, Component c) {
-  namespace dcp = checkpoint::dcp;
-  const std::string prefix = checkpoint::detail::dcp_component_prefix(c);
-  const std::filesystem::path where = dir / prefix;
+FSDPX_DECL std::vector<std::filesystem::path> CheckpointCoordinator::earlier_commit_files(
+    const std::filesystem::path& dir) const {
+  std::vector<std::filesystem::path> out;
   std::error_code ec;
-  std::filesystem::create_directories(where, ec);
-  FSDPX_CHECK_AS(IoError, !ec, "cannot create '", where.string(), "': ", ec.message());
-  dcp::RankState state;
-  if (c == Component::model) {
-    state.tensors = dcp::model_tensors(req.model, options_.dcp_names);
-  } else {
-    state.tensors = dcp::optimizer_tensors(*req.optim, options_.dcp_names);
-    state.bytes = req.optim_param_groups;
+  if (std::filesystem::exists(dir / checkpoint::config_file, ec)) out.push_back(dir / checkpoint::config_file);
+  for (const std::string& name : format_->commit_files()) {
+    if (std::filesystem::exists(dir / name, ec)) out.push_back(dir / name);
   }
-  const dcp::detail::RankData data = dcp::detail::write_rank_data(where, rank_, state);
-  ::fsdpx::detail::Json marker = ::fsdpx::detail::Json::object();
-  marker["file"] = data.file.path.empty() ? std::string() : prefix + data.relative_path;
-  marker["bytes"] = data.file.bytes;
-  marker["crc32c"] = data.file.crc32c;
-  marker["rank_data"] = dcp::detail::encode_rank_data(data);
-  return {data.file, marker.dump() + "\n"};
+  return out;
 }
 
-FSDPX_DECL std::string CheckpointCoordinator::commit_dcp_component(const Commit& c, Component comp,
-                                                                   const std::vector<std::string>& markers) {
-  namespace dcp = checkpoint::dcp;
-  const std::string prefix = checkpoint::detail::dcp_component_prefix(comp);
-  ::fsdpx::detail::Json files = ::fsdpx::detail::Json::object();
-  std::vector<dcp::detail::RankData> ranks;
-  for (int r = 0; r < static_cast<int>(markers.size()); ++r) {
-    ::fsdpx::detail::Json m;
-    try {
-      m = ::fsdpx::detail::Json::parse(markers[r]);
-      const auto file = m.at("file").get<std::string>();
-      if (!file.empty())
-        files[file] = {{"bytes", m.at("bytes").get<int64_t>()}, {"crc32c", m.at("crc32c").get<uint32_t>()}};
-    } catch (const std::exception& e) {
-      throw IoError(::fsdpx::detail::str("fsdpx: checkpoint step ", c.step, ": rank ", r, "'s ", to_string(comp),
-                                         " marker is corrupt: ", e.what()));
+FSDPX_DECL void CheckpointCoordinator::write_when_withdrawn(int64_t step, const std::filesystem::path& dir,
+                                                            std::function<void(const std::string&)> write,
+                                                            std::chrono::steady_clock::time_point deadline) {
+  // Before this rank's first file of the step, none of this run's commit files of it can exist (rank 0
+  // writes them only once every rank's markers are there): any there is an earlier run's.
+  const std::vector<std::filesystem::path> left = earlier_commit_files(dir);
+  if (left.empty()) {
+    {
+      std::lock_guard lock(mutex_);
+      if (rank_ != 0) commit_waits_.erase(step);
     }
-    ranks.push_back(dcp::detail::decode_rank_data(m.at("rank_data").get<std::string>(), r));
+    return write({});
   }
-  const auto written = dcp::write_metadata(c.dir / prefix / dcp::metadata_file_name, dcp::detail::make_metadata(ranks));
-  files[prefix + dcp::metadata_file_name] = {{"bytes", written.bytes}, {"crc32c", written.crc32c}};
-  return files.dump();
+  const bool gave_up =
+      std::chrono::steady_clock::now() > deadline || abandoning_.load() || (world_failed_ && world_failed_());
+  if (!gave_up) {
+    {
+      std::lock_guard lock(mutex_);
+      commit_waits_[step] = ::fsdpx::detail::str("rank 0 to withdraw an earlier run's commit of the step ('",
+                                                 left.front().string(), "')");
+    }
+    pool_.post_after(options_.poll_interval, [this, step, dir, write = std::move(write), deadline]() mutable {
+      write_when_withdrawn(step, dir, std::move(write), deadline);
+    });
+    return;
+  }
+  {
+    std::lock_guard lock(mutex_);
+    commit_waits_.erase(step);
+  }
+  write(::fsdpx::detail::str("an earlier run's commit of the step ('", left.front().string(),
+                             "') was not withdrawn by rank 0 before this process gave up on it (commit_timeout: ",
+                             options_.commit_timeout.count(), " ms): its files were left as they are"));
 }
 
 FSDPX_DECL void CheckpointCoordinator::watch_commit(std::shared_ptr<Commit> commit) {
@@ -342,43 +327,28 @@ FSDPX_DECL bool CheckpointCoordinator::advance_commit(Commit& c) {
       return true;
     }
   }
-  const auto files_of = [&](Component comp) -> std::optional<::fsdpx::detail::Json> {
-    const bool dcp = options_.format == CheckpointFormat::dcp && comp != Component::extra_state;
-    if (const auto it = c.dcp_files.find(comp); it != c.dcp_files.end())
-      return ::fsdpx::detail::Json::parse(it->second);
-    ::fsdpx::detail::Json files = ::fsdpx::detail::Json::object();
+  // A component's files once every rank's are durable: committed by the format once (DCP writes its .metadata
+  // there), before any commit record names them, so that a folder that has one is whole.
+  const auto files_of = [&](Component comp) -> const std::map<std::string, checkpoint::CommittedFile>* {
+    if (const auto it = c.committed.find(comp); it != c.committed.end()) return &it->second;
     std::vector<std::string> markers;
     for (int r = 0; r < world_size_; ++r) {
       const auto marker = checkpoint::done_marker(c.dir, comp, r, run_);
       if (!std::filesystem::exists(marker)) {
         c.waiting_for = ::fsdpx::detail::str("rank ", r, "'s ", to_string(comp), " file");
-        return std::nullopt;
+        return nullptr;
       }
-      const std::string text = fsdpx::detail::read_text(marker, "checkpoint marker");
-      if (dcp) {
-        markers.push_back(text);
-        continue;
-      }
-      char name[256] = {};
-      long long bytes = 0;
-      unsigned long crc = 0;
-      FSDPX_CHECK_AS(IoError, std::sscanf(text.c_str(), "%255s %lld %lu", name, &bytes, &crc) == 3,
-                     "checkpoint marker '", marker.string(), "' is corrupt");
-      files[name] = {{"bytes", int64_t{bytes}}, {"crc32c", static_cast<uint32_t>(crc)}};
+      markers.push_back(fsdpx::detail::read_text(marker, "checkpoint marker"));
     }
-    if (!dcp) return files;
-    // Every rank's data file is durable: the component's .metadata now (once), before any commit record
-    // names it, so a folder that has one is whole.
-    c.dcp_files[comp] = commit_dcp_component(c, comp, markers);
-    return ::fsdpx::detail::Json::parse(c.dcp_files[comp]);
+    return &(c.committed[comp] = format_->commit(c.dir, c.step, comp, markers));
   };
   std::vector<std::string> done;
   ::fsdpx::detail::Json files = ::fsdpx::detail::Json::object();
   for (const Component comp : c.components) {
-    auto f = files_of(comp);
-    if (!f) break;
+    const auto* f = files_of(comp);
+    if (f == nullptr) break;
     done.push_back(to_string(comp));
-    files.update(*f);
+    for (const auto& [name, file] : *f) files[name] = {{"bytes", file.bytes}, {"crc32c", file.crc32c.value_or(0)}};
   }
   const bool complete = done.size() == c.components.size();
   const bool weights = !done.empty();
@@ -441,7 +411,8 @@ FSDPX_DECL void CheckpointCoordinator::write_config(const Commit& c, const std::
   }
   config["format"] = checkpoint::format_name;
   config["format_version"] = checkpoint::format_version;
-  if (options_.format == CheckpointFormat::dcp) config["files_format"] = "dcp";
+  // Absent for fsdpx's own files, as before the field existed: older readers take those records as they were
+  if (options_.format != CheckpointFormat::fsdpx) config["files_format"] = checkpoint::to_string(options_.format);
   config["step"] = c.step;
   config["world_size"] = world_size_;
   config["complete"] = complete;
@@ -460,21 +431,24 @@ FSDPX_DECL void CheckpointCoordinator::advance(const char* file, int64_t step) {
 }
 
 FSDPX_DECL void CheckpointCoordinator::withdraw_earlier_commit(int64_t step, const std::filesystem::path& dir) {
-  if (!std::filesystem::exists(dir / checkpoint::config_file)) return;
-  std::lock_guard lock(iteration_mutex_);
-  for (auto& [file, current] : iteration_) {
-    if (current != step) continue;
-    const auto fallback =
-        checkpoint::find_committed_before(root_, step, /*weights_only=*/file == checkpoint::state_dict_iteration_file);
-    if (fallback) {
-      fsdpx::detail::write_text_durably(root_ / file, std::to_string(*fallback) + "\n");
-    } else {
-      fsdpx::detail::remove_durably(root_ / file);
+  if (std::filesystem::exists(dir / checkpoint::config_file)) {
+    std::lock_guard lock(iteration_mutex_);
+    for (auto& [file, current] : iteration_) {
+      if (current != step) continue;
+      const auto fallback = checkpoint::find_committed_before(
+          root_, step, /*weights_only=*/file == checkpoint::state_dict_iteration_file);
+      if (fallback) {
+        fsdpx::detail::write_text_durably(root_ / file, std::to_string(*fallback) + "\n");
+      } else {
+        fsdpx::detail::remove_durably(root_ / file);
+      }
+      std::lock_guard state(mutex_);
+      current = fallback.value_or(-1);
     }
-    std::lock_guard state(mutex_);
-    current = fallback.value_or(-1);
   }
-  fsdpx::detail::remove_durably(dir / checkpoint::config_file);
+  // The record first (the step is no longer committed), then what completed the commit (DCP's .metadata, which
+  // may be there without a record: a run that died between the two); the other ranks write once all are gone.
+  for (const std::filesystem::path& file : earlier_commit_files(dir)) fsdpx::detail::remove_durably(file);
 }
 
 }  // namespace fsdpx

@@ -201,6 +201,21 @@ FSDPX_DECL const char* to_string(Component c) {
   return "?";
 }
 
+FSDPX_DECL const char* to_string(CheckpointFormat f) {
+  switch (f) {
+    case CheckpointFormat::fsdpx: return "fsdpx";
+    case CheckpointFormat::dcp: return "dcp";
+  }
+  return "?";
+}
+
+FSDPX_DECL std::optional<CheckpointFormat> format_from_string(std::string_view name) {
+  for (const CheckpointFormat f : {CheckpointFormat::fsdpx, CheckpointFormat::dcp}) {
+    if (name == to_string(f)) return f;
+  }
+  return std::nullopt;
+}
+
 FSDPX_DECL detail::Fields::Fields(const c10::IValue& v, const fs::path& path, std::string where)
     : path_(path), where_(std::move(where)) {
   FSDPX_CHECK_AS(IoError, v.isGenericDict(), "'", path_.string(), "': ", where_, " is not a dict");

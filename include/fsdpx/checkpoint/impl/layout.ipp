@@ -44,9 +44,11 @@ FSDPX_DECL CommitRecord parse_commit_record(const fs::path& config) {
   }
   r.kind = json_find<std::string>(j, "state_dict_kind", doc).value_or("");
   r.complete = json_find<bool>(j, "complete", doc).value_or(false);
-  r.files_format = json_find<std::string>(j, "files_format", doc).value_or("fsdpx");
-  FSDPX_CHECK_AS(IoError, r.files_format == "fsdpx" || r.files_format == "dcp", "commit record '", doc,
-                 "': \"files_format\" is \"", r.files_format, "\"; this fsdpx reads \"fsdpx\" and \"dcp\"");
+  const std::string files_format = json_find<std::string>(j, "files_format", doc).value_or("fsdpx");
+  const auto format = format_from_string(files_format);
+  FSDPX_CHECK_AS(IoError, format.has_value(), "commit record '", doc, "': \"files_format\" is \"", files_format,
+                 "\"; this fsdpx reads \"fsdpx\" and \"dcp\"");
+  r.files_format = *format;
   if (const auto comps = j.find("components"); comps != j.end()) {
     FSDPX_CHECK_AS(IoError, comps->is_array(), "commit record '", doc, "': \"components\" is not an array");
     for (const auto& c : *comps)

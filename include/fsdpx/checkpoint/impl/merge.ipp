@@ -3,6 +3,7 @@
 #pragma once
 
 #include <fsdpx/checkpoint/merge.hpp>
+#include <fsdpx/checkpoint/step_format.hpp>
 
 namespace fsdpx::checkpoint {
 
@@ -47,12 +48,25 @@ namespace fsdpx::checkpoint {
 
 FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const MergeOptions& options,
                                              MergeReport* report) {
+  const fs::path dir = model_dir(step_dir);
+  FSDPX_CHECK_AS(IoError, fs::is_directory(dir), "checkpoint directory '", dir.string(), "' does not exist");
+  // The step's format: its commit record says it; a folder without one may be another format's (DCP's)
+  std::optional<CommitRecord> record;
+  if (std::error_code ec; fs::exists(dir / config_file, ec)) record = parse_commit_record(dir / config_file);
+  const CheckpointFormat format = record ? record->files_format : folder_format(dir).value_or(CheckpointFormat::fsdpx);
   MergeReport local_report;
   MergeReport& rep = report != nullptr ? *report : local_report;
   rep = MergeReport{};
-  const fs::path dir = model_dir(step_dir);
+  rep.format = format;
+  return step_format(format, ::fsdpx::detail::str("merging the checkpoint in '", dir.string(), "'"))
+      .merge(dir, record ? &*record : nullptr, options, &rep);
+}
+
+namespace detail {
+
+FSDPX_DECL hf::NamedTensors merge_shard_files(const fs::path& dir, const CommitRecord* committed,
+                                              const MergeOptions& options, MergeReport& rep) {
   rep.dir = dir;
-  FSDPX_CHECK_AS(IoError, fs::is_directory(dir), "checkpoint directory '", dir.string(), "' does not exist");
   const auto warn = [&](const std::string& w) {
     rep.warnings.push_back(w);
     if (options.warn) {
@@ -75,8 +89,8 @@ FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const Mer
 
   const fs::path config_path = dir / config_file;
   std::optional<CommitRecord> record;
-  if (fs::exists(config_path)) {
-    record = parse_commit_record(config_path);
+  if (committed != nullptr) {
+    record = *committed;
     // "complete": false is enough when the weights are committed (the optimizer state may not be yet).
     FSDPX_CHECK_AS(IoError, is_committed(*record, /*weights_only=*/true), "commit record '", config_path.string(),
                    "': the model component is not committed (its \"components\" omit \"model\")");
@@ -232,5 +246,7 @@ FSDPX_DECL hf::NamedTensors merge_checkpoint(const fs::path& step_dir, const Mer
   }
   return out;
 }
+
+}  // namespace detail
 
 }  // namespace fsdpx::checkpoint

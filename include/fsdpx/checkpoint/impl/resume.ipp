@@ -2,141 +2,133 @@
 // (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
-#include <cctype>
-#include <cstdio>
+#include <algorithm>
 
 #include <fsdpx/checkpoint/resume.hpp>
+#include <fsdpx/checkpoint/step_format.hpp>
 
 namespace fsdpx::checkpoint::detail {
 
-FSDPX_DECL void for_each_saved_file(const fs::path& dir, const CommitRecord& record, Component c,
-                                    std::optional<int> only_rank, bool verify,
-                                    const std::function<void(const StateDict&)>& fn) {
-  for (int r = 0; r < record.world_size; ++r) {
-    if (only_rank && r != *only_rank) continue;
-    const std::string name = shard_file_name(c, record.world_size, r);
-    fn(load_shard_file(dir, name, record.file(dir, name, verify)));
-  }
-}
-
-/// fsdpx's LrScheduler state ({"last_step", "base_lrs"}) from a torch LR scheduler's state_dict (LightRFT's
-/// scheduler_state.pt): its last_epoch is the number of steps taken, its base_lrs each group's base LR.
-inline c10::IValue lr_scheduler_state_from_torch(const c10::IValue& saved, const fs::path& path) {
-  const auto bad = [&](const std::string& why) {
-    return IoError(::fsdpx::detail::str("fsdpx: '", path.string(), "' is not a torch LR scheduler's state: ", why));
+/// The committed step `step` of the fsdpx root `root`, opened for world rank `rank`: its extra state (that
+/// rank's file, in every format: scheduler, client state, RNG) read and checked; the model and optimizer load
+/// through the step's format.
+inline SavedStep open_root_step(const fs::path& root, int64_t step, int rank, const LoadOptions& options) {
+  const fs::path dir = step_dir(root, step);
+  const auto read = read_commit_record(dir);
+  FSDPX_CHECK_AS(IoError, read && is_committed(*read, /*weights_only=*/true), "checkpoint step ", step, " in '",
+                 root.string(), "' is not committed");
+  const auto record = std::make_shared<const CommitRecord>(*read);
+  SavedStep s;
+  s.step = step;
+  s.saved_world_size = record->world_size;
+  s.what = ::fsdpx::detail::str("checkpoint step ", step, " in '", root.string(), "'");
+  const StepFormat& format = step_format(record->files_format, s.what);
+  const auto saved = [&](Component c) {
+    const auto& cs = record->components;
+    return std::find(cs.begin(), cs.end(), std::string(to_string(c))) != cs.end();
   };
-  if (!saved.isGenericDict()) throw bad(::fsdpx::detail::str("it holds ", saved.tagKind(), ", not a dict"));
-  const auto d = saved.toGenericDict();
-  if (!d.contains("last_epoch") || !d.at("last_epoch").isInt() || d.at("last_epoch").toInt() < 0)
-    throw bad("no integer last_epoch >= 0");
-  if (!d.contains("base_lrs") || !d.at("base_lrs").isList()) throw bad("no list base_lrs");
-  c10::List<double> base_lrs;
-  for (const c10::IValue& lr : d.at("base_lrs").toListRef()) {
-    if (!lr.isDouble() && !lr.isInt()) throw bad("a base_lrs entry is not a number");
-    base_lrs.push_back(lr.isDouble() ? lr.toDouble() : static_cast<double>(lr.toInt()));
+  s.has_optimizer = saved(Component::optim);
+  if (!s.has_optimizer) s.no_optimizer = "it was saved without one";
+  s.no_scheduler = s.no_client_state = "it was saved without extra state";
+  const std::string extra_name = shard_file_name(Component::extra_state, s.saved_world_size, rank % s.saved_world_size);
+  if (saved(Component::extra_state) && record->files.count(extra_name) != 0) {
+    const fs::path path = dir / extra_name;
+    const c10::IValue extra_saved =
+        load_committed_ivalue(path, record->file(dir, extra_name, options.verify_checksums));
+    const ExtraState extra = extra_state_from_ivalue(extra_saved, path, /*restore_rng=*/false);
+    s.extra_step = extra.step;
+    s.client = extra.client;
+    if (extra.scheduler.isNone()) {
+      s.no_scheduler = "it was saved without an LR scheduler";
+    } else {
+      s.scheduler = extra.scheduler;
+    }
+    s.restore_rng = [extra_saved, path] { extra_state_from_ivalue(extra_saved, path, /*restore_rng=*/true); };
   }
-  c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
-  out.insert("last_step", d.at("last_epoch").toInt());
-  out.insert("base_lrs", base_lrs);
-  return out;
+  s.load_model = [&format, dir, record, options](core::ShardedModel& model) {
+    format.load_model(model, dir, *record, options);
+  };
+  s.load_optimizer = [&format, dir, record, options](core::ShardedModel& model, torch::optim::Optimizer& optimizer) {
+    format.load_optimizer(model, optimizer, dir, *record, options);
+  };
+  s.foreign_tensors = [&format, dir, record, options](core::ShardedModel& model) {
+    return format.foreign_tensors(model, dir, *record, options);
+  };
+  return s;
 }
 
-FSDPX_DECL ResumeInfo load_dcp_checkpoint(const fs::path& dir, core::ShardedModel& model,
-                                          torch::optim::Optimizer* optimizer, LrScheduler* scheduler,
-                                          const LoadOptions& options) {
+/// The one rule of resuming, whatever wrote the step: every part asked for is found (or, with allow_missing,
+/// warned about) and the small ones checked before anything is loaded; then the model, the optimizer, the
+/// scheduler (after the optimizer: when one is passed, its state decides the LRs, not the ones the optimizer's
+/// state brought) and the RNG states.
+inline ResumeInfo resume(core::ShardedModel& model, const SavedStep& s, torch::optim::Optimizer* optimizer,
+                         LrScheduler* scheduler, const LoadOptions& options) {
   ResumeInfo info;
-  // LightRFT names a step's folder by its tag ("global_step10"): the number it ends with is the step.
-  const std::string name = dir.filename().empty() ? dir.parent_path().filename().string() : dir.filename().string();
-  size_t digits = name.size();
-  while (digits > 0 && std::isdigit(static_cast<unsigned char>(name[digits - 1])) != 0) --digits;
-  if (digits < name.size() && name.size() - digits <= 15) info.step = std::stoll(name.substr(digits));
-  const dcp::Reader reader(dir);
-  for (const auto& [key, storage] : reader.metadata().storage) {  // "__<rank>_<n>.distcp": the saving ranks
-    int rank = 0;
-    if (std::sscanf(storage.relative_path.c_str(), "__%d_", &rank) == 1 && rank >= 0 && rank < max_world_size)
-      info.saved_world_size = std::max(info.saved_world_size, rank + 1);
-  }
-  // Every part asked for is checked, and the small ones read, before the model is touched, as for fsdpx's own
-  // checkpoints.
+  info.step = s.step;
+  info.saved_world_size = s.saved_world_size;
+  const bool want_optimizer = optimizer != nullptr && options.load_optimizer;
+  const bool want_scheduler = scheduler != nullptr && options.load_scheduler;
+  bool model_checked = false;
   const auto lacks = [&](const std::string& part, const std::string& why) {
-    FSDPX_CHECK_AS(IoError, options.allow_missing, "DCP checkpoint '", dir.string(), "': its ", part,
-                   " is not loaded (", why, "); pass LoadOptions{.load_",
+    // Another model's checkpoint (another program's root) is the cause to report, not its missing part.
+    if (!options.allow_missing && !model_checked && s.foreign_tensors) {
+      model_checked = true;
+      const std::vector<std::string> foreign = s.foreign_tensors(model);
+      FSDPX_CHECK_AS(IoError, foreign.empty(), s.what,
+                     " holds another model than this one (another program's checkpoint root?): ",
+                     ::fsdpx::detail::join_names(foreign, 8), " are not parameters or buffers of this model");
+    }
+    FSDPX_CHECK_AS(IoError, options.allow_missing, s.what, " has no ", part, " (", why, "); pass LoadOptions{.load_",
                    part == "client state" ? "client_state" : part,
                    " = false} to resume without it, or .allow_missing = true to be warned instead");
-    TORCH_WARN("fsdpx: DCP checkpoint '", dir.string(), "': its ", part, " is not loaded (", why,
-               "); resuming without it");
+    TORCH_WARN("fsdpx: ", s.what, " has no ", part, " (", why, "); resuming without it");
     info.missing.push_back(part);
   };
-  // torchtitan's step folder is one DCP: {"model": ..., "optimizer": (flattened by parameter), "lr_scheduler":
-  // ..., "dataloader": ..., "train_state": ...}; newer torchtitan puts the model's entries at the top level.
-  // LightRFT's is the model's DCP, optim_states/, scheduler_state.pt and client_state.pt.
-  const bool titan = reader.has_entry_under("optimizer.state.") || reader.find_tensor("train_state.step") != nullptr;
-  DcpLoadOptions names = options.dcp;
-  names.strict = names.strict && options.strict;
-  if (titan) {
-    // {"model": ...} nests the model's entries under "model."; transformers' own names start with "model." too,
-    // so the nesting is what the model's names are found under
-    const auto nested = [&] {
-      for (size_t i = 0; i < model.num_units(); ++i) {
-        for (const core::ParamInfo& p : model.unit(i).layout().params()) {
-          const auto file = names.file_name ? names.file_name(p.name) : std::optional<std::string>(p.name);
-          if (file && reader.has_entry_under("model." + *file)) return true;
-        }
-      }
-      return false;
-    };
-    if (names.prefix.empty() && nested()) names.prefix = "model.";
-    names.ignore = [user = names.ignore](const std::string& entry) {
-      for (const char* part : {"optimizer.", "lr_scheduler.", "dataloader.", "train_state."}) {
-        if (entry.starts_with(part)) return true;
-      }
-      return user && user(entry);
-    };
-    if (const auto* step = reader.find_tensor("train_state.step"); step != nullptr && step->size.empty())
-      info.step = reader.read("train_state.step").to(at::kLong).item<int64_t>();
+  if (!s.client && options.load_client_state && want_optimizer) lacks("client state", s.no_client_state);
+  const bool load_optimizer = want_optimizer && s.has_optimizer;
+  if (want_optimizer && !load_optimizer) lacks("optimizer", s.no_optimizer);
+  const bool load_scheduler = want_scheduler && s.scheduler.has_value();
+  if (want_scheduler && !load_scheduler) lacks("scheduler", s.no_scheduler);
+  if (load_scheduler) scheduler->check_state_dict(*s.scheduler);
+
+  s.load_model(model);
+  if (load_optimizer) s.load_optimizer(model, *optimizer);
+  if (load_scheduler) {
+    scheduler->load_state_dict(*s.scheduler);
+    info.extra.scheduler = *s.scheduler;
+  } else if (scheduler != nullptr && load_optimizer) {
+    scheduler->apply();
   }
-  const fs::path optim_dir = dir / "optim_states", scheduler_file = dir / "scheduler_state.pt",
-                 client_file = dir / "client_state.pt";
-  const bool load_optimizer =
-      optimizer != nullptr && (titan ? reader.has_entry_under("optimizer.state.") : dcp::is_checkpoint(optim_dir));
-  if (optimizer != nullptr && !load_optimizer) {
-    lacks("optimizer", titan ? "it has no optimizer.state entries" : "the folder has no optim_states/ checkpoint");
-  }
-  std::optional<c10::IValue> scheduler_state;
-  if (scheduler != nullptr) {
-    if (titan && reader.has_bytes("lr_scheduler.last_epoch") && reader.has_bytes("lr_scheduler.base_lrs")) {
-      c10::impl::GenericDict saved(c10::StringType::get(), c10::AnyType::get());
-      saved.insert("last_epoch", reader.read_bytes("lr_scheduler.last_epoch"));
-      saved.insert("base_lrs", reader.read_bytes("lr_scheduler.base_lrs"));
-      scheduler_state = lr_scheduler_state_from_torch(saved, dir / "lr_scheduler");
-    } else if (!titan && fs::exists(scheduler_file)) {
-      scheduler_state = lr_scheduler_state_from_torch(dcp::read_plain_file(scheduler_file), scheduler_file);
-    } else {
-      lacks("scheduler", titan ? "it has no lr_scheduler.last_epoch and lr_scheduler.base_lrs"
-                               : "the folder has no scheduler_state.pt");
-    }
-    if (scheduler_state) scheduler->check_state_dict(*scheduler_state);
-  }
-  if (!titan && options.load_client_state && fs::exists(client_file)) {
-    const c10::IValue client = dcp::read_plain_file(client_file);
-    FSDPX_CHECK_AS(IoError, client.isGenericDict(), "DCP checkpoint '", dir.string(), "': client_state.pt holds ",
-                   client.tagKind(), ", not a dict");
-    info.extra.client = client.toGenericDict();
-  } else if (!titan && options.load_client_state && optimizer != nullptr) {
-    lacks("client state", "the folder has no client_state.pt");
-  }
-  info.extra.step = info.step;
-  load_model_state_dict(model, reader, names);
-  if (load_optimizer && titan) {
-    load_optimizer_state_dict(*optimizer, model, reader, {.prefix = "optimizer.", .file_name = names.file_name});
-  } else if (load_optimizer) {  // the optimizer's own checkpoint: the model's names, no prefix
-    load_optimizer_state_dict(*optimizer, model, optim_dir, {.file_name = names.file_name});
-  }
-  if (scheduler_state) {
-    scheduler->load_state_dict(*scheduler_state);  // after the optimizer: the LRs the schedule gives
-    info.extra.scheduler = *scheduler_state;
-  }
+  if (s.restore_rng && options.restore_rng) s.restore_rng();
+  info.extra.step = s.extra_step;
+  if (s.client && options.load_client_state) info.extra.client = *s.client;
   return info;
 }
 
 }  // namespace fsdpx::checkpoint::detail
+
+namespace fsdpx {
+
+FSDPX_DECL std::optional<ResumeInfo> load_checkpoint(ShardedModelRef model, const std::filesystem::path& root,
+                                                     torch::optim::Optimizer* optimizer, LrScheduler* scheduler,
+                                                     const LoadOptions& options) {
+  namespace ckpt = checkpoint;
+  // What is asked for, as the step's opener sees it: it reads no part that is not
+  LoadOptions asked = options;
+  asked.load_optimizer = optimizer != nullptr && options.load_optimizer;
+  asked.load_scheduler = scheduler != nullptr && options.load_scheduler;
+  // A folder another trainer wrote (PyTorch DCP: LightRFT's, torchtitan's step folder), not an fsdpx root
+  if (const auto foreign = ckpt::folder_format(root)) {
+    const auto& format = ckpt::step_format(*foreign, ::fsdpx::detail::str("resuming from '", root.string(), "'"));
+    return ckpt::detail::resume(*model, format.open_folder(root, *model, asked), optimizer, scheduler, asked);
+  }
+  std::optional<int64_t> step = options.step;
+  if (!step) step = ckpt::find_latest_checkpoint(root, /*weights_only=*/!asked.load_optimizer);
+  if (!step && asked.load_optimizer && options.allow_missing)
+    step = ckpt::find_latest_checkpoint(root, /*weights_only=*/true);
+  if (!step) return std::nullopt;
+  const ckpt::SavedStep saved = ckpt::detail::open_root_step(root, *step, model->mesh().world().rank(), asked);
+  return ckpt::detail::resume(*model, saved, optimizer, scheduler, asked);
+}
+
+}  // namespace fsdpx

@@ -101,7 +101,8 @@ FSDPX_DECL void add_param_targets(SliceLoader& loader, core::ShardedModel& model
 
 namespace fsdpx {
 
-FSDPX_DECL StateDict sharded_state_dict(const core::ShardedModel& model) {
+FSDPX_DECL StateDict sharded_state_dict(ConstShardedModelRef model_ref) {
+  const core::ShardedModel& model = *model_ref;
   StateDict sd = detail::empty_state_dict(model, StateDictKind::sharded, "model");
   if (!detail::writes_slices(model)) return sd;
   for (size_t i = 0; i < model.num_units(); ++i) {
@@ -121,7 +122,8 @@ FSDPX_DECL StateDict sharded_state_dict(const core::ShardedModel& model) {
   return sd;
 }
 
-FSDPX_DECL StateDict local_state_dict(const core::ShardedModel& model) {
+FSDPX_DECL StateDict local_state_dict(ConstShardedModelRef model_ref) {
+  const core::ShardedModel& model = *model_ref;
   StateDict sd = detail::empty_state_dict(model, StateDictKind::local, "model");
   for (size_t i = 0; i < model.num_units(); ++i) {
     const core::Unit& u = model.unit(i);
@@ -137,7 +139,8 @@ FSDPX_DECL StateDict local_state_dict(const core::ShardedModel& model) {
 
 namespace fsdpx {
 
-FSDPX_DECL StateDict full_state_dict(core::ShardedModel& model, bool all_ranks) {
+FSDPX_DECL StateDict full_state_dict(ShardedModelRef model_ref, bool all_ranks) {
+  core::ShardedModel& model = *model_ref;
   StateDict sd = detail::empty_state_dict(model, StateDictKind::full, "model");
   const bool keep = all_ranks || model.mesh().world().rank() == 0;
   for (size_t i = 0; i < model.num_units(); ++i) {
@@ -156,8 +159,9 @@ FSDPX_DECL StateDict full_state_dict(core::ShardedModel& model, bool all_ranks) 
 }
 
 FSDPX_DECL void load_model_state_dict(
-    core::ShardedModel& model, const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved,
+    ShardedModelRef model_ref, const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved,
     bool strict) {
+  core::ShardedModel& model = *model_ref;
   model.wait_for_shard_readers();  // a background checkpoint copy may still read the shards
   model.reshard_all();             // the next forward gathers the loaded shards
   detail::SliceLoader loader("model", model.options().inference_only);
@@ -192,7 +196,8 @@ FSDPX_DECL void load_model_state_dict(
   (*kind == StateDictKind::local ? local : loader).finish(strict);
 }
 
-FSDPX_DECL StateDict optimizer_state_dict(const core::ShardedModel& model, torch::optim::Optimizer& optimizer) {
+FSDPX_DECL StateDict optimizer_state_dict(ConstShardedModelRef model_ref, torch::optim::Optimizer& optimizer) {
+  const core::ShardedModel& model = *model_ref;
   StateDict sd = detail::empty_state_dict(model, StateDictKind::sharded, "optim");
   for (auto& group : optimizer.param_groups())
     sd.param_groups.push_back(detail::group_hyperparameters(group.options()));
@@ -226,8 +231,9 @@ FSDPX_DECL StateDict optimizer_state_dict(const core::ShardedModel& model, torch
 }
 
 FSDPX_DECL void load_optimizer_state_dict(
-    torch::optim::Optimizer& optimizer, core::ShardedModel& model,
+    ShardedModelRef model_ref, torch::optim::Optimizer& optimizer,
     const std::function<void(const std::function<void(const StateDict&)>&)>& for_each_saved) {
+  core::ShardedModel& model = *model_ref;
   struct Pending {
     const core::Unit* unit;
     const core::Unit::OptimParam* op;

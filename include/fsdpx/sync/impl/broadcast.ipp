@@ -35,8 +35,9 @@ FSDPX_DECL std::vector<NamedTensor> module_buffers(const core::ShardedModel& mod
 
 }  // namespace detail
 
-FSDPX_DECL std::vector<NamedTensor> gather_full_state_dict(core::ShardedModel& model, bool collect,
+FSDPX_DECL std::vector<NamedTensor> gather_full_state_dict(ShardedModelRef model_ref, bool collect,
                                                            const GatherOptions& options) {
+  core::ShardedModel& model = *model_ref;
   std::vector<NamedTensor> out;
   detail::for_each_unsharded_unit(model, [&](core::Unit& u) {
     if (!collect) return;
@@ -54,10 +55,11 @@ FSDPX_DECL std::vector<NamedTensor> gather_full_state_dict(core::ShardedModel& m
   return out;
 }
 
-FSDPX_DECL WeightBroadcaster::WeightBroadcaster(core::ShardedModel& model,
+FSDPX_DECL WeightBroadcaster::WeightBroadcaster(ShardedModelRef model_ref,
                                                 std::optional<dist::AnyCommunicator> update_group,
                                                 BroadcastOptions options)
-    : model_(&model), group_(std::move(update_group)), options_(options) {
+    : model_(&*model_ref), group_(std::move(update_group)), options_(options) {
+  core::ShardedModel& model = *model_ref;
   // The deprecated flat spellings, where set, into `tuning` (the one place the broadcaster reads).
   if (options_.keep_gather_buffers) options_.tuning.keep_gather_buffers = *options_.keep_gather_buffers;
   if (options_.direct_bytes) options_.tuning.direct_bytes = *options_.direct_bytes;

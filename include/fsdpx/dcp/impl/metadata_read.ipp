@@ -1,79 +1,21 @@
-// Out-of-line functions of fsdpx/checkpoint/dcp_metadata.hpp: included by it (header-only) or by
-// fsdpx/impl/src.hpp (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
+// Reading a DCP `.metadata` (fsdpx/dcp/metadata.hpp): the pickle, run by fsdpx's restricted reader
+// (fsdpx/pickle/pickle.hpp), and DCP's fixed schema read off its values. Included by metadata.hpp
+// (header-only) or by fsdpx/impl/src.hpp (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
-#include <fsdpx/checkpoint/dcp_metadata.hpp>
+#include <fsdpx/dcp/metadata.hpp>
 
 #include <algorithm>
 #include <set>
 
 #include <c10/util/ArrayRef.h>
 
-#include <fsdpx/checkpoint/detail/pickle.hpp>
+#include <fsdpx/dcp/detail/torch_classes.hpp>
+#include <fsdpx/detail/file_io.hpp>
+#include <fsdpx/pickle/pickle.hpp>
+#include <fsdpx/policies/dtype_names.hpp>
 
-namespace fsdpx::checkpoint::dcp::detail {
-
-namespace pickle = ::fsdpx::checkpoint::detail::pickle;
-
-inline constexpr std::string_view metadata_module = "torch.distributed.checkpoint.metadata";
-inline constexpr std::string_view filesystem_module = "torch.distributed.checkpoint.filesystem";
-inline constexpr std::string_view layout_module = "torch.serialization";
-
-struct DtypeName {
-  std::string_view name;
-  std::optional<c10::ScalarType> type;  // nullopt: a dtype torch has and fsdpx does not map
-};
-
-/// Every dtype by the name it pickles as (torch.<name>).
-inline constexpr DtypeName dtype_names[] = {
-    {"float32", c10::kFloat},
-    {"bfloat16", c10::kBFloat16},
-    {"float16", c10::kHalf},
-    {"float64", c10::kDouble},
-    {"int64", c10::kLong},
-    {"int32", c10::kInt},
-    {"int16", c10::kShort},
-    {"int8", c10::kChar},
-    {"uint8", c10::kByte},
-    {"bool", c10::kBool},
-    {"uint16", c10::ScalarType::UInt16},
-    {"uint32", c10::ScalarType::UInt32},
-    {"uint64", c10::ScalarType::UInt64},
-    {"complex32", c10::kComplexHalf},
-    {"complex64", c10::kComplexFloat},
-    {"complex128", c10::kComplexDouble},
-    {"float8_e4m3fn", c10::ScalarType::Float8_e4m3fn},
-    {"float8_e5m2", c10::ScalarType::Float8_e5m2},
-    {"float8_e4m3fnuz", c10::ScalarType::Float8_e4m3fnuz},
-    {"float8_e5m2fnuz", c10::ScalarType::Float8_e5m2fnuz},
-    {"float8_e8m0fnu", c10::ScalarType::Float8_e8m0fnu},
-    {"float4_e2m1fn_x2", c10::ScalarType::Float4_e2m1fn_x2},
-    // quantized, bit-packed and sub-byte dtypes: named (so that the error says which), not mapped
-    {"qint8", std::nullopt},
-    {"quint8", std::nullopt},
-    {"qint32", std::nullopt},
-    {"quint4x2", std::nullopt},
-    {"quint2x4", std::nullopt},
-    {"bits1x8", std::nullopt},
-    {"bits2x4", std::nullopt},
-    {"bits4x2", std::nullopt},
-    {"bits8", std::nullopt},
-    {"bits16", std::nullopt},
-    {"int1", std::nullopt},
-    {"int2", std::nullopt},
-    {"int3", std::nullopt},
-    {"int4", std::nullopt},
-    {"int5", std::nullopt},
-    {"int6", std::nullopt},
-    {"int7", std::nullopt},
-    {"uint1", std::nullopt},
-    {"uint2", std::nullopt},
-    {"uint3", std::nullopt},
-    {"uint4", std::nullopt},
-    {"uint5", std::nullopt},
-    {"uint6", std::nullopt},
-    {"uint7", std::nullopt},
-};
+namespace fsdpx::dcp::detail {
 
 inline bool is_one_of(std::string_view name, std::initializer_list<std::string_view> names) {
   return std::find(names.begin(), names.end(), name) != names.end();
@@ -89,10 +31,7 @@ inline bool admitted_global(std::string_view module, std::string_view name) {
   }
   if (module == filesystem_module) return name == "_StorageInfo";
   if (module == layout_module) return name == "_get_layout";
-  if (module == "torch") {
-    return name == "Size" || std::any_of(std::begin(dtype_names), std::end(dtype_names),
-                                         [&](const DtypeName& d) { return d.name == name; });
-  }
+  if (module == "torch") return name == "Size" || is_torch_dtype_name(name);
   // pathlib._local: Python 3.13's home of the path classes
   if (module == "pathlib" || module == "pathlib._local") return name == "PosixPath" || name == "PurePosixPath";
   return false;
@@ -294,7 +233,7 @@ class MetadataReader {
     const auto set = [&](std::string_view key, pickle::Id v) {
       if (key == "dtype") {
         const pickle::Node& g = get(v, pickle::Kind::global, where + "'s dtype");
-        const auto type = g.text == "torch" ? dtype_from_name(g.name) : std::nullopt;
+        const auto type = g.text == "torch" ? torch_dtype_from_name(g.name) : std::nullopt;
         if (!type) fail(g, where, " has the dtype ", g.text, ".", g.name, ", which fsdpx does not map to a ScalarType");
         t.dtype = *type;
       } else if (key == "layout") {
@@ -464,258 +403,16 @@ class MetadataReader {
   int64_t used_ = 0;
 };
 
-// ---- checks -----------------------------------------------------------------------------------------
+}  // namespace fsdpx::dcp::detail
 
-template <class... Args>
-[[noreturn]] void refuse(bool writing, std::string_view what, const Args&... args) {
-  const std::string message = ::fsdpx::detail::str("fsdpx: '", what, "': ", args...);
-  if (writing) throw ConfigError(message);
-  throw IoError(message);
-}
-
-/// A file name that stays in the checkpoint directory: no directory part, not "." or "..".
-inline bool plain_file_name(std::string_view name) {
-  return !name.empty() && name != "." && name != ".." && name.find('/') == std::string_view::npos &&
-         name.find('\0') == std::string_view::npos;
-}
-
-inline void check_tensor(const std::string& fqn, const TensorEntry& t, const Metadata& md, bool writing,
-                         std::string_view what) {
-  int64_t numel = 1;
-  for (const int64_t d : t.size) {
-    if (d < 0 || __builtin_mul_overflow(numel, d, &numel)) {
-      refuse(writing, what, "entry '", fqn, "' has the size ", c10::IntArrayRef(t.size),
-             ", whose element count is negative or overflows");
-    }
-  }
-  int64_t covered = 0;
-  bool overflow = false;  // overlapping chunks of more elements than an int64 counts
-  std::set<std::vector<int64_t>> offsets;
-  for (const Chunk& c : t.chunks) {
-    const auto box = [&] {
-      return ::fsdpx::detail::str("offsets ", c10::IntArrayRef(c.offsets), " and sizes ", c10::IntArrayRef(c.sizes));
-    };
-    if (c.offsets.size() != t.size.size() || c.sizes.size() != t.size.size()) {
-      refuse(writing, what, "entry '", fqn, "' of size ", c10::IntArrayRef(t.size), " has a chunk of ", box());
-    }
-    int64_t volume = 1;
-    for (size_t i = 0; i < t.size.size(); ++i) {
-      int64_t end = 0;
-      if (c.offsets[i] < 0 || c.sizes[i] < 0 || __builtin_add_overflow(c.offsets[i], c.sizes[i], &end) ||
-          end > t.size[i]) {
-        refuse(writing, what, "entry '", fqn, "' of size ", c10::IntArrayRef(t.size), " has a chunk of ", box(),
-               ", which is not within it");
-      }
-      volume *= c.sizes[i];  // within the tensor, whose element count did not overflow
-    }
-    if (!offsets.insert(c.offsets).second) {
-      refuse(writing, what, "entry '", fqn, "' has two chunks at the offsets ", c10::IntArrayRef(c.offsets));
-    }
-    if (md.storage.find(StorageIndex{fqn, c.offsets}) == md.storage.end()) {
-      refuse(writing, what, "entry '", fqn, "' has no storage record for its chunk of ", box());
-    }
-    overflow = overflow || __builtin_add_overflow(covered, volume, &covered);
-  }
-  if (overflow || covered != numel) {
-    refuse(writing, what, "entry '", fqn, "' of size ", c10::IntArrayRef(t.size), " has chunks of ",
-           overflow ? std::string("more") : std::to_string(covered), " elements in all, not its ", numel,
-           ": a chunk is missing or chunks overlap");
-  }
-}
-
-inline void check_metadata(const Metadata& md, bool writing, std::string_view what) {
-  for (const auto& [fqn, entry] : md.entries) {
-    if (const auto* t = std::get_if<TensorEntry>(&entry)) {
-      check_tensor(fqn, *t, md, writing, what);
-    } else if (md.storage.find(StorageIndex{fqn, std::nullopt}) == md.storage.end()) {
-      refuse(writing, what, "bytes entry '", fqn, "' has no storage record");
-    }
-  }
-  for (const auto& [key, info] : md.storage) {
-    const auto entry = md.entries.find(key.fqn);
-    if (entry == md.entries.end()) refuse(writing, what, "storage_data holds '", key.fqn, "', which is no entry");
-    if (const auto* t = std::get_if<TensorEntry>(&entry->second)) {
-      if (!key.offsets ||
-          std::none_of(t->chunks.begin(), t->chunks.end(), [&](const Chunk& c) { return c.offsets == *key.offsets; })) {
-        refuse(writing, what, "storage_data holds a record of tensor entry '", key.fqn,
-               "' that is none of its chunks' offsets");
-      }
-    } else if (key.offsets) {
-      refuse(writing, what, "storage_data holds a record of bytes entry '", key.fqn, "' with chunk offsets");
-    }
-    int64_t end = 0;
-    if (!plain_file_name(info.relative_path)) {
-      refuse(writing, what, "entry '", key.fqn, "' is stored in '", info.relative_path,
-             "', which is not a file name in the checkpoint directory");
-    }
-    if (info.offset < 0 || info.length < 0 || __builtin_add_overflow(info.offset, info.length, &end)) {
-      refuse(writing, what, "entry '", key.fqn, "' is stored at offset ", info.offset, " with length ", info.length,
-             ", which is no range of a file");
-    }
-    if (info.chunk_index && *info.chunk_index < 0) {
-      refuse(writing, what, "entry '", key.fqn, "' has the chunk index ", *info.chunk_index);
-    }
-  }
-}
-
-// ---- Metadata -> pickle -----------------------------------------------------------------------------
-
-inline void write_size(pickle::Writer& w, const std::vector<int64_t>& dims) {
-  w.global("torch", "Size");
-  w.tuple(1, [&](size_t) { w.tuple(dims.size(), [&](size_t i) { w.integer(dims[i]); }); });
-  w.reduce();
-}
-
-inline void write_optional_string(pickle::Writer& w, const std::optional<std::string>& s) {
-  if (s) {
-    w.string(*s);
-  } else {
-    w.none();
-  }
-}
-
-/// A dataclass with its state dict: the fields in order, each written by write(i) after its name.
-template <class Write>
-void write_dataclass(pickle::Writer& w, std::string_view module, std::string_view cls,
-                     std::span<const std::string_view> names, Write&& write) {
-  w.new_object(module, cls);
-  w.dict(names.size(), [&](size_t i) {
-    w.string(names[i]);
-    write(names[i]);
-  });
-  w.build();
-}
-
-inline constexpr std::string_view tensor_fields[] = {"properties", "size", "chunks"};
-inline constexpr std::string_view chunk_fields[] = {"offsets", "sizes"};
-// MetadataIndex's __dict__: fqn, index, and offset only when there is one (its __init__ sets it then).
-inline constexpr std::string_view index_fields[] = {"fqn", "index", "offset"};
-// _StorageInfo's __getstate__ leaves out the fields that are None.
-inline constexpr std::string_view storage_info_fields[] = {"relative_path", "offset", "length",
-                                                           "transform_descriptors"};
-inline constexpr std::string_view storage_meta_fields[] = {"checkpoint_id", "save_id", "load_id", "modules"};
-// Metadata's __dict__: every field, in its order.
-inline constexpr std::string_view metadata_fields[] = {"state_dict_metadata", "planner_data", "storage_data",
-                                                       "storage_meta", "version"};
-
-inline void write_tensor_entry(pickle::Writer& w, const TensorEntry& t) {
-  write_dataclass(w, metadata_module, "TensorStorageMetadata", tensor_fields, [&](std::string_view field) {
-    if (field == "properties") {
-      // TensorProperties' __getstate__: a tuple, not a dict
-      w.new_object(metadata_module, "TensorProperties");
-      w.tuple(5, [&](size_t i) {
-        if (i == 0) {
-          w.global("torch", dtype_name(t.dtype));
-        } else if (i == 1) {
-          w.global(layout_module, "_get_layout");
-          w.tuple(1, [&](size_t) { w.string("torch.strided"); });
-          w.reduce();
-        } else if (i == 2) {
-          w.boolean(t.requires_grad);
-        } else if (i == 3) {
-          w.global(metadata_module, "_MEM_FORMAT_ENCODING");
-          w.tuple(1, [&](size_t) { w.integer(static_cast<int64_t>(t.memory_format)); });
-          w.reduce();
-        } else {
-          w.boolean(t.pin_memory);
-        }
-      });
-      w.build();
-    } else if (field == "size") {
-      write_size(w, t.size);
-    } else {
-      w.list(t.chunks.size(), [&](size_t i) {
-        write_dataclass(w, metadata_module, "ChunkStorageMetadata", chunk_fields, [&](std::string_view f) {
-          write_size(w, f == "offsets" ? t.chunks[i].offsets : t.chunks[i].sizes);
-        });
-      });
-    }
-  });
-}
-
-inline void write_storage_record(pickle::Writer& w, const StorageIndex& key, const StorageInfo& info) {
-  write_dataclass(w, metadata_module, "MetadataIndex", std::span(index_fields).first(key.offsets ? 3 : 2),
-                  [&](std::string_view f) {
-                    if (f == "fqn") {
-                      w.string(key.fqn);
-                    } else if (f == "offset") {
-                      write_size(w, *key.offsets);
-                    } else if (info.chunk_index) {
-                      w.integer(*info.chunk_index);
-                    } else {
-                      w.none();
-                    }
-                  });
-  write_dataclass(w, filesystem_module, "_StorageInfo",
-                  std::span(storage_info_fields).first(info.transform_descriptors ? 4 : 3), [&](std::string_view f) {
-                    if (f == "relative_path") {
-                      w.string(info.relative_path);
-                    } else if (f == "offset") {
-                      w.integer(info.offset);
-                    } else if (f == "length") {
-                      w.integer(info.length);
-                    } else {
-                      const auto& d = *info.transform_descriptors;
-                      w.list(d.size(), [&](size_t i) { w.string(d[i]); });
-                    }
-                  });
-}
-
-inline void write_storage_meta(pickle::Writer& w, const StorageMeta& m) {
-  write_dataclass(w, metadata_module, "StorageMeta", storage_meta_fields, [&](std::string_view f) {
-    if (f == "checkpoint_id" && m.checkpoint_id && m.checkpoint_id_is_path) {
-      // PosixPath's __reduce__: the class and its parts, ("/", "tmp", "ckpt")
-      std::vector<std::string> parts;
-      const std::string& p = *m.checkpoint_id;
-      if (p.starts_with('/')) parts.emplace_back("/");
-      for (size_t b = 0; b < p.size();) {
-        const size_t e = std::min(p.find('/', b), p.size());
-        if (e > b && p.substr(b, e - b) != ".") parts.push_back(p.substr(b, e - b));
-        b = e + 1;
-      }
-      w.global("pathlib", "PosixPath");
-      w.tuple(parts.size(), [&](size_t i) { w.string(parts[i]); });
-      w.reduce();
-    } else if (f == "checkpoint_id") {
-      write_optional_string(w, m.checkpoint_id);
-    } else if (f == "save_id") {
-      write_optional_string(w, m.save_id);
-    } else if (f == "load_id") {
-      write_optional_string(w, m.load_id);
-    } else {
-      w.list(m.modules.size(), [&](size_t i) { w.string(m.modules[i]); });
-    }
-  });
-}
-
-}  // namespace fsdpx::checkpoint::dcp::detail
-
-namespace fsdpx::checkpoint::dcp {
-
-FSDPX_DECL const char* dtype_name(c10::ScalarType t) {
-  for (const auto& d : detail::dtype_names) {
-    if (d.type == t) return d.name.data();  // the table's literals end in a NUL
-  }
-  throw ConfigError(::fsdpx::detail::str("fsdpx: DCP: the dtype ", t, " has no torch name fsdpx knows"));
-}
-
-FSDPX_DECL std::optional<c10::ScalarType> dtype_from_name(std::string_view name) {
-  for (const auto& d : detail::dtype_names) {
-    if (d.name == name) return d.type;
-  }
-  return std::nullopt;
-}
-
-FSDPX_DECL void validate_metadata(const Metadata& md, std::string_view what) {
-  detail::check_metadata(md, false, what);
-}
+namespace fsdpx::dcp {
 
 FSDPX_DECL Metadata parse_metadata(std::span<const std::byte> data, std::string_view what,
                                    const MetadataLimits& limits) {
-  ::fsdpx::checkpoint::detail::pickle::Limits pickle_limits;
+  ::fsdpx::pickle::Limits pickle_limits;
   pickle_limits.max_bytes = limits.max_bytes;
   pickle_limits.max_values = limits.max_values;
-  const auto p = ::fsdpx::checkpoint::detail::pickle::parse(data, what, detail::admitted_global, pickle_limits);
+  const auto p = ::fsdpx::pickle::parse(data, what, detail::admitted_global, pickle_limits);
   Metadata md = detail::MetadataReader(p, what, limits.max_values).read();
   validate_metadata(md, what);
   return md;
@@ -726,51 +423,4 @@ FSDPX_DECL Metadata read_metadata(const fs::path& path, const MetadataLimits& li
   return parse_metadata(std::as_bytes(std::span(data)), path.string(), limits);
 }
 
-FSDPX_DECL std::vector<std::byte> serialize_metadata(const Metadata& md) {
-  detail::check_metadata(md, true, "DCP metadata to write");
-  ::fsdpx::checkpoint::detail::pickle::Writer w;
-  detail::write_dataclass(w, detail::metadata_module, "Metadata", detail::metadata_fields, [&](std::string_view f) {
-    if (f == "state_dict_metadata") {
-      w.dict(md.entries.size(), [&, it = md.entries.begin()](size_t) mutable {
-        const auto& [fqn, entry] = *it++;
-        w.string(fqn);
-        if (const auto* t = std::get_if<TensorEntry>(&entry)) {
-          detail::write_tensor_entry(w, *t);
-        } else {
-          w.new_object(detail::metadata_module, "BytesStorageMetadata");  // no state: no BUILD
-        }
-      });
-    } else if (f == "planner_data") {
-      if (!md.planner_data) return w.none();
-      w.dict(md.planner_data->size(), [&, it = md.planner_data->begin()](size_t) mutable {
-        const auto& [fqn, path] = *it++;
-        w.string(fqn);
-        w.tuple(path.size(), [&](size_t i) {
-          if (const auto* s = std::get_if<std::string>(&path[i])) {
-            w.string(*s);
-          } else {
-            w.integer(std::get<int64_t>(path[i]));
-          }
-        });
-      });
-    } else if (f == "storage_data") {
-      w.dict(md.storage.size(), [&, it = md.storage.begin()](size_t) mutable {
-        const auto& [key, info] = *it++;
-        detail::write_storage_record(w, key, info);
-      });
-    } else if (f == "storage_meta") {
-      if (!md.storage_meta) return w.none();
-      detail::write_storage_meta(w, *md.storage_meta);
-    } else {
-      detail::write_optional_string(w, md.version);
-    }
-  });
-  return std::move(w).finish();
-}
-
-FSDPX_DECL ::fsdpx::detail::WrittenFile write_metadata(const fs::path& path, const Metadata& md) {
-  const std::vector<std::byte> bytes = serialize_metadata(md);
-  return ::fsdpx::detail::write_file_durably(path, [&](const auto& sink) { sink(bytes.data(), bytes.size()); });
-}
-
-}  // namespace fsdpx::checkpoint::dcp
+}  // namespace fsdpx::dcp

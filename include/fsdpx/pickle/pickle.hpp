@@ -1,5 +1,6 @@
-// Python pickles, as far as PyTorch Distributed Checkpoint's `.metadata` needs them (dcp_metadata.hpp):
-// a restricted reader (protocols 2 to 5) and a writer (protocol 2).
+// Python pickles, as far as checkpoints need them: a restricted reader (protocols 2 to 5) and a writer
+// (protocol 2). PyTorch Distributed Checkpoint's `.metadata` (dcp/metadata.hpp) and the plain values of
+// its bytes entries are pickles; so is every torch.save archive's data.pkl.
 //
 // The reader never executes anything. A pickle is a program for a small stack machine; here its values
 // are inert nodes: GLOBAL names only what the caller's allow-list admits, and REDUCE, NEWOBJ and BUILD
@@ -7,7 +8,7 @@
 // anything is allocated (the input, each string, the stack, the marks, the memo, the values made), so a
 // crafted file costs at most its limits; and nothing here recurses, so a pickle that nests deeply or
 // holds itself (a list appended into itself through the memo) is a graph of nodes, for the caller's
-// fixed schema to refuse. Torch-free, so that it compiles fast.
+// fixed schema to refuse. Torch-free (tools/check_layers.py checks it), so that it compiles fast.
 #pragma once
 
 #include <fsdpx/detail/config.hpp>
@@ -24,7 +25,7 @@
 
 #include <fsdpx/error.hpp>
 
-namespace fsdpx::checkpoint::detail::pickle {
+namespace fsdpx::pickle {
 
 enum class Kind : uint8_t { none, boolean, integer, floating, string, bytes, tuple, list, dict, global, object };
 
@@ -160,8 +161,8 @@ class Writer {
   uint32_t memo_size_ = 0;
 };
 
-}  // namespace fsdpx::checkpoint::detail::pickle
+}  // namespace fsdpx::pickle
 
 #if defined(FSDPX_HEADER_ONLY)
-#include <fsdpx/checkpoint/impl/pickle.ipp>
+#include <fsdpx/pickle/impl/pickle.ipp>
 #endif

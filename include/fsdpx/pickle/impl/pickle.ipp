@@ -1,14 +1,14 @@
-// Out-of-line functions of fsdpx/checkpoint/detail/pickle.hpp: included by it (header-only) or by
+// Out-of-line functions of fsdpx/pickle/pickle.hpp: included by it (header-only) or by
 // fsdpx/impl/src.hpp (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
-#include <fsdpx/checkpoint/detail/pickle.hpp>
+#include <fsdpx/pickle/pickle.hpp>
 
 #include <cstdio>
 #include <cstring>
 #include <limits>
 
-namespace fsdpx::checkpoint::detail::pickle {
+namespace fsdpx::pickle {
 
 FSDPX_DECL const char* to_string(Kind k) {
   switch (k) {
@@ -496,4 +496,4 @@ FSDPX_DECL void Writer::global(std::string_view module, std::string_view name) {
   memo_.emplace(std::move(key), memo_put());
 }
 
-}  // namespace fsdpx::checkpoint::detail::pickle
+}  // namespace fsdpx::pickle

@@ -1,0 +1,32 @@
+# checkpoint_old_spellings_warn: compiles tests/checkpoint/test_old_spellings.cpp with its deprecation warnings
+# on (the target TARGET, whose object files OBJECTS are removed first so that it compiles again) and requires
+# the compiler's output to hold every warning a line of SOURCE promises after "// warns: ".
+#   cmake -DBUILD_DIR=<build> -DTARGET=<target> -DOBJECTS=<its objects> -DSOURCE=<file> -P old_spellings_warn.cmake
+foreach(object IN LISTS OBJECTS)
+  file(REMOVE "${object}")
+endforeach()
+execute_process(COMMAND "${CMAKE_COMMAND}" --build "${BUILD_DIR}" --target "${TARGET}"
+                OUTPUT_VARIABLE out ERROR_VARIABLE err RESULT_VARIABLE rc)
+set(output "${out}${err}")
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "building ${TARGET} failed (${rc}):\n${output}")
+endif()
+file(STRINGS "${SOURCE}" promises REGEX "// warns: ")
+set(missing "")
+set(count 0)
+foreach(line IN LISTS promises)
+  string(REGEX REPLACE ".*// warns: " "" text "${line}")
+  string(STRIP "${text}" text)
+  math(EXPR count "${count} + 1")
+  string(FIND "${output}" "${text}" at)
+  if(at EQUAL -1)
+    string(APPEND missing "\n  ${text}")
+  endif()
+endforeach()
+if(count EQUAL 0)
+  message(FATAL_ERROR "${SOURCE} promises no warning: nothing was checked")
+endif()
+if(NOT missing STREQUAL "")
+  message(FATAL_ERROR "the compiler did not warn about:${missing}\n--- its output:\n${output}")
+endif()
+message(STATUS "every one of the ${count} deprecation warnings promised by ${SOURCE} was given")
