@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <future>
+#include <optional>
 #include <set>
 #include <cstdlib>
 #include <thread>
@@ -1087,5 +1088,74 @@ TEST_CASE("a DCP root whose tensors are saved stacked resumes their optimizer st
   torch::manual_seed(43);
   train_step(resumed, resumed_opt, world);
   CHECK(same_shards(resumed, model));
+  world.barrier();
+}
+
+TEST_CASE("a resume says what it found and never silently starts over", "[checkpoint][resume][errors]") {
+  auto world = any_world();
+  const fs::path base = fresh_dir("what_resume_found");
+  const bool rank0 = world.rank() == 0;
+  torch::manual_seed(51);
+  CkptModel<> model(ResMlp(), world);
+  auto opt = make_adamw(model, adamw_options());
+  const fs::path log = base / ("stderr_" + std::to_string(world.rank()) + ".txt");
+  const auto resume_from = [&](const fs::path& root, std::optional<ResumeInfo>& info) {
+    return capture_stderr(log, [&] { info = load_checkpoint(model, root, opt); });
+  };
+  std::optional<ResumeInfo> info;
+
+  // No root yet, or an empty one: the first launch of an "always --resume" job. One line on rank 0.
+  std::string said = resume_from(base / "not_there", info);
+  CHECK_FALSE(info.has_value());
+  CHECK((said.find("does not exist yet: starting from scratch") != std::string::npos) == rank0);
+  if (rank0) fs::create_directories(base / "empty");
+  world.barrier();
+  said = resume_from(base / "empty", info);
+  CHECK_FALSE(info.has_value());
+  CHECK((said.find("is empty: starting from scratch") != std::string::npos) == rank0);
+
+  // A folder of other files: the wrong path. An error naming what is there, on every rank.
+  if (rank0) {
+    fs::create_directories(base / "junk" / "logs");
+    fsdpx::detail::write_text_durably(base / "junk" / "notes.txt", "not a checkpoint\n");
+  }
+  world.barrier();
+  CHECK_THROWS_WITH(load_checkpoint(model, base / "junk", opt), Catch::Contains("holds no fsdpx checkpoint") &&
+                                                                    Catch::Contains("logs, notes.txt") &&
+                                                                    Catch::Contains("give the checkpoint root"));
+
+  // A committed root, and its step folder (what fsdpx-merge takes): both resume the step.
+  const fs::path root = base / "root";
+  train_step(model, opt, world);
+  {
+    CheckpointCoordinator run(root, model);
+    ExtraState extra;
+    run.save(3, model, opt, extra);
+    run.wait();
+  }
+  world.barrier();
+  CkptModel<> other(ResMlp(), world);
+  auto other_opt = make_adamw(other, adamw_options());
+  REQUIRE(load_checkpoint(other, root, other_opt, {.restore_rng = false})->step == 3);
+  CHECK(same_shards(other, model));
+  for (const fs::path& step_folder : {root / "global_step_3", root / "global_step_3" / "actor"}) {
+    INFO(step_folder.string());
+    CkptModel<> again(ResMlp(), world);
+    auto again_opt = make_adamw(again, adamw_options());
+    said = capture_stderr(log, [&] { info = load_checkpoint(again, step_folder, again_opt, {.restore_rng = false}); });
+    REQUIRE(info.has_value());
+    CHECK(info->step == 3);
+    CHECK(same_shards(again, model));
+    CHECK((said.find("is step 3 of the checkpoint root") != std::string::npos) == rank0);
+    CHECK_THROWS_WITH(load_checkpoint(again, step_folder, again_opt, {.step = 2}),
+                      Catch::Contains("is the folder of step 3, but LoadOptions::step is 2"));
+  }
+
+  // A root whose only step is not committed (a crash in the first save): fresh, and said.
+  if (rank0) fs::create_directories(base / "crashed" / "global_step_10" / "actor");
+  world.barrier();
+  said = resume_from(base / "crashed", info);
+  CHECK_FALSE(info.has_value());
+  CHECK((said.find("has no committed step yet (global_step_10): starting from scratch") != std::string::npos) == rank0);
   world.barrier();
 }

@@ -25,6 +25,7 @@
 
 #include <fsdpx/fsdp.hpp>
 
+#include "../support/bn_block.hpp"
 #include "../support/mpi_world.hpp"
 #include "parity.hpp"
 
@@ -98,10 +99,49 @@ template <class Mesh, class Offload = NoOffload, class Precision = FullPrecision
 using ShardedDropNet =
     Fsdp<DropNet, Mesh, Offload, Precision, ShardedStateDict, WrapModules<DropBlockImpl>, Checkpoint>;
 
+/// A BatchNorm block (running statistics, num_batches_tracked) and a buffer of its own that its forward reads
+/// and advances in training, as a step counter would: what a recomputation must neither advance again nor see
+/// advanced.
+struct CountingBlockImpl : torch::nn::Module {
+  explicit CountingBlockImpl(int64_t dim) {
+    block = register_module("block", BnBlock(dim));
+    calls = register_buffer("calls", at::zeros({1}));
+  }
+  at::Tensor forward(const at::Tensor& x) {
+    at::Tensor out = block(x) * (1.0 + 0.01 * calls);
+    if (is_training()) {
+      at::NoGradGuard no_grad;
+      calls.add_(1);
+    }
+    return out;
+  }
+  BnBlock block{nullptr};
+  at::Tensor calls;
+};
+TORCH_MODULE(CountingBlock);
+
+struct BufferNetImpl : torch::nn::Module {
+  explicit BufferNetImpl(int64_t dim = 24, int blocks_n = 3) {
+    stem = register_module("stem", torch::nn::Linear(20, dim));
+    for (int i = 0; i < blocks_n; ++i) blocks.push_back(register_module("c" + std::to_string(i), CountingBlock(dim)));
+    head = register_module("head", torch::nn::Linear(dim, 5));
+  }
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
+    auto h = stem(x);
+    for (auto& b : blocks) h = fsdpx::forward(b, h);
+    return torch::nn::functional::cross_entropy(head(h), y);
+  }
+  torch::nn::Linear stem{nullptr}, head{nullptr};
+  std::vector<CountingBlock> blocks;
+};
+TORCH_MODULE(BufferNet);
+
 struct Trained {
   std::vector<double> losses;
   std::map<std::string, at::Tensor> params;
-  int recomputations = 0;  // over every step
+  std::map<std::string, at::Tensor> buffers;  // running statistics, counters
+  at::Tensor eval_output;                     // the model in eval mode on the first batch, after training
+  int recomputations = 0;                     // over every step
 };
 
 /// Trains a fresh model (seeded alike every time) on this rank's rows, with checkpointing on or off.
@@ -131,6 +171,14 @@ Trained train(Make make, const std::function<Batch(int)>& batch, const ParityRun
     optimizer.step();
     out.losses.push_back(loss);
   }
+  for (const auto& b : sharded->named_buffers()) out.buffers[b.key()] = b.value().detach().clone();
+  {
+    at::NoGradGuard no_grad;
+    sharded->eval();
+    const Batch b = batch(0);
+    out.eval_output = sharded(b.x, b.y).detach().clone();
+    sharded->train();
+  }
   auto scope = sharded.full_parameters();
   for (const auto& p : sharded->named_parameters()) out.params[p.key()] = p.value().detach().clone();
   return out;
@@ -149,6 +197,12 @@ void check_on_equals_off(Make make, const std::function<Batch(int)>& batch, cons
     INFO(name);
     REQUIRE(at::equal(on.params.at(name), value));
   }
+  REQUIRE(on.buffers.size() == off.buffers.size());
+  for (const auto& [name, value] : off.buffers) {
+    INFO(name);
+    REQUIRE(at::equal(on.buffers.at(name), value));
+  }
+  REQUIRE(at::equal(on.eval_output, off.eval_output));
 }
 
 }  // namespace
@@ -157,6 +211,18 @@ TEST_CASE("checkpointing on and off train alike, bit for bit: dropout, a frozen 
           "[checkpointing]") {
   // Every block recomputes in backward, the frozen one too (its input's gradient needs it).
   check_on_equals_off<ShardedDropNet<FullShard>>([] { return DropNet(); }, mlp_batch, {.clip = 1.0}, 5);
+}
+
+TEST_CASE("checkpointing leaves buffers as one forward leaves them: BatchNorm's statistics and a counter, bit for bit",
+          "[checkpointing]") {
+  // Every buffer once per forward, with checkpointing as without; each unit's recomputation sees the values
+  // its forward saw (the counter scales the output), so gradients, weights and eval outputs agree too.
+  using Sharded = Fsdp<BufferNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<CountingBlockImpl>,
+                       CheckpointAll>;
+  check_on_equals_off<Sharded>([] { return BufferNet(); }, mlp_batch, {.steps = 4, .micro_steps = 2}, 3);
+  const Trained on = train<Sharded>([] { return BufferNet(); }, mlp_batch, {.steps = 4, .micro_steps = 2}, true);
+  CHECK(on.buffers.at("c0.calls").item<double>() == 8);
+  CHECK(on.buffers.at("c1.block.bn.num_batches_tracked").item<int64_t>() == 8);
 }
 
 TEST_CASE("checkpointing on and off train alike: HybridShard with accumulation, NoShard, CpuOffload, BF16Mixed",

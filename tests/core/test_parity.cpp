@@ -93,6 +93,24 @@ TEST_CASE("HybridShard<auto_shard_size> counts a tensor held under two names onc
   CHECK(sharded.mesh().shard_size() == std::min(2, ctx.comm.size()));
 }
 
+TEST_CASE("HybridShard<auto_shard_size> counts an inference-only model by the bytes it holds", "[parity][hybrid]") {
+  auto& ctx = parity_context();
+  if (ctx.comm.size() == 1) return;
+  // 10,100 parameters: 161,600 bytes of state trained (16 a parameter), 20,200 frozen in bfloat16 (2). Under a
+  // budget of 50,000 bytes a rank, the trained one takes the whole world as its shard group, the frozen one 1.
+  FsdpOptions options;
+  options.auto_shard_budget_bytes = 50'000;
+  at::manual_seed(5);  // every rank builds the same values
+  Fsdp<torch::nn::Linear, HybridShard<auto_shard_size>, NoOffload, BF16Mixed, ShardedStateDict, NoWrap> trained(
+      torch::nn::Linear(100, 100), ctx.comm, options);
+  CHECK(trained.mesh().shard_size() == ctx.comm.size());
+  options.inference_only = true;
+  at::manual_seed(5);
+  Fsdp<torch::nn::Linear, HybridShard<auto_shard_size>, NoOffload, BF16Mixed, ShardedStateDict, NoWrap> frozen(
+      torch::nn::Linear(100, 100), ctx.comm, options);
+  CHECK(frozen.mesh().shard_size() == 1);
+}
+
 namespace {
 // A model whose forward calls its blocks directly, bypassing fsdpx::forward.
 struct BypassImpl : torch::nn::Module {

@@ -275,6 +275,28 @@ TEST_CASE("a unit called inside its own forward is refused, naming the unit and 
   CHECK(sharded.last_step_stats().forward_order == std::vector<std::string>{"block"});
 }
 
+/// A model that calls one of its two units through fsdpx::forward and the other directly.
+struct DirectCallNetImpl : torch::nn::Module {
+  DirectCallNetImpl() {
+    through = register_module("through", ResBlock(4));
+    direct = register_module("direct", ResBlock(4));
+  }
+  at::Tensor forward(const at::Tensor& x) { return direct(fsdpx::forward(through, x)); }
+  ResBlock through{nullptr}, direct{nullptr};
+};
+TORCH_MODULE(DirectCallNet);
+
+TEST_CASE("a unit called directly, not through fsdpx::forward, is named in the error", "[protocol][errors]") {
+  auto& ctx = parity_context();
+  at::manual_seed(7);
+  Fsdp<DirectCallNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<ResBlockImpl>> sharded(
+      DirectCallNet(), ctx.comm);
+  REQUIRE_THROWS_WITH(sharded(at::ones({2, 4})),
+                      Contains("a module called a sharded child directly (the root module called 'direct')") &&
+                          Contains("Sharded units: direct, through"));
+  CHECK(sharded.sharded().stage() == core::PassStage::idle);
+}
+
 TEST_CASE("a failed construction leaves the module as it was, usable unsharded", "[protocol][errors]") {
   const int W = world().size(), r = world().rank();
   at::manual_seed(7);

@@ -48,8 +48,9 @@ struct FsdpOptions {
   /// unit of the forward, the first of the backward) gathered between the two, as FSDP2 does with its
   /// last block: [](const std::string& unit) { return unit != "lm_head"; }.
   std::function<bool(const std::string&)> reshard_after_forward_for;
-  /// HybridShard<auto_shard_size>: bytes of model state (parameters, gradients, Adam moments: 16 bytes
-  /// per parameter) one rank may hold; the smallest shard size that fits is used.
+  /// HybridShard<auto_shard_size>: bytes of model state one rank may hold (a trained parameter: 16 bytes,
+  /// master, gradient and Adam's two moments; an inference_only one: its bytes in param_dtype); the smallest
+  /// shard size that fits is used.
   std::optional<int64_t> auto_shard_budget_bytes;
   /// A frozen model for inference only (an RL reference or reward model): every parameter is frozen,
   /// shards stay in the precision policy's param_dtype (bfloat16 under BF16Mixed: 2 bytes per
@@ -76,9 +77,9 @@ struct FsdpOptions {
 };
 
 /// HybridShard<auto_shard_size>'s choice (as LightRFT does): the smallest shard size that divides the
-/// world, stays within one node when possible, and keeps 16 bytes per parameter under `budget`.
-inline int choose_auto_shard_size(int64_t numel, int world_size, int local_world_size, int64_t budget_bytes) {
-  const int64_t state_bytes = numel * 16;
+/// world, stays within one node when possible, and keeps each rank's part of `state_bytes` (the model state
+/// the ranks of a shard group share) under `budget`.
+inline int choose_auto_shard_size(int64_t state_bytes, int world_size, int local_world_size, int64_t budget_bytes) {
   int fallback = world_size;
   for (int s = 1; s <= world_size; ++s) {
     if (world_size % s != 0 || state_bytes / s > budget_bytes) continue;
@@ -164,10 +165,14 @@ struct PolicyMap {
       for (const auto& p : model.parameters()) {
         if (seen.insert(p.unsafeGetTensorImpl()).second) numel += p.numel();
       }
+      // A trained parameter's state is 16 bytes (float32 master and gradient, Adam's two moments); a frozen
+      // inference-only model holds its parameters in param_dtype alone (LightRFT sizes its reference so).
+      const int64_t per_param =
+          o.inference_only ? static_cast<int64_t>(c10::elementSize(Precision::param_dtype)) : int64_t{16};
       const auto env = dist::detect_launch_env();
       const int64_t budget = o.auto_shard_budget_bytes.value_or(int64_t{8} << 30);
-      return resolve_shard_size<Mesh>(world_size,
-                                      choose_auto_shard_size(numel, world_size, env.local_world_size, budget));
+      return resolve_shard_size<Mesh>(
+          world_size, choose_auto_shard_size(numel * per_param, world_size, env.local_world_size, budget));
     } else {
       return resolve_shard_size<Mesh>(world_size, o.shard_size);
     }

@@ -110,8 +110,10 @@ class ShardedModel {
       auto out = call();
       return post_forward(u, std::move(out));
     } catch (const c10::Error& e) {
+      // Named while the pass still says which units ran through the protocol
+      std::optional<ConfigError> direct_call = resharded_access_error(u, e);
       forward_failed(u);
-      rethrow_if_resharded_access(e);
+      if (direct_call) throw *direct_call;
       throw;
     } catch (...) {
       forward_failed(u);
@@ -334,6 +336,9 @@ class ShardedModel {
         void accept_parameter_gradients(std::vector<at::Tensor> grads) override {
           if (*alive) model->recomputed_gradients(*unit, std::move(grads));
         }
+        std::vector<at::Tensor> buffers() const override {
+          return *alive ? model->unit_module_buffers(*unit) : std::vector<at::Tensor>{};
+        }
         ShardedModel* model;
         Unit* unit;
         std::shared_ptr<bool> alive;
@@ -358,6 +363,8 @@ class ShardedModel {
 
   /// The parameters of `u` (and of its frozen companion) that get gradients.
   FSDPX_DECL std::vector<at::Tensor> trainable_parameters(const Unit& u) const;
+  /// The buffers of unit `u`'s module, all of them (what a call of it may change).
+  FSDPX_DECL std::vector<at::Tensor> unit_module_buffers(const Unit& u) const;
   /// A recomputation's parameter gradients, accumulated as autograd would, each counted toward the end
   /// of u's backward.
   FSDPX_DECL void recomputed_gradients(Unit& u, std::vector<at::Tensor> grads);
@@ -366,7 +373,10 @@ class ShardedModel {
 
   /// A module that runs a sharded child without fsdpx::forward reads parameters whose bytes are
   /// released; ATen notices the empty storage. Say what happened instead of ATen's words.
-  FSDPX_DECL void rethrow_if_resharded_access(const c10::Error& e) const;
+  /// When ATen's error `e`, inside unit `running`'s call, says a resharded parameter was read: the ConfigError
+  /// that says so, naming the units inside `running` that this pass has not called through the protocol
+  /// (the one its module called directly is among them). nullopt for any other error.
+  FSDPX_DECL std::optional<ConfigError> resharded_access_error(const Unit& running, const c10::Error& e) const;
 
   size_t index_of(const Unit& u) const { return static_cast<size_t>(u.index()); }
   detail::UnitRecord& record(const Unit& u) { return pass_.units[index_of(u)]; }

@@ -3,6 +3,10 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdio>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include <fsdpx/checkpoint/resume.hpp>
 #include <fsdpx/checkpoint/step_format.hpp>
@@ -105,6 +109,66 @@ inline ResumeInfo resume(core::ShardedModel& model, const SavedStep& s, torch::o
   return info;
 }
 
+/// `path` as the step folder of an fsdpx root (global_step_<N>, or its actor/, holding a commit record): the
+/// root and the step; nullopt for anything else.
+inline std::optional<std::pair<fs::path, int64_t>> as_step_folder(const fs::path& path) {
+  fs::path p = path.lexically_normal();
+  if (p.filename().empty()) p = p.parent_path();
+  std::error_code ec;
+  if (p.filename() == "actor" && fs::exists(p / config_file, ec)) p = p.parent_path();
+  const std::string name = p.filename().string();
+  if (name.rfind("global_step_", 0) != 0 || !fs::exists(p / "actor" / config_file, ec)) return std::nullopt;
+  try {
+    size_t used = 0;
+    const int64_t step = std::stoll(name.substr(12), &used);
+    if (used == name.size() - 12 && step >= 0) return std::make_pair(p.parent_path(), step);
+  } catch (const std::exception&) {
+  }
+  return std::nullopt;
+}
+
+/// Whether `name` is something fsdpx's coordinator keeps in a checkpoint root.
+inline bool is_root_entry(const std::string& name) {
+  return name.rfind("global_step_", 0) == 0 || name.rfind(".deleting_global_step_", 0) == 0 ||
+         name == state_dict_iteration_file || name == checkpointed_iteration_file;
+}
+
+/// `root` holds no step to resume: says so once (world rank 0) and starts from scratch when that is what a
+/// relaunch expects (no root, an empty one, a root whose steps are not committed yet); anything else there
+/// is an IoError that names it, so that a wrong path never silently trains from scratch.
+inline void nothing_to_resume(const fs::path& root, bool want_optimizer, bool rank0) {
+  const auto note = [&](const std::string& what) {
+    if (rank0) std::fprintf(stderr, "fsdpx: load_checkpoint: %s: starting from scratch\n", what.c_str());
+  };
+  std::error_code ec;
+  if (!fs::exists(root, ec)) return note(::fsdpx::detail::str("'", root.string(), "' does not exist yet"));
+  FSDPX_CHECK_AS(IoError, fs::is_directory(root, ec), "load_checkpoint: '", root.string(),
+                 "' is a file, not a checkpoint root (a folder)");
+  std::vector<std::string> ours, other;
+  for (const auto& e : fs::directory_iterator(root, ec)) {
+    const std::string name = e.path().filename().string();
+    (is_root_entry(name) ? ours : other).push_back(name);
+  }
+  std::sort(ours.begin(), ours.end());
+  std::sort(other.begin(), other.end());
+  if (ours.empty() && other.empty()) return note(::fsdpx::detail::str("'", root.string(), "' is empty"));
+  FSDPX_CHECK_AS(IoError, !ours.empty(), "load_checkpoint: '", root.string(),
+                 "' holds no fsdpx checkpoint (no global_step_<N> folder, no iteration file) and no PyTorch "
+                 "Distributed Checkpoint (no .metadata), but ",
+                 ::fsdpx::detail::join_names(other, 8),
+                 ": give the checkpoint root (the folder the coordinator saved into), a step folder of it, or a "
+                 "new or empty folder to start from scratch");
+  if (want_optimizer) {
+    if (const auto weights = find_latest_checkpoint(root, /*weights_only=*/true)) {
+      return note(::fsdpx::detail::str("'", root.string(), "' has the weights of step ", *weights,
+                                       " committed but no step saved whole with its optimizer (pass "
+                                       "LoadOptions{.allow_missing = true} to resume those weights)"));
+    }
+  }
+  note(::fsdpx::detail::str("'", root.string(), "' has no committed step yet (", ::fsdpx::detail::join_names(ours, 8),
+                            ")"));
+}
+
 }  // namespace fsdpx::checkpoint::detail
 
 namespace fsdpx {
@@ -113,10 +177,26 @@ FSDPX_DECL std::optional<ResumeInfo> load_checkpoint(ShardedModelRef model, cons
                                                      torch::optim::Optimizer* optimizer, LrScheduler* scheduler,
                                                      const LoadOptions& options) {
   namespace ckpt = checkpoint;
+  const bool rank0 = model->mesh().world().rank() == 0;
   // What is asked for, as the step's opener sees it: it reads no part that is not
   LoadOptions asked = options;
   asked.load_optimizer = optimizer != nullptr && options.load_optimizer;
   asked.load_scheduler = scheduler != nullptr && options.load_scheduler;
+  // A step folder of an fsdpx root (what fsdpx-merge takes): that step, from its root
+  if (const auto step_folder = ckpt::detail::as_step_folder(root)) {
+    const auto& [parent, step] = *step_folder;
+    FSDPX_CHECK_AS(ConfigError, !options.step || *options.step == step, "load_checkpoint: '", root.string(),
+                   "' is the folder of step ", step, ", but LoadOptions::step is ", *options.step,
+                   "; give the checkpoint root '", parent.string(), "' to choose a step");
+    if (rank0) {
+      std::fprintf(stderr,
+                   "fsdpx: load_checkpoint: '%s' is step %lld of the checkpoint root '%s': resuming it "
+                   "(give the root to resume its newest committed step)\n",
+                   root.string().c_str(), static_cast<long long>(step), parent.string().c_str());
+    }
+    const ckpt::SavedStep saved = ckpt::detail::open_root_step(parent, step, model->mesh().world().rank(), asked);
+    return ckpt::detail::resume(*model, saved, optimizer, scheduler, asked);
+  }
   // A folder another trainer wrote (PyTorch DCP: LightRFT's, torchtitan's step folder), not an fsdpx root
   if (const auto foreign = ckpt::folder_format(root)) {
     const auto& format = ckpt::step_format(*foreign, ::fsdpx::detail::str("resuming from '", root.string(), "'"));
@@ -126,7 +206,10 @@ FSDPX_DECL std::optional<ResumeInfo> load_checkpoint(ShardedModelRef model, cons
   if (!step) step = ckpt::find_latest_checkpoint(root, /*weights_only=*/!asked.load_optimizer);
   if (!step && asked.load_optimizer && options.allow_missing)
     step = ckpt::find_latest_checkpoint(root, /*weights_only=*/true);
-  if (!step) return std::nullopt;
+  if (!step) {
+    ckpt::detail::nothing_to_resume(root, asked.load_optimizer, rank0);
+    return std::nullopt;
+  }
   const ckpt::SavedStep saved = ckpt::detail::open_root_step(root, *step, model->mesh().world().rank(), asked);
   return ckpt::detail::resume(*model, saved, optimizer, scheduler, asked);
 }

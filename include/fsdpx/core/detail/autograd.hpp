@@ -76,13 +76,17 @@ class Recomputation {
   virtual std::vector<at::Tensor> parameters() const = 0;
   /// Those gradients, in the same order (undefined for a parameter the call did not use).
   virtual void accept_parameter_gradients(std::vector<at::Tensor> grads) = 0;
+  /// The buffers the call may change (BatchNorm's running statistics and counter): the recomputation runs
+  /// on their values of the forward and leaves them as it found them, so a checkpointed call changes them
+  /// once, as an unchecked one does.
+  virtual std::vector<at::Tensor> buffers() const { return {}; }
 };
 
 /// Runs `call` on `inputs` without keeping its activations and returns its outputs, which carry one
-/// node whose backward sets the random generators (CPU, and the call's device) to their states of
-/// this forward, recomputes the call with gradients on and differentiates it for the inputs and the
-/// parameters. With `anchor`, the outputs require grad even when no input does (the parameters do).
-/// Undefined inputs and outputs pass around the node in their places.
+/// node whose backward sets the random generators (CPU, and the call's device) and the call's buffers to
+/// their states of this forward, recomputes the call with gradients on, puts the buffers back, and
+/// differentiates it for the inputs and the parameters. With `anchor`, the outputs require grad even when no input does
+/// (the parameters do). Undefined inputs and outputs pass around the node in their places.
 FSDPX_DECL std::vector<at::Tensor> run_checkpointed(const std::vector<at::Tensor>& inputs,
                                                     std::shared_ptr<Recomputation> call, bool anchor);
 

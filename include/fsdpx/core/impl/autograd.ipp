@@ -146,7 +146,25 @@ struct CheckpointState {
   std::vector<bool> output_defined;  // its forward's outputs that are defined: only those leave it
   bool anchored = false;             // an anchor follows the inputs in the node's inputs
   RngStates rng;
+  std::vector<at::Tensor> buffers_before;  // the call's buffers as its forward found them
 };
+
+/// Copies of `buffers`' values.
+inline std::vector<at::Tensor> buffer_values(const std::vector<at::Tensor>& buffers) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> out;
+  out.reserve(buffers.size());
+  for (const at::Tensor& b : buffers) out.push_back(b.defined() ? b.clone() : at::Tensor());
+  return out;
+}
+
+/// Writes `values` into `buffers` in place (the module keeps its tensors).
+inline void set_buffer_values(const std::vector<at::Tensor>& buffers, const std::vector<at::Tensor>& values) {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < buffers.size() && i < values.size(); ++i) {
+    if (buffers[i].defined() && values[i].defined()) buffers[i].copy_(values[i]);
+  }
+}
 
 // Autograd's Function records the device of every tensor it takes or returns, so an undefined one
 // (an optional argument, an entropy not asked for) stays outside the node and is put back around it.
@@ -179,6 +197,7 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     ctx->set_materialize_grads(false);  // outputs without a gradient stay undefined: nothing to recompute for
     const std::vector<at::Tensor> inputs(all.begin(), all.end() - (state->anchored ? 1 : 0));
     state->rng = RngStates::capture(state->call->device());
+    state->buffers_before = buffer_values(state->call->buffers());
     std::vector<at::Tensor> outputs = state->call->run(with_undefined(inputs, state->input_defined));  // gradients off
     state->output_defined = defined_mask(outputs);
     outputs = defined_only(std::move(outputs), state->output_defined);
@@ -200,6 +219,20 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     std::vector<at::Tensor> inputs;
     inputs.reserve(saved.size());
     for (const at::Tensor& x : saved) inputs.push_back(x.detach().requires_grad_(x.requires_grad()));
+    // The buffers as this forward found them while it runs again, and as every later forward left them once
+    // the recomputation is differentiated (its graph saved them: they change only after that, on every way out).
+    struct BuffersBack {
+      std::vector<at::Tensor> buffers, values;
+      ~BuffersBack() {
+        try {
+          set_buffer_values(buffers, values);
+        } catch (const std::exception& e) {
+          TORCH_WARN("fsdpx: a checkpointed unit's buffers could not be put back after its recomputation: ", e.what());
+        }
+      }
+    } buffers_back{state->call->buffers(), {}};
+    buffers_back.values = buffer_values(buffers_back.buffers);
+    set_buffer_values(buffers_back.buffers, state->buffers_before);
     std::vector<at::Tensor> outputs;
     {
       RngFork fork(state->rng);

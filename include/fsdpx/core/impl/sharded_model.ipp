@@ -198,6 +198,13 @@ FSDPX_DECL std::vector<at::Tensor> ShardedModel::trainable_parameters(const Unit
   return out;
 }
 
+FSDPX_DECL std::vector<at::Tensor> ShardedModel::unit_module_buffers(const Unit& u) const {
+  const auto index = static_cast<size_t>(u.index());
+  FSDPX_INTERNAL_ASSERT(index < modules_.size() && units_[index].get() == &u, "unit '", u.name(),
+                        "' is not this model's unit ", index);
+  return modules_[index]->buffers(/*recurse=*/true);
+}
+
 FSDPX_DECL void ShardedModel::recomputed_gradients(Unit& u, std::vector<at::Tensor> grads) {
   const auto& params = u.layout().params();
   FSDPX_INTERNAL_ASSERT(grads.empty() || grads.size() == params.size(), "unit '", u.name(), "' recomputed ",
@@ -323,18 +330,36 @@ FSDPX_DECL void ShardedModel::note_unsharded() {
   pass_.stats.peak_unsharded_bytes = std::max(pass_.stats.peak_unsharded_bytes, bytes);
 }
 
-FSDPX_DECL void ShardedModel::rethrow_if_resharded_access(const c10::Error& e) const {
+FSDPX_DECL std::optional<ConfigError> ShardedModel::resharded_access_error(const Unit& running,
+                                                                           const c10::Error& e) const {
   const std::string what = e.what_without_backtrace();
   if (what.find("storage of size 0") == std::string::npos && what.find("data is not allocated") == std::string::npos) {
-    return;
+    return std::nullopt;
   }
-  std::string names;
-  for (size_t i = 1; i < units_.size(); ++i) names += (i > 1 ? ", " : "") + units_[i]->name();
-  throw ConfigError(::fsdpx::detail::str(
-      "fsdpx: a sharded unit's parameters were used while resharded: a module called a sharded child directly. "
-      "Call sharded modules through fsdpx::forward(child, args...) or fsdpx::call(child, fn), or choose units "
+  // The units whose modules lie inside the running unit's and that this pass has not called: the module
+  // called one of them directly (a unit it called through fsdpx::forward has left "idle").
+  std::unordered_set<const torch::nn::Module*> inside;
+  const size_t self = index_of(running);
+  for (const auto& m : const_cast<torch::nn::Module*>(modules_[self])->modules(/*include_self=*/false))
+    inside.insert(m.get());
+  std::vector<std::string> uncalled, all;
+  for (size_t i = 1; i < units_.size(); ++i) {
+    if (is_companion_[i]) continue;
+    all.push_back(units_[i]->name());
+    if (i != self && i < pass_.units.size() && inside.count(modules_[i]) != 0 && !units_[i]->is_unsharded() &&
+        pass_.units[i].phase == UnitPhase::idle)
+      uncalled.push_back(units_[i]->name());
+  }
+  const std::string called = uncalled.size() == 1 ? ::fsdpx::detail::str("'", uncalled.front(), "'")
+                             : uncalled.empty()
+                                 ? std::string("one of the sharded units")
+                                 : ::fsdpx::detail::str("one of ", ::fsdpx::detail::join_names(uncalled, 8));
+  return ConfigError(::fsdpx::detail::str(
+      "fsdpx: a sharded unit's parameters were used while resharded: a module called a sharded child directly (",
+      running.index() == 0 ? std::string("the root module") : "unit '" + running.name() + "'", " called ", called,
+      "). Call sharded modules through fsdpx::forward(child, args...) or fsdpx::call(child, fn), or choose units "
       "(wrap policy) that the model calls that way. Sharded units: ",
-      names, ". (ATen: ", what.substr(0, 200), ")"));
+      ::fsdpx::detail::join_names(all, 20), ". (ATen: ", what.substr(0, 200), ")"));
 }
 
 // ---- buffers ------------------------------------------------------------------------------------------------
