@@ -1002,15 +1002,19 @@ TEST_CASE("dcp writer: what each rank wrote reaches rank 0 whole, and an entry s
 TEST_CASE("an earlier run's commit of a step is gone before any rank replaces a file of the step",
           "[checkpoint][coordinator][dcp]") {
   auto world = any_world();
-  for (const CheckpointFormat format : {CheckpointFormat::fsdpx, CheckpointFormat::dcp}) {
-    const fs::path root = fresh_dir(std::string("rewrite_") + checkpoint::to_string(format));
+  // The earlier run's format and this one's: DCP's .metadata goes too when this run writes fsdpx's format.
+  for (const auto [earlier, format] : {std::pair{CheckpointFormat::fsdpx, CheckpointFormat::fsdpx},
+                                       std::pair{CheckpointFormat::dcp, CheckpointFormat::dcp},
+                                       std::pair{CheckpointFormat::dcp, CheckpointFormat::fsdpx}}) {
+    const fs::path root =
+        fresh_dir(std::string("rewrite_") + checkpoint::to_string(earlier) + "_" + checkpoint::to_string(format));
     const fs::path dir = checkpoint::step_dir(root, 2);
     torch::manual_seed(11);
     CkptModel<> model(ResMlp(), world);
     auto opt = make_adamw(model, adamw_options());
     ExtraState extra;
     {  // the earlier run: step 2 committed (and, in DCP, its .metadata written)
-      CheckpointCoordinator run(root, model, {.format = format});
+      CheckpointCoordinator run(root, model, {.format = earlier});
       for (int64_t step = 1; step <= 2; ++step) {
         train_step(model, opt, world);
         run.save(step, model, opt, extra);
@@ -1019,7 +1023,7 @@ TEST_CASE("an earlier run's commit of a step is gone before any rank replaces a 
     }
     world.barrier();
     REQUIRE(fs::exists(dir / checkpoint::config_file));
-    CHECK(fs::exists(dir / dcp::metadata_file_name) == (format == CheckpointFormat::dcp));
+    CHECK(fs::exists(dir / dcp::metadata_file_name) == (earlier == CheckpointFormat::dcp));
 
     // This run saves step 2 again; rank 0, which withdraws the earlier commit, comes late. No rank may start a
     // file of the step while that commit is there: a reader would take the new files for the old commit's.
@@ -1036,8 +1040,10 @@ TEST_CASE("an earlier run's commit of a step is gone before any rank replaces a 
     run.save(2, model, opt, extra);
     run.wait();
     world.barrier();
-    INFO(checkpoint::to_string(format));
+    INFO(checkpoint::to_string(earlier) << " then " << checkpoint::to_string(format));
     CHECK(stale_seen.load() == 0);
+    CHECK(fs::exists(dir / dcp::metadata_file_name) == (format == CheckpointFormat::dcp));
+    CHECK(fs::exists(dir / "optim_states" / dcp::metadata_file_name) == (format == CheckpointFormat::dcp));
     const auto record = checkpoint::read_commit_record(dir);
     REQUIRE(record.has_value());
     CHECK(record->complete);
@@ -1157,5 +1163,14 @@ TEST_CASE("a resume says what it found and never silently starts over", "[checkp
   said = resume_from(base / "crashed", info);
   CHECK_FALSE(info.has_value());
   CHECK((said.find("has no committed step yet (global_step_10): starting from scratch") != std::string::npos) == rank0);
+
+  // A commit record that cannot be read: a damaged root, not an empty one.
+  if (rank0) {
+    fs::create_directories(base / "damaged" / "global_step_5" / "actor");
+    fsdpx::detail::write_text_durably(base / "damaged" / "global_step_5" / "actor" / checkpoint::config_file, "{");
+  }
+  world.barrier();
+  CHECK_THROWS_WITH(load_checkpoint(model, base / "damaged", opt),
+                    Catch::Contains((base / "damaged" / "global_step_5" / "actor" / checkpoint::config_file).string()));
   world.barrier();
 }

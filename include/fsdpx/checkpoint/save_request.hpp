@@ -42,7 +42,8 @@ struct SaveRequest {
   std::function<void(SaveRequest&)> snapshot;
   /// What the format took on save()'s calling thread besides the snapshot (StepFormat::prepare; with
   /// CheckpointFormat::dcp, the param groups' parameter lists, which come from every rank's shards). A request
-  /// made by hand for such a format gets it from checkpoint::step_format(format).prepare(req, model, optimizer).
+  /// made by hand for such a format gets it from checkpoint::step_format(format).prepare(req, model, optimizer,
+  /// names).
   std::any format_data;
 };
 

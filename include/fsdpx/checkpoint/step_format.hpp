@@ -14,6 +14,7 @@
 
 #include <fsdpx/detail/config.hpp>
 
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -98,6 +99,8 @@ class StepFormat {
                        const SaveNames& names) const {}
   /// The files (relative to the step folder) that a commit of a step leaves besides its commit record. An
   /// interrupted run's must go before the step's data files are written again: they describe other files.
+  /// (The coordinator withdraws every format's, detail::format_homes: the run that left them may have
+  /// written another format.)
   virtual std::vector<std::string> commit_files() const { return {}; }
   /// A rank's thread: writes its file of component `c` of the step in `dir`, durably.
   virtual WrittenComponent write(const SaveRequest& req, const fs::path& dir, Component c, int rank, int world_size,
@@ -139,8 +142,10 @@ struct FormatHome {
   CheckpointFormat format;
   const char* folder_marker;  // a file in such a folder (DCP: dcp::metadata_file_name)
   const char* header;
+  std::array<const char*, 2> commit_files;  // its StepFormat::commit_files (nullptr: none), known without its code
 };
-inline constexpr FormatHome format_homes[] = {{CheckpointFormat::dcp, ".metadata", "<fsdpx/dcp.hpp>"}};
+inline constexpr FormatHome format_homes[] = {
+    {CheckpointFormat::dcp, ".metadata", "<fsdpx/dcp.hpp>", {".metadata", "optim_states/.metadata"}}};
 }  // namespace detail
 
 /// The seam of format `f`. For a format whose code this program lacks (CheckpointFormat::dcp without

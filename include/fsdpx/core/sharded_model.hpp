@@ -110,8 +110,12 @@ class ShardedModel {
       auto out = call();
       return post_forward(u, std::move(out));
     } catch (const c10::Error& e) {
-      // Named while the pass still says which units ran through the protocol
-      std::optional<ConfigError> direct_call = resharded_access_error(u, e);
+      // Named while the pass still says which units ran through the protocol (never instead of the clean-up)
+      std::optional<ConfigError> direct_call;
+      try {
+        direct_call = resharded_access_error(u, e);
+      } catch (...) {
+      }
       forward_failed(u);
       if (direct_call) throw *direct_call;
       throw;

@@ -92,18 +92,16 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedMode
       snapshot_error = e.what();
     }
     if (*fence) (*fence)->set_value();  // the shards may change from here on
-    write_when_withdrawn(
-        shared->step, dir,
-        [this, shared, dir, components, slots, snapshot_error](const std::string& not_withdrawn) {
-          const std::string refused =
-              !snapshot_error.empty() ? "copying the state to host memory failed: " + snapshot_error : not_withdrawn;
-          for (size_t i = 0; i < components.size(); ++i) {
-            pool_.post([this, shared, dir, c = components[i], slot = slots[i], refused] {
-              write_component(*shared, dir, c, *slot, refused);
-            });
-          }
-        },
-        deadline);
+    const auto write = [this, shared, dir, components, slots](const std::string& refused) {
+      for (size_t i = 0; i < components.size(); ++i) {
+        pool_.post([this, shared, dir, c = components[i], slot = slots[i], refused] {
+          write_component(*shared, dir, c, *slot, refused);
+        });
+      }
+    };
+    // Nothing to write after a failed copy: the step fails now, without waiting for rank 0's withdrawal
+    if (!snapshot_error.empty()) return write("copying the state to host memory failed: " + snapshot_error);
+    write_when_withdrawn(shared->step, dir, write, deadline);
   });
   if (rank_ == 0) {
     start_task();
@@ -246,7 +244,14 @@ FSDPX_DECL std::vector<std::filesystem::path> CheckpointCoordinator::earlier_com
   std::vector<std::filesystem::path> out;
   std::error_code ec;
   if (std::filesystem::exists(dir / checkpoint::config_file, ec)) out.push_back(dir / checkpoint::config_file);
-  for (const std::string& name : format_->commit_files()) {
+  std::set<std::string> names;  // this format's, and every other's: an earlier run may have written another
+  for (const std::string& name : format_->commit_files()) names.insert(name);
+  for (const auto& home : checkpoint::detail::format_homes) {
+    for (const char* name : home.commit_files) {
+      if (name != nullptr) names.insert(name);
+    }
+  }
+  for (const std::string& name : names) {
     if (std::filesystem::exists(dir / name, ec)) out.push_back(dir / name);
   }
   return out;
@@ -265,9 +270,11 @@ FSDPX_DECL void CheckpointCoordinator::write_when_withdrawn(int64_t step, const 
     }
     return write({});
   }
-  const bool gave_up =
-      std::chrono::steady_clock::now() > deadline || abandoning_.load() || (world_failed_ && world_failed_());
-  if (!gave_up) {
+  const char* gave_up = std::chrono::steady_clock::now() > deadline ? "commit_timeout passed"
+                        : abandoning_.load()                        ? "this process is ending after an error"
+                        : (world_failed_ && world_failed_())        ? "the world communicator failed"
+                                                                    : nullptr;
+  if (gave_up == nullptr) {
     {
       std::lock_guard lock(mutex_);
       commit_waits_[step] = ::fsdpx::detail::str("rank 0 to withdraw an earlier run's commit of the step ('",
@@ -283,8 +290,9 @@ FSDPX_DECL void CheckpointCoordinator::write_when_withdrawn(int64_t step, const 
     commit_waits_.erase(step);
   }
   write(::fsdpx::detail::str("an earlier run's commit of the step ('", left.front().string(),
-                             "') was not withdrawn by rank 0 before this process gave up on it (commit_timeout: ",
-                             options_.commit_timeout.count(), " ms): its files were left as they are"));
+                             "') was not withdrawn by rank 0 before this rank stopped waiting (", gave_up,
+                             "; commit_timeout is ", options_.commit_timeout.count(),
+                             " ms): its files were left as they are"));
 }
 
 FSDPX_DECL void CheckpointCoordinator::watch_commit(std::shared_ptr<Commit> commit) {

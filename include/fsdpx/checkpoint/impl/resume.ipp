@@ -158,6 +158,8 @@ inline void nothing_to_resume(const fs::path& root, bool want_optimizer, bool ra
                  ::fsdpx::detail::join_names(other, 8),
                  ": give the checkpoint root (the folder the coordinator saved into), a step folder of it, or a "
                  "new or empty folder to start from scratch");
+  // A commit record that cannot be read is a damaged root, not an empty one (the scans take it for no commit)
+  for (const StepDir& s : list_steps(root)) read_commit_record(s.path / "actor");
   if (want_optimizer) {
     if (const auto weights = find_latest_checkpoint(root, /*weights_only=*/true)) {
       return note(::fsdpx::detail::str("'", root.string(), "' has the weights of step ", *weights,

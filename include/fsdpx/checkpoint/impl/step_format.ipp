@@ -127,11 +127,11 @@ class FsdpxStepFormat final : public StepFormat {
   }
 };
 
-/// The registered formats, by CheckpointFormat; fsdpx's own is always there.
+/// The registered formats, by CheckpointFormat; fsdpx's own is always there. Made once and never destroyed, as
+/// the formats are: a coordinator that outlives static destruction still finds them.
 inline std::array<const StepFormat*, 2>& step_formats() {
-  static const FsdpxStepFormat fsdpx_format{};
-  static std::array<const StepFormat*, 2> formats{&fsdpx_format, nullptr};
-  return formats;
+  static auto* formats = new std::array<const StepFormat*, 2>{new FsdpxStepFormat(), nullptr};
+  return *formats;
 }
 
 }  // namespace fsdpx::checkpoint::detail

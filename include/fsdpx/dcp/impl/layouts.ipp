@@ -292,21 +292,27 @@ class DcpStepFormat final : public checkpoint::StepFormat {
   static const checkpoint::StepFormat& fsdpx_format() { return checkpoint::step_format(CheckpointFormat::fsdpx); }
 };
 
-static_assert(std::string_view(metadata_file_name) == checkpoint::detail::format_homes[0].folder_marker,
-              "the checkpoint layer knows a DCP folder by its .metadata (checkpoint/step_format.hpp)");
+static_assert(std::string_view(metadata_file_name) == checkpoint::detail::format_homes[0].folder_marker &&
+                  std::string_view(metadata_file_name) == checkpoint::detail::format_homes[0].commit_files[0] &&
+                  std::string_view("optim_states/.metadata") == checkpoint::detail::format_homes[0].commit_files[1] &&
+                  std::string_view(optimizer_folder) == "optim_states",
+              "the checkpoint layer knows a DCP folder by its .metadata, and its commit files "
+              "(checkpoint/step_format.hpp)");
 
 }  // namespace fsdpx::dcp::detail
 
 namespace fsdpx::dcp {
 
 FSDPX_DECL const checkpoint::StepFormat& step_format() {
-  static const detail::DcpStepFormat format{};
-  return format;
+  static const auto* format = new detail::DcpStepFormat();  // never destroyed: see checkpoint::detail::step_formats
+  return *format;
 }
 
 namespace detail {
 /// DCP's seam joins the registry when the program starts: any translation unit that includes this header (or
-/// fsdpx's separately compiled part) brings it.
+/// fsdpx's separately compiled part) brings it. (An inline variable's initialization, which GCC and Clang run
+/// at start-up in every program that links such a translation unit; in a shared library built with hidden
+/// symbols, the library's registry is its own.)
 inline const bool step_format_registered = (checkpoint::register_step_format(::fsdpx::dcp::step_format()), true);
 }  // namespace detail
 

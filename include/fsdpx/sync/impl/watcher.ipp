@@ -106,6 +106,9 @@ FSDPX_DECL WeightVersion CheckpointWatcher::load(int64_t step, const std::filesy
   const auto record = checkpoint::read_commit_record(dir);
   FSDPX_CHECK_AS(IoError, record && checkpoint::is_committed(*record, /*weights_only=*/true), "'", dir.string(),
                  "' has no commit record that commits the model weights (", checkpoint::config_file, ")");
+  FSDPX_CHECK_AS(IoError, record->files_format == CheckpointFormat::fsdpx, "'", dir.string(),
+                 "' was saved in PyTorch Distributed Checkpoint (CheckpointFormat::dcp), whose files the watcher "
+                 "cannot check against their CRC-32C yet: watch a root saved in fsdpx's own format");
   stage("leased");
   const auto before = detail::stamp_model_files(dir);
   checkpoint::MergeReport report;
