@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what building and testing fsdpx needs, and nothing that is already there:
-#   Debian packages (compiler, CMake, Open MPI, Catch2, Boost, OpenSSL, nlohmann/json, CLI11): installed when root, else printed;
+#   Debian packages (compiler, CMake, Open MPI, Catch2, Boost, OpenSSL, nlohmann/json, CLI11; clang with libFuzzer for
+#   the fuzz tests): installed when root, else printed;
 #   LibTorch: PyTorch 2.13.0 in .venv, unless Torch_DIR or CMAKE_PREFIX_PATH already points at one (the
 #   Python-side tests still get torch in .venv);
 #   Conan (packaging), clang-format (the layout), pytest, ruff and mypy (the Python tests) in .venv; NCCL headers (nvidia-nccl-cu13) in .venv when nvcc is present.
@@ -12,21 +13,27 @@ say() { printf 'fsdpx setup: %s\n' "$*"; }
 
 # ---- system packages ---------------------------------------------------------------------------
 packages=(g++ make cmake libopenmpi-dev openmpi-bin catch2 libboost-dev libssl-dev openssl nlohmann-json3-dev zlib1g-dev libcli11-dev python3)
+optional=(clang libclang-rt-14-dev)  # libFuzzer: the fuzz tests, skipped with a message without it
 if command -v dpkg-query >/dev/null; then
-  missing=()
+  missing=() missing_optional=()
   for p in "${packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done
-  if ((${#missing[@]})); then
+  for p in "${optional[@]}"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing_optional+=("$p")
+  done
+  if ((${#missing[@]} + ${#missing_optional[@]})); then
     if [[ $(id -u) == 0 ]]; then
-      say "installing ${missing[*]}"
+      say "installing ${missing[*]} ${missing_optional[*]}"
       export DEBIAN_FRONTEND=noninteractive
       apt-get update -qq
-      apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
-    else
+      apt-get install -y -qq --no-install-recommends "${missing[@]}" "${missing_optional[@]}" >/dev/null
+    elif ((${#missing[@]})); then
       say "missing Debian packages; run:"
-      echo "  sudo apt-get update && sudo apt-get install -y ${missing[*]}"
+      echo "  sudo apt-get update && sudo apt-get install -y ${missing[*]} ${missing_optional[*]}"
       exit 1
+    else
+      say "optional: ${missing_optional[*]} (clang's libFuzzer; without them the fuzz tests are skipped)"
     fi
   fi
 else

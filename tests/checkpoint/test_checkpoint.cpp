@@ -1097,6 +1097,60 @@ TEST_CASE("a DCP root whose tensors are saved stacked resumes their optimizer st
   world.barrier();
 }
 
+TEST_CASE("a DCP-format root's files are checked against their commit record on resume and merge",
+          "[checkpoint][dcp][security]") {
+  auto world = any_world();
+  const fs::path root = fresh_dir("dcp_checked");
+  torch::manual_seed(47);
+  CkptModel<> model(ResMlp(), world);
+  auto opt = make_adamw(model, adamw_options());
+  train_step(model, opt, world);
+  {
+    CheckpointCoordinator run(root, model, {.format = CheckpointFormat::dcp});
+    ExtraState extra;
+    run.save(2, model, opt, extra);
+    run.wait();
+  }
+  world.barrier();
+  const fs::path dir = checkpoint::step_dir(root, 2);
+  // One bit of each rank's model data file flipped in the middle, where it still parses: each rank reads its own.
+  const fs::path mine = dir / ("__" + std::to_string(world.rank()) + "_0.distcp");
+  {
+    std::fstream f(mine, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(0, std::ios::end);
+    const auto middle = static_cast<std::streamoff>(f.tellg()) / 2;
+    char byte = 0;
+    f.seekg(middle);
+    f.read(&byte, 1);
+    byte = static_cast<char>(byte ^ 0x10);
+    f.seekp(middle);
+    f.write(&byte, 1);
+  }
+  world.barrier();
+  CkptModel<> resumed(ResMlp(), world);
+  auto resumed_opt = make_adamw(resumed, adamw_options());
+  CHECK_THROWS_WITH(load_checkpoint(resumed, root, resumed_opt, {.restore_rng = false}),
+                    Catch::Contains(mine.string()) && Catch::Contains("is corrupt: its CRC-32C is"));
+  const fs::path copy = fresh_dir("dcp_checked_copy");
+  if (world.rank() == 0) {
+    CHECK_THROWS_WITH(checkpoint::merge_checkpoint(dir), Catch::Contains("is corrupt: its CRC-32C is"));
+    // without the check, as a user may ask (MergeOptions::verify_checksums), the flipped bit is read as whatever
+    // it makes: values that parse, or a refusal of what does not
+    try {
+      checkpoint::merge_checkpoint(dir, {.verify_checksums = false});
+    } catch (const IoError& e) {
+      CHECK(std::string(e.what()).find("CRC-32C") == std::string::npos);
+    }
+    // a data file that is a link out of the folder, and a file the record does not list
+    fs::copy(dir, copy / "step", fs::copy_options::recursive);
+    fs::rename(copy / "step" / "__0_0.distcp", copy / "outside.distcp");
+    fs::create_symlink(copy / "outside.distcp", copy / "step" / "__0_0.distcp");
+    CHECK_THROWS_WITH(dcp::Reader(copy / "step"), Catch::Contains("is a symbolic link"));
+    CHECK_THROWS_WITH(checkpoint::merge_checkpoint(copy / "step"), Catch::Contains("is a symbolic link"));
+  }
+  world.barrier();
+}
+
 TEST_CASE("a resume says what it found and never silently starts over", "[checkpoint][resume][errors]") {
   auto world = any_world();
   const fs::path base = fresh_dir("what_resume_found");

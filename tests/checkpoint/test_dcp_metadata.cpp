@@ -424,3 +424,38 @@ TEST_CASE("dcp metadata: the pickle writer's integers and strings are Python's",
   REQUIRE(p[p.root].items.size() == values.size());
   for (size_t i = 0; i < values.size(); ++i) CHECK(p[p[p.root].items[i]].integer == values[i]);
 }
+
+TEST_CASE("dcp metadata: a string the memo shares is counted at every copy, against a stated total",
+          "[dcp][security][memory]") {
+  // One entry with a 64 KiB name in 200 chunks: the writer memoizes the name, so the file holds it once and
+  // names it 200 times (each storage_data key); the reader copies it each time.
+  dcp::Metadata md;
+  const std::string fqn(64 << 10, 'n');
+  dcp::TensorEntry t{.dtype = c10::kFloat, .size = {200}};
+  for (int64_t i = 0; i < 200; ++i) {
+    t.chunks.push_back({{i}, {1}});
+    md.storage[{fqn, std::vector<int64_t>{i}}] = {.relative_path = "__0_0.distcp", .offset = 4 * i, .length = 4};
+  }
+  md.entries[fqn] = t;
+  const std::vector<std::byte> file = dcp::serialize_metadata(md);
+  CHECK(file.size() < (std::size_t{80} << 10));  // the name once, 13 MiB as copies
+  CHECK(dcp::parse_metadata(file).storage.size() == 200);
+  dcp::MetadataLimits limits;
+  limits.max_text_bytes = 1 << 20;
+  CHECK_THROWS_WITH(dcp::parse_metadata(file, "shared.metadata", limits),
+                    Contains("makes strings of more than 1048576 bytes in all (each copy of a string the pickle shares "
+                             "counted)"));
+}
+
+TEST_CASE("dcp metadata: an entry named in a lone surrogate is refused where it is read, naming it",
+          "[dcp][security]") {
+  dcp::Metadata md;
+  const std::string name = "model.\xed\xa0\x80.weight";  // U+D800, which Python's pickle writes and JSON refuses
+  md.entries[name] = dcp::TensorEntry{.dtype = c10::kFloat, .size = {2}, .chunks = {{{0}, {2}}}};
+  md.storage[{name, std::vector<int64_t>{0}}] = {.relative_path = "__0_0.distcp", .length = 8};
+  CHECK_THROWS_WITH(dcp::parse_metadata(dcp::serialize_metadata(md)),
+                    Contains("an entry's name 'model.\\xed\\xa0\\x80.weight' is not valid UTF-8"));
+  CHECK(pickle::valid_utf8("h\xc3\xa9llo \xf0\x9f\x98\x80", true));
+  CHECK_FALSE(pickle::valid_utf8("\xe0\x80\xaf", true));  // an overlong '/'
+  CHECK(pickle::valid_utf8("\xed\xa0\x80"));              // Python's surrogatepass, for other strings
+}

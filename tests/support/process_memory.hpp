@@ -17,4 +17,12 @@ inline int64_t status_bytes(const std::string& field) {
   return -1;
 }
 
+/// Resets VmHWM to the resident size now (Linux's clear_refs), so that a peak measured after is the
+/// operation's own; false where the kernel refuses.
+inline bool reset_peak() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  return static_cast<bool>(clear.flush());
+}
+
 }  // namespace fsdpx::test

@@ -120,6 +120,9 @@ struct MetadataLimits {
   /// The pickle's values and the entries, chunks and dimensions made of them (about 100 bytes each at
   /// most): a real file makes about 40 per chunk, so the default takes checkpoints of ~800k chunks.
   int64_t max_values = int64_t{1} << 25;
+  /// The bytes of the strings copied out of the pickle (names, paths), each copy counted: a memo lets a
+  /// small file name one long string many times. A real file copies about 100 bytes per chunk.
+  int64_t max_text_bytes = int64_t{256} << 20;
 };
 
 /// DCP's name of a dtype ("bfloat16", as torch.bfloat16 pickles: fsdpx::torch_dtype_name); a ConfigError for

@@ -20,11 +20,13 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <set>
 #include <string>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/dcp/metadata.hpp>
 #include <fsdpx/error.hpp>
 
@@ -39,6 +41,11 @@ struct ReaderOptions {
   int64_t max_bytes_entry = int64_t{16} << 20;
   /// The most values (numbers, strings, containers) one bytes entry may make.
   int64_t max_bytes_values = int64_t{1} << 20;
+  /// The folder's files as an fsdpx commit record lists them (names relative to the folder; a CRC-32C of
+  /// nullopt is not checked). Given, `.metadata` and every data file must be listed with their sizes, and each
+  /// file's CRC-32C is checked over the whole file before the first record is read from it (so a rank checks
+  /// the files it reads). nullopt: a folder another trainer wrote, whose data carries no checksums.
+  std::optional<std::map<std::string, checkpoint::CommittedFile>> committed;
 };
 
 /// A DCP checkpoint folder, opened: its `.metadata` read and checked, and every data file it names
@@ -47,8 +54,9 @@ struct ReaderOptions {
 class Reader {
  public:
   /// An IoError for a folder without a readable `.metadata`, a record whose bytes went through transforms
-  /// (a compressor: `transform_descriptors`), a data file that is missing or not a regular file, or a range
-  /// past a data file's end, each naming the entry and the file.
+  /// (a compressor: `transform_descriptors`), a data file that is missing or not a regular file, a range
+  /// past a data file's end, a chunk whose record is too small for its box, or (with options.committed) a
+  /// file the commit record does not list or lists with another size, each naming the entry and the file.
   FSDPX_DECL explicit Reader(fs::path dir, const ReaderOptions& options = {});
 
   const fs::path& dir() const { return dir_; }
@@ -89,12 +97,15 @@ class Reader {
   /// Refuses a blob that is not a torch.save archive (DCP's other serialization format), naming what it is.
   FSDPX_DECL void check_torch_save(const std::string& what, const StorageInfo& info) const;
   FSDPX_DECL at::Tensor load_chunk(const std::string& fqn, const TensorEntry& t, const Chunk& c) const;
+  /// With options.committed: the CRC-32C of data file `relative_path`, once, before its first record is read.
+  FSDPX_DECL void check_committed(const std::string& relative_path) const;
 
   fs::path dir_;
   ReaderOptions options_;
   Metadata md_;
   mutable int64_t chunks_read_ = 0;
   mutable int64_t bytes_read_ = 0;
+  mutable std::set<std::string> checked_;  // data files whose CRC-32C matched the commit record
 };
 
 /// The Python value of a torch.save file of plain values (LightRFT's scheduler_state.pt and client_state.pt beside
@@ -104,7 +115,16 @@ FSDPX_DECL c10::IValue read_plain_file(const fs::path& path, const ReaderOptions
 inline at::Tensor Reader::read(const std::string& fqn, int64_t begin, int64_t end) const {
   const TensorEntry& t = tensor(fqn);
   FSDPX_CHECK(begin >= 0 && begin <= end, "reading elements [", begin, ", ", end, ") of DCP tensor '", fqn, "'");
-  at::Tensor out = at::empty({end - begin}, at::TensorOptions().dtype(t.dtype));
+  // The chunks cover the tensor (validate_metadata) and each lies within its record (the constructor), so the
+  // size is what the files hold; one larger than this machine's memory is an IoError naming the tensor.
+  at::Tensor out;
+  try {
+    out = at::empty({end - begin}, at::TensorOptions().dtype(t.dtype));
+  } catch (const c10::Error& e) {
+    throw IoError(
+        ::fsdpx::detail::str("fsdpx: DCP checkpoint '", dir_.string(), "': tensor '", fqn, "' of ", end - begin,
+                             " elements does not fit in this machine's memory: ", e.what_without_backtrace()));
+  }
   read_into(fqn, begin, end, out);
   return out;
 }

@@ -146,9 +146,14 @@ inline WrittenFile write_text_durably(const fs::path& path, std::string_view tex
 /// a commit record, an iteration file, a marker, a lease): a 2 GiB config.json is refused, not parsed.
 inline constexpr int64_t max_record_file_bytes = int64_t{16} << 20;
 
+/// Whether a file may be reached through a symbolic link: a checkpoint's data files may not (a link could
+/// point out of its folder), a model folder's may (the Hugging Face cache links them to its blobs).
+enum class Links { follow, refuse };
+
 /// The whole file, if it is a regular file of at most `max_bytes` (checked before anything is
 /// allocated); an IoError naming it (`what`) otherwise.
-FSDPX_DECL std::vector<char> read_file(const fs::path& path, const char* what, int64_t max_bytes);
+FSDPX_DECL std::vector<char> read_file(const fs::path& path, const char* what, int64_t max_bytes,
+                                       Links links = Links::follow);
 
 inline std::string read_text(const fs::path& path, const char* what = "file",
                              int64_t max_bytes = max_record_file_bytes) {
@@ -156,8 +161,9 @@ inline std::string read_text(const fs::path& path, const char* what = "file",
   return {data.begin(), data.end()};
 }
 
-/// Opens `path` for reading only if it is a regular file (a FIFO or a device would block or never end).
-FSDPX_DECL Fd open_regular_file(const fs::path& path, const char* what);
+/// Opens `path` for reading only if it is a regular file (a FIFO or a device would block or never end), and
+/// with Links::refuse only if it is no symbolic link.
+FSDPX_DECL Fd open_regular_file(const fs::path& path, const char* what, Links links = Links::follow);
 
 /// Reads exactly n bytes at `offset`, or an IoError naming the file as truncated.
 FSDPX_DECL void read_exact(int fd, const fs::path& path, int64_t offset, void* out, int64_t n, int64_t file_size);

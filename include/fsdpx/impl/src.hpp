@@ -27,6 +27,7 @@
 #include <fsdpx/hf/impl/safetensors.ipp>
 #include <fsdpx/hf/impl/model_safetensors.ipp>
 #include <fsdpx/checkpoint/impl/state_dict.ipp>
+#include <fsdpx/checkpoint/impl/archive_reader.ipp>
 #include <fsdpx/checkpoint/impl/torch_io.ipp>
 #include <fsdpx/checkpoint/impl/format.ipp>
 #include <fsdpx/checkpoint/impl/extra_state.ipp>

@@ -27,7 +27,20 @@
 
 namespace fsdpx::pickle {
 
-enum class Kind : uint8_t { none, boolean, integer, floating, string, bytes, tuple, list, dict, global, object };
+enum class Kind : uint8_t {
+  none,
+  boolean,
+  integer,
+  floating,
+  string,
+  bytes,
+  tuple,
+  list,
+  dict,
+  global,
+  object,
+  persistent
+};
 
 /// A value's kind in words, for errors ("a tuple").
 FSDPX_DECL const char* to_string(Kind k);
@@ -36,8 +49,12 @@ FSDPX_DECL const char* to_string(Kind k);
 /// what a crafted file tried; nullptr for a byte that is no opcode.
 FSDPX_DECL const char* opcode_name(uint8_t code);
 
-/// Whether `s` is UTF-8 as Python decodes a pickle's strings (encoded surrogates pass).
-FSDPX_DECL bool valid_utf8(std::string_view s);
+/// Whether `s` is UTF-8 as Python decodes a pickle's strings (encoded surrogates pass), or, `strict`, UTF-8
+/// as a JSON file or another library reads it (no surrogate, no overlong form): what a name must be.
+FSDPX_DECL bool valid_utf8(std::string_view s, bool strict = false);
+
+/// `s` with every byte outside printable ASCII written as \xNN, for an error that names a crafted string.
+FSDPX_DECL std::string escaped(std::string_view s);
 
 /// A node's index in its Pickle.
 using Id = uint32_t;
@@ -52,11 +69,11 @@ struct Node {
   std::string_view text;  // string, bytes; global: the module
   std::string_view name;  // global: the name in the module
   // tuple, list: the elements; dict: key, value, key, value, ... in order; object: the class (a global),
-  // the arguments (a tuple) and, once BUILD gave it one, the state
+  // the arguments (a tuple) and, once BUILD gave it one, the state; persistent: the persistent id
   std::vector<Id> items;
 };
 
-/// What a parse may cost; each refused with an IoError before it is allocated.
+/// What a parse may cost, each refused with an IoError before it is allocated, and what it admits.
 struct Limits {
   int64_t max_bytes = int64_t{256} << 20;
   /// Nodes, container elements and memo entries together (about 100 bytes each at most).
@@ -65,6 +82,9 @@ struct Limits {
   int64_t max_stack = int64_t{1} << 20;
   /// MARKs open at once.
   int max_marks = 64;
+  /// Whether BINPERSID may make a persistent reference (Kind::persistent, resolved by the caller): a
+  /// torch.save archive names its storages so.
+  bool persistent_ids = false;
 };
 
 /// A parsed pickle: its nodes and the one value it returns.
@@ -80,6 +100,8 @@ using AllowGlobal = bool (*)(std::string_view module, std::string_view name);
 /// Runs the pickle in `data` (protocol 2 to 5; one pickle, nothing after its STOP). Anything else, a
 /// refused global, an opcode outside the set that plain values and dataclasses use, a truncated or
 /// malformed program, or a limit passed, is an IoError naming `what`, the opcode and its byte offset.
+/// `collections.OrderedDict()` (where `allow` admits it) is made as the dict it is, its items set by
+/// SETITEMS and its attributes (BUILD: a state dict's `_metadata`) counted and dropped.
 FSDPX_DECL Pickle parse(std::span<const std::byte> data, std::string_view what, AllowGlobal allow,
                         const Limits& limits = {});
 

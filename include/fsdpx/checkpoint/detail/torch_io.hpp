@@ -1,7 +1,9 @@
 // torch.save-compatible serialization streamed straight to a file: torch::pickle_save builds the
 // whole archive in memory first (a second copy of every tensor); this writes the same zip archive
 // record by record through the durable writer. The one place fsdpx uses LibTorch's serializer
-// internals (Pickler, PyTorchStreamWriter, writeArchiveAndTensors), in impl/torch_io.ipp.
+// internals (Pickler, PyTorchStreamWriter, writeArchiveAndTensors; and the zip reader,
+// PyTorchStreamReader), in impl/torch_io.ipp. Archives are read by fsdpx's own pickle reader
+// (archive_reader.hpp), never by LibTorch's unpickler, which trusts what a file says.
 #pragma once
 
 #include <fsdpx/detail/config.hpp>

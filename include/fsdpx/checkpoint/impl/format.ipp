@@ -3,6 +3,7 @@
 #pragma once
 
 #include <fsdpx/checkpoint/format.hpp>
+#include <fsdpx/pickle/pickle.hpp>
 
 namespace fsdpx::checkpoint {
 
@@ -88,6 +89,9 @@ FSDPX_DECL StateDict parse_state_dict(const c10::IValue& v, const fs::path& path
   for (const auto& item : entries.dict()) {
     FSDPX_CHECK_AS(IoError, item.key().isString(), "'", path.string(), "': an entry's name is not a string");
     const std::string name = item.key().toStringRef();
+    FSDPX_CHECK_AS(IoError, ::fsdpx::pickle::valid_utf8(name, /*strict=*/true), "'", path.string(), "': the entry '",
+                   ::fsdpx::pickle::escaped(name),
+                   "' is not named in valid UTF-8 (a lone surrogate or an overlong form)");
     const Fields e(item.value(), path, "entry '" + name + "'");
     TensorSlice s;
     s.name = name;
@@ -164,6 +168,8 @@ FSDPX_DECL StateDict state_dict_from_ivalue(const c10::IValue& v, const fs::path
 FSDPX_DECL c10::IValue load_committed_ivalue(const fs::path& path, const std::optional<CommittedFile>& committed) {
   if (committed) {
     std::error_code ec;
+    FSDPX_CHECK_AS(IoError, !fs::is_symlink(fs::symlink_status(path, ec)), "checkpoint file '", path.string(),
+                   "' is a symbolic link; a checkpoint's files must be regular files inside its folder");
     const fs::file_status status = fs::status(path, ec);
     FSDPX_CHECK_AS(IoError, fs::exists(status), "checkpoint file '", path.string(), "' is missing (listed in ",
                    config_file, ")");

@@ -172,7 +172,8 @@ namespace fsdpx::checkpoint {
 
 FSDPX_DECL void verify_step(const fs::path& dir, const CommitRecord& record, bool verify_checksums,
                             const std::vector<std::string>& components) {
-  for (const auto& [name, info] : record.files) {
+  for (const auto& entry : record.files) {
+    const std::string& name = entry.first;  // not a structured binding: lambdas capture those from clang 16 only
     if (std::none_of(components.begin(), components.end(),
                      [&](const std::string& c) { return name.rfind(c + "_world_size_", 0) == 0; })) {
       continue;

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cerrno>
 #include <map>
-#include <set>
 #include <string>
 #include <cstring>
 #include <exception>
@@ -16,11 +15,9 @@
 #include <caffe2/serialize/inline_container.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/jit/serialization/export.h>
-#include <torch/csrc/jit/serialization/import_read.h>
-#include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
-#include <torch/csrc/jit/serialization/unpickler.h>
 
+#include <fsdpx/checkpoint/detail/archive_reader.hpp>
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
 
 namespace fsdpx::checkpoint::detail {
@@ -75,7 +72,7 @@ class BoundedBytesReader final : public caffe2::serialize::ReadAdapterInterface 
   size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
     if (pos >= bytes_.size()) return 0;
     const size_t count = static_cast<size_t>(std::min<uint64_t>(n, bytes_.size() - pos));
-    std::memcpy(buf, bytes_.data() + pos, count);
+    if (count > 0) std::memcpy(buf, bytes_.data() + pos, count);  // a read of nothing may pass no buffer
     return count;
   }
 
@@ -111,6 +108,78 @@ class FileRangeReader final : public caffe2::serialize::ReadAdapterInterface {
   int64_t base_ = 0, length_ = 0;
 };
 
+/// Refuses a zip whose central directory claims an entry larger than the archive: LibTorch's zip reader
+/// allocates an entry's uncompressed size as the directory states it (its constructor reads the version record
+/// so), so a 3 KB file could ask for 4 GiB. Every entry's sizes are checked here, from the directory's bytes
+/// alone (zip64 included), before that reader is made. Not a zip at all is left to it to say.
+inline void check_zip_sizes(const caffe2::serialize::ReadAdapterInterface& in, const std::string& what) {
+  const uint64_t size = in.size();
+  const auto corrupt = [&](const auto&... args) {
+    throw IoError(::fsdpx::detail::str("fsdpx: ", what, " (", size, " bytes) is corrupt: ", args...));
+  };
+  const auto le = [](const unsigned char* p, int n) {
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; --i) v = (v << 8) | p[i];
+    return v;
+  };
+  const auto read = [&](uint64_t at, uint64_t n, const char* part) {
+    if (at > size || n > size - at) corrupt("its ", part, " lies past its end");  // checked before the allocation
+    std::vector<unsigned char> out(n);
+    if (n > 0 && in.read(at, out.data(), n, part) != n) corrupt("its ", part, " cannot be read whole");
+    return out;
+  };
+  // The end of central directory record: 22 bytes and a comment of up to 64 KiB, at the end.
+  const uint64_t tail_n = std::min<uint64_t>(size, 22 + 0xFFFF);
+  if (tail_n < 22) return;
+  const std::vector<unsigned char> tail = read(size - tail_n, tail_n, "end of central directory");
+  int64_t at = -1;
+  for (int64_t i = static_cast<int64_t>(tail_n) - 22; i >= 0 && at < 0; --i) {
+    if (le(&tail[static_cast<size_t>(i)], 4) == 0x06054b50) at = i;
+  }
+  if (at < 0) return;
+  const unsigned char* eocd = &tail[static_cast<size_t>(at)];
+  uint64_t entries = le(eocd + 10, 2), dir_size = le(eocd + 12, 4), dir_at = le(eocd + 16, 4);
+  if (entries == 0xFFFF || dir_size == 0xFFFFFFFF || dir_at == 0xFFFFFFFF) {  // zip64: its own end record
+    const uint64_t eocd_at = size - tail_n + static_cast<uint64_t>(at);
+    if (eocd_at < 20) corrupt("its zip64 end record locator lies before its start");
+    const std::vector<unsigned char> locator = read(eocd_at - 20, 20, "zip64 end record locator");
+    if (le(locator.data(), 4) != 0x07064b50) corrupt("it has no zip64 end record locator");
+    const std::vector<unsigned char> end64 = read(le(locator.data() + 8, 8), 56, "zip64 end record");
+    if (le(end64.data(), 4) != 0x06064b50) corrupt("it has no zip64 end record where its locator says");
+    entries = le(end64.data() + 32, 8);
+    dir_size = le(end64.data() + 40, 8);
+    dir_at = le(end64.data() + 48, 8);
+  }
+  const std::vector<unsigned char> dir = read(dir_at, dir_size, "central directory");
+  uint64_t pos = 0;
+  for (uint64_t k = 0; k < entries; ++k) {
+    if (dir_size - pos < 46 || le(&dir[pos], 4) != 0x02014b50) corrupt("its central directory ends before entry ", k);
+    const unsigned char* e = &dir[pos];
+    uint64_t compressed = le(e + 20, 4), uncompressed = le(e + 24, 4);
+    const uint64_t name_n = le(e + 28, 2), extra_n = le(e + 30, 2), comment_n = le(e + 32, 2);
+    if (dir_size - pos - 46 < name_n + extra_n + comment_n)
+      corrupt("its central directory's entry ", k, " runs past it");
+    const std::string name(reinterpret_cast<const char*>(e + 46), name_n);
+    // zip64's sizes, in the extra field 0x0001, for those that are 0xFFFFFFFF (uncompressed first)
+    for (uint64_t x = 0; x + 4 <= extra_n;) {
+      const unsigned char* f = e + 46 + name_n + x;
+      const uint64_t id = le(f, 2), n = le(f + 2, 2);
+      if (x + 4 + n > extra_n) break;
+      if (id == 1) {
+        uint64_t o = 4;
+        if (uncompressed == 0xFFFFFFFF && o + 8 <= 4 + n) uncompressed = le(f + o, 8), o += 8;
+        if (compressed == 0xFFFFFFFF && o + 8 <= 4 + n) compressed = le(f + o, 8);
+      }
+      x += 4 + n;
+    }
+    if (uncompressed > size || compressed > size) {
+      corrupt("its entry '", name, "' claims ", std::max(uncompressed, compressed),
+              " bytes, more than the archive has");
+    }
+    pos += 46 + name_n + extra_n + comment_n;
+  }
+}
+
 /// Runs `load` and turns what LibTorch's reader throws into an IoError naming `what` (its size in bytes).
 template <class Load>
 auto archive_errors(const std::string& what, size_t bytes, Load&& load) -> decltype(load()) {
@@ -122,107 +191,42 @@ auto archive_errors(const std::string& what, size_t bytes, Load&& load) -> declt
     throw IoError(::fsdpx::detail::str("fsdpx: ", what, " (", bytes,
                                        " bytes) is truncated or corrupt: ", e.what_without_backtrace()));
   } catch (const std::bad_alloc&) {
-    // LibTorch's unpickler reserves what a length field says before reading it: a corrupt length
-    // (reachable only without a checksum to check first) asks for more memory than there is.
-    throw IoError(::fsdpx::detail::str("fsdpx: ", what, " (", bytes,
-                                       " bytes) is corrupt: a length inside it asks for more memory than this "
-                                       "machine has"));
+    // Every size is checked against the bytes there are before it is allocated; what remains is a file
+    // that is whole and larger than this machine's memory.
+    throw IoError(::fsdpx::detail::str("fsdpx: ", what, " (", bytes, " bytes) does not fit in this machine's memory"));
   } catch (const std::exception& e) {
     throw IoError(::fsdpx::detail::str("fsdpx: ", what, " (", bytes, " bytes) is corrupt: ", e.what()));
   }
 }
 
-/// Every tensor of `root` within the record it was read from. LibTorch's unpickler sizes a storage by
-/// the element count the pickle claims (not by its record's bytes) and sets a tensor's offset, sizes and
-/// strides as told, unchecked: a crafted archive would make a tensor that reads past its memory.
-inline void check_tensor_bounds(const c10::IValue& root, const std::map<const void*, size_t>& records,
-                                const std::string& what) {
-  std::vector<const c10::IValue*> todo{&root};
-  std::set<const void*> seen;  // containers visited (the memo can put a list inside itself)
-  const auto corrupt = [&](const auto&... args) {
-    throw IoError(::fsdpx::detail::str("fsdpx: ", what, " is corrupt: ", args...));
-  };
-  while (!todo.empty()) {
-    const c10::IValue& v = *todo.back();
-    todo.pop_back();
-    if (v.isTensor()) {
-      const at::Tensor& t = v.toTensor();
-      if (t.layout() != at::kStrided || t.is_quantized() || !t.is_cpu()) {
-        corrupt("it holds a tensor that is not a dense CPU tensor (", t.toString(), ")");
-      }
-      const size_t nbytes = t.storage().nbytes();
-      if (nbytes > 0) {
-        const auto it = records.find(t.storage().data());
-        if (it == records.end() || nbytes > it->second) {
-          corrupt("a tensor's storage claims ", nbytes, " bytes, more than its record holds (",
-                  it == records.end() ? size_t{0} : it->second, ")");
-        }
-      }
-      if (t.numel() == 0) continue;
-      int64_t last = t.storage_offset();
-      bool ok = last >= 0;
-      for (int64_t d = 0; d < t.dim() && ok; ++d) {
-        int64_t step = 0;
-        ok = t.stride(d) >= 0 && !__builtin_mul_overflow(t.size(d) - 1, t.stride(d), &step) &&
-             !__builtin_add_overflow(last, step, &last);
-      }
-      int64_t reach = 0;
-      ok = ok && !__builtin_mul_overflow(last + 1, static_cast<int64_t>(t.itemsize()), &reach) &&
-           static_cast<uint64_t>(reach) <= nbytes;
-      if (!ok) {
-        corrupt("a tensor of sizes ", t.sizes(), " and strides ", t.strides(), " at storage offset ",
-                t.storage_offset(), " reaches past its storage of ", nbytes, " bytes");
-      }
-    } else if (v.isList() || v.isTuple() || v.isGenericDict()) {
-      if (!seen.insert(v.internalToPointer()).second) continue;
-      if (v.isList()) {
-        for (const c10::IValue& e : v.toListRef()) todo.push_back(&e);
-      } else if (v.isTuple()) {
-        for (const c10::IValue& e : v.toTupleRef().elements()) todo.push_back(&e);
-      } else {
-        for (const auto& item : v.toGenericDict()) {
-          todo.push_back(&item.key());
-          todo.push_back(&item.value());
-        }
-      }
-    }
-  }
-}
-
-/// What torch::jit::readArchiveAndTensors does, with every storage on the CPU, no record larger than the
-/// archive read, and every tensor checked against the record it came from (check_tensor_bounds).
+/// A torch.save archive's value, read by fsdpx's own pickle reader (checkpoint/detail/archive_reader.hpp),
+/// never by LibTorch's unpickler: the pickle runs nothing and sizes nothing from a length before the bytes
+/// are there, each storage record is read once, and the records read together fit in the archive (a crafted
+/// central directory may point many names at the same bytes).
 inline c10::IValue read_checked_archive(caffe2::serialize::PyTorchStreamReader& reader, size_t archive_bytes,
                                         const std::string& what) {
   FSDPX_CHECK_AS(IoError, reader.hasRecord("data.pkl"), what, " is not a torch.save archive: it has no data.pkl");
   const size_t pickle_bytes = reader.getRecordSize("data.pkl");
   FSDPX_CHECK_AS(IoError, pickle_bytes <= archive_bytes, what, " is corrupt: its pickle claims ", pickle_bytes,
                  " bytes, more than the archive's ", archive_bytes);
-  auto [pickle_ptr, pickle_size] = reader.getRecord("data.pkl");
-  const char* data = static_cast<const char*>(pickle_ptr.get());
-  size_t pos = 0;
-  std::map<const void*, size_t> records;
-  torch::jit::Unpickler unpickler(
-      [&](char* buffer, size_t len) -> size_t {
-        len = std::min(pickle_size - pos, len);
-        std::memcpy(buffer, data + pos, len);
-        pos += len;
-        return len;
-      },
-      nullptr, nullptr,
-      [&](const std::string& name) {
-        const std::string record = "data/" + name;
-        const size_t size = reader.getRecordSize(record);
-        FSDPX_CHECK_AS(IoError, size <= archive_bytes, what, " is corrupt: its record '", record, "' claims ", size,
-                       " bytes, more than the archive's ", archive_bytes);
-        auto [ptr, n] = reader.getRecord(record);
-        records[ptr.get()] = n;
-        return std::move(ptr);
-      },
-      at::Device(at::kCPU));
-  unpickler.set_version(reader.version());
-  c10::IValue value = unpickler.parse_ivalue();
-  check_tensor_bounds(value, records, what);
-  return value;
+  std::vector<std::byte> pickle(pickle_bytes);
+  if (pickle_bytes > 0) reader.getRecord("data.pkl", pickle.data(), pickle_bytes);
+  const auto parsed =
+      ::fsdpx::pickle::parse(pickle, what, archive_global, archive_limits(static_cast<int64_t>(archive_bytes)));
+  size_t left = archive_bytes - pickle_bytes;
+  const StorageRecords records = [&](const std::string& key) {
+    const std::string record = "data/" + key;
+    FSDPX_CHECK_AS(IoError, reader.hasRecord(record), what, " is corrupt: it has no record '", record,
+                   "' for a storage its pickle names");
+    const size_t size = reader.getRecordSize(record);
+    FSDPX_CHECK_AS(IoError, size <= left, what, " is corrupt: its record '", record, "' claims ", size,
+                   " bytes, more than the archive's ", archive_bytes, " bytes hold beside its other records");
+    left -= size;
+    auto [ptr, n] = reader.getRecord(record);
+    return c10::Storage(c10::Storage::use_byte_size_t(), n, std::move(ptr), /*allocator=*/nullptr,
+                        /*resizable=*/false);
+  };
+  return pickle_value(parsed, what, &records);
 }
 
 FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> expected_crc32c, int64_t max_bytes) {
@@ -236,7 +240,9 @@ FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t>
   const std::string what = ::fsdpx::detail::str("checkpoint file '", path.string(), "'");
   return archive_errors(what, bytes, [&] {
     // Through a reader that cannot read past the file (see BoundedBytesReader).
-    caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BoundedBytesReader>(std::move(data)));
+    const auto in = std::make_shared<BoundedBytesReader>(std::move(data));
+    check_zip_sizes(*in, what);
+    caffe2::serialize::PyTorchStreamReader reader(in);
     return read_checked_archive(reader, bytes, what);
   });
 }
@@ -259,7 +265,9 @@ FSDPX_DECL c10::IValue load_ivalue_range(const fs::path& path, int64_t offset, i
                                          const std::string& what) {
   auto fd = open_range(path, offset, length, what);
   return archive_errors(what, static_cast<size_t>(length), [&] {
-    caffe2::serialize::PyTorchStreamReader reader(std::make_shared<FileRangeReader>(std::move(fd), offset, length));
+    const auto in = std::make_shared<FileRangeReader>(std::move(fd), offset, length);
+    check_zip_sizes(*in, what);
+    caffe2::serialize::PyTorchStreamReader reader(in);
     return read_checked_archive(reader, static_cast<size_t>(length), what);
   });
 }
@@ -268,7 +276,9 @@ FSDPX_DECL std::vector<std::byte> read_archive_pickle(const fs::path& path, int6
                                                       const std::string& what, int64_t max_bytes) {
   auto fd = open_range(path, offset, length, what);
   return archive_errors(what, static_cast<size_t>(length), [&] {
-    caffe2::serialize::PyTorchStreamReader reader(std::make_shared<FileRangeReader>(std::move(fd), offset, length));
+    const auto in = std::make_shared<FileRangeReader>(std::move(fd), offset, length);
+    check_zip_sizes(*in, what);
+    caffe2::serialize::PyTorchStreamReader reader(in);
     FSDPX_CHECK_AS(IoError, reader.hasRecord("data.pkl"), what, " is not a torch.save archive: it has no data.pkl");
     const size_t size = reader.getRecordSize("data.pkl");
     FSDPX_CHECK_AS(IoError, size <= static_cast<size_t>(std::min(length, max_bytes)), what,

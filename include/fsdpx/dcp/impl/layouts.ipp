@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <any>
 #include <cctype>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <set>
@@ -62,13 +63,20 @@ inline c10::IValue lr_scheduler_state_from_torch(const c10::IValue& saved, const
   };
   if (!saved.isGenericDict()) throw bad(::fsdpx::detail::str("it holds ", saved.tagKind(), ", not a dict"));
   const auto d = saved.toGenericDict();
-  if (!d.contains("last_epoch") || !d.at("last_epoch").isInt() || d.at("last_epoch").toInt() < 0)
-    throw bad("no integer last_epoch >= 0");
+  // Checked as a config value is: a count of steps no run reaches, or a learning rate that is not a finite
+  // non-negative number, is a corrupt file, not a schedule to resume.
+  constexpr int64_t max_steps = int64_t{1} << 40;
+  if (!d.contains("last_epoch") || !d.at("last_epoch").isInt() || d.at("last_epoch").toInt() < 0 ||
+      d.at("last_epoch").toInt() > max_steps)
+    throw bad(::fsdpx::detail::str("no integer last_epoch in [0, 2^40]"));
   if (!d.contains("base_lrs") || !d.at("base_lrs").isList()) throw bad("no list base_lrs");
   c10::List<double> base_lrs;
   for (const c10::IValue& lr : d.at("base_lrs").toListRef()) {
     if (!lr.isDouble() && !lr.isInt()) throw bad("a base_lrs entry is not a number");
-    base_lrs.push_back(lr.isDouble() ? lr.toDouble() : static_cast<double>(lr.toInt()));
+    const double v = lr.isDouble() ? lr.toDouble() : static_cast<double>(lr.toInt());
+    if (!std::isfinite(v) || v < 0)
+      throw bad(::fsdpx::detail::str("a base_lrs entry is ", v, ", not a finite lr >= 0"));
+    base_lrs.push_back(v);
   }
   c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
   out.insert("last_step", d.at("last_epoch").toInt());
@@ -96,6 +104,20 @@ inline int saving_world_size(const Reader& reader) {
   return world;
 }
 
+/// A reader of the DCP folder `prefix` ("" or "optim_states/") of a committed step: its files as the commit
+/// record lists them, their CRC-32C checked when `verify` (a record without files, written before fsdpx
+/// recorded them, checks nothing).
+inline ReaderOptions committed_reader(const checkpoint::CommitRecord& record, const std::string& prefix, bool verify) {
+  ReaderOptions options;
+  if (record.files.empty()) return options;
+  auto& files = options.committed.emplace();
+  for (const auto& [name, file] : record.files) {
+    if (!name.starts_with(prefix) || name.find('/', prefix.size()) != std::string::npos) continue;
+    files[name.substr(prefix.size())] = {file.bytes, verify ? file.crc32c : std::nullopt};
+  }
+  return options;
+}
+
 /// The model's names in a step of `options` (LoadOptions::dcp), strict when both say so.
 inline LoadOptions model_names(const ::fsdpx::LoadOptions& options) {
   LoadOptions names = options.dcp;
@@ -116,6 +138,12 @@ inline checkpoint::SavedStep open_folder(const fs::path& dir, core::ShardedModel
   s.what = ::fsdpx::detail::str("DCP checkpoint '", dir.string(), "'");
   s.step = step_of_folder(dir);
   const auto reader = std::make_shared<const Reader>(dir);
+  if (model.mesh().world().rank() == 0) {
+    std::fprintf(stderr,
+                 "fsdpx: load_checkpoint: '%s' is a DCP folder another trainer wrote: its data carries no "
+                 "checksums, so a corrupt file is found only where it fails to parse\n",
+                 dir.string().c_str());
+  }
   s.saved_world_size = saving_world_size(*reader);
   const bool titan = folder_layout(*reader) == FolderLayout::torchtitan;
   LoadOptions names = model_names(options);
@@ -251,14 +279,19 @@ class DcpStepFormat final : public checkpoint::StepFormat {
     return files;
   }
 
-  void load_model(core::ShardedModel& model, const fs::path& dir, const checkpoint::CommitRecord&,
+  void load_model(core::ShardedModel& model, const fs::path& dir, const checkpoint::CommitRecord& record,
                   const ::fsdpx::LoadOptions& options) const override {
-    ::fsdpx::dcp::load_model(model, dir, model_names(options));
+    ::fsdpx::dcp::load_model(model, Reader(dir, committed_reader(record, "", options.verify_checksums)),
+                             model_names(options));
   }
 
   void load_optimizer(core::ShardedModel& model, torch::optim::Optimizer& optimizer, const fs::path& dir,
-                      const checkpoint::CommitRecord&, const ::fsdpx::LoadOptions& options) const override {
-    ::fsdpx::dcp::load_optimizer(model, optimizer, dir / optimizer_folder, optimizer_names(options.dcp, ""));
+                      const checkpoint::CommitRecord& record, const ::fsdpx::LoadOptions& options) const override {
+    ::fsdpx::dcp::load_optimizer(
+        model, optimizer,
+        Reader(dir / optimizer_folder,
+               committed_reader(record, std::string(optimizer_folder) + "/", options.verify_checksums)),
+        optimizer_names(options.dcp, ""));
   }
 
   hf::NamedTensors merge(const fs::path& dir, const checkpoint::CommitRecord* record,
@@ -268,7 +301,8 @@ class DcpStepFormat final : public checkpoint::StepFormat {
                      record->path.string(),
                      "': the model component is not committed (its \"components\" omit \"model\")");
     }
-    const Reader reader(dir);
+    const Reader reader(dir,
+                        record != nullptr ? committed_reader(*record, "", options.verify_checksums) : ReaderOptions{});
     hf::NamedTensors tensors = read_tensors(reader, options.dtype);
     FSDPX_CHECK_AS(IoError, !tensors.empty(), "the DCP checkpoint in '", dir.string(), "' holds no tensor");
     report->dir = dir;
@@ -277,6 +311,7 @@ class DcpStepFormat final : public checkpoint::StepFormat {
     report->complete = record != nullptr && record->complete;
     report->step = record != nullptr ? record->step : std::nullopt;
     report->kind = record != nullptr ? record->kind : std::string();
+    report->checksums_verified = record != nullptr && !record->files.empty() && options.verify_checksums;
     std::set<std::string> files;
     for (const auto& [key, info] : reader.metadata().storage) files.insert(info.relative_path);
     for (const std::string& f : files) report->files.push_back(dir / f);

@@ -81,8 +81,9 @@ inline void check_metadata(const Metadata& md, bool writing, std::string_view wh
     const auto entry = md.entries.find(key.fqn);
     if (entry == md.entries.end()) refuse(writing, what, "storage_data holds '", key.fqn, "', which is no entry");
     if (const auto* t = std::get_if<TensorEntry>(&entry->second)) {
-      if (!key.offsets ||
-          std::none_of(t->chunks.begin(), t->chunks.end(), [&](const Chunk& c) { return c.offsets == *key.offsets; })) {
+      const auto& offsets = key.offsets;  // a structured binding is captured by lambdas from clang 16 only
+      if (!offsets ||
+          std::none_of(t->chunks.begin(), t->chunks.end(), [&](const Chunk& c) { return c.offsets == *offsets; })) {
         refuse(writing, what, "storage_data holds a record of tensor entry '", key.fqn,
                "' that is none of its chunks' offsets");
       }

@@ -42,11 +42,12 @@ inline bool admitted_global(std::string_view module, std::string_view name) {
 /// Reads DCP's fixed schema off a parsed pickle. Each level of the schema is read once on the way down,
 /// so a pickle that nests deeper or holds itself is refused as a value of the wrong kind, never
 /// followed; values the pickle shares (through its memo) are counted each time they are read, against
-/// the same limit, so that sharing cannot multiply what is made.
+/// the same limit, and so are the bytes of each string copied out of it (MetadataLimits::max_text_bytes),
+/// so that sharing cannot multiply what is made.
 class MetadataReader {
  public:
-  MetadataReader(const pickle::Pickle& p, std::string_view what, int64_t max_values)
-      : p_(p), what_(what), max_values_(max_values) {}
+  MetadataReader(const pickle::Pickle& p, std::string_view what, const MetadataLimits& limits)
+      : p_(p), what_(what), max_values_(limits.max_values), max_text_bytes_(limits.max_text_bytes) {}
 
   Metadata read() {
     Metadata md;
@@ -64,7 +65,7 @@ class MetadataReader {
       } else if (key == "storage_meta") {
         if (!none(v)) md.storage_meta = storage_meta(v);
       } else if (key == "version") {
-        if (!none(v)) md.version = std::string(string(v, "Metadata.version"));
+        if (!none(v)) md.version = copy(v, "Metadata.version");
       } else {
         return false;
       }
@@ -100,9 +101,30 @@ class MetadataReader {
   bool boolean(pickle::Id id, std::string_view field) const {
     return get(id, pickle::Kind::boolean, field).integer != 0;
   }
-  std::optional<std::string> optional_string(pickle::Id id, std::string_view field) const {
+  /// A string of the pickle, copied out: its bytes are counted against the limit each time.
+  std::string copy(pickle::Id id, std::string_view field) {
+    const std::string_view s = string(id, field);
+    spend_text(s.size(), p_[id]);
+    return std::string(s);
+  }
+  void spend_text(size_t n, const pickle::Node& at) {
+    if (n > static_cast<uint64_t>(max_text_bytes_ - text_bytes_)) {
+      fail(at, "makes strings of more than ", max_text_bytes_,
+           " bytes in all (each copy of a string the pickle shares counted), the limit");
+    }
+    text_bytes_ += static_cast<int64_t>(n);
+  }
+  /// A name (an entry's), copied: UTF-8 as the JSON of a merge and every other library reads it.
+  std::string name(pickle::Id id, std::string_view field) {
+    std::string s = copy(id, field);
+    if (!pickle::valid_utf8(s, /*strict=*/true)) {
+      fail(p_[id], field, " '", pickle::escaped(s), "' is not valid UTF-8 (a lone surrogate or an overlong form)");
+    }
+    return s;
+  }
+  std::optional<std::string> optional_string(pickle::Id id, std::string_view field) {
     if (none(id)) return std::nullopt;
-    return std::string(string(id, field));
+    return copy(id, field);
   }
   /// The elements of a tuple or a list.
   const std::vector<pickle::Id>& sequence(pickle::Id id, std::string_view field) const {
@@ -166,7 +188,7 @@ class MetadataReader {
     const pickle::Node& d = get(id, pickle::Kind::dict, "state_dict_metadata");
     spend(d.items.size() / 2, d);
     for (size_t i = 0; i < d.items.size(); i += 2) {
-      std::string fqn(string(d.items[i], "an entry's name"));
+      std::string fqn = name(d.items[i], "an entry's name");
       const pickle::Node& v = get(d.items[i + 1], pickle::Kind::object, "entry '" + fqn + "'");
       Entry e = p_[v.items[0]].name == "BytesStorageMetadata" ? Entry(bytes_entry(d.items[i + 1], fqn))
                                                               : Entry(tensor_entry(d.items[i + 1], fqn));
@@ -286,7 +308,7 @@ class MetadataReader {
     bool has_fqn = false;
     fields(n, "MetadataIndex", [&](std::string_view k, pickle::Id v) {
       if (k == "fqn") {
-        key.fqn = string(v, "a storage_data key's fqn");
+        key.fqn = name(v, "a storage_data key's fqn");
         has_fqn = true;
       } else if (k == "offset") {
         if (!none(v)) key.offsets = size(v, "a storage_data key's offset");
@@ -307,7 +329,7 @@ class MetadataReader {
     int present = 0;
     fields(n, "_StorageInfo", [&](std::string_view k, pickle::Id v) {
       if (k == "relative_path") {
-        info.relative_path = string(v, where + "'s relative_path");
+        info.relative_path = copy(v, where + "'s relative_path");
       } else if (k == "offset") {
         info.offset = integer(v, where + "'s offset");
       } else if (k == "length") {
@@ -317,7 +339,7 @@ class MetadataReader {
         const std::vector<pickle::Id>& items = sequence(v, where + "'s transform_descriptors");
         spend(items.size(), p_[v]);
         auto& out = info.transform_descriptors.emplace();
-        for (const pickle::Id s : items) out.emplace_back(string(s, where + "'s transform descriptor"));
+        for (const pickle::Id s : items) out.push_back(copy(s, where + "'s transform descriptor"));
         return true;
       } else {
         return false;
@@ -333,7 +355,7 @@ class MetadataReader {
     spend(d.items.size() / 2, d);
     std::map<std::string, std::vector<PathStep>> out;
     for (size_t i = 0; i < d.items.size(); i += 2) {
-      const std::string fqn(string(d.items[i], "a planner_data key"));
+      const std::string fqn = copy(d.items[i], "a planner_data key");
       const std::vector<pickle::Id>& steps = sequence(d.items[i + 1], "planner_data of '" + fqn + "'");
       spend(steps.size(), d);
       std::vector<PathStep> path;
@@ -341,7 +363,7 @@ class MetadataReader {
         if (p_[s].kind == pickle::Kind::integer) {
           path.emplace_back(p_[s].integer);
         } else {
-          path.emplace_back(std::string(string(s, "a step of planner_data's path of '" + fqn + "'")));
+          path.emplace_back(copy(s, "a step of planner_data's path of '" + fqn + "'"));
         }
       }
       if (!out.emplace(fqn, std::move(path)).second) fail(d, "planner_data names '", fqn, "' twice");
@@ -367,7 +389,7 @@ class MetadataReader {
       } else if (k == "modules") {
         const std::vector<pickle::Id>& items = sequence(v, "storage_meta.modules");
         spend(items.size(), p_[v]);
-        for (const pickle::Id s : items) m.modules.emplace_back(string(s, "a module of storage_meta.modules"));
+        for (const pickle::Id s : items) m.modules.push_back(copy(s, "a module of storage_meta.modules"));
       } else {
         return false;
       }
@@ -387,6 +409,7 @@ class MetadataReader {
     std::string path;
     for (const pickle::Id part : parts) {
       const std::string_view s = string(part, "a part of storage_meta.checkpoint_id");
+      spend_text(s.size() + 1, p_[part]);
       if (s.starts_with('/') || path.empty()) {
         path = s;
       } else if (!s.empty()) {
@@ -401,6 +424,8 @@ class MetadataReader {
   std::string_view what_;
   int64_t max_values_;
   int64_t used_ = 0;
+  int64_t max_text_bytes_;
+  int64_t text_bytes_ = 0;
 };
 
 }  // namespace fsdpx::dcp::detail
@@ -413,7 +438,7 @@ FSDPX_DECL Metadata parse_metadata(std::span<const std::byte> data, std::string_
   pickle_limits.max_bytes = limits.max_bytes;
   pickle_limits.max_values = limits.max_values;
   const auto p = ::fsdpx::pickle::parse(data, what, detail::admitted_global, pickle_limits);
-  Metadata md = detail::MetadataReader(p, what, limits.max_values).read();
+  Metadata md = detail::MetadataReader(p, what, limits).read();
   validate_metadata(md, what);
   return md;
 }

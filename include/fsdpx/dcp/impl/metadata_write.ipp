@@ -160,7 +160,8 @@ FSDPX_DECL std::vector<std::byte> serialize_metadata(const Metadata& md) {
     } else if (f == "planner_data") {
       if (!md.planner_data) return w.none();
       w.dict(md.planner_data->size(), [&, it = md.planner_data->begin()](size_t) mutable {
-        const auto& [fqn, path] = *it++;
+        const auto& [fqn, steps] = *it++;
+        const auto& path = steps;  // a structured binding is captured by lambdas from clang 16 only
         w.string(fqn);
         w.tuple(path.size(), [&](size_t i) {
           if (const auto* s = std::get_if<std::string>(&path[i])) {

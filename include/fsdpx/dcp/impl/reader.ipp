@@ -16,6 +16,7 @@
 
 #include <ATen/ATen.h>
 
+#include <fsdpx/checkpoint/detail/archive_reader.hpp>
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
 #include <fsdpx/dcp/plan.hpp>
 #include <fsdpx/dcp/reader.hpp>
@@ -23,60 +24,6 @@
 #include <fsdpx/pickle/pickle.hpp>
 
 namespace fsdpx::dcp::detail {
-
-/// A bytes entry's pickle as plain values; `what` names it in errors.
-class PlainValues {
- public:
-  PlainValues(const ::fsdpx::pickle::Pickle& p, std::string what, int64_t max_values)
-      : p_(p), what_(std::move(what)), left_(max_values) {}
-
-  c10::IValue value(::fsdpx::pickle::Id id, int depth = 0) {
-    using ::fsdpx::pickle::Kind;
-    // Shared nodes are converted once per use: the value budget bounds a pickle that nests shared lists.
-    FSDPX_CHECK_AS(IoError, --left_ >= 0 && depth <= max_depth, what_,
-                   " holds more values, or nests deeper, than a plain value may (", max_depth, " levels)");
-    const auto& n = p_[id];
-    switch (n.kind) {
-      case Kind::none: return {};
-      case Kind::boolean: return n.integer != 0;
-      case Kind::integer: return n.integer;
-      case Kind::floating: return n.floating;
-      case Kind::string: return std::string(n.text);
-      case Kind::tuple: {
-        std::vector<c10::IValue> items;
-        for (const auto item : n.items) items.push_back(value(item, depth + 1));
-        return c10::ivalue::Tuple::create(std::move(items));
-      }
-      case Kind::list: {
-        c10::impl::GenericList list(c10::AnyType::get());
-        for (const auto item : n.items) list.push_back(value(item, depth + 1));
-        return list;
-      }
-      case Kind::dict: {
-        c10::impl::GenericDict dict(c10::AnyType::get(), c10::AnyType::get());
-        for (size_t i = 0; i + 1 < n.items.size(); i += 2) {
-          c10::IValue key = value(n.items[i], depth + 1);
-          FSDPX_CHECK_AS(IoError, key.isString() || key.isInt() || key.isDouble() || key.isBool(), what_,
-                         " has a dict key that is ", ::fsdpx::pickle::to_string(p_[n.items[i]].kind),
-                         "; plain values have str, int, float or bool keys");
-          dict.insert_or_assign(std::move(key), value(n.items[i + 1], depth + 1));
-        }
-        return dict;
-      }
-      default: break;
-    }
-    throw IoError(::fsdpx::detail::str("fsdpx: ", what_, " holds ", ::fsdpx::pickle::to_string(n.kind), " (at byte ",
-                                       n.offset,
-                                       "): fsdpx reads plain values only (None, bool, int, float, str, and lists, "
-                                       "tuples and dicts of them)"));
-  }
-
- private:
-  static constexpr int max_depth = 32;
-  const ::fsdpx::pickle::Pickle& p_;
-  std::string what_;
-  int64_t left_;
-};
 
 inline bool no_globals(std::string_view, std::string_view) { return false; }
 
@@ -91,7 +38,27 @@ inline c10::IValue plain_archive_value(const fs::path& path, int64_t offset, int
   limits.max_bytes = options.max_bytes_entry;
   limits.max_values = options.max_bytes_values;
   const auto p = ::fsdpx::pickle::parse(data, what, no_globals, limits);
-  return PlainValues(p, what, options.max_bytes_values).value(p.root);
+  return ::fsdpx::checkpoint::detail::pickle_value(p, what, /*storages=*/nullptr);
+}
+
+/// The folder's `.metadata`, checked against its commit record (size and CRC-32C on the very bytes parsed)
+/// when there is one.
+inline Metadata open_metadata(const fs::path& dir, const ReaderOptions& options) {
+  const fs::path path = dir / metadata_file_name;
+  const std::vector<char> data =
+      ::fsdpx::detail::read_file(path, "DCP metadata file", options.metadata.max_bytes, ::fsdpx::detail::Links::refuse);
+  if (options.committed) {
+    const auto it = options.committed->find(metadata_file_name);
+    FSDPX_CHECK_AS(IoError, it != options.committed->end(), "DCP metadata file '", path.string(),
+                   "' is not listed in its step's commit record");
+    FSDPX_CHECK_AS(IoError, static_cast<int64_t>(data.size()) == it->second.bytes, "DCP metadata file '", path.string(),
+                   "' has ", data.size(), " bytes but its commit record says ", it->second.bytes,
+                   ": the file is truncated or was replaced");
+    const uint32_t crc = ::fsdpx::detail::Crc32c::of(data.data(), data.size());
+    FSDPX_CHECK_AS(IoError, !it->second.crc32c || crc == *it->second.crc32c, "DCP metadata file '", path.string(),
+                   "' is corrupt: its CRC-32C is ", crc, " but ", it->second.crc32c.value_or(0), " was committed");
+  }
+  return parse_metadata(std::as_bytes(std::span(data)), path.string(), options.metadata);
 }
 
 inline std::string box_text(const Chunk& c) {
@@ -108,9 +75,10 @@ FSDPX_DECL bool is_checkpoint(const fs::path& dir) {
 }
 
 FSDPX_DECL Reader::Reader(fs::path dir, const ReaderOptions& options)
-    : dir_(std::move(dir)), options_(options), md_(read_metadata(dir_ / metadata_file_name, options.metadata)) {
-  // Each data file once: a regular file in the folder (read_metadata refused names with a directory part)
-  // large enough for every range recorded in it, so a read never starts past a file's end.
+    : dir_(std::move(dir)), options_(options), md_(detail::open_metadata(dir_, options)) {
+  // Each data file once: a regular file in the folder (read_metadata refused names with a directory part; a
+  // symbolic link could point out of it) large enough for every range recorded in it, so a read never starts
+  // past a file's end, and of the size its commit record says when it has one.
   std::map<std::string, int64_t> sizes;
   for (const auto& [key, info] : md_.storage) {
     const std::string entry = key.offsets ? ::fsdpx::detail::str("entry '", key.fqn, "' (its chunk at offsets ",
@@ -126,14 +94,61 @@ FSDPX_DECL Reader::Reader(fs::path dir, const ReaderOptions& options)
     auto it = sizes.find(info.relative_path);
     if (it == sizes.end()) {
       const fs::path path = dir_ / info.relative_path;
-      const ::fsdpx::detail::Fd fd = ::fsdpx::detail::open_regular_file(path, "DCP data file");
+      const ::fsdpx::detail::Fd fd =
+          ::fsdpx::detail::open_regular_file(path, "DCP data file", ::fsdpx::detail::Links::refuse);
       struct stat st{};
       if (::fstat(fd.get(), &st) != 0) ::fsdpx::detail::throw_io("stat of", path, errno);
       it = sizes.emplace(info.relative_path, int64_t{st.st_size}).first;
+      if (options_.committed) {
+        const auto c = options_.committed->find(info.relative_path);
+        FSDPX_CHECK_AS(IoError, c != options_.committed->end(), "DCP data file '", path.string(),
+                       "' is not listed in its step's commit record: it was not written by the save that committed "
+                       "the step");
+        FSDPX_CHECK_AS(IoError, c->second.bytes == it->second, "DCP data file '", path.string(), "' has ", it->second,
+                       " bytes but its commit record says ", c->second.bytes,
+                       ": the file is truncated or was replaced");
+      }
     }
     FSDPX_CHECK_AS(IoError, info.offset + info.length <= it->second, "DCP checkpoint '", dir_.string(), "': ", entry,
                    " lies at ", place(info), ", which has ", it->second, " bytes (truncated?)");
   }
+  // A chunk's record holds its elements (and an archive around them): a box larger than its record is a lie
+  // told before any read, refused here rather than sized from.
+  for (const auto& [fqn, e] : md_.entries) {
+    const auto* t = std::get_if<TensorEntry>(&e);
+    if (t == nullptr) continue;
+    const auto itemsize = static_cast<int64_t>(c10::elementSize(t->dtype));
+    for (const Chunk& c : t->chunks) {
+      int64_t volume = 1;
+      for (const int64_t d : c.sizes) volume *= d;  // validate_metadata: within the tensor, no overflow
+      const StorageInfo& info = storage({fqn, c.offsets});
+      FSDPX_CHECK_AS(IoError, volume <= info.length / itemsize, "DCP checkpoint '", dir_.string(), "': the chunk of '",
+                     fqn, "' (", detail::box_text(c), ") is ", volume, " elements of ", t->dtype, ", more than its ",
+                     "record of ", info.length, " bytes at ", place(info), " holds");
+    }
+  }
+}
+
+FSDPX_DECL void Reader::check_committed(const std::string& relative_path) const {
+  if (!options_.committed || checked_.contains(relative_path)) return;
+  const auto expected = options_.committed->at(relative_path).crc32c;  // the constructor: every file is listed
+  if (expected) {
+    const fs::path path = dir_ / relative_path;
+    const ::fsdpx::detail::Fd fd =
+        ::fsdpx::detail::open_regular_file(path, "DCP data file", ::fsdpx::detail::Links::refuse);
+    struct stat st{};
+    if (::fstat(fd.get(), &st) != 0) ::fsdpx::detail::throw_io("stat of", path, errno);
+    ::fsdpx::detail::Crc32c crc;
+    std::vector<char> block(std::min<int64_t>(st.st_size, int64_t{4} << 20));
+    for (int64_t at = 0; at < st.st_size; at += static_cast<int64_t>(block.size())) {
+      const int64_t n = std::min<int64_t>(static_cast<int64_t>(block.size()), st.st_size - at);
+      ::fsdpx::detail::read_exact(fd.get(), path, at, block.data(), n, st.st_size);
+      crc.update(block.data(), static_cast<size_t>(n));
+    }
+    FSDPX_CHECK_AS(IoError, crc.value() == *expected, "DCP data file '", path.string(), "' is corrupt: its CRC-32C is ",
+                   crc.value(), " but ", *expected, " was committed");
+  }
+  checked_.insert(relative_path);
 }
 
 FSDPX_DECL const TensorEntry* Reader::find_tensor(const std::string& fqn) const {
@@ -183,6 +198,7 @@ FSDPX_DECL at::Tensor Reader::load_chunk(const std::string& fqn, const TensorEnt
   const StorageInfo& info = storage({fqn, c.offsets});
   const std::string what = ::fsdpx::detail::str("DCP checkpoint '", dir_.string(), "': the chunk of '", fqn, "' (",
                                                 detail::box_text(c), ") at ", place(info));
+  check_committed(info.relative_path);
   check_torch_save(what, info);
   const c10::IValue v =
       ::fsdpx::checkpoint::detail::load_ivalue_range(dir_ / info.relative_path, info.offset, info.length, what);
@@ -239,6 +255,7 @@ FSDPX_DECL c10::IValue Reader::read_bytes(const std::string& fqn) const {
   const StorageInfo& info = storage({fqn, std::nullopt});
   const std::string what =
       ::fsdpx::detail::str("DCP checkpoint '", dir_.string(), "': bytes entry '", fqn, "' at ", place(info));
+  check_committed(info.relative_path);
   check_torch_save(what, info);
   ++chunks_read_;
   bytes_read_ += info.length;

@@ -66,9 +66,9 @@ FSDPX_DECL WrittenFile write_file_durably(
   return file.commit();
 }
 
-FSDPX_DECL std::vector<char> read_file(const fs::path& path, const char* what, int64_t max_bytes) {
+FSDPX_DECL std::vector<char> read_file(const fs::path& path, const char* what, int64_t max_bytes, Links links) {
   // The one way in: a regular file, opened without blocking (a FIFO or a device would hang or never end).
-  const Fd fd = open_regular_file(path, what);
+  const Fd fd = open_regular_file(path, what, links);
   struct stat st{};
   if (::fstat(fd.get(), &st) != 0) throw_io("stat of", path, errno);
   FSDPX_CHECK_AS(IoError, st.st_size <= max_bytes, what, " '", path.string(), "' has ", int64_t{st.st_size},
@@ -108,10 +108,15 @@ FSDPX_DECL WrittenFile DurableFile::commit() {
   return {path_, bytes_, crc_.value()};
 }
 
-FSDPX_DECL Fd open_regular_file(const fs::path& path, const char* what) {
+FSDPX_DECL Fd open_regular_file(const fs::path& path, const char* what, Links links) {
   std::error_code ec;
+  if (links == Links::refuse) {
+    FSDPX_CHECK_AS(IoError, !fs::is_symlink(fs::symlink_status(path, ec)), what, " '", path.string(),
+                   "' is a symbolic link; a checkpoint's files must be regular files inside its folder");
+  }
   FSDPX_CHECK_AS(IoError, fs::exists(path, ec), what, " '", path.string(), "' does not exist");
-  Fd fd(path, O_RDONLY | O_NONBLOCK);
+  // O_NOFOLLOW: a link put in place after the check above fails to open rather than being followed
+  Fd fd(path, O_RDONLY | O_NONBLOCK | (links == Links::refuse ? O_NOFOLLOW : 0));
   struct stat st{};
   if (::fstat(fd.get(), &st) != 0) throw_io("stat of", path, errno);
   FSDPX_CHECK_AS(IoError, S_ISREG(st.st_mode), what, " '", path.string(), "' is not a regular file");

@@ -23,6 +23,7 @@ FSDPX_DECL const char* to_string(Kind k) {
     case Kind::dict: return "a dict";
     case Kind::global: return "a class or function";
     case Kind::object: return "an object";
+    case Kind::persistent: return "a persistent reference";
   }
   return "a value";
 }
@@ -102,8 +103,8 @@ FSDPX_DECL const char* opcode_name(uint8_t code) {
   }
 }
 
-FSDPX_DECL bool valid_utf8(std::string_view s) {
-  // Python decodes with "surrogatepass", so encoded surrogates pass here too.
+FSDPX_DECL bool valid_utf8(std::string_view s, bool strict) {
+  // Python decodes with "surrogatepass", so encoded surrogates pass here too, unless `strict`.
   for (size_t i = 0; i < s.size();) {
     const auto c = static_cast<uint8_t>(s[i]);
     const size_t more = c < 0x80                 ? 0
@@ -115,9 +116,31 @@ FSDPX_DECL bool valid_utf8(std::string_view s) {
     for (size_t k = 1; k <= more; ++k) {
       if ((static_cast<uint8_t>(s[i + k]) & 0xC0) != 0x80) return false;
     }
+    if (strict && more >= 2) {
+      // the second byte's range: no overlong form (E0, F0), no surrogate (ED), nothing past U+10FFFF (F4)
+      const auto next = static_cast<uint8_t>(s[i + 1]);
+      if ((c == 0xE0 && next < 0xA0) || (c == 0xED && next > 0x9F) || (c == 0xF0 && next < 0x90) ||
+          (c == 0xF4 && next > 0x8F))
+        return false;
+    }
     i += more + 1;
   }
   return true;
+}
+
+FSDPX_DECL std::string escaped(std::string_view s) {
+  std::string out;
+  for (const char ch : s) {
+    const auto c = static_cast<uint8_t>(ch);
+    if (c >= 0x20 && c < 0x7F) {
+      out += ch;
+    } else {
+      char buf[5];
+      std::snprintf(buf, sizeof buf, "\\x%02x", unsigned{c});
+      out += buf;
+    }
+  }
+  return out;
 }
 
 /// The stack machine of parse(): one pass over the bytes, no recursion.
@@ -282,6 +305,12 @@ class Machine {
     const Id args = pop(), cls = pop();
     if (at(args).kind != Kind::tuple) fail("passes ", to_string(at(args).kind), " as arguments, not a tuple");
     if (at(cls).kind != Kind::global) fail("calls ", to_string(at(cls).kind), ", not an admitted class");
+    if (at(cls).text == "collections" && at(cls).name == "OrderedDict") {
+      if (!at(args).items.empty()) fail("makes an OrderedDict from arguments; a pickler sets its items after");
+      Node& d = make(Kind::dict);
+      d.reduced = true;  // so BUILD may give it attributes
+      return push(last());
+    }
     spend(2);
     Node& obj = make(Kind::object);
     obj.reduced = reduced;
@@ -380,11 +409,19 @@ class Machine {
         }
         return global(at(module).text, at(name).text);
       }
+      case 'Q': {  // BINPERSID: a reference for the caller to resolve (a torch.save archive's storage)
+        if (!limits_.persistent_ids) fail("is not an opcode of the pickles fsdpx reads");
+        const Id id = pop();
+        spend(1);
+        make(Kind::persistent).items = {id};
+        return push(last());
+      }
       case 0x81: return object(false);
       case 'R': return object(true);
       case 'b': {  // BUILD: the state is recorded, not applied
         const Id state = pop();
         Node& obj = at(top());
+        if (obj.kind == Kind::dict && obj.reduced) return;  // an OrderedDict's attributes, dropped
         if (obj.kind != Kind::object) fail("builds ", to_string(obj.kind), ", not an object");
         if (obj.items.size() > 2) fail("builds the same object twice");
         spend(1);
