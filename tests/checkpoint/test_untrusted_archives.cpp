@@ -127,6 +127,17 @@ TEST_CASE("archives: a pickle nested a million deep is refused without recursing
   CHECK(load(shallow).isList());
 }
 
+TEST_CASE("archives: a dict of a million items, unbatched as LibTorch's pickler writes it, reads",
+          "[checkpoint][memory]") {
+  merge_fixture::TempDir tmp;
+  std::string p = "\x80\x02}(";
+  const int32_t items = 1 << 20;
+  for (int32_t i = 0; i < items; ++i) p += binint(i) + "N";
+  p += "u.";
+  const fs::path path = write(tmp.path, "big_dict.pt", archive(p));
+  CHECK(load(path).toGenericDict().size() == static_cast<size_t>(items));
+}
+
 TEST_CASE("archives: tensors that share one storage read its record once", "[security][checkpoint][memory]") {
   merge_fixture::TempDir tmp;
   const fs::path& dir = tmp.path;

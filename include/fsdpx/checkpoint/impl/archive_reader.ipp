@@ -54,6 +54,9 @@ FSDPX_DECL bool archive_global(std::string_view module, std::string_view name) {
 FSDPX_DECL ::fsdpx::pickle::Limits archive_limits(int64_t max_bytes) {
   ::fsdpx::pickle::Limits limits;
   limits.max_bytes = std::min(limits.max_bytes, max_bytes);
+  // LibTorch's pickler writes a dict's or a list's items between one MARK (Python's batches them by 1000), so a
+  // state dict of a million tensors holds two million values on the stack: bounded by the values, not less.
+  limits.max_stack = limits.max_values;
   limits.persistent_ids = true;
   return limits;
 }
