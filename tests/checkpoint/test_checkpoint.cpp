@@ -14,6 +14,8 @@
 #include <set>
 #include <cstdlib>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -1003,9 +1005,9 @@ TEST_CASE("an earlier run's commit of a step is gone before any rank replaces a 
           "[checkpoint][coordinator][dcp]") {
   auto world = any_world();
   // The earlier run's format and this one's: DCP's .metadata goes too when this run writes fsdpx's format.
-  for (const auto [earlier, format] : {std::pair{CheckpointFormat::fsdpx, CheckpointFormat::fsdpx},
-                                       std::pair{CheckpointFormat::dcp, CheckpointFormat::dcp},
-                                       std::pair{CheckpointFormat::dcp, CheckpointFormat::fsdpx}}) {
+  for (const auto& [earlier, format] : {std::pair{CheckpointFormat::fsdpx, CheckpointFormat::fsdpx},
+                                        std::pair{CheckpointFormat::dcp, CheckpointFormat::dcp},
+                                        std::pair{CheckpointFormat::dcp, CheckpointFormat::fsdpx}}) {
     const fs::path root =
         fresh_dir(std::string("rewrite_") + checkpoint::to_string(earlier) + "_" + checkpoint::to_string(format));
     const fs::path dir = checkpoint::step_dir(root, 2);
@@ -1027,12 +1029,26 @@ TEST_CASE("an earlier run's commit of a step is gone before any rank replaces a 
 
     // This run saves step 2 again; rank 0, which withdraws the earlier commit, comes late. No rank may start a
     // file of the step while that commit is there: a reader would take the new files for the old commit's.
+    // The earlier run's files are told from this run's (whose weights commit may be there before a rank's
+    // later components start) by inode, held open so that no new file can reuse one.
+    std::vector<std::pair<int, struct stat>> earlier_files;
+    for (const fs::path& file : {dir / checkpoint::config_file, dir / dcp::metadata_file_name,
+                                 dir / "optim_states" / dcp::metadata_file_name}) {
+      const int fd = ::open(file.c_str(), O_RDONLY | O_CLOEXEC);
+      struct stat st{};
+      if (fd >= 0 && ::fstat(fd, &st) == 0) earlier_files.emplace_back(fd, st);
+    }
+    REQUIRE(!earlier_files.empty());
     CheckpointCoordinator run(root, model, {.format = format});
     std::atomic<int> stale_seen{0};
     run.add_monitor({.before_save = [&](int64_t, checkpoint::Component) {
       for (const fs::path& file : {dir / checkpoint::config_file, dir / dcp::metadata_file_name,
                                    dir / "optim_states" / dcp::metadata_file_name}) {
-        if (fs::exists(file)) ++stale_seen;
+        struct stat st{};
+        if (::stat(file.c_str(), &st) != 0) continue;
+        for (const auto& [fd, earlier] : earlier_files) {
+          if (st.st_dev == earlier.st_dev && st.st_ino == earlier.st_ino) ++stale_seen;
+        }
       }
     }});
     train_step(model, opt, world);
@@ -1040,6 +1056,7 @@ TEST_CASE("an earlier run's commit of a step is gone before any rank replaces a 
     run.save(2, model, opt, extra);
     run.wait();
     world.barrier();
+    for (const auto& [fd, earlier] : earlier_files) ::close(fd);
     INFO(checkpoint::to_string(earlier) << " then " << checkpoint::to_string(format));
     CHECK(stale_seen.load() == 0);
     CHECK(fs::exists(dir / dcp::metadata_file_name) == (format == CheckpointFormat::dcp));

@@ -20,6 +20,7 @@
 #include <caffe2/serialize/inline_container.h>
 
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
+#include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/dcp.hpp>
 #include <fsdpx/error.hpp>
 
@@ -136,6 +137,23 @@ TEST_CASE("archives: a dict of a million items, unbatched as LibTorch's pickler 
   p += "u.";
   const fs::path path = write(tmp.path, "big_dict.pt", archive(p));
   CHECK(load(path).toGenericDict().size() == static_cast<size_t>(items));
+}
+
+TEST_CASE("archives: a committed file is read only as itself, never through a symbolic link",
+          "[security][checkpoint]") {
+  merge_fixture::TempDir tmp;
+  const fs::path real = tmp.path / "outside.pt";
+  const auto written = fsdpx::checkpoint::detail::save_ivalue(real, c10::IValue(int64_t{7}));
+  const fsdpx::checkpoint::CommittedFile committed{written.bytes, written.crc32c};
+  CHECK(fsdpx::checkpoint::load_committed_ivalue(real, committed).toInt() == 7);
+  // The link has the committed size and CRC-32C; it is refused at the open, not measured through.
+  const fs::path link = tmp.path / "model_world_size_1_rank_0.pt";
+  fs::create_symlink(real, link);
+  refused(link, "is a symbolic link", [&] { (void)fsdpx::checkpoint::load_committed_ivalue(link, committed); });
+  refused(link, "is a symbolic link",
+          [&] { (void)fsdpx::checkpoint::load_shard_file(tmp.path, link.filename().string(), committed); });
+  // An uncommitted file (a foreign folder's, a merge input) may still be reached through one.
+  CHECK(fsdpx::checkpoint::load_committed_ivalue(link, std::nullopt).toInt() == 7);
 }
 
 TEST_CASE("archives: tensors that share one storage read its record once", "[security][checkpoint][memory]") {

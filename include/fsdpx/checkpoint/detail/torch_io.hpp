@@ -37,9 +37,10 @@ FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const 
 
 /// Reads a file written by save_ivalue or Python's torch.save; a missing, truncated or corrupt file
 /// (or one whose CRC-32C differs from `expected_crc32c`, or larger than `max_bytes`: a commit record's
-/// size) is an IoError that names it.
+/// size, or a symbolic link with Links::refuse, refused when it is opened) is an IoError that names it.
 FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> expected_crc32c = std::nullopt,
-                                   int64_t max_bytes = std::numeric_limits<int64_t>::max());
+                                   int64_t max_bytes = std::numeric_limits<int64_t>::max(),
+                                   ::fsdpx::detail::Links links = ::fsdpx::detail::Links::follow);
 
 /// Reads the torch.save archive at bytes [offset, offset + length) of the regular file `path` (a DCP data
 /// file holds one per chunk), with positioned reads of what the archive's records need and nothing outside

@@ -167,18 +167,23 @@ FSDPX_DECL StateDict state_dict_from_ivalue(const c10::IValue& v, const fs::path
 
 FSDPX_DECL c10::IValue load_committed_ivalue(const fs::path& path, const std::optional<CommittedFile>& committed) {
   if (committed) {
+    // Looked at without following a link, so that a link is refused by the open below, never measured.
     std::error_code ec;
-    FSDPX_CHECK_AS(IoError, !fs::is_symlink(fs::symlink_status(path, ec)), "checkpoint file '", path.string(),
-                   "' is a symbolic link; a checkpoint's files must be regular files inside its folder");
-    const fs::file_status status = fs::status(path, ec);
+    const fs::file_status status = fs::symlink_status(path, ec);
     FSDPX_CHECK_AS(IoError, fs::exists(status), "checkpoint file '", path.string(), "' is missing (listed in ",
                    config_file, ")");
-    FSDPX_CHECK_AS(IoError, fs::is_regular_file(status), "checkpoint file '", path.string(), "' is not a regular file");
-    const auto size = static_cast<int64_t>(fs::file_size(path, ec));
-    FSDPX_CHECK_AS(IoError, !ec && size == committed->bytes, "'", path.string(), "' has ", size, " bytes but ",
-                   config_file, " records ", committed->bytes, ": the file is truncated or was replaced");
+    if (!fs::is_symlink(status)) {
+      FSDPX_CHECK_AS(IoError, fs::is_regular_file(status), "checkpoint file '", path.string(),
+                     "' is not a regular file");
+      const auto size = static_cast<int64_t>(fs::file_size(path, ec));
+      FSDPX_CHECK_AS(IoError, !ec && size == committed->bytes, "'", path.string(), "' has ", size, " bytes but ",
+                     config_file, " records ", committed->bytes, ": the file is truncated or was replaced");
+    }
   }
-  return committed ? detail::load_ivalue(path, committed->crc32c, committed->bytes) : detail::load_ivalue(path);
+  // A committed file is opened without following links (O_NOFOLLOW): one put in place after the look above
+  // is refused too. An uncommitted one (a foreign folder, a merge input) may be reached through a link.
+  return committed ? detail::load_ivalue(path, committed->crc32c, committed->bytes, ::fsdpx::detail::Links::refuse)
+                   : detail::load_ivalue(path);
 }
 
 FSDPX_DECL StateDict load_shard_file(const fs::path& dir, const std::string& name,

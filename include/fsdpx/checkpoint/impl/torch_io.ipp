@@ -229,8 +229,9 @@ inline c10::IValue read_checked_archive(caffe2::serialize::PyTorchStreamReader& 
   return pickle_value(parsed, what, &records);
 }
 
-FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> expected_crc32c, int64_t max_bytes) {
-  std::vector<char> data = ::fsdpx::detail::read_file(path, "checkpoint file", max_bytes);
+FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> expected_crc32c, int64_t max_bytes,
+                                   ::fsdpx::detail::Links links) {
+  std::vector<char> data = ::fsdpx::detail::read_file(path, "checkpoint file", max_bytes, links);
   const size_t bytes = data.size();
   if (expected_crc32c) {
     const uint32_t crc = ::fsdpx::detail::Crc32c::of(data.data(), data.size());
