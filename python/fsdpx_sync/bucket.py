@@ -5,26 +5,25 @@ numel) of the tensor flattened row-major, at byte_offset from the bucket's start
 from __future__ import annotations
 
 import struct
+import time
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple, NoReturn
 
 import torch
 
 from .checksum import BytesLike
-from .errors import SyncError
+from .errors import LATE_MASK, SyncError, late
 from .wire import (
     BUCKET_FORMAT,
     BUCKET_MAGIC,
     BUCKET_PREFIX,
     DTYPE_CODES,
-    DTYPE_NDIM,
     ENTRY_PLACE,
     HEADER_BOOKKEEPING_FLOOR,
     MAX_NDIM,
     MIN_ENTRY_BYTES,
-    NAME_LEN,
     PARSED_ENTRY_BYTES,
     PREFIX_BYTES,
     RANGE_BOOKKEEPING,
@@ -38,6 +37,9 @@ __all__ = ["BUCKET_MAGIC", "BUCKET_FORMAT", "PREFIX_BYTES", "MAX_NDIM", "DTYPES"
 
 DTYPES: dict[int, torch.dtype] = {code: getattr(torch, name) for name, code in DTYPE_CODES.items()}
 ESIZE = {code: torch.empty(0, dtype=dt).element_size() for code, dt in DTYPES.items()}
+_DTYPE_ESIZE = {dt: ESIZE[code] for code, dt in DTYPES.items()}  # by torch dtype
+# An entry's shape of n dimensions and its ENTRY_PLACE, read at once.
+_SHAPE_PLACE = [struct.Struct(f"<{n}q" + ENTRY_PLACE.format.lstrip("<")).unpack_from for n in range(MAX_NDIM + 1)]
 
 
 def bookkeeping_problem(bookkeeping: int, arrived: int, floor: int, what: str) -> str | None:
@@ -81,44 +83,62 @@ class Bucket:
 
     def entries(self) -> Iterator[Entry]:
         """Each entry, bounds-checked before it is yielded."""
-        view, limit, pos = self.view, self.header_bytes, PREFIX_BYTES
+        limit, pos = self.header_bytes, PREFIX_BYTES
+        head = self.view
+        header_bytes, total_bytes = self.header_bytes, self.total_bytes
+        dtypes, esizes, places, place_size = DTYPES, ESIZE, _SHAPE_PLACE, ENTRY_PLACE.size
+        new_entry = tuple.__new__  # Entry(...) without its Python-level __new__
 
-        def need(n: int, what: str) -> None:
-            if pos + n > limit:
-                self.fail(f"the header ends inside {what} ({limit} header bytes)")
+        def short(what: str) -> NoReturn:
+            self.fail(f"the header ends inside {what} ({limit} header bytes)")
 
         for _ in range(self.entry_count):
-            need(2, "an entry's name length")
-            (length,) = NAME_LEN.unpack_from(view, pos)
+            if pos + 2 > limit:
+                short("an entry's name length")
+            length = head[pos] | head[pos + 1] << 8  # NAME_LEN
             pos += 2
-            need(length, "an entry's name")
-            name = str(view[pos : pos + length], "utf-8", "replace")
+            if pos + length > limit:
+                short("an entry's name")
+            name = str(head[pos : pos + length], "utf-8", "replace")
             pos += length
-            need(2, "an entry's dtype and rank")
-            code, ndim = DTYPE_NDIM.unpack_from(view, pos)
+            if pos + 2 > limit:
+                short("an entry's dtype and rank")
+            code, ndim = head[pos], head[pos + 1]  # DTYPE_NDIM
             pos += 2
-            if code not in DTYPES:
+            dtype = dtypes.get(code)
+            if dtype is None:
                 self.fail(f"entry '{name}' has unknown dtype code {code}")
             if ndim > MAX_NDIM:
                 self.fail(f"entry '{name}' has {ndim} dimensions")
-            need(8 * ndim + ENTRY_PLACE.size, "an entry's shape and place")
-            shape = struct.unpack_from(f"<{ndim}q", view, pos)
-            pos += 8 * ndim
-            element_offset, numel, byte_offset = ENTRY_PLACE.unpack_from(view, pos)
-            pos += ENTRY_PLACE.size
-            if any(d < 0 for d in shape):
-                self.fail(f"entry '{name}' has a negative dimension")
+            if pos + 8 * ndim + place_size > limit:
+                short("an entry's shape and place")
+            fields = places[ndim](head, pos)  # the shape, then ENTRY_PLACE
+            pos += 8 * ndim + place_size
+            shape = fields[:ndim]
+            element_offset, numel, byte_offset = fields[ndim:]
             tensor_numel = 1
-            for d in shape:
-                tensor_numel *= d
-            esize = ESIZE[code]
+            if ndim:
+                if min(shape) < 0:
+                    self.fail(f"entry '{name}' has a negative dimension")
+                for d in shape:
+                    tensor_numel *= d
+            esize = esizes[code]
             if (numel < 0 or element_offset < 0 or element_offset + numel > tensor_numel
-                    or byte_offset < self.header_bytes or byte_offset % esize
-                    or byte_offset + numel * esize > self.total_bytes):
+                    or byte_offset < header_bytes or byte_offset % esize
+                    or byte_offset + numel * esize > total_bytes):
                 self.fail(f"entry '{name}' (elements {element_offset}+{numel} of {tensor_numel} at byte {byte_offset}) "
-                          f"lies outside the bucket of {self.total_bytes} bytes")
-            yield Entry(name, DTYPES[code], shape, element_offset, numel, byte_offset, tensor_numel,
-                        tensor_numel * esize)
+                          f"lies outside the bucket of {total_bytes} bytes")
+            yield new_entry(Entry, (name, dtype, shape, element_offset, numel, byte_offset, tensor_numel,
+                                    tensor_numel * esize))
+
+
+def _as_dtype(bucket: BytesLike, dtype: torch.dtype) -> tuple[torch.Tensor, int]:
+    """The bucket's bytes as a 1-D tensor of ``dtype`` (no copy), and its length; of no elements for a
+    bool (a chunk of bools is cloned: that makes each byte 0 or 1, as copying it into a tensor does)."""
+    count = 0 if dtype == torch.bool else memoryview(bucket).nbytes // _DTYPE_ESIZE[dtype]
+    if count == 0:
+        return torch.empty(0, dtype=dtype), 0
+    return torch.frombuffer(bucket, dtype=dtype, count=count), count
 
 
 def decode_bucket(data: BytesLike, where: str) -> Bucket:
@@ -147,18 +167,31 @@ def decode_bucket(data: BytesLike, where: str) -> Bucket:
 
 
 class Coverage:
-    """Which elements of one tensor have arrived: [start, end) ranges in two compact arrays, appended
-    as chunks come (a chunk that continues the last range, forwards or backwards, extends it: chunks
-    in order keep one range), sorted and checked once at the end, so a chunk costs O(1) whatever the
-    order chunks are sent in. A tensor is whole only when every element arrived exactly once: counting
-    elements alone would take the first half sent twice for the whole tensor, with its other half
-    uninitialised. More elements than the tensor has is an overlap, found at once."""
+    """Which elements of one tensor have arrived: [start, end) ranges, appended as chunks come (a
+    chunk that continues the last range, forwards or backwards, extends it: chunks in order keep one
+    range), sorted and checked once at the end, so a chunk costs O(1) whatever the order chunks are
+    sent in. The last range is held as two numbers, the ranges before it in two compact arrays made
+    only when a second range appears (a tensor that arrives in one chunk, or in order, needs none). A
+    tensor is whole only when every element arrived exactly once: counting elements alone would take
+    the first half sent twice for the whole tensor, with its other half uninitialised. More elements
+    than the tensor has is an overlap, found at once."""
 
-    __slots__ = ("starts", "ends", "covered", "empty_seen")
+    __slots__ = ("begin", "end", "starts", "ends", "ranges", "covered", "empty_seen")
 
     def __init__(self) -> None:
-        self.starts, self.ends = array("q"), array("q")
-        self.covered, self.empty_seen = 0, False
+        self.begin = self.end = 0  # the last range, when there is one
+        self.starts: array[int] | None = None  # the ranges before it, in the order they appeared
+        self.ends: array[int] | None = None
+        self.ranges = self.covered = 0
+        self.empty_seen = False
+
+    @classmethod
+    def whole(cls, numel: int) -> Coverage:
+        """Elements [0, numel) arrived, in one chunk (numel > 0)."""
+        c = cls()
+        c.end = c.covered = numel
+        c.ranges = 1
+        return c
 
     def add(self, begin: int, n: int, numel: int) -> str | None:
         """Records elements [begin, begin + n); the reason it cannot, or None."""
@@ -172,32 +205,36 @@ class Coverage:
                 return "the empty tensor arrived twice"
             self.empty_seen = True
             return None
-        starts, ends = self.starts, self.ends
-        if starts and ends[-1] == begin:
-            ends[-1] = end
-        elif starts and starts[-1] == end:
-            starts[-1] = begin
+        if self.ranges and self.end == begin:
+            self.end = end
+        elif self.ranges and self.begin == end:
+            self.begin = begin
         else:
-            starts.append(begin)
-            ends.append(end)
+            if self.ranges:
+                if self.starts is None or self.ends is None:
+                    self.starts, self.ends = array("q"), array("q")
+                self.starts.append(self.begin)
+                self.ends.append(self.end)
+            self.begin, self.end = begin, end
+            self.ranges += 1
         self.covered += n
         return self.overlap() if self.covered > numel else None
 
     def _sorted(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The ranges by start (one sort in C, however many chunks came)."""
-        if not self.starts:
-            return torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64)
-        starts = torch.frombuffer(self.starts, dtype=torch.int64).clone()  # copies: the arrays may grow later
-        ends = torch.frombuffer(self.ends, dtype=torch.int64).clone()
+        """The ranges by start (one sort in C, however many chunks came); two ranges at least."""
+        assert self.starts is not None and self.ends is not None
+        starts = torch.cat([torch.frombuffer(self.starts, dtype=torch.int64), torch.tensor([self.begin])])  # copies
+        ends = torch.cat([torch.frombuffer(self.ends, dtype=torch.int64), torch.tensor([self.end])])
         order = torch.argsort(starts)
         return starts[order], ends[order]
 
     def overlap(self) -> str | None:
         """The first elements that arrived twice, in words; None when no two ranges overlap. Sorted by
-        start, the first overlap lies between neighbours."""
-        starts, ends = self._sorted()
-        if starts.numel() < 2:
+        start, the first overlap lies between neighbours. One range never overlaps itself: a chunk
+        extends it only where it ends or begins."""
+        if self.ranges < 2:
             return None
+        starts, ends = self._sorted()
         twice = (starts[1:] < ends[:-1]).nonzero()
         if twice.numel() == 0:
             return None
@@ -211,6 +248,11 @@ class Coverage:
         twice, or the first range that did not arrive."""
         if numel == 0:
             return None if self.empty_seen else "it never arrived"
+        if self.ranges < 2:  # no overlap; one range holds `covered` elements, [begin, end)
+            if self.covered == numel:
+                return None
+            at, until = (0, self.begin) if self.ranges and self.begin > 0 else (self.end, numel)
+            return f"{self.covered} of {numel} elements arrived; elements [{at}, {until}) never did"
         twice = self.overlap()
         if twice is not None:
             return twice
@@ -232,52 +274,116 @@ class Collector:
 
     def __init__(self, max_bytes: int) -> None:
         self.tensors: dict[str, torch.Tensor] = {}
-        self.flat: dict[str, torch.Tensor] = {}
+        self.flat: dict[str, torch.Tensor] = {}  # a tensor's 1-D view, made when a chunk of it is copied in
+        # Which elements of a tensor arrived; none for a tensor that arrived whole in one chunk (the usual
+        # case: made only if another chunk of it comes).
         self.received: dict[str, Coverage] = {}
         self.max_bytes, self.allocated = max_bytes, 0  # the tensors' bytes
         self.arrived = self.bookkeeping = 0  # the chunks' bytes accepted; what is held beyond the tensors' bytes
 
-    def _charge_bookkeeping(self, cost: int, what: str) -> None:
-        self.bookkeeping += cost
-        problem = bookkeeping_problem(self.bookkeeping, self.arrived, VERSION_BOOKKEEPING_FLOOR, what)
-        if problem is not None:
-            raise SyncError(f"fsdpx: received weights: {problem}")
+    def _refuse_bookkeeping(self, what: str) -> NoReturn:
+        raise SyncError(f"fsdpx: received weights: "
+                        f"{bookkeeping_problem(self.bookkeeping, self.arrived, VERSION_BOOKKEEPING_FLOOR, what)}")
+
+    def _refuse_size(self, e: Entry) -> NoReturn:
+        raise SyncError(f"fsdpx: received weights: tensor '{e.name}' of {e.nbytes} bytes would take the "
+                        f"version beyond max_version_bytes ({self.max_bytes})")
 
     def accept(self, e: Entry, bucket: BytesLike) -> None:
-        t = self.tensors.get(e.name)
+        """Takes one chunk of ``bucket``."""
+        self.accept_entries((e,), bucket)
+
+    def accept_entries(self, entries: Iterable[Entry], bucket: BytesLike, deadline: float | None = None) -> bool:
+        """Takes these chunks of ``bucket`` (a Bucket's entries(), parsed one at a time), in order: True;
+        False, the rest neither parsed nor taken, once ``deadline`` (a time.monotonic(), looked at once
+        every 1024 entries) passed."""
+        tensors, max_bytes, frombuffer = self.tensors, self.max_bytes, torch.frombuffer
+        # The bucket as a tensor of each dtype (made once it is needed): a chunk is copied out of it in one
+        # step (narrow_copy: a tensor of its own, of exactly the chunk's bytes).
+        views: dict[torch.dtype, tuple[torch.Tensor, int]] = {}
+        for n, e in enumerate(entries):
+            if deadline is not None and n & 1023 == 1023 and time.monotonic() > deadline:
+                return False
+            name, numel = e.name, e.numel
+            if numel == e.tensor_numel and numel and e.element_offset == 0 and name not in tensors:
+                # A new tensor whole in one chunk (the usual case): the checks of _accept, in their
+                # order, then one copy.
+                nbytes = e.nbytes
+                if self.allocated + nbytes > max_bytes:
+                    self._refuse_size(e)
+                self.allocated += nbytes
+                self.bookkeeping += TENSOR_BOOKKEEPING + 2 * len(name)  # the name kept twice, as in C++
+                if self.bookkeeping - self.arrived > VERSION_BOOKKEEPING_FLOOR:
+                    self._refuse_bookkeeping(f"tensor '{name}', the {len(tensors) + 1}th,")
+                self.arrived += nbytes
+                self.bookkeeping += RANGE_BOOKKEEPING  # its one range
+                if self.bookkeeping - self.arrived > VERSION_BOOKKEEPING_FLOOR:
+                    self._refuse_bookkeeping(f"the chunks of '{name}', so scattered,")
+                dtype = e.dtype
+                view = views.get(dtype)
+                if view is None:
+                    view = views[dtype] = _as_dtype(bucket, dtype)
+                start, skew = divmod(e.byte_offset, _DTYPE_ESIZE[dtype])
+                if not skew and start + numel <= view[1]:
+                    t = view[0].narrow_copy(0, start, numel)
+                else:  # a bool (its clone makes every byte 0 or 1, as the copy of a chunk does)
+                    t = frombuffer(bucket, dtype=dtype, count=numel, offset=e.byte_offset).clone()
+                tensors[name] = t if len(e.shape) == 1 else t.view(e.shape)
+            else:
+                self._accept(e, bucket)
+        return True
+
+    def _accept(self, e: Entry, bucket: BytesLike) -> None:
+        """Takes a chunk of a tensor that is not new, or not whole: its elements' ranges recorded."""
+        name = e.name
+        t = self.tensors.get(name)
         if t is None:
             if self.allocated + e.nbytes > self.max_bytes:
-                raise SyncError(f"fsdpx: received weights: tensor '{e.name}' of {e.nbytes} bytes would take the "
-                                f"version beyond max_version_bytes ({self.max_bytes})")
+                self._refuse_size(e)
             self.allocated += e.nbytes
-            self._charge_bookkeeping(TENSOR_BOOKKEEPING + 2 * len(e.name),  # the name kept twice, as in C++
-                                     f"tensor '{e.name}', the {len(self.tensors) + 1}th,")
+            self.bookkeeping += TENSOR_BOOKKEEPING + 2 * len(name)  # the name kept twice, as in C++
+            if self.bookkeeping - self.arrived > VERSION_BOOKKEEPING_FLOOR:
+                self._refuse_bookkeeping(f"tensor '{name}', the {len(self.tensors) + 1}th,")
             try:
-                t = self.tensors[e.name] = torch.empty(e.shape, dtype=e.dtype)
+                t = self.tensors[name] = torch.empty(e.shape, dtype=e.dtype)
             except RuntimeError as err:
-                raise SyncError(f"fsdpx: received tensor '{e.name}' has an impossible shape {e.shape}: {err}") from err
-            self.received[e.name] = Coverage()
-            self.flat[e.name] = t.view(-1)
-        if tuple(t.shape) != e.shape or t.dtype != e.dtype:
-            raise SyncError(f"fsdpx: received weights: '{e.name}' arrived with two different shapes or dtypes")
-        coverage = self.received[e.name]
-        ranges = len(coverage.starts)
-        problem = coverage.add(e.element_offset, e.numel, t.numel())
+                raise SyncError(f"fsdpx: received tensor '{name}' has an impossible shape {e.shape}: {err}") from err
+            coverage = self.received[name] = Coverage()
+        elif t.shape != e.shape or t.dtype != e.dtype:
+            raise SyncError(f"fsdpx: received weights: '{name}' arrived with two different shapes or dtypes")
+        else:
+            got = self.received.get(name)
+            coverage = self.received[name] = Coverage.whole(e.tensor_numel) if got is None else got
+        ranges = coverage.ranges
+        problem = coverage.add(e.element_offset, e.numel, e.tensor_numel)
         if problem is not None:
-            raise SyncError(f"fsdpx: received weights are not whole: '{e.name}': {problem}")
-        self.arrived += e.numel * t.element_size()
-        if len(coverage.starts) > ranges:
-            self._charge_bookkeeping(RANGE_BOOKKEEPING, f"the chunks of '{e.name}', so scattered,")
+            raise SyncError(f"fsdpx: received weights are not whole: '{name}': {problem}")
+        self.arrived += e.numel * _DTYPE_ESIZE[e.dtype]
+        if coverage.ranges > ranges:
+            self.bookkeeping += RANGE_BOOKKEEPING
+            if self.bookkeeping - self.arrived > VERSION_BOOKKEEPING_FLOOR:
+                self._refuse_bookkeeping(f"the chunks of '{name}', so scattered,")
         if e.numel:
+            flat = self.flat.get(name)
+            if flat is None:
+                flat = self.flat[name] = t.view(-1)
             chunk = torch.frombuffer(bucket, dtype=e.dtype, count=e.numel, offset=e.byte_offset)
-            self.flat[e.name][e.element_offset : e.element_offset + e.numel].copy_(chunk)
+            flat[e.element_offset : e.element_offset + e.numel].copy_(chunk)
 
-    def finish(self) -> list[tuple[str, torch.Tensor]]:
+    def finish(self, deadline: float | None = None) -> list[tuple[str, torch.Tensor]]:
+        """The tensors, once every element of every one arrived exactly once; a SyncError naming the
+        first few that did not otherwise (FetchLate once ``deadline``, a time.monotonic(), passed)."""
         missing = []
-        for n, t in self.tensors.items():
-            gap = self.received[n].gap(t.numel())
+        count = len(self.tensors)
+        for n, (name, t) in enumerate(self.tensors.items()):
+            if deadline is not None and n & LATE_MASK == LATE_MASK and time.monotonic() > deadline:
+                raise late("received weights", n, count)
+            coverage = self.received.get(name)
+            if coverage is None or (coverage.ranges == 1 and coverage.covered == t.numel()):
+                continue  # whole in one chunk, or one range of every element
+            gap = coverage.gap(t.numel())
             if gap is not None:
-                missing.append(f"'{n}': {gap}")
+                missing.append(f"'{name}': {gap}")
         if missing:
             more = f"; and {len(missing) - 8} more" if len(missing) > 8 else ""
             raise SyncError("fsdpx: received weights are not whole (every element of every tensor must arrive exactly "

@@ -30,9 +30,10 @@ from typing import Any, Callable
 import torch
 
 from .bucket import PREFIX_BYTES, Collector, decode_bucket
+from .checksum import tensor_bytes
 from .delta import MANIFEST_NAME, Manifest, VersionStore, full_manifest, verify as _verify
 from .engines import flatten_buckets
-from .errors import SyncError
+from .errors import SyncError, late
 from .manifest import Target
 from .transport import GROW, Connection, handshake_mac
 from .wire import (
@@ -48,6 +49,9 @@ from .wire import (
     HEADER,
     HELLO,
     KIND_NAMES,
+    MANIFEST_FORMAT,
+    MANIFEST_MAGIC,
+    MANIFEST_PREFIX,
     MAX_BUCKET_BYTES,
     MAX_RUN,
     MAX_TEXT,
@@ -70,7 +74,8 @@ __all__ = ["WeightVersion", "SyncClient", "handshake_mac", "GROW", "FRAME_MAGIC"
            "HEADER", "MAX_TEXT", "MAX_RUN", "REFUSED_BUSY", "NONCE", "CLIENT_LABEL", "SERVER_LABEL", "ROLE_PUBLISH",
            "ROLE_FETCH", "PUBLISH_BEGIN", "BUCKET", "PUBLISH_END", "ACK", "FETCH", "SNAPSHOT_BEGIN", "TIMEOUT", "ERROR",
            "GOODBYE", "HELLO", "AUTH", "WELCOME", "KIND_NAMES"]
-Fetched = tuple[int, str, list[tuple[str, torch.Tensor]]]  # version, run label, received tensors (manifest first)
+# version, run label, received tensors (manifest first), the fetch's deadline (a time.monotonic())
+Fetched = tuple[int, str, list[tuple[str, torch.Tensor]], float]
 
 
 @dataclass
@@ -143,12 +148,15 @@ class WeightVersion:
         load_format="flattened_bucket")``; ``metadata_class=dict`` gives plain dicts."""
         return flatten_buckets(self.changed() if changed_only else self.tensors, bucket_bytes, metadata_class)
 
-    def load_into(self, module: torch.nn.Module, strict: bool = True) -> tuple[list[str], list[str]]:
+    def load_into(self, module: torch.nn.Module, strict: bool = True, *,
+                  deadline: float | None = None) -> tuple[list[str], list[str]]:
         """Copies every tensor into the module's parameter or persistent buffer of the same name (cast
         to its dtype, on its device): the names of module.state_dict(), as transformers' models have
         them. Strict: a missing, unexpected or wrong-shaped name is an error listing all of them,
         raised before anything is copied. A tied tensor (one tensor under several names, such as a
-        tied LM head) needs only one of its names. Returns (missing, unexpected)."""
+        tied LM head) needs only one of its names. Returns (missing, unexpected). ``deadline`` (a
+        time.monotonic(): a fetch's): a SyncError when it passed before copying starts (never after:
+        a copy begun ends)."""
         targets = module.state_dict(keep_vars=True)  # persistent buffers only: never a rotary cache
         received = self.named()
         aliases: dict[int, list[str]] = {}  # id of the tensor -> its names
@@ -167,6 +175,8 @@ class WeightVersion:
             if wrong:
                 parts.append("wrong shape: " + "; ".join(wrong[:10]))
             raise SyncError(f"fsdpx: version {self.version} does not match the module: " + "; ".join(parts))
+        if deadline is not None and time.monotonic() > deadline:
+            raise late(f"version {self.version}", 0, len(received))
         with torch.no_grad():
             for name, t in targets.items():
                 if name in received:
@@ -240,10 +250,11 @@ class SyncClient(Connection):
         self._check_have(have)
         base = self._base if (self.keep_base and self._base is not None and self._base_module is None
                               and have != -1 and self._base.version == have) else None
-        version, run, received = self._fetch(have, timeout, base)
+        version, run, received, deadline = self._fetch(have, timeout, base)
         store = base if base is not None else VersionStore()
         try:
-            changed = store.accept(received, in_place=False, where=f"the synchronizer at {self.where}")
+            changed = store.accept(received, in_place=False, where=f"the synchronizer at {self.where}",
+                                   deadline=deadline)
         except SyncError as e:
             self.forget_base()
             raise SyncError(f"{e}; {_KEPT}") from None
@@ -279,18 +290,20 @@ class SyncClient(Connection):
             if targets is not None:
                 base = VersionStore()
                 base.adopt(targets, self._base.manifest)  # the module's tensors now (a .to() replaces them)
-        version, run, received = self._fetch(have, timeout, base)
+        version, run, received, deadline = self._fetch(have, timeout, base)
         store = base if base is not None else VersionStore()
         try:
             with torch.no_grad():
-                # A delta lands in the module, undone on failure.
-                changed = store.accept(received, in_place=True, where=where)
+                # A delta lands in the module, undone on failure (a late one too).
+                changed = store.accept(received, in_place=True, where=where, deadline=deadline)
                 del received
                 m = store.manifest
                 assert m is not None  # accepted: the store holds the version
                 adopted = True
                 if not m.is_delta:
-                    WeightVersion(version, store.named(), run, m).load_into(module, strict=True)
+                    # Late only before copying starts: once it does, the module holds the version.
+                    WeightVersion(version, store.named(), run, m).load_into(module, strict=True,
+                                                                            deadline=deadline)
                     targets = self._adoptable(module, m)
                     adopted = targets is not None
                     if targets is not None:
@@ -308,7 +321,8 @@ class SyncClient(Connection):
     @staticmethod
     def _adoptable(module: torch.nn.Module, manifest: Manifest) -> list[tuple[str, torch.Tensor]] | None:
         """The module's tensors of the version's names, in its order, when a delta can land in them in
-        place: each contiguous, of the version's dtype and shape, no two sharing memory. Else None."""
+        place: each contiguous, of the version's dtype and shape, no two sharing memory. Else None.
+        (Never late: before a fetch its deadline has not begun; after one, the module holds it.)"""
         state = module.state_dict(keep_vars=True)
         out: list[tuple[str, torch.Tensor]] = []
         spans: list[tuple[str, int, int]] = []
@@ -346,7 +360,8 @@ class SyncClient(Connection):
             raise SyncError(f"fsdpx: fetching a version newer than {have}: versions are >= 0 (-1: any)")
 
     def _fetch(self, have: int, timeout: float, base: VersionStore | None) -> Fetched:
-        """(version, run label, received tensors, the manifest first), asking for a delta from ``base``."""
+        """(version, run label, received tensors, the manifest first, and the deadline the rest of the
+        fetch checks them by), asking for a delta from ``base``."""
         what = f"fetching a version newer than {have}"
         if self._sock is None or self._closed_by_server():
             self._connect(what)
@@ -355,7 +370,7 @@ class SyncClient(Connection):
     def _fetch_once(self, have: int, timeout: float, what: str, base: VersionStore | None) -> Fetched:
         timeout = min(max(timeout, 0.0), 365 * 24 * 3600.0)
         # The whole fetch ends by this deadline, whatever the server sends: a server trickling frames,
-        # each within io_timeout, cannot keep it longer.
+        # each within io_timeout, cannot keep it longer; checking the version it sent ends by it too.
         deadline = time.monotonic() + timeout
         self._deadline, self._timeout, self._progress = deadline, timeout, ""
         try:
@@ -408,36 +423,41 @@ class SyncClient(Connection):
                                     f"{b.index} of {b.count} of version {b.version} ({b.total_bytes} bytes) arrived "
                                     f"where bucket {k} of {count} of version {version} ({len(payload)} bytes) was "
                                     "expected")
-                late = False
-                for n, e in enumerate(b.entries()):  # one at a time: a header of many entries holds none of them
-                    if n & 1023 == 1023 and time.monotonic() > deadline:  # a bucket of many entries ends by it too
-                        late = True
-                        break
-                    collector.accept(e, payload)
+                # One entry at a time (a header of many entries holds none of them), and a bucket of many
+                # entries ends by the deadline too.
+                overdue = not collector.accept_entries(b.entries(), payload, deadline)
             except SyncError as e:
                 self._fail(f"version {version}: {_unprefixed(e)}", what)
-            if late:
+            if overdue:
                 self._progress += f", bucket {k} parsed in part"
                 self._late(0.0, True, what)
             del b, payload
         try:
-            tensors = collector.finish()  # every element of every tensor exactly once
+            tensors = collector.finish(deadline)  # every element of every tensor exactly once
         except SyncError as e:
             self._fail(f"version {version}: {_unprefixed(e)}", what)
         if not tensors or tensors[0][0] != MANIFEST_NAME:
             self._fail(f"version {version} does not start with its manifest ('{MANIFEST_NAME}'): the server speaks an "
                        "older protocol (update it), or the version is corrupt", what)
-        try:
-            manifest_version = Manifest.decode(tensors[0][1], where=f"the synchronizer at {self.where}").version
-        except SyncError:
-            manifest_version = version  # a manifest that does not parse is refused by VersionStore.accept, naming why
-        if manifest_version != version:  # as the C++ client and the server check
+        # Its prefix only, as the C++ client: VersionStore.accept decodes and checks it whole (a manifest
+        # whose prefix is not one is refused there, naming why).
+        manifest_version = _manifest_version(tensors[0][1])
+        if manifest_version is not None and manifest_version != version:  # as the C++ client and the server check
             self.forget_base()  # as every failure of a fetch: the next one asks for a full version
             self._fail(f"version {version} carries the manifest of version {manifest_version}", what)
-        return version, run, tensors
+        return version, run, tensors, deadline
 
 
 _KEPT = "the weights held before are kept, bit for bit, and the next fetch asks for a full version"
+
+
+def _manifest_version(t: torch.Tensor) -> int | None:
+    """The version a manifest's prefix names (a 1-D uint8 tensor holding a prefix of the right magic
+    number and format), else None: what the C++ client reads before the store decodes it whole."""
+    if t.dtype != torch.uint8 or t.dim() != 1 or t.numel() < MANIFEST_PREFIX.size:
+        return None
+    magic, fmt, _flags, version = MANIFEST_PREFIX.unpack_from(tensor_bytes(t[: MANIFEST_PREFIX.size]), 0)[:4]
+    return int(version) if magic == MANIFEST_MAGIC and fmt == MANIFEST_FORMAT else None
 
 
 def _unprefixed(e: Exception) -> str:

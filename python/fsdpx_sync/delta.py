@@ -9,6 +9,7 @@ applied undone on a failure). The manifest and ``verify`` are in ``manifest``, t
 
 from __future__ import annotations
 
+import time
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ import torch
 
 from .checksum import tensor_bytes, tensor_crc32c
 from .codec import bits_of, copy_of, scatter, sparse_parts, xor_stream
-from .errors import SyncError
+from .errors import LATE_MASK, SyncError, late
 from .manifest import (
     ENCODING_CODES,
     Manifest,
@@ -106,7 +107,7 @@ class VersionStore:
     # ---- the receiver -----------------------------------------------------------------------------
 
     def accept(self, received: Sequence[tuple[str, torch.Tensor]], *, in_place: bool = False,
-               where: str = "the sender") -> list[str]:
+               where: str = "the sender", deadline: float | None = None) -> list[str]:
         """Takes a received version (its tensors as they arrived, the manifest first). A full version
         replaces what is held (every tensor's dtype, shape and CRC-32C checked against the manifest, none
         missing, none extra); a delta is applied to what is held, only if that is its base (version and
@@ -115,37 +116,66 @@ class VersionStore:
 
         Returns the names the version changed (every name for a full version). Any failure is a
         SyncError naming the tensor, and the store (and in place, its tensors) keeps what it held, bit
-        for bit."""
-        m, rest = split_manifest(received, where)
+        for bit: FetchLate once ``deadline`` (a time.monotonic(): a fetch's) passed while the version was
+        checked or applied (what was applied is undone first)."""
+        m, rest = split_manifest(received, where, deadline=deadline)
 
         def fail(why: str) -> NoReturn:
             raise SyncError(f"fsdpx: weight version {m.version} from {where}: {why}")
 
-        listed = m.index()
-        for name in rest:
-            e = listed.get(name)
-            if e is None or e.encoding == UNCHANGED:
-                fail(f"tensor '{name}' arrived but its manifest {'says it is unchanged' if e else 'does not list it'}")
+        def check_listed() -> None:
+            """Every tensor that arrived is one the manifest lists as travelling."""
+            listed = m.index()
+            for k, name in enumerate(rest):
+                if deadline is not None and k & LATE_MASK == LATE_MASK and time.monotonic() > deadline:
+                    raise late(f"weight version {m.version} from {where}", k, len(rest))
+                e = listed.get(name)
+                if e is None or e.encoding == UNCHANGED:
+                    fail(f"tensor '{name}' arrived but its manifest "
+                         f"{'says it is unchanged' if e else 'does not list it'}")
+
+        # A full version of as many tensors as its manifest lists, each of which arrived, lists every
+        # tensor that arrived (and none of its entries is unchanged): check_listed() then runs only
+        # before another failure is named, so that it is named first, as ever.
+        listed_checked = m.is_delta or len(rest) != len(m.entries)
+        if listed_checked:
+            check_listed()
+
+        def refuse(why: str) -> NoReturn:
+            if not listed_checked:
+                check_listed()
+            fail(why)
+
         with torch.no_grad():
             if not m.is_delta:
                 held: list[torch.Tensor] = []
-                for e in m.entries:
+                count = len(m.entries)
+                for k, e in enumerate(m.entries):
+                    if deadline is not None and k & LATE_MASK == LATE_MASK and time.monotonic() > deadline:
+                        raise late(f"weight version {m.version} from {where}", k, count)
                     t = rest.get(e.name)
                     if t is None:
-                        fail(f"tensor '{e.name}' never arrived (its manifest lists it)")
-                    if t.dtype != e.dtype or tuple(t.shape) != e.shape:
-                        fail(f"tensor '{e.name}' arrived as {t.dtype} {tuple(t.shape)}, its manifest says {e.dtype} "
-                             f"{e.shape}")
-                    if tensor_crc32c(t) != e.crc:
-                        fail(f"tensor '{e.name}' does not match its checksum (CRC-32C) in the manifest: it was "
-                             "corrupted on the way or made wrongly")
-                    held.append(t.contiguous())
+                        refuse(f"tensor '{e.name}' never arrived (its manifest lists it)")
+                    if t.dtype != e.dtype or t.shape != e.shape:
+                        refuse(f"tensor '{e.name}' arrived as {t.dtype} {tuple(t.shape)}, its manifest says {e.dtype} "
+                               f"{e.shape}")
+                    try:
+                        crc = tensor_crc32c(t)
+                    except BaseException:
+                        if not listed_checked:
+                            check_listed()
+                        raise
+                    if crc != e.crc:
+                        refuse(f"tensor '{e.name}' does not match its checksum (CRC-32C) in the manifest: it was "
+                               "corrupted on the way or made wrongly")
+                    held.append(t if t.is_contiguous() else t.contiguous())
                 self.tensors, self.manifest = held, m
                 return m.names
-            return self._apply_delta(m, rest, in_place, fail)
+            return self._apply_delta(m, rest, in_place, fail, where, deadline)
 
     def _apply_delta(self, m: Manifest, rest: dict[str, torch.Tensor], in_place: bool,
-                     fail: Callable[[str], NoReturn]) -> list[str]:
+                     fail: Callable[[str], NoReturn], where: str = "the sender",
+                     deadline: float | None = None) -> list[str]:
         base = self.manifest
         if base is None or not self.holds(m.base_version, m.base_digest):
             holding = "no version" if base is None else f"version {base.version} (digest {base.digest:#010x})"
@@ -153,7 +183,10 @@ class VersionStore:
                  f"this receiver holds {holding}: nothing was applied")
         if len(base.entries) != len(m.entries):
             fail(f"the delta lists {len(m.entries)} tensors, its base {len(base.entries)}")
-        for e, b in zip(m.entries, base.entries):
+        count = len(m.entries)
+        for k, (e, b) in enumerate(zip(m.entries, base.entries)):
+            if deadline is not None and k & LATE_MASK == LATE_MASK and time.monotonic() > deadline:
+                raise late(f"weight version {m.version} from {where}", k, count)
             if e.name != b.name or e.dtype != b.dtype or e.shape != b.shape:
                 fail(f"tensor '{e.name}' ({e.dtype}, {e.shape}) is not tensor '{b.name}' of its base at the same place")
             if e.encoding == UNCHANGED and e.crc != b.crc:
@@ -165,6 +198,9 @@ class VersionStore:
         changed: list[str] = []
         try:
             for i, e in enumerate(m.entries):
+                # Late: what was applied is undone below (the undo itself always runs to its end).
+                if deadline is not None and i & LATE_MASK == LATE_MASK and time.monotonic() > deadline:
+                    raise late(f"weight version {m.version} from {where}", i, count)
                 if e.encoding == UNCHANGED:
                     continue
                 payload = rest[e.name]

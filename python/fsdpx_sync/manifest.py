@@ -9,7 +9,9 @@ hold version V exactly" for a module or tensors.
 
 from __future__ import annotations
 
+import itertools
 import struct
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import NoReturn, Protocol, Union, cast
@@ -18,7 +20,7 @@ import torch
 
 from .bucket import DTYPES, ESIZE, MAX_NDIM, bookkeeping_problem
 from .checksum import BytesLike, crc32c, tensor_bytes, tensor_crc32c
-from .errors import SyncError
+from .errors import LATE_MASK, SyncError, late
 from .wire import (
     DTYPE_NDIM,
     ENCODING_NAMES,
@@ -39,6 +41,11 @@ from .wire import (
 ENCODING_CODES = {v: k for k, v in ENCODING_NAMES.items()}
 _CODES = {dtype: code for code, dtype in DTYPES.items()}
 _INT64_MAX = (1 << 63) - 1
+_SHAPE_PACK = [struct.Struct(f"<{n}q").pack for n in range(MAX_NDIM + 1)]  # a shape of n dimensions
+# An entry's shape of n dimensions and its MANIFEST_TAIL, read at once.
+_SHAPE_TAIL = [struct.Struct(f"<{n}q" + MANIFEST_TAIL.format.lstrip("<")).unpack_from for n in range(MAX_NDIM + 1)]
+_CRC = struct.Struct("<I")
+_TAIL_CRC = 4  # where an entry's CRC lies in its tail (MANIFEST_TAIL: encoding, index bytes, zero, crc, changed)
 
 
 class HasTensors(Protocol):
@@ -99,7 +106,7 @@ class ManifestEntry:
             raise SyncError(f"fsdpx: tensor '{self.name}' cannot travel (a name of {len(name)} bytes, "
                             f"{len(self.shape)} dimensions)")
         return (NAME_LEN.pack(len(name)) + name + DTYPE_NDIM.pack(dtype_code(self.dtype, self.name), len(self.shape))
-                + struct.pack(f"<{len(self.shape)}q", *self.shape))
+                + _SHAPE_PACK[len(self.shape)](*self.shape))
 
 
 @dataclass
@@ -133,7 +140,8 @@ class Manifest:
         """CRC-32C over every entry's name, dtype, shape and CRC, in order: one number for the version."""
         records = bytearray()
         for e in self.entries:
-            records += e.identity() + struct.pack("<I", e.crc)
+            records += e.identity()
+            records += _CRC.pack(e.crc)
         return crc32c(bytes(records))
 
     def encode(self) -> torch.Tensor:
@@ -145,10 +153,16 @@ class Manifest:
         return torch.frombuffer(out, dtype=torch.uint8).clone()
 
     @classmethod
-    def decode(cls, data: BytesLike | torch.Tensor, where: str = "the sender") -> Manifest:
+    def decode(cls, data: BytesLike | torch.Tensor, where: str = "the sender", *,
+               deadline: float | None = None) -> Manifest:
         """Parses and checks a manifest (a uint8 tensor, or bytes): every field bounds-checked before it
         is read, counts bounded by the bytes, shapes checked for overflow, unknown codes refused, and the
-        digest recomputed. A SyncError naming the manifest (and the tensor) otherwise."""
+        digest recomputed. A SyncError naming the manifest (and the tensor) otherwise; FetchLate once
+        ``deadline`` (a time.monotonic()) passed.
+
+        The digest is computed over each entry's identity and CRC as they lie in the manifest: the bytes
+        ``compute_digest`` would encode them to again (a name is strict UTF-8, which decodes and encodes
+        back to the same bytes; a dtype code, a rank, a shape and a CRC pack back to theirs)."""
         if isinstance(data, torch.Tensor):
             if data.dtype != torch.uint8 or data.dim() != 1:
                 raise SyncError(f"fsdpx: the manifest from {where} is not a 1-D uint8 tensor "
@@ -162,11 +176,11 @@ class Manifest:
         def fail(why: str) -> NoReturn:
             raise SyncError(f"fsdpx: the manifest ('{MANIFEST_NAME}') from {where} is corrupt: {why}")
 
-        def need(n: int, what: str) -> None:
-            if pos + n > size:
-                fail(f"it ends inside {what} (at byte {pos} of {size})")
+        def short(what: str) -> NoReturn:
+            fail(f"it ends inside {what} (at byte {pos} of {size})")
 
-        need(MANIFEST_PREFIX.size, "its prefix")
+        if MANIFEST_PREFIX.size > size:
+            short("its prefix")
         prefix = MANIFEST_PREFIX.unpack_from(view, 0)
         magic, fmt, flags, version, base_version, base_digest, digest, count, _, _ = prefix
         pos = MANIFEST_PREFIX.size
@@ -184,37 +198,52 @@ class Manifest:
         if problem is not None:
             fail(problem)
         m = cls(version, [], base_version, base_digest, digest)
-        seen = set()
-        for _ in range(count):
-            need(2, "a name's length")
-            (length,) = NAME_LEN.unpack_from(view, pos)
+        entries = m.entries
+        seen: set[str] = set()
+        records = bytearray()  # what the digest covers: each entry's identity and CRC
+        dtypes, esizes, places, encodings = DTYPES, ESIZE, _SHAPE_TAIL, ENCODING_NAMES
+        tail_size = MANIFEST_TAIL.size
+        for k in range(count):
+            if deadline is not None and k & LATE_MASK == LATE_MASK and time.monotonic() > deadline:
+                raise late(f"the manifest ('{MANIFEST_NAME}') from {where}", k, count)
+            start = pos
+            if pos + 2 > size:
+                short("a name's length")
+            length = view[pos] | view[pos + 1] << 8  # NAME_LEN
             pos += 2
-            need(length, "a name")
+            if pos + length > size:
+                short("a name")
             try:
                 name = str(view[pos : pos + length], "utf-8")
             except UnicodeDecodeError:
                 fail(f"a name of {length} bytes at byte {pos} is not UTF-8")
             pos += length
-            need(2, f"the dtype and rank of '{name}'")
-            code, ndim = DTYPE_NDIM.unpack_from(view, pos)
+            if pos + 2 > size:
+                short(f"the dtype and rank of '{name}'")
+            code, ndim = view[pos], view[pos + 1]  # DTYPE_NDIM
             pos += 2
-            if code not in DTYPES:
+            dtype = dtypes.get(code)
+            if dtype is None:
                 fail(f"tensor '{name}' has unknown dtype code {code}")
             if ndim > MAX_NDIM:
                 fail(f"tensor '{name}' has {ndim} dimensions (at most {MAX_NDIM})")
-            need(8 * ndim + MANIFEST_TAIL.size, f"the shape and encoding of '{name}'")
-            shape = struct.unpack_from(f"<{ndim}q", view, pos)
-            pos += 8 * ndim
+            if pos + 8 * ndim + tail_size > size:
+                short(f"the shape and encoding of '{name}'")
+            fields = places[ndim](view, pos)  # the shape, then MANIFEST_TAIL
+            shape = fields[:ndim]
             numel = 1
             for d in shape:
                 numel *= d
                 if d < 0 or numel > _INT64_MAX:
                     fail(f"tensor '{name}' has a negative or overflowing shape {shape}")
-            if numel * ESIZE[code] > _INT64_MAX:
+            if numel * esizes[code] > _INT64_MAX:
                 fail(f"tensor '{name}' has an overflowing size")
-            encoding, index_bytes, _, crc, changed = MANIFEST_TAIL.unpack_from(view, pos)
-            pos += MANIFEST_TAIL.size
-            if encoding not in ENCODING_NAMES:
+            pos += 8 * ndim
+            records += view[start:pos]
+            records += view[pos + _TAIL_CRC : pos + _TAIL_CRC + 4]
+            pos += tail_size
+            encoding, index_bytes, _, crc, changed = fields[ndim:]
+            if encoding not in encodings:
                 fail(f"tensor '{name}' has unknown encoding {encoding}")
             if not delta and encoding != FULL:
                 fail(f"tensor '{name}' is {ENCODING_NAMES[encoding]} in a full version")
@@ -225,10 +254,10 @@ class Manifest:
             if name in seen:
                 fail(f"tensor '{name}' is listed twice")
             seen.add(name)
-            m.entries.append(ManifestEntry(name, DTYPES[code], tuple(shape), encoding, index_bytes, crc, changed))
+            entries.append(ManifestEntry(name, dtype, shape, encoding, index_bytes, crc, changed))
         if pos != size:
             fail(f"{size - pos} bytes follow the last of its {count} entries")
-        if m.compute_digest() != digest:
+        if crc32c(bytes(records)) != digest:
             fail("its digest does not match its entries (corrupted, or made wrongly)")
         return m
 
@@ -243,15 +272,26 @@ def full_manifest(version: int, named_tensors: Iterable[tuple[str, torch.Tensor]
     return m
 
 
-def split_manifest(received: Sequence[tuple[str, torch.Tensor]],
-                   where: str) -> tuple[Manifest, dict[str, torch.Tensor]]:
-    """A received version's manifest (first, once; checked) and its other tensors by name."""
+def split_manifest(received: Sequence[tuple[str, torch.Tensor]], where: str, *,
+                   deadline: float | None = None) -> tuple[Manifest, dict[str, torch.Tensor]]:
+    """A received version's manifest (first, once; checked) and its other tensors by name; FetchLate
+    once ``deadline`` (a time.monotonic()) passed."""
     if not received or received[0][0] != MANIFEST_NAME:
         raise SyncError(f"fsdpx: a weight version from {where} does not start with its manifest ('{MANIFEST_NAME}'): "
                         "the sender speaks an older protocol (update it), or the version is corrupt")
-    m = Manifest.decode(received[0][1], where)
-    rest: dict[str, torch.Tensor] = {}
-    for name, t in received[1:]:
+    m = Manifest.decode(received[0][1], where, deadline=deadline)
+    try:  # in C; the loop below names what is wrong, if anything
+        rest: dict[str, torch.Tensor] = dict(itertools.islice(received, 1, None))
+        if len(rest) == len(received) - 1 and MANIFEST_NAME not in rest:
+            return m, rest
+    except (TypeError, ValueError):
+        pass
+    rest = {}
+    for k, (name, t) in enumerate(received):
+        if k == 0:
+            continue
+        if deadline is not None and k & LATE_MASK == LATE_MASK and time.monotonic() > deadline:
+            raise late(f"weight version {m.version} from {where}", k, len(received))
         if name == MANIFEST_NAME:
             raise SyncError(f"fsdpx: weight version {m.version} from {where} carries two manifests")
         if name in rest:

@@ -43,7 +43,12 @@ def handshake_mac(secret: bytes, label: bytes, role: int, first: bytes | bytearr
 
 
 class _Busy(Exception):
-    """The server refused the connection at accept for one of its limits: try again later."""
+    """The server refused the connection for one of its limits, or closed it before the handshake
+    ended: try again after ``pause`` seconds."""
+
+    def __init__(self, reason: str, pause: float = 0.1) -> None:
+        super().__init__(reason)
+        self.pause = pause
 
 
 class Connection:
@@ -67,14 +72,16 @@ class Connection:
         self.max_bucket_bytes = max_bucket_bytes
         self._sock: socket.socket | None = None
         self._deadline: float | None = None  # while fetching: when the whole fetch must end
+        self._peer_closed = False  # the last failure was the server closing the connection
         self._timeout, self._progress = 0.0, ""
 
     # ---- connection ------------------------------------------------------------------------------
 
     def _connect(self, what: str) -> None:
         """Connects and authenticates. A server that refuses the connection for a limit (too many
-        connections waiting to authenticate) is asked again until connect_timeout; then the error says
-        which limit."""
+        connections waiting to authenticate), or closes it before the handshake ended (to make room in a
+        full pool of them), is asked again on a fresh connection until connect_timeout; then the error
+        says which limit."""
         deadline = time.monotonic() + self.connect_timeout
         while True:
             try:
@@ -87,7 +94,7 @@ class Connection:
                         f"{self.connect_timeout} s (connect_timeout). Too many connections wait to authenticate: many "
                         "clients connecting at once, or a peer holding connections open (the server's max_handshakes "
                         "and max_handshakes_per_address)") from None
-                time.sleep(min(left, 0.1))
+                time.sleep(min(left, busy.pause))
 
     def _connect_once(self, deadline: float) -> None:
         self.close()
@@ -120,8 +127,14 @@ class Connection:
                 raise SyncError(f"fsdpx: the TLS handshake with the synchronizer at {self.where} failed: "
                                 f"{e}{hint}") from None
         self._sock = sock
+        self._peer_closed = False
         try:
             self._handshake()
+        except SyncError as e:
+            self.close()
+            if self._peer_closed:
+                raise _Busy(str(e), pause=0.02) from None
+            raise
         except BaseException:
             self.close()
             raise
@@ -142,6 +155,9 @@ class Connection:
                else bytes(wire.MAC_BYTES))
         self._write_frame(wire.AUTH, -1, wire.ROLE_FETCH, mine + mac, what)
         reply, payload = self._read_frame(self.io_timeout, what, text=True)
+        if reply[1] == wire.ERROR and reply[6] == wire.REFUSED_BUSY:  # closed to make room for another
+            self.close()
+            raise _Busy(payload.decode("utf-8", "replace"))
         if reply[1] == wire.ERROR:
             hint = "" if self._secret else " (this client has no secret: pass secret= or set FSDPX_SYNC_SECRET)"
             raise SyncError(f"fsdpx: the synchronizer at {self.where} refused to let this client fetch: "
@@ -204,8 +220,10 @@ class Connection:
             except socket.timeout:
                 continue
             except OSError as e:
+                self._peer_closed = isinstance(e, ConnectionResetError)
                 self._fail(f"the connection failed: {e}", what)
             if n == 0:
+                self._peer_closed = True
                 self._fail("the server closed the connection (it exited, crashed or was stopped)", what)
             got += n
         return got

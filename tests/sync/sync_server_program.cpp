@@ -4,13 +4,17 @@
 //   sync_server_program <max_handshakes_per_address>
 //     prints "port <N>", then reads commands, one per line, answering each with one line:
 //       publish <version> <run>   a SynchronizerClient of that run publishes weights_of(version): "ok" or "error
-//       <text>" quit
+//       <text>"
+//       publish_many <version> <count>   the server publishes <count> float32 tensors "t<i>" of 64 elements,
+//                                        t<i> = arange(64) + i + version: "ok" or "error <text>"
+//       quit
 //
 // The weights of version v: "w" = arange(1000) * 0.5 + v (float32, 10 x 100), "b" = v (bfloat16, 7).
 #include <cstdio>
 #include <iostream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <fsdpx/sync/service.hpp>
 
@@ -32,6 +36,25 @@ int main(int argc, char** argv) {
       int64_t version = 0;
       in >> command;
       if (command == "quit") break;
+      if (command == "publish_many") {
+        int64_t count = 0;
+        if (!(in >> version >> count) || count < 1) {
+          std::cout << "error usage: publish_many <version> <count>" << std::endl;
+          continue;
+        }
+        std::vector<sync::NamedTensor> weights;
+        weights.reserve(static_cast<size_t>(count));
+        const at::Tensor row = at::arange(64, at::kFloat).add_(static_cast<double>(version));
+        for (int64_t i = 0; i < count; ++i)
+          weights.push_back({"t" + std::to_string(i), row.add(static_cast<double>(i))});
+        try {
+          server.publish(version, weights);
+          std::cout << "ok" << std::endl;
+        } catch (const std::exception& e) {
+          std::cout << "error " << e.what() << std::endl;
+        }
+        continue;
+      }
       if (command != "publish" || !(in >> version >> run)) {
         std::cout << "error unknown command: " << line << std::endl;
         continue;

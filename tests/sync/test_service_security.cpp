@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <deque>
 #include <fstream>
 #include <functional>
 #include <limits>
@@ -155,10 +156,13 @@ class RawConnection {
       if (k < 0) return errno == ECONNRESET;
     }
   }
-  /// Reads the hello and answers it for `role`, with `secret` (empty: an all-zero MAC).
-  std::optional<sd::Nonce> handshake(fxs::Role role, const std::string& secret, bool* welcomed = nullptr) {
+  /// Reads the hello and answers it for `role`, with `secret` (empty: an all-zero MAC), `answer_after`
+  /// the hello came (a slow peer's round trip).
+  std::optional<sd::Nonce> handshake(fxs::Role role, const std::string& secret, bool* welcomed = nullptr,
+                                     std::chrono::milliseconds answer_after = 0ms) {
     auto hello = recv_frame();
     if (!hello || hello->first.kind != static_cast<uint16_t>(sd::FrameKind::hello)) return std::nullopt;
+    std::this_thread::sleep_for(answer_after);
     sd::Nonce server_nonce;
     std::memcpy(server_nonce.data(), hello->second.data(), server_nonce.size());
     std::string auth = auth_payload(role, secret, server_nonce);
@@ -631,6 +635,52 @@ TEST_CASE("security: unfinished publishes share one version's room, the stalest 
   CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
   CHECK_THAT(reply->second, Catch::Contains("version 100 was dropped before its end to make room for version 1") &&
                                 Catch::Contains("max_version_bytes (12582912)"));
+}
+
+TEST_CASE("security: the served trainer's publish is never the one dropped to make room for another publisher's",
+          "[security]") {
+  // Room for one 8 MiB version and a half, as above; the trainer's run is the one served.
+  fxs::SynchronizerServer server(
+      {.secret = "s", .limits = {.max_bucket_bytes = 2 << 20, .max_version_bytes = 12 << 20, .io_timeout = 5000ms}});
+  const auto port = server.port();
+  const auto version_buckets = [](int64_t v) {
+    const auto w = large_weights_of(v);
+    std::vector<fxs::NamedTensor> t{{std::string(sd::manifest_name), fxs::full_manifest(v, w).encode()}};
+    t.insert(t.end(), w.begin(), w.end());
+    return sd::pack_buckets(t, 1 << 20, v);
+  };
+  RawConnection trainer(port);
+  bool welcomed = false;
+  REQUIRE(trainer.handshake(fxs::Role::publish, "s", &welcomed));
+  REQUIRE(welcomed);
+  const auto first = trainer.publish(1, "trainer-run", version_buckets(1));
+  REQUIRE(first);
+  REQUIRE(first->first.kind == static_cast<uint16_t>(sd::FrameKind::ack));
+  // The trainer's next version is 6 MiB in when it pauses (a slow gather, say).
+  const auto mine = version_buckets(2);
+  REQUIRE(mine.size() >= 8);
+  trainer.send_payload(sd::FrameKind::publish_begin, 2, mine.size(), "trainer-run");
+  for (size_t i = 0; i < 6; ++i) trainer.send_bucket(2, i, mine[i]);
+  std::this_thread::sleep_for(200ms);
+  // Another holder of the publish secret sends a whole version of its own run, fresher with every
+  // bucket than the paused trainer. Before, the trainer's publish was dropped as the stalest.
+  RawConnection other(port);
+  REQUIRE(other.handshake(fxs::Role::publish, "s", &welcomed));
+  REQUIRE(welcomed);
+  const auto answer = other.publish(1000, "another-run", version_buckets(1000));
+  REQUIRE(answer);
+  CHECK(answer->first.kind == static_cast<uint16_t>(sd::FrameKind::error));
+  CHECK_THAT(answer->second, Catch::Contains("version 1000 was dropped") &&
+                                 Catch::Contains("the served trainer run's, which is never dropped for another run's"));
+  for (size_t i = 6; i < mine.size(); ++i) trainer.send_bucket(2, i, mine[i]);
+  trainer.send_frame(sd::make_frame(sd::FrameKind::publish_end, 2));
+  const auto reply = trainer.recv_frame();
+  REQUIRE(reply);
+  INFO(reply->second);
+  CHECK(reply->first.kind == static_cast<uint16_t>(sd::FrameKind::ack));
+  CHECK(server.latest_version() == 2);
+  fxs::SynchronizerClient reader("127.0.0.1", port, {.secret = "s"});
+  CHECK(bit_equal(reader.fetch_newer(fxs::no_version, 5s), large_weights_of(2)));
 }
 
 TEST_CASE("security: a publisher refused mid-version hears why, though it keeps sending (the server drains, no reset)",
@@ -1491,4 +1541,54 @@ TEST_CASE("security: silent sockets from many addresses cannot starve the server
   stop = true;
   attacker.join();
   CHECK(server.stats().refused_over_limit >= 5);
+}
+
+TEST_CASE(
+    "security: under churn of silent connections from 8 addresses, every honest client is served (C++ clients and "
+    "a peer that answers the hello after 100 ms)",
+    "[security]") {
+  fxs::SynchronizerServer server({.limits = {.max_handshakes = 64, .handshake_timeout = 5000ms}});
+  const auto port = server.port();
+  server.publish(1, weights_of(1));
+  // 8 addresses of 127/8 open connections as fast as they can, each keeping its 12 newest (the pool
+  // holds 64): the pool is always full and always renewed. Before, each new connection closed the
+  // oldest, and an honest client whose handshake took a round trip was closed in it.
+  std::atomic<bool> stop{false};
+  std::atomic<int64_t> opened{0};
+  std::thread attacker([&] {
+    std::vector<std::deque<RawConnection>> held(8);
+    while (!stop) {
+      for (int a = 0; a < 8 && !stop; ++a) {
+        const std::string source = "127.0.0." + std::to_string(2 + a);
+        RawConnection c(port, 100ms, source.c_str());
+        if (!c.ok()) continue;
+        ++opened;
+        held[a].push_back(std::move(c));
+        if (held[a].size() > 12) held[a].pop_front();
+      }
+    }
+  });
+  const auto attacked_by = std::chrono::steady_clock::now() + 10s;
+  while (server.stats().handshaking < 64 && std::chrono::steady_clock::now() < attacked_by)
+    std::this_thread::sleep_for(10ms);
+  CHECK(server.stats().handshaking == 64);
+  int served = 0;
+  for (int i = 0; i < 6; ++i) {
+    try {
+      fxs::SynchronizerClient reader("127.0.0.1", port, {.connect_timeout = 3000ms});
+      served += bit_equal(reader.fetch_newer(fxs::no_version, 5s), weights_of(1)) ? 1 : 0;
+    } catch (const fsdpx::SyncError& e) {
+      UNSCOPED_INFO("a C++ client was not served: " << e.what());
+    }
+    RawConnection slow(port, 3000ms);
+    bool welcomed = false;
+    slow.handshake(fxs::Role::fetch, "", &welcomed, 100ms);
+    served += welcomed ? 1 : 0;
+  }
+  stop = true;
+  attacker.join();
+  std::printf("churn: %lld connections opened by the attacker; %d of 12 honest clients served\n",
+              static_cast<long long>(opened.load()), served);
+  CHECK(served == 12);
+  CHECK(server.stats().refused_over_limit > 100);  // the churn met the pool
 }

@@ -8,9 +8,11 @@
 #include <fsdpx/detail/config.hpp>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <utility>
+#include <unordered_map>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -65,7 +67,7 @@ struct Manifest {
   FSDPX_DECL uint32_t compute_digest() const;
   /// The same version as a full one: what the tensors are, not how they travelled.
   FSDPX_DECL Manifest whole() const;
-  /// The entry named `name`, or nullptr.
+  /// The entry named `name`, or nullptr. A scan: to look up many, index them once (entries_by_name).
   FSDPX_DECL const ManifestEntry* find(std::string_view name) const;
   /// The manifest tensor (uint8, 1-D) as it travels.
   FSDPX_DECL at::Tensor encode() const;
@@ -86,6 +88,18 @@ FSDPX_DECL void verify(const std::vector<NamedTensor>& tensors, const Manifest& 
 FSDPX_DECL void verify(torch::nn::Module& module, const Manifest& manifest);
 
 namespace detail {
+/// The entries of `manifest` by name, for callers that look up many (views of its names: valid while
+/// `manifest` lives unchanged). Names are unique in a decoded manifest; the first entry wins otherwise.
+FSDPX_DECL std::unordered_map<std::string_view, const ManifestEntry*> entries_by_name(const Manifest& manifest);
+
+/// A manifest tensor's version and kind, read from its fixed prefix without decoding its entries;
+/// nothing when it is not a manifest of this format (Manifest::decode then says why).
+struct ManifestPrefix {
+  int64_t version = no_version;
+  bool delta = false;
+};
+FSDPX_DECL std::optional<ManifestPrefix> peek_manifest(const at::Tensor& bytes);
+
 /// Splits a received version into its manifest and its other tensors (checked: the manifest comes
 /// first, once). `where` names the sender.
 FSDPX_DECL std::pair<Manifest, std::vector<NamedTensor>> split_manifest(std::vector<NamedTensor> received,

@@ -39,9 +39,12 @@ struct ServerLimits {
   // stages its own; those that progressed least recently are dropped, their publishers told why, to make room).
   int64_t max_version_bytes = int64_t{64} << 30;
   int max_connections = 512;
-  int max_handshakes = 64;  // of those, at most this many before their handshake ends (a new one closes the oldest)
+  // Of those, at most this many before their handshake ends: when full, a new one closes the oldest of the
+  // address holding the most, except one alone from its address within its handshake_grace.
+  int max_handshakes = 64;
   int max_handshakes_per_address = 16;                // and at most this many of those from one peer address
   std::chrono::milliseconds handshake_timeout{3000};  // from accept to a proven secret
+  std::chrono::milliseconds handshake_grace{1000};    // an honest client's handshake takes less: never closed
   std::chrono::milliseconds idle_timeout{std::chrono::minutes(30)};  // between requests
   std::chrono::milliseconds io_timeout{60000};  // within a frame, between a publish's frames, per bucket sent
 };

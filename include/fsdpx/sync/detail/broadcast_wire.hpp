@@ -92,9 +92,9 @@ class ChecksumSink {
         problems.push_back(::fsdpx::detail::str("'", m.name, "' does not match its checksum (CRC-32C)"));
       }
     }
+    const auto listed = entries_by_name(manifest);
     for (const auto& [name, crc] : crcs_) {
-      if (manifest.find(name) == nullptr)
-        problems.push_back(::fsdpx::detail::str("'", name, "' is not in the manifest"));
+      if (!listed.contains(name)) problems.push_back(::fsdpx::detail::str("'", name, "' is not in the manifest"));
     }
     FSDPX_CHECK_AS(SyncError, problems.empty(), "version ", manifest.version, " from ", where,
                    " did not arrive intact (the transport corrupted it, or the sender is not fsdpx): ",

@@ -133,11 +133,13 @@ class ClientConnection {
   WeightVersion fetch_newer(int64_t have, std::chrono::milliseconds wait) {
     const std::string what = ::fsdpx::detail::str("fetching a version newer than ", have);
     held_.prepare(nullptr);
+    const auto deadline = dist::deadline_after(wait);
     reconnect_if_closed();
     authenticate(Role::fetch, what);
     Received r = fetch_once(have, base_for(have), wait, what);
     // Copy-on-write: the tensors of snapshots returned before never change.
-    auto [tensors, manifest] = held_.take(std::move(r.tensors), "the synchronizer at " + where_);
+    auto [tensors, manifest] = held_.take(std::move(r.tensors), "the synchronizer at " + where_, deadline);
+    count_full_bytes(*manifest);
     last_version_ = r.version;
     last_run_ = r.run;
     return {r.version, std::move(tensors), std::move(r.run), std::move(manifest)};
@@ -146,10 +148,12 @@ class ClientConnection {
   int64_t fetch_newer_into(torch::nn::Module& module, int64_t have, std::chrono::milliseconds wait) {
     const std::string what = ::fsdpx::detail::str("fetching a version newer than ", have, " into a module");
     held_.prepare(&module);
+    const auto deadline = dist::deadline_after(wait);
     reconnect_if_closed();
     authenticate(Role::fetch, what);
     Received r = fetch_once(have, base_for(have), wait, what);
-    held_.take_into(module, std::move(r.tensors), "the synchronizer at " + where_);
+    held_.take_into(module, std::move(r.tensors), "the synchronizer at " + where_, deadline);
+    if (const auto manifest = held_.last_manifest()) count_full_bytes(*manifest);
     last_version_ = r.version;
     last_run_ = r.run;
     return r.version;
@@ -259,14 +263,14 @@ class ClientConnection {
   };
 
   /// The handshake for `role` (once per connection; a connection that fetches reconnects to publish).
-  /// A connection opened long before its first use was closed by the server's handshake_timeout: a
-  /// fresh one is tried once. A server that refused the connection for a limit (too many waiting to
-  /// authenticate) is asked again until connect_timeout, then the error says which limit.
+  /// A server that refused or closed the connection before the handshake ended (too many waiting to
+  /// authenticate, or a connection opened long before its first use and closed by the server's
+  /// handshake_timeout) is asked again on a fresh connection until connect_timeout, then the error says
+  /// which limit.
   void authenticate(Role role, const std::string& what) {
     if (role_ == role || role_ == Role::publish) return;
     if (role_) connect(options_.connect_timeout);
     const auto deadline = dist::deadline_after(options_.connect_timeout);
-    bool reopened = false;
     while (true) {
       try {
         return handshake(role, what);
@@ -284,9 +288,11 @@ class ClientConnection {
         std::this_thread::sleep_for(std::min(left, std::chrono::milliseconds(100)));
         connect(std::max(left, std::chrono::milliseconds(1)));
       } catch (const SyncError&) {
-        if (!peer_closed_ || reopened) throw;
-        reopened = true;
-        connect(options_.connect_timeout);
+        const auto left =
+            std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+        if (!peer_closed_ || left <= std::chrono::milliseconds(0)) throw;
+        std::this_thread::sleep_for(std::min(left, std::chrono::milliseconds(20)));
+        connect(std::max(left, std::chrono::milliseconds(1)));
       }
     }
   }
@@ -322,6 +328,7 @@ class ClientConnection {
     const auto [reply, payload] = read_frame(options_.io_timeout, what + " (the handshake)", /*small=*/true);
     if (reply.kind == static_cast<uint16_t>(detail::FrameKind::error)) {
       close_socket();
+      if (reply.aux == detail::refused_busy) throw Busy{payload};  // closed to make room for another
       throw SyncError(::fsdpx::detail::str("fsdpx: the synchronizer at ", where_, " refused to let this client ",
                                            to_string(role), ": ", payload,
                                            secret.empty() ? " (this client has no secret: set ClientOptions::secret or "
@@ -370,6 +377,12 @@ class ClientConnection {
       base.digest = held->digest;
     }
     return base;
+  }
+
+  /// What a full version of the fetched one sends (last_transfer().full_bytes).
+  void count_full_bytes(const Manifest& m) {
+    last_transfer_.full_bytes = 0;
+    for (const auto& e : m.entries) last_transfer_.full_bytes += e.nbytes();
   }
 
   Received fetch_once(int64_t have, detail::FetchBase base, std::chrono::milliseconds wait, const std::string& what);

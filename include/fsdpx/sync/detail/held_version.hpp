@@ -42,11 +42,13 @@ class HeldVersion {
   /// (copy-on-write), a full version checked whole. Returns the version's tensors (read-only: the next
   /// delta's base) and its manifest.
   FSDPX_DECL std::pair<std::vector<NamedTensor>, std::shared_ptr<const Manifest>> take(
-      std::vector<NamedTensor> received, std::string_view where);
+      std::vector<NamedTensor> received, std::string_view where,
+      std::optional<std::chrono::steady_clock::time_point> deadline = {});
   /// Takes a received version into `module`: a delta in place into the module's tensors (they are the
   /// base); a full version staged, checked whole and against the module, then loaded, and the module's
   /// tensors become the base (when each is contiguous, of the sent dtype and in memory of its own).
-  FSDPX_DECL void take_into(torch::nn::Module& module, std::vector<NamedTensor> received, std::string_view where);
+  FSDPX_DECL void take_into(torch::nn::Module& module, std::vector<NamedTensor> received, std::string_view where,
+                            std::optional<std::chrono::steady_clock::time_point> deadline = {});
   /// A whole version already landed in `module` by other means (a broadcast received in place, checked
   /// on the way): the module's tensors become the base, as after take_into.
   FSDPX_DECL void loaded_into(torch::nn::Module& module, const Manifest& manifest);

@@ -84,6 +84,9 @@ class TensorCollector {
       : device_(device), max_bytes_(max_bytes), huge_pages_(huge_pages) {}
 
   FSDPX_DECL void accept(const BucketEntry& e, const at::Tensor& chunk);
+  /// accept(e, entry_view(bucket, e)), a host bucket's bytes copied as they lie: a version of many
+  /// small tensors pays a copy per tensor, not the tensor operations of a view.
+  FSDPX_DECL void accept_from(const at::Tensor& bucket, const BucketEntry& e);
 
   /// Where entry `e`'s chunk can be received in place (the tensor allocated on first sight), or an
   /// undefined tensor when it cannot (then accept() is called with the chunk and says why).

@@ -8,6 +8,7 @@
 #include <boost/asio/post.hpp>
 #include <boost/asio/read.hpp>
 #include <boost/asio/steady_timer.hpp>
+#include <boost/asio/thread_pool.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/asio/io_context.hpp>
 
@@ -18,6 +19,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <deque>
+#include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
@@ -57,7 +59,7 @@ struct ServedVersion {
   int64_t base_version = no_version;
   uint32_t base_digest = 0;
   std::shared_ptr<const EncodedSnapshot> delta;
-  mutable std::shared_ptr<const EncodedSnapshot> full;  // guarded by ServerCore::store_mutex
+  mutable std::shared_ptr<const EncodedSnapshot> full;  // guarded by ServerCore::full_mutex
 };
 
 /// How long, and for how many bytes, a server that refused an authenticated peer keeps reading (and
@@ -71,7 +73,8 @@ class Session : public std::enable_shared_from_this<Session> {
   ~Session();
   void start();
   void wake();
-  bool in_handshake_pool() const { return in_handshake_pool_; }
+  const std::string& address() const { return address_; }
+  std::chrono::steady_clock::time_point accepted_at() const { return accepted_at_; }
   void evict_unauthenticated(const std::string& why);
 
  private:
@@ -105,6 +108,14 @@ class Session : public std::enable_shared_from_this<Session> {
   void drop_staged(const std::string& why);
   bool publishes_served_run() const;
   void end_publish();
+  struct Outcome {
+    std::string rejected;  // empty: committed
+    uint64_t refusal = 0;  // the error frame's aux when refused
+  };
+  Outcome commit_publish(Pending& p) const;
+  void answer_publish(int64_t version, const Outcome& outcome);
+  template <class Fn>
+  void off_io_thread(Fn&& job);
   void check_fetch();
   void send(FrameHeader frame, std::string text = {}, bool then_close = false);
   void send_bucket(std::shared_ptr<const EncodedSnapshot> snapshot, size_t index);
@@ -122,6 +133,7 @@ class Session : public std::enable_shared_from_this<Session> {
   Stream stream_;
   std::string peer_;
   std::string address_;  // the peer's address, as counted in core_->handshaking_from
+  std::chrono::steady_clock::time_point accepted_at_ = std::chrono::steady_clock::now();
   FrameHeader in_;
   std::array<uint8_t, std::max<size_t>(2 * nonce_bytes, max_fetch_bytes)> small_{};  // handshakes, runs, fetches
   at::Tensor payload_;
@@ -161,9 +173,12 @@ struct ServerCore {
   Secret publish_secret, fetch_secret;
   VersionedSlot<ServedVersion> slot;
   // The newest version's tensors (deltas are applied to them, in place; the full version is built from
-  // them on demand). Lock order: store_mutex, then runs_mutex.
+  // them on demand). Held by whoever changes or reads the store: the committer (a publisher's version,
+  // a full version built for readers) and an in-process publish(); never the I/O thread, which a big
+  // commit would stall for every client. Lock order: store_mutex, then runs_mutex, then full_mutex.
   std::mutex store_mutex;
   VersionStore store;
+  std::mutex full_mutex;                      // ServedVersion::full, briefly
   int64_t served_full = 0, served_delta = 0;  // io thread
   // Touched on the io thread only.
   std::string publisher_lost;  // why readers should stop waiting; cleared by the next publish
@@ -172,8 +187,9 @@ struct ServerCore {
   // max_version_bytes: when a bucket needs room, the publishes that progressed least recently are dropped).
   std::vector<Session*> staging;
   int64_t staged_bytes = 0;
+  int64_t committing_bytes = 0;  // of whole publishes waiting for their commit (on the committer)
   std::unordered_map<std::string, int> handshaking_from;  // unauthenticated connections per peer address
-  std::deque<std::weak_ptr<Session>> handshake_order;     // unauthenticated connections, oldest first
+  std::vector<Session*> handshake_pool;                   // those connections (each adds and removes itself)
   ServerStats stats;                                      // written on the io thread; read through post()
   // Runs (the io thread and publish() in process): the label of the run whose versions are served.
   std::mutex runs_mutex;
@@ -183,6 +199,10 @@ struct ServerCore {
   asio::io_context io;
   tcp::acceptor acceptor{io};
   asio::steady_timer accept_pause{io};
+  // Where the store is changed and read, one job at a time (publishes' commits, full versions built for
+  // readers), off the I/O thread. Last: destroyed first, so a running job finishes while the state it
+  // touches, and the io_context it answers on, still exist.
+  asio::thread_pool committer{1};
 
   const Secret& secret(Role r) const { return r == Role::publish ? publish_secret : fetch_secret; }
 
@@ -206,33 +226,51 @@ struct ServerCore {
 
   /// Makes the version `make()` builds (it updates `store`) the version served, when admission()
   /// allows; else returns why not, `store` untouched. make() throws when the version cannot be taken.
+  /// Off the I/O thread (the committer, or an in-process publish): make() runs under store_mutex only,
+  /// since the I/O thread takes runs_mutex to admit publishes. What admission() reads changes only here,
+  /// under store_mutex, so its answer still holds once make() is done.
   template <class Make>
   std::string commit(const std::string& run, int64_t version, Make&& make) {
-    std::scoped_lock lock(store_mutex, runs_mutex);
-    if (std::string why = admission(run, version); !why.empty()) return why;
+    std::lock_guard store_lock(store_mutex);
+    {
+      std::lock_guard lock(runs_mutex);
+      if (std::string why = admission(run, version); !why.empty()) return why;
+    }
     std::shared_ptr<ServedVersion> served = make();
     served->run = run;
+    std::lock_guard lock(runs_mutex);
     if (slot.version() != no_version && run != current_run) ++runs_taken_over;
     current_run = run;
     slot.replace(version, std::move(served));
     return {};
   }
 
-  /// The snapshot for a reader of `latest` that holds `have` (per `base`); the full one is built now
-  /// if it was not yet. Caller holds store_mutex; `latest` is the newest version.
-  std::shared_ptr<const EncodedSnapshot> snapshot_for(const ServedVersion& latest, int64_t version, int64_t have,
-                                                      FetchBase base) {
+  /// The snapshot for a reader of `latest` that holds `have` (per `base`), or nullptr when it is the
+  /// full version and that was not built yet (build_full). The I/O thread: it never reads the store.
+  std::shared_ptr<const EncodedSnapshot> ready_snapshot_for(const ServedVersion& latest, int64_t have, FetchBase base) {
     if (latest.delta && base.holds() && have == latest.base_version && base.digest == latest.base_digest) {
       ++served_delta;
       return latest.delta;
     }
-    if (!latest.full) {
-      FSDPX_CHECK_AS(SyncError, store.version() == version && store.digest() == latest.digest,
-                     "synchronizer server: internal error: the held weights are not the newest version");
-      latest.full = encode_snapshot(version, latest.run, pack_full(store, options.bucket_bytes));
-    }
-    ++served_full;
+    std::lock_guard lock(full_mutex);
+    if (latest.full) ++served_full;
     return latest.full;
+  }
+
+  /// Builds the full version of `latest` (version `version`, which arrived as a delta) from the store,
+  /// unless it was built already or a newer version replaced it (its readers then get that one). On
+  /// the committer: store and slot change together under store_mutex, so the store holds `version`
+  /// here exactly while `latest` is still the newest.
+  void build_full(const ServedVersion& latest, int64_t version) {
+    std::lock_guard store_lock(store_mutex);
+    {
+      std::lock_guard lock(full_mutex);
+      if (latest.full) return;
+    }
+    if (store.version() != version || store.digest() != latest.digest) return;
+    auto full = encode_snapshot(version, latest.run, pack_full(store, options.bucket_bytes));
+    std::lock_guard lock(full_mutex);
+    latest.full = std::move(full);
   }
 
   /// The buckets of the full version `store` holds (its manifest first).
@@ -276,27 +314,31 @@ struct ServerCore {
     }
     waiters.push_back(std::move(s));
   }
-  /// Drops the entries of connections no longer in their handshake from the front: the list holds
-  /// about the connections accepted within one handshake_timeout (and no session's memory beyond it).
-  void prune_handshake_order() {
-    while (!handshake_order.empty()) {
-      const std::shared_ptr<Session> s = handshake_order.front().lock();
-      if (s && s->in_handshake_pool()) return;
-      handshake_order.pop_front();
-    }
-  }
-  void evict_oldest_handshake() {
-    prune_handshake_order();
-    if (!handshake_order.empty()) {
-      std::shared_ptr<Session> oldest = handshake_order.front().lock();
-      handshake_order.pop_front();
-      if (oldest) {
-        return oldest->evict_unauthenticated(::fsdpx::detail::str(
-            "it had not proved a secret when the server's pool of unauthenticated connections was full "
-            "(max_handshakes ",
-            options.limits.max_handshakes, ") and a new connection came: the oldest is closed to make room"));
+  /// Makes room in the full pool of unauthenticated connections for a new one from `address`; false
+  /// when none may be closed (the new one is then refused, and its client asks again). The one closed
+  /// is the oldest of the address holding the most (the newcomer counted with its own): an address that
+  /// reconnects however fast only ever replaces its own connections, or those of a busier address. A
+  /// connection alone from its address within its first handshake_grace is what an honest client in
+  /// its handshake looks like: it is never closed for another.
+  bool make_handshake_room(const std::string& address) {
+    const auto now = std::chrono::steady_clock::now();
+    Session* victim = nullptr;
+    int victim_count = 0;
+    for (Session* s : handshake_pool) {
+      const int count = handshaking_from[s->address()] + (s->address() == address ? 1 : 0);
+      if (count == 1 && now - s->accepted_at() < options.limits.handshake_grace) continue;
+      if (victim == nullptr || count > victim_count ||
+          (count == victim_count && s->accepted_at() < victim->accepted_at())) {
+        victim = s;
+        victim_count = count;
       }
     }
+    if (victim == nullptr) return false;
+    victim->shared_from_this()->evict_unauthenticated(::fsdpx::detail::str(
+        "it had not proved a secret when the server's pool of unauthenticated connections was full (max_handshakes ",
+        options.limits.max_handshakes, ") and a new connection came: the oldest of the address with the most (",
+        victim_count, ", ", victim->address(), ") is closed to make room"));
+    return true;
   }
   void accept() {
     acceptor.async_accept([this](const boost::system::error_code& ec, tcp::socket socket) {
@@ -340,16 +382,20 @@ struct ServerCore {
                                                       from_address, "; max_handshakes_per_address ",
                                                       options.limits.max_handshakes_per_address, ")"));
       } else {
+        if (stats.handshaking >= options.limits.max_handshakes && !make_handshake_room(address)) {
+          refuse_at_accept(socket, ::fsdpx::detail::str("too many unauthenticated connections (max_handshakes ",
+                                                        options.limits.max_handshakes,
+                                                        "), each alone from its address and within its first ",
+                                                        options.limits.handshake_grace.count(), " ms"));
+          return accept();
+        }
         try {
-          // A full pool of unauthenticated connections (silent sockets from many addresses, say) makes
-          // room by closing its oldest: an honest client, whose handshake takes a round trip, is served.
-          if (stats.handshaking >= options.limits.max_handshakes) evict_oldest_handshake();
+          // A full pool of unauthenticated connections (silent sockets from many addresses, say) made room
+          // above: an honest client, whose handshake takes a round trip, is served.
           boost::system::error_code ignored;
           socket.set_option(tcp::no_delay(true), ignored);
           socket.set_option(asio::socket_base::keep_alive(true), ignored);
           auto session = std::make_shared<Session>(this, std::move(socket));
-          prune_handshake_order();
-          handshake_order.push_back(session);
           session->start();
         } catch (const std::exception&) {
           ++stats.handler_errors;  // e.g. no memory for the session: this connection is dropped

@@ -5,7 +5,9 @@
 
 #include <fsdpx/detail/config.hpp>
 
+#include <chrono>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -43,8 +45,10 @@ class VersionStore {
   /// copy); or into fresh copies of the tensors it touches, so that tensors handed out earlier never change.
   enum class Apply { in_place, owned, copy_on_write };
 
-  bool empty() const { return !manifest_.has_value(); }
+  bool empty() const { return manifest_ == nullptr; }
   const Manifest& manifest() const { return *manifest_; }
+  /// The manifest held, shared (never changed: the next version gets a manifest of its own).
+  std::shared_ptr<const Manifest> shared_manifest() const { return manifest_; }
   int64_t version() const { return manifest_ ? manifest_->version : no_version; }
   uint32_t digest() const { return manifest_ ? manifest_->digest : 0; }
   /// True when it holds version `version` of digest `digest`.
@@ -70,14 +74,16 @@ class VersionStore {
   /// what is held; a delta is applied to it (only if the store holds its base). Every tensor it wrote is
   /// checked against the manifest's CRC-32C. Any failure is a SyncError naming the tensor, and the store
   /// (and, in place, the tensors it aliases) keeps what it held, bit for bit. `where` names the sender.
-  FSDPX_DECL void accept(std::vector<NamedTensor> received, Apply mode, std::string_view where);
+  /// Past `deadline` (a fetch's), checking stops with a SyncError, the store unchanged.
+  FSDPX_DECL void accept(std::vector<NamedTensor> received, Apply mode, std::string_view where,
+                         std::optional<std::chrono::steady_clock::time_point> deadline = {});
 
   /// Holds `tensors` (aliases: a module's parameters after a full version was loaded into them) as
   /// version `manifest`. They must have its names, dtypes and shapes, in order, and be contiguous; checked.
   FSDPX_DECL void adopt(std::vector<NamedTensor> tensors, Manifest manifest);
 
  private:
-  std::optional<Manifest> manifest_;
+  std::shared_ptr<const Manifest> manifest_;
   std::vector<NamedTensor> tensors_;
 };
 

@@ -4,6 +4,8 @@
 
 #include <fsdpx/sync/detail/bucket.hpp>
 
+#include <cstring>
+
 namespace fsdpx::sync::detail {
 
 FSDPX_DECL std::vector<BucketLayout> plan_buckets(const std::vector<TensorSpec>& specs, int64_t capacity,
@@ -200,6 +202,14 @@ FSDPX_DECL BucketLayout decode_header(const uint8_t* data, int64_t available, st
 
 FSDPX_DECL void pack_entry(const at::Tensor& bucket, const BucketEntry& e, const at::Tensor& source) {
   if (e.numel == 0) return;
+  if (bucket.is_cpu() && bucket.is_contiguous() && source.is_cpu() && source.is_contiguous() &&
+      source.scalar_type() == e.dtype) {
+    // A host tensor of the wire's dtype: its bytes as they lie (no tensor operations per entry).
+    std::memcpy(bucket.data_ptr<uint8_t>() + e.byte_offset,
+                static_cast<const uint8_t*>(source.const_data_ptr()) + e.element_offset * source.element_size(),
+                static_cast<size_t>(e.nbytes()));
+    return;
+  }
   entry_view(bucket, e).copy_(source.detach().reshape({-1}).narrow(0, e.element_offset, e.numel));
 }
 

@@ -80,7 +80,7 @@ inline ClientConnection::Received ClientConnection::fetch_once(int64_t have, det
                                                " ms (bucket ", k, " of ", begin.aux, ": ", i, " of ", b.entries.size(),
                                                " entries taken in)"));
         }
-        collector.accept(b.entries[i], detail::entry_view(payload_, b.entries[i]));
+        collector.accept_from(payload_, b.entries[i]);
       }
     } catch (const SyncError& e) {
       fail(::fsdpx::detail::str("version ", begin.version, ": ", detail::unprefixed(e.what())), what);
@@ -104,12 +104,15 @@ inline ClientConnection::Received ClientConnection::fetch_once(int64_t have, det
          what);
   }
   try {
-    const Manifest m = Manifest::decode(tensors.front().tensor, "the synchronizer at " + where_);
-    if (m.version != begin.version) {
-      fail(::fsdpx::detail::str("version ", begin.version, " carries the manifest of version ", m.version), what);
+    // Its prefix only (the store decodes and checks it whole as it takes the version).
+    std::optional<detail::ManifestPrefix> prefix = detail::peek_manifest(tensors.front().tensor);
+    if (!prefix) Manifest::decode(tensors.front().tensor, "the synchronizer at " + where_);  // says why
+    if (!prefix || prefix->version != begin.version) {
+      fail(::fsdpx::detail::str("version ", begin.version, " carries the manifest of version ",
+                                prefix ? prefix->version : no_version),
+           what);
     }
-    last_transfer_.delta = m.is_delta();
-    for (const auto& e : m.entries) last_transfer_.full_bytes += e.nbytes();
+    last_transfer_.delta = prefix->delta;
   } catch (const SyncError& e) {
     fail(::fsdpx::detail::str("version ", begin.version, ": ", detail::unprefixed(e.what())), what);
   }

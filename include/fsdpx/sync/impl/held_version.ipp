@@ -36,30 +36,33 @@ FSDPX_DECL void HeldVersion::prepare(torch::nn::Module* module) {
 }
 
 FSDPX_DECL std::pair<std::vector<NamedTensor>, std::shared_ptr<const Manifest>> HeldVersion::take(
-    std::vector<NamedTensor> received, std::string_view where) {
+    std::vector<NamedTensor> received, std::string_view where,
+    std::optional<std::chrono::steady_clock::time_point> deadline) {
   prepare(nullptr);
   try {
-    store_.accept(std::move(received), VersionStore::Apply::copy_on_write, where);
+    store_.accept(std::move(received), VersionStore::Apply::copy_on_write, where, deadline);
   } catch (const SyncError&) {
     forget();
     throw;
   }
-  return {store_.tensors(), std::make_shared<const Manifest>(store_.manifest())};
+  return {store_.tensors(), store_.shared_manifest()};
 }
 
 FSDPX_DECL void HeldVersion::take_into(torch::nn::Module& module, std::vector<NamedTensor> received,
-                                       std::string_view where) {
+                                       std::string_view where,
+                                       std::optional<std::chrono::steady_clock::time_point> deadline) {
   prepare(&module);
   try {
     FSDPX_CHECK_AS(SyncError, !received.empty(), "an empty version from ", where, " (no manifest)");
-    if (Manifest::decode(received.front().tensor, where).is_delta()) {
-      store_.accept(std::move(received), VersionStore::Apply::in_place, where);  // into the module's tensors
+    // Only its kind first: accept() decodes and checks it whole either way.
+    if (const auto prefix = peek_manifest(received.front().tensor); prefix && prefix->delta) {
+      store_.accept(std::move(received), VersionStore::Apply::in_place, where, deadline);  // into the module's
       note_writes();
       return;
     }
     forget();
     VersionStore staged;  // checked whole, and against the module, before anything is loaded
-    staged.accept(std::move(received), VersionStore::Apply::copy_on_write, where);
+    staged.accept(std::move(received), VersionStore::Apply::copy_on_write, where, deadline);
     check_loadable(module, staged.tensors());
     load_into(module, staged.tensors());
     adopt(module, staged.manifest());
@@ -80,14 +83,14 @@ FSDPX_DECL void HeldVersion::taken(const Manifest& manifest) {
 }
 
 FSDPX_DECL void HeldVersion::forget() {
-  if (!store_.empty()) last_manifest_ = std::make_shared<const Manifest>(store_.manifest());
+  if (!store_.empty()) last_manifest_ = store_.shared_manifest();
   store_.clear();
   target_ = nullptr;
   counters_.clear();
 }
 
 FSDPX_DECL std::shared_ptr<const Manifest> HeldVersion::last_manifest() const {
-  return store_.empty() ? last_manifest_ : std::make_shared<const Manifest>(store_.manifest());
+  return store_.empty() ? last_manifest_ : store_.shared_manifest();
 }
 
 FSDPX_DECL void HeldVersion::verify(torch::nn::Module& module) const {

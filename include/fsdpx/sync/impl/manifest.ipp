@@ -144,6 +144,7 @@ FSDPX_DECL Manifest Manifest::decode(const at::Tensor& bytes, std::string_view w
   }
   m.entries.reserve(count);
   std::unordered_set<std::string_view> names;
+  names.reserve(count);
   for (uint32_t i = 0; i < count; ++i) {
     ManifestEntry e;
     e.name = r.get_string(r.get<uint16_t>("a name's length"), "a name");
@@ -232,6 +233,26 @@ FSDPX_DECL Manifest full_manifest(int64_t version, const std::vector<NamedTensor
 
 namespace detail {
 
+FSDPX_DECL std::unordered_map<std::string_view, const ManifestEntry*> entries_by_name(const Manifest& manifest) {
+  std::unordered_map<std::string_view, const ManifestEntry*> index;
+  index.reserve(manifest.entries.size());
+  for (const ManifestEntry& e : manifest.entries) index.emplace(e.name, &e);
+  return index;
+}
+
+FSDPX_DECL std::optional<ManifestPrefix> peek_manifest(const at::Tensor& bytes) {
+  if (bytes.scalar_type() != at::kByte || bytes.dim() != 1 || bytes.numel() < manifest_prefix_bytes) return {};
+  const at::Tensor host = host_contiguous(bytes);
+  Reader r(host.const_data_ptr<uint8_t>(), host.numel(), "a manifest's prefix");
+  if (r.get<uint32_t>("the magic number") != manifest_magic || r.get<uint16_t>("the format") != manifest_format) {
+    return {};
+  }
+  ManifestPrefix prefix;
+  prefix.delta = (r.get<uint16_t>("the flags") & 1) != 0;
+  prefix.version = r.get<int64_t>("the version");
+  return prefix;
+}
+
 FSDPX_DECL std::pair<Manifest, std::vector<NamedTensor>> split_manifest(std::vector<NamedTensor> received,
                                                                         std::string_view where) {
   FSDPX_CHECK_AS(SyncError, !received.empty() && received.front().name == detail::manifest_name,
@@ -281,12 +302,13 @@ FSDPX_DECL void verify(torch::nn::Module& module, const Manifest& manifest) {
   // Each parameter or buffer once, under the name the version lists it by (a tied one has several).
   std::vector<NamedTensor> tensors;
   std::unordered_map<const c10::TensorImpl*, size_t> seen;
+  const auto listed = detail::entries_by_name(manifest);
   const auto add = [&](const std::string& name, const at::Tensor& t) {
     if (!t.defined()) return;
     const auto [it, fresh] = seen.emplace(t.unsafeGetTensorImpl(), tensors.size());
     if (fresh) {
       tensors.push_back({name, t});
-    } else if (manifest.find(name) && !manifest.find(tensors[it->second].name)) {
+    } else if (listed.contains(name) && !listed.contains(tensors[it->second].name)) {
       tensors[it->second].name = name;
     }
   };

@@ -2,6 +2,8 @@
 // fsdpx/impl/src.hpp (FSDPX_SEPARATE_COMPILATION; fsdpx/detail/config.hpp).
 #pragma once
 
+#include <cstring>
+
 #include <fsdpx/memory/host.hpp>
 #include <fsdpx/sync/detail/receive.hpp>
 
@@ -123,6 +125,19 @@ FSDPX_DECL void TensorCollector::accept(const BucketEntry& e, const at::Tensor& 
   if (e.numel > 0) tensors_[it->second].tensor.view({-1}).narrow(0, e.element_offset, e.numel).copy_(chunk);
 }
 
+FSDPX_DECL void TensorCollector::accept_from(const at::Tensor& bucket, const BucketEntry& e) {
+  auto it = index_.find(e.name);
+  if (it == index_.end()) it = add(e);
+  const at::Tensor& t = tensors_[it->second].tensor;
+  if (!bucket.is_cpu() || !t.is_cpu() || !bucket.is_contiguous()) return accept(e, entry_view(bucket, e));
+  if (!cover(it->second, e)) return;  // nothing is written twice
+  // In bounds: decode_header checked the entry against the bucket, cover() against the tensor.
+  if (e.numel > 0) {
+    std::memcpy(static_cast<uint8_t*>(t.data_ptr()) + e.element_offset * static_cast<int64_t>(t.element_size()),
+                bucket.const_data_ptr<uint8_t>() + e.byte_offset, static_cast<size_t>(e.nbytes()));
+  }
+}
+
 FSDPX_DECL void TensorCollector::accepted(const BucketEntry& e) { cover(index_.at(e.name), e); }
 
 FSDPX_DECL at::Tensor TensorCollector::destination(const BucketEntry& e) {
@@ -167,7 +182,7 @@ FSDPX_DECL std::unordered_map<std::string, size_t>::iterator TensorCollector::ad
   allocated_ += bytes;
   const auto options = at::TensorOptions().dtype(e.dtype).device(device_);
   tensors_.push_back(
-      {e.name, (huge_pages_ ? memory::empty_buffer(numel, options) : at::empty({numel}, options)).view(e.shape)});
+      {e.name, huge_pages_ ? memory::empty_buffer(numel, options).view(e.shape) : at::empty(e.shape, options)});
   received_.emplace_back();
   return index_.emplace(e.name, tensors_.size() - 1).first;
 }

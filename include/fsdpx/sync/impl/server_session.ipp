@@ -19,6 +19,7 @@ inline Session::Session(ServerCore* core, tcp::socket socket)
   ++core_->stats.live;
   ++core_->stats.handshaking;
   ++core_->handshaking_from[address_];
+  core_->handshake_pool.push_back(this);
 }
 
 inline Session::~Session() {
@@ -31,6 +32,7 @@ inline void Session::leave_handshake_pool() {
   if (!in_handshake_pool_) return;
   in_handshake_pool_ = false;
   --core_->stats.handshaking;
+  std::erase(core_->handshake_pool, this);
   if (auto it = core_->handshaking_from.find(address_); it != core_->handshaking_from.end() && --it->second <= 0) {
     core_->handshaking_from.erase(it);
   }
@@ -367,21 +369,29 @@ inline void Session::on_bucket() {
   read_header();
 }
 
-/// Keeps all unfinished publishes within max_version_bytes together (this one alone fits: see
-/// allowed_payload) by dropping the others that progressed least recently: a publisher that stalled
-/// never holds an active one back, and two honest publishers whose versions fit side by side never
-/// meet this.
+/// Keeps all unfinished publishes within max_version_bytes together, with the versions waiting for
+/// their commit (this one alone fits: see allowed_payload), by dropping the others that progressed
+/// least recently: a publisher that stalled never holds an active one back, and two honest publishers
+/// whose versions fit side by side never meet this. The publish of the run being served (the trainer's)
+/// is never dropped for another run's: when nothing else can go, this publish is the one dropped.
 inline void Session::make_staging_room() {
   const int64_t limit = core_->options.limits.max_version_bytes;
-  while (core_->staged_bytes > limit) {
+  const bool served_run = publishes_served_run();
+  while (core_->staged_bytes + core_->committing_bytes > limit) {
     Session* stalest = nullptr;
     for (Session* s : core_->staging) {
-      if (s != this && s->pending_->staged_bytes > 0 &&
+      if (s != this && s->pending_->staged_bytes > 0 && (served_run || !s->publishes_served_run()) &&
           (stalest == nullptr || s->pending_->last_progress < stalest->pending_->last_progress)) {
         stalest = s;
       }
     }
-    if (stalest == nullptr) return;
+    if (stalest == nullptr) {
+      if (served_run) return;  // only the served run's own publishes are staged
+      return drop_staged(::fsdpx::detail::str(
+          "version ", pending_->version, " was dropped: the server stages at most max_version_bytes (", limit,
+          ") of unfinished publishes together, and the rest is the served trainer run's, which is never dropped "
+          "for another run's; publish it again"));
+    }
     const auto idle = std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() -
                                                                             stalest->pending_->last_progress);
     stalest->drop_staged(::fsdpx::detail::str(
@@ -395,78 +405,133 @@ inline void Session::make_staging_room() {
 inline void Session::end_publish() {
   if (!pending_ || in_.version != pending_->version)
     return refuse("an end frame outside its publish", &ServerStats::protocol_errors);
-  Pending p = std::move(*pending_);
+  auto p = std::make_shared<Pending>(std::move(*pending_));
   unstage();
-  if (p.rejected.empty() && p.received != p.count) {
-    p.rejected = ::fsdpx::detail::str("version ", p.version, " ended after ", p.received, " of ", p.count, " buckets");
+  if (p->rejected.empty() && p->received != p->count) {
+    p->rejected =
+        ::fsdpx::detail::str("version ", p->version, " ended after ", p->received, " of ", p->count, " buckets");
   }
-  if (p.rejected.empty()) {
-    if (std::string missing = p.coverage.missing(); !missing.empty()) {
-      p.rejected = ::fsdpx::detail::str("version ", p.version, " is not whole: ", missing);
+  if (p->rejected.empty()) {
+    if (std::string missing = p->coverage.missing(); !missing.empty()) {
+      p->rejected = ::fsdpx::detail::str("version ", p->version, " is not whole: ", missing);
     }
   }
-  uint64_t refusal = 0;
-  if (p.rejected.empty()) {
+  if (!p->rejected.empty()) return answer_publish(p->version, {std::move(p->rejected), 0});
+  // The publisher waits for its answer (nothing is read meanwhile); its version commits on the committer,
+  // its bytes counted with the staged ones until then.
+  ++watch_generation_;
+  const int64_t held = p->held_bytes + p->coverage.bookkeeping_bytes();
+  core_->committing_bytes += held;
+  off_io_thread([p, held](Session& self) mutable {
+    Outcome outcome = self.commit_publish(*p);
+    const int64_t version = p->version;
+    p.reset();  // its buckets (unless served) freed now
+    return [version, held, outcome = std::move(outcome)](Session& s) {
+      s.core_->committing_bytes -= held;
+      s.answer_publish(version, outcome);
+    };
+  });
+}
+
+/// Runs `job(session)` on the committer, then what it returns on the I/O thread (through guarded()).
+/// The session's last reference always comes back to the I/O thread, whose state its destructor updates.
+template <class Fn>
+void Session::off_io_thread(Fn&& job) {
+  asio::post(core_->committer, [self = shared_from_this(), job = std::forward<Fn>(job)]() mutable {
+    std::function<void(Session&)> then;
+    std::string failed;
     try {
-      // The version's tensors (a copy of its chunks) go to the store: a full version replaces the held
-      // one, a delta is applied to it; every CRC-32C is checked. The buckets as they came are served.
-      TensorCollector collector(at::kCPU, core_->options.limits.max_version_bytes, /*huge_pages=*/false);  // a peer's
-      for (const at::Tensor& bucket : p.buckets) {
-        const BucketLayout b = decode_header(bucket.const_data_ptr<uint8_t>(), bucket.numel(), "publisher " + peer_);
-        for (const auto& e : b.entries) collector.accept(e, entry_view(bucket, e));
+      then = job(*self);
+    } catch (const std::exception& e) {
+      failed = e.what();
+    } catch (...) {
+      failed = "unknown error";
+    }
+    ServerCore* core = self->core_;
+    asio::post(core->io, [self = std::move(self), then = std::move(then), failed = std::move(failed)] {
+      if (!failed.empty()) {
+        return self->refuse("the server could not handle it: " + failed, &ServerStats::handler_errors);
       }
-      std::vector<NamedTensor> tensors = collector.finish();
-      const std::string where = "publisher " + peer_;
-      const Manifest manifest = split_manifest(tensors, where).first;
-      FSDPX_CHECK_AS(SyncError, manifest.version == p.version, "version ", p.version,
-                     " carries the manifest of version ", manifest.version);
-      p.rejected = core_->commit(p.run, p.version, [&] {
-        if (manifest.is_delta() && !core_->store.holds(manifest.base_version, manifest.base_digest)) {
-          refusal = refused_base;
-          throw SyncError(::fsdpx::detail::str(
-              "fsdpx: version ", p.version, " is a delta from version ", manifest.base_version, " (digest ",
-              manifest.base_digest, "), which this server does not hold (it holds ",
-              core_->store.empty() ? std::string("none") : ::fsdpx::detail::str("version ", core_->store.version()),
-              "): send it full"));
-        }
-        // Frame headers are made anew: a reader gets the server's, never fields a publisher chose. Made
-        // before the store changes, so that nothing after it can fail and leave store and slot apart.
-        auto snapshot = encode_snapshot(p.version, p.run, std::move(p.buckets));
-        auto served = std::make_shared<ServedVersion>();
-        served->digest = manifest.digest;
-        core_->store.accept(std::move(tensors), VersionStore::Apply::owned, where);
-        if (manifest.is_delta()) {
-          served->base_version = manifest.base_version;
-          served->base_digest = manifest.base_digest;
-          served->delta = std::move(snapshot);
-        } else {
-          served->full = std::move(snapshot);
-        }
-        return served;
-      });
-    } catch (const SyncError& e) {
-      p.rejected = std::string(unprefixed(e.what()));
+      self->guarded([&] { then(*self); });
+    });
+  });
+}
+
+/// The commit of a whole publish, on the committer: its tensors (a copy of its chunks) go to the store,
+/// a full version replacing the held one, a delta applied to it, every CRC-32C checked; the buckets as
+/// they came are served. Touches the store (under ServerCore::commit's lock), never the I/O thread's state.
+inline Session::Outcome Session::commit_publish(Pending& p) const {
+  Outcome out;
+  try {
+    TensorCollector collector(at::kCPU, core_->options.limits.max_version_bytes, /*huge_pages=*/false);  // a peer's
+    const std::string where = "publisher " + peer_;
+    for (const at::Tensor& bucket : p.buckets) {
+      const BucketLayout b = decode_header(bucket.const_data_ptr<uint8_t>(), bucket.numel(), where);
+      for (const auto& e : b.entries) collector.accept_from(bucket, e);
     }
-    if (p.rejected.empty()) {
-      last_published_ = p.version;
-      core_->wake_waiters();
-    }
+    std::vector<NamedTensor> tensors = collector.finish();
+    const Manifest manifest = split_manifest(tensors, where).first;
+    FSDPX_CHECK_AS(SyncError, manifest.version == p.version, "version ", p.version, " carries the manifest of version ",
+                   manifest.version);
+    out.rejected = core_->commit(p.run, p.version, [&] {
+      if (manifest.is_delta() && !core_->store.holds(manifest.base_version, manifest.base_digest)) {
+        out.refusal = refused_base;
+        throw SyncError(::fsdpx::detail::str(
+            "fsdpx: version ", p.version, " is a delta from version ", manifest.base_version, " (digest ",
+            manifest.base_digest, "), which this server does not hold (it holds ",
+            core_->store.empty() ? std::string("none") : ::fsdpx::detail::str("version ", core_->store.version()),
+            "): send it full"));
+      }
+      // Frame headers are made anew: a reader gets the server's, never fields a publisher chose. Made
+      // before the store changes, so that nothing after it can fail and leave store and slot apart.
+      auto snapshot = encode_snapshot(p.version, p.run, std::move(p.buckets));
+      auto served = std::make_shared<ServedVersion>();
+      served->digest = manifest.digest;
+      core_->store.accept(std::move(tensors), VersionStore::Apply::owned, where);
+      if (manifest.is_delta()) {
+        served->base_version = manifest.base_version;
+        served->base_digest = manifest.base_digest;
+        served->delta = std::move(snapshot);
+      } else {
+        served->full = std::move(snapshot);
+      }
+      return served;
+    });
+  } catch (const SyncError& e) {
+    out.rejected = std::string(unprefixed(e.what()));
+  } catch (const std::exception& e) {
+    out.rejected = ::fsdpx::detail::str("the server could not commit it: ", e.what());
+  } catch (...) {
+    out.rejected = "the server could not commit it";  // never thrown on: the committed bytes are counted back
   }
-  if (!p.rejected.empty()) return send(make_frame(FrameKind::error, p.version, refusal), p.rejected);
-  send(make_frame(FrameKind::ack, p.version));
+  return out;
+}
+
+/// The publisher's answer, on the I/O thread: readers waiting for a newer version are woken by a commit.
+inline void Session::answer_publish(int64_t version, const Outcome& outcome) {
+  if (!outcome.rejected.empty()) return send(make_frame(FrameKind::error, version, outcome.refusal), outcome.rejected);
+  last_published_ = version;
+  core_->wake_waiters();
+  send(make_frame(FrameKind::ack, version));
 }
 
 inline void Session::check_fetch() {
   if (closed_ || closing_) return;
-  std::unique_lock store_lock(core_->store_mutex);
   auto [version, latest] = core_->slot.latest();
   // Newer: a higher version, or any version of another run than the reader's (a new run took over,
   // maybe with lower versions: the reader gets a whole version of it).
   if (latest != nullptr && (version > have_ || (!have_run_.empty() && latest->run != have_run_))) {
-    std::shared_ptr<const EncodedSnapshot> snapshot = core_->snapshot_for(*latest, version, have_, have_base_);
-    store_lock.unlock();
+    std::shared_ptr<const EncodedSnapshot> snapshot = core_->ready_snapshot_for(*latest, have_, have_base_);
     ++watch_generation_;
     arm(core_->options.limits.io_timeout);
+    if (snapshot == nullptr) {
+      // The version came as a delta and this reader needs it whole: built from the store on the
+      // committer, then the fetch is looked at again (a newer version may have come meanwhile).
+      return off_io_thread([latest = std::move(latest), version](Session& self) {
+        self.core_->build_full(*latest, version);
+        return [](Session& s) { s.check_fetch(); };
+      });
+    }
     std::array<asio::const_buffer, 2> begin{asio::buffer(&snapshot->begin, sizeof(FrameHeader)),
                                             asio::buffer(snapshot->run)};
     stream_.async_write(begin, [self = shared_from_this(), snapshot](const boost::system::error_code& ec, size_t) {
@@ -475,7 +540,6 @@ inline void Session::check_fetch() {
     });
     return;
   }
-  store_lock.unlock();
   if (!core_->publisher_lost.empty()) {
     return send(make_frame(FrameKind::error, version),
                 ::fsdpx::detail::str("no weight version newer than ", have_, " will come (latest: ", version,

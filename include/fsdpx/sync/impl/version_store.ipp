@@ -234,7 +234,7 @@ FSDPX_DECL void VersionStore::commit(EncodedVersion v) {
     for (size_t i = 0; i < v.manifest.entries.size(); ++i)
       held.push_back({v.manifest.entries[i].name, v.finals[i].clone()});
     tensors_ = std::move(held);
-    manifest_ = std::move(v.manifest);
+    manifest_ = std::make_shared<const Manifest>(std::move(v.manifest));
     return;
   }
   FSDPX_CHECK(manifest_ && holds(v.manifest.base_version, v.manifest.base_digest),
@@ -260,7 +260,7 @@ FSDPX_DECL void VersionStore::commit(EncodedVersion v) {
       held.copy_(v.finals[i]);
     }
   }
-  manifest_ = std::move(v.manifest);
+  manifest_ = std::make_shared<const Manifest>(std::move(v.manifest));
 }
 
 FSDPX_DECL void VersionStore::adopt(std::vector<NamedTensor> tensors, Manifest manifest) {
@@ -276,19 +276,30 @@ FSDPX_DECL void VersionStore::adopt(std::vector<NamedTensor> tensors, Manifest m
         e.dtype, " ", c10::IntArrayRef(e.shape), ", contiguous)");
   }
   tensors_ = std::move(tensors);
-  manifest_ = std::move(manifest);
+  manifest_ = std::make_shared<const Manifest>(std::move(manifest));
 }
 
-FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mode, std::string_view where) {
+FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mode, std::string_view where,
+                                     std::optional<std::chrono::steady_clock::time_point> deadline) {
   auto [m, rest] = split_manifest(std::move(received), where);
+  // Checked every 256 tensors: a version of many tensors ends by the fetch's deadline too.
+  const auto in_time = [&](size_t i) {
+    if (deadline && i % 256 == 255 && std::chrono::steady_clock::now() > *deadline) {
+      delta_fail(where, m.version,
+                 ::fsdpx::detail::str("the fetch's wait ended while its tensors were checked (", i + 1, " of ",
+                                      m.entries.size(), "): nothing was taken; wait longer for a version this large"));
+    }
+  };
   std::unordered_map<std::string_view, size_t> by_name;
   for (size_t i = 0; i < rest.size(); ++i) {
     if (!by_name.emplace(rest[i].name, i).second) {
       delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", rest[i].name, "' arrived twice"));
     }
   }
+  const auto listed = entries_by_name(m);
   for (const auto& t : rest) {
-    const ManifestEntry* e = m.find(t.name);
+    const auto found = listed.find(t.name);
+    const ManifestEntry* e = found == listed.end() ? nullptr : found->second;
     if (e == nullptr || e->encoding == DeltaEncoding::unchanged) {
       delta_fail(where, m.version,
                  ::fsdpx::detail::str("tensor '", t.name, "' arrived but its manifest ",
@@ -300,6 +311,7 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
     std::vector<NamedTensor> held;
     held.reserve(m.entries.size());
     for (const ManifestEntry& e : m.entries) {
+      in_time(held.size());
       const auto it = by_name.find(e.name);
       if (it == by_name.end())
         delta_fail(where, m.version, ::fsdpx::detail::str("tensor '", e.name, "' never arrived"));
@@ -318,7 +330,7 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
       held.push_back({e.name, t.contiguous()});
     }
     tensors_ = std::move(held);
-    manifest_ = std::move(m);
+    manifest_ = std::make_shared<const Manifest>(std::move(m));
     return;
   }
   if (!manifest_ || !holds(m.base_version, m.base_digest)) {
@@ -370,6 +382,7 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
   };
   try {
     for (size_t i = 0; i < m.entries.size(); ++i) {
+      in_time(i);
       const ManifestEntry& e = m.entries[i];
       if (e.encoding == DeltaEncoding::unchanged) continue;
       const at::Tensor& payload = rest[by_name.at(e.name)].tensor;
@@ -476,7 +489,7 @@ FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mo
     throw;
   }
   tensors_ = std::move(next);
-  manifest_ = std::move(m);
+  manifest_ = std::make_shared<const Manifest>(std::move(m));
 }
 
 }  // namespace fsdpx::sync::detail
