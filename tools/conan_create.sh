@@ -33,10 +33,13 @@ rm -rf "$work/test_package"  # a fresh test_package build, never a CMake cache o
 # Keep only the newest recipe revision, so a reused WORK_DIR does not grow with every header change.
 "$conan" remove "fsdpx/*#!latest" --confirm >/dev/null 2>&1
 
-# A consumer outside the source tree: its conanfile, its CMakeLists, the consumer test's program.
+# A consumer outside the source tree: its conanfile, its CMakeLists, the consumer tests' light program
+# (one header and an all-reduce: that the package is found, links and runs; test_package above built
+# and ran a sharded model through the umbrella header).
 consumer=$(mktemp -d /tmp/fsdpx_conan_consumer.XXXXXX)
 trap 'rm -rf "$consumer"' EXIT
-cp "$repo/tests/consumer/main.cpp" "$consumer/"
+cp "$repo/tests/consumer/light.cpp" "$consumer/main.cpp"
+cp "$repo/tests/consumer/all_reduce_check.hpp" "$consumer/"
 cat > "$consumer/conanfile.txt" <<TXT
 [requires]
 fsdpx/$version

@@ -3,7 +3,8 @@
 # find_package(fsdpx CONFIG REQUIRED) and run it under mpiexec; then build the same program with fsdpx
 # as a subproject (FetchContent, no find_package(Torch) in the parent) and run it too. Installed, the
 # program is built twice: header-only, and with fsdpx compiled once (fsdpx_add_separate_library); as a
-# subproject header-only (fsdpx::separate through add_subdirectory is how fsdpx's own build links).
+# subproject header-only, the light program (light.cpp: the umbrella's is built above; fsdpx::separate
+# through add_subdirectory is how fsdpx's own build links).
 # In: BUILD_DIR SOURCE_DIR WORK_DIR Torch_DIR MPIEXEC MPIEXEC_FLAGS (|-separated) TOOLS (ON: fsdpx-merge was built)
 function(step)
   execute_process(COMMAND ${ARGN} RESULT_VARIABLE rc)

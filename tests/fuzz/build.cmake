@@ -1,13 +1,23 @@
-# cmake -DBUILD_DIR=<dir> -DCXX=<clang++> -DTorch_DIR=<dir> -P build.cmake: configures and builds the fuzz
-# harnesses (CMakeLists.txt here) in BUILD_DIR, and makes each harness's working corpus folder there (what
-# fuzzing finds beyond the seeds in corpus/).
+# cmake -DBUILD_DIR=<dir> -DCXX=<clang++> -DTorch_DIR=<dir> [-DSYNC=ON] [-DHARNESSES=<a,b>] -P build.cmake:
+# configures and builds the fuzz harnesses (CMakeLists.txt here; SYNC: fuzz_sync too, which needs Boost and
+# OpenSSL) in BUILD_DIR, and makes each harness's working corpus folder there (what fuzzing finds beyond the
+# seeds in corpus/). HARNESSES: the harnesses built, by default the checkpoint floor's and, with SYNC, sync.
 foreach(v BUILD_DIR CXX Torch_DIR)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "build.cmake needs -D${v}=...")
   endif()
 endforeach()
+if(NOT DEFINED HARNESSES)
+  set(HARNESSES pickle,metadata,archive,commit_record)
+  if(SYNC)
+    string(APPEND HARNESSES ",sync")
+  endif()
+endif()
+if(NOT DEFINED SYNC)
+  set(SYNC OFF)
+endif()
 execute_process(COMMAND ${CMAKE_COMMAND} -S ${CMAKE_CURRENT_LIST_DIR} -B ${BUILD_DIR} -DCMAKE_CXX_COMPILER=${CXX}
-                        -DTorch_DIR=${Torch_DIR} RESULT_VARIABLE rc)
+                        -DTorch_DIR=${Torch_DIR} -DFSDPX_FUZZ_SYNC=${SYNC} RESULT_VARIABLE rc)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "configuring the fuzz harnesses failed")
 endif()
@@ -15,6 +25,7 @@ execute_process(COMMAND ${CMAKE_COMMAND} --build ${BUILD_DIR} -j 2 RESULT_VARIAB
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "building the fuzz harnesses failed")
 endif()
-foreach(harness pickle metadata archive commit_record)
+string(REPLACE "," ";" HARNESSES "${HARNESSES}")
+foreach(harness IN LISTS HARNESSES)
   file(MAKE_DIRECTORY ${BUILD_DIR}/corpus_${harness})
 endforeach()

@@ -323,10 +323,26 @@ TEST_CASE("CRC-32C matches the reference values, in one piece and in parts", "[s
   parts.update("12345", 5);
   parts.update("6789", 4);
   CHECK(parts.value() == 0xE3069283u);
-  // Joined from the checksums of two pieces, wherever the cut (blocks checksummed on several threads).
   at::manual_seed(3);
   const at::Tensor bytes = at::randint(0, 256, {100003}, at::kByte);
   const auto* p = bytes.const_data_ptr<uint8_t>();
+  // Against the definition, bit by bit, at lengths and alignments on both sides of the instruction path's
+  // three-lane blocks (3 x 4 KiB).
+  const auto bitwise = [](const uint8_t* data, size_t n) {
+    uint32_t c = ~0u;
+    for (size_t i = 0; i < n; ++i) {
+      c ^= data[i];
+      for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (Crc32c::polynomial & (0u - (c & 1u)));
+    }
+    return ~c;
+  };
+  for (const size_t n : {size_t{12287}, size_t{12288}, size_t{12289}, size_t{3 * 12288 + 17}, size_t{99990}}) {
+    for (const size_t offset : {size_t{0}, size_t{3}}) {
+      INFO(n << " bytes at offset " << offset);
+      CHECK(Crc32c::of(p + offset, n) == bitwise(p + offset, n));
+    }
+  }
+  // Joined from the checksums of two pieces, wherever the cut (blocks checksummed on several threads).
   for (const size_t cut :
        {size_t{0}, size_t{1}, size_t{7}, size_t{8}, size_t{4096}, size_t{65537}, size_t{100002}, size_t{100003}}) {
     INFO("cut at " << cut);

@@ -1,5 +1,5 @@
 // CRC-32C (Castagnoli): the checksum of every checkpoint file (fsdp_config.json records it) and of
-// every weight-sync frame. SSE 4.2's crc32 instruction where the CPU has it (several GB/s), a table
+// every weight-sync frame. SSE 4.2's crc32 instruction where the CPU has it (three streams at once), a table
 // otherwise; the same function the Python package computes (python/fsdpx_sync/checksum.py).
 #pragma once
 
@@ -75,8 +75,47 @@ class Crc32c {
     static const bool yes = __builtin_cpu_supports("sse4.2");
     return yes;
   }
+  // The instruction takes 3 cycles and one can start every cycle: three streams over adjacent lanes
+  // keep it busy (about 3x one stream), joined by multiplying by x^(8 lane) (zlib's crc32_combine).
+  static constexpr size_t lane = 4096;
+  /// x -> x * x^(8 lane) modulo the polynomial, byte by byte (the product is linear in x).
+  static const uint32_t* lane_shift_table() {
+    static const auto t = [] {
+      uint32_t power = 1u << 30, shift = 1u << 31;  // x^1, x^0
+      for (uint64_t bits = lane * 8; bits != 0; bits >>= 1) {
+        if (bits & 1u) shift = multiply(power, shift);
+        power = multiply(power, power);
+      }
+      std::vector<uint32_t> v(4 * 256);
+      for (uint32_t j = 0; j < 4; ++j) {
+        for (uint32_t b = 0; b < 256; ++b) v[j * 256 + b] = multiply(shift, b << (8 * j));
+      }
+      return v;
+    }();
+    return t.data();
+  }
+  static uint32_t shift_lane(uint32_t x, const uint32_t* t) {
+    return t[x & 0xffu] ^ t[256 + ((x >> 8) & 0xffu)] ^ t[512 + ((x >> 16) & 0xffu)] ^ t[768 + (x >> 24)];
+  }
   __attribute__((target("sse4.2"))) static uint32_t update_sse42(uint32_t crc, const unsigned char* p, size_t n) {
     uint64_t c = crc;
+    if (n >= 3 * lane) {
+      const uint32_t* t = lane_shift_table();
+      for (; n >= 3 * lane; n -= 3 * lane, p += 3 * lane) {
+        uint64_t a = c, b = 0, d = 0;
+        for (size_t i = 0; i < lane; i += 8) {
+          uint64_t wa, wb, wd;
+          std::memcpy(&wa, p + i, 8);
+          std::memcpy(&wb, p + lane + i, 8);
+          std::memcpy(&wd, p + 2 * lane + i, 8);
+          a = __builtin_ia32_crc32di(a, wa);
+          b = __builtin_ia32_crc32di(b, wb);
+          d = __builtin_ia32_crc32di(d, wd);
+        }
+        c = shift_lane(shift_lane(static_cast<uint32_t>(a), t) ^ static_cast<uint32_t>(b), t) ^
+            static_cast<uint32_t>(d);
+      }
+    }
     for (; n >= 8; n -= 8, p += 8) {
       uint64_t word;
       std::memcpy(&word, p, 8);

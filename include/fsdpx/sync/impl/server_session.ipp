@@ -526,8 +526,9 @@ inline void Session::check_fetch() {
     arm(core_->options.limits.io_timeout);
     if (snapshot == nullptr) {
       // The version came as a delta and this reader needs it whole: built from the store on the
-      // committer, then the fetch is looked at again (a newer version may have come meanwhile).
-      return off_io_thread([latest = std::move(latest), version](Session& self) {
+      // committer, then the fetch is looked at again (a newer version may have come meanwhile). The
+      // binding is captured by copy through a name: clang before 16 refuses to capture a binding itself.
+      return off_io_thread([latest = std::move(latest), version = version](Session& self) {
         self.core_->build_full(*latest, version);
         return [](Session& s) { s.check_fetch(); };
       });

@@ -281,7 +281,10 @@ FSDPX_DECL void VersionStore::adopt(std::vector<NamedTensor> tensors, Manifest m
 
 FSDPX_DECL void VersionStore::accept(std::vector<NamedTensor> received, Apply mode, std::string_view where,
                                      std::optional<std::chrono::steady_clock::time_point> deadline) {
-  auto [m, rest] = split_manifest(std::move(received), where);
+  // Named, not a structured binding: the lambdas below use them, which clang before 16 refuses for bindings.
+  auto split = split_manifest(std::move(received), where);
+  Manifest& m = split.first;
+  std::vector<NamedTensor>& rest = split.second;
   // Checked every 256 tensors: a version of many tensors ends by the fetch's deadline too.
   const auto in_time = [&](size_t i) {
     if (deadline && i % 256 == 255 && std::chrono::steady_clock::now() > *deadline) {
