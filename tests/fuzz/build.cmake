@@ -1,18 +1,11 @@
-# cmake -DBUILD_DIR=<dir> -DCXX=<clang++> -DTorch_DIR=<dir> [-DSYNC=ON] [-DHARNESSES=<a,b>] -P build.cmake:
-# configures and builds the fuzz harnesses (CMakeLists.txt here; SYNC: fuzz_sync too, which needs Boost and
-# OpenSSL) in BUILD_DIR, and makes each harness's working corpus folder there (what fuzzing finds beyond the
-# seeds in corpus/). HARNESSES: the harnesses built, by default the checkpoint floor's and, with SYNC, sync.
+# cmake -DBUILD_DIR=<dir> -DCXX=<clang++> -DTorch_DIR=<dir> [-DSYNC=ON] -P build.cmake: configures and builds the
+# fuzz harnesses (CMakeLists.txt here; SYNC: fuzz_sync too, which needs Boost and OpenSSL) in BUILD_DIR, and makes
+# each built harness's working corpus folder there (what fuzzing finds beyond the seeds in corpus/).
 foreach(v BUILD_DIR CXX Torch_DIR)
   if(NOT DEFINED ${v})
     message(FATAL_ERROR "build.cmake needs -D${v}=...")
   endif()
 endforeach()
-if(NOT DEFINED HARNESSES)
-  set(HARNESSES pickle,metadata,archive,commit_record)
-  if(SYNC)
-    string(APPEND HARNESSES ",sync")
-  endif()
-endif()
 if(NOT DEFINED SYNC)
   set(SYNC OFF)
 endif()
@@ -25,7 +18,8 @@ execute_process(COMMAND ${CMAKE_COMMAND} --build ${BUILD_DIR} -j 2 RESULT_VARIAB
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "building the fuzz harnesses failed")
 endif()
-string(REPLACE "," ";" HARNESSES "${HARNESSES}")
-foreach(harness IN LISTS HARNESSES)
-  file(MAKE_DIRECTORY ${BUILD_DIR}/corpus_${harness})
+file(GLOB harnesses RELATIVE ${BUILD_DIR} ${BUILD_DIR}/fuzz_*)
+foreach(harness IN LISTS harnesses)
+  string(REGEX REPLACE "^fuzz_" "" name ${harness})
+  file(MAKE_DIRECTORY ${BUILD_DIR}/corpus_${name})
 endforeach()
