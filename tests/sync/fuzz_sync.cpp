@@ -88,7 +88,7 @@ void to_server(const uint8_t* data, size_t size) {
     if (n == 0) break;
     if (n < 0) {
       if (errno == EAGAIN || errno == EWOULDBLOCK) __builtin_trap();  // the server wedged on this input
-      break;                                                           // reset: a refusal
+      break;                                                          // reset: a refusal
     }
   }
   ::close(fd);
