@@ -171,6 +171,13 @@ inline Batch mlp_batch(int step) {
   return {at::randn({24, 20}), at::randint(5, {24}, at::kLong)};
 }
 
+/// ConvBnNet's batches: 24 sequences (whole slices at 1-4 ranks) of 16 steps, and their classes.
+inline Batch conv_batch(int step) {
+  at::manual_seed(3000 + step);
+  return {at::randn({24, ConvBnNetImpl::in_channels, ConvBnNetImpl::length}),
+          at::randint(ConvBnNetImpl::classes, {24}, at::kLong)};
+}
+
 // bfloat16: the reference does what BF16Mixed does, unsharded. Float32 master weights; a bfloat16 copy
 // computes forward and backward on the whole batch; its gradients, cast to float32, drive AdamW on the
 // master. Each step is compared from the same masters (StepParity), along the GPT's path with every

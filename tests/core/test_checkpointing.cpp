@@ -237,6 +237,15 @@ TEST_CASE("checkpointing on and off train alike: HybridShard with accumulation, 
                                                                        {.steps = 3}, 5);
 }
 
+TEST_CASE("checkpointing a BF16Mixed ConvNet with its BatchNorms kept in float32: on equals off, buffers too",
+          "[checkpointing][precision]") {
+  // Each block's recomputation gathers its float32 BatchNorm member with it and restores the running
+  // statistics its forward left; the frozen mixing convolution of block 1 recomputes too.
+  using Sharded =
+      Fsdp<ConvBnNet, FullShard, NoOffload, BF16Mixed, ShardedStateDict, WrapModules<ConvBnBlockImpl>, CheckpointAll>;
+  check_on_equals_off<Sharded>([] { return ConvBnNet(); }, conv_batch, {.steps = 3, .micro_steps = 2}, 3);
+}
+
 TEST_CASE("checkpointing chosen per unit: every second unit, or by name", "[checkpointing]") {
   check_on_equals_off<ShardedDropNet<FullShard, NoOffload, FullPrecision, CheckpointEvery<2>>>(
       [] { return DropNet(); }, mlp_batch, {.steps = 3}, 2);  // d1 and d3

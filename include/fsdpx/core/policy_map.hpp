@@ -27,6 +27,7 @@
 
 #include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/mesh.hpp>
+#include <fsdpx/core/module_precision.hpp>
 #include <fsdpx/core/setup.hpp>
 #include <fsdpx/core/unit.hpp>
 #include <fsdpx/dist/env.hpp>
@@ -67,6 +68,14 @@ struct FsdpOptions {
   /// Which parameters make_adamw decays, by fully qualified name and tensor (default: dim() >= 2).
   /// E.g. [](const std::string& name, const at::Tensor& p) { return p.dim() >= 2 && name.find("embed") == npos; }
   std::function<bool(const std::string&, const at::Tensor&)> weight_decay;
+  /// Under a mixed precision policy (param_dtype other than float32), the modules whose own parameters
+  /// stay in float32, by dotted module name and module: they are gathered, computed and reduced in float32
+  /// (a second flat buffer of their unit, gathered with it), as FSDP2 gives a module its own
+  /// MixedPrecisionPolicy. Default: every BatchNorm (FSDP1's choice; its running statistics are float32,
+  /// which ATen refuses beside bfloat16 weights). fsdpx::is_norm_layer keeps every normalization layer;
+  /// an empty function keeps none. A kept module must accept inputs in the policy's dtype (ATen's norms do;
+  /// a Linear does not).
+  std::function<bool(const std::string&, const torch::nn::Module&)> keep_full_precision = is_batch_norm;
   /// A wrap policy other than NoWrap that picks no module is an error (the model would train as one
   /// unit, with no overlap); set this when that is intended.
   bool allow_no_units = false;
@@ -149,6 +158,7 @@ struct PolicyMap {
     setup.reshard_after_forward = o.reshard_after_forward_for;
     setup.init_module = o.init_module;
     setup.decay = o.weight_decay;
+    setup.keep_full_precision = o.keep_full_precision;
     setup.replicas = o.replicas;
     setup.buffer_sync = o.buffer_sync;
     setup.check_units = [allow_none = o.allow_no_units](const std::vector<std::string>& units) {

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
 
 #include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/policies/checkpoint.hpp>
@@ -44,6 +45,9 @@ struct ModelSetup {
   ModuleInit init_module;
   /// Whether a parameter gets weight decay, by its fully qualified name and tensor; default dim() >= 2.
   std::function<bool(const std::string&, const at::Tensor&)> decay;
+  /// Modules (by dotted name and module) whose own parameters stay float32 when the units compute in
+  /// another dtype: each unit's such parameters are a companion unit of float32 (FsdpOptions). Empty: none.
+  std::function<bool(const std::string&, const torch::nn::Module&)> keep_full_precision;
   /// Sees the chosen units' names before anything changes (e.g. the wrap policy matched nothing).
   std::function<void(const std::vector<std::string>&)> check_units;
   ReplicaInit replicas = ReplicaInit::check;

@@ -111,13 +111,14 @@ class ShardedModel {
       return post_forward(u, std::move(out));
     } catch (const c10::Error& e) {
       // Named while the pass still says which units ran through the protocol (never instead of the clean-up)
-      std::optional<ConfigError> direct_call;
+      std::optional<ConfigError> named;
       try {
-        direct_call = resharded_access_error(u, e);
+        named = resharded_access_error(u, e);
+        if (!named) named = dtype_clash_error(u, e);
       } catch (...) {
       }
       forward_failed(u);
-      if (direct_call) throw *direct_call;
+      if (named) throw *named;
       throw;
     } catch (...) {
       forward_failed(u);
@@ -149,7 +150,7 @@ class ShardedModel {
   template <class Arg>
   static decltype(auto) cast_input(const Unit& u, Arg&& arg) {
     if constexpr (std::is_same_v<std::decay_t<Arg>, at::Tensor>) {
-      const auto dtype = u.options().param_dtype;
+      const auto dtype = u.options().input_dtype.value_or(u.options().param_dtype);
       return arg.defined() && arg.is_floating_point() && arg.scalar_type() != dtype ? arg.to(dtype) : at::Tensor(arg);
     } else {
       return std::forward<Arg>(arg);
@@ -365,7 +366,7 @@ class ShardedModel {
     }
   }
 
-  /// The parameters of `u` (and of its frozen companion) that get gradients.
+  /// The parameters of `u` and of its kept companions that get gradients (none when u is frozen), in unit order.
   FSDPX_DECL std::vector<at::Tensor> trainable_parameters(const Unit& u) const;
   /// The buffers of unit `u`'s module, all of them (what a call of it may change).
   FSDPX_DECL std::vector<at::Tensor> unit_module_buffers(const Unit& u) const;
@@ -381,6 +382,10 @@ class ShardedModel {
   /// that says so, naming the units inside `running` that this pass has not called through the protocol
   /// (the one its module called directly is among them). nullopt for any other error.
   FSDPX_DECL std::optional<ConfigError> resharded_access_error(const Unit& running, const c10::Error& e) const;
+  /// When ATen's error `e`, inside unit `running`'s call, is a dtype mismatch: the ConfigError that names the
+  /// unit, its dtypes and the modules in it that hold parameters and buffers of different dtypes (BatchNorm's
+  /// bfloat16 weights beside float32 running statistics), and how to keep them in float32. nullopt otherwise.
+  FSDPX_DECL std::optional<ConfigError> dtype_clash_error(const Unit& running, const c10::Error& e) const;
 
   size_t index_of(const Unit& u) const { return static_cast<size_t>(u.index()); }
   detail::UnitRecord& record(const Unit& u) { return pass_.units[index_of(u)]; }
@@ -394,10 +399,24 @@ class ShardedModel {
   }
   FSDPX_DECL void add_post_backward_node(Unit& u, const std::vector<at::Tensor*>& tracked);
 
-  /// A unit and its frozen companion (if any) are gathered and freed together.
-  Unit* companion(const Unit& u) const {
-    const size_t c = companion_[index_of(u)];
-    return c == 0 ? nullptr : units_[c].get();
+  /// A unit and its companions (frozen parameters, float32-kept ones) are gathered and freed together.
+  const std::vector<size_t>& companions(const Unit& u) const { return companions_[index_of(u)]; }
+  /// Whether one of u's companions is frozen: its parameters may still be needed for the gradient of
+  /// u's input after every trainable one has its gradient.
+  bool has_frozen_companion(const Unit& u) const {
+    for (const size_t c : companions(u)) {
+      if (!units_[c]->trainable()) return true;
+    }
+    return false;
+  }
+  /// The units whose gradients a backward of u produces: u and its kept companions, when trainable.
+  template <class F>
+  void for_each_trainable_member(Unit& u, F&& f) {
+    if (!u.trainable()) return;
+    f(u);
+    for (const size_t c : companions(u)) {
+      if (units_[c]->trainable()) f(*units_[c]);
+    }
   }
   FSDPX_DECL void unshard_async_with(Unit& u);
   FSDPX_DECL void unshard_with(Unit& u);
@@ -412,8 +431,8 @@ class ShardedModel {
   std::vector<const torch::nn::Module*> modules_;
   std::vector<detail::NodePtr> accumulators_;              // keep the hooks' nodes alive
   std::unordered_set<const torch::nn::Module*> in_units_;  // every module inside a non-root unit
-  std::vector<bool> is_companion_;    // a module's frozen parameters, moving with the unit before it
-  std::vector<size_t> companion_;     // the index of a unit's frozen companion, or 0 (none)
+  std::vector<bool> is_companion_;                         // moves with the last unit before it that is not one
+  std::vector<std::vector<size_t>> companions_;            // a unit's companions' indices (none for a companion)
   std::vector<Unit*> forward_order_;  // the last completed forward's units (prefetching follows it)
   std::unordered_map<const Unit*, size_t> position_;
   detail::Pass pass_;  // everything the current pass changed

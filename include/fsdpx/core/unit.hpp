@@ -36,6 +36,9 @@ struct UnitOptions {
   at::ScalarType param_dtype = at::kFloat;
   at::ScalarType reduce_dtype = at::kFloat;
   std::optional<at::ScalarType> output_dtype;
+  /// What the unit's floating inputs are cast to; default param_dtype. A unit whose own parameters are
+  /// kept in float32 while its companion's compute in the policy's dtype takes inputs in the latter.
+  std::optional<at::ScalarType> input_dtype;
   c10::Device device = c10::Device(c10::kCPU);  // where the module computes
   bool offload_to_cpu = false;                  // shard, its gradient and optimizer state on the host
   bool pin_memory = false;

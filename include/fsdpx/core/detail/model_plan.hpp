@@ -25,7 +25,7 @@ struct PlannedUnit {
   std::string name;
   std::vector<ParamInfo> params;
   size_t module = 0;       // index into ModelPlan::modules
-  bool companion = false;  // the frozen parameters of the unit before it ("<name>#frozen")
+  bool companion = false;  // moves with the unit before it: its frozen ("<name>#frozen") or float32-kept parameters
   UnitOptions options;
 };
 
@@ -33,7 +33,7 @@ struct ModelPlan {
   /// [0] the root module, then each non-root unit's module, in the model's registration order.
   std::vector<torch::nn::Module*> modules;
   std::vector<std::string> module_names;  // [0] "" (the root)
-  /// [0] the root unit; a frozen companion right after the unit it moves with.
+  /// [0] the root unit; companions right after the unit they move with.
   std::vector<PlannedUnit> units;
   /// Every module inside a non-root unit (the root's own modules are the others).
   std::unordered_set<const torch::nn::Module*> in_units;

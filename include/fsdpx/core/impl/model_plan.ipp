@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <iterator>
 #include <unordered_map>
 
@@ -89,20 +90,35 @@ FSDPX_DECL ModelPlan plan_model(torch::nn::Module& root, const UnitOptions& opti
       params[0].push_back({item.key(), item.value(), {}, decays(item.key(), item.value())});
   }
 
-  // A module with frozen and trainable parameters (LoRA adapters beside frozen base weights) gets two
-  // units that always move together: the trainable one, and "<name>#frozen", sharded and gathered
-  // like it but never reduced, with no gradient and no optimizer state.
+  // Parameters that a kept module registers itself stay float32 when the units compute in another dtype.
+  std::unordered_set<const c10::TensorImpl*> kept;
+  const bool low_precision =
+      options.param_dtype != at::kFloat || options.reduce_dtype != at::kFloat || options.shard_dtype != at::kFloat;
+  if (setup.keep_full_precision && low_precision) {
+    for (const auto& item : root.named_modules("", /*include_self=*/true)) {
+      if (!setup.keep_full_precision(item.key(), *item.value())) continue;
+      for (const at::Tensor& p : item.value()->parameters(/*recurse=*/false)) kept.insert(p.unsafeGetTensorImpl());
+    }
+  }
+
+  // A module's parameters fall into up to four members: trainable in the compute dtype, trainable kept
+  // in float32, then the frozen ones alike. The first that holds any is the unit (named as the module);
+  // the others are its companions, sharded and gathered with it: a frozen one (LoRA adapters beside
+  // frozen base weights: "<name>#frozen") is never reduced and has no gradient or optimizer state; a
+  // kept one ("<name>#float32") is gathered and reduced in float32, and its gradients count toward the
+  // unit's.
+  struct Member {
+    bool frozen, kept;
+    std::vector<ParamInfo> params;
+  };
   const int checkpointable = static_cast<int>(plan.modules.size()) - 1;
   for (size_t m = 0; m < plan.modules.size(); ++m) {
     const bool is_root = m == 0;
     const std::string name = is_root ? "root" : plan.module_names[m];
-    std::vector<ParamInfo>& mine = params[m];
-    std::vector<ParamInfo> frozen;
-    if (std::any_of(mine.begin(), mine.end(), [](const ParamInfo& p) { return p.param.requires_grad(); })) {
-      const auto split =
-          std::stable_partition(mine.begin(), mine.end(), [](const ParamInfo& p) { return p.param.requires_grad(); });
-      frozen.assign(std::make_move_iterator(split), std::make_move_iterator(mine.end()));
-      mine.erase(split, mine.end());
+    std::array<Member, 4> members{{{false, false, {}}, {false, true, {}}, {true, false, {}}, {true, true, {}}}};
+    for (ParamInfo& p : params[m]) {
+      const size_t which = (p.param.requires_grad() ? 0 : 2) + (kept.count(p.param.unsafeGetTensorImpl()) ? 1 : 0);
+      members[which].params.push_back(std::move(p));
     }
     UnitOptions unit_options = options;
     if (is_root) {
@@ -113,8 +129,25 @@ FSDPX_DECL ModelPlan plan_model(torch::nn::Module& root, const UnitOptions& opti
           !options.inference_only && setup.checkpoint &&
           setup.checkpoint(CheckpointQuery{name, static_cast<int>(m) - 1, checkpointable});
     }
-    plan.units.push_back({name, std::move(mine), m, false, unit_options});
-    if (!frozen.empty()) plan.units.push_back({name + "#frozen", std::move(frozen), m, true, unit_options});
+    const auto member_options = [&](const Member& member) {
+      UnitOptions o = unit_options;
+      if (member.kept) {
+        o.param_dtype = o.reduce_dtype = o.shard_dtype = at::kFloat;
+        o.input_dtype = options.param_dtype;  // the unit's inputs stay in the policy's dtype
+      }
+      return o;
+    };
+    const auto first = std::find_if(members.begin(), members.end(), [](const Member& g) { return !g.params.empty(); });
+    const Member& unit = first == members.end() ? members.front() : *first;
+    plan.units.push_back({name, unit.params, m, false, member_options(unit)});
+    for (const Member& member : members) {
+      if (&member == &unit || member.params.empty()) continue;
+      // Named by how it differs from the unit, so every member's name is its own.
+      const std::string suffix =
+          std::string(member.frozen && !unit.frozen ? "#frozen" : "") + (member.kept && !unit.kept ? "#float32" : "") +
+          (!member.kept && unit.kept ? "#" + std::string(c10::toString(options.param_dtype)) : "");
+      plan.units.push_back({name + suffix, member.params, m, true, member_options(member)});
+    }
   }
 
   // A deferred model is materialized one unit at a time, right before that unit takes its shard.
@@ -220,6 +253,7 @@ FSDPX_DECL void ShardedModel::commit_plan(detail::ModelPlan& plan, const ModelSe
   };
 
   std::vector<std::pair<at::Tensor, at::Tensor>> originals;  // parameter, its data before
+  size_t unit_of_module = 0;                                 // the unit the companions that follow move with
   for (const auto& u : plan.units) {
     for (const ParamInfo& p : u.params) originals.emplace_back(p.param, p.param.variable_data());
   }
@@ -229,17 +263,21 @@ FSDPX_DECL void ShardedModel::commit_plan(detail::ModelPlan& plan, const ModelSe
       const bool is_root = u.module == 0;
       if (!u.companion) {
         materialize(u.module);
-        std::vector<ParamInfo> all = u.params;  // the module's parameters, its companion's too
-        if (k + 1 < plan.units.size() && plan.units[k + 1].companion) {
-          all.insert(all.end(), plan.units[k + 1].params.begin(), plan.units[k + 1].params.end());
+        std::vector<ParamInfo> all = u.params;  // the module's parameters, its companions' too
+        for (size_t c = k + 1; c < plan.units.size() && plan.units[c].companion; ++c) {
+          all.insert(all.end(), plan.units[c].params.begin(), plan.units[c].params.end());
         }
         replicate_values(u.name, all, *plan.modules[u.module], is_root, plan.values_meaningful, setup.replicas);
       }
       units_.push_back(std::make_unique<Unit>(u.name, static_cast<int>(k), std::move(u.params), comms, u.options));
       modules_.push_back(plan.modules[u.module]);
       is_companion_.push_back(u.companion);
-      companion_.push_back(0);
-      if (u.companion) companion_[k - 1] = k;
+      companions_.emplace_back();
+      if (!u.companion) {
+        unit_of_module = k;
+      } else {
+        companions_[unit_of_module].push_back(k);
+      }
     }
   } catch (...) {
     at::NoGradGuard no_grad;
@@ -256,9 +294,8 @@ FSDPX_DECL void ShardedModel::commit_plan(detail::ModelPlan& plan, const ModelSe
 }
 
 FSDPX_DECL void ShardedModel::install_gradient_hooks(Unit& u) {
-  if (!u.trainable()) return;
-  for (const ParamInfo& p : u.layout().params()) {
-    accumulators_.push_back(detail::add_post_accumulate_hook(p.param, [alive = alive_, this, &u] {
+  for (const at::Tensor& p : trainable_parameters(u)) {  // a kept companion's count toward u's backward
+    accumulators_.push_back(detail::add_post_accumulate_hook(p, [alive = alive_, this, &u] {
       if (*alive) on_grad_accumulated(u);
     }));
   }

@@ -6,6 +6,7 @@
 
 #include <exception>
 #include <map>
+#include <set>
 #include <utility>
 
 #include <fsdpx/core/sharded_model.hpp>
@@ -146,9 +147,12 @@ FSDPX_DECL void ShardedModel::on_grad_accumulated(Unit& u) {
     if (sync_ && u.trainable()) r.late_gradient = true;
     return;
   }
-  // Every gradient in means the backward is over, unless frozen parameters (the companion's) are
-  // still needed for the gradient of the unit's input: then only the post-backward node says so.
-  if (++r.grads_ready == static_cast<int>(u.layout().params().size()) && companion(u) == nullptr) {
+  // Every gradient in (the kept companions' too) means the backward is over, unless frozen parameters
+  // (a frozen companion's) are still needed for the gradient of the unit's input: then only the
+  // post-backward node says so.
+  size_t expected = 0;
+  for_each_trainable_member(u, [&](const Unit& member) { expected += member.layout().params().size(); });
+  if (++r.grads_ready == static_cast<int>(expected) && !has_frozen_companion(u)) {
     unit_backward_done(u);
   }
 }
@@ -161,10 +165,12 @@ FSDPX_DECL void ShardedModel::unit_backward_done(Unit& u) {
   detail::move_phase(r, u.name(), "the end of the unit's backward",
                      {detail::UnitPhase::idle, detail::UnitPhase::after_forward, detail::UnitPhase::backward},
                      detail::UnitPhase::reduced, "; a backward ran inside the unit's own forward");
-  if (sync_ && u.trainable()) {
-    u.reduce_gradients_async();
-    pass_.issued.push_back(&u);
-    ++pass_.stats.reductions_during_backward;
+  if (sync_) {
+    for_each_trainable_member(u, [&](Unit& member) {
+      member.reduce_gradients_async();
+      pass_.issued.push_back(&member);
+      ++pass_.stats.reductions_during_backward;
+    });
   }
   if (!is_root(u)) reshard_with(u);
   advance_replica_reductions();
@@ -193,8 +199,14 @@ FSDPX_DECL void ShardedModel::add_post_backward_node(Unit& u, const std::vector<
 
 FSDPX_DECL std::vector<at::Tensor> ShardedModel::trainable_parameters(const Unit& u) const {
   std::vector<at::Tensor> out;
-  if (!u.trainable()) return out;
-  for (const ParamInfo& p : u.layout().params()) out.push_back(p.param);
+  const auto add = [&](const Unit& member) {
+    if (!member.trainable()) return;
+    for (const ParamInfo& p : member.layout().params()) out.push_back(p.param);
+  };
+  add(u);
+  if (u.trainable()) {
+    for (const size_t c : companions(u)) add(*units_[c]);
+  }
   return out;
 }
 
@@ -206,12 +218,12 @@ FSDPX_DECL std::vector<at::Tensor> ShardedModel::unit_module_buffers(const Unit&
 }
 
 FSDPX_DECL void ShardedModel::recomputed_gradients(Unit& u, std::vector<at::Tensor> grads) {
-  const auto& params = u.layout().params();
+  const std::vector<at::Tensor> params = trainable_parameters(u);
   FSDPX_INTERNAL_ASSERT(grads.empty() || grads.size() == params.size(), "unit '", u.name(), "' recomputed ",
                         grads.size(), " gradients for ", params.size(), " parameters");
   for (size_t i = 0; i < grads.size(); ++i) {
     if (!grads[i].defined()) continue;  // unused in this call: as autograd, no accumulation
-    detail::accumulate_grad(params[i].param, std::move(grads[i]));
+    detail::accumulate_grad(params[i], std::move(grads[i]));
     on_grad_accumulated(u);
   }
 }
@@ -241,12 +253,13 @@ FSDPX_DECL void ShardedModel::end_of_backward() {
     // reduced now, in reverse unit order. A unit that did not run keeps no gradient at all, so
     // the optimizer leaves it as it is.
     for (size_t i = units_.size(); i-- > 0;) {
-      Unit& u = *units_[i];
-      const detail::UnitRecord& r = pass_.units[i];
-      if (r.phase == detail::UnitPhase::reduced || !r.ran_with_grad || !u.trainable()) continue;
-      u.reduce_gradients_async();
-      pass_.issued.push_back(&u);
-      ++pass_.stats.reductions_at_end;
+      const detail::UnitRecord& r = pass_.units[i];  // a companion's stays idle: it moves with its unit
+      if (r.phase == detail::UnitPhase::reduced || !r.ran_with_grad) continue;
+      for_each_trainable_member(*units_[i], [&](Unit& member) {
+        member.reduce_gradients_async();
+        pass_.issued.push_back(&member);
+        ++pass_.stats.reductions_at_end;
+      });
     }
     for (Unit* u : pass_.issued) u->start_replica_reduction();
     for (Unit* u : pass_.issued) u->start_gradient_copy_to_host();  // offloaded: all copies queued, one wait
@@ -255,9 +268,11 @@ FSDPX_DECL void ShardedModel::end_of_backward() {
     // again, in unit order, into the same pending result.
     for (size_t i = 0; i < units_.size(); ++i) {
       if (!pass_.units[i].late_gradient) continue;
-      units_[i]->reduce_gradients_async();
-      units_[i]->wait_gradient_reduction();
-      ++pass_.stats.late_reductions;
+      for_each_trainable_member(*units_[i], [&](Unit& member) {
+        member.reduce_gradients_async();
+        member.wait_gradient_reduction();
+        ++pass_.stats.late_reductions;
+      });
     }
     // Only now, with every collective of the pass complete, do the shards' gradients change.
     for (Unit* u : pass_.issued) u->apply_gradient_reduction();
@@ -301,18 +316,18 @@ FSDPX_DECL void ShardedModel::abort_pass(const char* why) noexcept {
 
 FSDPX_DECL void ShardedModel::unshard_async_with(Unit& u) {
   u.unshard_async();
-  if (Unit* c = companion(u)) c->unshard_async();
+  for (const size_t c : companions(u)) units_[c]->unshard_async();
 }
 
 FSDPX_DECL void ShardedModel::unshard_with(Unit& u) {
   unshard_async_with(u);
   u.unshard();
-  if (Unit* c = companion(u)) c->unshard();
+  for (const size_t c : companions(u)) units_[c]->unshard();
 }
 
 FSDPX_DECL void ShardedModel::reshard_with(Unit& u) {
   u.reshard();
-  if (Unit* c = companion(u)) c->reshard();
+  for (const size_t c : companions(u)) units_[c]->reshard();
 }
 
 FSDPX_DECL void ShardedModel::unshard_all() {
@@ -360,6 +375,56 @@ FSDPX_DECL std::optional<ConfigError> ShardedModel::resharded_access_error(const
       "). Call sharded modules through fsdpx::forward(child, args...) or fsdpx::call(child, fn), or choose units "
       "(wrap policy) that the model calls that way. Sharded units: ",
       ::fsdpx::detail::join_names(all, 20), ". (ATen: ", what.substr(0, 200), ")"));
+}
+
+FSDPX_DECL std::optional<ConfigError> ShardedModel::dtype_clash_error(const Unit& running, const c10::Error& e) const {
+  const std::string what = e.what_without_backtrace();
+  const bool clash = what.find("scalar type") != std::string::npos || what.find("dtype") != std::string::npos ||
+                     (what.find("type") != std::string::npos && what.find("should be the same") != std::string::npos);
+  if (!clash) return std::nullopt;
+  const size_t self = index_of(running);
+  const bool root = self == 0;
+  // The modules of the unit whose own floating parameters and buffers are not all of one dtype.
+  std::vector<std::string> suspects;
+  const auto dtypes_of = [](const auto& tensors) {
+    std::set<std::string> out;
+    for (const auto& t : tensors) {
+      if (t.defined() && t.is_floating_point()) out.insert(c10::toString(t.scalar_type()));
+    }
+    return out;
+  };
+  const auto join = [](const std::set<std::string>& names) {
+    std::string s;
+    for (const auto& n : names) s += (s.empty() ? "" : "/") + n;
+    return s;
+  };
+  auto* module = const_cast<torch::nn::Module*>(modules_[self]);
+  for (const auto& item : module->named_modules(root ? "" : running.name(), /*include_self=*/true)) {
+    if (root && in_units_.count(item.value().get()) != 0) continue;
+    const auto params = dtypes_of(item.value()->parameters(/*recurse=*/false));
+    const auto buffers = dtypes_of(item.value()->buffers(/*recurse=*/false));
+    std::set<std::string> all = params;
+    all.insert(buffers.begin(), buffers.end());
+    if (all.size() < 2) continue;
+    suspects.push_back(::fsdpx::detail::str("'", item.key(), "' (parameters ", join(params), ", buffers ",
+                                            buffers.empty() ? std::string("none") : join(buffers), ")"));
+  }
+  std::string kept;
+  for (const size_t c : companions(running)) {
+    if (units_[c]->options().param_dtype != running.options().param_dtype)
+      kept = ::fsdpx::detail::str("; unit '", units_[c]->name(), "' in ", units_[c]->options().param_dtype);
+  }
+  const c10::ScalarType computes = running.options().input_dtype.value_or(running.options().param_dtype);
+  return ConfigError(::fsdpx::detail::str(
+      "fsdpx: a dtype mismatch inside unit '", running.name(), "' (it computes in ", computes, kept, "): ",
+      suspects.empty()
+          ? std::string("no module of the unit holds tensors of two dtypes; look at the unit's inputs "
+                        "and at the tensors its forward makes")
+          : ::fsdpx::detail::str("module ", ::fsdpx::detail::join_names(suspects, 8), " holds tensors of two dtypes"),
+      ". A module whose parameters must match its float32 buffers or inputs (BatchNorm's running statistics) can "
+      "keep its parameters in float32 under mixed precision: FsdpOptions::keep_full_precision (default "
+      "fsdpx::is_batch_norm; fsdpx::is_norm_layer keeps every normalization layer). (ATen: ",
+      what.substr(0, 200), ")"));
 }
 
 // ---- buffers ------------------------------------------------------------------------------------------------
