@@ -10,6 +10,7 @@
 #include <torch/nn.h>
 
 #include <fsdpx/core/fsdp.hpp>
+#include <fsdpx/core/sync_batch_norm.hpp>
 
 #include "../../examples/common/gpt.hpp"
 #include "../support/rounding.hpp"
@@ -132,13 +133,19 @@ inline rounding::Path lora_net_path() { return classifier_path(2 * 16, 3, 6); }
 /// A 1-D residual ConvNet with BatchNorm (the first-hour user's model): a stem convolution and its
 /// BatchNorm in the root, three Conv + BatchNorm blocks (block 1 with a frozen 1x1 mixing convolution),
 /// and a linear head on the length-averaged features. Under BF16Mixed each block's BatchNorm is kept in
-/// float32 beside its bfloat16 convolutions (FsdpOptions::keep_full_precision's default).
-struct ConvBnBlockImpl : torch::nn::Module {
-  ConvBnBlockImpl(int64_t channels, bool frozen_mix) {
+/// float32 beside its bfloat16 convolutions (FsdpOptions::keep_full_precision's default). `Norm`:
+/// torch::nn::BatchNorm1d (ConvBnNet) or fsdpx::SyncBatchNorm (SyncConvNet).
+struct ConvNetShape {
+  static constexpr int64_t in_channels = 4, channels = 8, classes = 5, length = 16, blocks_n = 3;
+};
+
+template <class Norm>
+struct ConvNormBlockImpl : torch::nn::Module {
+  ConvNormBlockImpl(int64_t channels, bool frozen_mix) {
     // No bias before the BatchNorm (as conv-BN blocks do): its gradient is analytically zero.
     conv = register_module("conv",
                            torch::nn::Conv1d(torch::nn::Conv1dOptions(channels, channels, 3).padding(1).bias(false)));
-    bn = register_module("bn", torch::nn::BatchNorm1d(channels));
+    bn = register_module("bn", Norm(channels));
     if (frozen_mix) {
       mix = register_module("mix", torch::nn::Conv1d(torch::nn::Conv1dOptions(channels, channels, 1).bias(false)));
       for (auto& p : mix->parameters()) p.set_requires_grad(false);
@@ -150,18 +157,18 @@ struct ConvBnBlockImpl : torch::nn::Module {
     return h + x;
   }
   torch::nn::Conv1d conv{nullptr}, mix{nullptr};
-  torch::nn::BatchNorm1d bn{nullptr};
+  Norm bn{nullptr};
 };
-TORCH_MODULE(ConvBnBlock);
 
-struct ConvBnNetImpl : torch::nn::Module {
-  static constexpr int64_t in_channels = 4, channels = 8, classes = 5, length = 16, blocks_n = 3;
-  ConvBnNetImpl() {
+template <class Norm>
+struct ConvNormNetImpl : torch::nn::Module, ConvNetShape {
+  using Block = torch::nn::ModuleHolder<ConvNormBlockImpl<Norm>>;
+  ConvNormNetImpl() {
     stem = register_module(
         "stem", torch::nn::Conv1d(torch::nn::Conv1dOptions(in_channels, channels, 3).padding(1).bias(false)));
-    stem_bn = register_module("stem_bn", torch::nn::BatchNorm1d(channels));
+    stem_bn = register_module("stem_bn", Norm(channels));
     for (int64_t i = 0; i < blocks_n; ++i)
-      blocks.push_back(register_module("b" + std::to_string(i), ConvBnBlock(channels, i == 1)));
+      blocks.push_back(register_module("b" + std::to_string(i), Block(channels, i == 1)));
     head = register_module("head", torch::nn::Linear(channels, classes));
   }
   at::Tensor forward(const at::Tensor& x, const at::Tensor& y) {
@@ -170,15 +177,21 @@ struct ConvBnNetImpl : torch::nn::Module {
     return torch::nn::functional::cross_entropy(head(h.mean(2)), y);
   }
   torch::nn::Conv1d stem{nullptr};
-  torch::nn::BatchNorm1d stem_bn{nullptr};
-  std::vector<ConvBnBlock> blocks;
+  Norm stem_bn{nullptr};
+  std::vector<Block> blocks;
   torch::nn::Linear head{nullptr};
 };
-TORCH_MODULE(ConvBnNet);
+
+using ConvBnBlockImpl = ConvNormBlockImpl<torch::nn::BatchNorm1d>;
+using ConvBnNetImpl = ConvNormNetImpl<torch::nn::BatchNorm1d>;
+TORCH_MODULE_IMPL(ConvBnNet, ConvBnNetImpl);
+using SyncConvBlockImpl = ConvNormBlockImpl<SyncBatchNorm>;
+using SyncConvNetImpl = ConvNormNetImpl<SyncBatchNorm>;
+TORCH_MODULE_IMPL(SyncConvNet, SyncConvNetImpl);
 /// The stem, then per block its convolution (channels x 3 terms), its batch statistics (a mean and a
 /// variance over rows x length) and block 1's mixing; the length average, the head and the log-softmax.
 inline rounding::Path conv_bn_net_path(int64_t rows) {
-  return classifier_path(rows * ConvBnNetImpl::length, ConvBnNetImpl::blocks_n + 1, 4);
+  return classifier_path(rows * ConvNetShape::length, ConvNetShape::blocks_n + 1, 4);
 }
 
 }  // namespace fsdpx::test

@@ -171,11 +171,48 @@ inline Batch mlp_batch(int step) {
   return {at::randn({24, 20}), at::randint(5, {24}, at::kLong)};
 }
 
+/// Every buffer of the sharded model against the reference's: the same dtype; a floating one within
+/// `bound` of the reference's largest element, the others (counters) equal. Returns how many it compared.
+inline int check_buffers(const core::ShardedModel& sharded, torch::nn::Module& reference, double bound) {
+  auto want = reference.named_buffers();
+  int compared = 0;
+  for (const auto& [name, got] : sharded.named_buffers()) {
+    INFO(name);
+    REQUIRE(got.scalar_type() == want[name].scalar_type());
+    if (got.is_floating_point()) {
+      const double diff = (got - want[name]).abs().max().item<double>();
+      const double scale = want[name].abs().max().item<double>();
+      INFO("max |sharded - reference| = " << diff << ", bound " << bound * scale);
+      REQUIRE(diff <= bound * scale);
+    } else {
+      REQUIRE(at::equal(got, want[name]));
+    }
+    ++compared;
+  }
+  return compared;
+}
+
+/// A mixed-precision reference: its compute copy takes the float32 masters' values (in its own dtypes)...
+inline void masters_to_compute(torch::nn::Module& master, torch::nn::Module& compute) {
+  at::NoGradGuard no_grad;
+  auto mp = master.parameters();
+  auto cp = compute.parameters();
+  for (size_t i = 0; i < mp.size(); ++i) cp[i].copy_(mp[i]);
+}
+/// ...and after its backward the masters take its gradients, in float32.
+inline void compute_gradients_to_masters(torch::nn::Module& compute, torch::nn::Module& master) {
+  auto mp = master.parameters();
+  auto cp = compute.parameters();
+  for (size_t i = 0; i < mp.size(); ++i) {
+    if (cp[i].grad().defined()) mp[i].mutable_grad() = cp[i].grad().to(at::kFloat);
+  }
+}
+
 /// ConvBnNet's batches: 24 sequences (whole slices at 1-4 ranks) of 16 steps, and their classes.
 inline Batch conv_batch(int step) {
   at::manual_seed(3000 + step);
-  return {at::randn({24, ConvBnNetImpl::in_channels, ConvBnNetImpl::length}),
-          at::randint(ConvBnNetImpl::classes, {24}, at::kLong)};
+  return {at::randn({24, ConvNetShape::in_channels, ConvNetShape::length}),
+          at::randint(ConvNetShape::classes, {24}, at::kLong)};
 }
 
 // bfloat16: the reference does what BF16Mixed does, unsharded. Float32 master weights; a bfloat16 copy
@@ -207,21 +244,12 @@ inline void check_bf16_parity(const test::GptConfig& c, int steps) {
 
   for (int step = 0; step < steps; ++step) {
     const Batch b = batches(step).to(ctx.device);
-    {
-      at::NoGradGuard no_grad;
-      auto mp = master->parameters();
-      auto cp = compute->parameters();
-      for (size_t i = 0; i < mp.size(); ++i) cp[i].copy_(mp[i]);
-    }
+    masters_to_compute(*master, *compute);
     compute->zero_grad();
     ref_optimizer.zero_grad();
     auto ref_loss = compute->forward(b.x, b.y);
     ref_loss.backward();
-    {
-      auto mp = master->parameters();
-      auto cp = compute->parameters();
-      for (size_t i = 0; i < mp.size(); ++i) mp[i].mutable_grad() = cp[i].grad().to(at::kFloat);
-    }
+    compute_gradients_to_masters(*compute, *master);
     parity.note_reference_gradients(sharded.sharded(), named_gradients(*master), false);
 
     optimizer.zero_grad();

@@ -246,6 +246,13 @@ TEST_CASE("checkpointing a BF16Mixed ConvNet with its BatchNorms kept in float32
   check_on_equals_off<Sharded>([] { return ConvBnNet(); }, conv_batch, {.steps = 3, .micro_steps = 2}, 3);
 }
 
+TEST_CASE("checkpointing a ConvNet with SyncBatchNorm: on equals off, its recomputation's all-reduces included",
+          "[checkpointing][sync_batch_norm]") {
+  using Sharded = Fsdp<SyncConvNet, FullShard, NoOffload, FullPrecision, ShardedStateDict,
+                       WrapModules<SyncConvBlockImpl>, CheckpointAll>;
+  check_on_equals_off<Sharded>([] { return SyncConvNet(); }, conv_batch, {.steps = 3}, 3);
+}
+
 TEST_CASE("checkpointing chosen per unit: every second unit, or by name", "[checkpointing]") {
   check_on_equals_off<ShardedDropNet<FullShard, NoOffload, FullPrecision, CheckpointEvery<2>>>(
       [] { return DropNet(); }, mlp_batch, {.steps = 3}, 2);  // d1 and d3

@@ -531,22 +531,8 @@ TEST_CASE("BatchNorm: running statistics equal the unsharded reference's after t
   const rounding::Path buffers_path = bn_mlp_path();
   const double buffer_bound = rounding::relative(
       {.length = std::max<int64_t>(buffers_path.length, world().size()), .depth = buffers_path.depth + 1});
-  auto want = reference->named_buffers();
-  int compared = 0;
-  for (const auto& [name, got] : sharded.sharded().named_buffers()) {
-    INFO(name);
-    REQUIRE(got.scalar_type() == want[name].scalar_type());
-    if (got.is_floating_point()) {
-      const double diff = (got - want[name]).abs().max().item<double>();
-      const double scale = want[name].abs().max().item<double>();
-      INFO("max |sharded - reference| = " << diff << ", bound " << buffer_bound * scale);
-      REQUIRE(diff <= buffer_bound * scale);
-    } else {
-      REQUIRE(at::equal(got, want[name]));
-    }
-    ++compared;
-  }
-  REQUIRE(compared == 3 * 3 + 1);  // mean, variance and counter per BatchNorm, and the root's buffer
+  // Mean, variance and counter per BatchNorm, and the root's buffer.
+  REQUIRE(check_buffers(sharded.sharded(), *reference, buffer_bound) == 3 * 3 + 1);
   // And in evaluation (the running statistics normalize): the same weights, their buffers within the bound.
   sharded->eval();
   reference->eval();

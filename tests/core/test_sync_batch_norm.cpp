@@ -42,35 +42,41 @@ Pass run(Norm& norm, const at::Tensor& input, const at::Tensor& weighting) {
   return {y.detach(), x.grad(), norm->weight.grad().clone(), norm->bias.grad().clone()};
 }
 
+/// SyncBatchNorm without a group against LibTorch's BatchNorm of the input's rank (`Plain`).
+template <class Plain>
+void check_equals_batch_norm(const std::vector<int64_t>& shape) {
+  for (const std::optional<double> momentum : {std::optional<double>(0.1), std::optional<double>()}) {
+    INFO("input " << at::IntArrayRef(shape) << ", momentum " << (momentum ? *momentum : -1.0));
+    const auto options = torch::nn::BatchNormOptions(8).momentum(momentum);
+    SyncBatchNorm sync(options);
+    Plain plain(options);
+    CHECK_FALSE(sync->synchronized());
+    for (int step = 0; step < 3; ++step) {
+      at::manual_seed(10 + step);
+      const at::Tensor x = at::randn(shape) * 3 + 1, weighting = at::randn(shape);
+      const Pass a = run(sync, x, weighting), b = run(plain, x, weighting);
+      REQUIRE(at::equal(a.y, b.y));
+      REQUIRE(at::equal(a.grad_x, b.grad_x));
+      REQUIRE(at::equal(a.grad_weight, b.grad_weight));
+      REQUIRE(at::equal(a.grad_bias, b.grad_bias));
+    }
+    REQUIRE(at::equal(sync->running_mean, plain->running_mean));
+    REQUIRE(at::equal(sync->running_var, plain->running_var));
+    REQUIRE(sync->num_batches_tracked.item<int64_t>() == 3);
+    sync->eval();
+    plain->eval();
+    const at::Tensor x = at::randn(shape);
+    REQUIRE(at::equal(sync(x), plain(x)));
+  }
+}
+
 }  // namespace
 
 TEST_CASE("SyncBatchNorm without a group is BatchNorm, bit for bit: outputs, gradients, running statistics",
           "[sync_batch_norm]") {
-  for (const std::vector<int64_t>& shape : {std::vector<int64_t>{6, 8}, {6, 8, 5}, {3, 8, 4, 5}}) {
-    for (const std::optional<double> momentum : {std::optional<double>(0.1), std::optional<double>()}) {
-      INFO("input " << at::IntArrayRef(shape) << ", momentum " << (momentum ? *momentum : -1.0));
-      const auto options = torch::nn::BatchNormOptions(8).momentum(momentum);
-      SyncBatchNorm sync(options);
-      torch::nn::BatchNorm1d plain(options);  // the same arithmetic for any rank (ATen's batch_norm)
-      CHECK_FALSE(sync->synchronized());
-      for (int step = 0; step < 3; ++step) {
-        at::manual_seed(10 + step);
-        const at::Tensor x = at::randn(shape) * 3 + 1, weighting = at::randn(shape);
-        const Pass a = run(sync, x, weighting), b = run(plain, x, weighting);
-        REQUIRE(at::equal(a.y, b.y));
-        REQUIRE(at::equal(a.grad_x, b.grad_x));
-        REQUIRE(at::equal(a.grad_weight, b.grad_weight));
-        REQUIRE(at::equal(a.grad_bias, b.grad_bias));
-      }
-      REQUIRE(at::equal(sync->running_mean, plain->running_mean));
-      REQUIRE(at::equal(sync->running_var, plain->running_var));
-      REQUIRE(sync->num_batches_tracked.item<int64_t>() == 3);
-      sync->eval();
-      plain->eval();
-      const at::Tensor x = at::randn(shape);
-      REQUIRE(at::equal(sync(x), plain(x)));
-    }
-  }
+  check_equals_batch_norm<torch::nn::BatchNorm1d>({6, 8});
+  check_equals_batch_norm<torch::nn::BatchNorm1d>({6, 8, 5});
+  check_equals_batch_norm<torch::nn::BatchNorm2d>({3, 8, 4, 5});
   // The names of BatchNorm's parameters and buffers: state dicts and checkpoints are a BatchNorm's.
   SyncBatchNorm sync(8);
   torch::nn::BatchNorm2d plain(8);
@@ -130,7 +136,8 @@ TEST_CASE("SyncBatchNorm in a sharded ConvNet trains as BatchNorm over the globa
           "[sync_batch_norm][parity]") {
   // Each rank trains on its slice of the batch; the reference, unsharded, on the whole batch (its
   // SyncBatchNorms have no group: BatchNorm). Fsdp hands the model's SyncBatchNorms its world.
-  using Sharded = Fsdp<SyncConvNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<SyncConvBlockImpl>>;
+  using Sharded =
+      Fsdp<SyncConvNet, FullShard, NoOffload, FullPrecision, ShardedStateDict, WrapModules<SyncConvBlockImpl>>;
   const int W = world().size(), r = world().rank();
   at::manual_seed(5);
   SyncConvNet reference;
@@ -161,17 +168,6 @@ TEST_CASE("SyncBatchNorm in a sharded ConvNet trains as BatchNorm over the globa
   CHECK(parity.holds());
   // The running statistics: every rank's are the global batch's, as the reference's.
   const double buffer_bound = rounding::relative({.length = path.length + W, .depth = path.depth + 1});
-  auto want = reference->named_buffers();
-  int compared = 0;
-  for (const auto& [name, got] : sharded.sharded().named_buffers()) {
-    INFO(name);
-    if (got.is_floating_point()) {
-      CHECK(relative_difference(got, want[name]) <= buffer_bound);
-    } else {
-      CHECK(at::equal(got, want[name]));
-    }
-    ++compared;
-  }
-  CHECK(compared == 4 * 3);
+  REQUIRE(check_buffers(sharded.sharded(), *reference, buffer_bound) == 4 * 3);
   if (r == 0) std::printf("  SyncBatchNorm ConvNet parity at %d ranks, %s\n", W, parity.summary().c_str());
 }

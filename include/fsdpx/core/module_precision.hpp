@@ -14,8 +14,8 @@
 
 namespace fsdpx {
 
-/// BatchNorm1d, 2d or 3d: FsdpOptions::keep_full_precision's default (as FSDP1's mixed precision keeps
-/// BatchNorm in float32: bfloat16 weights beside float32 running statistics are refused by ATen).
+/// BatchNorm1d, 2d or 3d, or fsdpx::SyncBatchNorm: FsdpOptions::keep_full_precision's default (as FSDP1's mixed
+/// precision keeps BatchNorm in float32: bfloat16 weights beside float32 running statistics are refused by ATen).
 FSDPX_DECL bool is_batch_norm(const std::string& name, const torch::nn::Module& module);
 
 /// Any of LibTorch's normalization layers: BatchNorm, InstanceNorm (1d-3d), LayerNorm, GroupNorm.

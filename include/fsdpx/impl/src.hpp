@@ -21,6 +21,7 @@
 #include <fsdpx/core/impl/storage.ipp>
 #include <fsdpx/core/impl/deferred_init.ipp>
 #include <fsdpx/core/impl/unit.ipp>
+#include <fsdpx/core/impl/sync_batch_norm.ipp>
 #include <fsdpx/core/impl/module_precision.ipp>
 #include <fsdpx/core/impl/model_plan.ipp>
 #include <fsdpx/core/impl/sharded_model.ipp>

@@ -90,6 +90,16 @@ class Recomputation {
 FSDPX_DECL std::vector<at::Tensor> run_checkpointed(const std::vector<at::Tensor>& inputs,
                                                     std::shared_ptr<Recomputation> call, bool anchor);
 
+// ---- a collective inside the graph: SyncBatchNorm's statistics --------------------------------------
+
+/// Adds, in place, every rank's tensor of a group into each (an all-reduce of sums).
+using SumOverRanks = std::function<void(at::Tensor&)>;
+
+/// The sum of `x` over the ranks of `sum_in_place`'s group, differentiable: every rank's result depends
+/// on every rank's `x`, so its backward sums the result's gradients over the group the same way. Every
+/// rank must run it, and its backward, as often as the others and in the same order.
+FSDPX_DECL at::Tensor sum_over_ranks(const at::Tensor& x, std::shared_ptr<SumOverRanks> sum_in_place);
+
 /// Adds `grad` to `param`'s gradient as autograd's AccumulateGrad does (taking `grad` over when
 /// nothing else refers to it, else copying it).
 FSDPX_DECL void accumulate_grad(const at::Tensor& param, at::Tensor grad);

@@ -82,6 +82,26 @@ FSDPX_DECL std::vector<at::Tensor> add_post_backward_hook(std::vector<at::Tensor
   return PostBackwardFunction::apply(at::TensorList(inputs), std::move(hook));
 }
 
+struct SumOverRanksFunction : torch::autograd::Function<SumOverRanksFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            std::shared_ptr<SumOverRanks> sum) {
+    at::Tensor out = x.detach().contiguous().clone();
+    (*sum)(out);
+    save_shared(ctx, "sum", std::move(sum));
+    return out;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    at::Tensor g = grads[0].contiguous().clone();  // materialized: every rank takes part, with zeros if need be
+    (*saved_shared<SumOverRanks>(ctx, "sum"))(g);
+    return {g, at::Tensor()};
+  }
+};
+
+FSDPX_DECL at::Tensor sum_over_ranks(const at::Tensor& x, std::shared_ptr<SumOverRanks> sum_in_place) {
+  return SumOverRanksFunction::apply(x, std::move(sum_in_place));
+}
+
 FSDPX_DECL void at_end_of_backward(std::function<void()> fn) {
   torch::autograd::Engine::get_default_engine().queue_callback(std::move(fn));
 }

@@ -11,6 +11,7 @@
 #include <fsdpx/core/deferred_init.hpp>
 #include <fsdpx/core/detail/model_plan.hpp>
 #include <fsdpx/core/sharded_model.hpp>
+#include <fsdpx/core/sync_batch_norm.hpp>
 #include <fsdpx/detail/crc32c.hpp>
 
 namespace fsdpx::core {
@@ -167,6 +168,13 @@ FSDPX_DECL ShardedModel::ShardedModel(std::shared_ptr<torch::nn::Module> root, M
   check_plan(plan);
   commit_plan(plan, setup);
   pass_.reset(units_.size());
+  // Every rank holds the same modules (check_plan), so all of them split or none does.
+  bool sync_batch_norm = false;
+  for (const auto& m : root_module_->modules(/*include_self=*/true))
+    sync_batch_norm = sync_batch_norm || dynamic_cast<const SyncBatchNormImpl*>(m.get()) != nullptr;
+  if (sync_batch_norm) {
+    set_sync_batch_norm_group(*root_module_, *mesh_.world().split(0, mesh_.world().rank(), "fsdpx/sync_batch_norm"));
+  }
 }
 
 FSDPX_DECL ShardedModel::~ShardedModel() {

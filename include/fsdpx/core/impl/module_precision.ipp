@@ -7,6 +7,7 @@
 #include <torch/nn/modules/normalization.h>
 
 #include <fsdpx/core/module_precision.hpp>
+#include <fsdpx/core/sync_batch_norm.hpp>
 
 namespace fsdpx {
 
@@ -18,7 +19,8 @@ bool is_any_of(const torch::nn::Module& module) {
 }  // namespace detail
 
 FSDPX_DECL bool is_batch_norm(const std::string& /*name*/, const torch::nn::Module& module) {
-  return detail::is_any_of<torch::nn::BatchNorm1dImpl, torch::nn::BatchNorm2dImpl, torch::nn::BatchNorm3dImpl>(module);
+  return detail::is_any_of<torch::nn::BatchNorm1dImpl, torch::nn::BatchNorm2dImpl, torch::nn::BatchNorm3dImpl,
+                           SyncBatchNormImpl>(module);
 }
 
 FSDPX_DECL bool is_norm_layer(const std::string& name, const torch::nn::Module& module) {

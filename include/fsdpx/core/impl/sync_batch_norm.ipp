@@ -13,10 +13,11 @@
 namespace fsdpx {
 
 FSDPX_DECL void SyncBatchNormImpl::_check_input_dim(const at::Tensor& input) {
-  FSDPX_CHECK(input.dim() >= 2, "SyncBatchNorm: expected an input of at least 2 dimensions (batch, channels, ...), got ",
-              input.dim(), "D");
-  FSDPX_CHECK(input.size(1) == options.num_features(), "SyncBatchNorm(", options.num_features(),
-              "): the input has ", input.size(1), " channels (dimension 1)");
+  FSDPX_CHECK(input.dim() >= 2,
+              "SyncBatchNorm: expected an input of at least 2 dimensions (batch, channels, ...), got ", input.dim(),
+              "D");
+  FSDPX_CHECK(input.size(1) == options.num_features(), "SyncBatchNorm(", options.num_features(), "): the input has ",
+              input.size(1), " channels (dimension 1)");
 }
 
 FSDPX_DECL void SyncBatchNormImpl::set_group(std::optional<dist::AnyCommunicator> group) {
