@@ -225,6 +225,9 @@ int main(int argc, char** argv) try {
     }
   }
 
+  // One line per step and per checkpoint event, on rank 0.
+  fsdpx::ProgressReporter progress(world, {.total_steps = args.steps}, device);
+
   // ---- background checkpoints ----
 #if defined(FSDPX_WITH_BOOST)
   std::optional<fsdpx::CheckpointCoordinator> ckpt;
@@ -250,15 +253,12 @@ int main(int argc, char** argv) try {
     }
     world.barrier();  // the root is clean before any rank writes into it
     ckpt.emplace(root, model, fsdpx::CheckpointOptions{.max_to_keep = args.keep, .huggingface_dir = hf_source});
-    if (r == 0) {
-      ckpt->add_monitor({.on_commit = [root](int64_t step, bool weights_only) {
-        if (!weights_only) {
-          std::printf("checkpoint: step %lld committed in %s\n", static_cast<long long>(step),
-                      fsdpx::checkpoint::step_dir(root, step).string().c_str());
-          std::fflush(stdout);
-        }
-      }});
-    }
+    ckpt->add_monitor(
+        {.on_commit =
+             [&progress](int64_t step, bool weights_only) {
+               if (!weights_only) progress.committed(step);
+             },
+         .on_failure = [&progress](int64_t step, const std::string& why) { progress.failed(step, why); }});
   }
 #else
   FSDPX_CHECK(args.save_every == 0,
@@ -278,7 +278,6 @@ int main(int argc, char** argv) try {
     const auto windows = fsdpx::examples::random_windows(corpus, args.batch, args.seq);
     const auto mine = windows.narrow(0, r * per_rank, per_rank).to(device);
 
-    const auto t0 = std::chrono::steady_clock::now();
     optimizer.zero_grad();
     auto loss = model(mine.narrow(1, 0, args.seq).contiguous(), mine.narrow(1, 1, args.seq).contiguous());
     loss.backward();
@@ -287,16 +286,9 @@ int main(int argc, char** argv) try {
     auto global = loss.detach().reshape({1}).to(at::kDouble);
     world.all_reduce(global, fsdpx::dist::ReduceOp::avg);
     last = global.item<double>();  // waits for the device
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     tokens_seen += args.batch * args.seq;
     if (!first) first = last;
-    if (r == 0) {
-      const auto held = model.sharded_bytes();
-      std::printf("step %3lld  loss %.4f  grad-norm %.3f  %7.0f tokens/s  shards %.1f MiB/rank  %s\n",
-                  static_cast<long long>(step), last, norm.value, args.batch * args.seq / seconds,
-                  (held.parameters + held.gradients) / 1048576.0, fsdpx::examples::memory_line(device).c_str());
-      std::fflush(stdout);
-    }
+    progress.step(step, loss, per_rank * args.seq, norm.value);
 #if defined(FSDPX_WITH_BOOST)
     if (ckpt && (step % args.save_every == 0 || step == args.steps)) {
       fsdpx::ExtraState extra;  // the RNG states are added by the coordinator
@@ -308,10 +300,7 @@ int main(int argc, char** argv) try {
       extra.client.insert_or_assign("seq", args.seq);
       extra.client.insert_or_assign("batch", args.batch);
       ckpt->save(step, model, optimizer, extra);  // copies the shards, then writes in the background
-      if (r == 0) {
-        std::printf("checkpoint: saving step %lld in the background\n", static_cast<long long>(step));
-        std::fflush(stdout);
-      }
+      progress.saving(step);
     }
 #endif
   }

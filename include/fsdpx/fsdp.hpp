@@ -13,6 +13,7 @@
 #include <fsdpx/core/lr_schedule.hpp>
 #include <fsdpx/core/memory.hpp>
 #include <fsdpx/core/optim.hpp>
+#include <fsdpx/core/progress.hpp>
 #include <fsdpx/core/sync_batch_norm.hpp>
 #include <fsdpx/core/train_step.hpp>
 

@@ -499,3 +499,68 @@ TEST_CASE("a frozen unit, a tied head and an unused parameter: saved at W ranks,
   }
   world().barrier();
 }
+
+namespace {
+/// Everything written to `f`, which is then closed.
+std::string read_and_close(std::FILE* f) {
+  std::fflush(f);
+  std::rewind(f);
+  std::string out;
+  char buf[4096];
+  for (size_t n; (n = std::fread(buf, 1, sizeof buf, f)) > 0;) out.append(buf, n);
+  std::fclose(f);
+  return out;
+}
+}  // namespace
+
+TEST_CASE("ProgressReporter: rank 0 prints a line per reported step with the ranks' mean loss, ETA and checkpoints",
+          "[trainer][progress]") {
+  const int W = world().size();
+  std::FILE* lines = std::tmpfile();
+  std::FILE* bar = std::tmpfile();
+  REQUIRE((lines != nullptr && bar != nullptr));
+  {
+    ProgressReporter progress(world(), {.total_steps = 4, .every = 2, .out = lines});
+    for (int64_t step = 1; step <= 4; ++step) {
+      // Rank r's loss is r + step: the mean over the ranks is step + (W - 1) / 2.
+      progress.step(step, at::scalar_tensor(static_cast<double>(world().rank() + step)), 100, 0.5, 1e-3);
+      if (step == 2) {
+        progress.saving(2);
+        progress.committed(2);
+      }
+    }
+    if (world().rank() == 0) progress.failed(4, "No space left on device");
+  }
+  {
+    // A bar, redrawn in place, ends its line before an event and at the last step.
+    ProgressReporter progress(world(), {.total_steps = 2, .out = bar, .style = ProgressOptions::Style::bar});
+    progress.step(1, at::scalar_tensor(1.0), 10);
+    progress.committed(1);
+    progress.step(2, at::scalar_tensor(1.0), 10);
+  }
+  const std::string text = read_and_close(lines), drawn = read_and_close(bar);
+  INFO(text);
+  INFO(drawn);
+  if (world().rank() != 0) {
+    CHECK(text.empty());  // one voice
+    CHECK(drawn.empty());
+    return;
+  }
+  const auto has = [&](const std::string& s) { return text.find(s) != std::string::npos; };
+  char loss1[32];
+  std::snprintf(loss1, sizeof loss1, "step 1  loss %.4f", 1 + (W - 1) / 2.0);
+  CHECK(has(loss1));
+  CHECK(has("grad-norm 0.500  lr 0.001"));
+  CHECK(has("tokens/s"));
+  CHECK(has(W == 1 ? "(max of 1 rank)" : "(max of " + std::to_string(W) + " ranks)"));
+  CHECK(has("1/4  ETA "));
+  CHECK(has("step 2  loss"));
+  CHECK_FALSE(has("step 3 "));  // every 2, and step 3 is neither the first nor the last
+  CHECK(has("4/4  ETA 0:00:00"));
+  CHECK(has("checkpoint: saving step 2 in the background\ncheckpoint: step 2 committed\nstep 4"));
+  CHECK(has("checkpoint: step 4 FAILED: No space left on device"));
+  CHECK(text.find('\r') == std::string::npos);  // not a terminal: lines
+  CHECK(drawn.rfind("\r[############............] step 1", 0) == 0);
+  CHECK(drawn.find("\ncheckpoint: step 1 committed\n\r[########################] step 2") != std::string::npos);
+  CHECK(drawn.back() == '\n');
+}

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -43,7 +44,8 @@ struct ProgressOptions {
   /// Where rank 0 writes; default stdout.
   std::FILE* out = nullptr;
   enum class Style { automatic, lines, bar };
-  /// automatic: a bar redrawn in place when `out` is a terminal and total_steps is set, lines otherwise.
+  /// automatic: a bar redrawn in place when `out` is a terminal and total_steps is set, lines otherwise
+  /// (always under Open MPI's mpirun, whose ranks write to a pseudo-terminal even when its output is a file).
   Style style = Style::automatic;
 };
 
@@ -57,7 +59,7 @@ class ProgressReporter {
     FSDPX_CHECK(!options_.total_steps || *options_.total_steps >= 1, "ProgressReporter: total_steps is ",
                 options_.total_steps.value_or(0), "; it must be >= 1");
     bar_ = options_.style == ProgressOptions::Style::bar ||
-           (options_.style == ProgressOptions::Style::automatic && options_.total_steps && isatty(fileno(out_)) == 1);
+           (options_.style == ProgressOptions::Style::automatic && options_.total_steps && writes_to_terminal(out_));
     last_ = start_ = std::chrono::steady_clock::now();
   }
   ~ProgressReporter() {
@@ -76,8 +78,8 @@ class ProgressReporter {
     const double seconds = std::chrono::duration<double>(now - last_).count();
     last_ = now;
     const MemoryReport memory = memory_report(device_);
-    const double bytes = static_cast<double>(memory.device_total_bytes ? memory.peak_allocated_bytes
-                                                                       : memory.host_peak_rss_bytes);
+    const double bytes =
+        static_cast<double>(memory.device_total_bytes ? memory.peak_allocated_bytes : memory.host_peak_rss_bytes);
     const double mine[3] = {loss.defined() ? loss.detach().to(at::kDouble).item<double>() : NAN,
                             static_cast<double>(tokens), bytes};
     const auto comm = world_.device_type() == c10::kCPU ? at::Device(at::kCPU) : device_;
@@ -145,6 +147,11 @@ class ProgressReporter {
     std::fprintf(out_, "\n");
     std::fflush(out_);
     bar_drawn_ = false;
+  }
+  /// Open MPI gives every rank a pseudo-terminal for its output whatever mpirun's own output is (a
+  /// file, a pipe): its ranks cannot tell, and print lines.
+  static bool writes_to_terminal(std::FILE* f) {
+    return isatty(fileno(f)) == 1 && std::getenv("OMPI_COMM_WORLD_SIZE") == nullptr;
   }
   static std::string fixed(double v, int digits) {
     char buf[64];
