@@ -67,18 +67,7 @@ std::vector<std::string> verify_files(const fs::path& dir, const ckpt::CommitRec
     const fs::path path = dir / name;
     try {
       const std::vector<char> data = fsdpx::detail::read_file(path, "checkpoint file", info.bytes);
-      if (static_cast<int64_t>(data.size()) != info.bytes) {
-        problems.push_back(fsdpx::detail::str("'", path.string(), "' has ", data.size(),
-                                              " bytes, the commit record says ", info.bytes));
-        continue;
-      }
-      fsdpx::detail::Crc32c crc;
-      crc.update(data.data(), data.size());
-      if (info.crc32c && crc.value() != *info.crc32c) {
-        problems.push_back(fsdpx::detail::str("'", path.string(), "' does not match its CRC-32C (", crc.value(),
-                                              ", the commit record says ", *info.crc32c, "): the file is corrupt"));
-        continue;
-      }
+      ckpt::detail::check_committed_bytes(path, "checkpoint file", data, info.bytes, info.crc32c);
       if (const auto parsed = ckpt::parse_shard_file_name(name);
           parsed && parsed->component != ckpt::Component::extra_state) {
         ckpt::load_shard_file(dir, name, record.file(dir, name, true));  // and it parses as what its name says

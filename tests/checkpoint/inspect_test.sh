@@ -28,11 +28,11 @@ grep -q "every file intact (6)" verify.txt || fail "--verify did not check step 
 victim=$root/global_step_12/actor/model_world_size_3_rank_1.pt
 printf '\xff' | dd of="$victim" bs=1 seek=200 conv=notrunc status=none
 if "$inspect" "$root" --verify > bad.txt 2> bad.err; then fail "--verify passed a corrupted file"; fi
-grep -q "'$victim' does not match its CRC-32C" bad.err || fail "the corrupted file is not named: $(cat bad.err)"
+grep -q "'$victim' is corrupt: its CRC-32C is" bad.err || fail "the corrupted file is not named: $(cat bad.err)"
 
 truncate -s -7 "$victim"
 if "$inspect" "$root" --verify --step 12 > bad.txt 2> bad.err; then fail "--verify passed a truncated file"; fi
-grep -q "'$victim' has .* bytes, the commit record says" bad.err || fail "the truncated file is not named: $(cat bad.err)"
+grep -q "'$victim' has .* bytes but its commit record says" bad.err || fail "the truncated file is not named: $(cat bad.err)"
 
 rm "$root/global_step_5/actor/optim_world_size_2_rank_0.pt"
 if "$inspect" "$root" --verify --step 5 > bad.txt 2> bad.err; then fail "--verify passed a missing file"; fi

@@ -14,6 +14,7 @@
 #include <functional>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include <ATen/core/ivalue.h>
@@ -34,6 +35,12 @@ FSDPX_DECL void write_ivalue(const c10::IValue& value, const std::function<void(
 /// Writes `value` durably in torch.save's zip format (Python: torch.load(path, weights_only=True)).
 FSDPX_DECL ::fsdpx::detail::WrittenFile save_ivalue(const fs::path& path, const c10::IValue& value,
                                                     bool compute_record_crc32 = false);
+
+/// The one check of a committed file's bytes against its commit record, on the very bytes that are then
+/// parsed: `bytes` long (when given) and of CRC-32C `crc32c` (when given). An IoError names the file as a
+/// `kind` ("checkpoint file", "DCP metadata file") and says which of the two failed.
+FSDPX_DECL void check_committed_bytes(const fs::path& path, std::string_view kind, const std::vector<char>& data,
+                                      std::optional<int64_t> bytes, std::optional<uint32_t> crc32c);
 
 /// Reads a file written by save_ivalue or Python's torch.save; a missing, truncated or corrupt file
 /// (or one whose CRC-32C differs from `expected_crc32c`, or larger than `max_bytes`: a commit record's

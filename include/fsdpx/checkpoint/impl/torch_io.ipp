@@ -229,15 +229,22 @@ inline c10::IValue read_checked_archive(caffe2::serialize::PyTorchStreamReader& 
   return pickle_value(parsed, what, &records);
 }
 
+FSDPX_DECL void check_committed_bytes(const fs::path& path, std::string_view kind, const std::vector<char>& data,
+                                      std::optional<int64_t> bytes, std::optional<uint32_t> crc32c) {
+  FSDPX_CHECK_AS(IoError, !bytes || static_cast<int64_t>(data.size()) == *bytes, kind, " '", path.string(), "' has ",
+                 data.size(), " bytes but its commit record says ", bytes.value_or(0),
+                 ": the file is truncated or was replaced");
+  if (!crc32c) return;
+  const uint32_t crc = ::fsdpx::detail::Crc32c::of(data.data(), data.size());
+  FSDPX_CHECK_AS(IoError, crc == *crc32c, kind, " '", path.string(), "' is corrupt: its CRC-32C is ", crc, " but ",
+                 *crc32c, " was committed");
+}
+
 FSDPX_DECL c10::IValue load_ivalue(const fs::path& path, std::optional<uint32_t> expected_crc32c, int64_t max_bytes,
                                    ::fsdpx::detail::Links links) {
   std::vector<char> data = ::fsdpx::detail::read_file(path, "checkpoint file", max_bytes, links);
   const size_t bytes = data.size();
-  if (expected_crc32c) {
-    const uint32_t crc = ::fsdpx::detail::Crc32c::of(data.data(), data.size());
-    FSDPX_CHECK_AS(IoError, crc == *expected_crc32c, "checkpoint file '", path.string(),
-                   "' is corrupt: its CRC-32C is ", crc, " but ", *expected_crc32c, " was committed");
-  }
+  check_committed_bytes(path, "checkpoint file", data, std::nullopt, expected_crc32c);
   const std::string what = ::fsdpx::detail::str("checkpoint file '", path.string(), "'");
   return archive_errors(what, bytes, [&] {
     // Through a reader that cannot read past the file (see BoundedBytesReader).

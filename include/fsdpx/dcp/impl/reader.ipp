@@ -51,12 +51,8 @@ inline Metadata open_metadata(const fs::path& dir, const ReaderOptions& options)
     const auto it = options.committed->find(metadata_file_name);
     FSDPX_CHECK_AS(IoError, it != options.committed->end(), "DCP metadata file '", path.string(),
                    "' is not listed in its step's commit record");
-    FSDPX_CHECK_AS(IoError, static_cast<int64_t>(data.size()) == it->second.bytes, "DCP metadata file '", path.string(),
-                   "' has ", data.size(), " bytes but its commit record says ", it->second.bytes,
-                   ": the file is truncated or was replaced");
-    const uint32_t crc = ::fsdpx::detail::Crc32c::of(data.data(), data.size());
-    FSDPX_CHECK_AS(IoError, !it->second.crc32c || crc == *it->second.crc32c, "DCP metadata file '", path.string(),
-                   "' is corrupt: its CRC-32C is ", crc, " but ", it->second.crc32c.value_or(0), " was committed");
+    ::fsdpx::checkpoint::detail::check_committed_bytes(path, "DCP metadata file", data, it->second.bytes,
+                                                       it->second.crc32c);
   }
   return parse_metadata(std::as_bytes(std::span(data)), path.string(), options.metadata);
 }
