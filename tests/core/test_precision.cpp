@@ -164,7 +164,7 @@ TEST_CASE("with no module kept, a BatchNorm's dtype clash names the module, its 
     CHECK_THAT(what, Contains("FsdpOptions::keep_full_precision"));
     CHECK_THAT(what, Contains("expected scalar type"));
   }
-  // The failed forward left the model clean: a forward without gradients that avoids the clash runs.
+  // The failed forward left the model clean: no pass is left half-done.
   CHECK(sharded.sharded().stage() == core::PassStage::idle);
 }
 

@@ -412,7 +412,7 @@ FSDPX_DECL std::optional<ConfigError> ShardedModel::dtype_clash_error(const Unit
   std::string kept;
   for (const size_t c : companions(running)) {
     if (units_[c]->options().param_dtype != running.options().param_dtype)
-      kept = ::fsdpx::detail::str("; unit '", units_[c]->name(), "' in ", units_[c]->options().param_dtype);
+      kept += ::fsdpx::detail::str("; unit '", units_[c]->name(), "' in ", units_[c]->options().param_dtype);
   }
   const c10::ScalarType computes = running.options().input_dtype.value_or(running.options().param_dtype);
   return ConfigError(::fsdpx::detail::str(
