@@ -1,5 +1,6 @@
 # The two commands of the README. Both install what is missing first (tools/setup.sh).
-#   make demo   a short multi-rank GPT training run on CPU under mpirun (NP ranks); builds only its program
+#   make demo   a short multi-rank GPT training run on CPU under mpirun (NP ranks); installs and builds
+#               only what it needs
 #   make test   build everything and run every test (CTest)
 # And: make install PREFIX=<dir>   headers, the CMake package and the tools, with no test built
 BUILD_DIR ?= build
@@ -24,7 +25,9 @@ build: configure
 
 # Checkpoints every 20 steps into $(BUILD_DIR)/demo_checkpoints (replaced at each demo); continue with
 #   $(MPIEXEC) -n $(NP) $(BUILD_DIR)/examples/train_gpt --steps 60 --save-every 20 --ckpt-dir $(BUILD_DIR)/demo_checkpoints --resume
-demo: configure
+demo:
+	@tools/setup.sh --demo
+	@tools/configure.sh $(BUILD_DIR)
 	@cmake --build $(BUILD_DIR) -j$(JOBS) --target train_gpt
 	OMP_NUM_THREADS=1 $(MPIEXEC) -n $(NP) $(MPIEXEC_FLAGS) $(BUILD_DIR)/examples/train_gpt --steps 40 \
 		--save-every 20 --ckpt-dir $(BUILD_DIR)/demo_checkpoints --overwrite

@@ -5,15 +5,24 @@
 #   LibTorch: PyTorch 2.13.0 in .venv, unless Torch_DIR or CMAKE_PREFIX_PATH already points at one (the
 #   Python-side tests still get torch in .venv);
 #   Conan (packaging), clang-format (the layout), pytest, ruff and mypy (the Python tests) in .venv; NCCL headers (nvidia-nccl-cu13) in .venv when nvcc is present.
+# With --demo (make demo), only what building and running the demo needs: the packages without clang,
+# and LibTorch; `make test` installs the rest when it runs this again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
+scope=all
+case ${1:-} in
+  --demo) scope=demo ;;
+  "") ;;
+  *) echo "usage: tools/setup.sh [--demo]" >&2; exit 2 ;;
+esac
 TORCH_VERSION=${TORCH_VERSION:-2.13.0}
 say() { printf 'fsdpx setup: %s\n' "$*"; }
 
 # ---- system packages ---------------------------------------------------------------------------
 packages=(g++ make cmake libopenmpi-dev openmpi-bin catch2 libboost-dev libssl-dev openssl nlohmann-json3-dev zlib1g-dev libcli11-dev python3)
 optional=(clang libclang-rt-14-dev)  # libFuzzer: the fuzz tests, skipped with a message without it
+[[ $scope == demo ]] && optional=()
 if command -v dpkg-query >/dev/null; then
   missing=() missing_optional=()
   for p in "${packages[@]}"; do
@@ -65,6 +74,12 @@ elif ! "$VENV/bin/python" -c "import torch,sys; sys.exit(torch.__version__.split
   say "installing PyTorch $TORCH_VERSION (CPU) into $VENV for LibTorch"
   pip_install "torch==$TORCH_VERSION"
 fi
+if [[ $scope == demo ]]; then
+  say "ready for the demo (make test installs what the tests need besides)"
+  exit 0
+fi
+
+# ---- what only the tests and the packaging need ------------------------------------------------
 has_module conans || { say "installing Conan into $VENV"; pip_install conan; }
 has_module safetensors || { say "installing safetensors into $VENV (checkpoint interop tests)"; pip_install safetensors; }
 has_module google_crc32c || { say "installing google-crc32c into $VENV (fast CRC-32C for the Python receiver; optional)"; pip_install google-crc32c || say "could not install google-crc32c: the Python receiver checks frames with its torch CRC-32C"; }

@@ -192,6 +192,15 @@ inline int check_buffers(const core::ShardedModel& sharded, torch::nn::Module& r
   return compared;
 }
 
+/// What BF16Mixed with BatchNorm kept does, unsharded: every parameter but the BatchNorms' in bfloat16.
+inline void to_compute_dtypes(torch::nn::Module& model) {
+  at::NoGradGuard no_grad;
+  for (const auto& item : model.named_modules()) {
+    if (is_batch_norm(item.key(), *item.value())) continue;
+    for (auto& p : item.value()->parameters(/*recurse=*/false)) p.set_data(p.to(at::kBFloat16));
+  }
+}
+
 /// A mixed-precision reference: its compute copy takes the float32 masters' values (in its own dtypes)...
 inline void masters_to_compute(torch::nn::Module& master, torch::nn::Module& compute) {
   at::NoGradGuard no_grad;
@@ -205,6 +214,31 @@ inline void compute_gradients_to_masters(torch::nn::Module& compute, torch::nn::
   auto cp = compute.parameters();
   for (size_t i = 0; i < mp.size(); ++i) {
     if (cp[i].grad().defined()) mp[i].mutable_grad() = cp[i].grad().to(at::kFloat);
+  }
+}
+
+/// One step of a mixed-precision reference up to its optimizer: the compute copy takes the masters'
+/// values, runs forward and backward on (x, y), and the masters take its gradients. Returns the loss.
+template <class Net>
+at::Tensor reference_backward(Net& master, Net& compute, torch::optim::Optimizer& optimizer, const at::Tensor& x,
+                              const at::Tensor& y) {
+  masters_to_compute(*master, *compute);
+  compute->zero_grad();
+  optimizer.zero_grad();
+  at::Tensor loss = compute->forward(x, y);
+  loss.backward();
+  compute_gradients_to_masters(*compute, *master);
+  return loss;
+}
+
+/// The next step starts from the same weights (StepParity): the reference takes the sharded model's
+/// parameters (its float32 masters); each keeps its own buffers.
+inline void take_sharded_parameters(core::ShardedModel& sharded, torch::nn::Module& reference) {
+  const auto full = full_state_dict(sharded, /*all_ranks=*/true);
+  at::NoGradGuard no_grad;
+  auto want = reference.named_parameters();
+  for (const auto& e : full.entries) {
+    if (at::Tensor* p = want.find(e.name)) p->copy_(e.data());
   }
 }
 
@@ -244,12 +278,7 @@ inline void check_bf16_parity(const test::GptConfig& c, int steps) {
 
   for (int step = 0; step < steps; ++step) {
     const Batch b = batches(step).to(ctx.device);
-    masters_to_compute(*master, *compute);
-    compute->zero_grad();
-    ref_optimizer.zero_grad();
-    auto ref_loss = compute->forward(b.x, b.y);
-    ref_loss.backward();
-    compute_gradients_to_masters(*compute, *master);
+    const at::Tensor ref_loss = reference_backward(master, compute, ref_optimizer, b.x, b.y);
     parity.note_reference_gradients(sharded.sharded(), named_gradients(*master), false);
 
     optimizer.zero_grad();
@@ -263,11 +292,7 @@ inline void check_bf16_parity(const test::GptConfig& c, int steps) {
     ctx.comm.all_reduce(global, dist::ReduceOp::avg);
     parity.check_loss(global.item().toDouble(), ref_loss.item().toDouble());
     parity.check_step(optimizer, sharded.sharded(), named_values(*master));
-    // The master takes the sharded masters (float32, not the bfloat16 compute copies).
-    const auto full = full_state_dict(sharded.sharded(), /*all_ranks=*/true);
-    at::NoGradGuard no_grad;
-    auto want = master->named_parameters();
-    for (const auto& e : full.entries) want[e.name].copy_(e.data());
+    take_sharded_parameters(sharded.sharded(), *master);  // float32, not the bfloat16 compute copies
   }
   {
     auto scope = sharded.full_parameters();

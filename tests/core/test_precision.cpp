@@ -29,15 +29,6 @@ namespace {
 
 using ShardedConvNet = Fsdp<ConvBnNet, FullShard, NoOffload, BF16Mixed, ShardedStateDict, WrapModules<ConvBnBlockImpl>>;
 
-/// What BF16Mixed with BatchNorm kept does, unsharded: every parameter but the BatchNorms' in bfloat16.
-void to_compute_dtypes(torch::nn::Module& model) {
-  at::NoGradGuard no_grad;
-  for (const auto& item : model.named_modules()) {
-    if (is_batch_norm(item.key(), *item.value())) continue;
-    for (auto& p : item.value()->parameters(/*recurse=*/false)) p.set_data(p.to(at::kBFloat16));
-  }
-}
-
 std::vector<std::string> unit_names(const core::ShardedModel& m) {
   std::vector<std::string> out;
   for (size_t i = 0; i < m.num_units(); ++i) out.push_back(m.unit(i).name());
@@ -105,12 +96,7 @@ TEST_CASE("a ConvNet with BatchNorm under BF16Mixed trains as plain LibTorch wit
   StepParity parity(step_bounds(forward, rows_n));
   for (int step = 0; step < 4; ++step) {
     const Batch b = conv_batch(step);
-    masters_to_compute(*master, *compute);
-    compute->zero_grad();
-    ref_optimizer.zero_grad();
-    const at::Tensor ref_loss = compute->forward(b.x.to(at::kBFloat16), b.y);
-    ref_loss.backward();
-    compute_gradients_to_masters(*compute, *master);
+    const at::Tensor ref_loss = reference_backward(master, compute, ref_optimizer, b.x.to(at::kBFloat16), b.y);
     parity.note_reference_gradients(sharded.sharded(), named_gradients(*master), false);
 
     optimizer.zero_grad();
@@ -124,12 +110,7 @@ TEST_CASE("a ConvNet with BatchNorm under BF16Mixed trains as plain LibTorch wit
     world().all_reduce(global, dist::ReduceOp::avg);
     parity.check_loss(global.item<double>(), ref_loss.item<double>());
     parity.check_step(optimizer, sharded.sharded(), named_values(*master));
-    const auto full = full_state_dict(sharded.sharded(), /*all_ranks=*/true);
-    at::NoGradGuard no_grad;
-    auto want = master->named_parameters();
-    for (const auto& e : full.entries) {
-      if (at::Tensor* p = want.find(e.name)) p->copy_(e.data());  // the parameters (each run keeps its buffers)
-    }
+    take_sharded_parameters(sharded.sharded(), *master);
   }
   INFO(parity.summary());
   CHECK(parity.holds());

@@ -1,6 +1,7 @@
 """The python_lint test: ruff over the fsdpx_sync package (python/fsdpx_sync), the Python sync tests
 (tests/sync/*.py), the pytest checkpoint tests (tests/checkpoint: conftest.py, python_*_test.py) and the FSDP2
-interop test with its helper (tests/models/dcp_interop_test.py, tests/support/gloo_ranks.py), mypy --strict over
+interop test with its helper (tests/models/dcp_interop_test.py, tests/support/gloo_ranks.py) and the docs' snippet
+extractor (tests/docs/extract_snippets.py), mypy --strict over
 the package and those tests, both with python/pyproject.toml's settings. Fails on
 any finding; exits 77 (CTest: skipped) when ruff or mypy is not installed (tools/setup.sh installs both
 into .venv).
@@ -48,7 +49,8 @@ def main() -> int:
     checkpoint_tests = sorted([os.path.join(checkpoint, "conftest.py"),
                                *glob.glob(os.path.join(checkpoint, "python_*_test.py")),
                                os.path.join(HERE, "..", "support", "gloo_ranks.py"),
-                               os.path.join(HERE, "..", "models", "dcp_interop_test.py")])
+                               os.path.join(HERE, "..", "models", "dcp_interop_test.py"),
+                               os.path.join(HERE, "..", "docs", "extract_snippets.py")])
     ruff = run("ruff", [sys.executable, "-m", "ruff", "check", "--config", CONFIG, *ruff_cache, package,
                         *sorted(glob.glob(os.path.join(HERE, "*.py"))), *checkpoint_tests])
     mypy = run("mypy", [sys.executable, "-m", "mypy", "--config-file", CONFIG, *mypy_cache, package,
