@@ -100,7 +100,7 @@ struct SaveEvent {
   std::filesystem::path path;
   int64_t bytes = 0;
   double seconds = 0;
-  std::string error;  // empty when the save succeeded
+  std::string error{};  // empty when the save succeeded
 };
 
 /// Callbacks; each may be empty. They run on the coordinator's threads: keep them short.
@@ -223,9 +223,9 @@ class CheckpointCoordinator {
     std::optional<SaveSetup> setup;
     std::chrono::steady_clock::time_point deadline;
     bool weights_committed = false;
-    std::string waiting_for;  // the first file not yet durable, for reports
+    std::string waiting_for{};  // the first file not yet durable, for reports
     /// The components committed so far (StepFormat::commit ran: DCP's .metadata is written), and their files.
-    std::map<Component, std::map<std::string, checkpoint::CommittedFile>> committed;
+    std::map<Component, std::map<std::string, checkpoint::CommittedFile>> committed{};
   };
 
   /// Rank 0, tearing down after an error: the step cannot be committed any more (its ranks' files are

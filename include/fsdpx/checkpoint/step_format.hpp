@@ -95,8 +95,8 @@ class StepFormat {
   /// Every rank, on save()'s calling thread, before the snapshot: refuses a save this format cannot hold (an
   /// Error naming why), and takes what it needs besides the snapshot into req.format_data (collectively, when
   /// it needs every rank). `names`: how the tensors are named for another library (CheckpointOptions::dcp_names).
-  virtual void prepare(SaveRequest& req, core::ShardedModel& model, torch::optim::Optimizer* optimizer,
-                       const SaveNames& names) const {}
+  virtual void prepare(SaveRequest& /*req*/, core::ShardedModel& /*model*/, torch::optim::Optimizer* /*optimizer*/,
+                       const SaveNames& /*names*/) const {}
   /// The files (relative to the step folder) that a commit of a step leaves besides its commit record. An
   /// interrupted run's must go before the step's data files are written again: they describe other files.
   /// (The coordinator withdraws every format's, detail::format_homes: the run that left them may have
@@ -121,8 +121,9 @@ class StepFormat {
                               const CommitRecord& record, const LoadOptions& options) const = 0;
   /// The saved model tensors that `model` has no parameter or buffer of (SavedStep::foreign_tensors); by
   /// default none are known.
-  virtual std::vector<std::string> foreign_tensors(core::ShardedModel& model, const fs::path& dir,
-                                                   const CommitRecord& record, const LoadOptions& options) const {
+  virtual std::vector<std::string> foreign_tensors(core::ShardedModel& /*model*/, const fs::path& /*dir*/,
+                                                   const CommitRecord& /*record*/,
+                                                   const LoadOptions& /*options*/) const {
     return {};
   }
   /// The model's tensors of the step in `dir`, whole (merge_checkpoint). `record`: its commit record, nullptr

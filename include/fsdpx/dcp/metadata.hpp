@@ -52,7 +52,7 @@ enum class MemoryFormat : uint8_t { contiguous = 0, channels_last = 1, preserve 
 struct TensorEntry {
   c10::ScalarType dtype = c10::kFloat;
   std::vector<int64_t> size;
-  std::vector<Chunk> chunks;
+  std::vector<Chunk> chunks{};
   // TensorProperties' deprecated fields (the layout is always torch.strided)
   bool requires_grad = false;
   bool pin_memory = false;
@@ -81,9 +81,9 @@ struct StorageInfo {
   int64_t length = 0;
   /// MetadataIndex.index: which of the entry's chunks this is, a hint torch probes first (torch's
   /// MetadataIndex compares without it, so it is no part of the key here either).
-  std::optional<int64_t> chunk_index;
+  std::optional<int64_t> chunk_index{};
   /// The extensions the bytes went through (a compressor's descriptor), in order; nullopt: none.
-  std::optional<std::vector<std::string>> transform_descriptors;
+  std::optional<std::vector<std::string>> transform_descriptors{};
   bool operator==(const StorageInfo&) const = default;
 };
 

@@ -59,9 +59,9 @@ inline const char* to_string(AttentionBackend b) {
 struct AttentionReport {
   AttentionBackend requested = AttentionBackend::automatic;
   /// The kernel of the last packed batch (nullopt: none ran yet). Batches of whole rows always run SDPA.
-  std::optional<AttentionBackend> packed;
+  std::optional<AttentionBackend> packed{};
   /// Why packed batches run on sdpa under automatic (empty when they run on flash_varlen, or none ran).
-  std::string reason;
+  std::string reason{};
 
   /// One line, e.g. "automatic: whole rows on sdpa, packed samples on sdpa (flash_varlen needs CUDA ...)".
   std::string to_string() const {

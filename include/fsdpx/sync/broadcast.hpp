@@ -215,9 +215,9 @@ class WeightBroadcaster {
 
   /// Where a unit's full flat parameters (in the wire dtype) lie on the sending rank during its turn.
   struct UnitData {
-    at::Tensor gathered;                 // the unit's padded flat buffer, being gathered
+    at::Tensor gathered{};               // the unit's padded flat buffer, being gathered
     const dist::Work* gather = nullptr;  // that gather, waited for before `gathered` is read
-    at::Tensor own;                      // this rank's shard read in place: elements [own_begin, own_end)
+    at::Tensor own{};                    // this rank's shard read in place: elements [own_begin, own_end)
     int64_t own_begin = 0, own_end = 0;
     bool lasting = false;  // valid until before_gather(slot); false: read the parameters instead
     /// Elements [begin, begin + numel) (on one side of the own range's edges) and whether they lie in

@@ -30,7 +30,7 @@ FSDPX_DECL void load_model(ShardedModelRef model_ref, const Reader& reader, cons
   struct Source {
     std::string fqn;  // the entry, prefix included
     int64_t offset = 0;
-    std::optional<std::vector<int64_t>> placed_shape;  // the larger entry's shape, when placed
+    std::optional<std::vector<int64_t>> placed_shape{};  // the larger entry's shape, when placed
   };
   std::map<std::string, Source> source_of;  // by the model's name
   const auto wanted = [&](const std::string& name) {
