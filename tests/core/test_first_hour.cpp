@@ -44,13 +44,18 @@ struct Run {
   std::vector<at::Tensor> losses;
 };
 
+/// This rank's slice of the batch's rows.
+Batch my_rows(const Batch& b) {
+  const auto mine = rows(b.x.size(0), world().size(), 0, 1, world().rank());
+  return {b.x.index_select(0, mine), b.y.index_select(0, mine)};
+}
+
 /// One step of `run` on this rank's rows of `b`.
 template <class Sharded>
 void train_step(Run<Sharded>& run, const Batch& b) {
-  const int W = world().size(), r = world().rank();
-  const auto mine = rows(b.x.size(0), W, 0, 1, r);
+  const Batch mine = my_rows(b);
   run.optimizer.zero_grad();
-  at::Tensor loss = run.model(b.x.index_select(0, mine), b.y.index_select(0, mine));
+  at::Tensor loss = run.model(mine.x, mine.y);
   loss.backward();
   run.optimizer.step();
   run.losses.push_back(loss.detach());
@@ -84,10 +89,9 @@ void check_checkpointing_changes_nothing(Run<On>& on, Run<Off>& off) {
   on.model->eval();
   off.model->eval();
   const Batch b = conv_batch(100);
-  const auto mine = rows(b.x.size(0), world().size(), 0, 1, world().rank());
+  const Batch mine = my_rows(b);
   at::NoGradGuard no_grad;
-  REQUIRE(bit_equal(on.model(b.x.index_select(0, mine), b.y.index_select(0, mine)),
-                    off.model(b.x.index_select(0, mine), b.y.index_select(0, mine))));
+  REQUIRE(bit_equal(on.model(mine.x, mine.y), off.model(mine.x, mine.y)));
   on.model->train();
   off.model->train();
 }
@@ -132,9 +136,9 @@ void check_first_hour_case(bool mixed) {
         reference_backward(master, compute, ref_optimizer, mixed ? b.x.to(at::kBFloat16) : b.x, b.y);
     parity.note_reference_gradients(on.model.sharded(), named_gradients(*master), false);
 
-    const auto mine = rows(b.x.size(0), W, 0, 1, world().rank());
+    const Batch mine = my_rows(b);
     on.optimizer.zero_grad();
-    at::Tensor loss = on.model(b.x.index_select(0, mine), b.y.index_select(0, mine));
+    at::Tensor loss = on.model(mine.x, mine.y);
     REQUIRE(loss.scalar_type() == (mixed ? at::kBFloat16 : at::kFloat));
     loss.backward();
     parity.check_gradients(on.model.sharded(), named_gradients(*master));

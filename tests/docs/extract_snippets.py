@@ -123,16 +123,11 @@ def line_directive(snippet: Snippet, offset: int = 0) -> str:
     return f"#line {snippet.line + offset} {c_string(os.path.abspath(snippet.path))}"
 
 
-def split_includes(snippet: Snippet) -> tuple[list[str], list[tuple[int, str]]]:
-    """The block's #include lines (hoisted) and its code, each code line keeping its doc line number."""
-    includes: list[str] = []
-    code: list[tuple[int, str]] = []
-    for n, text in enumerate(snippet.code):
-        if text.lstrip().startswith("#include"):
-            includes.append(text.strip())
-            code.append((n, ""))
-        else:
-            code.append((n, text))
+def split_includes(snippet: Snippet) -> tuple[list[str], list[str]]:
+    """The block's #include lines (hoisted) and its code, an #include's line left blank so that every
+    other line keeps its doc line number."""
+    includes = [text.strip() for text in snippet.code if text.lstrip().startswith("#include")]
+    code = ["" if text.lstrip().startswith("#include") else text for text in snippet.code]
     return includes, code
 
 
@@ -155,7 +150,7 @@ def fragments_unit(docs: list[tuple[str, list[Snippet]]], display: Callable[[str
             if s.kind == "statements":
                 body.append("[[maybe_unused]] void snippet() {")
             body.append(line_directive(s))
-            body += [text for _, text in code]
+            body += code
             if s.kind == "statements":
                 body.append("}")
             if s.check:

@@ -23,7 +23,7 @@ namespace common {
 extern fsdpx::dist::MpiCommunicator world;
 extern int rank, local_rank, micro_steps, trainers;
 extern int64_t step, steps, global_batch, have, tokens_on_this_rank;
-extern at::Tensor x, y, loss, tokens, ids, labels;
+extern at::Tensor x, y, loss, tokens;
 extern std::vector<std::pair<at::Tensor, at::Tensor>> batches;
 extern std::filesystem::path dir, step_dir, hf_dir;
 extern at::Device device;
