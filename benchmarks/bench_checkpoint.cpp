@@ -12,11 +12,20 @@
 // The async measurements run for both CheckpointFormat::fsdpx and CheckpointFormat::dcp, taking turns. It
 // prints the ratios the targets are about: blocked / sync (target <= 5%), write throughput / disk (target
 // >= 80%), and DCP's blocked time against fsdpx's format's (target <= 1).
+//
+//   OMP_NUM_THREADS=1 mpiexec -n 2 bench_checkpoint --memory-tier 1 [--steps 6] [...]
+//
+// measures the memory tier instead (CheckpointCoordinator::save_to_memory every step, into $FSDPX_MEMORY_DIR or
+// /dev/shm): blocks of steps with it and without it take turns (--steps blocks each), and it prints the time a
+// step is blocked by it (the save_to_memory() call plus the next backward's wait for its copy) against the
+// step's time (target <= 2%), and the step's time with the tier against without (its background copies share
+// the cores), beside the memory folder's own write speed.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -61,6 +70,89 @@ double disk_write_seconds(const fs::path& path, int64_t bytes) {
   return seconds_since(t);
 }
 
+/// Median of `v` (taken by value: sorted here).
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+/// The --memory-tier measurement (see the top of the file).
+template <class Model>
+void bench_memory_tier(Model& model, torch::optim::Optimizer& opt, const std::function<void()>& step,
+                       dist::AnyCommunicator& world, const fs::path& root, int blocks, int threads, int64_t bytes) {
+  constexpr int steps_per_block = 4;
+  auto owned = std::make_unique<CheckpointCoordinator>(root / "ckpt", model,
+                                                       CheckpointOptions{.max_to_keep = 2, .threads = threads});
+  CheckpointCoordinator& ckpt = *owned;
+  const fs::path memory_dir = checkpoint::memory_tier_dir({});
+  // the memory folder's own speed for this many bytes (fsync of a tmpfs file is nothing)
+  std::vector<double> raw_runs;
+  for (int rep = 0; rep < 3; ++rep) {
+    const fs::path probe = memory_dir / ("fsdpx_bench_probe_" + std::to_string(world.rank()));
+    raw_runs.push_back(disk_write_seconds(probe, bytes));
+    fs::remove(probe);
+  }
+  const ExtraState extra;  // with it, a memory step is a whole resume point (the RNG states are added)
+  std::vector<double> plain_step, tier_step, blocked;  // one value per block: the mean of its steps
+  int64_t saved_step = 0;
+  for (int b = 0; b < 2 * blocks; ++b) {
+    const bool with_tier = (b % 2) == 1;
+    ckpt.wait();  // a block starts with nothing in flight, so that the one before does not leak into it
+    world.barrier();
+    double step_s = 0, blocked_s = 0;
+    for (int i = 0; i < steps_per_block; ++i) {
+      const double fence_before = model.sharded().shard_reader_wait().count();
+      auto t0 = Clock::now();
+      step();
+      step_s += seconds_since(t0);
+      if (with_tier) {
+        blocked_s += model.sharded().shard_reader_wait().count() - fence_before;
+        t0 = Clock::now();
+        ckpt.save_to_memory(++saved_step, model, &opt, &extra);
+        const double call_s = seconds_since(t0);
+        blocked_s += call_s;
+        step_s += call_s;
+      }
+    }
+    (with_tier ? tier_step : plain_step).push_back(step_s / steps_per_block);
+    if (with_tier) blocked.push_back(blocked_s / steps_per_block);
+  }
+  ckpt.wait();
+  const int64_t committed = ckpt.memory_tier_latest_committed();
+  // its steps are newer than the disk tier's (none): a clean end keeps them, for a resume; the benchmark does not
+  const fs::path memory_root = ckpt.memory_tier_root();
+  owned.reset();
+  world.barrier();
+  if (world.rank() == 0 && !memory_root.empty()) fs::remove_all(memory_root);
+  // worst rank decides; min and max of the blocks beside the medians (the spread)
+  const auto stats = [](const std::vector<double>& v) {
+    return std::vector<double>{median(v), *std::min_element(v.begin(), v.end()), *std::max_element(v.begin(), v.end())};
+  };
+  std::vector<double> values;
+  for (const auto* v : {&plain_step, &tier_step, &blocked}) {
+    const auto s = stats(*v);
+    values.insert(values.end(), s.begin(), s.end());
+  }
+  values.push_back(median(raw_runs));
+  auto v = at::tensor(values, at::kDouble);
+  world.all_reduce(v, dist::ReduceOp::max);
+  const auto r = v.accessor<double, 1>();
+  if (world.rank() == 0) {
+    const double mib = static_cast<double>(bytes) / (1 << 20);
+    std::printf(
+        "  memory tier (%s, %.1f MiB of shards + AdamW state per rank and step; newest committed step %lld "
+        "of %lld):\n",
+        memory_dir.string().c_str(), mib, static_cast<long long>(committed), static_cast<long long>(saved_step));
+    std::printf("    the folder's write speed (write of the same bytes)   %8.3f s  %7.0f MiB/s per rank\n", r[9],
+                mib / r[9]);
+    std::printf("    step without the tier  %.4f s (blocks %.4f-%.4f)\n", r[0], r[1], r[2]);
+    std::printf("    step with the tier     %.4f s (blocks %.4f-%.4f)\n", r[3], r[4], r[5]);
+    std::printf("    blocked by the tier    %.4f s per step (blocks %.4f-%.4f)\n", r[6], r[7], r[8]);
+    std::printf("RATIO memory tier: blocked/step = %.4f (target <= 0.02; blocks %.4f-%.4f); step with/without = %.3f\n",
+                r[6] / r[0], r[7] / r[0], r[8] / r[0], r[3] / r[0]);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -68,6 +160,7 @@ int main(int argc, char** argv) {
   int steps = 6;
   int threads = 2;
   std::string dir = "bench_checkpoint_dir";
+  bool memory_tier = false;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string k = argv[i];
     if (k == "--dim") cfg.dim = std::stoll(argv[i + 1]);
@@ -75,6 +168,7 @@ int main(int argc, char** argv) {
     else if (k == "--steps") steps = std::stoi(argv[i + 1]);
     else if (k == "--threads") threads = std::stoi(argv[i + 1]);
     else if (k == "--dir") dir = argv[i + 1];
+    else if (k == "--memory-tier") memory_tier = std::stoi(argv[i + 1]) != 0;
   }
   auto mpi = dist::MpiCommunicator::world();
   dist::AnyCommunicator world(mpi);
@@ -106,6 +200,17 @@ int main(int argc, char** argv) {
   }
   int64_t bytes = 0;
   for (const auto& t : state) bytes += t.nbytes();
+  if (memory_tier) {
+    if (world.rank() == 0) {
+      std::printf(
+          "bench_checkpoint --memory-tier: %d ranks, GPT dim %lld x %lld layers, %d blocks of 4 steps each way\n",
+          world.size(), static_cast<long long>(cfg.dim), static_cast<long long>(cfg.layers), steps);
+    }
+    bench_memory_tier(model, opt, step, world, root, steps, threads, bytes);
+    world.barrier();
+    if (world.rank() == 0) fs::remove_all(root);
+    return 0;
+  }
 
   // Side by side, three rounds, medians (this VM's disk speed drifts within a run): the disk, a
   // synchronous torch::save (+ fsync, so its bytes are on disk as the coordinator's are), and an
@@ -173,10 +278,6 @@ int main(int argc, char** argv) {
       a.ckpt->wait();
     }
   }
-  const auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v[v.size() / 2];
-  };
   const double disk_s = median(disk_runs), sync_s = median(sync_runs);
   double plain_step_s = 0;
   for (int i = 0; i < steps; ++i) {  // steps without saves: the baseline step time

@@ -2,7 +2,8 @@
 // background checkpoints and --resume, and handed back as a Hugging Face folder.
 //
 //   mpiexec -n 2 finetune --model DIR --data tokens.bin --out OUT_DIR [--steps 100] [--batch 8] [--seq 256]
-//                         [--lr 2e-5] [--warmup 10] [--save-every 50] [--ckpt-dir DIR] [--resume] [--bf16]
+//                         [--lr 2e-5] [--warmup 10] [--save-every 50] [--ckpt-dir DIR] [--resume] [--memory-tier]
+//                         [--bf16]
 //                         [--activation-checkpointing] [--chunk-logits N] [--sequence-parallel P]
 //   torchrun --nproc-per-node=8 --no-python finetune ...        (GPUs: NCCL, one GPU per rank)
 //
@@ -57,6 +58,7 @@ struct Args {
   int64_t save_every = 50;
   std::string ckpt_dir = "finetune_checkpoints";
   bool resume = false;
+  bool memory_tier = false;  // every step kept in the memory tier too (save_to_memory)
   bool bf16 = false;
   bool activation_checkpointing = false;
   int64_t chunk_logits = models::default_chunk_logits;
@@ -154,12 +156,15 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
     if (const auto info = fsdpx::load_checkpoint(model, args.ckpt_dir, optimizer, scheduler)) {
       start = info->step;
       if (lead)
-        std::printf("finetune: resumed from step %lld of %s (saved by %d ranks)\n", static_cast<long long>(start),
-                    args.ckpt_dir.c_str(), info->saved_world_size);
+        std::printf("finetune: resumed from step %lld of %s%s (saved by %d ranks)\n", static_cast<long long>(start),
+                    info->source.string().c_str(), info->from_memory ? " (the memory tier)" : "",
+                    info->saved_world_size);
     } else if (lead) {
       std::printf("finetune: no checkpoint in %s: starting from the pretrained weights\n", args.ckpt_dir.c_str());
     }
   }
+  FSDPX_CHECK(!args.memory_tier || args.save_every > 0,
+              "finetune: --memory-tier keeps steps beside the disk's checkpoints: pass --save-every N as well");
 #if defined(FSDPX_WITH_BOOST)
   std::optional<fsdpx::CheckpointCoordinator> ckpt;
   // Every step's huggingface/ gets the model folder's config and tokenizer files (never its weights),
@@ -204,6 +209,7 @@ int run(const Args& args, fsdpx::dist::AnyCommunicator world, c10::Device device
       std::fflush(stdout);
     }
 #if defined(FSDPX_WITH_BOOST)
+    if (ckpt && args.memory_tier) ckpt->save_to_memory(step, model, optimizer, scheduler);
     if (ckpt && step % args.save_every == 0) ckpt->save(step, model, optimizer, scheduler);
 #endif
   }
@@ -248,7 +254,11 @@ int main(int argc, char** argv) try {
   app.add_option("--warmup", args.warmup, "warmup steps")->capture_default_str();
   app.add_option("--save-every", args.save_every, "checkpoint every N steps (0: never)")->capture_default_str();
   app.add_option("--ckpt-dir", args.ckpt_dir, "checkpoint root")->capture_default_str();
-  app.add_flag("--resume", args.resume, "continue from the newest checkpoint in --ckpt-dir");
+  app.add_flag("--resume", args.resume,
+               "continue from the newest checkpoint in --ckpt-dir (or the memory tier's, when it is newer)");
+  app.add_flag("--memory-tier", args.memory_tier,
+               "with --save-every: keep every step in this node's memory too (/dev/shm or $FSDPX_MEMORY_DIR), "
+               "so that a relaunch loses one step at most");
   app.add_flag("--bf16", args.bf16, "compute in bfloat16 (float32 masters and gradient reduction)");
   app.add_flag("--activation-checkpointing", args.activation_checkpointing,
                "keep only each layer's input in forward and recompute the layer in backward (long sequences)");

@@ -16,7 +16,9 @@
 //                      background (fsdpx::CheckpointCoordinator); 0 (default): no checkpoints
 //   --keep K           keep only the newest K checkpoints (default 2; 0: all)
 //   --resume           continue from the newest committed checkpoint in --ckpt-dir (starts from step 0
-//                      when there is none)
+//                      when there is none), or from the memory tier's when it is newer
+//   --memory-tier      with --save-every: keep every step in the memory tier too (save_to_memory: a copy in
+//                      this node's /dev/shm or $FSDPX_MEMORY_DIR), so that a relaunch loses one step at most
 //   --overwrite        a run without --resume refuses a --ckpt-dir that already holds checkpoints; this
 //                      removes them first (their global_step_* directories and iteration files)
 //   --check            exit 1 unless the loss fell (used by the tests)
@@ -88,6 +90,7 @@ struct Args {
   int64_t save_every = 0;
   int keep = 2;
   bool resume = false;
+  bool memory_tier = false;
   bool overwrite = false;
   bool check = false;  // exit 1 unless the loss fell (used by the tests)
 };
@@ -112,6 +115,7 @@ Args parse(int argc, char** argv) {
     else if (k == "--save-every") a.save_every = std::stoll(next());
     else if (k == "--keep") a.keep = std::stoi(next());
     else if (k == "--resume") a.resume = true;
+    else if (k == "--memory-tier") a.memory_tier = true;
     else if (k == "--overwrite") a.overwrite = true;
     else if (k == "--check") a.check = true;
     else
@@ -216,8 +220,9 @@ int main(int argc, char** argv) try {
       tokens_seen = client_int(c, "tokens_seen", start * args.batch * args.seq);
       if (const double f = client_double(c, "first_loss", -1); f >= 0) first = f;
       if (r == 0) {
-        std::printf("resumed from step %lld of %s (saved by %d ranks; %lld tokens seen)\n",
-                    static_cast<long long>(start), root.string().c_str(), info->saved_world_size,
+        std::printf("resumed from step %lld of %s%s (saved by %d ranks; %lld tokens seen)\n",
+                    static_cast<long long>(start), info->source.string().c_str(),
+                    info->from_memory ? " (the memory tier)" : "", info->saved_world_size,
                     static_cast<long long>(tokens_seen));
       }
     } else if (r == 0) {
@@ -229,6 +234,8 @@ int main(int argc, char** argv) try {
   fsdpx::ProgressReporter progress(world, {.total_steps = args.steps}, device);
 
   // ---- background checkpoints ----
+  FSDPX_CHECK(!args.memory_tier || args.save_every > 0,
+              "train_gpt: --memory-tier keeps steps beside the disk's checkpoints: pass --save-every N as well");
 #if defined(FSDPX_WITH_BOOST)
   std::optional<fsdpx::CheckpointCoordinator> ckpt;
   if (args.save_every > 0) {
@@ -290,7 +297,8 @@ int main(int argc, char** argv) try {
     if (!first) first = last;
     progress.step(step, loss, per_rank * args.seq, norm.value);
 #if defined(FSDPX_WITH_BOOST)
-    if (ckpt && (step % args.save_every == 0 || step == args.steps)) {
+    const bool to_disk = args.save_every > 0 && (step % args.save_every == 0 || step == args.steps);
+    if (ckpt && (to_disk || args.memory_tier)) {
       fsdpx::ExtraState extra;  // the RNG states are added by the coordinator
       extra.client.insert_or_assign("tokens_seen", tokens_seen);
       extra.client.insert_or_assign("first_loss", *first);
@@ -299,8 +307,11 @@ int main(int argc, char** argv) try {
       extra.client.insert_or_assign("layers", args.layers);
       extra.client.insert_or_assign("seq", args.seq);
       extra.client.insert_or_assign("batch", args.batch);
-      ckpt->save(step, model, optimizer, extra);  // copies the shards, then writes in the background
-      progress.saving(step);
+      if (args.memory_tier) ckpt->save_to_memory(step, model, &optimizer, &extra);
+      if (to_disk) {
+        ckpt->save(step, model, optimizer, extra);  // copies the shards, then writes in the background
+        progress.saving(step);
+      }
     }
 #endif
   }

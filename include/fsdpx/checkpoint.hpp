@@ -6,6 +6,7 @@
 #include <fsdpx/checkpoint/extra_state.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
+#include <fsdpx/checkpoint/memory_tier.hpp>
 #include <fsdpx/checkpoint/merge.hpp>
 #include <fsdpx/checkpoint/names.hpp>
 #include <fsdpx/checkpoint/resume.hpp>

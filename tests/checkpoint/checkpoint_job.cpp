@@ -1,7 +1,10 @@
 // A training job that checkpoints and resumes, run by the resume and crash tests as separate
 // processes (tests/checkpoint/*.sh):
 //   checkpoint_job train --steps N [--root R] [--save-every K] [--keep K] [--resume] [--out F] [--hybrid] [--dcp]
-//                        [--fatal-save-errors] [--slow-save RANK:MS] [--throw-at STEP:RANK]
+//                        [--fatal-save-errors] [--slow-save RANK:MS] [--throw-at STEP:RANK] [--memory-every K]
+//                        [--step-ms MS]
+//       --memory-every       every K steps the step is kept in the memory tier too (save_to_memory)
+//       --step-ms            each step takes at least MS milliseconds (a kill lands at a known pace)
 //       --fatal-save-errors  a failed save ends the job (by default it is reported and training goes on)
 //       --slow-save          that rank prints "rank R pid P writing step S" and sleeps before each file
 //       --throw-at           that rank throws after that step (a failure between steps)
@@ -46,6 +49,8 @@ struct Args {
   std::string root, out, a, b;
   int64_t steps = 0;
   int64_t save_every = 0;
+  int64_t memory_every = 0;
+  int step_ms = 0;
   int keep = 0;
   bool resume = false;
   bool hybrid = false;
@@ -76,6 +81,8 @@ Args parse(int argc, char** argv) {
     else if (k == "--steps") args.steps = std::stoll(next());
     else if (k == "--save-every") args.save_every = std::stoll(next());
     else if (k == "--keep") args.keep = std::stoi(next());
+    else if (k == "--memory-every") args.memory_every = std::stoll(next());
+    else if (k == "--step-ms") args.step_ms = std::stoi(next());
     else if (k == "--resume") args.resume = true;
     else if (k == "--hybrid") args.hybrid = true;
     else if (k == "--dcp") args.dcp = true;
@@ -100,12 +107,12 @@ int train(Model& model, dist::AnyCommunicator world, const Args& args) {
     if (const auto info = load_checkpoint(model, args.root, opt)) {
       start = info->step;
       if (world.rank() == 0)
-        std::printf("resumed from step %lld (saved by %d ranks)\n", static_cast<long long>(start),
-                    info->saved_world_size);
+        std::printf("resumed from step %lld (saved by %d ranks) from %s\n", static_cast<long long>(start),
+                    info->saved_world_size, info->from_memory ? "memory" : "disk");
     }
   }
   std::optional<CheckpointCoordinator> ckpt;
-  if (!args.root.empty() && args.save_every > 0)
+  if (!args.root.empty() && (args.save_every > 0 || args.memory_every > 0))
     ckpt.emplace(args.root, model,
                  CheckpointOptions{.max_to_keep = args.keep,
                                    .format = args.dcp ? CheckpointFormat::dcp : CheckpointFormat::fsdpx});
@@ -130,7 +137,9 @@ int train(Model& model, dist::AnyCommunicator world, const Args& args) {
     }
   };
   for (int64_t step = start + 1; step <= args.steps; ++step) {
+    const auto began = std::chrono::steady_clock::now();
     const double loss = train_step(model, opt, world);
+    std::this_thread::sleep_until(began + std::chrono::milliseconds(args.step_ms));
     // The loss to 9 digits and how far another world size's reduction order may move it (resume_test.sh).
     if (world.rank() == 0) {
       std::printf("step %lld loss %.9g bound %.3g\n", static_cast<long long>(step), loss,
@@ -139,10 +148,11 @@ int train(Model& model, dist::AnyCommunicator world, const Args& args) {
     if (step == args.throw_step && world.rank() == args.throw_rank) {
       throw std::runtime_error("the injected failure after step " + std::to_string(step));
     }
-    if (ckpt && step % args.save_every == 0) {
-      extra.client.insert_or_assign("samples_seen", step * 12);
+    extra.client.insert_or_assign("samples_seen", step * 12);
+    if (ckpt && args.save_every > 0 && step % args.save_every == 0) {
       checkpoint_call([&] { ckpt->save(step, model, opt, extra); });
     }
+    if (ckpt && args.memory_every > 0 && step % args.memory_every == 0) ckpt->save_to_memory(step, model, opt, extra);
   }
   if (ckpt) checkpoint_call([&] { ckpt->wait(); });
   if (!args.out.empty()) {

@@ -16,8 +16,13 @@
     window split over the 2 ranks, Ulysses): its step-9 loss equals the first run's within the same bound;
     the checkpoint it saves at step 9 resumes without sequence parallelism at 3 ranks;
 (e) every checkpoint step carries the model's config and tokenizer files, never its weights, and
-    fsdpx-merge turns step 12 into a folder (config.json included) whose tensors equal the export's.
+    fsdpx-merge turns step 12 into a folder (config.json included) whose tensors equal the export's;
+(f) --memory-tier: a run keeps every step in memory (a folder of the test's standing for /dev/shm) and
+    every 4th on disk, and stops after step 6; the relaunch at 3 ranks resumes step 6 from the memory tier,
+    resharded (the disk holds step 4), its step-7 loss equals the first run's within the bound, and its
+    clean end, with step 12 on disk, removes the memory folder.
 """
+import glob
 import array
 import os
 import re
@@ -124,6 +129,23 @@ def main():
     assert "resumed from step 9" in log_e and sorted(losses(log_e)) == [10], log_e
     print(f"(d) resumed from step 8 with --sequence-parallel 2: step-9 loss {ld[9]:.4f} vs {la[9]:.4f} (bound "
           f"{bound:.2e}); its step-9 checkpoint resumed at 3 ranks without it")
+
+    os.environ["FSDPX_MEMORY_DIR"] = os.path.join(work, "shm")  # the ranks inherit it
+    ck_f = os.path.join(work, "ck_f")
+    run(mpi(2) + common + ["--out", os.path.join(work, "unused"), "--ckpt-dir", ck_f, "--memory-tier",
+                           "--stop-after", "6"])
+    assert glob.glob(os.path.join(work, "shm", "fsdpx-memory-*", "global_step_6")), "step 6 is not in the memory tier"
+    log_f = run(mpi(3) + common + ["--out", os.path.join(work, "out_f"), "--ckpt-dir", ck_f, "--resume",
+                                   "--memory-tier"])
+    assert "resumed from step 6" in log_f and "(the memory tier)" in log_f, log_f
+    assert "on disk: step 4" in log_f, log_f
+    lf = losses(log_f)
+    assert sorted(lf) == list(range(7, 13)), lf
+    bound_f = rounding.loss_bound(config, seq, batch * (seq - 1)) * la[7] + 1e-4
+    assert abs(lf[7] - la[7]) <= bound_f, (lf[7], la[7], bound_f)
+    assert not glob.glob(os.path.join(work, "shm", "fsdpx-memory-*")), "the clean end left the memory tier's folder"
+    print(f"(f) --memory-tier: stopped after step 6 (disk: step 4), resumed step 6 from memory at 3 ranks: step-7 "
+          f"loss {lf[7]:.4f} vs {la[7]:.4f} (bound {bound_f:.2e}); the clean end removed the memory folder")
 
     for step in (8, 12):
         hf = os.path.join(ck_a, f"global_step_{step}", "actor", "huggingface")

@@ -30,6 +30,10 @@
 // saying which, instead of waiting out commit_timeout for ranks that will never finish. Nothing
 // committed is touched. Every wait reports what it waits for every CheckpointOptions::report_interval.
 //
+// save_to_memory() keeps steps in the memory tier as well (checkpoint/memory_tier.hpp): a second coordinator on a
+// node-local root, whose failures are warnings, never a failure of the disk tier. At the job's clean end (no
+// error, every memory step committed, the disk tier's newest step at least as new) rank 0 removes it.
+//
 // The checkpoint root must be one file system that every rank sees (the commit reads other ranks' markers).
 #pragma once
 
@@ -61,6 +65,7 @@
 #include <fsdpx/checkpoint/extra_state.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/checkpoint/layout.hpp>
+#include <fsdpx/checkpoint/memory_tier.hpp>
 #include <fsdpx/checkpoint/names.hpp>
 #include <fsdpx/checkpoint/save_request.hpp>
 #include <fsdpx/checkpoint/state_dict.hpp>
@@ -91,6 +96,8 @@ struct CheckpointOptions {
   CheckpointFormat format = CheckpointFormat::fsdpx;
   /// CheckpointFormat::dcp: how the model's tensors are named in it (models::dcp_save_options for the decoder).
   SaveNames dcp_names;
+  /// Where and how many steps save_to_memory() keeps (the memory tier; off until it is first called).
+  MemoryTierOptions memory_tier{};
 };
 
 /// What a monitor hears about one file of one save (rank-local).
@@ -167,17 +174,58 @@ class CheckpointCoordinator {
     save(step, model, &optimizer, &extra);
   }
 
+  /// Keeps the step in the memory tier (checkpoint/memory_tier.hpp), as save() keeps it on disk: the same state,
+  /// copied in the background into a node-local memory folder and committed when every rank's copy is whole.
+  /// Collective the first time (the ranks agree on the tier's folder). Every rank calls it for the same steps.
+  /// Blocks only for the host copy and for this rank's previous memory step still being written. A failed
+  /// memory step (a full memory folder) is a warning: it never throws, and never touches the disk tier.
+  template <class Sharded>
+  void save_to_memory(int64_t step, Sharded& model, torch::optim::Optimizer* optimizer = nullptr,
+                      const ExtraState* extra = nullptr) {
+    static_assert(Sharded::StateDictPolicyType::kind != StateDictKind::full,
+                  "save_to_memory keeps each rank's shards: it needs a sharded or local state dict policy (a full "
+                  "state dict would gather the whole model on every step)");
+    if (!memory_started_) start_memory_tier(model.mesh().world(), step);
+    if (!memory_) return;  // off: said when it started
+    memory_->wait_for_slots(optimizer != nullptr, extra != nullptr);
+    // An earlier memory step's failure is said here, and this step is still saved: every rank saves the
+    // same memory steps, so that none waits for another's copy of a step it skipped
+    if (!memory_tier_warned([&] { memory_->rethrow_failure(); })) return;
+    SaveRequest req = make_save_request(step, model, optimizer, extra);
+    memory_tier_warned([&] { memory_->submit_request(std::move(req), &model.sharded()); });
+  }
+  template <class Sharded>
+  void save_to_memory(int64_t step, Sharded& model, torch::optim::Optimizer& optimizer, const ExtraState& extra) {
+    save_to_memory(step, model, &optimizer, &extra);
+  }
+  template <class Sharded>
+  void save_to_memory(int64_t step, Sharded& model, torch::optim::Optimizer& optimizer, const LrScheduler& scheduler,
+                      ExtraState extra = {}) {
+    extra.scheduler = scheduler.state_dict();
+    save_to_memory(step, model, &optimizer, &extra);
+  }
+
+  /// The memory tier's own checkpoint root; empty while it is off.
+  std::filesystem::path memory_tier_root() const { return memory_ ? memory_->root() : std::filesystem::path(); }
+
   /// Saves an already made request (see make_save_request). With `readers_of`, that model's next
   /// backward waits until the request's snapshot function has run (the shards it copies must not
   /// change before).
   FSDPX_DECL void submit(SaveRequest req, core::ShardedModel* readers_of = nullptr);
 
-  /// Waits until this rank's saves are durable (and, on rank 0, committed or failed); throws the
-  /// first failure since the last throw.
+  /// Waits until this rank's saves are durable (and, on rank 0, committed or failed), the memory tier's too;
+  /// throws the first failure since the last throw (the memory tier's are warnings, as in save_to_memory).
   void wait() {
     wait_idle();
+    if (memory_) {
+      memory_->wait_idle();
+      memory_tier_warned([&] { memory_->rethrow_failure(); });
+    }
     rethrow_failure();
   }
+
+  /// The memory tier's newest committed step (rank 0; -1 while it is off or has none).
+  int64_t memory_tier_latest_committed() const { return memory_ ? memory_->latest_committed() : -1; }
 
   /// The newest step whose weights (weights_only) or whole checkpoint this coordinator committed or
   /// found committed at start; -1 when none. Meaningful on rank 0.
@@ -249,7 +297,87 @@ class CheckpointCoordinator {
     if (--outstanding_ == 0) idle_.notify_all();
   }
 
+  /// Waits until no save of the components is writing (one save per component in flight), then throws the
+  /// first failure since the last throw.
   FSDPX_DECL void wait_for_components(bool optim, bool extra);
+  FSDPX_DECL void wait_for_slots(bool optim, bool extra);
+
+  /// submit() after wait_for_components().
+  FSDPX_DECL void submit_request(SaveRequest req, core::ShardedModel* readers_of);
+
+  // ---- the memory tier -----------------------------------------------------------------------------
+
+  /// Collective: rank 0 reads or makes the root's memory tier id and gives it to every rank; the tier starts when
+  /// every rank sees its folder (the ranks of one node), and stays off, saying why, otherwise. Steps there from
+  /// `first_step` on belong to another history (this job resumed an older step, or started over): they go first.
+  template <dist::Communicator Comm>
+  void start_memory_tier(Comm world, int64_t first_step) {
+    memory_started_ = true;
+    const auto device = at::TensorOptions().dtype(at::kLong).device(world.device_type());
+    at::Tensor id = at::zeros({1}, device);
+    std::string cause;
+    std::filesystem::path folder;
+    if (rank_ == 0) {
+      try {
+        const uint64_t mine = memory_tier_id();
+        folder = checkpoint::memory_tier_root(checkpoint::memory_tier_dir(options_.memory_tier.dir), mine);
+        if (const auto steps = checkpoint::list_steps(folder); !steps.empty() && steps.back().step >= first_step) {
+          std::fprintf(stderr,
+                       "fsdpx: the memory tier's steps up to %lld are not this run's (it starts at step %lld): "
+                       "removed\n",
+                       static_cast<long long>(steps.back().step), static_cast<long long>(first_step));
+          std::filesystem::remove_all(folder);
+        }
+        // a mark for the other ranks to look for, after the broadcast below
+        std::filesystem::create_directories(folder);
+        fsdpx::detail::write_text_durably(folder / (".seen." + run_), "");
+        id.fill_(static_cast<int64_t>(mine));
+      } catch (const std::exception& e) {
+        cause = e.what();
+      }
+    }
+    world.broadcast(id, 0);
+    const auto got = static_cast<uint64_t>(id.item<int64_t>());
+    if (got == 0) {
+      if (rank_ == 0) std::fprintf(stderr, "fsdpx: the memory tier is off, the disk tier goes on: %s\n", cause.c_str());
+      return;
+    }
+    folder = checkpoint::memory_tier_root(checkpoint::memory_tier_dir(options_.memory_tier.dir), got);
+    std::error_code ec;
+    at::Tensor seen = at::full({1}, std::filesystem::exists(folder / (".seen." + run_), ec) ? 1 : 0, device);
+    at::Tensor first_blind = at::full({1}, seen.item<int64_t>() != 0 ? world_size_ : rank_, device);
+    world.all_reduce(seen, dist::ReduceOp::min);
+    world.all_reduce(first_blind, dist::ReduceOp::min);
+    if (rank_ == 0) std::filesystem::remove(folder / (".seen." + run_), ec);
+    if (seen.item<int64_t>() == 0) {
+      if (rank_ == 0) {
+        std::fprintf(stderr,
+                     "fsdpx: the memory tier is off, the disk tier goes on: rank %lld does not see rank 0's memory "
+                     "folder '%s' (another node, or another FSDPX_MEMORY_DIR); copies to a buddy node are not built "
+                     "yet, so the tier needs every rank on one node\n",
+                     static_cast<long long>(first_blind.item<int64_t>()), folder.string().c_str());
+      }
+      return;
+    }
+    CheckpointOptions memory_options = options_;
+    memory_options.max_to_keep = std::max(1, options_.memory_tier.keep);
+    memory_options.max_bytes = 0;
+    memory_options.format = CheckpointFormat::fsdpx;
+    memory_options.huggingface_dir.clear();
+    // a memory copy is a memcpy: one that does not commit in minutes will not
+    memory_options.commit_timeout =
+        std::min<std::chrono::milliseconds>(options_.commit_timeout, std::chrono::minutes(2));
+    memory_ = std::make_unique<CheckpointCoordinator>(folder, world, memory_options);
+  }
+
+  /// Rank 0: the root's memory tier id, made (random, durable) when it has none.
+  FSDPX_DECL uint64_t memory_tier_id();
+
+  /// Runs `fn`; an IoError it throws is a warning about the memory tier (said once per cause). False when it threw.
+  FSDPX_DECL bool memory_tier_warned(const std::function<void()>& fn);
+
+  /// The destructor's part for the memory tier: waits for it, and at a clean end removes it (rank 0).
+  FSDPX_DECL void end_memory_tier();
 
   template <class Fn>
   void notify(Fn&& fn) {
@@ -342,7 +470,10 @@ class CheckpointCoordinator {
   std::shared_ptr<InFlight> in_flight_[3];
   std::mutex iteration_mutex_;
   std::map<std::string, int64_t> iteration_;
-  checkpoint::detail::WorkerPool pool_;  // last: joined (in the destructor) before the members above go
+  bool memory_started_ = false;
+  std::string memory_warned_;                      // the last memory tier failure said
+  std::unique_ptr<CheckpointCoordinator> memory_;  // the memory tier, once started (null: off)
+  checkpoint::detail::WorkerPool pool_;            // last: joined (in the destructor) before the members above go
 };
 
 }  // namespace fsdpx

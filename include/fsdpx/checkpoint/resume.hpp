@@ -47,6 +47,13 @@ struct LoadOptions {
   /// meet the model's names (its prefix, name hooks and ignored entries; models::dcp_load_options for the
   /// decoder). Loading is strict when both say so.
   LoadNames dcp;
+  /// A root whose job kept steps in the memory tier (CheckpointCoordinator::save_to_memory): resume its newest
+  /// step when it is newer than the disk's (or as new) and every rank can read its copy, else the disk's. Taking
+  /// it is collective: every rank calls load_checkpoint.
+  bool from_memory = true;
+  /// Where the memory tier's copies are (CheckpointOptions::memory_tier.dir); empty: $FSDPX_MEMORY_DIR, else
+  /// /dev/shm.
+  std::filesystem::path memory_dir;
 };
 
 struct ResumeInfo {
@@ -55,13 +62,18 @@ struct ResumeInfo {
   ExtraState extra;  // the client and scheduler state saved with the step (empty when not loaded)
   /// The parts asked for that the checkpoint lacked (allow_missing): "optimizer", "scheduler", "client state".
   std::vector<std::string> missing;
+  /// The checkpoint root the step was read from: the root given, or the memory tier's folder.
+  std::filesystem::path source;
+  bool from_memory = false;
 };
 
 /// Loads the newest committed checkpoint under `root` (or options.step) into `model` and, when given
 /// and asked for by the options, `optimizer` and `scheduler`; restores the RNG states and returns the
-/// step and client state. nullopt when the root has no committed checkpoint. Not collective: each
-/// rank reads what it needs. When an optimizer is asked for, the newest step saved with optimizer and
-/// extra state is chosen; with allow_missing and no such step, the newest with weights.
+/// step and client state. nullopt when the root has no committed checkpoint. Not collective (each
+/// rank reads what it needs), except for a root with a memory tier (checkpoint/memory_tier.hpp): its
+/// ranks agree on the newest step every one of them holds there, and say which tier they resumed from. When an
+/// optimizer is asked for, the newest step saved with optimizer and extra state is chosen; with allow_missing and no
+/// such step, the newest with weights.
 ///
 /// `root` may also be a PyTorch Distributed Checkpoint folder (one with a `.metadata`; <fsdpx/dcp.hpp>). In
 /// LightRFT's layout: the model's DCP in the folder itself; the optimizer's in optim_states/; the LR scheduler's

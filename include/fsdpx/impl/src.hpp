@@ -34,6 +34,7 @@
 #include <fsdpx/checkpoint/impl/format.ipp>
 #include <fsdpx/checkpoint/impl/extra_state.ipp>
 #include <fsdpx/checkpoint/impl/layout.ipp>
+#include <fsdpx/checkpoint/impl/memory_tier.ipp>
 #include <fsdpx/checkpoint/impl/merge.ipp>
 #include <fsdpx/checkpoint/impl/resume.ipp>
 #include <fsdpx/checkpoint/impl/step_format.ipp>

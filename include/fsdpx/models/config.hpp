@@ -445,9 +445,9 @@ inline DecoderConfig parse_decoder_config(const ::fsdpx::detail::Json& j, const 
   if (family.sliding_windows) {
     // Absent, the window is the classes' default of 4096; null, there is none.
     const bool use = json_find<bool>(j, "use_sliding_window", doc).value_or(false);
-    const std::optional<int64_t> window = !use                           ? std::nullopt
-                                          : j.contains("sliding_window") ? json_find<int64_t>(j, "sliding_window", doc)
-                                                                         : std::optional<int64_t>(4096);
+    // (not an optional built by ?: : GCC 12 at -O1 warns its value "may be used uninitialized")
+    std::optional<int64_t> window;
+    if (use) window = j.contains("sliding_window") ? json_find<int64_t>(j, "sliding_window", doc) : int64_t{4096};
     if (window) in_range("sliding_window", *window, int64_t{1} << 31);
     if (const auto types = j.find("layer_types"); types != j.end() && !types->is_null()) {
       FSDPX_CHECK_AS(IoError, types->is_array() && static_cast<int64_t>(types->size()) == c.num_hidden_layers, "'", doc,

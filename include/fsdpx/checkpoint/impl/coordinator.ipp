@@ -15,14 +15,60 @@ namespace fsdpx {
 
 FSDPX_DECL CheckpointCoordinator::~CheckpointCoordinator() {
   if (std::uncaught_exceptions() > 0) abandoning_.store(true);
+  if (memory_ && abandoning_.load()) memory_->abandoning_.store(true);
   wait_idle();
+  bool failed = false;
   {
     std::lock_guard lock(mutex_);
-    if (!failure_.empty() && !failure_said_) {
+    failed = !failure_.empty();
+    if (failed && !failure_said_) {
       std::fprintf(stderr, "%s (rank %d, at the coordinator's end)\n", failure_.c_str(), rank_);
     }
   }
   pool_.join();
+  if (memory_) {
+    if (failed) memory_->abandoning_.store(true);
+    end_memory_tier();
+  }
+}
+
+FSDPX_DECL void CheckpointCoordinator::end_memory_tier() {
+  memory_->wait_idle();
+  bool clean = !abandoning_.load() && !memory_->abandoning_.load() && !(world_failed_ && world_failed_());
+  {
+    std::lock_guard lock(memory_->mutex_);
+    clean = clean && memory_->failure_.empty() && memory_->pending_commits_.empty();
+  }
+  const int64_t newest_in_memory = memory_->latest_committed();
+  const std::filesystem::path folder = memory_->root();
+  memory_.reset();
+  // Every rank's memory files of every step are durable once rank 0 committed them all: nothing writes there now
+  if (rank_ == 0 && clean && latest_committed() >= newest_in_memory) {
+    std::error_code ec;
+    std::filesystem::remove_all(folder, ec);
+    if (ec) TORCH_WARN("fsdpx: the memory tier's folder '", folder.string(), "' could not be removed: ", ec.message());
+  }
+}
+
+FSDPX_DECL uint64_t CheckpointCoordinator::memory_tier_id() {
+  if (const auto id = checkpoint::read_memory_tier_id(root_)) return *id;
+  uint64_t id = 0;
+  while (id == 0) id = random_run_id();
+  fsdpx::detail::write_text_durably(root_ / checkpoint::memory_tier_id_file, ::fsdpx::detail::str(std::hex, id, "\n"));
+  return id;
+}
+
+FSDPX_DECL bool CheckpointCoordinator::memory_tier_warned(const std::function<void()>& fn) {
+  try {
+    fn();
+    return true;
+  } catch (const IoError& e) {
+    if (memory_warned_ != e.what()) {
+      memory_warned_ = e.what();
+      TORCH_WARN("fsdpx: the memory tier failed a step (the disk tier is not affected): ", e.what());
+    }
+    return false;
+  }
 }
 
 FSDPX_DECL uint64_t CheckpointCoordinator::random_run_id() {
@@ -36,6 +82,10 @@ FSDPX_DECL void CheckpointCoordinator::submit(SaveRequest req, core::ShardedMode
     return std::find(req.components.begin(), req.components.end(), c) != req.components.end();
   };
   wait_for_components(has(Component::optim), has(Component::extra_state));
+  submit_request(std::move(req), readers_of);
+}
+
+FSDPX_DECL void CheckpointCoordinator::submit_request(SaveRequest req, core::ShardedModel* readers_of) {
   FSDPX_CHECK(req.model.world_size == world_size_ && req.model.rank == rank_, "CheckpointCoordinator for rank ", rank_,
               " of ", world_size_, " was given the state of rank ", req.model.rank, " of ", req.model.world_size);
   {
@@ -173,6 +223,11 @@ FSDPX_DECL std::string CheckpointCoordinator::describe_outstanding() {
 }
 
 FSDPX_DECL void CheckpointCoordinator::wait_for_components(bool optim, bool extra) {
+  wait_for_slots(optim, extra);
+  rethrow_failure();
+}
+
+FSDPX_DECL void CheckpointCoordinator::wait_for_slots(bool optim, bool extra) {
   for (const Component c : checkpoint::all_components) {
     if ((c == Component::optim && !optim) || (c == Component::extra_state && !extra)) continue;
     if (auto slot = in_flight_[static_cast<int>(c)]) {  // one save per component in flight
@@ -180,7 +235,6 @@ FSDPX_DECL void CheckpointCoordinator::wait_for_components(bool optim, bool extr
       slot->cv.wait(lock, [&] { return slot->done; });
     }
   }
-  rethrow_failure();
 }
 
 FSDPX_DECL void CheckpointCoordinator::record_failure(int64_t step, const std::string& cause, bool said) {

@@ -8,6 +8,7 @@
 #include <utility>
 #include <vector>
 
+#include <fsdpx/checkpoint/memory_tier.hpp>
 #include <fsdpx/checkpoint/resume.hpp>
 #include <fsdpx/checkpoint/step_format.hpp>
 
@@ -130,7 +131,81 @@ inline std::optional<std::pair<fs::path, int64_t>> as_step_folder(const fs::path
 /// Whether `name` is something fsdpx's coordinator keeps in a checkpoint root.
 inline bool is_root_entry(const std::string& name) {
   return name.rfind("global_step_", 0) == 0 || name.rfind(".deleting_global_step_", 0) == 0 ||
-         name == state_dict_iteration_file || name == checkpointed_iteration_file;
+         name == state_dict_iteration_file || name == checkpointed_iteration_file || name == memory_tier_id_file;
+}
+
+/// The newest committed step of `root` a load of the options' parts can take (with everything when an optimizer
+/// is asked for; with allow_missing, else the weights alone).
+inline std::optional<int64_t> newest_step(const fs::path& root, const LoadOptions& asked) {
+  std::optional<int64_t> step = find_latest_checkpoint(root, /*weights_only=*/!asked.load_optimizer);
+  if (!step && asked.load_optimizer && asked.allow_missing) step = find_latest_checkpoint(root, /*weights_only=*/true);
+  return step;
+}
+
+/// Collective, for a root with a memory tier: the step the ranks resumed from it (every rank holds that step
+/// there, read whole by all), or nullopt when the disk's step at `disk_step` is to be taken instead (no memory
+/// step as new, or a copy some rank could not read: its cause is said, and the model is then loaded again
+/// from disk, which overwrites whatever the memory step had loaded).
+inline std::optional<ResumeInfo> resume_from_memory(core::ShardedModel& model, const fs::path& root,
+                                                    std::optional<int64_t> disk_step,
+                                                    torch::optim::Optimizer* optimizer, LrScheduler* scheduler,
+                                                    const LoadOptions& asked) {
+  auto& world = model.mesh().world();
+  const int rank = world.rank();
+  const auto device = at::TensorOptions().dtype(at::kLong).device(world.device_type());
+  std::string cause;
+  fs::path folder;
+  std::optional<int64_t> newest;
+  try {
+    if (const auto id = read_memory_tier_id(root)) {
+      folder = memory_tier_root(memory_tier_dir(asked.memory_dir), *id);
+      newest = newest_step(folder, asked);
+    }
+  } catch (const std::exception& e) {
+    cause = e.what();
+  }
+  // the newest step every rank holds (keep >= 2: the one before the newest, when a rank's newest did not commit)
+  at::Tensor agreed = at::full({1}, newest.value_or(-1), device);
+  world.all_reduce(agreed, dist::ReduceOp::min);
+  const int64_t step = agreed.item<int64_t>();
+  if (step < 0 || step < disk_step.value_or(-1)) {
+    if (!cause.empty()) TORCH_WARN("fsdpx: load_checkpoint: rank ", rank, " cannot use the memory tier: ", cause);
+    if (rank == 0 && disk_step) {
+      std::fprintf(stderr,
+                   "fsdpx: load_checkpoint: the memory tier ('%s') holds no step as new as the disk's on every rank: "
+                   "resuming step %lld from disk\n",
+                   folder.string().c_str(), static_cast<long long>(*disk_step));
+    }
+    return std::nullopt;
+  }
+  std::optional<ResumeInfo> info;
+  try {
+    info = resume(model, open_root_step(folder, step, rank, asked), optimizer, scheduler, asked);
+  } catch (const std::exception& e) {
+    cause = e.what();
+  }
+  at::Tensor failed = at::full({1}, info ? 0 : 1, device);
+  world.all_reduce(failed, dist::ReduceOp::max);
+  if (failed.item<int64_t>() != 0) {
+    if (!info) TORCH_WARN("fsdpx: load_checkpoint: rank ", rank, " cannot read memory step ", step, ": ", cause);
+    FSDPX_CHECK_AS(IoError, disk_step.has_value(), "load_checkpoint: step ", step, " of the memory tier ('",
+                   folder.string(), "') could not be read by every rank, and '", root.string(),
+                   "' has no committed step on disk to resume instead");
+    if (rank == 0) {
+      std::fprintf(stderr,
+                   "fsdpx: load_checkpoint: memory step %lld was not whole on every rank: resuming the disk's\n",
+                   static_cast<long long>(step));
+    }
+    return std::nullopt;
+  }
+  if (rank == 0) {
+    std::fprintf(stderr, "fsdpx: load_checkpoint: resuming step %lld from the memory tier ('%s'; on disk: %s)\n",
+                 static_cast<long long>(step), folder.string().c_str(),
+                 disk_step ? ::fsdpx::detail::str("step ", *disk_step).c_str() : "none");
+  }
+  info->source = folder;
+  info->from_memory = true;
+  return info;
 }
 
 /// `root` holds no step to resume: says so once (world rank 0) and starts from scratch when that is what a
@@ -204,16 +279,20 @@ FSDPX_DECL std::optional<ResumeInfo> load_checkpoint(ShardedModelRef model, cons
     const auto& format = ckpt::step_format(*foreign, ::fsdpx::detail::str("resuming from '", root.string(), "'"));
     return ckpt::detail::resume(*model, format.open_folder(root, *model, asked), optimizer, scheduler, asked);
   }
-  std::optional<int64_t> step = options.step;
-  if (!step) step = ckpt::find_latest_checkpoint(root, /*weights_only=*/!asked.load_optimizer);
-  if (!step && asked.load_optimizer && options.allow_missing)
-    step = ckpt::find_latest_checkpoint(root, /*weights_only=*/true);
+  std::optional<int64_t> step = options.step ? options.step : ckpt::detail::newest_step(root, asked);
+  // Every rank sees the root's memory tier id file, or none does (the root is shared): all or none agree here
+  std::error_code ec;
+  if (!options.step && options.from_memory && std::filesystem::exists(root / ckpt::memory_tier_id_file, ec)) {
+    if (auto info = ckpt::detail::resume_from_memory(*model, root, step, optimizer, scheduler, asked)) return info;
+  }
   if (!step) {
     ckpt::detail::nothing_to_resume(root, asked.load_optimizer, rank0);
     return std::nullopt;
   }
   const ckpt::SavedStep saved = ckpt::detail::open_root_step(root, *step, model->mesh().world().rank(), asked);
-  return ckpt::detail::resume(*model, saved, optimizer, scheduler, asked);
+  ResumeInfo info = ckpt::detail::resume(*model, saved, optimizer, scheduler, asked);
+  info.source = root;
+  return info;
 }
 
 }  // namespace fsdpx
