@@ -4,7 +4,8 @@
 # --resume must resume the newest memory step committed at the kill (never an older one), and every loss it
 # prints and the final weights must equal an uninterrupted run's, bit for bit. Then the node's memory is lost
 # (the folder deleted): the relaunch resumes the disk's newest step; and a damaged memory copy (a byte flipped
-# in one rank's file of the newest step) is refused by its CRC: every rank resumes from disk.
+# in one rank's file of the newest step) is refused by its CRC: every rank resumes from disk; other roots'
+# memory tiers that are stale are removed, the others kept.
 # Usage: memory_tier_test.sh <workdir> <job> <rounds> <mpiexec> [mpiexec flags...]
 set -euo pipefail
 work=$1 job=$2 rounds=$3
@@ -94,11 +95,31 @@ echo "memory folder deleted: resumed step $d from disk"
 m=$(memory_newest) d=$(disk_newest)
 if ((m >= d && m >= 0)); then expect_step=$m expect_from=memory; else expect_step=$d expect_from=disk; fi
 
+# Other roots' memory tiers on the node: stale ones (their root gone, or naming another tier) untouched for
+# 10 minutes are removed when the tier starts; a fresh one, and one whose root still names it, stay
+other_tier() {  # $1: id, $2: the disk root it names, $3: touch -d's date of its files
+  mkdir -p "shm/fsdpx-memory-$1/global_step_3"
+  printf '%s' "$2" >"shm/fsdpx-memory-$1/disk_root.txt"
+  touch -d "$3" "shm/fsdpx-memory-$1"/* "shm/fsdpx-memory-$1"
+}
+mkdir -p other_root live_root && echo cccc >other_root/memory_tier_id.txt && echo eeee >live_root/memory_tier_id.txt
+other_tier aaaa "$work/gone_root" "1 hour ago"
+other_tier bbbb "$work/other_root" "1 hour ago"
+other_tier dddd "$work/gone_root" "now"
+other_tier eeee "$work/live_root" "1 hour ago"
+
 # To the end: the same weights as the uninterrupted run, bit for bit; the clean end removes the memory tier
+own=shm/fsdpx-memory-$(cat ckpt/memory_tier_id.txt)
 train+=(--out final.pt --step-ms 0)  # to the end at full speed
 run_round log_final 0
 "$job" compare ref.pt final.pt --tol 0
-if compgen -G "shm/fsdpx-memory-*" >/dev/null; then echo "the clean end left the memory tier's folder"; exit 1; fi
+[[ ! -e $own ]] || { echo "the clean end left the memory tier's folder"; exit 1; }
+grep -q "removed the stale memory tier '.*fsdpx-memory-aaaa': its disk root '.*gone_root' is gone" log_final &&
+  grep -q "removed the stale memory tier '.*fsdpx-memory-bbbb': .*names another memory tier" log_final ||
+  { echo "the stale memory tiers were not removed with their causes:"; grep -i stale log_final; exit 1; }
+[[ ! -e shm/fsdpx-memory-aaaa && ! -e shm/fsdpx-memory-bbbb && -d shm/fsdpx-memory-dddd && -d shm/fsdpx-memory-eeee ]] ||
+  { echo "stale removal: expected aaaa and bbbb gone, dddd (fresh) and eeee (its root names it) kept:"; ls shm; exit 1; }
+echo "other roots' memory tiers: the two stale ones removed with their causes, the fresh and the live one kept"
 
 # Ranks that do not share one memory folder (two nodes): the tier stays off, saying why; the disk tier goes on
 "${mpi[@]}" -n 1 -x FSDPX_MEMORY_DIR="$work/node_a" "$job" train --steps 12 --save-every 10 --memory-every 1 --root split \

@@ -331,6 +331,11 @@ class CheckpointCoordinator {
         // a mark for the other ranks to look for, after the broadcast below
         std::filesystem::create_directories(folder);
         fsdpx::detail::write_text_durably(folder / (".seen." + run_), "");
+        checkpoint::claim_memory_tier(folder, root_);
+        for (const auto& [stale, why] :
+             checkpoint::remove_stale_memory_tiers(folder.parent_path(), folder, options_.memory_tier.stale_after)) {
+          std::fprintf(stderr, "fsdpx: removed the stale memory tier '%s': %s\n", stale.string().c_str(), why.c_str());
+        }
         id.fill_(static_cast<int64_t>(mine));
       } catch (const std::exception& e) {
         cause = e.what();
