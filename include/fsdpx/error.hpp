@@ -5,6 +5,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace fsdpx {
@@ -70,6 +71,11 @@ inline std::string join_names(std::vector<std::string> names, size_t shown = 20)
   for (size_t i = 0; i < std::min(shown, names.size()); ++i) s += (i ? ", " : "") + names[i];
   if (names.size() > shown) s += str(" and ", names.size() - shown, " more");
   return s;
+}
+
+/// An error's text without the "fsdpx: " that starts every message, to quote it inside another.
+inline std::string_view unprefixed(std::string_view text) {
+  return text.starts_with("fsdpx: ") ? text.substr(7) : text;
 }
 
 /// Throws `ErrorType` with "fsdpx: " followed by the message parts; for paths that cannot go on.

@@ -2,6 +2,7 @@
 //   fsdpx_archive_tool <file.pt>             prints the value load_ivalue makes of the file
 //   fsdpx_archive_tool scheduler <file.pt>   reads the file as LightRFT's scheduler_state.pt is read on resume
 //                                            (dcp::read_plain_file, then its checks) and prints the value
+//   fsdpx_archive_tool client <file.pt> <N>  reads the file as LightRFT's client_state.pt of a folder of step N
 // An error is printed and exits with 1.
 // The JSON: {"none": null}, {"bool": b}, {"int": i}, {"float": "<the double's 16 hex digits>"}, {"str": s},
 // {"list": [...]}, {"tuple": [...]}, {"dict": [[key, value], ...]}, and {"tensor": {"dtype", "sizes",
@@ -96,15 +97,18 @@ class Describe {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool scheduler = argc == 3 && std::string(argv[1]) == "scheduler";
-  if (argc != 2 && !scheduler) {
-    std::cerr << "usage: fsdpx_archive_tool [scheduler] <file.pt>\n";
+  const std::string mode = argc > 2 ? argv[1] : "";
+  if (!(argc == 2 || (argc == 3 && mode == "scheduler") || (argc == 4 && mode == "client"))) {
+    std::cerr << "usage: fsdpx_archive_tool [scheduler] <file.pt> | client <file.pt> <step>\n";
     return 2;
   }
   try {
+    namespace dcp = fsdpx::dcp;
     const c10::IValue value =
-        scheduler ? fsdpx::dcp::detail::lr_scheduler_state_from_torch(fsdpx::dcp::read_plain_file(argv[2]), argv[2])
-                  : fsdpx::checkpoint::detail::load_ivalue(argv[1]);
+        mode == "scheduler" ? dcp::detail::lr_scheduler_state_from_torch(dcp::read_plain_file(argv[2]), argv[2])
+        : mode == "client"
+            ? dcp::detail::client_state_from_lightrft(dcp::read_plain_file(argv[2]), argv[2], std::stoll(argv[3]))
+            : fsdpx::checkpoint::detail::load_ivalue(argv[1]);
     std::cout << Describe()(value).dump() << "\n";
   } catch (const std::exception& e) {
     std::cout << "error: " << e.what() << "\n";

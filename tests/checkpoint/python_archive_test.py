@@ -191,3 +191,26 @@ def test_a_scheduler_state_is_checked_as_a_config_value_is(tool: str, work: Path
         assert done.returncode == 0, out
     else:
         assert done.returncode == 1 and cause in out and str(path) in out, out
+
+
+@pytest.mark.parametrize(("state", "cause"), [
+    ({"consumed_samples": 2560}, None),  # what LightRFT's trainer keeps
+    ({"global_step": 10, "episode": 1, "data_loader_state_dict": {"epoch": 0}, "best": float("nan")}, None),
+    ({"global_step": 11}, "its global_step is 11, its folder is step 10"),
+    ({"consumed_samples": -1}, "its consumed_samples is -1, not an integer in [0, 2^48]"),
+    ({"episode": 1 << 62}, f"its episode is {1 << 62}, not an integer in [0, 2^48]"),
+    ({"global_step": 10.0}, "its global_step is 10., not an integer in [0, 2^48]"),
+    ([1, 2], "it holds GenericList, not a dict"),
+])
+def test_a_client_state_is_checked_where_its_values_mean_something(tool: str, work: Path, state: Any,
+                                                                  cause: str | None) -> None:
+    """LightRFT's client_state.pt of a folder of step 10: its trainers' counters are checked, the rest is data."""
+    path = work / "client_state.pt"
+    torch.save(state, path)
+    done = subprocess.run([tool, "client", str(path), "10"], capture_output=True, text=True, timeout=60,
+                          check=False)
+    out = done.stdout + done.stderr
+    if cause is None:
+        assert done.returncode == 0, out
+    else:
+        assert done.returncode == 1 and cause in out and str(path) in out, out

@@ -2,9 +2,9 @@
 // million deep, storages shared by thousands of tensors, a length of gigabytes in a small file, a string
 // shared a million times through the memo, a list that holds itself, tensors and storages that lie about
 // their records. Every file is made here with torch's own zip writer (PyTorchStreamWriter) around a pickle
-// written byte by byte, and read by every reader of a checkpoint file (load_ivalue: fsdpx's shards, commit
-// records, fsdpx-merge, fsdpx-inspect; dcp::read_plain_file: LightRFT's extra files). Each ends in an
-// IoError naming the file and the cause within 2 s and 256 MiB of growth, or, for a legitimate sharing, loads
+// written byte by byte (tests/support/crafted_archive.hpp), and read by every reader of a checkpoint file (load_ivalue:
+// fsdpx's shards, commit records, fsdpx-merge, fsdpx-inspect; dcp::read_plain_file: LightRFT's extra files). Each ends
+// in an IoError naming the file and the cause within 2 s and 256 MiB of growth, or, for a legitimate sharing, loads
 // with the storage read once.
 #include <catch2/catch.hpp>
 
@@ -17,13 +17,12 @@
 #include <utility>
 #include <vector>
 
-#include <caffe2/serialize/inline_container.h>
-
 #include <fsdpx/checkpoint/detail/torch_io.hpp>
 #include <fsdpx/checkpoint/format.hpp>
 #include <fsdpx/dcp.hpp>
 #include <fsdpx/error.hpp>
 
+#include "../support/crafted_archive.hpp"
 #include "../support/process_memory.hpp"
 #include "merge_fixture.hpp"
 
@@ -32,52 +31,14 @@ namespace {
 namespace fs = std::filesystem;
 using namespace std::string_literals;
 
-/// A torch.save archive of `pickle` (data.pkl) and the storage records `records` ("0" -> its bytes).
-std::string archive(const std::string& pickle, const std::vector<std::pair<std::string, std::string>>& records = {}) {
-  std::string out;
-  {
-    caffe2::serialize::PyTorchStreamWriter writer([&](const void* data, size_t n) {
-      out.append(static_cast<const char*>(data), n);
-      return n;
-    });
-    writer.writeRecord("data.pkl", pickle.data(), pickle.size());
-    for (const auto& [key, bytes] : records) writer.writeRecord("data/" + key, bytes.data(), bytes.size());
-    writer.writeEndOfFile();
-  }
-  return out;
-}
+namespace crafted = fsdpx::test::crafted;
+using crafted::archive;
+using crafted::binint;
+using crafted::binunicode;
+using crafted::tensor_pickle;
 
 fs::path write(const fs::path& dir, const std::string& name, const std::string& bytes) {
-  const fs::path path = dir / name;
-  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
-  return path;
-}
-
-std::string u32(uint32_t v) {
-  std::string s(4, '\0');
-  for (int i = 0; i < 4; ++i) s[i] = static_cast<char>(v >> (8 * i));
-  return s;
-}
-std::string binunicode(const std::string& s) { return "X" + u32(static_cast<uint32_t>(s.size())) + s; }
-std::string binint(int32_t v) { return "J" + u32(static_cast<uint32_t>(v)); }
-
-/// The pickle of one float32 tensor over storage `key` (`numel` elements claimed), as LibTorch's pickler
-/// writes it (tests/checkpoint: compare fsdpx_archive_tool's Python test).
-std::string tensor_pickle(const std::string& key, int64_t numel, int64_t offset, const std::vector<int64_t>& sizes,
-                          const std::vector<int64_t>& strides) {
-  std::string p = "ctorch._utils\n_rebuild_tensor_v2\n(";
-  p += "(" + binunicode("storage") + "ctorch\nFloatStorage\n" + binunicode(key) + binunicode("cpu") +
-       binint(static_cast<int32_t>(numel)) + "tQ";
-  p += binint(static_cast<int32_t>(offset));
-  p += "(";
-  for (const int64_t s : sizes) p += binint(static_cast<int32_t>(s));
-  p += "t(";
-  for (const int64_t s : strides) p += binint(static_cast<int32_t>(s));
-  p += "t";
-  p += "\x89";  // requires_grad False
-  p += "ccollections\nOrderedDict\n)R";
-  p += "tR";
-  return p;
+  return crafted::write_file(dir / name, bytes);
 }
 
 /// What a refusal must be: an IoError naming `path` and `cause`, within 2 s and 256 MiB of growth.

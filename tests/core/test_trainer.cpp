@@ -6,11 +6,17 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iterator>
 #include <limits>
 #include <map>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include <torch/nn.h>
 #include <torch/optim.h>
@@ -335,6 +341,106 @@ TEST_CASE("resume flags: optimizer, scheduler and client state each load or not,
     CHECK(info->step == 3);
     CHECK(s.last_step() == 0);
   });
+  world().barrier();
+}
+
+TEST_CASE("a resume checks the extra state as config values: its step, scheduler, generator and client state",
+          "[trainer][resume][security]") {
+  // Each file is rewritten with its commit record made to match (size and CRC-32C), as a hostile root would:
+  // the values, not the checksums, must be what refuses it, naming the file and the cause, before a model loads.
+  namespace ckpt = fsdpx::checkpoint;
+  const GptConfig c;
+  const fs::path root = trainer_dir("extra_values");
+  at::manual_seed(42);
+  GptFsdp model(Gpt(c), world());
+  auto opt = make_adamw(model, adamw());
+  LrScheduler sched(opt, kSchedule);
+  TrainStep<GptFsdp> step(model, opt, &sched, {.accumulation_steps = kMicro});
+  train(model, step, world(), 0, 2);
+  {
+    CheckpointCoordinator coordinator(root, model);
+    ExtraState extra;
+    extra.client.insert("tag", std::string("saved"));
+    coordinator.save(2, model, opt, sched, extra);
+    coordinator.wait();
+  }
+  world().barrier();
+  const fs::path dir = ckpt::step_dir(root, 2);
+  const fs::path record_path = dir / ckpt::config_file;
+  const auto read_text = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  const std::string record_text = read_text(record_path);
+  struct Saved {
+    std::string name, bytes;
+    c10::IValue value;
+  };
+  std::vector<Saved> saved;
+  for (int r = 0; r < world().size(); ++r) {
+    const std::string name = ckpt::shard_file_name(ckpt::Component::extra_state, world().size(), r);
+    saved.push_back({name, read_text(dir / name), ckpt::detail::load_ivalue(dir / name)});
+  }
+  // Rank 0 rewrites every rank's file with `edit` applied and the record to match; every rank resumes.
+  const auto refused = [&](const std::string& cause, const std::function<void(c10::impl::GenericDict&)>& edit) {
+    INFO(cause);
+    if (world().rank() == 0) {
+      auto record = nlohmann::json::parse(record_text);
+      for (const Saved& file : saved) {
+        c10::impl::GenericDict d = file.value.toGenericDict().copy();
+        edit(d);
+        const auto written = ckpt::detail::save_ivalue(dir / file.name, d);
+        record["files"][file.name] = {{"bytes", written.bytes}, {"crc32c", written.crc32c}};
+      }
+      std::ofstream(record_path, std::ios::trunc) << record.dump();
+    }
+    world().barrier();
+    at::manual_seed(9);
+    GptFsdp m(Gpt(c), world());
+    auto o = make_adamw(m, adamw());
+    LrScheduler s(o, kSchedule);
+    const auto before = gathered(m);
+    try {
+      (void)load_checkpoint(m, root, o, s);
+      FAIL("resumed");
+    } catch (const IoError& e) {
+      INFO(e.what());
+      CHECK(std::string(e.what()).find(cause) != std::string::npos);
+      CHECK(std::string(e.what()).find(root.string()) != std::string::npos);
+    }
+    CHECK(max_difference(gathered(m), before) == 0);  // refused before the model loaded
+    CHECK(s.last_step() == 0);
+    world().barrier();
+  };
+  refused("says step 5, its folder is step 2", [](auto& d) { d.insert_or_assign("step", int64_t{5}); });
+  const auto scheduler = [](auto& d, const char* key, c10::IValue v) {
+    auto state = d.at("scheduler").toGenericDict().copy();
+    state.insert_or_assign(key, std::move(v));
+    d.insert_or_assign("scheduler", state);
+  };
+  refused("a base_lrs entry is nan, not a finite lr >= 0", [&](auto& d) {
+    scheduler(d, "base_lrs", c10::List<double>({std::numeric_limits<double>::quiet_NaN(), 1e-3}));
+  });
+  refused("no integer last_step in [0, 2^40]", [&](auto& d) { scheduler(d, "last_step", int64_t{1} << 62); });
+  refused("rng.cpu is not a generator state of this build's", [](auto& d) {
+    auto rng = d.at("rng").toGenericDict().copy();
+    rng.insert_or_assign("cpu", at::zeros({3}, at::kByte));
+    d.insert_or_assign("rng", rng);
+  });
+  refused("'client' has the wrong type", [](auto& d) { d.insert_or_assign("client", int64_t{1}); });
+  // Put back as saved, byte for byte, it resumes.
+  if (world().rank() == 0) {
+    for (const Saved& file : saved) std::ofstream(dir / file.name, std::ios::binary | std::ios::trunc) << file.bytes;
+    std::ofstream(record_path, std::ios::trunc) << record_text;
+  }
+  world().barrier();
+  GptFsdp m(Gpt(c), world());
+  auto o = make_adamw(m, adamw());
+  LrScheduler s(o, kSchedule);
+  const auto info = load_checkpoint(m, root, o, s);
+  REQUIRE(info);
+  CHECK(s.last_step() == 2);
+  CHECK(info->extra.client.at("tag").toStringRef() == "saved");
   world().barrier();
 }
 #endif

@@ -109,6 +109,9 @@ class Fields {
   bool has(const char* key) const { return dict_.find(key) != dict_.end(); }
   int64_t integer(const char* key) const { return checked(get(key).isInt(), key).toInt(); }
   std::string text(const char* key) const { return checked(get(key).isString(), key).toStringRef(); }
+  c10::impl::GenericDict dictionary(const char* key) const {
+    return checked(get(key).isGenericDict(), key).toGenericDict();
+  }
   const c10::impl::GenericDict& dict() const { return dict_; }
 
  private:

@@ -29,6 +29,22 @@
 
 namespace fsdpx {
 
+namespace detail {
+
+/// Why a saved schedule's values are none a run makes (empty when they are a run's): a step count no run
+/// reaches, or a base LR that is not a finite number >= 0. A saved schedule is checked as a config value is,
+/// by every reader of one (LrScheduler, LightRFT's scheduler_state.pt); `step_name` is the saved field's name.
+inline std::string implausible_schedule(int64_t last_step, const std::vector<double>& base_lrs, const char* step_name) {
+  constexpr int64_t max_steps = int64_t{1} << 40;
+  if (last_step < 0 || last_step > max_steps) return str("no integer ", step_name, " in [0, 2^40]");
+  for (const double lr : base_lrs) {
+    if (!std::isfinite(lr) || lr < 0) return str("a base_lrs entry is ", lr, ", not a finite lr >= 0");
+  }
+  return {};
+}
+
+}  // namespace detail
+
 enum class LrScheduleKind { constant, constant_with_warmup, linear, cosine };
 
 inline std::string_view to_string(LrScheduleKind k) {
@@ -183,10 +199,12 @@ class LrScheduler {
       return d.at(key);
     };
     const c10::IValue step = get("last_step");
-    FSDPX_CHECK(step.isInt() && step.toInt() >= 0, "LrScheduler::load_state_dict: 'last_step' must be an integer >= 0");
+    FSDPX_CHECK(step.isInt(), "LrScheduler::load_state_dict: 'last_step' must be an integer");
     const c10::IValue bases = get("base_lrs");
     FSDPX_CHECK(bases.isDoubleList(), "LrScheduler::load_state_dict: 'base_lrs' must be a list of floats");
     auto saved = bases.toDoubleVector();
+    const std::string implausible = detail::implausible_schedule(step.toInt(), saved, "last_step");
+    FSDPX_CHECK(implausible.empty(), "LrScheduler::load_state_dict: the saved state has ", implausible);
     FSDPX_CHECK(saved.size() == base_lrs_.size(), "LrScheduler::load_state_dict: the saved state has ", saved.size(),
                 " parameter groups but the optimizer has ", base_lrs_.size());
     return {step.toInt(), std::move(saved)};

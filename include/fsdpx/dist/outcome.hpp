@@ -58,10 +58,9 @@ void agree_on_outcome(AnyCommunicator& comm, const std::exception_ptr& failure, 
   comm.broadcast(text, failed);
   if (failure) std::rethrow_exception(failure);
   const at::Tensor host = text.to(at::kCPU);
-  std::string cause(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
-  if (cause.rfind("fsdpx: ", 0) == 0) cause = cause.substr(7);
+  const std::string cause(static_cast<const char*>(host.data_ptr()), static_cast<size_t>(n));
   throw ErrorType(::fsdpx::detail::str("fsdpx: ", what, " failed on rank ", failed, " of '", comm.name(),
-                                       "', and this rank stopped with it: ", cause));
+                                       "', and this rank stopped with it: ", ::fsdpx::detail::unprefixed(cause)));
 }
 
 }  // namespace fsdpx::dist

@@ -41,6 +41,8 @@ inline SavedStep open_root_step(const fs::path& root, int64_t step, int rank, co
     const c10::IValue extra_saved =
         load_committed_ivalue(path, record->file(dir, extra_name, options.verify_checksums));
     const ExtraState extra = extra_state_from_ivalue(extra_saved, path, /*restore_rng=*/false);
+    FSDPX_CHECK_AS(IoError, extra.step == step, "'", path.string(), "' says step ", extra.step, ", its folder is step ",
+                   step);
     s.extra_step = extra.step;
     s.client = extra.client;
     if (extra.scheduler.isNone()) {
@@ -94,7 +96,13 @@ inline ResumeInfo resume(core::ShardedModel& model, const SavedStep& s, torch::o
   if (want_optimizer && !load_optimizer) lacks("optimizer", s.no_optimizer);
   const bool load_scheduler = want_scheduler && s.scheduler.has_value();
   if (want_scheduler && !load_scheduler) lacks("scheduler", s.no_scheduler);
-  if (load_scheduler) scheduler->check_state_dict(*s.scheduler);
+  if (load_scheduler) {
+    try {
+      scheduler->check_state_dict(*s.scheduler);
+    } catch (const ConfigError& e) {
+      FSDPX_FAIL(IoError, s.what, "'s LR scheduler state cannot be resumed: ", ::fsdpx::detail::unprefixed(e.what()));
+    }
+  }
 
   s.load_model(model);
   if (load_optimizer) s.load_optimizer(model, *optimizer);

@@ -18,6 +18,7 @@
 
 #include <ATen/ATen.h>
 
+#include <fsdpx/core/lr_schedule.hpp>
 #include <fsdpx/dcp/state_dict_loader.hpp>
 #include <fsdpx/dcp/state_dict_saver.hpp>
 #include <fsdpx/dcp/writer.hpp>
@@ -63,25 +64,41 @@ inline c10::IValue lr_scheduler_state_from_torch(const c10::IValue& saved, const
   };
   if (!saved.isGenericDict()) throw bad(::fsdpx::detail::str("it holds ", saved.tagKind(), ", not a dict"));
   const auto d = saved.toGenericDict();
-  // Checked as a config value is: a count of steps no run reaches, or a learning rate that is not a finite
-  // non-negative number, is a corrupt file, not a schedule to resume.
-  constexpr int64_t max_steps = int64_t{1} << 40;
-  if (!d.contains("last_epoch") || !d.at("last_epoch").isInt() || d.at("last_epoch").toInt() < 0 ||
-      d.at("last_epoch").toInt() > max_steps)
-    throw bad(::fsdpx::detail::str("no integer last_epoch in [0, 2^40]"));
+  if (!d.contains("last_epoch") || !d.at("last_epoch").isInt()) throw bad("no integer last_epoch");
   if (!d.contains("base_lrs") || !d.at("base_lrs").isList()) throw bad("no list base_lrs");
-  c10::List<double> base_lrs;
+  std::vector<double> lrs;
   for (const c10::IValue& lr : d.at("base_lrs").toListRef()) {
     if (!lr.isDouble() && !lr.isInt()) throw bad("a base_lrs entry is not a number");
-    const double v = lr.isDouble() ? lr.toDouble() : static_cast<double>(lr.toInt());
-    if (!std::isfinite(v) || v < 0)
-      throw bad(::fsdpx::detail::str("a base_lrs entry is ", v, ", not a finite lr >= 0"));
-    base_lrs.push_back(v);
+    lrs.push_back(lr.isDouble() ? lr.toDouble() : static_cast<double>(lr.toInt()));
   }
+  const std::string implausible = ::fsdpx::detail::implausible_schedule(d.at("last_epoch").toInt(), lrs, "last_epoch");
+  if (!implausible.empty()) throw bad(implausible);
+  const c10::List<double> base_lrs(lrs);
   c10::impl::GenericDict out(c10::StringType::get(), c10::AnyType::get());
   out.insert("last_step", d.at("last_epoch").toInt());
   out.insert("base_lrs", base_lrs);
   return out;
+}
+
+/// LightRFT's client_state.pt as the client state of a resume from its folder of step `step`: the counters
+/// that LightRFT's and OpenRLHF's trainers keep there (global_step, episode, consumed_samples) must be integers
+/// a run reaches, and global_step the folder's own step; the other values are the user's and pass as read.
+inline c10::impl::GenericDict client_state_from_lightrft(const c10::IValue& saved, const fs::path& path, int64_t step) {
+  const auto bad = [&](const std::string& why) {
+    return IoError(::fsdpx::detail::str("fsdpx: '", path.string(), "' is not a client state to resume: ", why));
+  };
+  if (!saved.isGenericDict()) throw bad(::fsdpx::detail::str("it holds ", saved.tagKind(), ", not a dict"));
+  const auto d = saved.toGenericDict();
+  constexpr int64_t max_count = int64_t{1} << 48;
+  for (const char* key : {"global_step", "episode", "consumed_samples"}) {
+    if (!d.contains(key)) continue;
+    const c10::IValue& v = d.at(key);
+    if (!v.isInt() || v.toInt() < 0 || v.toInt() > max_count)
+      throw bad(::fsdpx::detail::str("its ", key, " is ", v, ", not an integer in [0, 2^48]"));
+  }
+  if (step > 0 && d.contains("global_step") && d.at("global_step").toInt() != step)
+    throw bad(::fsdpx::detail::str("its global_step is ", d.at("global_step").toInt(), ", its folder is step ", step));
+  return d;
 }
 
 /// The step LightRFT names a step's folder by ("global_step10": the number it ends with); 0 without one.
@@ -191,10 +208,7 @@ inline checkpoint::SavedStep open_folder(const fs::path& dir, core::ShardedModel
   if (titan) {
     s.client = c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());  // it keeps none
   } else if (options.load_client_state && fs::exists(client_file)) {
-    const c10::IValue client = read_plain_file(client_file);
-    FSDPX_CHECK_AS(IoError, client.isGenericDict(), s.what, ": client_state.pt holds ", client.tagKind(),
-                   ", not a dict");
-    s.client = client.toGenericDict();
+    s.client = client_state_from_lightrft(read_plain_file(client_file), client_file, s.step);
   } else {
     s.no_client_state = "the folder has no client_state.pt";
   }

@@ -115,9 +115,8 @@ FSDPX_DECL SafetensorsFile::SafetensorsFile(const fs::path& path)
 }
 
 FSDPX_DECL void SafetensorsFile::bad_header(const std::string& why) const {
-  std::string text = why;
-  if (text.rfind("fsdpx: ", 0) == 0) text = text.substr(7);
-  throw IoError(::fsdpx::detail::str("fsdpx: safetensors file '", path_.string(), "' has a bad header: ", text));
+  throw IoError(::fsdpx::detail::str("fsdpx: safetensors file '", path_.string(),
+                                     "' has a bad header: ", ::fsdpx::detail::unprefixed(why)));
 }
 
 FSDPX_DECL SafetensorsEntry SafetensorsFile::parse_entry(const std::string& name,

@@ -106,10 +106,7 @@ inline const std::string& process_run() {
   return run;
 }
 
-/// An error's text without the "fsdpx: " that starts every message, to quote it inside another.
-inline std::string_view unprefixed(std::string_view text) {
-  return text.starts_with("fsdpx: ") ? text.substr(7) : text;
-}
+using ::fsdpx::detail::unprefixed;
 
 /// Why `run` cannot name a run; empty when it can.
 inline std::string run_problem(std::string_view run) {
