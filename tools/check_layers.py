@@ -9,7 +9,8 @@ folder; the umbrella <fsdpx/fsdp.hpp> and fsdpx/impl/src.hpp are the top). A hea
 own layer and of the layers listed below it, nothing else. A header the table does not place is an error too,
 so a new folder has to be given a layer. The torch-free layers (the pickle machine) include no LibTorch header,
 directly or through the fsdpx headers they include. A forwarding header left at a moved header's old path may
-include anything, and no header of the library includes it.
+include anything, and no header of the library includes it. No file of the library is longer than MAX_LINES:
+one idea per file (docs/architecture.md, "One idea per file").
 """
 import pathlib
 import re
@@ -78,6 +79,9 @@ def backend_of(relative):
     return None
 
 
+# A file longer than this holds more than one idea: split it by idea, not by size.
+MAX_LINES = 600
+
 INCLUDE = re.compile(r'^\s*#\s*include\s*[<"](fsdpx/[^>"]+)[>"]', re.MULTILINE)
 
 
@@ -119,6 +123,10 @@ def check(include_dir):
             problems.append(f"{relative}: in no layer; give its folder one in tools/check_layers.py and "
                             "docs/architecture.md")
             continue
+        lines = header.read_text(encoding="utf-8").count("\n")
+        if lines > MAX_LINES:
+            problems.append(f"{relative}: {lines} lines, more than {MAX_LINES}: it holds more than one idea; "
+                            "give each its own file")
         if mine in TORCH_FREE:
             for found in torch_headers(include_dir, relative):
                 problems.append(f"{relative} ({mine}) must compile without LibTorch, but {found}")
@@ -179,8 +187,13 @@ def self_test():
         (root / "fsdpx/newlayer").mkdir()
         (root / "fsdpx/newlayer/x.hpp").write_text("\n")
         assert any("in no layer" in p for p in check(root))
+        (root / "fsdpx/newlayer/x.hpp").unlink()
+        (root / "fsdpx/newlayer").rmdir()
+        (root / "fsdpx/core/unit.hpp").write_text("#include <fsdpx/error.hpp>\n" + "\n" * MAX_LINES)
+        found = check(root)
+        assert len(found) == 1 and f"{MAX_LINES + 1} lines, more than {MAX_LINES}" in found[0], found
     print("check_layers self-test: an upward include, a backend including another, LibTorch in a torch-free layer, "
-          "an include of a forwarding header and an unplaced header are found")
+          "an include of a forwarding header, an unplaced header and a file too long are found")
 
 
 def main(argv):
@@ -192,9 +205,10 @@ def main(argv):
     for p in problems:
         print(p)
     if problems:
-        print(f"{len(problems)} include(s) against the layer rule (docs/architecture.md)")
+        print(f"{len(problems)} problem(s) against the layer rule or the file length (docs/architecture.md)")
         return 1
-    print(f"every header of {include_dir}/fsdpx includes only its own layer and those below it")
+    print(f"every header of {include_dir}/fsdpx includes only its own layer and those below it, "
+          f"in at most {MAX_LINES} lines")
     return 0
 
 

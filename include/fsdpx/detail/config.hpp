@@ -1,8 +1,9 @@
 // Header-only or separately compiled, as Boost.Asio offers.
 //
-// By default fsdpx is header-only: every translation unit that includes <fsdpx/fsdp.hpp> also compiles
-// the implementation of the parts that need Boost.Asio and OpenSSL (the checkpoint coordinator's thread
-// pool, the weight-sync service). A program with many translation units can compile those once:
+// By default fsdpx is header-only: every translation unit that includes an fsdpx header also compiles the
+// out-of-line functions of every header it includes (their impl/*.ipp files: the unit protocol, the
+// communicators, the checkpoint coordinator and readers, ...). A program with many translation units can
+// compile those once:
 //   - define FSDPX_SEPARATE_COMPILATION for every translation unit of the program, and
 //   - compile one source file that includes <fsdpx/impl/src.hpp>.
 // CMake does both: link fsdpx::separate (fsdpx's own build, add_subdirectory) or a library made by

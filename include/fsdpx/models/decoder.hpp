@@ -505,44 +505,16 @@ struct CausalLMImpl : torch::nn::Module {
   void check_generate_inputs(const at::Tensor& input_ids, const at::Tensor& attention_mask,
                              const GenerateOptions& o) const {
     check_input_ids(input_ids);
-    FSDPX_CHECK(input_ids.size(0) > 0 && input_ids.size(1) > 0,
-                "generate: input_ids must hold at least one token per row, not ", input_ids.sizes());
-    FSDPX_CHECK(!attention_mask.defined() || attention_mask.sizes() == input_ids.sizes(),
-                "generate: attention_mask must "
-                "be [batch, prompt] = ",
-                input_ids.sizes(), ", not ", attention_mask.sizes());
-    detail::check_generate_options(o, input_ids.size(1), config.max_position_embeddings);
-    const auto in_vocabulary = [&](int64_t id, const char* what) {
-      FSDPX_CHECK(id >= 0 && id < config.vocab_size, "generate: ", what, " ", id, " is outside the vocabulary of ",
-                  config.vocab_size);
-    };
-    for (const int64_t id : o.eos_token_ids) in_vocabulary(id, "eos_token_ids holds");
-    if (o.pad_token_id) in_vocabulary(*o.pad_token_id, "pad_token_id");
-    FSDPX_CHECK(input_ids.min().item<int64_t>() >= 0 && input_ids.max().item<int64_t>() < config.vocab_size,
-                "generate: input_ids hold a token outside the vocabulary of ", config.vocab_size);
-    if (attention_mask.defined()) {
-      // The next token follows the last column: a right-padded prompt would continue from padding.
-      const at::Tensor last = attention_mask.select(1, attention_mask.size(1) - 1);
-      FSDPX_CHECK(last.ne(0).all().item<bool>(),
-                  "generate: the prompts must be left-padded (attention_mask's last column "
-                  "is 0 in row ",
-                  last.eq(0).nonzero().select(1, 0)[0].item<int64_t>(), ")");
-    }
+    detail::check_prompts(input_ids, attention_mask, o, config.vocab_size, config.max_position_embeddings);
   }
 
-  /// labels [batch, seq] -> the next token's label at each position, ignore_index at the last.
+  /// The next token's label at each position (models/loss.hpp).
   static at::Tensor shift_labels(const at::Tensor& labels, int64_t ignore_index = -100) {
-    FSDPX_CHECK(labels.dim() == 2 && labels.scalar_type() == at::kLong,
-                "CausalLM: labels must be int64 [batch, seq], not ", labels.scalar_type(), " ", labels.sizes());
-    return at::constant_pad_nd(labels, {0, 1}, static_cast<double>(ignore_index)).narrow(1, 1, labels.size(1));
+    return models::shift_labels(labels, ignore_index);
   }
-
-  /// Mean next-token cross-entropy of whole logits (the unchunked reference of loss()).
+  /// Mean next-token cross-entropy of whole logits (models/loss.hpp; the unchunked reference of loss()).
   static at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index = -100) {
-    const int64_t vocab = logits.size(-1);
-    const at::Tensor shifted = shift_labels(labels, ignore_index);
-    return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), shifted.reshape({-1}).to(logits.device()),
-                                  std::nullopt, at::Reduction::Mean, ignore_index);
+    return models::causal_lm_loss(logits, labels, ignore_index);
   }
 
   /// transformers' initialization of every parameter.

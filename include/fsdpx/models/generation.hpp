@@ -86,6 +86,32 @@ inline void check_generate_options(const GenerateOptions& o, int64_t prompt_leng
   }
 }
 
+/// generate()'s checks of the prompts and options against a model of `vocabulary` tokens and
+/// `max_positions` positions (ConfigError naming the argument).
+inline void check_prompts(const at::Tensor& input_ids, const at::Tensor& attention_mask, const GenerateOptions& o,
+                          int64_t vocabulary, int64_t max_positions) {
+  FSDPX_CHECK(input_ids.size(0) > 0 && input_ids.size(1) > 0,
+              "generate: input_ids must hold at least one token per row, not ", input_ids.sizes());
+  FSDPX_CHECK(!attention_mask.defined() || attention_mask.sizes() == input_ids.sizes(),
+              "generate: attention_mask must be [batch, prompt] = ", input_ids.sizes(), ", not ",
+              attention_mask.sizes());
+  check_generate_options(o, input_ids.size(1), max_positions);
+  const auto in_vocabulary = [&](int64_t id, const char* what) {
+    FSDPX_CHECK(id >= 0 && id < vocabulary, "generate: ", what, " ", id, " is outside the vocabulary of ", vocabulary);
+  };
+  for (const int64_t id : o.eos_token_ids) in_vocabulary(id, "eos_token_ids holds");
+  if (o.pad_token_id) in_vocabulary(*o.pad_token_id, "pad_token_id");
+  FSDPX_CHECK(input_ids.min().item<int64_t>() >= 0 && input_ids.max().item<int64_t>() < vocabulary,
+              "generate: input_ids hold a token outside the vocabulary of ", vocabulary);
+  if (attention_mask.defined()) {
+    // The next token follows the last column: a right-padded prompt would continue from padding.
+    const at::Tensor last = attention_mask.select(1, attention_mask.size(1) - 1);
+    FSDPX_CHECK(last.ne(0).all().item<bool>(),
+                "generate: the prompts must be left-padded (attention_mask's last column is 0 in row ",
+                last.eq(0).nonzero().select(1, 0)[0].item<int64_t>(), ")");
+  }
+}
+
 /// The next token of each row from its logits [batch, vocabulary] (float32, on the host): argmax, or
 /// a draw after transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper.
 inline at::Tensor select_next_tokens(at::Tensor logits, const GenerateOptions& o, at::Generator& generator) {

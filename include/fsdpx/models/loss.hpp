@@ -99,6 +99,15 @@ struct TokenLogProbs {
 FSDPX_DECL TokenLogProbs linear_log_probs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                                           const LogProbOptions& options = {}, const at::Tensor& bias = {});
 
+/// labels [batch, seq] (int64) -> the next token's label at each position, ignore_index at the last:
+/// what a causal LM at position t is trained to predict.
+FSDPX_DECL at::Tensor shift_labels(const at::Tensor& labels, int64_t ignore_index = -100);
+
+/// Mean next-token cross-entropy of whole logits [batch, seq, vocabulary] against labels [batch, seq]
+/// (shifted inside, ignore_index ignored), in float32: transformers' causal-LM loss, and the unchunked
+/// reference of CausalLM::loss.
+FSDPX_DECL at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index = -100);
+
 }  // namespace fsdpx::models
 
 #if defined(FSDPX_HEADER_ONLY)

@@ -1,5 +1,6 @@
-// Sequence parallelism's batches (Ulysses; the attention's all-to-alls are models/attention.hpp's):
-// the P ranks of a sequence group each hold consecutive tokens [r t, (r + 1) t) of the same rows.
+// Sequence parallelism (Ulysses): the P ranks of a sequence group each hold consecutive tokens
+// [r t, (r + 1) t) of the same rows; attention's all-to-alls (sequence_to_heads, heads_to_sequence) give
+// each rank its heads for the whole sequence and back.
 //
 //   auto group = *fsdp.sequence_group();                       // Fsdp<CausalLM, SequenceParallel<2>>
 //   auto ids = models::sequence_slice(batch.input_ids, group);  // checks that the group holds the same rows
@@ -15,9 +16,12 @@
 #include <exception>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/core/ivalue.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include <fsdpx/detail/crc32c.hpp>
 #include <fsdpx/dist/any.hpp>
@@ -136,5 +140,84 @@ class SequenceGroupOff {
   Model& model_;
   std::optional<dist::AnyCommunicator> group_;
 };
+
+// ---- The attention's all-to-alls ---------------------------------------------------------------------
+// DeepSpeed-Ulysses: the P ranks of a sequence group each hold consecutive slices of one sequence. Before
+// attention one all-to-all turns each rank's [tokens / P, heads] into [tokens, heads / P] (its heads for
+// the whole sequence), so attention runs on whole sequences; after it, the inverse all-to-all turns the
+// output back. The exchange only moves data, so it and its gradient (the other direction) are exact.
+
+namespace detail {
+
+/// The communicator of a sequence group, carried through autograd (whose saved data holds IValues).
+struct SequenceGroupHolder : torch::CustomClassHolder {
+  explicit SequenceGroupHolder(dist::AnyCommunicator g) : group(std::move(g)) {}
+  dist::AnyCommunicator group;
+};
+
+/// [batch, tokens / P, heads, head_dim] <-> [batch, tokens, heads / P, head_dim] over `group`, in
+/// `group`'s rank order (rank c holds the c-th slice of the sequence and the c-th group of heads).
+inline at::Tensor ulysses_exchange(const at::Tensor& x, dist::AnyCommunicator& group, bool to_heads) {
+  const int64_t p = group.size(), b = x.size(0), t = x.size(1), h = x.size(2), d = x.size(3);
+  if (p == 1) return x;
+  if (to_heads) {
+    // Chunk c of the send buffer: heads group c of this rank's tokens, for rank c.
+    const at::Tensor send = x.reshape({b, t, p, h / p, d}).permute({2, 0, 1, 3, 4}).contiguous();
+    at::Tensor recv = at::empty_like(send);
+    group.all_to_all(recv, send);  // slot c: rank c's slice of the sequence, this rank's heads
+    return recv.permute({1, 0, 2, 3, 4}).reshape({b, p * t, h / p, d});
+  }
+  // Chunk c of the send buffer: slice c of the sequence, this rank's heads, for rank c.
+  const at::Tensor send = x.reshape({b, p, t / p, h, d}).permute({1, 0, 2, 3, 4}).contiguous();
+  at::Tensor recv = at::empty_like(send);
+  group.all_to_all(recv, send);  // slot c: rank c's heads for this rank's slice
+  return recv.permute({1, 2, 0, 3, 4}).reshape({b, t / p, p * h, d});
+}
+
+struct UlyssesExchange : torch::autograd::Function<UlyssesExchange> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            c10::intrusive_ptr<SequenceGroupHolder> holder, bool to_heads) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(holder);
+    ctx->saved_data["to_heads"] = to_heads;
+    return ulysses_exchange(x, holder->group, to_heads);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    if (!grads[0].defined()) return {at::Tensor(), at::Tensor(), at::Tensor()};  // the output went unused
+    auto holder = c10::static_intrusive_pointer_cast<SequenceGroupHolder>(ctx->saved_data["group"].toCapsule());
+    const bool to_heads = ctx->saved_data["to_heads"].toBool();
+    return {ulysses_exchange(grads[0].contiguous(), holder->group, !to_heads), at::Tensor(), at::Tensor()};
+  }
+};
+
+inline at::Tensor ulysses(const at::Tensor& x, const dist::AnyCommunicator& group, bool to_heads) {
+  const int64_t p = group.size();
+  const char* what = to_heads ? "sequence_to_heads" : "heads_to_sequence";
+  FSDPX_CHECK(x.dim() == 4, what, ": x must be [batch, tokens, heads, head_dim], not ", x.sizes());
+  if (to_heads) {
+    FSDPX_CHECK(x.size(2) % p == 0, what, ": ", x.size(2), " heads do not split over a sequence group of ", p,
+                " ranks; repeat the key/value heads up to a multiple of it first");
+  } else {
+    FSDPX_CHECK(x.size(1) % p == 0, what, ": ", x.size(1), " tokens (the whole sequence) do not split into ", p,
+                " slices; pad the sequence to a multiple of the group's size");
+  }
+  return UlyssesExchange::apply(x, c10::make_intrusive<SequenceGroupHolder>(group), to_heads);
+}
+
+}  // namespace detail
+
+/// Ulysses' first all-to-all: this rank's slice of the sequence with every head, [batch, tokens / P,
+/// heads, head_dim], to its heads group (heads / P of them) for the whole sequence, [batch, tokens,
+/// heads / P, head_dim]. `group` is the sequence group (P = its size; rank c holds slice c and heads
+/// group c). Differentiable: the gradient travels back through the inverse exchange.
+inline at::Tensor sequence_to_heads(const at::Tensor& x, const dist::AnyCommunicator& group) {
+  return detail::ulysses(x, group, /*to_heads=*/true);
+}
+
+/// Ulysses' second all-to-all, the inverse of sequence_to_heads: [batch, tokens, heads / P, head_dim]
+/// back to this rank's slice with every head, [batch, tokens / P, heads, head_dim].
+inline at::Tensor heads_to_sequence(const at::Tensor& x, const dist::AnyCommunicator& group) {
+  return detail::ulysses(x, group, /*to_heads=*/false);
+}
 
 }  // namespace fsdpx::models

@@ -1,5 +1,5 @@
-// Loading saved slices into this rank's tensors, whatever world size saved them: used by the state-dict
-// and safetensors loaders (their implementations, and fsdpx/hf/model_safetensors.hpp).
+// Loading saved slices into this rank's tensors, whatever world size saved them: used by the loaders of
+// fsdpx's state dicts (checkpoint/impl/state_dict.ipp) and of DCP's (dcp/impl/state_dict_loader.ipp).
 #pragma once
 
 #include <cstdint>

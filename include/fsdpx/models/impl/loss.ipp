@@ -323,4 +323,17 @@ FSDPX_DECL TokenLogProbs linear_log_probs(const at::Tensor& hidden, const at::Te
   return out;
 }
 
+FSDPX_DECL at::Tensor shift_labels(const at::Tensor& labels, int64_t ignore_index) {
+  FSDPX_CHECK(labels.dim() == 2 && labels.scalar_type() == at::kLong,
+              "CausalLM: labels must be int64 [batch, seq], not ", labels.scalar_type(), " ", labels.sizes());
+  return at::constant_pad_nd(labels, {0, 1}, static_cast<double>(ignore_index)).narrow(1, 1, labels.size(1));
+}
+
+FSDPX_DECL at::Tensor causal_lm_loss(const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index) {
+  const int64_t vocab = logits.size(-1);
+  const at::Tensor shifted = shift_labels(labels, ignore_index);
+  return at::cross_entropy_loss(logits.to(at::kFloat).reshape({-1, vocab}), shifted.reshape({-1}).to(logits.device()),
+                                std::nullopt, at::Reduction::Mean, ignore_index);
+}
+
 }  // namespace fsdpx::models

@@ -1,7 +1,7 @@
 // The synchronizer server's parts (sync/impl/server.ipp): the version it serves, its shared state and
 // admission (ServerCore: which versions are taken, which connections are accepted), and one connection's
-// protocol (Session; its functions are in sync/impl/server_session.ipp and session_close.ipp). Internal:
-// included by the server's implementation only.
+// protocol (Session; its functions are in sync/impl/server_session.ipp, session_publish.ipp and
+// session_close.ipp). Internal: included by the server's implementation only.
 #pragma once
 
 #include <boost/asio/ip/tcp.hpp>

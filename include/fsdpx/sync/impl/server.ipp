@@ -1,12 +1,13 @@
 // SynchronizerServer's implementation: the I/O thread and the server's public functions over Boost.Asio
 // (TLS through OpenSSL); its shared state and admission are in sync/detail/server_core.hpp, one
-// connection in sync/impl/server_session.ipp and session_close.ipp. Included by sync/server.hpp
+// connection in sync/impl/server_session.ipp, session_publish.ipp and session_close.ipp. Included by sync/server.hpp
 // (header-only) or by fsdpx/impl/src.hpp (FSDPX_SEPARATE_COMPILATION).
 #pragma once
 
 #include <fsdpx/sync/server.hpp>
 #include <fsdpx/sync/detail/server_core.hpp>
 #include <fsdpx/sync/impl/server_session.ipp>
+#include <fsdpx/sync/impl/session_publish.ipp>
 #include <fsdpx/sync/impl/session_close.ipp>
 
 namespace fsdpx::sync {
