@@ -99,7 +99,8 @@ using AllowGlobal = bool (*)(std::string_view module, std::string_view name);
 
 /// Runs the pickle in `data` (protocol 2 to 5; one pickle, nothing after its STOP). Anything else, a
 /// refused global, an opcode outside the set that plain values and dataclasses use, a truncated or
-/// malformed program, or a limit passed, is an IoError naming `what`, the opcode and its byte offset.
+/// malformed program, or a limit passed, is an IoError naming `what`, the opcode and its byte offset. `what` says
+/// what the bytes are as a message would (`checkpoint file '/ckpt/x.pt'`), quotes included: it is used as given.
 /// `collections.OrderedDict()` (where `allow` admits it) is made as the dict it is, its items set by
 /// SETITEMS and its attributes (BUILD: a state dict's `_metadata`) counted and dropped.
 FSDPX_DECL Pickle parse(std::span<const std::byte> data, std::string_view what, AllowGlobal allow,

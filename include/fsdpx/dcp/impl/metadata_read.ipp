@@ -437,7 +437,8 @@ FSDPX_DECL Metadata parse_metadata(std::span<const std::byte> data, std::string_
   ::fsdpx::pickle::Limits pickle_limits;
   pickle_limits.max_bytes = limits.max_bytes;
   pickle_limits.max_values = limits.max_values;
-  const auto p = ::fsdpx::pickle::parse(data, what, detail::admitted_global, pickle_limits);
+  const std::string quoted = ::fsdpx::detail::str("'", what, "'");  // the pickle machine quotes nothing
+  const auto p = ::fsdpx::pickle::parse(data, quoted, detail::admitted_global, pickle_limits);
   Metadata md = detail::MetadataReader(p, what, limits).read();
   validate_metadata(md, what);
   return md;

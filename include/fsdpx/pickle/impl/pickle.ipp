@@ -156,11 +156,11 @@ class Machine {
         max_values_(std::min<int64_t>(limits.max_values, std::numeric_limits<Id>::max() - 1)) {}
 
   Pickle run() {
-    FSDPX_CHECK_AS(IoError, size_ <= limits_.max_bytes, "'", what_, "' has ", size_,
+    FSDPX_CHECK_AS(IoError, size_ <= limits_.max_bytes, what_, " has ", size_,
                    " bytes; a pickle fsdpx reads may have at most ", limits_.max_bytes);
     while (true) {
       at_ = pos_;
-      FSDPX_CHECK_AS(IoError, pos_ < size_, "'", what_, "' is truncated: it ends at byte ", size_,
+      FSDPX_CHECK_AS(IoError, pos_ < size_, what_, " is truncated: it ends at byte ", size_,
                      " before the pickle's STOP");
       op_ = p_[pos_++];
       if (op_ == '.') return stop();
@@ -176,7 +176,7 @@ class Machine {
     const char* name = opcode_name(op_);
     char code[8];
     std::snprintf(code, sizeof code, "0x%02x", unsigned{op_});
-    throw IoError(::fsdpx::detail::str("fsdpx: '", what_, "': ", args..., " (opcode ", name != nullptr ? name : "",
+    throw IoError(::fsdpx::detail::str("fsdpx: ", what_, ": ", args..., " (opcode ", name != nullptr ? name : "",
                                        name != nullptr ? " = " : "", code, " at byte ", at_, ")"));
   }
 
