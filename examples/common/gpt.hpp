@@ -59,7 +59,9 @@ struct GptImpl : torch::nn::Module {
   explicit GptImpl(const GptConfig& c) : config(c) {
     tok = register_module("tok", torch::nn::Embedding(c.vocab, c.dim));
     pos = register_module("pos", torch::nn::Embedding(c.seq, c.dim));
-    for (int64_t i = 0; i < c.layers; ++i) blocks.push_back(register_module("h" + std::to_string(i), Block(c)));
+    // (std::string("h") + ...: GCC 12's -Wrestrict misfires on "h" + std::string&&, GCC bug 105329)
+    for (int64_t i = 0; i < c.layers; ++i)
+      blocks.push_back(register_module(std::string("h") + std::to_string(i), Block(c)));
     ln_f = register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({c.dim})));
     if (!c.tied)
       head = register_module("head", torch::nn::Linear(torch::nn::LinearOptions(c.dim, c.vocab).bias(false)));
