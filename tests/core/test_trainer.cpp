@@ -204,6 +204,15 @@ fs::path trainer_dir(const std::string& name) {
   world().barrier();
   return dir;
 }
+
+/// The resume tests' run: the GPT from seed 42, its AdamW and schedule, trained `steps` optimizer steps.
+struct ScheduledRun {
+  explicit ScheduledRun(int steps) { train(model, step, world(), 0, steps); }
+  GptFsdp model{(at::manual_seed(42), Gpt(GptConfig{})), world()};  // seeded before it is made
+  torch::optim::AdamW opt = make_adamw(model, adamw());
+  LrScheduler sched{opt, kSchedule};
+  TrainStep<GptFsdp> step{model, opt, &sched, {.accumulation_steps = kMicro}};
+};
 }  // namespace
 
 TEST_CASE("a run interrupted mid-schedule and resumed at another world size equals an uninterrupted one",
@@ -267,12 +276,8 @@ TEST_CASE("resume flags: optimizer, scheduler and client state each load or not,
           "[trainer][resume]") {
   const GptConfig c;
   const fs::path root = trainer_dir("flags");
-  at::manual_seed(42);
-  GptFsdp model(Gpt(c), world());
-  auto opt = make_adamw(model, adamw());
-  LrScheduler sched(opt, kSchedule);
-  TrainStep<GptFsdp> step(model, opt, &sched, {.accumulation_steps = kMicro});
-  train(model, step, world(), 0, 2);
+  ScheduledRun run(2);
+  auto& [model, opt, sched, step] = run;
   {
     CheckpointCoordinator ckpt(root, model);
     ExtraState extra;
@@ -351,12 +356,8 @@ TEST_CASE("a resume checks the extra state as config values: its step, scheduler
   namespace ckpt = fsdpx::checkpoint;
   const GptConfig c;
   const fs::path root = trainer_dir("extra_values");
-  at::manual_seed(42);
-  GptFsdp model(Gpt(c), world());
-  auto opt = make_adamw(model, adamw());
-  LrScheduler sched(opt, kSchedule);
-  TrainStep<GptFsdp> step(model, opt, &sched, {.accumulation_steps = kMicro});
-  train(model, step, world(), 0, 2);
+  ScheduledRun run(2);
+  auto& [model, opt, sched, step] = run;
   {
     CheckpointCoordinator coordinator(root, model);
     ExtraState extra;
