@@ -1,7 +1,6 @@
 // The policy seam: the one place where Fsdp's compile-time policies and its run-time FsdpOptions
-// (core/options.hpp) become
-// what the non-template unit protocol runs on (UnitOptions for every unit, ModelSetup for
-// construction, the mesh's shard size). docs/policies.md ("What a policy is") says what a tag may
+// (core/options.hpp) become what the non-template unit protocol runs on (UnitOptions for every unit,
+// ModelSetup for construction, the mesh's shard size). docs/policies.md ("What a policy is") says what a tag may
 // select: values here, never a second implementation of the protocol.
 //
 //   Mesh        -> the shard and sequence sizes (core/mesh.hpp) and so the mesh; UnitOptions::gradient_factor
